@@ -1,0 +1,473 @@
+"""``QMuon``: Muon with fp32 / bf16 / 8-bit momentum and an auxiliary AdamW, in one optimizer.
+
+Per step, for every Muon parameter group:
+
+1. one multi-tensor op (``torch.ops.qmuon.*_momentum_update_multi_``) dequantizes the momentum,
+   applies ``m = beta m + (1 - beta) g``, requantizes it, and writes the Newton-Schulz input
+   (the Nesterov blend) into the gradient buffer, returning sums of squares per row block;
+2. the sums are reduced per norm group (a whole matrix, or each part of a fused QKV matrix);
+3. same-shape matrices are stacked and orthogonalized together, with ``1 / norm`` folded into the
+   first Newton-Schulz iteration (:mod:`.newton_schulz`);
+4. decoupled weight decay and the shape-adjusted learning rate are applied.
+
+No persistent full-precision momentum exists for 8-bit formats and no extra scratch buffer is
+allocated for the NS input: after ``step()`` a Muon parameter's ``.grad`` holds its NS input.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any, Callable, Hashable, Iterable, Sequence
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+from torch.optim.adam import adam as _functional_adam
+
+from .. import ops  # noqa: F401  (registers torch.ops.qmuon)
+from ..ops import reference as ref
+from ..quant import state as qstate
+from .newton_schulz import NS_BATCH_MAX_ELEMENTS, newton_schulz_folded
+
+__all__ = ["QMuon", "FORMAT_VERSION", "DEFAULT_NS_COEFFICIENTS"]
+
+log = logging.getLogger(__name__)
+
+#: Version of the optimizer state layout written by ``state_dict()``.
+FORMAT_VERSION = 1
+DEFAULT_NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+_ROUNDING = ("nearest", "stochastic")
+_NONFINITE = ("skip", "raise")
+_ADJUST_LR = (None, "original", "match_rms_adamw")
+# Keys that describe how a group is built, not how it is tuned: on load_state_dict the
+# constructed optimizer's values win over the checkpoint's (torch would silently take the saved ones).
+_STRUCTURAL_KEYS = ("use_muon", "state_format", "block_size", "rounding", "seed", "parts", "nonfinite")
+
+
+def adjusted_lr(lr: float, adjust_lr_fn: str | None, rows: int, cols: int) -> float:
+    """``torch.optim.Muon``'s learning-rate adjustment for an ``rows x cols`` update."""
+    if adjust_lr_fn is None or adjust_lr_fn == "original":
+        return lr * math.sqrt(max(1.0, rows / cols))
+    return lr * 0.2 * math.sqrt(max(rows, cols))
+
+
+@dataclass
+class _NSItem:
+    """One matrix (or fused part) waiting for Newton-Schulz."""
+
+    param_rows: Tensor  # the parameter rows this update applies to (a view)
+    ns_input: Tensor  # 2-D view of the grad buffer holding the NS input
+    sumsq: Tensor  # fp32 0-d
+    lr: float
+    eps: float
+    coefficients: tuple[float, float, float]
+    steps: int
+
+
+class QMuon(Optimizer):
+    """Muon with quantized momentum; AdamW for parameter groups with ``use_muon=False``.
+
+    The Muon arguments and their defaults are those of :class:`torch.optim.Muon`; with
+    ``state_format="fp32"`` the algorithm is the same (momentum, Nesterov blend, Newton-Schulz in
+    bf16, learning-rate adjustment, decoupled weight decay).
+
+    Args:
+        params: parameters or parameter groups. A group with ``use_muon=False`` is updated by
+            AdamW (keys ``lr``, ``betas``, ``eps``, ``weight_decay``; unset keys take the
+            ``adamw_*`` defaults). A Muon group may set ``parts=(n0, n1, ...)``: each of its
+            parameters is a stack of matrices along dim 0 (for example fused q, k, v) whose parts
+            are normalized and orthogonalized separately.
+        lr, weight_decay, momentum, nesterov, ns_coefficients, eps, ns_steps, adjust_lr_fn: as in
+            :class:`torch.optim.Muon`.
+        state_format: momentum storage: ``"fp32"``, ``"bf16"``, ``"int8"`` or ``"uint8"``.
+        block_size: elements per absmax block along a row (8-bit formats); a multiple of 32.
+        rounding: ``"nearest"`` or ``"stochastic"`` (counter-based noise; reproducible on resume).
+        seed: seed of the stochastic-rounding noise.
+        nonfinite: ``"skip"`` leaves a parameter and its state untouched for a step whose gradient
+            holds NaN/Inf (counted in :attr:`nonfinite_skips`); ``"raise"`` raises instead.
+        adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: defaults for AdamW groups.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        weight_decay: float = 0.1,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        ns_coefficients: tuple[float, float, float] = DEFAULT_NS_COEFFICIENTS,
+        eps: float = 1e-7,
+        ns_steps: int = 5,
+        adjust_lr_fn: str | None = None,
+        *,
+        state_format: str = "int8",
+        block_size: int = 256,
+        rounding: str = "nearest",
+        seed: int = 0,
+        nonfinite: str = "skip",
+        adamw_lr: float = 1e-3,
+        adamw_betas: tuple[float, float] = (0.9, 0.999),
+        adamw_eps: float = 1e-8,
+        adamw_weight_decay: float = 1e-2,
+    ) -> None:
+        self._adamw_defaults = {
+            "lr": adamw_lr,
+            "betas": tuple(adamw_betas),
+            "eps": adamw_eps,
+            "weight_decay": adamw_weight_decay,
+        }
+        defaults = {
+            "lr": lr,
+            "weight_decay": weight_decay,
+            "momentum": momentum,
+            "nesterov": nesterov,
+            "ns_coefficients": tuple(ns_coefficients),
+            "eps": eps,
+            "ns_steps": ns_steps,
+            "adjust_lr_fn": adjust_lr_fn,
+            "state_format": state_format,
+            "block_size": block_size,
+            "rounding": rounding,
+            "seed": seed,
+            "nonfinite": nonfinite,
+            "use_muon": True,
+            "parts": None,
+        }
+        #: Parameter updates skipped because their gradient was not finite (``nonfinite="skip"``).
+        self.nonfinite_skips = 0
+        super().__init__(params, defaults)
+
+    # ------------------------------------------------------------------ groups and validation
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if not param_group.get("use_muon", True):
+            for k, v in self._adamw_defaults.items():
+                param_group.setdefault(k, v)
+            param_group.setdefault("use_muon", False)
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        where = f"param group {len(self.param_groups) - 1}"
+        if group["use_muon"]:
+            self._validate_muon_group(group, where)
+        else:
+            self._validate_adamw_group(group, where)
+
+    @staticmethod
+    def _validate_muon_group(group: dict[str, Any], where: str) -> None:
+        def bad(msg: str) -> ValueError:
+            return ValueError(f"QMuon {where}: {msg}")
+
+        if not group["lr"] >= 0.0:
+            raise bad(f"lr must be >= 0, got {group['lr']}")
+        if not 0.0 <= group["momentum"] < 1.0:
+            raise bad(f"momentum must be in [0, 1), got {group['momentum']}")
+        if not group["weight_decay"] >= 0.0:
+            raise bad(f"weight_decay must be >= 0, got {group['weight_decay']}")
+        if group["adjust_lr_fn"] not in _ADJUST_LR:
+            raise bad(f"adjust_lr_fn must be None, 'original' or 'match_rms_adamw', got {group['adjust_lr_fn']!r}")
+        if len(group["ns_coefficients"]) != 3:
+            raise bad(f"ns_coefficients must be 3 numbers (a, b, c), got {group['ns_coefficients']!r}")
+        if not 0 <= int(group["ns_steps"]) < 100:
+            raise bad(f"ns_steps must be in [0, 100), got {group['ns_steps']}")
+        qstate.format_spec(group["state_format"])  # raises with the list of formats
+        bs = group["block_size"]
+        if not isinstance(bs, int) or bs <= 0 or bs % 32 or bs > 4096:
+            raise bad(f"block_size must be a multiple of 32 in [32, 4096] (kernel warp granularity), got {bs!r}")
+        if group["rounding"] not in _ROUNDING:
+            raise bad(f"rounding must be 'nearest' or 'stochastic', got {group['rounding']!r}")
+        if group["nonfinite"] not in _NONFINITE:
+            raise bad(f"nonfinite must be 'skip' or 'raise', got {group['nonfinite']!r}")
+        names = group.get("param_names")
+        for i, p in enumerate(group["params"]):
+            label = f"parameter {names[i]!r}" if names else f"parameter #{i}"
+            if p.ndim < 2:
+                raise bad(
+                    f"{label} has shape {tuple(p.shape)}: Muon orthogonalizes matrices. Put 1-D tensors "
+                    "(biases, norm gains) in an AdamW group ({'params': [...], 'use_muon': False}) or build "
+                    "the optimizer with qmuon_lightning.build_optimizer(model), which routes them for you"
+                )
+            if torch.is_complex(p):
+                raise bad(f"{label} is complex; QMuon supports real parameters only")
+        parts = group["parts"]
+        if parts is not None:
+            parts = tuple(int(n) for n in parts)
+            if not parts or min(parts) <= 0:
+                raise bad(f"parts must be positive row counts, got {group['parts']!r}")
+            for i, p in enumerate(group["params"]):
+                if sum(parts) != p.shape[0]:
+                    label = f"parameter {names[i]!r}" if names else f"parameter #{i}"
+                    raise bad(f"parts {parts} sum to {sum(parts)} rows but {label} has {p.shape[0]} rows")
+            group["parts"] = parts
+
+    @staticmethod
+    def _validate_adamw_group(group: dict[str, Any], where: str) -> None:
+        b1, b2 = group["betas"]
+        if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
+            raise ValueError(f"QMuon {where} (AdamW): betas must be in [0, 1), got {group['betas']}")
+        if not group["eps"] >= 0.0 or not group["lr"] >= 0.0 or not group["weight_decay"] >= 0.0:
+            raise ValueError(f"QMuon {where} (AdamW): lr, eps and weight_decay must be >= 0")
+
+    # ------------------------------------------------------------------ step
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        ns_queue: dict[tuple, list[_NSItem]] = defaultdict(list)
+        key = 0
+        for group in self.param_groups:
+            if group["use_muon"]:
+                self._muon_momentum_step(group, key, ns_queue)
+            else:
+                self._adamw_step(group)
+            key += len(group["params"])
+        self._orthogonalize_and_apply(ns_queue)
+        return loss
+
+    def _finite_mask(self, group: dict[str, Any], idx: list[int], grads: list[Tensor]) -> list[bool]:
+        """One fused max-abs reduction per dtype: NaN/Inf propagate, large finite values cannot overflow."""
+        if not grads:
+            return []
+        amax = torch._foreach_norm(grads, float("inf"))
+        finite = torch.stack([a.float() for a in amax]).isfinite().tolist()
+        bad = [i for i, ok in enumerate(finite) if not ok]
+        if bad:
+            names = group.get("param_names")
+            labels = [
+                repr(names[idx[i]]) if names else f"parameter #{idx[i]} (shape {tuple(grads[i].shape)})" for i in bad
+            ]
+            if group.get("nonfinite", "skip") == "raise":
+                raise FloatingPointError(
+                    f"QMuon: non-finite gradient in {', '.join(labels)}; the optimizer state was not changed. "
+                    "Use nonfinite='skip' to skip such updates, or check the loss scale / learning rate"
+                )
+            self.nonfinite_skips += len(bad)
+            log.warning("QMuon: skipped update of %s (non-finite gradient)", ", ".join(labels))
+        return finite
+
+    @staticmethod
+    def _row_offset(p: Tensor) -> int:
+        """Global index of the first local row (used by stochastic-rounding noise). Plain tensors
+        hold all rows; sharded parameters override this in the distributed layer."""
+        return 0
+
+    def _muon_momentum_step(self, group: dict[str, Any], key0: int, ns_queue: dict[tuple, list[_NSItem]]) -> None:
+        params, grads, idx = [], [], []
+        for i, p in enumerate(group["params"]):
+            if p.grad is None:
+                continue
+            if p.grad.is_sparse:
+                raise RuntimeError("QMuon does not support sparse gradients")
+            params.append(p)
+            grads.append(p.grad)
+            idx.append(i)
+        finite = self._finite_mask(group, idx, grads)
+        keep = [i for i, ok in enumerate(finite) if ok]
+        if not keep:
+            return
+        params = [params[i] for i in keep]
+        keys = [key0 + idx[i] for i in keep]
+        fmt = group["state_format"]
+        spec = qstate.format_spec(fmt)
+        bs = group["block_size"]
+        stochastic = group["rounding"] == "stochastic"
+        grads2d, states, streams, offsets = [], [], [], []
+        for p, k in zip(params, keys):
+            rows = p.shape[0]
+            cols = p.numel() // rows
+            st = self.state[p]
+            if not st:
+                st.update(qstate.init_momentum_state(fmt, rows, cols, block_size=bs, device=p.device))
+            st["step"] += 1
+            g2 = p.grad.view(rows, cols) if p.grad.is_contiguous() else p.grad.reshape(rows, cols)
+            grads2d.append(g2)
+            states.append(st)
+            streams.append(ref.noise_stream(group["seed"], int(st["step"].item()), k) if stochastic else -1)
+            offsets.append(self._row_offset(p))
+        beta, nesterov = float(group["momentum"]), bool(group["nesterov"])
+        if spec.kind == "q8":
+            block_sums = torch.ops.qmuon.q8_momentum_update_multi_(
+                [s[qstate.CODES] for s in states], [s[qstate.ABSMAX] for s in states], grads2d,
+                beta, nesterov, bs, streams, offsets,
+            )
+        else:
+            block_sums = torch.ops.qmuon.dense_momentum_update_multi_(
+                [s[qstate.BUFFER] for s in states], grads2d, beta, nesterov, bs, streams, offsets,
+            )
+        lr, wd = float(group["lr"]), float(group["weight_decay"])
+        parts = group["parts"]
+        for p, g2, sums in zip(params, grads2d, block_sums):
+            p.mul_(1.0 - lr * wd)
+            p2 = p.view(p.shape[0], -1)
+            bounds = [0]
+            for n in parts or (p.shape[0],):
+                bounds.append(bounds[-1] + n)
+            for r0, r1 in zip(bounds[:-1], bounds[1:]):
+                rows, cols = r1 - r0, g2.shape[1]
+                item = _NSItem(
+                    param_rows=p2[r0:r1],
+                    ns_input=g2[r0:r1],
+                    sumsq=sums[r0:r1].sum(),
+                    lr=adjusted_lr(lr, group["adjust_lr_fn"], rows, cols),
+                    eps=float(group["eps"]),
+                    coefficients=tuple(group["ns_coefficients"]),
+                    steps=int(group["ns_steps"]),
+                )
+                ns_queue[(rows, cols, item.coefficients, item.steps, str(g2.device))].append(item)
+
+    @staticmethod
+    def _orthogonalize_and_apply(ns_queue: dict[tuple, list[_NSItem]]) -> None:
+        for (rows, cols, coefficients, steps, _), items in ns_queue.items():
+            per_batch = max(1, NS_BATCH_MAX_ELEMENTS // (rows * cols))
+            for start in range(0, len(items), per_batch):
+                chunk = items[start: start + per_batch]
+                if len(chunk) == 1 and chunk[0].ns_input.dtype == torch.bfloat16:
+                    batch = chunk[0].ns_input.unsqueeze(0)  # no copy needed
+                else:
+                    batch = torch.empty((len(chunk), rows, cols), dtype=torch.bfloat16, device=chunk[0].ns_input.device)
+                    for i, it in enumerate(chunk):
+                        batch[i].copy_(it.ns_input)
+                sumsq = torch.stack([it.sumsq for it in chunk])
+                eps = torch.tensor([it.eps for it in chunk], dtype=torch.float32, device=sumsq.device)
+                inv_norm = torch.maximum(sumsq.sqrt(), eps).reciprocal()
+                out = newton_schulz_folded(batch, inv_norm, coefficients, steps)
+                for i, it in enumerate(chunk):
+                    it.param_rows.add_(out[i], alpha=-it.lr)
+
+    def _adamw_step(self, group: dict[str, Any]) -> None:
+        params, grads, idx, exp_avgs, exp_avg_sqs, steps = [], [], [], [], [], []
+        for i, p in enumerate(group["params"]):
+            if p.grad is None:
+                continue
+            if p.grad.is_sparse:
+                raise RuntimeError("QMuon's AdamW does not support sparse gradients")
+            params.append(p)
+            grads.append(p.grad)
+            idx.append(i)
+        finite = self._finite_mask(group, idx, grads)
+        params = [p for p, ok in zip(params, finite) if ok]
+        grads = [g for g, ok in zip(grads, finite) if ok]
+        for p in params:
+            st = self.state[p]
+            if not st:
+                # Same state layout as torch.optim.AdamW, so checkpoints interoperate.
+                st["step"] = torch.tensor(0.0, dtype=torch.float32)
+                st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            exp_avgs.append(st["exp_avg"])
+            exp_avg_sqs.append(st["exp_avg_sq"])
+            steps.append(st["step"])
+        if not params:
+            return
+        b1, b2 = group["betas"]
+        _functional_adam(
+            params, grads, exp_avgs, exp_avg_sqs, [], steps,
+            foreach=None, capturable=False, differentiable=False, fused=None,
+            grad_scale=None, found_inf=None, has_complex=False, decoupled_weight_decay=True,
+            amsgrad=False, beta1=b1, beta2=b2, lr=group["lr"], weight_decay=group["weight_decay"],
+            eps=group["eps"], maximize=False,
+        )
+
+    # ------------------------------------------------------------------ state dict
+    def state_dict(self) -> dict[str, Any]:
+        sd = super().state_dict()
+        for g in sd["param_groups"]:
+            g["qmuon_version"] = FORMAT_VERSION
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a QMuon (any format) or ``torch.optim.Muon`` / ``torch.optim.AdamW`` state dict.
+
+        Momentum saved in another format is converted to this optimizer's format (dense <->
+        8-bit, int8 <-> uint8); shapes, block sizes and dtypes are validated first, so a bad
+        checkpoint raises before anything is changed.
+        """
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError(
+                f"checkpoint has {len(saved_groups)} parameter groups but this optimizer has "
+                f"{len(self.param_groups)}; build the optimizer the same way it was built when saved"
+            )
+        saved_state = state_dict["state"]
+        new_groups, new_state = [], dict(saved_state)
+        for gi, (saved, cur) in enumerate(zip(saved_groups, self.param_groups)):
+            version = saved.get("qmuon_version", 0)
+            if version > FORMAT_VERSION:
+                raise ValueError(
+                    f"param group {gi} was saved with state format version {version}, newer than this "
+                    f"qmuon_lightning ({FORMAT_VERSION}); upgrade qmuon_lightning to load it"
+                )
+            if len(saved["params"]) != len(cur["params"]):
+                raise ValueError(
+                    f"param group {gi}: checkpoint has {len(saved['params'])} parameters, optimizer has "
+                    f"{len(cur['params'])}; build the optimizer the same way it was built when saved"
+                )
+            merged = {k: v for k, v in saved.items() if k != "qmuon_version"}
+            for k in _STRUCTURAL_KEYS:
+                merged[k] = cur[k]
+            if cur["use_muon"]:
+                for pid, p in zip(saved["params"], cur["params"]):
+                    if pid in saved_state:
+                        new_state[pid] = self._convert_muon_state(saved_state[pid], saved, cur, p, f"param group {gi}, param id {pid}")
+            new_groups.append(merged)
+        super().load_state_dict({"state": new_state, "param_groups": new_groups})
+
+    @staticmethod
+    def _convert_muon_state(
+        st: dict[str, Any], saved_group: dict[str, Any], cur: dict[str, Any], p: Tensor, where: str
+    ) -> dict[str, Any]:
+        rows = p.shape[0]
+        cols = p.numel() // rows
+        found = qstate.detect_state_format(st)
+        saved_fmt = saved_group.get("state_format", found)
+        if saved_fmt != found:
+            raise qstate.StateFormatError(
+                f"{where}: the group says state_format={saved_fmt!r} but the tensors are {found}; the checkpoint is inconsistent"
+            )
+        saved_bs = int(saved_group.get("block_size", cur["block_size"]))
+        qstate.validate_momentum_state(st, found, rows, cols, saved_bs, where)
+        target, bs = cur["state_format"], cur["block_size"]
+        is_q = qstate.format_spec(found).kind == "q8"
+        if is_q and qstate.format_spec(target).kind == "q8" and saved_bs != bs:
+            raise qstate.StateFormatError(
+                f"{where}: momentum was saved with block_size={saved_bs} but this optimizer uses block_size={bs}; "
+                f"construct the optimizer with block_size={saved_bs} to resume"
+            )
+        out = {k: v for k, v in st.items() if k not in (qstate.BUFFER, qstate.CODES, qstate.ABSMAX)}
+        out.setdefault("step", torch.zeros((), dtype=torch.float32))
+        if found == target:
+            momentum = {k: st[k] for k in qstate.format_spec(found).keys}
+        else:
+            m = qstate.dequantize_momentum(st, saved_bs)
+            momentum = qstate.encode_momentum(m, target, block_size=bs)
+            log.info("%s: converted %s momentum to %s", where, found, target)
+        out.update(momentum)
+        return out
+
+    @staticmethod
+    def _process_value_according_to_param_policy(
+        param: Tensor, value: Tensor, param_id: int, param_groups: list[dict[Any, Any]], key: Hashable = None
+    ) -> Tensor:
+        # torch casts every floating state tensor to the parameter's dtype on load. That would turn
+        # fp32 absmax scales and fp32/bf16 momentum into the parameter's dtype; Muon state keeps its
+        # own dtypes and only moves to the parameter's device.
+        for pg in param_groups:
+            if param_id in pg["params"]:
+                if pg.get("use_muon", False):
+                    return value if key == "step" else value.to(device=param.device)
+                break
+        return Optimizer._process_value_according_to_param_policy(param, value, param_id, param_groups, key)
+
+    # ------------------------------------------------------------------ introspection
+    def state_nbytes(self, muon_only: bool = True) -> int:
+        """Bytes of optimizer state tensors (Muon parameters only by default)."""
+        total = 0
+        for group in self.param_groups:
+            if muon_only and not group["use_muon"]:
+                continue
+            for p in group["params"]:
+                total += qstate.state_nbytes(self.state.get(p, {}))
+        return total

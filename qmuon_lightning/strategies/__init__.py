@@ -1,0 +1,2 @@
+"""Lightning strategies (``Trainer(strategy="qmuon_fsdp")``). Empty until the FSDP2 strategy lands;
+nothing is registered yet."""
