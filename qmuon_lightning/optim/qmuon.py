@@ -20,7 +20,7 @@ import logging
 import math
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any, Callable, Hashable, Iterable, Sequence
+from typing import Any, Callable, Iterable
 
 import torch
 from torch import Tensor
@@ -392,7 +392,11 @@ class QMuon(Optimizer):
                 f"{len(self.param_groups)}; build the optimizer the same way it was built when saved"
             )
         saved_state = state_dict["state"]
+        # Muon state is converted and placed here, not by torch: torch casts every state tensor of a
+        # floating-point parameter to the parameter's dtype, which would turn int8 codes, fp32 scales
+        # and bf16 momentum into the parameter's dtype.
         new_groups, new_state = [], dict(saved_state)
+        muon_state: list[tuple[Tensor, dict[str, Any]]] = []
         for gi, (saved, cur) in enumerate(zip(saved_groups, self.param_groups)):
             version = saved.get("qmuon_version", 0)
             if version > FORMAT_VERSION:
@@ -411,9 +415,13 @@ class QMuon(Optimizer):
             if cur["use_muon"]:
                 for pid, p in zip(saved["params"], cur["params"]):
                     if pid in saved_state:
-                        new_state[pid] = self._convert_muon_state(saved_state[pid], saved, cur, p, f"param group {gi}, param id {pid}")
+                        where = f"param group {gi}, param id {pid}"
+                        muon_state.append((p, self._convert_muon_state(saved_state[pid], saved, cur, p, where)))
+                        del new_state[pid]
             new_groups.append(merged)
         super().load_state_dict({"state": new_state, "param_groups": new_groups})
+        for p, st in muon_state:
+            self.state[p] = {k: v.to(device=p.device, copy=True) if k != "step" else v.clone() for k, v in st.items()}
 
     @staticmethod
     def _convert_muon_state(
@@ -446,20 +454,6 @@ class QMuon(Optimizer):
             log.info("%s: converted %s momentum to %s", where, found, target)
         out.update(momentum)
         return out
-
-    @staticmethod
-    def _process_value_according_to_param_policy(
-        param: Tensor, value: Tensor, param_id: int, param_groups: list[dict[Any, Any]], key: Hashable = None
-    ) -> Tensor:
-        # torch casts every floating state tensor to the parameter's dtype on load. That would turn
-        # fp32 absmax scales and fp32/bf16 momentum into the parameter's dtype; Muon state keeps its
-        # own dtypes and only moves to the parameter's device.
-        for pg in param_groups:
-            if param_id in pg["params"]:
-                if pg.get("use_muon", False):
-                    return value if key == "step" else value.to(device=param.device)
-                break
-        return Optimizer._process_value_according_to_param_policy(param, value, param_id, param_groups, key)
 
     # ------------------------------------------------------------------ introspection
     def state_nbytes(self, muon_only: bool = True) -> int:
