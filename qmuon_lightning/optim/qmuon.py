@@ -58,7 +58,7 @@ def adjusted_lr(lr: float, adjust_lr_fn: str | None, rows: int, cols: int) -> fl
 class _NSItem:
     """One matrix (or fused part) waiting for Newton-Schulz."""
 
-    param_rows: Tensor  # the parameter rows this update applies to (a view)
+    param_rows: Tensor  # the parameter rows this update applies to (a dim-0 view, any ndim)
     ns_input: Tensor  # 2-D view of the grad buffer holding the NS input
     sumsq: Tensor  # fp32 0-d
     lr: float
@@ -216,37 +216,59 @@ class QMuon(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        updatable = self._updatable_params()  # raises before anything changes (nonfinite="raise")
         ns_queue: dict[tuple, list[_NSItem]] = defaultdict(list)
         key = 0
-        for group in self.param_groups:
+        for group, idx in zip(self.param_groups, updatable):
             if group["use_muon"]:
-                self._muon_momentum_step(group, key, ns_queue)
+                self._muon_momentum_step(group, idx, key, ns_queue)
             else:
-                self._adamw_step(group)
+                self._adamw_step(group, idx)
             key += len(group["params"])
         self._orthogonalize_and_apply(ns_queue)
         return loss
 
-    def _finite_mask(self, group: dict[str, Any], idx: list[int], grads: list[Tensor]) -> list[bool]:
-        """One fused max-abs reduction per dtype: NaN/Inf propagate, large finite values cannot overflow."""
+    def _updatable_params(self) -> list[list[int]]:
+        """Per group, indices of parameters with a finite gradient.
+
+        One fused max-abs reduction over every gradient of every group (NaN/Inf propagate, large
+        finite values cannot overflow) and one host sync. With ``nonfinite="raise"`` in any group
+        that holds a bad gradient, raises before any parameter or state of any group changes.
+        """
+        where: list[tuple[int, int]] = []
+        grads: list[Tensor] = []
+        for gi, group in enumerate(self.param_groups):
+            for i, p in enumerate(group["params"]):
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise RuntimeError("QMuon does not support sparse gradients")
+                where.append((gi, i))
+                grads.append(p.grad)
+        out: list[list[int]] = [[] for _ in self.param_groups]
         if not grads:
-            return []
+            return out
         amax = torch._foreach_norm(grads, float("inf"))
-        finite = torch.stack([a.float() for a in amax]).isfinite().tolist()
-        bad = [i for i, ok in enumerate(finite) if not ok]
-        if bad:
+        finite = torch.stack([a.float().to("cpu", non_blocking=False) for a in amax]).isfinite().tolist()
+        bad_by_policy: dict[str, list[str]] = defaultdict(list)
+        for (gi, i), ok, g in zip(where, finite, grads):
+            if ok:
+                out[gi].append(i)
+                continue
+            group = self.param_groups[gi]
             names = group.get("param_names")
-            labels = [
-                repr(names[idx[i]]) if names else f"parameter #{idx[i]} (shape {tuple(grads[i].shape)})" for i in bad
-            ]
-            if group.get("nonfinite", "skip") == "raise":
-                raise FloatingPointError(
-                    f"QMuon: non-finite gradient in {', '.join(labels)}; the optimizer state was not changed. "
-                    "Use nonfinite='skip' to skip such updates, or check the loss scale / learning rate"
-                )
-            self.nonfinite_skips += len(bad)
-            log.warning("QMuon: skipped update of %s (non-finite gradient)", ", ".join(labels))
-        return finite
+            label = repr(names[i]) if names else f"param group {gi} parameter #{i} (shape {tuple(g.shape)})"
+            bad_by_policy[group.get("nonfinite", "skip")].append(label)
+        if bad_by_policy.get("raise"):
+            raise FloatingPointError(
+                f"QMuon: non-finite gradient in {', '.join(bad_by_policy['raise'] + bad_by_policy['skip'])}; "
+                "no parameter or optimizer state was changed. Use nonfinite='skip' to skip such updates, "
+                "or check the loss scale / learning rate"
+            )
+        if bad_by_policy.get("skip"):
+            self.nonfinite_skips += len(bad_by_policy["skip"])
+            log.warning("QMuon: skipped update of %s (non-finite gradient)", ", ".join(bad_by_policy["skip"]))
+        return out
 
     @staticmethod
     def _row_offset(p: Tensor) -> int:
@@ -254,22 +276,13 @@ class QMuon(Optimizer):
         hold all rows; sharded parameters override this in the distributed layer."""
         return 0
 
-    def _muon_momentum_step(self, group: dict[str, Any], key0: int, ns_queue: dict[tuple, list[_NSItem]]) -> None:
-        params, grads, idx = [], [], []
-        for i, p in enumerate(group["params"]):
-            if p.grad is None:
-                continue
-            if p.grad.is_sparse:
-                raise RuntimeError("QMuon does not support sparse gradients")
-            params.append(p)
-            grads.append(p.grad)
-            idx.append(i)
-        finite = self._finite_mask(group, idx, grads)
-        keep = [i for i, ok in enumerate(finite) if ok]
-        if not keep:
+    def _muon_momentum_step(
+        self, group: dict[str, Any], idx: list[int], key0: int, ns_queue: dict[tuple, list[_NSItem]]
+    ) -> None:
+        if not idx:
             return
-        params = [params[i] for i in keep]
-        keys = [key0 + idx[i] for i in keep]
+        params = [group["params"][i] for i in idx]
+        keys = [key0 + i for i in idx]
         fmt = group["state_format"]
         spec = qstate.format_spec(fmt)
         bs = group["block_size"]
@@ -282,6 +295,7 @@ class QMuon(Optimizer):
             if not st:
                 st.update(qstate.init_momentum_state(fmt, rows, cols, block_size=bs, device=p.device))
             st["step"] += 1
+            # A 2-D view when the layout allows; otherwise a copy that is written back below.
             g2 = p.grad.view(rows, cols) if p.grad.is_contiguous() else p.grad.reshape(rows, cols)
             grads2d.append(g2)
             states.append(st)
@@ -300,15 +314,16 @@ class QMuon(Optimizer):
         lr, wd = float(group["lr"]), float(group["weight_decay"])
         parts = group["parts"]
         for p, g2, sums in zip(params, grads2d, block_sums):
+            if g2.data_ptr() != p.grad.data_ptr():
+                p.grad.copy_(g2.view(p.grad.shape))  # keep the contract: .grad holds the NS input
             p.mul_(1.0 - lr * wd)
-            p2 = p.view(p.shape[0], -1)
             bounds = [0]
             for n in parts or (p.shape[0],):
                 bounds.append(bounds[-1] + n)
             for r0, r1 in zip(bounds[:-1], bounds[1:]):
                 rows, cols = r1 - r0, g2.shape[1]
                 item = _NSItem(
-                    param_rows=p2[r0:r1],
+                    param_rows=p[r0:r1],  # dim-0 slices are views for any layout
                     ns_input=g2[r0:r1],
                     sumsq=sums[r0:r1].sum(),
                     lr=adjusted_lr(lr, group["adjust_lr_fn"], rows, cols),
@@ -335,21 +350,12 @@ class QMuon(Optimizer):
                 inv_norm = torch.maximum(sumsq.sqrt(), eps).reciprocal()
                 out = newton_schulz_folded(batch, inv_norm, coefficients, steps)
                 for i, it in enumerate(chunk):
-                    it.param_rows.add_(out[i], alpha=-it.lr)
+                    it.param_rows.add_(out[i].reshape(it.param_rows.shape), alpha=-it.lr)
 
-    def _adamw_step(self, group: dict[str, Any]) -> None:
-        params, grads, idx, exp_avgs, exp_avg_sqs, steps = [], [], [], [], [], []
-        for i, p in enumerate(group["params"]):
-            if p.grad is None:
-                continue
-            if p.grad.is_sparse:
-                raise RuntimeError("QMuon's AdamW does not support sparse gradients")
-            params.append(p)
-            grads.append(p.grad)
-            idx.append(i)
-        finite = self._finite_mask(group, idx, grads)
-        params = [p for p, ok in zip(params, finite) if ok]
-        grads = [g for g, ok in zip(grads, finite) if ok]
+    def _adamw_step(self, group: dict[str, Any], idx: list[int]) -> None:
+        params = [group["params"][i] for i in idx]
+        grads = [p.grad for p in params]
+        exp_avgs, exp_avg_sqs, steps = [], [], []
         for p in params:
             st = self.state[p]
             if not st:

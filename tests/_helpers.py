@@ -1,0 +1,85 @@
+"""Helpers shared by the test modules (imported as ``from _helpers import ...``; pytest's default
+``prepend`` import mode puts tests/ on sys.path)."""
+
+from __future__ import annotations
+
+import io
+import math
+
+import torch
+
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+
+#: One quantization step is absmax / 127 (symmetric 8-bit absmax quantization, codes in [-127, 127]).
+QMAX = 127.0
+
+
+def ns_float64(x: torch.Tensor, coefficients=NS_COEFFICIENTS, steps: int = 5, eps: float = 1e-7) -> torch.Tensor:
+    """The quintic Newton-Schulz iteration of torch.optim.Muon, evaluated in float64 (the
+    "exact" target both bf16 implementations approximate)."""
+    a, b, c = coefficients
+    x = x.double()
+    transposed = x.shape[0] > x.shape[1]
+    if transposed:
+        x = x.T
+    x = x / x.norm().clamp(min=eps)
+    for _ in range(steps):
+        gram = x @ x.T
+        poly = b * gram + c * gram @ gram
+        x = a * x + poly @ x
+    return x.T if transposed else x
+
+
+def torch_adjusted_lr(lr: float, adjust_lr_fn, rows: int, cols: int) -> float:
+    """torch.optim.Muon's _adjust_lr, restated."""
+    if adjust_lr_fn in (None, "original"):
+        return lr * math.sqrt(max(1.0, rows / cols))
+    return lr * 0.2 * math.sqrt(max(rows, cols))
+
+
+def realistic_grads(rows: int, cols: int, steps: int, *, seed: int, scale: float = 1e-3, rank: int = 4):
+    """A sequence of gradients like a training run's: a slowly rotating low-rank signal plus noise,
+    with a few "heavy" rows (x10) so per-row blocks have very different scales, magnitude ~scale."""
+    g = torch.Generator().manual_seed(seed)
+    u = torch.randn(rows, rank, generator=g)
+    v = torch.randn(rank, cols, generator=g) / math.sqrt(cols)
+    row_scale = torch.ones(rows, 1)
+    heavy = torch.randperm(rows, generator=g)[: max(1, rows // 8)]
+    row_scale[heavy] = 10.0
+    out = []
+    for _ in range(steps):
+        coef = torch.randn(rank, generator=g)
+        signal = (u * coef) @ v
+        noise = 0.5 * torch.randn(rows, cols, generator=g) / math.sqrt(rank)
+        out.append((scale * row_scale * (signal + noise)).float())
+    return out
+
+
+def blocked_absmax(x: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Per row-block max |x| of a 2-D tensor, shape (rows, ceil(cols / block_size))."""
+    rows, cols = x.shape
+    nb = (cols + block_size - 1) // block_size
+    pad = nb * block_size - cols
+    xb = torch.nn.functional.pad(x.abs(), (0, pad)).reshape(rows, nb, block_size)
+    return xb.amax(dim=-1)
+
+
+def expand_blocks(per_block: torch.Tensor, block_size: int, cols: int) -> torch.Tensor:
+    """(rows, nb) -> (rows, cols): every element gets its block's value."""
+    return per_block.repeat_interleave(block_size, dim=1)[:, :cols]
+
+
+def roundtrip_state_dict(sd: dict) -> dict:
+    """torch.save into memory and torch.load(weights_only=True), as a checkpoint would."""
+    buf = io.BytesIO()
+    torch.save(sd, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=True)
+
+
+def momentum_fp32(opt, p) -> torch.Tensor:
+    """Dequantized fp32 momentum of parameter ``p`` in a QMuon optimizer (any format)."""
+    from qmuon_lightning.quant import dequantize_momentum
+
+    group = next(g for g in opt.param_groups if any(q is p for q in g["params"]))
+    return dequantize_momentum(opt.state[p], group["block_size"])
