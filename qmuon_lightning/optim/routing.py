@@ -197,7 +197,7 @@ def build_optimizer(
 ) -> QMuon:
     """Route ``model``'s parameters with the rule table and build one :class:`QMuon`.
 
-    Groups: one Muon group for plain matrices, one Muon group per fused matrix (with its
+    Groups: one Muon group for plain matrices, one Muon group per distinct fused layout (its
     ``parts``), one AdamW group, one AdamW group without weight decay. Every group carries
     ``param_names``. The routing table is logged (``logging`` at INFO) and printed on rank 0 when
     ``verbose``; it is also kept as ``optimizer.routing``.
@@ -208,8 +208,11 @@ def build_optimizer(
     groups: list[dict[str, Any]] = []
     if muon:
         groups.append({"params": [d.param for d in muon], "param_names": [d.name for d in muon]})
+    by_parts: dict[tuple[int, ...], list[RouteDecision]] = {}
     for d in fused:
-        groups.append({"params": [d.param], "param_names": [d.name], "parts": d.parts})
+        by_parts.setdefault(d.parts, []).append(d)  # type: ignore[arg-type]
+    for parts, sel in by_parts.items():
+        groups.append({"params": [d.param for d in sel], "param_names": [d.name for d in sel], "parts": parts})
     for target, wd in (("adamw", adamw_weight_decay), ("adamw_no_decay", 0.0)):
         sel = [d for d in decisions if d.target == target]
         if sel:
