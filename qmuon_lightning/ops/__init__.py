@@ -36,9 +36,12 @@ __all__ = [
 
 
 def backend() -> str:
-    """Which implementation ``torch.ops.qmuon`` runs: ``"reference"`` (pure PyTorch) until the
-    compiled extension registers its kernels."""
-    return "reference"
+    """Which implementation ``torch.ops.qmuon`` runs: ``"reference"`` (pure PyTorch),
+    ``"cpu-extension"`` or ``"cpu+cuda-extension"`` (compiled kernels from ``csrc/``). Builds the
+    extension if it is not built yet (see :mod:`._extension`; ``QMUON_BACKEND=reference`` skips it)."""
+    from ._extension import backend as _backend
+
+    return _backend()
 
 
 @dataclass

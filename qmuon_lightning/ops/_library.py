@@ -105,3 +105,14 @@ def dequantize_rows(codes: Tensor, absmax: Tensor, block_size: int) -> Tensor:
 @dequantize_rows.register_fake
 def _(codes, absmax, block_size):
     return torch.empty(codes.shape, dtype=torch.float32, device=codes.device)
+
+
+# Compiled CPU / CUDA kernels (csrc/, built on first use) take over on the devices they support and
+# fall back to the reference above when they are unavailable; see _extension.py.
+from . import _extension  # noqa: E402
+
+_extension.register_compiled_kernels({
+    "q8_momentum_update_multi_": q8_momentum_update_multi_,
+    "quantize_rows": quantize_rows,
+    "dequantize_rows": dequantize_rows,
+})

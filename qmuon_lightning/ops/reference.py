@@ -21,12 +21,18 @@ Quantization (8-bit, symmetric absmax)
 --------------------------------------
 For a block ``x`` with ``a = max|x|``::
 
-    inv   = 127 / a                  (fp32; a == 0 -> codes are 0)
+    inv   = (1 / a) * 127            (fp32, two roundings; a == 0 -> a := 1, codes are 0)
     code  = clamp(round_half_even(x * inv), -127, 127)          nearest
     code  = clamp(floor(x * inv + u), -127, 127), u ~ U[0, 1)  stochastic
-    x_hat = code * (a / 127)
+    x_hat = code * (a / 127)         (a / 127: one true fp32 division)
+
+Every fp32 step above (and in the momentum update below) is one separately rounded operation, and
+the reference spells each one out, so that it gives the same bits on every device and the compiled
+kernels (``csrc/``, built without FMA contraction) can reproduce it exactly. (Written naively,
+``127 / t`` is ``t.reciprocal() * 127`` and, on CUDA, ``t / 127`` is ``t * (1 / 127)``.)
 
 ``uint8`` stores ``code + 128`` (so 128 means zero and 1..255 are used), ``int8`` stores ``code``.
+A NaN in ``x * inv`` (only possible for non-finite blocks or an absmax below 2**-128) gives code 0.
 
 Stochastic rounding noise
 -------------------------
@@ -118,14 +124,16 @@ def quantize_rows(
     xb = _blocked(x.float(), block_size)
     absmax = xb.abs().amax(dim=-1)
     safe = torch.where(absmax > 0, absmax, torch.ones_like(absmax))
-    inv = QMAX / safe
+    inv = torch.reciprocal(safe) * QMAX
     scaled = xb * inv[..., None]
     if noise is None:
         q = torch.round(scaled)
     else:
         q = torch.floor(scaled + _blocked(noise, block_size))
-    q = q.clamp_(-QMAX, QMAX)
-    q = q.reshape(rows, -1)[:, :cols]
+    # NaN (0 * inf: a block holding inf, or an absmax below 2**-128 whose reciprocal overflows)
+    # becomes code 0, so that codes are always in [-127, 127] and the same on every device.
+    q = q.clamp_(-QMAX, QMAX).nan_to_num_(nan=0.0)
+    q = q.reshape(rows, q.shape[1] * block_size)[:, :cols]  # (not -1: rows may be 0)
     codes = q.to(torch.int8) if signed else (q + 128.0).to(torch.uint8)
     return codes, absmax
 
@@ -134,9 +142,10 @@ def dequantize_rows(codes: Tensor, absmax: Tensor, block_size: int) -> Tensor:
     """Inverse of :func:`quantize_rows`: fp32 tensor shaped like ``codes``."""
     rows, cols = codes.shape
     c = codes.float() if codes.dtype == torch.int8 else codes.float() - 128.0
-    scale = absmax / QMAX
+    # A true division on every device (a Python-scalar divisor becomes a reciprocal multiply on CUDA).
+    scale = absmax / torch.full_like(absmax, QMAX)
     xb = _blocked(c, block_size) * scale[..., None]
-    return xb.reshape(rows, -1)[:, :cols]
+    return xb.reshape(rows, xb.shape[1] * block_size)[:, :cols].contiguous()
 
 
 def block_sumsq(x: Tensor, block_size: int) -> Tensor:
@@ -153,6 +162,36 @@ def _momentum_and_ns_input(m_old: Tensor, grad32: Tensor, beta: float, nesterov:
     """
     m_new = torch.lerp(m_old, grad32, 1.0 - beta)
     ns_input = torch.lerp(grad32, m_new, beta) if nesterov else m_new
+    return m_new, ns_input
+
+
+def _fp32(x: float) -> float:
+    """``x`` rounded to the nearest fp32 value (as a Python float)."""
+    return torch.tensor(x, dtype=torch.float32).item()
+
+
+def _lerp_fp32(start: Tensor, end: Tensor, weight: float) -> Tensor:
+    """``torch.lerp(start, end, weight)``'s formula with every fp32 operation rounded separately::
+
+        w = fp32(weight)
+        |w| < 0.5:  start + w * (end - start)
+        otherwise:  end - (end - start) * (1 - w)        (1 - w in fp32)
+
+    ``torch.lerp`` itself fuses the multiply-add on some CPU code paths (and CUDA contracts it), so
+    its last bit depends on the device and the tensor's size; this does not, and the compiled
+    kernels compute exactly this.
+    """
+    w = _fp32(weight)
+    diff = end - start
+    if abs(w) < 0.5:
+        return start + diff * w
+    return end - diff * _fp32(1.0 - w)  # 1 - w is exact in fp32 for w in [0.5, 2]
+
+
+def _q8_momentum_and_ns_input(m_old: Tensor, grad32: Tensor, beta: float, nesterov: bool) -> tuple[Tensor, Tensor]:
+    """:func:`_momentum_and_ns_input` with :func:`_lerp_fp32` (device-independent bits)."""
+    m_new = _lerp_fp32(m_old, grad32, 1.0 - beta)
+    ns_input = _lerp_fp32(grad32, m_new, beta) if nesterov else m_new
     return m_new, ns_input
 
 
@@ -175,7 +214,7 @@ def q8_momentum_update_(
     the fp32 value before it is cast to ``grad``'s dtype.
     """
     m_old = dequantize_rows(codes, absmax, block_size)
-    m_new, ns_input = _momentum_and_ns_input(m_old, grad.float(), beta, nesterov)
+    m_new, ns_input = _q8_momentum_and_ns_input(m_old, grad.float(), beta, nesterov)
     noise = None if stream is None else uniform_noise(*codes.shape, stream, row_offset, codes.device)
     new_codes, new_absmax = quantize_rows(m_new, block_size, signed=codes.dtype == torch.int8, noise=noise)
     codes.copy_(new_codes)

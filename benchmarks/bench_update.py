@@ -1,0 +1,211 @@
+"""Bandwidth of the fused 8-bit momentum update (``torch.ops.qmuon.q8_momentum_update_multi_``).
+
+What is measured, in one process, with all cases interleaved repetition by repetition (so drift and
+neighbours on a shared machine hit every case alike) and the median reported:
+
+* the fused int8 update (dequantize, momentum lerp, Nesterov blend written into the grad, per-block
+  sums of squares, requantize), for fp32 / bf16 grads, nearest and stochastic rounding. Bytes
+  counted: grad read + write, codes read + write, absmax read + write (the sums of squares, 4 bytes
+  per block, are not counted);
+* ``dst.copy_(src)`` moving the same number of bytes (read + write): the memory roofline;
+* the same update without the sums of squares (``compute_sumsq=False``) and the update followed by
+  a separate per-block sum-of-squares pass over the grad (what an unfused implementation does);
+* ``buf.lerp_(grad, 1 - beta)`` on an fp32 and on a bf16 momentum buffer (the dense formats).
+
+Target: fused int8 update (nearest rounding) >= 0.8x the copy bandwidth (set for CPU; the same
+line is computed on CUDA). PASS / FAIL is computed from the
+measurement. Results go to ``benchmarks/results/update_bandwidth.md`` (``--out``).
+
+    python benchmarks/bench_update.py                      # CPU, 16M elements
+    python benchmarks/bench_update.py --device cuda --numel 268435456
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+import qmuon_lightning.ops as qops
+from qmuon_lightning.ops import reference as ref
+
+TARGET_FRACTION_OF_COPY = 0.8
+
+
+def _timer(device: torch.device, inner: int) -> Callable[[Callable[[], object]], float]:
+    """Seconds per call, from `inner` back-to-back calls (on CUDA the host runs ahead, so the
+    Python dispatch overhead of one call hides behind the previous call's kernel)."""
+    if device.type == "cuda":
+        def run(fn):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize(device)
+            start.record()
+            for _ in range(inner):
+                fn()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) / 1e3 / inner
+    else:
+        def run(fn):
+            t0 = time.perf_counter()
+            for _ in range(inner):
+                fn()
+            return (time.perf_counter() - t0) / inner
+    return run
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--numel", type=int, default=1 << 24, help="elements per tensor (default 16M)")
+    p.add_argument("--cols", type=int, default=4096, help="matrix columns (rows = numel / cols)")
+    p.add_argument("--block-size", type=int, default=256)
+    p.add_argument("--reps", type=int, default=15, help="interleaved repetitions (median reported)")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--inner", type=int, default=None, help="calls per timed sample (default: 1 on CPU, 10 on CUDA)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU)")
+    p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / "update_bandwidth.md")
+    args = p.parse_args(argv)
+
+    device = torch.device(args.device)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    backend = qops.backend()
+    if device.type == "cuda" and backend != "cpu+cuda-extension":
+        print(f"warning: backend is {backend!r}: CUDA runs the reference", file=sys.stderr)
+    if device.type == "cpu" and backend == "reference":
+        print("warning: backend is 'reference': measuring the pure-PyTorch reference", file=sys.stderr)
+    compiled = backend != "reference" and (device.type == "cpu" or backend == "cpu+cuda-extension")
+
+    cols = args.cols
+    rows = max(1, args.numel // cols)
+    numel = rows * cols
+    bs = args.block_size
+    nb = ref.num_blocks(cols, bs)
+    beta = 0.95
+    gen = torch.Generator(device).manual_seed(0)
+    m0 = torch.randn(rows, cols, generator=gen, device=device)
+    codes0, absmax0 = torch.ops.qmuon.quantize_rows(m0, bs, True, -1, 0)
+    del m0
+    grad32 = torch.randn(rows, cols, generator=gen, device=device)
+    state = {
+        "codes": codes0, "absmax": absmax0,
+        "g_fp32": grad32, "g_bf16": grad32.to(torch.bfloat16),
+        "buf_fp32": torch.zeros(rows, cols, device=device),
+        "buf_bf16": torch.zeros(rows, cols, device=device, dtype=torch.bfloat16),
+    }
+    stream = ref.noise_stream(0, 1, 0)
+
+    def update(gname: str, stochastic: bool, sumsq: str) -> Callable[[], object]:
+        g = state[gname]
+        streams = [stream if stochastic else -1]
+
+        if sumsq == "fused":
+            return lambda: torch.ops.qmuon.q8_momentum_update_multi_(
+                [state["codes"]], [state["absmax"]], [g], beta, True, bs, streams, [0])
+        if not compiled:
+            return None
+
+        def plain():
+            return torch.ops.qmuon_C.q8_momentum_update_multi_(
+                [state["codes"]], [state["absmax"]], [g], beta, True, bs, streams, [0], False)
+        if sumsq == "none":
+            return plain
+
+        def unfused():
+            plain()
+            if cols % bs:
+                return ref.block_sumsq(g, bs)
+            return torch.linalg.vector_norm(g.view(rows, nb, bs), dim=-1, dtype=torch.float32).square()
+        return unfused
+
+    def q8_bytes(gname: str) -> int:
+        return numel * (2 * state[gname].element_size() + 2) + 2 * 4 * rows * nb
+
+    copy_bufs = {}
+    for gname in ("g_fp32", "g_bf16"):
+        n = q8_bytes(gname) // 2
+        copy_bufs[gname] = (torch.empty(n, dtype=torch.uint8, device=device).fill_(1),
+                            torch.empty(n, dtype=torch.uint8, device=device))
+
+    cases: dict[str, tuple[Callable[[], object], int]] = {}
+    for gname, gl in (("g_fp32", "fp32"), ("g_bf16", "bf16")):
+        src, dst = copy_bufs[gname]
+        cases[f"copy_ {gl}-equivalent bytes"] = ((lambda s=src, d=dst: d.copy_(s)), 2 * src.numel())
+        for stoch in (False, True):
+            r = "stochastic" if stoch else "nearest"
+            cases[f"q8 update, {gl} grad, {r}"] = (update(gname, stoch, "fused"), q8_bytes(gname))
+        cases[f"q8 update, {gl} grad, nearest, no sumsq"] = (update(gname, False, "none"), q8_bytes(gname))
+        cases[f"q8 update, {gl} grad, nearest, + separate sumsq pass"] = (
+            update(gname, False, "unfused"), q8_bytes(gname) + numel * state[gname].element_size())
+    cases["fp32 buf.lerp_(fp32 grad)"] = (lambda: state["buf_fp32"].lerp_(state["g_fp32"], 1 - beta), 12 * numel)
+    cases["bf16 buf.lerp_(bf16 grad)"] = (lambda: state["buf_bf16"].lerp_(state["g_bf16"], 1 - beta), 6 * numel)
+    cases = {k: v for k, v in cases.items() if v[0] is not None}
+
+    inner = args.inner or (10 if device.type == "cuda" else 1)
+    timer = _timer(device, inner)
+    times: dict[str, list[float]] = {k: [] for k in cases}
+    for rep in range(args.warmup + args.reps):
+        for name, (fn, _) in cases.items():
+            t = timer(fn)
+            if rep >= args.warmup:
+                times[name].append(t)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    gbs = {k: cases[k][1] / med[k] / 1e9 for k in cases}
+
+    # ---- report
+    if device.type == "cuda":
+        dev_desc = torch.cuda.get_device_name(device)
+    else:
+        dev_desc = f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
+    lines = [
+        "# Fused 8-bit momentum update: bandwidth",
+        "",
+        f"- device: {device.type} ({dev_desc}); backend: `{backend}`; torch {torch.__version__}",
+        f"- matrix {rows} x {cols} = {numel / 2**20:.0f} Mi elements, block_size {bs}, beta {beta}, nesterov, "
+        f"{args.reps} interleaved repetitions (each {inner} back-to-back calls) after {args.warmup} warm-up, medians",
+        "- q8 bytes = grad read + write, int8 codes read + write, absmax read + write "
+        "(+ one more grad read for the separate sumsq pass); lerp_ bytes = buf read + write + grad read",
+        "",
+        "| case | median ms | GB/s | x copy_ | x fp32 lerp_ time |",
+        "| --- | ---: | ---: | ---: | ---: |",
+    ]
+    t_lerp32 = med["fp32 buf.lerp_(fp32 grad)"]
+    for name in cases:
+        gl = "bf16" if "bf16 grad" in name or name.startswith("copy_ bf16") else "fp32"
+        copy_gbs = gbs[f"copy_ {gl}-equivalent bytes"]
+        lines.append(f"| {name} | {med[name] * 1e3:.2f} | {gbs[name]:.1f} | {gbs[name] / copy_gbs:.2f} | "
+                     f"{med[name] / t_lerp32:.2f} |")
+    lines.append("")
+    verdicts = []
+    for gl in ("fp32", "bf16"):
+        frac = gbs[f"q8 update, {gl} grad, nearest"] / gbs[f"copy_ {gl}-equivalent bytes"]
+        ok = frac >= TARGET_FRACTION_OF_COPY
+        verdicts.append(ok)
+        lines.append(f"- {'PASS' if ok else 'FAIL'}: fused int8 update with {gl} grads (nearest) runs at "
+                     f"{frac:.2f}x copy_ bandwidth (target >= {TARGET_FRACTION_OF_COPY}x)")
+        frac_sr = gbs[f"q8 update, {gl} grad, stochastic"] / gbs[f"copy_ {gl}-equivalent bytes"]
+        lines.append(f"  - stochastic rounding: {frac_sr:.2f}x copy_ (reported, not a target)")
+        if f"q8 update, {gl} grad, nearest, no sumsq" in med:
+            extra = med[f"q8 update, {gl} grad, nearest"] / med[f"q8 update, {gl} grad, nearest, no sumsq"] - 1
+            unf = med[f"q8 update, {gl} grad, nearest, + separate sumsq pass"] / med[f"q8 update, {gl} grad, nearest"]
+            lines.append(f"  - fused per-block sumsq costs {extra * 100:+.0f}% over the plain update; "
+                         f"a separate sumsq pass would take {unf:.2f}x the fused time")
+    overall = all(verdicts)
+    lines.append(f"- overall: {'PASS' if overall else 'FAIL'}")
+    report = "\n".join(lines) + "\n"
+    print(report)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(report)
+    print(f"wrote {args.out}")
+    return 0 if overall else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,65 @@
+// Registers the compiled kernels as the `qmuon_C` operator library (schemas below) with CPU
+// implementations. qmuon_lightning/ops/_extension.py routes torch.ops.qmuon.* (declared in Python
+// with torch.library.custom_op) to these ops with `register_kernel`. CUDA implementations are
+// registered by binding_cuda.cpp, which is only compiled when torch has CUDA.
+#include <torch/library.h>
+
+#include "binding_common.h"
+
+namespace qmuon {
+namespace {
+
+void check_cpu(int err, const char* what) {
+  TORCH_CHECK(err == 0, "qmuon: CPU kernel ", what, " failed: ", cpu_error_string(err));
+}
+
+std::vector<at::Tensor> q8_momentum_update_multi_cpu(at::TensorList codes, at::TensorList absmax,
+                                                     at::TensorList grads, double beta, bool nesterov,
+                                                     int64_t block_size, at::IntArrayRef streams,
+                                                     at::IntArrayRef row_offsets, bool compute_sumsq) {
+  return q8_momentum_update_multi_impl(
+      codes, absmax, grads, beta, nesterov, block_size, streams, row_offsets, compute_sumsq,
+      [](const std::vector<qmuon_q8_tensor>& ts, const qmuon_q8_params& p) {
+        check_cpu(qmuon_cpu_q8_momentum_update(ts.data(), static_cast<int64_t>(ts.size()), p),
+                  "q8_momentum_update_multi_");
+      });
+}
+
+std::tuple<at::Tensor, at::Tensor> quantize_rows_cpu(const at::Tensor& x, int64_t block_size, bool is_signed,
+                                                     int64_t stream, int64_t row_offset) {
+  const int64_t s = stream < 0 ? -1 : static_cast<int64_t>(static_cast<uint32_t>(stream));
+  return quantize_rows_impl(x, block_size, is_signed,
+                            [&](const float* xp, int64_t x_rs, void* cp, int32_t cd, float* ap, int64_t rows,
+                                int64_t cols) {
+                              check_cpu(qmuon_cpu_quantize_rows(xp, x_rs, cp, cd, ap, rows, cols, block_size, s,
+                                                                row_offset),
+                                        "quantize_rows");
+                            });
+}
+
+at::Tensor dequantize_rows_cpu(const at::Tensor& codes, const at::Tensor& absmax, int64_t block_size) {
+  return dequantize_rows_impl(codes, absmax, block_size,
+                              [&](const void* cp, int64_t c_rs, int32_t cd, const float* ap, int64_t a_rs, float* op,
+                                  int64_t rows, int64_t cols) {
+                                check_cpu(qmuon_cpu_dequantize_rows(cp, c_rs, cd, ap, a_rs, op, rows, cols,
+                                                                    block_size),
+                                          "dequantize_rows");
+                              });
+}
+
+}  // namespace
+}  // namespace qmuon
+
+TORCH_LIBRARY(qmuon_C, m) {
+  m.def(
+      "q8_momentum_update_multi_(Tensor(a!)[] codes, Tensor(b!)[] absmax, Tensor(c!)[] grads, float beta, "
+      "bool nesterov, int block_size, int[] streams, int[] row_offsets, bool compute_sumsq=True) -> Tensor[]");
+  m.def("quantize_rows(Tensor x, int block_size, bool signed, int stream, int row_offset) -> (Tensor, Tensor)");
+  m.def("dequantize_rows(Tensor codes, Tensor absmax, int block_size) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(qmuon_C, CPU, m) {
+  m.impl("q8_momentum_update_multi_", &qmuon::q8_momentum_update_multi_cpu);
+  m.impl("quantize_rows", &qmuon::quantize_rows_cpu);
+  m.impl("dequantize_rows", &qmuon::dequantize_rows_cpu);
+}

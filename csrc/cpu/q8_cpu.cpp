@@ -1,0 +1,239 @@
+// CPU kernels of the 8-bit quantized-momentum ops: one row block at a time, threads over row
+// blocks with at::parallel_for, inner loops written so that g++ -O3 vectorizes them (fixed-order
+// fp32 maths from block_math.h, integer max for the absmax, 16-lane sums of squares).
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "qmuon/block_math.h"
+#include "qmuon/kernels.h"
+
+namespace qmuon {
+namespace {
+
+constexpr int kLanes = 16;  // independent fp32 accumulators of a block's sum of squares
+constexpr int64_t kPrefetchBlocks = 4;  // software prefetch distance of the update, in row blocks
+
+// Work per parallel_for chunk: ~32K elements.
+int64_t grain_blocks(int64_t block_size) { return std::max<int64_t>(1, 32768 / block_size); }
+
+// Sum of squares of x[0:n] with kLanes interleaved partial sums combined pairwise.
+inline float sum_squares(const float* __restrict x, int64_t n) {
+  float acc[kLanes] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    for (int j = 0; j < kLanes; ++j) acc[j] = fadd(acc[j], fmul(x[i + j], x[i + j]));
+  }
+  for (int j = 0; i + j < n; ++j) acc[j] = fadd(acc[j], fmul(x[i + j], x[i + j]));
+  for (int w = kLanes / 2; w > 0; w /= 2) {
+    for (int j = 0; j < w; ++j) acc[j] = fadd(acc[j], acc[j + w]);
+  }
+  return acc[0];
+}
+
+inline float absmax_of(const float* __restrict x, int64_t n) {
+  uint32_t m = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t b = abs_bits(x[i]);
+    m = b > m ? b : m;
+  }
+  return bits_f32(m);
+}
+
+template <typename CodeT, bool STOCHASTIC>
+inline void quantize_block(const float* __restrict x, CodeT* __restrict codes, int64_t n, float inv,
+                           uint64_t first_index, uint32_t stream) {
+  if (STOCHASTIC) {
+    const uint32_t lo0 = static_cast<uint32_t>(first_index);
+    if (static_cast<uint64_t>(lo0) + static_cast<uint64_t>(n) <= (uint64_t{1} << 32)) {
+      // The high word of the index is the same for the whole block: 32-bit counter, vectorizes.
+      const uint32_t key = uniform_noise_key(first_index, stream);
+      const int32_t n32 = static_cast<int32_t>(n);
+      for (int32_t i = 0; i < n32; ++i) {
+        const float u = uniform_noise_lo(lo0 + static_cast<uint32_t>(i), key);
+        codes[i] = CodeIO<CodeT>::store(quantize_stochastic(x[i], inv, u));
+      }
+    } else {
+      for (int64_t i = 0; i < n; ++i) {
+        const float u = uniform_noise(first_index + static_cast<uint64_t>(i), stream);
+        codes[i] = CodeIO<CodeT>::store(quantize_stochastic(x[i], inv, u));
+      }
+    }
+  } else {
+    for (int64_t i = 0; i < n; ++i) codes[i] = CodeIO<CodeT>::store(quantize_nearest(x[i], inv));
+  }
+}
+
+// One matrix of the fused update: for each row block, dequantize, update, write the NS input,
+// requantize, write absmax and the block's sum of squares.
+template <typename CodeT, typename G, bool NESTEROV, bool STOCHASTIC>
+void q8_update_matrix(const qmuon_q8_tensor& t, const MomentumWeights& mw, int64_t bs) {
+  using GS = typename G::storage;
+  const int64_t nb = (t.cols + bs - 1) / bs;
+  const uint32_t stream = static_cast<uint32_t>(t.stream);
+  at::parallel_for(0, t.rows * nb, grain_blocks(bs), [&](int64_t begin, int64_t end) {
+    alignas(64) float m_new[kMaxBlockSize];
+    alignas(64) float ns[kMaxBlockSize];
+    for (int64_t blk = begin; blk < end; ++blk) {
+      const int64_t r = blk / nb;
+      const int64_t b = blk - r * nb;
+      const int64_t c0 = b * bs;
+      const int64_t n = std::min(bs, t.cols - c0);
+      CodeT* __restrict codes = static_cast<CodeT*>(t.codes) + r * t.codes_rs + c0;
+      GS* __restrict grad = static_cast<GS*>(t.grad) + r * t.grad_rs + c0;
+      float* absmax = t.absmax + r * t.absmax_rs + b;
+
+      {
+        // Software prefetch kPrefetchBlocks ahead (same row layout assumed; prefetches never fault):
+        // the requantize phase below touches no memory, so keep DRAM busy meanwhile.
+        const uintptr_t pg = reinterpret_cast<uintptr_t>(grad) + kPrefetchBlocks * bs * sizeof(GS);
+        const uintptr_t pc = reinterpret_cast<uintptr_t>(codes) + kPrefetchBlocks * bs * sizeof(CodeT);
+        for (int64_t off = 0; off < n * static_cast<int64_t>(sizeof(GS)); off += 64) {
+          __builtin_prefetch(reinterpret_cast<const void*>(pg + off), 1);
+        }
+        for (int64_t off = 0; off < n; off += 64) __builtin_prefetch(reinterpret_cast<const void*>(pc + off), 1);
+      }
+      const float scale = dequant_scale(*absmax);
+      const MomentumWeights w = mw;  // local copy: the stores below cannot alias it
+      for (int64_t i = 0; i < n; ++i) {
+        const float m_old = fmul(CodeIO<CodeT>::load(codes[i]), scale);
+        const float g = G::load(grad[i]);
+        const float m = lerp(m_old, g, w.to_grad);
+        const float v = NESTEROV ? lerp(g, m, w.to_mom) : m;
+        grad[i] = G::store(v);
+        m_new[i] = m;
+        ns[i] = v;
+      }
+      const float amax = absmax_of(m_new, n);
+      if (t.sumsq != nullptr) t.sumsq[r * nb + b] = sum_squares(ns, n);
+      *absmax = amax;
+      const uint64_t first_index = static_cast<uint64_t>(t.row_offset + r) * static_cast<uint64_t>(t.cols) +
+                                   static_cast<uint64_t>(c0);
+      quantize_block<CodeT, STOCHASTIC>(m_new, codes, n, quant_inv(amax), first_index, stream);
+    }
+  });
+}
+
+template <typename CodeT, typename G>
+void q8_update_dispatch_flags(const qmuon_q8_tensor& t, const MomentumWeights& mw, int64_t bs, bool nesterov) {
+  const bool stochastic = t.stream >= 0;
+  if (nesterov && stochastic) {
+    q8_update_matrix<CodeT, G, true, true>(t, mw, bs);
+  } else if (nesterov) {
+    q8_update_matrix<CodeT, G, true, false>(t, mw, bs);
+  } else if (stochastic) {
+    q8_update_matrix<CodeT, G, false, true>(t, mw, bs);
+  } else {
+    q8_update_matrix<CodeT, G, false, false>(t, mw, bs);
+  }
+}
+
+template <typename CodeT>
+int q8_update_dispatch_grad(const qmuon_q8_tensor& t, const MomentumWeights& mw, const qmuon_q8_params& p) {
+  switch (p.grad_dtype) {
+    case QMUON_FLOAT32: q8_update_dispatch_flags<CodeT, F32>(t, mw, p.block_size, p.nesterov != 0); return 0;
+    case QMUON_BFLOAT16: q8_update_dispatch_flags<CodeT, BF16>(t, mw, p.block_size, p.nesterov != 0); return 0;
+    case QMUON_FLOAT16: q8_update_dispatch_flags<CodeT, F16>(t, mw, p.block_size, p.nesterov != 0); return 0;
+    default: return QMUON_ERR_BAD_DTYPE;
+  }
+}
+
+template <typename CodeT>
+void quantize_matrix(const float* x, int64_t x_rs, CodeT* codes, float* absmax, int64_t rows, int64_t cols,
+                     int64_t bs, int64_t stream, int64_t row_offset) {
+  const int64_t nb = (cols + bs - 1) / bs;
+  at::parallel_for(0, rows * nb, grain_blocks(bs), [&](int64_t begin, int64_t end) {
+    for (int64_t blk = begin; blk < end; ++blk) {
+      const int64_t r = blk / nb;
+      const int64_t b = blk - r * nb;
+      const int64_t c0 = b * bs;
+      const int64_t n = std::min(bs, cols - c0);
+      const float* xb = x + r * x_rs + c0;
+      const float amax = absmax_of(xb, n);
+      absmax[r * nb + b] = amax;
+      const uint64_t first_index =
+          static_cast<uint64_t>(row_offset + r) * static_cast<uint64_t>(cols) + static_cast<uint64_t>(c0);
+      if (stream >= 0) {
+        quantize_block<CodeT, true>(xb, codes + r * cols + c0, n, quant_inv(amax), first_index,
+                                    static_cast<uint32_t>(stream));
+      } else {
+        quantize_block<CodeT, false>(xb, codes + r * cols + c0, n, quant_inv(amax), first_index, 0u);
+      }
+    }
+  });
+}
+
+template <typename CodeT>
+void dequantize_matrix(const CodeT* codes, int64_t codes_rs, const float* absmax, int64_t absmax_rs, float* out,
+                       int64_t rows, int64_t cols, int64_t bs) {
+  const int64_t nb = (cols + bs - 1) / bs;
+  at::parallel_for(0, rows * nb, grain_blocks(bs), [&](int64_t begin, int64_t end) {
+    for (int64_t blk = begin; blk < end; ++blk) {
+      const int64_t r = blk / nb;
+      const int64_t b = blk - r * nb;
+      const int64_t c0 = b * bs;
+      const int64_t n = std::min(bs, cols - c0);
+      const CodeT* __restrict c = codes + r * codes_rs + c0;
+      float* __restrict o = out + r * cols + c0;
+      const float scale = dequant_scale(absmax[r * absmax_rs + b]);
+      for (int64_t i = 0; i < n; ++i) o[i] = fmul(CodeIO<CodeT>::load(c[i]), scale);
+    }
+  });
+}
+
+}  // namespace
+}  // namespace qmuon
+
+extern "C" int qmuon_cpu_q8_momentum_update(const qmuon_q8_tensor* tensors, int64_t num_tensors,
+                                            qmuon_q8_params params) {
+  using namespace qmuon;
+  if (params.block_size < 1 || params.block_size > kMaxBlockSize) return QMUON_ERR_BAD_BLOCK_SIZE;
+  const MomentumWeights mw = make_momentum_weights(params.beta);
+  for (int64_t i = 0; i < num_tensors; ++i) {
+    const qmuon_q8_tensor& t = tensors[i];
+    if (t.rows <= 0 || t.cols <= 0) continue;
+    int err = 0;
+    switch (params.code_dtype) {
+      case QMUON_INT8: err = q8_update_dispatch_grad<int8_t>(t, mw, params); break;
+      case QMUON_UINT8: err = q8_update_dispatch_grad<uint8_t>(t, mw, params); break;
+      default: err = QMUON_ERR_BAD_DTYPE;
+    }
+    if (err) return err;
+  }
+  return 0;
+}
+
+extern "C" int qmuon_cpu_quantize_rows(const float* x, int64_t x_rs, void* codes, int32_t code_dtype, float* absmax,
+                                       int64_t rows, int64_t cols, int64_t block_size, int64_t stream,
+                                       int64_t row_offset) {
+  using namespace qmuon;
+  if (block_size < 1 || block_size > kMaxBlockSize) return QMUON_ERR_BAD_BLOCK_SIZE;
+  if (rows <= 0 || cols <= 0) return 0;
+  switch (code_dtype) {
+    case QMUON_INT8:
+      quantize_matrix(x, x_rs, static_cast<int8_t*>(codes), absmax, rows, cols, block_size, stream, row_offset);
+      return 0;
+    case QMUON_UINT8:
+      quantize_matrix(x, x_rs, static_cast<uint8_t*>(codes), absmax, rows, cols, block_size, stream, row_offset);
+      return 0;
+    default: return QMUON_ERR_BAD_DTYPE;
+  }
+}
+
+extern "C" int qmuon_cpu_dequantize_rows(const void* codes, int64_t codes_rs, int32_t code_dtype, const float* absmax,
+                                         int64_t absmax_rs, float* out, int64_t rows, int64_t cols,
+                                         int64_t block_size) {
+  using namespace qmuon;
+  if (block_size < 1 || block_size > kMaxBlockSize) return QMUON_ERR_BAD_BLOCK_SIZE;
+  if (rows <= 0 || cols <= 0) return 0;
+  switch (code_dtype) {
+    case QMUON_INT8:
+      dequantize_matrix(static_cast<const int8_t*>(codes), codes_rs, absmax, absmax_rs, out, rows, cols, block_size);
+      return 0;
+    case QMUON_UINT8:
+      dequantize_matrix(static_cast<const uint8_t*>(codes), codes_rs, absmax, absmax_rs, out, rows, cols, block_size);
+      return 0;
+    default: return QMUON_ERR_BAD_DTYPE;
+  }
+}
