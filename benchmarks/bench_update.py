@@ -107,14 +107,15 @@ def main(argv: list[str] | None = None) -> int:
         streams = [stream if stochastic else -1]
 
         if sumsq == "fused":
+            sums = [torch.empty(rows, nb, device=device)]
             return lambda: torch.ops.qmuon.q8_momentum_update_multi_(
-                [state["codes"]], [state["absmax"]], [g], beta, True, bs, streams, [0])
+                [state["codes"]], [state["absmax"]], [g], sums, beta, True, bs, streams, [0])
         if not compiled:
             return None
 
         def plain():
             return torch.ops.qmuon_C.q8_momentum_update_multi_(
-                [state["codes"]], [state["absmax"]], [g], beta, True, bs, streams, [0], False)
+                [state["codes"]], [state["absmax"]], [g], [], beta, True, bs, streams, [0], False)
         if sumsq == "none":
             return plain
 

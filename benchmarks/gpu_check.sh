@@ -58,7 +58,7 @@ run_step() {  # name timeout_s logfile command...
 } 2>&1 | tee "$OUT_DIR/env.txt"
 
 # ---- 1. build ---------------------------------------------------------------------------------
-run_step "build CPU+CUDA extension" 240 "$OUT_DIR/build.log" "$PY" -m qmuon_lightning.ops._extension
+run_step "build CPU+CUDA extension" 240 "$OUT_DIR/build.log" "$PY" -m qmuon_lightning.ops.build
 BACKEND=$(grep -m1 '^backend:' "$OUT_DIR/build.log" | awk '{print $2}')
 rc=$STEP_RC
 if [ "$rc" -eq 0 ] && [ "$BACKEND" != "cpu+cuda-extension" ]; then rc=1; fi

@@ -13,12 +13,11 @@ void check_cpu(int err, const char* what) {
   TORCH_CHECK(err == 0, "qmuon: CPU kernel ", what, " failed: ", cpu_error_string(err));
 }
 
-std::vector<at::Tensor> q8_momentum_update_multi_cpu(at::TensorList codes, at::TensorList absmax,
-                                                     at::TensorList grads, double beta, bool nesterov,
-                                                     int64_t block_size, at::IntArrayRef streams,
-                                                     at::IntArrayRef row_offsets, bool compute_sumsq) {
-  return q8_momentum_update_multi_impl(
-      codes, absmax, grads, beta, nesterov, block_size, streams, row_offsets, compute_sumsq,
+void q8_momentum_update_multi_cpu(at::TensorList codes, at::TensorList absmax, at::TensorList grads,
+                                  at::TensorList block_sumsq, double beta, bool nesterov, int64_t block_size,
+                                  at::IntArrayRef streams, at::IntArrayRef row_offsets, bool compute_sumsq) {
+  q8_momentum_update_multi_impl(
+      codes, absmax, grads, block_sumsq, beta, nesterov, block_size, streams, row_offsets, compute_sumsq,
       [](const std::vector<qmuon_q8_tensor>& ts, const qmuon_q8_params& p) {
         check_cpu(qmuon_cpu_q8_momentum_update(ts.data(), static_cast<int64_t>(ts.size()), p),
                   "q8_momentum_update_multi_");
@@ -52,8 +51,9 @@ at::Tensor dequantize_rows_cpu(const at::Tensor& codes, const at::Tensor& absmax
 
 TORCH_LIBRARY(qmuon_C, m) {
   m.def(
-      "q8_momentum_update_multi_(Tensor(a!)[] codes, Tensor(b!)[] absmax, Tensor(c!)[] grads, float beta, "
-      "bool nesterov, int block_size, int[] streams, int[] row_offsets, bool compute_sumsq=True) -> Tensor[]");
+      "q8_momentum_update_multi_(Tensor(a!)[] codes, Tensor(b!)[] absmax, Tensor(c!)[] grads, "
+      "Tensor(d!)[] block_sumsq, float beta, bool nesterov, int block_size, int[] streams, int[] row_offsets, "
+      "bool compute_sumsq=True) -> ()");
   m.def("quantize_rows(Tensor x, int block_size, bool signed, int stream, int row_offset) -> (Tensor, Tensor)");
   m.def("dequantize_rows(Tensor codes, Tensor absmax, int block_size) -> Tensor");
 }

@@ -36,10 +36,12 @@ inline bool kernel_layout_ok(const at::Tensor& t) {
 }
 
 // A tensor the kernel may write: the tensor itself, or a contiguous copy that is written back.
+// `dense`: the kernel needs it fully contiguous (no row padding), as for the sums of squares.
 struct Writable {
   at::Tensor original;
   at::Tensor work;
-  explicit Writable(const at::Tensor& t) : original(t), work(kernel_layout_ok(t) ? t : t.contiguous()) {}
+  explicit Writable(const at::Tensor& t, bool dense = false)
+      : original(t), work((dense ? t.is_contiguous() : kernel_layout_ok(t)) ? t : t.contiguous()) {}
   void write_back() const {
     if (!work.is_same(original)) original.copy_(work);
   }
@@ -65,23 +67,36 @@ inline void check_q8_state(const at::Tensor& codes, const at::Tensor& absmax, in
   TORCH_CHECK(absmax.device() == codes.device(), "qmuon: ", what, " codes and absmax are on different devices");
 }
 
+// The per-row-block sums of squares of tensor i go to block_sumsq[i]: caller-allocated, fp32,
+// shaped like that tensor's absmax, on its device. With compute_sumsq == false they are not
+// computed and block_sumsq may be empty (the benchmark prices the fused sums this way).
+inline void check_block_sumsq(const at::Tensor& out, const at::Tensor& codes, int64_t block_size, size_t i) {
+  TORCH_CHECK(out.scalar_type() == c10::kFloat, "qmuon: block_sumsq ", i, " must be float32, got ",
+              out.scalar_type());
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == codes.size(0) && out.size(1) == num_blocks(codes.size(1), block_size),
+              "qmuon: block_sumsq ", i, " has shape ", out.sizes(), " but codes ", codes.sizes(), " with block_size ",
+              block_size, " need (", codes.size(0), ", ", num_blocks(codes.size(1), block_size), ")");
+  TORCH_CHECK(out.device() == codes.device(), "qmuon: block_sumsq ", i, " is on ", out.device(),
+              " but its codes are on ", codes.device());
+}
+
 // Launch(const std::vector<qmuon_q8_tensor>&, const qmuon_q8_params&) -> void (throws on error)
 template <typename Launch>
-std::vector<at::Tensor> q8_momentum_update_multi_impl(at::TensorList codes, at::TensorList absmax,
-                                                      at::TensorList grads, double beta, bool nesterov,
-                                                      int64_t block_size, at::IntArrayRef streams,
-                                                      at::IntArrayRef row_offsets, bool compute_sumsq,
-                                                      Launch&& launch) {
+void q8_momentum_update_multi_impl(at::TensorList codes, at::TensorList absmax, at::TensorList grads,
+                                   at::TensorList block_sumsq, double beta, bool nesterov, int64_t block_size,
+                                   at::IntArrayRef streams, at::IntArrayRef row_offsets, bool compute_sumsq,
+                                   Launch&& launch) {
   const size_t n = codes.size();
   TORCH_CHECK(absmax.size() == n && grads.size() == n && streams.size() == n && row_offsets.size() == n,
               "qmuon: q8_momentum_update_multi_ needs lists of equal length, got ", n, " codes, ", absmax.size(),
               " absmax, ", grads.size(), " grads, ", streams.size(), " streams, ", row_offsets.size(),
               " row_offsets");
+  TORCH_CHECK(block_sumsq.size() == n || (!compute_sumsq && block_sumsq.empty()),
+              "qmuon: q8_momentum_update_multi_ needs one block_sumsq output per tensor, got ", block_sumsq.size(),
+              " for ", n, " tensors");
   check_block_size(block_size);
-  std::vector<at::Tensor> sums;
-  sums.reserve(n);
   std::vector<Writable> writables;
-  writables.reserve(3 * n);
+  writables.reserve(4 * n);
   // (code dtype, grad dtype) -> matrices
   std::map<std::pair<int32_t, int32_t>, std::vector<qmuon_q8_tensor>> groups;
   for (size_t i = 0; i < n; ++i) {
@@ -94,13 +109,14 @@ std::vector<at::Tensor> q8_momentum_update_multi_impl(at::TensorList codes, at::
     const int32_t gd = to_qmuon_dtype(grads[i].scalar_type());
     TORCH_CHECK(gd == QMUON_FLOAT32 || gd == QMUON_BFLOAT16 || gd == QMUON_FLOAT16,
                 "qmuon: grads must be float32, bfloat16 or float16, got ", grads[i].scalar_type());
+    if (compute_sumsq) check_block_sumsq(block_sumsq[i], codes[i], block_size, i);
     const int64_t rows = codes[i].size(0), cols = codes[i].size(1);
-    sums.push_back(at::empty({compute_sumsq ? rows : 0, num_blocks(cols, block_size)}, absmax[i].options()));
     if (rows == 0 || cols == 0) continue;
     const size_t w0 = writables.size();
     writables.emplace_back(codes[i]);
     writables.emplace_back(absmax[i]);
     writables.emplace_back(grads[i]);
+    if (compute_sumsq) writables.emplace_back(block_sumsq[i], /*dense=*/true);
     const Writable& c = writables[w0];
     const Writable& a = writables[w0 + 1];
     const Writable& g = writables[w0 + 2];
@@ -108,7 +124,7 @@ std::vector<at::Tensor> q8_momentum_update_multi_impl(at::TensorList codes, at::
     t.codes = c.work.data_ptr();
     t.absmax = a.work.data_ptr<float>();
     t.grad = g.work.data_ptr();
-    t.sumsq = compute_sumsq ? sums.back().data_ptr<float>() : nullptr;
+    t.sumsq = compute_sumsq ? writables[w0 + 3].work.data_ptr<float>() : nullptr;
     t.rows = rows;
     t.cols = cols;
     t.codes_rs = c.row_stride();
@@ -128,7 +144,6 @@ std::vector<at::Tensor> q8_momentum_update_multi_impl(at::TensorList codes, at::
     launch(kv.second, p);
   }
   for (const auto& w : writables) w.write_back();
-  return sums;
 }
 
 // Launch(x_ptr, x_rs, codes_ptr, code_dtype, absmax_ptr, rows, cols) -> void (throws on error)

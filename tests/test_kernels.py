@@ -89,13 +89,22 @@ def reference_update(codes, absmax, grads, beta, nesterov, block_size, streams, 
     ]
 
 
+def nan_block_sumsq(codes, block_size):
+    """block_sumsq outputs pre-filled with NaN, so an element the kernel does not write shows up."""
+    return [torch.full((c.shape[0], ref.num_blocks(c.shape[1], block_size)), float("nan"), device=c.device)
+            for c in codes]
+
+
 def check_update(codes, absmax, grads, *, beta=0.95, nesterov=False, block_size=256, streams=None,
-                 offsets=None, steps=2, op=None):
-    """Run `steps` updates through the compiled op and the reference on clones; compare each step."""
+                 offsets=None, steps=2, op=None, make_outputs=None):
+    """Run `steps` updates through the compiled op and the reference on clones; compare each step.
+    `make_outputs(codes, block_size)` allocates the op's block_sumsq outputs (default: NaN-filled,
+    contiguous)."""
     n = len(codes)
     streams = [-1] * n if streams is None else list(streams)
     offsets = [0] * n if offsets is None else list(offsets)
     op = op or torch.ops.qmuon.q8_momentum_update_multi_
+    make_outputs = make_outputs or nan_block_sumsq
 
     def clone_like(ts):  # clones that keep each tensor's strides (non-contiguous stays so)
         out = []
@@ -113,7 +122,8 @@ def check_update(codes, absmax, grads, *, beta=0.95, nesterov=False, block_size=
             for kg, rg, f in zip(k_g, r_g, fresh):  # new gradient each step, same in both
                 kg.copy_(f * (step + 1) * 0.5)
                 rg.copy_(f * (step + 1) * 0.5)
-        k_s = op(k_c, k_a, k_g, beta, nesterov, block_size, streams, offsets)
+        k_s = make_outputs(k_c, block_size)
+        assert op(k_c, k_a, k_g, k_s, beta, nesterov, block_size, streams, offsets) is None
         r_s = reference_update(r_c, r_a, r_g, beta, nesterov, block_size, streams, offsets)
         for i in range(n):
             tag = f"step {step} tensor {i}"
@@ -137,7 +147,8 @@ def test_public_op_dispatches_to_compiled_kernel(ext):
     codes, absmax = make_state(8, 300, torch.int8, 128)
     grad = make_grad(8, 300, torch.float32)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        torch.ops.qmuon.q8_momentum_update_multi_([codes], [absmax], [grad], 0.9, False, 128, [-1], [0])
+        torch.ops.qmuon.q8_momentum_update_multi_([codes], [absmax], [grad], nan_block_sumsq([codes], 128), 0.9,
+                                                  False, 128, [-1], [0])
         torch.ops.qmuon.quantize_rows(grad, 128, True, -1, 0)
         torch.ops.qmuon.dequantize_rows(codes, absmax, 128)
     names = {e.name for e in prof.events()}
@@ -152,9 +163,26 @@ def test_reference_switch_and_prebuild_command(ext):
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["reference", "False"], out.stdout + out.stderr
     env["QMUON_BACKEND"] = "auto"
-    out = subprocess.run([sys.executable, "-m", "qmuon_lightning.ops._extension"], env=env, capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "qmuon_lightning.ops.build"], env=env, capture_output=True,
                          text=True, check=True)
     assert f"backend: {ext.backend}" in out.stdout, out.stdout + out.stderr
+    assert "found in sys.modules" not in out.stderr, out.stderr  # no runpy double-import warning
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="QMUON_CPU_ARCH is not used on Windows")
+@pytest.mark.parametrize("mode", ["extension", "auto"])
+def test_prebuild_command_fails_when_the_build_fails(mode, tmp_path):
+    # An -march the compiler rejects makes the build fail (fast: the first compile errors out); a
+    # private TORCH_EXTENSIONS_DIR keeps the failed build out of the shared cache.
+    env = dict(os.environ, QMUON_BACKEND=mode, QMUON_CPU_ARCH="no-such-cpu", TORCH_EXTENSIONS_DIR=str(tmp_path))
+    out = subprocess.run([sys.executable, "-m", "qmuon_lightning.ops.build"], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 1, out.stdout + out.stderr
+    if mode == "extension":
+        assert "error: qmuon_lightning: QMUON_BACKEND=extension but building/loading" in out.stderr, out.stderr
+        assert "Traceback" not in out.stderr
+    else:
+        assert "backend: reference" in out.stdout and "building/loading the compiled kernels failed" in out.stdout
 
 
 def test_unbuildable_extension_warns_once_and_uses_reference(monkeypatch, tmp_path):
@@ -185,36 +213,25 @@ def _opcheck_update_args(code_dtype, grad_dtype, stochastic, noncontig=False):
         g = make_grad(cols, rows, grad_dtype).t()
     g2 = make_grad(4, 33, grad_dtype, seed=4)
     streams = [11, 12] if stochastic else [-1, -1]
-    return ([codes, codes2], [absmax, absmax2], [g, g2], 0.95, True, bs, streams, [0, 5])
+    sums = [torch.empty(rows, ref.num_blocks(cols, bs)), torch.empty(4, ref.num_blocks(33, bs))]
+    if noncontig:  # a column-major output: written through a contiguous copy
+        sums[0] = torch.empty(ref.num_blocks(cols, bs), rows).t()
+    return ([codes, codes2], [absmax, absmax2], [g, g2], sums, 0.95, True, bs, streams, [0, 5])
 
 
-# The schema of q8_momentum_update_multi_ (mutates lists, returns Tensor[]) is not one torch can
-# auto-functionalize ("Not yet supported: List[Tensor] return" in auto_functionalize), so opcheck's
-# test_aot_dispatch_dynamic fails for it with the reference kernel as well; it is checked separately
-# (xfail) below and the other utils here.
-Q8_OPCHECK_UTILS = ("test_schema", "test_autograd_registration", "test_faketensor")
-
-
+# Every opcheck util runs, test_aot_dispatch_dynamic included: the op mutates its list arguments
+# (block_sumsq included) and returns None, which torch auto-functionalizes.
 @pytest.mark.parametrize("code_dtype", CODE_DTYPES)
 @pytest.mark.parametrize("grad_dtype", GRAD_DTYPES)
 @pytest.mark.parametrize("stochastic", [False, True])
 def test_opcheck_q8_momentum_update(ext, code_dtype, grad_dtype, stochastic):
     torch.library.opcheck(torch.ops.qmuon.q8_momentum_update_multi_.default,
-                          _opcheck_update_args(code_dtype, grad_dtype, stochastic), test_utils=Q8_OPCHECK_UTILS)
+                          _opcheck_update_args(code_dtype, grad_dtype, stochastic))
 
 
 def test_opcheck_q8_momentum_update_noncontiguous(ext):
     torch.library.opcheck(torch.ops.qmuon.q8_momentum_update_multi_.default,
-                          _opcheck_update_args(torch.int8, torch.bfloat16, True, noncontig=True),
-                          test_utils=Q8_OPCHECK_UTILS)
-
-
-@pytest.mark.xfail(reason="schema returns Tensor[] from a mutating op: torch cannot auto-functionalize it "
-                          "(fails with the reference kernel too); fix the schema in _library.py")
-def test_opcheck_q8_momentum_update_aot_dispatch(ext):
-    torch.library.opcheck(torch.ops.qmuon.q8_momentum_update_multi_.default,
-                          _opcheck_update_args(torch.int8, torch.float32, False),
-                          test_utils="test_aot_dispatch_dynamic")
+                          _opcheck_update_args(torch.int8, torch.bfloat16, True, noncontig=True))
 
 
 @pytest.mark.parametrize("signed", [True, False])
@@ -303,7 +320,7 @@ def test_update_tiny_and_empty(ext):
         absmax.append(aa)
         grads.append(make_grad(r, c, torch.float16))
     check_update(codes, absmax, grads, block_size=32, streams=[3] * len(cases), steps=2)
-    assert torch.ops.qmuon.q8_momentum_update_multi_([], [], [], 0.9, False, 32, [], []) == []
+    assert torch.ops.qmuon.q8_momentum_update_multi_([], [], [], [], 0.9, False, 32, [], []) is None
 
 
 def test_update_zero_state_and_zero_grad(ext):
@@ -335,6 +352,49 @@ def test_update_noncontiguous(ext, layout, grad_dtype):
         absmax = big_a.t()
     assert not grad.is_contiguous() or layout == "strided-state"
     check_update([codes], [absmax], [grad], nesterov=True, block_size=bs, streams=[42], steps=2)
+
+
+@pytest.mark.parametrize("layout", ["transposed", "row-padded", "column-strided"])
+def test_update_noncontiguous_block_sumsq_outputs(ext, layout):
+    rows, cols, bs = 37, 300, 64
+    nb = ref.num_blocks(cols, bs)
+
+    def outputs(codes, block_size):
+        if layout == "transposed":
+            base = torch.full((nb, rows), float("nan")).t()
+        elif layout == "row-padded":
+            base = torch.full((rows, nb + 5), float("nan"))[:, 2:2 + nb]
+        else:
+            base = torch.full((rows, 2 * nb), float("nan"))[:, ::2]
+        assert not base.is_contiguous()
+        return [base]
+
+    codes, absmax = make_state(rows, cols, torch.uint8, bs)
+    check_update([codes], [absmax], [make_grad(rows, cols, torch.bfloat16)], nesterov=True, block_size=bs,
+                 streams=[7], steps=2, make_outputs=outputs)
+
+
+@pytest.mark.parametrize("bad", ["dtype", "shape", "count"])
+def test_update_rejects_bad_block_sumsq_outputs(ext, bad):
+    codes, absmax = make_state(5, 70, torch.int8, 32)
+    grad = make_grad(5, 70, torch.float32)
+    outs = {"dtype": [torch.empty(5, 3, dtype=torch.float64)], "shape": [torch.empty(5, 2)], "count": []}[bad]
+    codes0, absmax0 = codes.clone(), absmax.clone()
+    with pytest.raises((ValueError, RuntimeError), match="block_sumsq"):
+        torch.ops.qmuon.q8_momentum_update_multi_([codes], [absmax], [grad], outs, 0.9, False, 32, [-1], [0])
+    # checked before anything is written
+    assert torch.equal(codes, codes0) and torch.equal(absmax, absmax0)
+
+
+def test_internal_op_without_sums(ext):
+    # qmuon_C's compute_sumsq=False (used by benchmarks/bench_update.py) takes an empty block_sumsq.
+    codes, absmax = make_state(9, 70, torch.int8, 32)
+    grad = make_grad(9, 70, torch.float32)
+    r = [codes.clone(), absmax.clone(), grad.clone()]
+    torch.ops.qmuon_C.q8_momentum_update_multi_([codes], [absmax], [grad], [], 0.9, True, 32, [3], [0], False)
+    reference_update([r[0]], [r[1]], [r[2]], 0.9, True, 32, [3], [0])
+    for a, b, what in zip((codes, absmax, grad), r, ("codes", "absmax", "grad")):
+        assert_bits_equal(a, b, what)
 
 
 def test_update_noise_index_crosses_2_pow_32(ext):
@@ -437,8 +497,10 @@ def test_cuda_update_matches_reference(grad_dtype, code_dtype, block_size):
                      streams=streams, offsets=[3], steps=2)
         # CUDA kernel == CPU reference (the reference is device-independent).
         k = [codes.cuda(), absmax.cuda(), grad.cuda()]
-        s = torch.ops.qmuon.q8_momentum_update_multi_([k[0]], [k[1]], [k[2]], 0.95, nesterov, block_size, streams,
-                                                      [3])[0]
+        s = nan_block_sumsq([k[0]], block_size)
+        torch.ops.qmuon.q8_momentum_update_multi_([k[0]], [k[1]], [k[2]], s, 0.95, nesterov, block_size, streams,
+                                                  [3])
+        s = s[0]
         r = [codes.clone(), absmax.clone(), grad.clone()]
         rs = reference_update([r[0]], [r[1]], [r[2]], 0.95, nesterov, block_size, streams, [3])[0]
         for a, b, what in zip(k, r, ("codes", "absmax", "grad")):
@@ -473,7 +535,8 @@ def test_cuda_noncontiguous_multi_and_rows_ops():
         assert_bits_equal(torch.ops.qmuon.dequantize_rows(c_k, a_k, 256).cpu(), ref.dequantize_rows(c_r, a_r, 256),
                           "dequantized")
     torch.library.opcheck(torch.ops.qmuon.q8_momentum_update_multi_.default,
-                          ([codes[3]], [absmax[3]], [grads[3]], 0.95, True, 128, [1], [0]), test_utils=Q8_OPCHECK_UTILS)
+                          ([codes[3]], [absmax[3]], [grads[3]], nan_block_sumsq([codes[3]], 128), 0.95, True, 128,
+                           [1], [0]))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ from torch import Tensor
 
 from . import _library  # noqa: F401  (registers torch.ops.qmuon.*)
 from . import reference
+from ._library import empty_block_sumsq
 from .norm_plan import (
     QuantizedMuonNormPlan,
     QuantizedMuonNormSegment,
@@ -27,6 +28,7 @@ __all__ = [
     "QuantizedMuonNormPlan",
     "build_quantized_muon_norm_plan",
     "reduce_block_sumsq",
+    "empty_block_sumsq",
     "quantized_muon_momentum_update_multi_",
     "quantized_muon_momentum_update_multi_and_normalize_",
     "quantized_muon_momentum_update_multi_and_normalize_groups_",
@@ -94,10 +96,14 @@ def _update(
             raise ValueError(f"grad {i} has shape {tuple(g.shape)} but its state has {tuple(s.data.shape)}")
     streams = [reference.noise_stream(seed, step, i) if rounding == "stochastic" else -1 for i in range(len(states))]
     offsets = list(row_offsets) if row_offsets is not None else [0] * len(states)
-    return torch.ops.qmuon.q8_momentum_update_multi_(
-        [s.data for s in states], [s.absmax for s in states], list(grads),
-        float(beta), bool(nesterov), int(bs.pop()), streams, offsets,
+    block_size = int(bs.pop())
+    codes = [s.data for s in states]
+    sums = empty_block_sumsq(codes, block_size)
+    torch.ops.qmuon.q8_momentum_update_multi_(
+        codes, [s.absmax for s in states], list(grads), sums,
+        float(beta), bool(nesterov), block_size, streams, offsets,
     )
+    return sums
 
 
 def quantized_muon_momentum_update_multi_(

@@ -10,8 +10,10 @@ Layers
 ``csrc/binding*.cpp``        the ``qmuon_C`` operator library: schemas, argument checks, CPU
                              implementations, and (``binding_cuda.cpp``, only when torch has CUDA)
                              CUDA implementations. ``qmuon_C`` is internal: its
-                             ``q8_momentum_update_multi_`` also takes ``compute_sumsq=True`` (the
-                             benchmark turns it off to price the fused sums of squares).
+                             ``q8_momentum_update_multi_`` writes the block sums of squares into the
+                             caller's ``block_sumsq`` outputs like the public op, and also takes
+                             ``compute_sumsq=True`` (the benchmark turns it off, with an empty
+                             ``block_sumsq``, to price the fused sums of squares).
 
 Registration
 ------------
@@ -24,12 +26,17 @@ if it cannot be built or loaded, the kernels run the reference and a warning say
 Arguments the compiled kernels do not support (e.g. float64 grads, ``block_size`` > 4096) also run
 the reference.
 
+Sources
+-------
+An installed wheel ships ``csrc/`` as ``qmuon_lightning/_csrc`` (pyproject.toml maps it into the
+package); a source checkout / editable install uses the repository's ``csrc/``. See :func:`csrc_dir`.
+
 Build
 -----
 Just in time with ``torch.utils.cpp_extension.load`` (ninja), into
 ``<torch extensions dir>/qmuon/<name>`` where the name carries a hash of the sources, the flags,
 the torch / Python / CUDA versions and the CPU (the CPU kernels are built with ``-march=native``).
-Prebuild with ``python -m qmuon_lightning.ops._extension``. CPU code is compiled with
+Prebuild with ``python -m qmuon_lightning.ops.build``. CPU code is compiled with
 ``-ffp-contract=off`` and CUDA code with ``--fmad=false`` (plus explicit ``__f*_rn`` intrinsics) so
 that results equal the reference bit for bit.
 
@@ -96,9 +103,23 @@ _lock = threading.RLock()
 _status: ExtensionStatus | None = None
 
 
+def _source_dirs() -> tuple[Path, Path]:
+    """Where the kernel sources may be: ``qmuon_lightning/_csrc`` of an installed wheel (the
+    repository's ``csrc/`` mapped into the package, see pyproject.toml), then ``csrc/`` next to the
+    package in a source checkout / editable install."""
+    pkg = Path(__file__).resolve().parents[1]
+    return pkg / "_csrc", pkg.parent / "csrc"
+
+
 def csrc_dir() -> Path:
-    """The ``csrc/`` directory (next to the package in a source checkout / editable install)."""
-    return Path(__file__).resolve().parents[2] / "csrc"
+    """The directory of the kernel sources (``binding.cpp``, ``cpu/``, ``cuda/``, ``qmuon/``): the
+    installed package's ``_csrc`` if present, else the source tree's ``csrc/``. When neither has
+    them, the installed location (what the "not found" message names)."""
+    dirs = _source_dirs()
+    for d in dirs:
+        if (d / "binding.cpp").is_file():
+            return d
+    return dirs[0]
 
 
 def _mode() -> str:
@@ -209,8 +230,9 @@ def _load(verbose: bool) -> ExtensionStatus:
     mode = _mode()
     if mode == "reference":
         return ExtensionStatus("reference", "QMUON_BACKEND=reference")
-    if not (csrc_dir() / "binding.cpp").exists():
-        reason = f"kernel sources not found at {csrc_dir()} (install from a source checkout)"
+    if not (csrc_dir() / "binding.cpp").is_file():
+        reason = (f"kernel sources not found at {csrc_dir()} (reinstall qmuon-lightning, whose wheel ships "
+                  "them as qmuon_lightning/_csrc, or use a source checkout)")
         return _fail(mode, reason)
     verbose = verbose or os.environ.get("QMUON_BUILD_VERBOSE", "") == "1"
     want_cuda, cuda_reason = _cuda_wanted()
@@ -277,24 +299,26 @@ def _compiled_for(device_type: str) -> bool:
     return st.cuda if device_type == "cuda" else st.cpu
 
 
-def _q8_supported(codes, absmax, grads, block_size: int) -> bool:
+def _q8_supported(codes, absmax, grads, block_sumsq, block_size: int) -> bool:
     if not 1 <= block_size <= MAX_BLOCK_SIZE:
         return False
     return all(
         c.dtype in _CODE_DTYPES and a.dtype == torch.float32 and g.dtype in _GRAD_DTYPES
-        and c.dim() == 2 and a.dim() == 2 and g.dim() == 2
-        for c, a, g in zip(codes, absmax, grads)
+        and s.dtype == torch.float32 and c.dim() == 2 and a.dim() == 2 and g.dim() == 2 and s.dim() == 2
+        for c, a, g, s in zip(codes, absmax, grads, block_sumsq)
     )
 
 
 def _make_kernels(device_type: str, defaults: dict[str, Callable]) -> dict[str, Callable]:
     # torch.ops.qmuon_C exists only once status() has loaded the library (first call).
-    def q8_momentum_update_multi_(codes, absmax, grads, beta, nesterov, block_size, streams, row_offsets):
-        if _compiled_for(device_type) and _q8_supported(codes, absmax, grads, block_size):
-            return torch.ops.qmuon_C.q8_momentum_update_multi_(
-                codes, absmax, grads, beta, nesterov, block_size, streams, row_offsets)
-        return defaults["q8_momentum_update_multi_"](
-            codes, absmax, grads, beta, nesterov, block_size, streams, row_offsets)
+    def q8_momentum_update_multi_(codes, absmax, grads, block_sumsq, beta, nesterov, block_size, streams,
+                                  row_offsets):
+        if _compiled_for(device_type) and _q8_supported(codes, absmax, grads, block_sumsq, block_size):
+            torch.ops.qmuon_C.q8_momentum_update_multi_(
+                codes, absmax, grads, block_sumsq, beta, nesterov, block_size, streams, row_offsets)
+        else:
+            defaults["q8_momentum_update_multi_"](
+                codes, absmax, grads, block_sumsq, beta, nesterov, block_size, streams, row_offsets)
 
     def quantize_rows(x, block_size, signed, stream, row_offset):
         if (_compiled_for(device_type) and 1 <= block_size <= MAX_BLOCK_SIZE and x.dim() == 2
@@ -340,24 +364,12 @@ def register_compiled_kernels(ops: dict[str, Any]) -> None:
 
 
 def _main(argv: list[str] | None = None) -> int:
-    import argparse
+    """``python -m qmuon_lightning.ops._extension``, kept for old scripts; use
+    ``python -m qmuon_lightning.ops.build`` (this module is imported by the package, so running it
+    with ``-m`` draws runpy's "found in sys.modules" warning)."""
+    from qmuon_lightning.ops.build import main
 
-    parser = argparse.ArgumentParser(
-        prog="python -m qmuon_lightning.ops._extension",
-        description="Build (or load the cached build of) the qmuon_lightning compiled kernels and report "
-                    "which backend torch.ops.qmuon uses.")
-    parser.add_argument("--verbose", action="store_true", help="show the compiler commands")
-    args = parser.parse_args(argv)
-    # Use the package's module (not this __main__ copy) so the status is the one the ops see.
-    from qmuon_lightning.ops import _extension as ext
-
-    st = ext.status(verbose=args.verbose)
-    print(f"backend: {st.backend}")
-    if st.library:
-        print(f"library: {st.library}")
-    if st.reason:
-        print(f"note: {st.reason}")
-    return 0 if st.backend != "reference" or _mode() == "reference" else 1
+    return main(argv)
 
 
 if __name__ == "__main__":

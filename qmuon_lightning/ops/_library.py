@@ -5,8 +5,11 @@ its default implementation is the pure-PyTorch reference in :mod:`.reference`, a
 implementation describes output shapes for ``torch.compile`` / meta tensors. Compiled CPU and CUDA
 kernels register themselves for their device types on top of these defaults.
 
-Multi-tensor ops take lists; ``streams`` and ``row_offsets`` are per tensor. A stream of -1 means
-nearest rounding, anything else is the 32-bit stochastic-rounding stream of that tensor.
+Multi-tensor ops take lists; ``block_sumsq`` (outputs), ``streams`` and ``row_offsets`` are per
+tensor. A stream of -1 means nearest rounding, anything else is the 32-bit stochastic-rounding
+stream of that tensor. The multi-tensor updates return None and write their per-row-block sums of
+squares into the caller-allocated ``block_sumsq`` list (see :func:`empty_block_sumsq`), so torch can
+auto-functionalize them (``torch.compile``, AOTAutograd).
 """
 
 from __future__ import annotations
@@ -23,62 +26,84 @@ def _stream(s: int) -> int | None:
     return None if s < 0 else s
 
 
-@torch.library.custom_op(f"{_NS}::q8_momentum_update_multi_", mutates_args=("codes", "absmax", "grads"))
+def empty_block_sumsq(mats: list[Tensor], block_size: int) -> list[Tensor]:
+    """Uninitialized ``block_sumsq`` outputs for a multi-tensor update of the 2-D ``mats`` (codes,
+    bufs or grads): fp32 ``(rows, ceil(cols / block_size))`` per matrix, on its device."""
+    return [
+        torch.empty((m.shape[0], ref.num_blocks(m.shape[1], block_size)), dtype=torch.float32, device=m.device)
+        for m in mats
+    ]
+
+
+def _check_block_sumsq(block_sumsq: list[Tensor], mats: list[Tensor], block_size: int, op: str) -> None:
+    """The caller-allocated outputs: one fp32 ``(rows, ceil(cols / block_size))`` tensor per matrix,
+    on that matrix's device."""
+    if len(block_sumsq) != len(mats):
+        raise ValueError(f"qmuon::{op}: got {len(block_sumsq)} block_sumsq outputs for {len(mats)} tensors")
+    for i, (out, m) in enumerate(zip(block_sumsq, mats)):
+        shape = (m.shape[0], ref.num_blocks(m.shape[1], block_size)) if m.dim() == 2 else None
+        if out.dtype != torch.float32 or tuple(out.shape) != shape or out.device != m.device:
+            raise ValueError(
+                f"qmuon::{op}: block_sumsq {i} must be float32 of shape {shape} on {m.device}, got "
+                f"{out.dtype} {tuple(out.shape)} on {out.device}")
+
+
+# The multi-tensor updates write their per-row-block sums of squares into caller-allocated
+# ``block_sumsq`` tensors and return None: a mutating op that returns a Tensor[] cannot be
+# auto-functionalized, so it would break torch.compile / AOTAutograd.
+@torch.library.custom_op(
+    f"{_NS}::q8_momentum_update_multi_", mutates_args=("codes", "absmax", "grads", "block_sumsq"))
 def q8_momentum_update_multi_(
     codes: list[Tensor],
     absmax: list[Tensor],
     grads: list[Tensor],
+    block_sumsq: list[Tensor],
     beta: float,
     nesterov: bool,
     block_size: int,
     streams: list[int],
     row_offsets: list[int],
-) -> list[Tensor]:
+) -> None:
     """8-bit (int8 or uint8 codes) momentum update over many matrices.
 
-    Overwrites every grad with its Newton-Schulz input and returns, per tensor, the fp32 sum of
-    squares of that input for each row block, shaped like the tensor's absmax.
+    Overwrites every grad with its Newton-Schulz input and writes, per tensor, the fp32 sum of
+    squares of that input for each row block into ``block_sumsq[i]`` (caller-allocated, fp32,
+    shaped like the tensor's absmax).
     """
-    return [
-        ref.q8_momentum_update_(
-            c, a, g, beta=beta, nesterov=nesterov, block_size=block_size,
-            stream=_stream(s), row_offset=o,
-        )
-        for c, a, g, s, o in zip(codes, absmax, grads, streams, row_offsets, strict=True)
-    ]
+    _check_block_sumsq(block_sumsq, codes, block_size, "q8_momentum_update_multi_")
+    for c, a, g, out, s, o in zip(codes, absmax, grads, block_sumsq, streams, row_offsets, strict=True):
+        out.copy_(ref.q8_momentum_update_(
+            c, a, g, beta=beta, nesterov=nesterov, block_size=block_size, stream=_stream(s), row_offset=o))
 
 
 @q8_momentum_update_multi_.register_fake
-def _(codes, absmax, grads, beta, nesterov, block_size, streams, row_offsets):
-    return [torch.empty_like(a, dtype=torch.float32) for a in absmax]
+def _(codes, absmax, grads, block_sumsq, beta, nesterov, block_size, streams, row_offsets):
+    _check_block_sumsq(block_sumsq, codes, block_size, "q8_momentum_update_multi_")
+    return None
 
 
-@torch.library.custom_op(f"{_NS}::dense_momentum_update_multi_", mutates_args=("bufs", "grads"))
+@torch.library.custom_op(f"{_NS}::dense_momentum_update_multi_", mutates_args=("bufs", "grads", "block_sumsq"))
 def dense_momentum_update_multi_(
     bufs: list[Tensor],
     grads: list[Tensor],
+    block_sumsq: list[Tensor],
     beta: float,
     nesterov: bool,
     block_size: int,
     streams: list[int],
     row_offsets: list[int],
-) -> list[Tensor]:
+) -> None:
     """fp32 / bf16 momentum update with the same contract as ``q8_momentum_update_multi_``."""
-    return [
-        ref.dense_momentum_update_(
-            b, g, beta=beta, nesterov=nesterov, block_size=block_size,
-            stream=_stream(s), row_offset=o,
-        )
-        for b, g, s, o in zip(bufs, grads, streams, row_offsets, strict=True)
-    ]
+    _check_block_sumsq(block_sumsq, bufs, block_size, "dense_momentum_update_multi_")
+    for b, g, out, s, o in zip(bufs, grads, block_sumsq, streams, row_offsets, strict=True):
+        out.copy_(ref.dense_momentum_update_(
+            b, g, beta=beta, nesterov=nesterov, block_size=block_size, stream=_stream(s), row_offset=o))
 
 
 @dense_momentum_update_multi_.register_fake
-def _(bufs, grads, beta, nesterov, block_size, streams, row_offsets):
-    return [
-        torch.empty((b.shape[0], ref.num_blocks(b.shape[1], block_size)), dtype=torch.float32, device=b.device)
-        for b in bufs
-    ]
+def _(bufs, grads, block_sumsq, beta, nesterov, block_size, streams, row_offsets):
+    _check_block_sumsq(block_sumsq, bufs, block_size, "dense_momentum_update_multi_")
+    return None
 
 
 @torch.library.custom_op(f"{_NS}::quantize_rows", mutates_args=())

@@ -4,7 +4,8 @@ Per step, for every Muon parameter group:
 
 1. one multi-tensor op (``torch.ops.qmuon.*_momentum_update_multi_``) dequantizes the momentum,
    applies ``m = beta m + (1 - beta) g``, requantizes it, and writes the Newton-Schulz input
-   (the Nesterov blend) into the gradient buffer, returning sums of squares per row block;
+   (the Nesterov blend) into the gradient buffer, and writes the sums of squares per row block
+   into caller-allocated outputs;
 2. the sums are reduced per norm group (a whole matrix, or each part of a fused QKV matrix);
 3. same-shape matrices are stacked and orthogonalized together, with ``1 / norm`` folded into the
    first Newton-Schulz iteration (:mod:`.newton_schulz`);
@@ -302,14 +303,19 @@ class QMuon(Optimizer):
             streams.append(ref.noise_stream(group["seed"], int(st["step"].item()), k) if stochastic else -1)
             offsets.append(self._row_offset(p))
         beta, nesterov = float(group["momentum"]), bool(group["nesterov"])
+        # Per-row-block sums of squares of the NS input, written by the op (fp32, shaped like absmax).
+        block_sums = [
+            torch.empty((g2.shape[0], ref.num_blocks(g2.shape[1], bs)), dtype=torch.float32, device=g2.device)
+            for g2 in grads2d
+        ]
         if spec.kind == "q8":
-            block_sums = torch.ops.qmuon.q8_momentum_update_multi_(
-                [s[qstate.CODES] for s in states], [s[qstate.ABSMAX] for s in states], grads2d,
+            torch.ops.qmuon.q8_momentum_update_multi_(
+                [s[qstate.CODES] for s in states], [s[qstate.ABSMAX] for s in states], grads2d, block_sums,
                 beta, nesterov, bs, streams, offsets,
             )
         else:
-            block_sums = torch.ops.qmuon.dense_momentum_update_multi_(
-                [s[qstate.BUFFER] for s in states], grads2d, beta, nesterov, bs, streams, offsets,
+            torch.ops.qmuon.dense_momentum_update_multi_(
+                [s[qstate.BUFFER] for s in states], grads2d, block_sums, beta, nesterov, bs, streams, offsets,
             )
         lr, wd = float(group["lr"]), float(group["weight_decay"])
         parts = group["parts"]
