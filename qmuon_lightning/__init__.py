@@ -1,4 +1,4 @@
-"""qmuon_lightning: Muon with 8-bit (and, later, 4-bit) momentum for Lightning, FSDP2,
+"""qmuon_lightning: Muon with 8-bit and 4-bit (int4, e0m3, GRASP) momentum for Lightning, FSDP2,
 Accelerate and DeepSpeed users.
 
 Layers (imports flow one way): ``ops`` (kernels and their pure-PyTorch references) ->
@@ -7,11 +7,11 @@ Layers (imports flow one way): ``ops`` (kernels and their pure-PyTorch reference
 
 from importlib.metadata import PackageNotFoundError, version
 
-from .optim import QMuon, RoutingRule, build_optimizer, route_parameters
+from .optim import GraspMuon, QMuon, RoutingRule, build_optimizer, route_parameters
 
 try:
     __version__ = version("qmuon-lightning")
 except PackageNotFoundError:  # running from a source tree without install
     __version__ = "0.0.0+source"
 
-__all__ = ["QMuon", "RoutingRule", "build_optimizer", "route_parameters", "__version__"]
+__all__ = ["QMuon", "GraspMuon", "RoutingRule", "build_optimizer", "route_parameters", "__version__"]

@@ -79,7 +79,7 @@ def roundtrip_state_dict(sd: dict) -> dict:
 
 def momentum_fp32(opt, p) -> torch.Tensor:
     """Dequantized fp32 momentum of parameter ``p`` in a QMuon optimizer (any format)."""
-    from qmuon_lightning.quant import dequantize_momentum
+    from qmuon_lightning.quant import dequantize_momentum, format_options
 
     group = next(g for g in opt.param_groups if any(q is p for q in g["params"]))
-    return dequantize_momentum(opt.state[p], group["block_size"])
+    return dequantize_momentum(opt.state[p], opts=format_options(group), cols=p.numel() // p.shape[0])

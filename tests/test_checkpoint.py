@@ -42,7 +42,7 @@ def _build(model, fmt, rounding):
 
 
 @pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
-@pytest.mark.parametrize("fmt", ["fp32", "bf16", "int8", "uint8"])
+@pytest.mark.parametrize("fmt", ["fp32", "bf16", "int8", "uint8", "int4", "e0m3", "grasp4"])
 def test_resume_is_bit_exact(fmt, rounding):
     k, n = 3, 7
     model = _model()
@@ -67,11 +67,18 @@ def test_resume_is_bit_exact(fmt, rounding):
             assert v.dtype == sb["state"][pid][key].dtype
     # the state really is in the requested format (not silently cast by load_state_dict)
     p = resumed_model[2].weight
-    expected = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8, "uint8": torch.uint8}[fmt]
-    key = "momentum_buffer" if fmt in ("fp32", "bf16") else "momentum_codes"
-    assert resumed.state[p][key].dtype == expected
-    if fmt in ("int8", "uint8"):
-        assert resumed.state[p]["momentum_absmax"].dtype == torch.float32
+    expected = {
+        "fp32": {"momentum_buffer": torch.float32},
+        "bf16": {"momentum_buffer": torch.bfloat16},
+        "int8": {"momentum_codes": torch.int8, "momentum_absmax": torch.float32},
+        "uint8": {"momentum_codes": torch.uint8, "momentum_absmax": torch.float32},
+        "int4": {"momentum_packed": torch.uint8, "momentum_absmax": torch.float32},
+        "e0m3": {"momentum_packed": torch.uint8, "momentum_ue4m3": torch.uint8, "momentum_tensor_scale": torch.float32},
+        "grasp4": {"grasp_p_codes": torch.int8, "grasp_p_absmax": torch.bfloat16, "grasp_r_codes": torch.int8,
+                   "grasp_r_absmax": torch.bfloat16, "momentum_packed": torch.uint8, "grid_row_max": torch.uint8,
+                   "grid_col_max": torch.uint8, "grid_scale": torch.float32},
+    }[fmt]
+    assert {k: v.dtype for k, v in resumed.state[p].items() if k != "step"} == expected
     assert resumed.state[p]["step"].item() == n
 
 
@@ -169,3 +176,78 @@ def test_migrate_8bit_to_fp32_and_between_8bit_formats():
         assert torch.allclose(u8["momentum_absmax"], absmax, rtol=4 * FP32_U, atol=0)
     # and the structural keys are the constructed optimizer's, not the checkpoint's
     assert dense.param_groups[0]["state_format"] == "fp32"
+
+
+# --------------------------------------------------------------------------- 4-bit migration
+@pytest.mark.parametrize("fmt", ["int4", "e0m3", "grasp4"])
+def test_migrate_torch_muon_to_4bit_and_back(fmt):
+    from qmuon_lightning.ops import reference_4bit as ref4
+
+    shapes = [(24, 80), (16, 17)]  # 17 columns: an odd count (half-filled last byte)
+    ps, torch_opt = _torch_muon_run(shapes)
+    sd = roundtrip_state_dict(torch_opt.state_dict())
+    ps2 = [nn.Parameter(p.detach().clone()) for p in ps]
+    opt = QMuon(ps2, state_format=fmt, block_size=32, grid_block=16)
+    opt.load_state_dict(sd)
+    for p, q in zip(ps, ps2):
+        buf = torch_opt.state[p]["momentum_buffer"].double()
+        st = opt.state[q]
+        m = momentum_fp32(opt, q).double()
+        err = (m - buf).abs()
+        if fmt == "int4":
+            amax = expand_blocks(st["momentum_absmax"], 32, buf.shape[1]).double()
+            assert torch.equal(st["momentum_absmax"], blocked_absmax(buf.float(), 32))
+            assert bool((err <= amax / 7 / 2 + 8 * FP32_U * amax).all())
+        elif fmt == "e0m3":
+            step = expand_blocks(ref4.ue4m3_decode(st["momentum_ue4m3"]).double(), 16, buf.shape[1])
+            step = step * st["momentum_tensor_scale"].double()
+            assert bool((err <= step / 2 + 32 * FP32_U * step).all())
+        else:
+            assert (m - buf).norm() / buf.norm() < 0.2
+        assert st["step"].item() == 0.0
+    # back to fp32: exact dequantization of the 4-bit state
+    sd4 = roundtrip_state_dict(opt.state_dict())
+    dense = QMuon([nn.Parameter(p.detach().clone()) for p in ps], state_format="fp32", block_size=32, grid_block=16)
+    dense.load_state_dict(sd4)
+    for q, r in zip(ps2, dense.param_groups[0]["params"]):
+        assert torch.equal(dense.state[r]["momentum_buffer"], momentum_fp32(opt, q))
+    # and the converted optimizer keeps training
+    for q in ps2:
+        q.grad = torch.randn(q.shape) * 1e-3
+    before = [q.detach().clone() for q in ps2]
+    opt.step()
+    assert all(not torch.equal(q.detach(), b) for q, b in zip(ps2, before))
+
+
+@pytest.mark.parametrize("src,dst", [("int8", "int4"), ("int4", "e0m3"), ("e0m3", "grasp4"), ("grasp4", "int8")])
+def test_migrate_between_quantized_formats(src, dst):
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(8)
+    ps = [nn.Parameter(torch.randn(24, 80)), nn.Parameter(torch.randn(10, 33))]
+    opt = QMuon(ps, state_format=src, block_size=32, grid_block=16)
+    for _ in range(3):
+        for p in ps:
+            p.grad = torch.randn(p.shape, generator=gen)
+        opt.step()
+    sd = roundtrip_state_dict(opt.state_dict())
+    other = QMuon([nn.Parameter(p.detach().clone()) for p in ps], state_format=dst, block_size=32, grid_block=16)
+    other.load_state_dict(sd)
+    for p, q in zip(ps, other.param_groups[0]["params"]):
+        a, b = momentum_fp32(opt, p), momentum_fp32(other, q)
+        assert (a - b).norm() / a.norm() < 0.25
+        assert other.state[q]["step"].item() == 3.0
+    assert other.param_groups[0]["state_format"] == dst
+
+
+def test_migrate_int4_to_int8_with_each_formats_default_block_size():
+    """Different kinds of blockwise state convert even when their (default) block sizes differ."""
+    torch.manual_seed(0)
+    ps = [nn.Parameter(torch.randn(8, 256))]
+    opt = QMuon(ps, state_format="int4")  # block 128
+    ps[0].grad = torch.randn(8, 256)
+    opt.step()
+    other = QMuon([nn.Parameter(ps[0].detach().clone())], state_format="int8")  # block 256
+    other.load_state_dict(roundtrip_state_dict(opt.state_dict()))
+    q = other.param_groups[0]["params"][0]
+    assert other.param_groups[0]["block_size"] == 256
+    assert (momentum_fp32(other, q) - momentum_fp32(opt, ps[0])).abs().max() <= momentum_fp32(opt, ps[0]).abs().max() / 127

@@ -24,7 +24,7 @@ def _mat(*shape):
 @pytest.mark.parametrize(
     "kwargs,pattern",
     [
-        ({"state_format": "fp8"}, r"unknown state_format 'fp8'; choose one of fp32, bf16, int8, uint8"),
+        ({"state_format": "fp8"}, r"unknown state_format 'fp8'; choose one of fp32, bf16, int8, uint8, int4, e0m3, grasp4"),
         ({"block_size": 100}, r"block_size must be a multiple of 32.*got 100"),
         ({"block_size": 0}, r"block_size must be a multiple of 32.*got 0"),
         ({"block_size": 8192}, r"block_size must be a multiple of 32 in \[32, 4096\].*got 8192"),
@@ -42,7 +42,7 @@ def test_bad_constructor_arguments(kwargs, pattern):
 
 def test_unknown_format_is_a_state_format_error():
     with pytest.raises(StateFormatError):
-        QMuon([_mat(4, 8)], state_format="int4")
+        QMuon([_mat(4, 8)], state_format="int3")
 
 
 def test_one_dimensional_tensor_in_muon_group_points_to_adamw():
@@ -195,7 +195,7 @@ def _snapshot(opt, ps):
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
-@pytest.mark.parametrize("fmt", ["int8", "fp32"])
+@pytest.mark.parametrize("fmt", ["int8", "fp32", "int4", "e0m3", "grasp4"])
 def test_nonfinite_skip_leaves_param_and_state_unchanged(fmt, bad):
     torch.manual_seed(0)
     a, b, c = _mat(16, 40), _mat(8, 16), _mat(5)
@@ -270,3 +270,88 @@ def test_nonfinite_raise_multi_group_leaves_everything_unchanged():
     for p, p0 in zip((w, u, bias), params0):
         assert torch.equal(p, p0)
     _assert_state_equal({"state": state0}, {"state": opt.state_dict()["state"]})
+
+
+# --------------------------------------------------------------------------- 4-bit formats
+@pytest.mark.parametrize("fmt", ["int4", "e0m3", "grasp4"])
+def test_load_wrong_shape_4bit(fmt):
+    _, opt = _trained(fmt=fmt, shapes=((16, 40), (8, 16)))
+    sd = roundtrip_state_dict(opt.state_dict())
+    _, target = _trained(fmt=fmt, shapes=((16, 48), (8, 16)), steps=0)
+    before = copy.deepcopy(target.state_dict())
+    with pytest.raises(StateFormatError,
+                       match=r"momentum_packed has shape \(16, 20\), expected \(16, 24\) for a 16x48 parameter"):
+        target.load_state_dict(sd)
+    _assert_state_equal(before, target.state_dict())
+
+
+def test_load_int4_wrong_block_size_names_both_sizes_and_changes_nothing():
+    _, opt = _trained(fmt="int4", block_size=32, groups=2)
+    sd = roundtrip_state_dict(opt.state_dict())
+    _, target = _trained(fmt="int4", block_size=64, groups=2, steps=1)
+    before = copy.deepcopy(target.state_dict())
+    with pytest.raises(StateFormatError, match=r"block_size=32 but this optimizer uses block_size=64"):
+        target.load_state_dict(sd)
+    _assert_state_equal(before, target.state_dict())
+
+
+def test_load_int4_absmax_of_wrong_shape():
+    _, opt = _trained(fmt="int4")
+    sd = roundtrip_state_dict(opt.state_dict())
+    sd["state"][0]["momentum_absmax"] = torch.zeros(16, 3)
+    _, target = _trained(fmt="int4", steps=0)
+    with pytest.raises(StateFormatError, match=r"momentum_absmax has shape \(16, 3\), expected \(16, 2\) for block_size=32"):
+        target.load_state_dict(sd)
+
+
+@pytest.mark.parametrize("key,value,pattern", [
+    ("momentum_ue4m3", torch.zeros(16, 4, dtype=torch.uint8), r"momentum_ue4m3 has shape \(16, 4\), expected \(16, 3\)"),
+    ("momentum_ue4m3", torch.zeros(16, 3, dtype=torch.float32), r"momentum_ue4m3 must be uint8, got torch.float32"),
+    ("momentum_tensor_scale", torch.ones(2), r"momentum_tensor_scale has shape \(2,\), expected \(\)"),
+])
+def test_load_bad_e0m3_scales(key, value, pattern):
+    _, opt = _trained(fmt="e0m3", shapes=((16, 40), (8, 16)))  # 40 columns: 3 UE4M3 blocks of 16 per row
+    sd = roundtrip_state_dict(opt.state_dict())
+    sd["state"][0][key] = value
+    _, target = _trained(fmt="e0m3", steps=0)
+    before = copy.deepcopy(target.state_dict())
+    with pytest.raises(StateFormatError, match=pattern):
+        target.load_state_dict(sd)
+    _assert_state_equal(before, target.state_dict())
+
+
+def test_load_incomplete_4bit_state():
+    _, opt = _trained(fmt="e0m3")
+    sd = roundtrip_state_dict(opt.state_dict())
+    del sd["state"][0]["momentum_tensor_scale"]
+    _, target = _trained(fmt="e0m3", steps=0)
+    with pytest.raises(StateFormatError, match="lacks momentum_tensor_scale"):
+        target.load_state_dict(sd)
+    _, opt = _trained(fmt="int4")
+    sd = roundtrip_state_dict(opt.state_dict())
+    del sd["state"][0]["momentum_absmax"]
+    with pytest.raises(StateFormatError, match="momentum_packed present without its scales"):
+        target.load_state_dict(sd)
+
+
+@pytest.mark.parametrize("key,saved,cur", [("grid_block", 16, 32), ("rank", 4, 2)])
+def test_load_grasp4_wrong_layout_options(key, saved, cur):
+    torch.manual_seed(0)
+    ps = [_mat(40, 48), _mat(8, 16)]
+    opt = QMuon(ps, state_format="grasp4", **{key: saved})
+    for p in ps:
+        p.grad = torch.randn(p.shape)
+    opt.step()
+    sd = roundtrip_state_dict(opt.state_dict())
+    target = QMuon([_mat(40, 48), _mat(8, 16)], state_format="grasp4", **{key: cur})
+    with pytest.raises(StateFormatError, match=rf"saved with {key}={saved} but this optimizer uses {key}={cur}"):
+        target.load_state_dict(sd)
+
+
+def test_load_grasp4_bad_factor_shape():
+    _, opt = _trained(fmt="grasp4")
+    sd = roundtrip_state_dict(opt.state_dict())
+    sd["state"][0]["grasp_r_codes"] = torch.zeros(40, 2, dtype=torch.int8)
+    _, target = _trained(fmt="grasp4", steps=0)
+    with pytest.raises(StateFormatError, match=r"grasp_r_codes has shape \(40, 2\), expected \(40, 4\) for rank=4"):
+        target.load_state_dict(sd)

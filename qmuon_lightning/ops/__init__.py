@@ -1,7 +1,9 @@
 """Functional API of the quantized-momentum kernels (names kept from the cppmega prototype).
 
 Everything here dispatches through ``torch.ops.qmuon.*`` (declared in :mod:`._library`). The
-default implementation of every op is the readable pure-PyTorch reference in :mod:`.reference`.
+default implementation of every op is the readable pure-PyTorch reference in :mod:`.reference`
+(8-bit row blocks) or :mod:`.reference_4bit` (nibble packing, int4, E0M3 / UE4M3, grid
+quantization, and the fused int4 / e0m3 momentum updates; no compiled kernels yet).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import torch
 from torch import Tensor
 
 from . import _library  # noqa: F401  (registers torch.ops.qmuon.*)
-from . import reference
+from . import reference, reference_4bit
 from ._library import empty_block_sumsq
 from .norm_plan import (
     QuantizedMuonNormPlan,
@@ -34,6 +36,7 @@ __all__ = [
     "quantized_muon_momentum_update_multi_and_normalize_groups_",
     "backend",
     "reference",
+    "reference_4bit",
 ]
 
 

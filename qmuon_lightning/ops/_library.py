@@ -132,6 +132,195 @@ def _(codes, absmax, block_size):
     return torch.empty(codes.shape, dtype=torch.float32, device=codes.device)
 
 
+# ----------------------------------------------------------------------------- 4-bit formats
+# Pure-PyTorch references (ops/reference_4bit.py); no compiled kernels yet, so these run everywhere.
+from . import reference_4bit as ref4  # noqa: E402
+
+
+@torch.library.custom_op(f"{_NS}::pack_int4", mutates_args=())
+def pack_int4(codes: Tensor) -> Tensor:
+    """int8 sign-magnitude codes in -7..7 ``(rows, cols)`` -> uint8 ``(rows, ceil(cols / 2))``."""
+    return ref4.pack_int4(codes)
+
+
+@pack_int4.register_fake
+def _(codes):
+    return torch.empty((codes.shape[0], ref4.packed_cols(codes.shape[1])), dtype=torch.uint8, device=codes.device)
+
+
+@torch.library.custom_op(f"{_NS}::unpack_int4", mutates_args=())
+def unpack_int4(packed: Tensor, cols: int) -> Tensor:
+    """Inverse of ``pack_int4``: int8 codes ``(rows, cols)``."""
+    return ref4.unpack_int4(packed, cols)
+
+
+@unpack_int4.register_fake
+def _(packed, cols):
+    return torch.empty((packed.shape[0], cols), dtype=torch.int8, device=packed.device)
+
+
+@torch.library.custom_op(f"{_NS}::ue4m3_encode", mutates_args=())
+def ue4m3_encode(x: Tensor, round_up: bool) -> Tensor:
+    """Non-negative fp32 -> UE4M3 bit patterns (uint8), nearest-even or rounded up."""
+    return ref4.ue4m3_encode(x, round_up=round_up)
+
+
+@ue4m3_encode.register_fake
+def _(x, round_up):
+    return torch.empty(x.shape, dtype=torch.uint8, device=x.device)
+
+
+@torch.library.custom_op(f"{_NS}::ue4m3_decode", mutates_args=())
+def ue4m3_decode(bits: Tensor) -> Tensor:
+    """UE4M3 bit patterns -> fp32."""
+    return ref4.ue4m3_decode(bits)
+
+
+@ue4m3_decode.register_fake
+def _(bits):
+    return torch.empty(bits.shape, dtype=torch.float32, device=bits.device)
+
+
+def _noise(x: Tensor, stream: int, row_offset: int) -> Tensor | None:
+    return None if stream < 0 else ref.uniform_noise(*x.shape, stream, row_offset, x.device)
+
+
+@torch.library.custom_op(f"{_NS}::int4_quantize", mutates_args=())
+def int4_quantize(x: Tensor, block_size: int, stream: int, row_offset: int) -> tuple[Tensor, Tensor]:
+    """fp32 matrix -> (packed int4 codes, fp32 absmax per row block)."""
+    return ref4.int4_quantize(x, block_size, noise=_noise(x, stream, row_offset))
+
+
+@int4_quantize.register_fake
+def _(x, block_size, stream, row_offset):
+    rows, cols = x.shape
+    return (torch.empty((rows, ref4.packed_cols(cols)), dtype=torch.uint8, device=x.device),
+            torch.empty((rows, ref.num_blocks(cols, block_size)), dtype=torch.float32, device=x.device))
+
+
+@torch.library.custom_op(f"{_NS}::int4_dequantize", mutates_args=())
+def int4_dequantize(packed: Tensor, absmax: Tensor, block_size: int, cols: int) -> Tensor:
+    return ref4.int4_dequantize(packed, absmax, block_size, cols)
+
+
+@int4_dequantize.register_fake
+def _(packed, absmax, block_size, cols):
+    return torch.empty((packed.shape[0], cols), dtype=torch.float32, device=packed.device)
+
+
+@torch.library.custom_op(f"{_NS}::e0m3_quantize", mutates_args=())
+def e0m3_quantize(x: Tensor, two_level: bool, stream: int, row_offset: int) -> tuple[Tensor, Tensor, Tensor]:
+    """fp32 matrix -> (packed E0M3 codes, UE4M3 per-16 scales, fp32 0-d tensor scale)."""
+    return ref4.e0m3_quantize(x, two_level=two_level, noise=_noise(x, stream, row_offset))
+
+
+@e0m3_quantize.register_fake
+def _(x, two_level, stream, row_offset):
+    rows, cols = x.shape
+    return (torch.empty((rows, ref4.packed_cols(cols)), dtype=torch.uint8, device=x.device),
+            torch.empty((rows, ref4.e0m3_num_blocks(cols)), dtype=torch.uint8, device=x.device),
+            torch.empty((), dtype=torch.float32, device=x.device))
+
+
+@torch.library.custom_op(f"{_NS}::e0m3_dequantize", mutates_args=())
+def e0m3_dequantize(packed: Tensor, scales: Tensor, tensor_scale: Tensor, cols: int) -> Tensor:
+    return ref4.e0m3_dequantize(packed, scales, tensor_scale, cols)
+
+
+@e0m3_dequantize.register_fake
+def _(packed, scales, tensor_scale, cols):
+    return torch.empty((packed.shape[0], cols), dtype=torch.float32, device=packed.device)
+
+
+@torch.library.custom_op(f"{_NS}::grid_quantize4", mutates_args=())
+def grid_quantize4(x: Tensor, grid_block: int, stream: int, row_offset: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """fp32 matrix -> (packed codes, UE4M3 tile-row maxima, UE4M3 tile-column maxima, fp32 scale)."""
+    return ref4.grid_quantize4(x, grid_block, noise=_noise(x, stream, row_offset))
+
+
+@grid_quantize4.register_fake
+def _(x, grid_block, stream, row_offset):
+    rows, cols = x.shape
+    return (torch.empty((rows, ref4.packed_cols(cols)), dtype=torch.uint8, device=x.device),
+            torch.empty((rows, ref.num_blocks(cols, grid_block)), dtype=torch.uint8, device=x.device),
+            torch.empty((ref.num_blocks(rows, grid_block), cols), dtype=torch.uint8, device=x.device),
+            torch.empty((), dtype=torch.float32, device=x.device))
+
+
+@torch.library.custom_op(f"{_NS}::grid_dequantize4", mutates_args=())
+def grid_dequantize4(packed: Tensor, row_max: Tensor, col_max: Tensor, scale: Tensor, grid_block: int,
+                     cols: int) -> Tensor:
+    return ref4.grid_dequantize4(packed, row_max, col_max, scale, grid_block, cols)
+
+
+@grid_dequantize4.register_fake
+def _(packed, row_max, col_max, scale, grid_block, cols):
+    return torch.empty((packed.shape[0], cols), dtype=torch.float32, device=packed.device)
+
+
+def _check_grads_2d(grads: list[Tensor], n: int, op: str) -> None:
+    if len(grads) != n:
+        raise ValueError(f"qmuon::{op}: got {len(grads)} grads for {n} states")
+
+
+@torch.library.custom_op(
+    f"{_NS}::int4_momentum_update_multi_", mutates_args=("packed", "absmax", "grads", "block_sumsq"))
+def int4_momentum_update_multi_(
+    packed: list[Tensor],
+    absmax: list[Tensor],
+    grads: list[Tensor],
+    block_sumsq: list[Tensor],
+    beta: float,
+    nesterov: bool,
+    block_size: int,
+    streams: list[int],
+    row_offsets: list[int],
+) -> None:
+    """int4 momentum update (same contract as ``q8_momentum_update_multi_``; ``block_sumsq`` is
+    shaped ``(rows, ceil(cols / block_size))`` of each grad)."""
+    _check_grads_2d(grads, len(packed), "int4_momentum_update_multi_")
+    _check_block_sumsq(block_sumsq, grads, block_size, "int4_momentum_update_multi_")
+    for c, a, g, out, s, o in zip(packed, absmax, grads, block_sumsq, streams, row_offsets, strict=True):
+        out.copy_(ref4.int4_momentum_update_(
+            c, a, g, beta=beta, nesterov=nesterov, block_size=block_size, stream=_stream(s), row_offset=o))
+
+
+@int4_momentum_update_multi_.register_fake
+def _(packed, absmax, grads, block_sumsq, beta, nesterov, block_size, streams, row_offsets):
+    _check_block_sumsq(block_sumsq, grads, block_size, "int4_momentum_update_multi_")
+    return None
+
+
+@torch.library.custom_op(
+    f"{_NS}::e0m3_momentum_update_multi_",
+    mutates_args=("packed", "scales", "tensor_scales", "grads", "block_sumsq"))
+def e0m3_momentum_update_multi_(
+    packed: list[Tensor],
+    scales: list[Tensor],
+    tensor_scales: list[Tensor],
+    grads: list[Tensor],
+    block_sumsq: list[Tensor],
+    beta: float,
+    nesterov: bool,
+    block_size: int,
+    streams: list[int],
+    row_offsets: list[int],
+) -> None:
+    """e0m3 momentum update; ``block_size`` only sets the granularity of ``block_sumsq``."""
+    _check_grads_2d(grads, len(packed), "e0m3_momentum_update_multi_")
+    _check_block_sumsq(block_sumsq, grads, block_size, "e0m3_momentum_update_multi_")
+    for c, sc, t, g, out, s, o in zip(packed, scales, tensor_scales, grads, block_sumsq, streams, row_offsets,
+                                      strict=True):
+        out.copy_(ref4.e0m3_momentum_update_(
+            c, sc, t, g, beta=beta, nesterov=nesterov, block_size=block_size, stream=_stream(s), row_offset=o))
+
+
+@e0m3_momentum_update_multi_.register_fake
+def _(packed, scales, tensor_scales, grads, block_sumsq, beta, nesterov, block_size, streams, row_offsets):
+    _check_block_sumsq(block_sumsq, grads, block_size, "e0m3_momentum_update_multi_")
+    return None
+
+
 # Compiled CPU / CUDA kernels (csrc/, built on first use) take over on the devices they support and
 # fall back to the reference above when they are unavailable; see _extension.py.
 from . import _extension  # noqa: E402

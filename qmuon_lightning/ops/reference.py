@@ -270,10 +270,26 @@ def _check_block_size(block_size: int) -> None:
         raise ValueError(f"block_size must be a multiple of 32 in [32, 4096], got {block_size}")
 
 
-def bytes_per_element(state_format: str, cols: int, block_size: int) -> float:
-    """Persistent state bytes per momentum element for a matrix with ``cols`` columns."""
+def bytes_per_element(state_format: str, cols: int, block_size: int | None, *, rows: int | None = None,
+                      rank: int = 4, grid_block: int = 32) -> float:
+    """Persistent state bytes per momentum element for a matrix with ``cols`` columns (momentum
+    tensors only, ``step`` excluded). ``block_size=None`` is the format's default (256; int4 128).
+    grasp4 (and e0m3's 4-byte tensor scale) depend on ``rows`` too (default: square)."""
+    rows = cols if rows is None else rows
+    if block_size is None:
+        block_size = 128 if state_format == "int4" else 256
+    packed = ((cols + 1) // 2) / cols
     if state_format == "fp32":
         return 4.0
     if state_format == "bf16":
         return 2.0
+    if state_format == "int4":
+        return packed + 4.0 * num_blocks(cols, block_size) / cols
+    if state_format == "e0m3":
+        return packed + num_blocks(cols, 16) / cols + 4.0 / (rows * cols)
+    if state_format == "grasp4":
+        k = max(1, min(rank, rows, cols))
+        factors = (rows + cols) * (k + 2)  # int8 codes + bf16 per-row absmax, for P and R
+        grid = rows * num_blocks(cols, grid_block) + num_blocks(rows, grid_block) * cols + 4  # UE4M3 maxima + scale
+        return packed + (factors + grid) / (rows * cols)
     return 1.0 + 4.0 * num_blocks(cols, block_size) / cols

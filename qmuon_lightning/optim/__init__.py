@@ -1,7 +1,7 @@
 """Optimizers built on the quantized state formats: :class:`QMuon` and the parameter router."""
 
 from .newton_schulz import newton_schulz_folded, newton_schulz_reference
-from .qmuon import DEFAULT_NS_COEFFICIENTS, FORMAT_VERSION, QMuon, adjusted_lr
+from .qmuon import DEFAULT_NS_COEFFICIENTS, FORMAT_VERSION, GraspMuon, QMuon, adjusted_lr
 from .routing import (
     DEFAULT_HEAD_REGEX,
     DEFAULT_RULES,
@@ -14,6 +14,7 @@ from .routing import (
 
 __all__ = [
     "QMuon",
+    "GraspMuon",
     "FORMAT_VERSION",
     "DEFAULT_NS_COEFFICIENTS",
     "adjusted_lr",

@@ -1,8 +1,9 @@
-"""``QMuon``: Muon with fp32 / bf16 / 8-bit momentum and an auxiliary AdamW, in one optimizer.
+"""``QMuon``: Muon with fp32 / bf16 / 8-bit / 4-bit momentum and an auxiliary AdamW, in one optimizer.
 
 Per step, for every Muon parameter group:
 
-1. one multi-tensor op (``torch.ops.qmuon.*_momentum_update_multi_``) dequantizes the momentum,
+1. the group's state format (:data:`qmuon_lightning.quant.state.FORMATS`; for the elementwise
+   formats one multi-tensor op ``torch.ops.qmuon.*_momentum_update_multi_``) dequantizes the momentum,
    applies ``m = beta m + (1 - beta) g``, requantizes it, and writes the Newton-Schulz input
    (the Nesterov blend) into the gradient buffer, and writes the sums of squares per row block
    into caller-allocated outputs;
@@ -33,7 +34,7 @@ from ..ops import reference as ref
 from ..quant import state as qstate
 from .newton_schulz import NS_BATCH_MAX_ELEMENTS, newton_schulz_folded
 
-__all__ = ["QMuon", "FORMAT_VERSION", "DEFAULT_NS_COEFFICIENTS"]
+__all__ = ["QMuon", "GraspMuon", "FORMAT_VERSION", "DEFAULT_NS_COEFFICIENTS"]
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +46,8 @@ _NONFINITE = ("skip", "raise")
 _ADJUST_LR = (None, "original", "match_rms_adamw")
 # Keys that describe how a group is built, not how it is tuned: on load_state_dict the
 # constructed optimizer's values win over the checkpoint's (torch would silently take the saved ones).
-_STRUCTURAL_KEYS = ("use_muon", "state_format", "block_size", "rounding", "seed", "parts", "nonfinite")
+_STRUCTURAL_KEYS = ("use_muon", "state_format", "block_size", "rank", "grid_block", "rounding", "seed", "parts",
+                    "nonfinite")
 
 
 def adjusted_lr(lr: float, adjust_lr_fn: str | None, rows: int, cols: int) -> float:
@@ -83,8 +85,15 @@ class QMuon(Optimizer):
             are normalized and orthogonalized separately.
         lr, weight_decay, momentum, nesterov, ns_coefficients, eps, ns_steps, adjust_lr_fn: as in
             :class:`torch.optim.Muon`.
-        state_format: momentum storage: ``"fp32"``, ``"bf16"``, ``"int8"`` or ``"uint8"``.
-        block_size: elements per absmax block along a row (8-bit formats); a multiple of 32.
+        state_format: momentum storage: ``"fp32"``, ``"bf16"``, ``"int8"``, ``"uint8"`` (8-bit
+            blockwise absmax), ``"int4"`` (naive 4-bit blockwise absmax), ``"e0m3"`` (4-bit E0M3
+            elements, UE4M3 per-16 scales, fp32 tensor scale) or ``"grasp4"`` (GRASP: 8-bit
+            rank-``rank`` factors + 4-bit grid-quantized residual); see :mod:`qmuon_lightning.quant.state`.
+        block_size: elements per absmax block along a row (8-bit and int4 formats; for the others
+            only the granularity of the norm sums); a multiple of 32. ``None`` (default) takes the
+            format's default: 256 for 8-bit, 128 for int4, 256 otherwise.
+        rank, grid_block: grasp4 only: rank of the 8-bit factor (default 4) and side of the square
+            grid-quantization tiles of the residual (default 32).
         rounding: ``"nearest"`` or ``"stochastic"`` (counter-based noise; reproducible on resume).
         seed: seed of the stochastic-rounding noise.
         nonfinite: ``"skip"`` leaves a parameter and its state untouched for a step whose gradient
@@ -105,7 +114,9 @@ class QMuon(Optimizer):
         adjust_lr_fn: str | None = None,
         *,
         state_format: str = "int8",
-        block_size: int = 256,
+        block_size: int | None = None,
+        rank: int = 4,
+        grid_block: int = 32,
         rounding: str = "nearest",
         seed: int = 0,
         nonfinite: str = "skip",
@@ -131,6 +142,8 @@ class QMuon(Optimizer):
             "adjust_lr_fn": adjust_lr_fn,
             "state_format": state_format,
             "block_size": block_size,
+            "rank": rank,
+            "grid_block": grid_block,
             "rounding": rounding,
             "seed": seed,
             "nonfinite": nonfinite,
@@ -172,10 +185,18 @@ class QMuon(Optimizer):
             raise bad(f"ns_coefficients must be 3 numbers (a, b, c), got {group['ns_coefficients']!r}")
         if not 0 <= int(group["ns_steps"]) < 100:
             raise bad(f"ns_steps must be in [0, 100), got {group['ns_steps']}")
-        qstate.format_spec(group["state_format"])  # raises with the list of formats
+        fmt = qstate.get_format(group["state_format"])  # raises with the list of formats
+        if group.get("block_size") is None:
+            group["block_size"] = qstate.DEFAULT_BLOCK_SIZE.get(fmt.name, 256)
+        group.setdefault("rank", 4)
+        group.setdefault("grid_block", 32)
         bs = group["block_size"]
         if not isinstance(bs, int) or bs <= 0 or bs % 32 or bs > 4096:
             raise bad(f"block_size must be a multiple of 32 in [32, 4096] (kernel warp granularity), got {bs!r}")
+        try:
+            fmt.validate_options(qstate.format_options(group))
+        except ValueError as e:
+            raise bad(str(e)) from None
         if group["rounding"] not in _ROUNDING:
             raise bad(f"rounding must be 'nearest' or 'stochastic', got {group['rounding']!r}")
         if group["nonfinite"] not in _NONFINITE:
@@ -284,9 +305,9 @@ class QMuon(Optimizer):
             return
         params = [group["params"][i] for i in idx]
         keys = [key0 + i for i in idx]
-        fmt = group["state_format"]
-        spec = qstate.format_spec(fmt)
-        bs = group["block_size"]
+        fmt = qstate.get_format(group["state_format"])
+        opts = qstate.format_options(group)
+        bs = opts.block_size
         stochastic = group["rounding"] == "stochastic"
         grads2d, states, streams, offsets = [], [], [], []
         for p, k in zip(params, keys):
@@ -294,7 +315,7 @@ class QMuon(Optimizer):
             cols = p.numel() // rows
             st = self.state[p]
             if not st:
-                st.update(qstate.init_momentum_state(fmt, rows, cols, block_size=bs, device=p.device))
+                st.update(qstate.init_momentum_state(fmt.name, rows, cols, opts=opts, device=p.device))
             st["step"] += 1
             # A 2-D view when the layout allows; otherwise a copy that is written back below.
             g2 = p.grad.view(rows, cols) if p.grad.is_contiguous() else p.grad.reshape(rows, cols)
@@ -308,15 +329,8 @@ class QMuon(Optimizer):
             torch.empty((g2.shape[0], ref.num_blocks(g2.shape[1], bs)), dtype=torch.float32, device=g2.device)
             for g2 in grads2d
         ]
-        if spec.kind == "q8":
-            torch.ops.qmuon.q8_momentum_update_multi_(
-                [s[qstate.CODES] for s in states], [s[qstate.ABSMAX] for s in states], grads2d, block_sums,
-                beta, nesterov, bs, streams, offsets,
-            )
-        else:
-            torch.ops.qmuon.dense_momentum_update_multi_(
-                [s[qstate.BUFFER] for s in states], grads2d, block_sums, beta, nesterov, bs, streams, offsets,
-            )
+        fmt.update(states, grads2d, block_sums, beta=beta, nesterov=nesterov, opts=opts, streams=streams,
+                   offsets=offsets, keys=keys, seed=int(group["seed"]))
         lr, wd = float(group["lr"]), float(group["weight_decay"])
         parts = group["parts"]
         for p, g2, sums in zip(params, grads2d, block_sums):
@@ -447,23 +461,36 @@ class QMuon(Optimizer):
             raise qstate.StateFormatError(
                 f"{where}: the group says state_format={saved_fmt!r} but the tensors are {found}; the checkpoint is inconsistent"
             )
-        saved_bs = int(saved_group.get("block_size", cur["block_size"]))
-        qstate.validate_momentum_state(st, found, rows, cols, saved_bs, where)
-        target, bs = cur["state_format"], cur["block_size"]
-        is_q = qstate.format_spec(found).kind == "q8"
-        if is_q and qstate.format_spec(target).kind == "q8" and saved_bs != bs:
+        saved_opts = qstate.format_options({**cur, **saved_group, "state_format": found})
+        qstate.validate_momentum_state(st, found, rows, cols, None, where, opts=saved_opts)
+        target = qstate.get_format(cur["state_format"])
+        opts = qstate.format_options(cur)
+        source = qstate.get_format(found)
+        # Resuming the same kind of blockwise state (int8 / uint8, or int4) needs the same block size;
+        # between different kinds the momentum is dequantized and re-encoded anyway.
+        same_kind = source.spec.kind == target.spec.kind
+        if same_kind and source.uses_block_size and saved_opts.block_size != opts.block_size:
             raise qstate.StateFormatError(
-                f"{where}: momentum was saved with block_size={saved_bs} but this optimizer uses block_size={bs}; "
-                f"construct the optimizer with block_size={saved_bs} to resume"
+                f"{where}: momentum was saved with block_size={saved_opts.block_size} but this optimizer uses "
+                f"block_size={opts.block_size}; construct the optimizer with block_size={saved_opts.block_size} to resume"
             )
-        out = {k: v for k, v in st.items() if k not in (qstate.BUFFER, qstate.CODES, qstate.ABSMAX)}
+        if found == target.name:
+            for key in ("rank", "grid_block"):
+                a, b = getattr(saved_opts, key), getattr(opts, key)
+                if found == "grasp4" and a != b:
+                    raise qstate.StateFormatError(
+                        f"{where}: momentum was saved with {key}={a} but this optimizer uses {key}={b}; "
+                        f"construct the optimizer with {key}={a} to resume"
+                    )
+        keys = set().union(*(f.spec.keys for f in qstate.FORMATS.values()))
+        out = {k: v for k, v in st.items() if k not in keys}
         out.setdefault("step", torch.zeros((), dtype=torch.float32))
-        if found == target:
-            momentum = {k: st[k] for k in qstate.format_spec(found).keys}
+        if found == target.name:
+            momentum = {k: st[k] for k in source.spec.keys}
         else:
-            m = qstate.dequantize_momentum(st, saved_bs)
-            momentum = qstate.encode_momentum(m, target, block_size=bs)
-            log.info("%s: converted %s momentum to %s", where, found, target)
+            m = source.dequantize(st, saved_opts, cols)
+            momentum = target.encode(m, opts)
+            log.info("%s: converted %s momentum to %s", where, found, target.name)
         out.update(momentum)
         return out
 
@@ -477,3 +504,16 @@ class QMuon(Optimizer):
             for p in group["params"]:
                 total += qstate.state_nbytes(self.state.get(p, {}))
         return total
+
+
+class GraspMuon(QMuon):
+    """:class:`QMuon` with GRASP 4-bit momentum (``state_format="grasp4"``) by default.
+
+    The momentum is stored as an 8-bit rank-``rank`` factor ``P R^T`` tracked by one warm-started
+    power iteration per step plus a 4-bit residual with ``grid_block x grid_block`` grid
+    quantization (:mod:`qmuon_lightning.quant.grasp`): <= 0.578 bytes per element on GPT-small shapes.
+    """
+
+    def __init__(self, params, lr: float = 1e-3, *args: Any, state_format: str = "grasp4", rank: int = 4,
+                 grid_block: int = 32, **kwargs: Any) -> None:
+        super().__init__(params, lr, *args, state_format=state_format, rank=rank, grid_block=grid_block, **kwargs)

@@ -183,7 +183,9 @@ def build_optimizer(
     ns_steps: int = 5,
     adjust_lr_fn: str | None = None,
     state_format: str = "int8",
-    block_size: int = 256,
+    block_size: int | None = None,
+    rank: int = 4,
+    grid_block: int = 32,
     rounding: str = "nearest",
     seed: int = 0,
     nonfinite: str = "skip",
@@ -227,7 +229,8 @@ def build_optimizer(
     opt = QMuon(
         groups, lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
         ns_coefficients=ns_coefficients, eps=eps, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn,
-        state_format=state_format, block_size=block_size, rounding=rounding, seed=seed,
+        state_format=state_format, block_size=block_size, rank=rank, grid_block=grid_block,
+        rounding=rounding, seed=seed,
         nonfinite=nonfinite, adamw_lr=adamw_lr, adamw_betas=adamw_betas, adamw_eps=adamw_eps,
         adamw_weight_decay=adamw_weight_decay,
     )
