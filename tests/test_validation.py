@@ -355,3 +355,18 @@ def test_load_grasp4_bad_factor_shape():
     _, target = _trained(fmt="grasp4", steps=0)
     with pytest.raises(StateFormatError, match=r"grasp_r_codes has shape \(40, 2\), expected \(40, 4\) for rank=4"):
         target.load_state_dict(sd)
+
+
+def test_huge_finite_gradient_is_not_mistaken_for_nonfinite():
+    """The fast non-finite check is an L2 norm, which overflows to inf for gradients near the fp32
+    maximum; such tensors are re-checked with the exact max-abs, so only the NaN one is skipped."""
+    p = torch.nn.Parameter(torch.zeros(8, 32))
+    q = torch.nn.Parameter(torch.zeros(8, 32))
+    opt = QMuon([p, q], state_format="int8")
+    p.grad = torch.full((8, 32), 3e38)
+    q.grad = torch.randn(8, 32)
+    q.grad[0, 0] = float("nan")
+    opt.step()
+    assert opt.nonfinite_skips == 1
+    assert p in opt.state and int(opt.state[p]["step"]) == 1
+    assert q not in opt.state
