@@ -265,11 +265,6 @@ def dense_momentum_update_(
     return block_sumsq(ns_input, block_size)
 
 
-def _check_block_size(block_size: int) -> None:
-    if block_size <= 0 or block_size % 32 or block_size > 4096:
-        raise ValueError(f"block_size must be a multiple of 32 in [32, 4096], got {block_size}")
-
-
 def bytes_per_element(state_format: str, cols: int, block_size: int | None, *, rows: int | None = None,
                       rank: int = 4, grid_block: int = 32) -> float:
     """Persistent state bytes per momentum element for a matrix with ``cols`` columns (momentum

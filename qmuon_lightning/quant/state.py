@@ -45,6 +45,7 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
+from ..ops import QuantizedMuonState
 from ..ops import reference as ref
 from ..ops import reference_4bit as ref4
 
@@ -208,9 +209,8 @@ class Q8Format(StateFormat):
         self.spec = FormatSpec(name, "q8", dtype, (CODES, ABSMAX))
 
     def init(self, rows, cols, opts, device):
-        zero = 0 if self.spec.dtype == torch.int8 else 128
-        return {CODES: torch.full((rows, cols), zero, dtype=self.spec.dtype, device=device),
-                ABSMAX: torch.zeros((rows, ref.num_blocks(cols, opts.block_size)), dtype=torch.float32, device=device)}
+        zero = QuantizedMuonState.zeros(rows, cols, dtype=self.spec.dtype, block_size=opts.block_size, device=device)
+        return {CODES: zero.data, ABSMAX: zero.absmax}
 
     def update(self, states, grads2d, block_sums, *, beta, nesterov, opts, streams, offsets, keys, seed):
         torch.ops.qmuon.q8_momentum_update_multi_(
