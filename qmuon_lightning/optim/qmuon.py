@@ -32,6 +32,7 @@ from torch.optim.adam import adam as _functional_adam
 from .. import ops  # noqa: F401  (registers torch.ops.qmuon)
 from ..ops import reference as ref
 from ..quant import state as qstate
+from ..quant.mxfp8 import mxfp8_roundtrip_normalized
 from .newton_schulz import NS_BATCH_MAX_ELEMENTS, newton_schulz_folded
 
 __all__ = ["QMuon", "GraspMuon", "FORMAT_VERSION", "DEFAULT_NS_COEFFICIENTS"]
@@ -43,11 +44,12 @@ FORMAT_VERSION = 1
 DEFAULT_NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 _ROUNDING = ("nearest", "stochastic")
 _NONFINITE = ("skip", "raise")
+_NS_INPUT = ("bf16", "mxfp8")
 _ADJUST_LR = (None, "original", "match_rms_adamw")
 # Keys that describe how a group is built, not how it is tuned: on load_state_dict the
 # constructed optimizer's values win over the checkpoint's (torch would silently take the saved ones).
 _STRUCTURAL_KEYS = ("use_muon", "state_format", "block_size", "rank", "grid_block", "rounding", "seed", "parts",
-                    "nonfinite")
+                    "nonfinite", "ns_input")
 
 
 def adjusted_lr(lr: float, adjust_lr_fn: str | None, rows: int, cols: int) -> float:
@@ -68,6 +70,23 @@ class _NSItem:
     eps: float
     coefficients: tuple[float, float, float]
     steps: int
+    carrier: str = "bf16"  # ns_input of the group: "mxfp8" feeds NS the decoded MXFP8 carrier
+
+
+def _apply_ns_carrier(chunk: list[_NSItem], batch: Tensor, inv_norm: Tensor) -> tuple[Tensor, Tensor]:
+    """``ns_input="mxfp8"``: replace those items' rows of the NS batch by their decoded MXFP8 carrier.
+
+    The carrier encodes the normalized input ``x * inv_norm`` (from the full-precision buffer), so
+    its inverse norm for the folded Newton-Schulz becomes 1. Never writes into the gradient buffers.
+    """
+    if batch.data_ptr() == chunk[0].ns_input.data_ptr():
+        batch = batch.clone()  # the single-item batch was a view of .grad
+    inv_norm = inv_norm.clone()
+    for i, it in enumerate(chunk):
+        if it.carrier == "mxfp8":
+            batch[i].copy_(mxfp8_roundtrip_normalized(it.ns_input, inv_norm[i]))
+            inv_norm[i] = 1.0
+    return batch, inv_norm
 
 
 class QMuon(Optimizer):
@@ -98,6 +117,12 @@ class QMuon(Optimizer):
         seed: seed of the stochastic-rounding noise.
         nonfinite: ``"skip"`` leaves a parameter and its state untouched for a step whose gradient
             holds NaN/Inf (counted in :attr:`nonfinite_skips`); ``"raise"`` raises instead.
+        ns_input: what Newton-Schulz reads: ``"bf16"`` (default) the NS input rounded to bf16 with
+            ``1/norm`` folded into the first iteration; ``"mxfp8"`` the normalized input
+            ``G / ||G||`` encoded as an MXFP8 carrier (E4M3 payload + E8M0 scale per 32 elements +
+            the fp32 inverse norm, 1.03 bytes / element instead of 2) and decoded, so NS sees exactly
+            what a receiver of the carrier would (:mod:`qmuon_lightning.quant.mxfp8`). Like
+            ``rounding``, the constructed value wins over a checkpoint's on ``load_state_dict``.
         adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: defaults for AdamW groups.
     """
 
@@ -120,6 +145,7 @@ class QMuon(Optimizer):
         rounding: str = "nearest",
         seed: int = 0,
         nonfinite: str = "skip",
+        ns_input: str = "bf16",
         adamw_lr: float = 1e-3,
         adamw_betas: tuple[float, float] = (0.9, 0.999),
         adamw_eps: float = 1e-8,
@@ -147,6 +173,7 @@ class QMuon(Optimizer):
             "rounding": rounding,
             "seed": seed,
             "nonfinite": nonfinite,
+            "ns_input": ns_input,
             "use_muon": True,
             "parts": None,
         }
@@ -201,6 +228,10 @@ class QMuon(Optimizer):
             raise bad(f"rounding must be 'nearest' or 'stochastic', got {group['rounding']!r}")
         if group["nonfinite"] not in _NONFINITE:
             raise bad(f"nonfinite must be 'skip' or 'raise', got {group['nonfinite']!r}")
+        if group.setdefault("ns_input", "bf16") not in _NS_INPUT:
+            raise bad(
+                f"ns_input must be 'bf16' (bf16 Newton-Schulz input) or 'mxfp8' (MXFP8 carrier), got {group['ns_input']!r}"
+            )
         names = group.get("param_names")
         for i, p in enumerate(group["params"]):
             label = f"parameter {names[i]!r}" if names else f"parameter #{i}"
@@ -358,6 +389,7 @@ class QMuon(Optimizer):
                     eps=float(group["eps"]),
                     coefficients=tuple(group["ns_coefficients"]),
                     steps=int(group["ns_steps"]),
+                    carrier=group.get("ns_input", "bf16"),
                 )
                 ns_queue[(rows, cols, item.coefficients, item.steps, str(g2.device))].append(item)
 
@@ -376,6 +408,8 @@ class QMuon(Optimizer):
                 sumsq = torch.stack([it.sumsq for it in chunk])
                 eps = torch.tensor([it.eps for it in chunk], dtype=torch.float32, device=sumsq.device)
                 inv_norm = torch.maximum(sumsq.sqrt(), eps).reciprocal()
+                if any(it.carrier == "mxfp8" for it in chunk):
+                    batch, inv_norm = _apply_ns_carrier(chunk, batch, inv_norm)
                 out = newton_schulz_folded(batch, inv_norm, coefficients, steps)
                 for i, it in enumerate(chunk):
                     it.param_rows.add_(out[i].reshape(it.param_rows.shape), alpha=-it.lr)

@@ -189,6 +189,7 @@ def build_optimizer(
     rounding: str = "nearest",
     seed: int = 0,
     nonfinite: str = "skip",
+    ns_input: str = "bf16",
     adamw_lr: float = 3e-4,
     adamw_betas: tuple[float, float] = (0.9, 0.95),
     adamw_eps: float = 1e-8,
@@ -231,7 +232,7 @@ def build_optimizer(
         ns_coefficients=ns_coefficients, eps=eps, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn,
         state_format=state_format, block_size=block_size, rank=rank, grid_block=grid_block,
         rounding=rounding, seed=seed,
-        nonfinite=nonfinite, adamw_lr=adamw_lr, adamw_betas=adamw_betas, adamw_eps=adamw_eps,
+        nonfinite=nonfinite, ns_input=ns_input, adamw_lr=adamw_lr, adamw_betas=adamw_betas, adamw_eps=adamw_eps,
         adamw_weight_decay=adamw_weight_decay,
     )
     for d in decisions:

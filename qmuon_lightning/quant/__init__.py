@@ -1,7 +1,16 @@
 """State representations built on :mod:`qmuon_lightning.ops`: which tensors each momentum format
 stores (a registry of format classes, :data:`FORMATS`), how they are created, updated, converted,
-validated and counted; GRASP's factor tracking (:mod:`.grasp`); and the update-fidelity metric
-(:mod:`.fidelity`)."""
+validated and counted; GRASP's factor tracking (:mod:`.grasp`); the update-fidelity metric
+(:mod:`.fidelity`); and the MXFP8 codec / Newton-Schulz input carrier (:mod:`.mxfp8`)."""
+
+from .mxfp8 import (
+    MXFP8Carrier,
+    mxfp8_decode,
+    mxfp8_encode,
+    mxfp8_encode_normalized,
+    mxfp8_nbytes,
+    mxfp8_roundtrip_normalized,
+)
 
 from .state import (
     DEFAULT_BLOCK_SIZE,
@@ -30,6 +39,7 @@ __all__ = [
     "STATE_FORMATS",
     "FormatOptions",
     "FormatSpec",
+    "MXFP8Carrier",
     "StateFormat",
     "StateFormatError",
     "dequantize_momentum",
@@ -40,6 +50,11 @@ __all__ = [
     "get_format",
     "init_momentum_state",
     "momentum_nbytes",
+    "mxfp8_decode",
+    "mxfp8_encode",
+    "mxfp8_encode_normalized",
+    "mxfp8_nbytes",
+    "mxfp8_roundtrip_normalized",
     "register_format",
     "state_nbytes",
     "validate_momentum_state",
