@@ -1,0 +1,286 @@
+"""QMuon under Hugging Face Accelerate: configuration checks and ``prepare_qmuon``.
+
+The plain recipe already works::
+
+    model, opt = accelerator.prepare(model, qmuon_lightning.build_optimizer(model, ...))
+
+because :class:`~qmuon_lightning.QMuon` creates its state lazily, in the first ``step()``, keyed by
+the parameter objects that the param groups hold *at that moment*. That matters because
+``Accelerator.prepare`` may replace the parameters inside the optimizer:
+
+- single process / DDP (``MULTI_CPU``, ``MULTI_GPU``, ...): the model's ``nn.Parameter`` objects are
+  kept (``Module.to`` swaps ``.data``; ``DistributedDataParallel`` wraps the module), so the
+  optimizer's parameters stay the live ones. Every rank holds the full matrices and, after DDP's
+  all-reduce, identical averaged gradients, so every rank runs the same QMuon step redundantly and
+  the replicas stay bit-identical.
+- FSDP2 (``fsdp_version=2``): ``prepare`` shards the model with ``fully_shard`` and rewrites
+  ``optimizer.param_groups[i]["params"]`` in place with the new ``DTensor`` parameters. Any state
+  created before that would be keyed by the dead, unsharded tensors; lazily created state is keyed
+  by the ``DTensor`` s. QMuon's sharded step lives in :mod:`qmuon_lightning.distributed`.
+
+:func:`prepare_qmuon` is the opt-in helper around that recipe: it refuses configurations that
+cannot work (with the reason and the fix), builds the optimizer with
+:func:`~qmuon_lightning.build_optimizer`, prepares it together with the model, and checks that the
+optimizer now points at the prepared model's parameters and holds no state yet.
+:func:`check_state_keys` makes the same check at any later time (after steps, after
+``load_state``).
+
+Checkpoints: ``accelerator.save_state()`` writes ``optimizer.bin`` from ``QMuon.state_dict()``:
+plain tensors (int8 codes, fp32 scales, 0-d steps) and primitives, which Accelerate reads back
+with ``torch.load(weights_only=True)``; ``load_state()`` goes through ``QMuon.load_state_dict``,
+which keeps the codes' dtypes (torch's default would cast them to the parameter dtype).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import warnings
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+from torch import nn
+
+from ..optim.qmuon import QMuon
+from ..optim.routing import build_optimizer
+
+try:
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedType
+except ImportError as e:  # pragma: no cover - exercised only without the extra installed
+    raise ImportError(
+        "qmuon_lightning.integrations.accelerate needs Hugging Face Accelerate: "
+        "pip install 'qmuon-lightning[accelerate]' (or pip install accelerate)"
+    ) from e
+
+if TYPE_CHECKING:
+    from torch.optim.lr_scheduler import LRScheduler
+
+__all__ = [
+    "UnsupportedAccelerateConfig",
+    "check_configuration",
+    "check_accelerator",
+    "prepare_qmuon",
+    "check_state_keys",
+    "unwrap_qmuon",
+]
+
+log = logging.getLogger(__name__)
+
+#: Accelerate's DDP-style distributed types: full parameters on every rank, gradients all-reduced
+#: by ``DistributedDataParallel`` before ``optimizer.step()``.
+DDP_TYPES: frozenset[str] = frozenset({
+    "MULTI_CPU", "MULTI_GPU", "MULTI_XPU", "MULTI_NPU", "MULTI_MLU", "MULTI_SDAA", "MULTI_MUSA",
+    "MULTI_HPU", "MULTI_NEURON",
+})
+
+
+class UnsupportedAccelerateConfig(ValueError):
+    """An Accelerate configuration QMuon cannot train under; the message names the fix."""
+
+
+def _name(distributed_type: Any) -> str:
+    return distributed_type.name if isinstance(distributed_type, DistributedType) else str(distributed_type).upper()
+
+
+def check_configuration(
+    distributed_type: DistributedType | str,
+    *,
+    fsdp_version: int | None = None,
+    mixed_precision: str = "no",
+    tensor_parallel: bool = False,
+    fsdp_cpu_offload: bool = False,
+    optimizer_has_state: bool = False,
+) -> None:
+    """Raise :class:`UnsupportedAccelerateConfig` for a configuration QMuon cannot run under.
+
+    Supported: ``NO`` (one process), the DDP family (``MULTI_CPU`` on gloo, ``MULTI_GPU``, ...) and
+    ``FSDP`` with ``fsdp_version=2``; mixed precision ``"no"``, ``"bf16"`` or ``"fp16"`` (autocast
+    changes activations and gradients, not the fp32 parameters the state is built from).
+
+    Refused, with the reason:
+
+    - ``DEEPSPEED``: ZeRO hands the client optimizer flat 1-D fp32 partitions, so Muon never sees a
+      matrix, and with optimizer offload DeepSpeed replaces the client optimizer altogether.
+    - ``FSDP`` with ``fsdp_version=1``: FSDP1 flattens parameters into 1-D ``FlatParameter`` s.
+    - ``MEGATRON_LM`` and tensor parallelism: weights are split along dim 1 for row-parallel layers,
+      and QMuon's sharded step supports dim-0 shards only.
+    - ``XLA``: the ``torch.ops.qmuon`` kernels have no XLA implementation.
+    - ``mixed_precision="fp8"``: Accelerate swaps ``nn.Linear`` modules for fp8 ones during
+      ``prepare``; that path has not been run with QMuon (no fp8 hardware was available).
+    - FSDP2 with an optimizer that already holds state: ``prepare`` replaces the parameters, so the
+      old state would be orphaned; build the optimizer, prepare, then step.
+    """
+    kind = _name(distributed_type)
+    if kind == "DEEPSPEED":
+        raise UnsupportedAccelerateConfig(
+            "Accelerate's DeepSpeed plugin is not supported with QMuon: ZeRO hands the client optimizer flat "
+            "1-D partitions, so Muon never sees a matrix (and with optimizer offload DeepSpeed replaces the "
+            "optimizer). Use qmuon_lightning.integrations.deepspeed with the DeepSpeed engine instead (see "
+            "docs/deepspeed.md), or train with DDP or FSDP2 (fsdp_version=2) under Accelerate"
+        )
+    if kind == "MEGATRON_LM":
+        raise UnsupportedAccelerateConfig(
+            "Megatron-LM through Accelerate is not supported with QMuon: it splits weights along dim 1 "
+            "(row-parallel layers) and QMuon orthogonalizes whole matrices from dim-0 shards only; use DDP or "
+            "FSDP2 (fsdp_version=2)"
+        )
+    if kind == "XLA":
+        raise UnsupportedAccelerateConfig(
+            "XLA devices are not supported: the torch.ops.qmuon kernels have CPU and CUDA implementations only"
+        )
+    if tensor_parallel:
+        raise UnsupportedAccelerateConfig(
+            "tensor parallelism (parallelism_config with tp_size > 1) is not supported: it shards row-parallel "
+            "weights along dim 1 and QMuon supports dim-0 (FSDP2) shards only; set tp_size=1"
+        )
+    if mixed_precision == "fp8":
+        raise UnsupportedAccelerateConfig(
+            "mixed_precision='fp8' is not supported by prepare_qmuon: Accelerate converts nn.Linear modules "
+            "during prepare and that path has not been run with QMuon; use mixed_precision='bf16'"
+        )
+    if kind == "FSDP":
+        if fsdp_version != 2:
+            raise UnsupportedAccelerateConfig(
+                f"FSDP version {fsdp_version} is not supported: FSDP1 flattens parameters into 1-D "
+                "FlatParameters, so Muon never sees a matrix. Use FSDP2: FullyShardedDataParallelPlugin("
+                "fsdp_version=2), `fsdp_version: 2` in the accelerate config, or `accelerate launch --use_fsdp "
+                "--fsdp_version 2`"
+            )
+        if importlib.util.find_spec("qmuon_lightning.distributed") is None:
+            raise UnsupportedAccelerateConfig(
+                "FSDP2 needs QMuon's sharded step (qmuon_lightning.distributed), which this installation "
+                "lacks; upgrade qmuon_lightning or train with DDP"
+            )
+        if optimizer_has_state:
+            raise UnsupportedAccelerateConfig(
+                "the optimizer already holds state, but under FSDP2 Accelerator.prepare replaces its parameters "
+                "with sharded DTensors, which would orphan that state. Build the optimizer, prepare it with the "
+                "model, and step only after prepare (load a checkpoint with accelerator.load_state afterwards)"
+            )
+        if fsdp_cpu_offload:
+            warnings.warn(
+                "FSDP2 with CPU offload has not been tested with QMuon; the optimizer step then runs on CPU",
+                stacklevel=3,
+            )
+        return
+    if kind == "NO" or kind in DDP_TYPES:
+        return
+    raise UnsupportedAccelerateConfig(
+        f"Accelerate distributed type {kind} has not been tested with QMuon; supported: NO (one process), "
+        f"{', '.join(sorted(DDP_TYPES))} (DDP) and FSDP with fsdp_version=2"
+    )
+
+
+def check_accelerator(accelerator: Accelerator, optimizer: torch.optim.Optimizer | None = None) -> None:
+    """:func:`check_configuration` for a constructed ``Accelerator`` (and, before ``prepare``,
+    the optimizer that will be prepared with it)."""
+    state = accelerator.state
+    fsdp_plugin = getattr(state, "fsdp_plugin", None)
+    pc = getattr(accelerator, "parallelism_config", None)
+    # FSDP2: OffloadPolicy() (none, the default) or CPUOffloadPolicy; FSDP1: CPUOffload(offload_params=...).
+    co = getattr(fsdp_plugin, "cpu_offload", None)
+    offload = type(co).__name__ == "CPUOffloadPolicy" or getattr(co, "offload_params", False) is True
+    inner = unwrap_qmuon(optimizer, strict=False) if optimizer is not None else None
+    check_configuration(
+        accelerator.distributed_type,
+        fsdp_version=getattr(fsdp_plugin, "fsdp_version", None),
+        mixed_precision=str(accelerator.mixed_precision),
+        tensor_parallel=bool(pc is not None and getattr(pc, "tp_enabled", False)),
+        fsdp_cpu_offload=offload,
+        optimizer_has_state=inner is not None and any(len(s) for s in inner.state.values()),
+    )
+
+
+def unwrap_qmuon(optimizer: Any, strict: bool = True) -> QMuon | None:
+    """The :class:`QMuon` inside ``optimizer`` (Accelerate's ``AcceleratedOptimizer`` keeps it as
+    ``.optimizer``). ``strict``: raise ``TypeError`` when there is none, else return None."""
+    seen = optimizer
+    for _ in range(4):  # AcceleratedOptimizer -> QMuon; a few levels cover other thin wrappers
+        if isinstance(seen, QMuon):
+            return seen
+        seen = getattr(seen, "optimizer", None)
+        if seen is None:
+            break
+    if strict:
+        raise TypeError(f"expected a QMuon (possibly wrapped by Accelerate), got {type(optimizer).__name__}")
+    return None
+
+
+def check_state_keys(model: nn.Module, optimizer: Any) -> None:
+    """Check that ``optimizer`` (a QMuon, possibly wrapped by Accelerate) refers to ``model``'s live
+    parameters: every parameter in its groups and every key of its state is a parameter object of
+    ``model`` (the prepared one: DDP wrapper, FSDP2 module). Raises ``RuntimeError`` naming the
+    first offender: a stale key means state was created before ``prepare`` swapped the parameters,
+    or the optimizer was built for another model.
+    """
+    qm = unwrap_qmuon(optimizer)
+    live = {id(p) for p in model.parameters()}
+    in_groups: set[int] = set()
+    for gi, group in enumerate(qm.param_groups):
+        names = group.get("param_names")
+        for i, p in enumerate(group["params"]):
+            in_groups.add(id(p))
+            if id(p) not in live:
+                label = repr(names[i]) if names else f"#{i}"
+                raise RuntimeError(
+                    f"optimizer param group {gi} parameter {label} ({type(p).__name__}, shape {tuple(p.shape)}) is "
+                    "not a parameter of the prepared model: pass the model and the optimizer to the same "
+                    "accelerator.prepare call (or use prepare_qmuon), and build the optimizer from that model"
+                )
+    for p in qm.state:
+        if id(p) not in in_groups:
+            raise RuntimeError(
+                f"optimizer state is keyed by a tensor (shape {tuple(p.shape)}) that is no longer in its param "
+                "groups: the state was created before Accelerator.prepare replaced the parameters; step only "
+                "after prepare"
+            )
+
+
+def prepare_qmuon(
+    accelerator: Accelerator,
+    model: nn.Module,
+    *objects: Any,
+    lr_scheduler: Callable[[QMuon], LRScheduler] | None = None,
+    **build_optimizer_kwargs: Any,
+) -> tuple[Any, ...]:
+    """Build QMuon for ``model`` and prepare both with ``accelerator``, checking the configuration.
+
+    Args:
+        accelerator: the ``Accelerator``; its configuration is checked first
+            (:func:`check_accelerator`): DeepSpeed, FSDP1, tensor parallelism, XLA and fp8 are
+            refused with the reason and the fix.
+        model: the unprepared model; the optimizer is routed from its parameter names.
+        objects: anything else to prepare in the same call (data loaders, ...).
+        lr_scheduler: optional ``optimizer -> scheduler`` factory, called with the QMuon before
+            ``prepare`` so the scheduler is prepared (and checkpointed by ``save_state``) with it.
+        build_optimizer_kwargs: passed to :func:`qmuon_lightning.build_optimizer` (``lr``,
+            ``state_format``, ``rounding``, ...); ``verbose`` defaults to "main process only".
+
+    Returns:
+        ``(model, optimizer, *objects, [scheduler])`` as ``accelerator.prepare`` returns them:
+        the optimizer is Accelerate's ``AcceleratedOptimizer`` around the QMuon
+        (:func:`unwrap_qmuon` gets the QMuon back).
+    """
+    check_accelerator(accelerator)
+    for obj in objects:
+        if isinstance(obj, torch.optim.Optimizer):
+            raise TypeError(
+                "prepare_qmuon builds the optimizer itself; do not pass one in objects (prepare another optimizer "
+                "with its own accelerator.prepare call)"
+            )
+    build_optimizer_kwargs.setdefault("verbose", accelerator.is_main_process)
+    optimizer = build_optimizer(model, **build_optimizer_kwargs)
+    extra: list[Any] = list(objects)
+    if lr_scheduler is not None:
+        extra.append(lr_scheduler(optimizer))
+    prepared = accelerator.prepare(model, optimizer, *extra)
+    prepared = prepared if isinstance(prepared, tuple) else (prepared,)
+    p_model, p_opt = prepared[0], prepared[1]
+    qm = unwrap_qmuon(p_opt)
+    if qm is not optimizer:
+        raise RuntimeError("Accelerator.prepare returned an optimizer that does not wrap the QMuon it was given")
+    if any(len(s) for s in qm.state.values()):
+        raise RuntimeError("QMuon holds state right after prepare; it must be created lazily by the first step()")
+    check_state_keys(p_model, p_opt)
+    return prepared
