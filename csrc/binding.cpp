@@ -4,6 +4,9 @@
 // registered by binding_cuda.cpp, which is only compiled when torch has CUDA.
 #include <torch/library.h>
 
+#include <optional>
+
+#include "binding_4bit.h"
 #include "binding_common.h"
 
 namespace qmuon {
@@ -46,6 +49,28 @@ at::Tensor dequantize_rows_cpu(const at::Tensor& codes, const at::Tensor& absmax
                               });
 }
 
+// Launchers of the 4-bit / dense ops (binding_4bit.h) on the CPU kernels (csrc/cpu/q4_cpu.cpp).
+struct CpuBackend {
+  static constexpr bool kNeedsScratch = false;
+  static void int4(const std::vector<qmuon_q4_tensor>& ts, const qmuon_q4_params& p) {
+    check_cpu(qmuon_cpu_int4_momentum_update(ts.data(), static_cast<int64_t>(ts.size()), p),
+              "int4_momentum_update_multi_");
+  }
+  static void e0m3(const std::vector<qmuon_q4_tensor>& ts, const qmuon_q4_params& p) {
+    check_cpu(qmuon_cpu_e0m3_momentum_update(ts.data(), static_cast<int64_t>(ts.size()), p),
+              "e0m3_momentum_update_multi_");
+  }
+  static void dense(const std::vector<qmuon_dense_tensor>& ts, const qmuon_dense_params& p) {
+    check_cpu(qmuon_cpu_dense_momentum_update(ts.data(), static_cast<int64_t>(ts.size()), p),
+              "dense_momentum_update_multi_");
+  }
+  static void codec(const qmuon_codec_args& a) { check_cpu(qmuon_cpu_codec(&a), "4-bit codec"); }
+};
+
+struct NoGuard {
+  explicit NoGuard(c10::Device) {}
+};
+
 }  // namespace
 }  // namespace qmuon
 
@@ -56,10 +81,12 @@ TORCH_LIBRARY(qmuon_C, m) {
       "bool compute_sumsq=True) -> ()");
   m.def("quantize_rows(Tensor x, int block_size, bool signed, int stream, int row_offset) -> (Tensor, Tensor)");
   m.def("dequantize_rows(Tensor codes, Tensor absmax, int block_size) -> Tensor");
+  QMUON_4BIT_SCHEMAS(m);
 }
 
 TORCH_LIBRARY_IMPL(qmuon_C, CPU, m) {
   m.impl("q8_momentum_update_multi_", &qmuon::q8_momentum_update_multi_cpu);
   m.impl("quantize_rows", &qmuon::quantize_rows_cpu);
   m.impl("dequantize_rows", &qmuon::dequantize_rows_cpu);
+  QMUON_4BIT_IMPLS(m, qmuon::CpuBackend, qmuon::NoGuard);
 }

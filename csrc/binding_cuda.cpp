@@ -7,6 +7,7 @@
 
 #include <optional>
 
+#include "binding_4bit.h"
 #include "binding_common.h"
 
 namespace qmuon {
@@ -55,6 +56,24 @@ at::Tensor dequantize_rows_cuda(const at::Tensor& codes, const at::Tensor& absma
                               });
 }
 
+// Launchers of the 4-bit / dense ops (binding_4bit.h) on the CUDA kernels (csrc/cuda/q4_cuda.cu).
+struct CudaBackend {
+  static constexpr bool kNeedsScratch = true;
+  static void int4(const std::vector<qmuon_q4_tensor>& ts, const qmuon_q4_params& p) {
+    check_cuda(qmuon_cuda_int4_momentum_update(ts.data(), static_cast<int64_t>(ts.size()), p, current_stream()),
+               "int4_momentum_update_multi_");
+  }
+  static void e0m3(const std::vector<qmuon_q4_tensor>& ts, const qmuon_q4_params& p) {
+    check_cuda(qmuon_cuda_e0m3_momentum_update(ts.data(), static_cast<int64_t>(ts.size()), p, current_stream()),
+               "e0m3_momentum_update_multi_");
+  }
+  static void dense(const std::vector<qmuon_dense_tensor>& ts, const qmuon_dense_params& p) {
+    check_cuda(qmuon_cuda_dense_momentum_update(ts.data(), static_cast<int64_t>(ts.size()), p, current_stream()),
+               "dense_momentum_update_multi_");
+  }
+  static void codec(const qmuon_codec_args& a) { check_cuda(qmuon_cuda_codec(&a, current_stream()), "4-bit codec"); }
+};
+
 }  // namespace
 }  // namespace qmuon
 
@@ -62,4 +81,5 @@ TORCH_LIBRARY_IMPL(qmuon_C, CUDA, m) {
   m.impl("q8_momentum_update_multi_", &qmuon::q8_momentum_update_multi_cuda);
   m.impl("quantize_rows", &qmuon::quantize_rows_cuda);
   m.impl("dequantize_rows", &qmuon::dequantize_rows_cuda);
+  QMUON_4BIT_IMPLS(m, qmuon::CudaBackend, c10::cuda::CUDAGuard);
 }

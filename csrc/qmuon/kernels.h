@@ -69,9 +69,108 @@ int qmuon_cuda_dequantize_rows(const void* codes, int64_t codes_rs, int32_t code
 
 const char* qmuon_cuda_error_string(int code);
 
+// ---- 4-bit and dense-format momentum updates (csrc/cpu/q4_cpu.cpp, csrc/cuda/q4_cuda.cu) ----------
+// One matrix of a multi-tensor int4 / e0m3 update. Codes: two 4-bit codes per byte, (rows, ceil(cols/2)).
+typedef struct qmuon_q4_tensor {
+  uint8_t* packed;      // uint8 (rows, ceil(cols / 2)), row stride packed_rs; read, then overwritten
+  void* scales;         // int4: fp32 absmax (rows, ceil(cols / block_size)); e0m3: uint8 UE4M3 (rows, ceil(cols / 16))
+  float* tensor_scale;  // e0m3: the fp32 per-tensor scale (one element; read, then overwritten); int4: NULL
+  void* grad;           // fp32 / bf16 / fp16 (rows, cols), row stride grad_rs; overwritten with the NS input
+  float* sumsq;         // fp32 (rows, ceil(cols / block_size)) contiguous; written (NULL: not computed)
+  float* scratch;       // e0m3 on CUDA: 2 zeroed floats of device memory (amax bits, old scale); else NULL
+  int64_t rows;
+  int64_t cols;
+  int64_t packed_rs;
+  int64_t scales_rs;
+  int64_t grad_rs;
+  int64_t row_offset;   // first row of this matrix in the unsharded matrix (noise index)
+  int64_t stream;       // < 0: nearest rounding; else the 32-bit stochastic-rounding stream
+} qmuon_q4_tensor;
+
+// int4: block_size is the quantization block (even, 2 .. 4096). e0m3: the quantization block is 16 and
+// block_size (a multiple or a divisor of 16, <= 4096) is only the granularity of the sums of squares.
+typedef struct qmuon_q4_params {
+  double beta;
+  int32_t nesterov;
+  int32_t grad_dtype;  // QMUON_FLOAT32 / QMUON_BFLOAT16 / QMUON_FLOAT16
+  int64_t block_size;
+} qmuon_q4_params;
+
+// One matrix of a dense (fp32 / bf16 momentum buffer) update.
+typedef struct qmuon_dense_tensor {
+  void* buf;     // fp32 / bf16 (rows, cols), row stride buf_rs
+  void* grad;    // fp32 / bf16 / fp16 (rows, cols), row stride grad_rs
+  float* sumsq;  // fp32 (rows, ceil(cols / block_size)) contiguous, or NULL
+  int64_t rows;
+  int64_t cols;
+  int64_t buf_rs;
+  int64_t grad_rs;
+  int64_t row_offset;
+  int64_t stream;  // bf16 buffers: stochastic rounding stream (< 0: nearest); ignored for fp32
+} qmuon_dense_tensor;
+
+typedef struct qmuon_dense_params {
+  double beta;
+  int32_t nesterov;
+  int32_t buf_dtype;   // QMUON_FLOAT32 / QMUON_BFLOAT16
+  int32_t grad_dtype;  // QMUON_FLOAT32 / QMUON_BFLOAT16 / QMUON_FLOAT16
+  int64_t block_size;  // 1 .. 4096
+} qmuon_dense_params;
+
+// The standalone 4-bit codecs, on contiguous tensors (the binding makes inputs contiguous and
+// allocates the outputs). Which fields an op reads and writes is listed with its QMUON_CODEC_* id.
+enum qmuon_codec_op {
+  QMUON_CODEC_PACK_INT4 = 1,        // in0 int8 codes (rows, cols) -> out0 uint8 (rows, ceil(cols/2))
+  QMUON_CODEC_UNPACK_INT4 = 2,      // in0 uint8 (rows, ceil(cols/2)) -> out0 int8 (rows, cols)
+  QMUON_CODEC_UE4M3_ENCODE = 3,     // in0 fp32 [numel] -> out0 uint8 [numel]; flag: round up
+  QMUON_CODEC_UE4M3_DECODE = 4,     // in0 uint8 [numel] -> out0 fp32 [numel]
+  QMUON_CODEC_INT4_QUANTIZE = 5,    // in0 fp32 (rows, cols) -> out0 packed, out1 fp32 absmax (rows, nb)
+  QMUON_CODEC_INT4_DEQUANTIZE = 6,  // in0 packed, in1 fp32 absmax -> out0 fp32 (rows, cols)
+  QMUON_CODEC_E0M3_QUANTIZE = 7,    // in0 fp32 -> out0 packed, out1 uint8 scales (rows, ceil(cols/16)),
+                                    //   out2 fp32 tensor scale [1]; flag: two-level
+  QMUON_CODEC_E0M3_DEQUANTIZE = 8,  // in0 packed, in1 uint8 scales, in2 fp32 tensor scale [1] -> out0 fp32
+  QMUON_CODEC_GRID_QUANTIZE = 9,    // in0 fp32 -> out0 packed, out1 uint8 row maxima (rows, ceil(cols/s)),
+                                    //   out2 uint8 column maxima (ceil(rows/s), cols), out3 fp32 scale [1]
+  QMUON_CODEC_GRID_DEQUANTIZE = 10  // in0 packed, in1 row maxima, in2 column maxima, in3 fp32 scale [1] -> out0
+};
+
+typedef struct qmuon_codec_args {
+  int32_t op;          // qmuon_codec_op
+  int32_t flag;
+  const void* in0;
+  const void* in1;
+  const void* in2;
+  const void* in3;
+  void* out0;
+  void* out1;
+  void* out2;
+  void* out3;
+  float* scratch;      // CUDA e0m3 / grid quantize: 1 zeroed float of device memory; else NULL
+  int64_t rows;
+  int64_t cols;        // UE4M3 ops: rows = 1, cols = numel
+  int64_t block_size;  // int4 block / grid tile side
+  int64_t stream;      // < 0: nearest
+  int64_t row_offset;
+} qmuon_codec_args;
+
+int qmuon_cpu_int4_momentum_update(const qmuon_q4_tensor* tensors, int64_t num_tensors, qmuon_q4_params params);
+int qmuon_cpu_e0m3_momentum_update(const qmuon_q4_tensor* tensors, int64_t num_tensors, qmuon_q4_params params);
+int qmuon_cpu_dense_momentum_update(const qmuon_dense_tensor* tensors, int64_t num_tensors,
+                                    qmuon_dense_params params);
+int qmuon_cpu_codec(const qmuon_codec_args* args);
+
+int qmuon_cuda_int4_momentum_update(const qmuon_q4_tensor* tensors, int64_t num_tensors, qmuon_q4_params params,
+                                    void* cuda_stream);
+int qmuon_cuda_e0m3_momentum_update(const qmuon_q4_tensor* tensors, int64_t num_tensors, qmuon_q4_params params,
+                                    void* cuda_stream);
+int qmuon_cuda_dense_momentum_update(const qmuon_dense_tensor* tensors, int64_t num_tensors,
+                                     qmuon_dense_params params, void* cuda_stream);
+int qmuon_cuda_codec(const qmuon_codec_args* args, void* cuda_stream);
+
 // Error codes of the launchers that are not CUDA errors (CUDA's own codes are < 10000).
 #define QMUON_ERR_BAD_DTYPE 10001
 #define QMUON_ERR_BAD_BLOCK_SIZE 10002
+#define QMUON_ERR_BAD_OP 10003
 
 #ifdef __cplusplus
 }  // extern "C"

@@ -75,9 +75,9 @@ _LIB = "qmuon_C"
 _GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _CODE_DTYPES = (torch.int8, torch.uint8)
 
-_CPU_SOURCES = ("binding.cpp", "cpu/q8_cpu.cpp")
-_CUDA_SOURCES = ("binding_cuda.cpp", "cuda/q8_cuda.cu")
-_HEADERS = ("binding_common.h", "qmuon/block_math.h", "qmuon/kernels.h")
+_CPU_SOURCES = ("binding.cpp", "cpu/q8_cpu.cpp", "cpu/q4_cpu.cpp")
+_CUDA_SOURCES = ("binding_cuda.cpp", "cuda/q8_cuda.cu", "cuda/q4_cuda.cu")
+_HEADERS = ("binding_common.h", "binding_4bit.h", "qmuon/block_math.h", "qmuon/block_math_4bit.h", "qmuon/kernels.h")
 
 
 @dataclass(frozen=True)
@@ -332,10 +332,192 @@ def _make_kernels(device_type: str, defaults: dict[str, Callable]) -> dict[str, 
             return torch.ops.qmuon_C.dequantize_rows(codes, absmax, block_size)
         return defaults["dequantize_rows"](codes, absmax, block_size)
 
-    return {
+    kernels = {
         "q8_momentum_update_multi_": q8_momentum_update_multi_,
         "quantize_rows": quantize_rows,
         "dequantize_rows": dequantize_rows,
+    }
+    kernels.update(_make_4bit_kernels(device_type, defaults))
+    return kernels
+
+
+# ---------------------------------------------------------------------------------------------
+# 4-bit and dense-format kernels: "supported?" guards (anything else runs the reference)
+# ---------------------------------------------------------------------------------------------
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+_DENSE_BUF_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _packed_cols(cols: int) -> int:
+    return (cols + 1) // 2
+
+
+def _int4_block_ok(block_size: int) -> bool:
+    # Two codes per byte: an odd block would split a byte between two blocks (two writers).
+    return 2 <= block_size <= MAX_BLOCK_SIZE and block_size % 2 == 0
+
+
+def _e0m3_block_ok(block_size: int) -> bool:
+    # block_size only sets the sums-of-squares granularity; the kernels walk units of max(block_size, 16)
+    # that hold whole 16-element scale blocks and whole sum blocks.
+    return 1 <= block_size <= MAX_BLOCK_SIZE and (block_size % 16 == 0 or 16 % block_size == 0)
+
+
+def _mats_ok(ts, dtypes) -> bool:
+    return all(t.dim() == 2 and t.dtype in dtypes for t in ts)
+
+
+def _lists_ok(n: int, *lists) -> bool:
+    return all(len(x) == n for x in lists)
+
+
+_lerp_fused: dict[str, bool] = {}
+
+
+def _dense_matches_torch(device: torch.device) -> bool:
+    """Whether the compiled dense update reproduces torch's ``lerp`` on this device, bit for bit.
+
+    The fp32 dense format must stay identical to ``torch.optim.Muon`` (``buf.lerp_(grad, 1 - beta)``).
+    torch's CPU lerp kernel computes ``base + coeff * (end - start)`` with one fused multiply-add
+    (vectorized ``fmadd``; its scalar tail is contracted the same way) and its CUDA kernel is
+    contracted by nvcc, and the compiled kernel uses an explicit FMA. A torch build without FMA
+    (an old CPU, ``ATEN_CPU_CAPABILITY=default``) rounds twice; this probe, run once per device type,
+    compares the kernel with the reference on values where the two roundings differ, and the dense
+    ops stay on the reference if they do not agree.
+    """
+    key = device.type
+    if key not in _lerp_fused:
+        from . import reference as ref
+
+        gen = torch.Generator().manual_seed(1234)
+        ok = True
+        for buf_dtype in _DENSE_BUF_DTYPES:
+            buf = torch.randn(5, 333, generator=gen).to(buf_dtype).to(device)
+            grad = torch.randn(5, 333, generator=gen).to(device)
+            r_buf, r_grad = buf.clone(), grad.clone()
+            sums = [torch.empty(5, 2, device=device)]
+            torch.ops.qmuon_C.dense_momentum_update_multi_([buf], [grad], sums, 0.95, True, 256, [-1], [0])
+            ref.dense_momentum_update_(r_buf, r_grad, beta=0.95, nesterov=True, block_size=256)
+            ok = ok and torch.equal(buf.view(torch.int16 if buf_dtype == torch.bfloat16 else torch.int32),
+                                    r_buf.view(torch.int16 if buf_dtype == torch.bfloat16 else torch.int32))
+            ok = ok and torch.equal(grad.view(torch.int32), r_grad.view(torch.int32))
+        _lerp_fused[key] = ok
+        if not ok:
+            warnings.warn(f"qmuon_lightning: this torch build's {key} lerp does not round like the compiled dense "
+                          "update (no FMA); fp32/bf16 momentum uses the pure-PyTorch reference.",
+                          RuntimeWarning, stacklevel=3)
+    return _lerp_fused[key]
+
+
+def _make_4bit_kernels(device_type: str, defaults: dict[str, Callable]) -> dict[str, Callable]:
+    def compiled() -> bool:
+        return _compiled_for(device_type)
+
+    def int4_momentum_update_multi_(packed, absmax, grads, block_sumsq, beta, nesterov, block_size, streams,
+                                    row_offsets):
+        args = (packed, absmax, grads, block_sumsq, beta, nesterov, block_size, streams, row_offsets)
+        if (compiled() and _int4_block_ok(block_size) and _lists_ok(len(packed), absmax, grads, block_sumsq)
+                and _mats_ok(packed, (torch.uint8,)) and _mats_ok(absmax, (torch.float32,))
+                and _mats_ok(grads, _GRAD_DTYPES) and _mats_ok(block_sumsq, (torch.float32,))):
+            torch.ops.qmuon_C.int4_momentum_update_multi_(*args)
+        else:
+            defaults["int4_momentum_update_multi_"](*args)
+
+    def e0m3_momentum_update_multi_(packed, scales, tensor_scales, grads, block_sumsq, beta, nesterov, block_size,
+                                    streams, row_offsets):
+        args = (packed, scales, tensor_scales, grads, block_sumsq, beta, nesterov, block_size, streams, row_offsets)
+        if (compiled() and _e0m3_block_ok(block_size)
+                and _lists_ok(len(packed), scales, tensor_scales, grads, block_sumsq)
+                and _mats_ok(packed, (torch.uint8,)) and _mats_ok(scales, (torch.uint8,))
+                and all(t.dtype == torch.float32 and t.numel() == 1 for t in tensor_scales)
+                and _mats_ok(grads, _GRAD_DTYPES) and _mats_ok(block_sumsq, (torch.float32,))):
+            torch.ops.qmuon_C.e0m3_momentum_update_multi_(*args)
+        else:
+            defaults["e0m3_momentum_update_multi_"](*args)
+
+    def dense_momentum_update_multi_(bufs, grads, block_sumsq, beta, nesterov, block_size, streams, row_offsets):
+        args = (bufs, grads, block_sumsq, beta, nesterov, block_size, streams, row_offsets)
+        if (compiled() and 1 <= block_size <= MAX_BLOCK_SIZE and _lists_ok(len(bufs), grads, block_sumsq)
+                and _mats_ok(bufs, _DENSE_BUF_DTYPES) and _mats_ok(grads, _GRAD_DTYPES)
+                and _mats_ok(block_sumsq, (torch.float32,))
+                and (not bufs or _dense_matches_torch(bufs[0].device))):
+            torch.ops.qmuon_C.dense_momentum_update_multi_(*args)
+        else:
+            defaults["dense_momentum_update_multi_"](*args)
+
+    def pack_int4(codes):
+        if compiled() and codes.dim() == 2 and codes.dtype == torch.int8:
+            return torch.ops.qmuon_C.pack_int4(codes)
+        return defaults["pack_int4"](codes)
+
+    def unpack_int4(packed, cols):
+        if compiled() and packed.dim() == 2 and packed.dtype == torch.uint8 and cols >= 0 \
+                and _packed_cols(cols) == packed.shape[1]:
+            return torch.ops.qmuon_C.unpack_int4(packed, cols)
+        return defaults["unpack_int4"](packed, cols)
+
+    def ue4m3_encode(x, round_up):
+        if compiled() and x.dtype in _FLOAT_DTYPES:
+            return torch.ops.qmuon_C.ue4m3_encode(x, round_up)
+        return defaults["ue4m3_encode"](x, round_up)
+
+    def ue4m3_decode(bits):
+        if compiled() and bits.dtype == torch.uint8:
+            return torch.ops.qmuon_C.ue4m3_decode(bits)
+        return defaults["ue4m3_decode"](bits)
+
+    def int4_quantize(x, block_size, stream, row_offset):
+        if compiled() and x.dim() == 2 and x.dtype in _FLOAT_DTYPES and _int4_block_ok(block_size):
+            return torch.ops.qmuon_C.int4_quantize(x, block_size, stream, row_offset)
+        return defaults["int4_quantize"](x, block_size, stream, row_offset)
+
+    def int4_dequantize(packed, absmax, block_size, cols):
+        if (compiled() and packed.dim() == 2 and packed.dtype == torch.uint8 and absmax.dim() == 2
+                and absmax.dtype == torch.float32 and block_size >= 1 and cols >= 0
+                and _packed_cols(cols) == packed.shape[1]):
+            return torch.ops.qmuon_C.int4_dequantize(packed, absmax, block_size, cols)
+        return defaults["int4_dequantize"](packed, absmax, block_size, cols)
+
+    def e0m3_quantize(x, two_level, stream, row_offset):
+        if compiled() and x.dim() == 2 and x.dtype in _FLOAT_DTYPES:
+            return torch.ops.qmuon_C.e0m3_quantize(x, two_level, stream, row_offset)
+        return defaults["e0m3_quantize"](x, two_level, stream, row_offset)
+
+    def e0m3_dequantize(packed, scales, tensor_scale, cols):
+        if (compiled() and packed.dim() == 2 and packed.dtype == torch.uint8 and scales.dim() == 2
+                and scales.dtype == torch.uint8 and tensor_scale.numel() == 1
+                and tensor_scale.dtype in _FLOAT_DTYPES and tensor_scale.device == packed.device and cols >= 0
+                and _packed_cols(cols) == packed.shape[1]):
+            return torch.ops.qmuon_C.e0m3_dequantize(packed, scales, tensor_scale, cols)
+        return defaults["e0m3_dequantize"](packed, scales, tensor_scale, cols)
+
+    def grid_quantize4(x, grid_block, stream, row_offset):
+        if compiled() and x.dim() == 2 and x.dtype in _FLOAT_DTYPES and grid_block >= 1:
+            return torch.ops.qmuon_C.grid_quantize4(x, grid_block, stream, row_offset)
+        return defaults["grid_quantize4"](x, grid_block, stream, row_offset)
+
+    def grid_dequantize4(packed, row_max, col_max, scale, grid_block, cols):
+        if (compiled() and packed.dim() == 2 and packed.dtype == torch.uint8 and row_max.dtype == torch.uint8
+                and col_max.dtype == torch.uint8 and scale.numel() == 1 and scale.dtype in _FLOAT_DTYPES
+                and scale.device == packed.device and grid_block >= 1 and cols >= 0
+                and _packed_cols(cols) == packed.shape[1]):
+            return torch.ops.qmuon_C.grid_dequantize4(packed, row_max, col_max, scale, grid_block, cols)
+        return defaults["grid_dequantize4"](packed, row_max, col_max, scale, grid_block, cols)
+
+    return {
+        "int4_momentum_update_multi_": int4_momentum_update_multi_,
+        "e0m3_momentum_update_multi_": e0m3_momentum_update_multi_,
+        "dense_momentum_update_multi_": dense_momentum_update_multi_,
+        "pack_int4": pack_int4,
+        "unpack_int4": unpack_int4,
+        "ue4m3_encode": ue4m3_encode,
+        "ue4m3_decode": ue4m3_decode,
+        "int4_quantize": int4_quantize,
+        "int4_dequantize": int4_dequantize,
+        "e0m3_quantize": e0m3_quantize,
+        "e0m3_dequantize": e0m3_dequantize,
+        "grid_quantize4": grid_quantize4,
+        "grid_dequantize4": grid_dequantize4,
     }
 
 
@@ -359,7 +541,8 @@ def register_compiled_kernels(ops: dict[str, Any]) -> None:
     for device_type in device_types:
         kernels = _make_kernels(device_type, defaults)
         for name, op in ops.items():
-            op.register_kernel(device_type, kernels[name])
+            if name in kernels:
+                op.register_kernel(device_type, kernels[name])
     _registered = True
 
 

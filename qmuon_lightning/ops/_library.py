@@ -133,7 +133,7 @@ def _(codes, absmax, block_size):
 
 
 # ----------------------------------------------------------------------------- 4-bit formats
-# Pure-PyTorch references (ops/reference_4bit.py); no compiled kernels yet, so these run everywhere.
+# Pure-PyTorch references (ops/reference_4bit.py); compiled CPU / CUDA kernels (csrc/) register on top.
 from . import reference_4bit as ref4  # noqa: E402
 
 
@@ -329,4 +329,17 @@ _extension.register_compiled_kernels({
     "q8_momentum_update_multi_": q8_momentum_update_multi_,
     "quantize_rows": quantize_rows,
     "dequantize_rows": dequantize_rows,
+    "dense_momentum_update_multi_": dense_momentum_update_multi_,
+    "int4_momentum_update_multi_": int4_momentum_update_multi_,
+    "e0m3_momentum_update_multi_": e0m3_momentum_update_multi_,
+    "pack_int4": pack_int4,
+    "unpack_int4": unpack_int4,
+    "ue4m3_encode": ue4m3_encode,
+    "ue4m3_decode": ue4m3_decode,
+    "int4_quantize": int4_quantize,
+    "int4_dequantize": int4_dequantize,
+    "e0m3_quantize": e0m3_quantize,
+    "e0m3_dequantize": e0m3_dequantize,
+    "grid_quantize4": grid_quantize4,
+    "grid_dequantize4": grid_dequantize4,
 })

@@ -156,7 +156,8 @@ def e0m3_tensor_scale(x: Tensor) -> Tensor:
     """The fp32 per-tensor scale that maps the largest block scale to 448 (0-d; 1 for a zero or
     non-finite tensor)."""
     amax = x.float().abs().amax() if x.numel() else torch.zeros((), device=x.device)
-    t = amax / (QMAX4 * UE4M3_MAX)
+    # A tensor divisor: a Python-scalar divisor becomes a reciprocal multiply on CUDA (other bits).
+    t = amax / torch.full_like(amax, QMAX4 * UE4M3_MAX)
     return torch.where((t > 0) & torch.isfinite(t), t, torch.ones_like(t))
 
 
@@ -215,7 +216,8 @@ def grid_quantize4(
     rows, cols = x.shape
     x = x.float()
     row_max, col_max = _grid_maxima(x, s)
-    t = (x.abs().amax() if x.numel() else torch.zeros((), device=x.device)) / UE4M3_MAX
+    amax = x.abs().amax() if x.numel() else torch.zeros((), device=x.device)
+    t = amax / torch.full_like(amax, UE4M3_MAX)  # true division on every device (see e0m3_tensor_scale)
     t = torch.where((t > 0) & torch.isfinite(t), t, torch.ones_like(t)).reshape(())
     row_bits = ue4m3_encode(row_max / t, round_up=True)
     col_bits = ue4m3_encode(col_max / t, round_up=True)
@@ -231,7 +233,7 @@ def grid_dequantize4(packed: Tensor, row_bits: Tensor, col_bits: Tensor, t: Tens
     c = unpack_int4(packed, cols).float()
     tt = t.float()
     den = _grid_denominator(ue4m3_decode(row_bits) * tt, ue4m3_decode(col_bits) * tt, s, rows, cols)
-    return (c * (den / QMAX4)).contiguous()
+    return (c * (den / torch.full_like(den, QMAX4))).contiguous()
 
 
 # ----------------------------------------------------------------------------- fused updates

@@ -1,0 +1,562 @@
+// CPU kernels of the 4-bit (int4, e0m3, grid) and dense-format (fp32 / bf16) momentum ops: threads
+// over row blocks with at::parallel_for; per-element maths from qmuon/block_math_4bit.h, so the
+// results equal qmuon_lightning/ops/reference_4bit.py (and reference.dense_momentum_update_) bit for
+// bit, sums of squares up to fp32 summation order.
+//
+// e0m3 has one fp32 scale per tensor that depends on the new momentum of the whole tensor, so its
+// update takes two passes: pass 1 recomputes the new momentum block by block only to find its max
+// |m| (nothing written), pass 2 recomputes it again, writes the Newton-Schulz input, the codes and
+// the block scales. The state is not written until pass 2, so both passes read the same old state.
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "qmuon/block_math_4bit.h"
+#include "qmuon/kernels.h"
+
+namespace qmuon {
+namespace {
+
+constexpr int kLanes = 16;
+
+int64_t grain_units(int64_t unit) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(unit, 1)); }
+
+inline float sum_squares(const float* __restrict x, int64_t n) {
+  float acc[kLanes] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    for (int j = 0; j < kLanes; ++j) acc[j] = fadd(acc[j], fmul(x[i + j], x[i + j]));
+  }
+  for (int j = 0; i + j < n; ++j) acc[j] = fadd(acc[j], fmul(x[i + j], x[i + j]));
+  for (int w = kLanes / 2; w > 0; w /= 2) {
+    for (int j = 0; j < w; ++j) acc[j] = fadd(acc[j], acc[j + w]);
+  }
+  return acc[0];
+}
+
+inline uint32_t absmax_bits(const float* __restrict x, int64_t n) {
+  uint32_t m = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t b = abs_bits(x[i]);
+    m = b > m ? b : m;
+  }
+  return m;
+}
+
+inline uint64_t elem_index(int64_t row_offset, int64_t r, int64_t cols, int64_t c) {
+  return static_cast<uint64_t>(row_offset + r) * static_cast<uint64_t>(cols) + static_cast<uint64_t>(c);
+}
+
+// Codes of x[0:n] (scaled by `mul` or divided by `div`, see Scale) packed two per byte into out.
+// `first` is the noise index of x[0]; n may be odd (the last high nibble is 0).
+template <typename CodeFn>
+inline void pack_codes(uint8_t* __restrict out, int64_t n, CodeFn&& code_of) {
+  for (int64_t j = 0; 2 * j < n; ++j) {
+    const uint32_t lo = code_to_nibble(code_of(2 * j));
+    const uint32_t hi = 2 * j + 1 < n ? code_to_nibble(code_of(2 * j + 1)) : 0u;
+    out[j] = pack_nibbles(lo, hi);
+  }
+}
+
+inline float unpacked_code(const uint8_t* __restrict p, int64_t i) {
+  const uint32_t byte = p[i >> 1];
+  return nibble_to_code((i & 1) ? (byte >> 4) : (byte & 15u));
+}
+
+// ---------------------------------------------------------------------------------------------
+// int4 update
+// ---------------------------------------------------------------------------------------------
+template <typename G, bool NESTEROV, bool STOCHASTIC>
+void int4_update_matrix(const qmuon_q4_tensor& t, const MomentumWeights& mw, int64_t bs) {
+  using GS = typename G::storage;
+  const int64_t nb = (t.cols + bs - 1) / bs;
+  const uint32_t stream = static_cast<uint32_t>(t.stream);
+  at::parallel_for(0, t.rows * nb, grain_units(bs), [&](int64_t begin, int64_t end) {
+    alignas(64) float m_new[kMaxBlockSize];
+    alignas(64) float ns[kMaxBlockSize];
+    for (int64_t blk = begin; blk < end; ++blk) {
+      const int64_t r = blk / nb;
+      const int64_t b = blk - r * nb;
+      const int64_t c0 = b * bs;  // even: bs is even
+      const int64_t n = std::min(bs, t.cols - c0);
+      uint8_t* __restrict pk = t.packed + r * t.packed_rs + c0 / 2;
+      GS* __restrict grad = static_cast<GS*>(t.grad) + r * t.grad_rs + c0;
+      float* absmax = static_cast<float*>(t.scales) + r * t.scales_rs + b;
+      const float scale = int4_dequant_scale(*absmax);
+      const MomentumWeights w = mw;
+      for (int64_t i = 0; i < n; ++i) {
+        const float m_old = fmul(unpacked_code(pk, i), scale);
+        const float g = G::load(grad[i]);
+        const float m = lerp(m_old, g, w.to_grad);
+        const float v = NESTEROV ? lerp(g, m, w.to_mom) : m;
+        grad[i] = G::store(v);
+        m_new[i] = m;
+        ns[i] = v;
+      }
+      const float amax = bits_f32(absmax_bits(m_new, n));
+      if (t.sumsq != nullptr) t.sumsq[r * nb + b] = sum_squares(ns, n);
+      *absmax = amax;
+      const float inv = int4_quant_inv(amax);
+      const uint64_t first = elem_index(t.row_offset, r, t.cols, c0);
+      pack_codes(pk, n, [&](int64_t i) {
+        const float u = STOCHASTIC ? uniform_noise(first + static_cast<uint64_t>(i), stream) : 0.0f;
+        return round_code4(fmul(m_new[i], inv), STOCHASTIC, u);
+      });
+    }
+  });
+}
+
+// ---------------------------------------------------------------------------------------------
+// e0m3 update
+// ---------------------------------------------------------------------------------------------
+// Work unit: U = max(block_size, 16) consecutive elements of a row (block_size is a multiple or a
+// divisor of 16, so a unit holds whole 16-element scale blocks and whole sum-of-squares blocks).
+template <typename G, bool NESTEROV>
+inline void e0m3_momentum_unit(const qmuon_q4_tensor& t, const MomentumWeights& w, float t_old, int64_t r,
+                               int64_t c0, int64_t n, float* __restrict m_new, float* __restrict ns) {
+  using GS = typename G::storage;
+  const uint8_t* __restrict pk = t.packed + r * t.packed_rs + c0 / 2;
+  const uint8_t* __restrict sc = static_cast<const uint8_t*>(t.scales) + r * t.scales_rs + c0 / kE0M3Block;
+  const GS* __restrict grad = static_cast<const GS*>(t.grad) + r * t.grad_rs + c0;
+  for (int64_t i = 0; i < n; ++i) {
+    const float step = e0m3_step(sc[i / kE0M3Block], t_old);
+    const float m_old = fmul(unpacked_code(pk, i), step);
+    const float g = G::load(grad[i]);
+    const float m = lerp(m_old, g, w.to_grad);
+    m_new[i] = m;
+    if (ns != nullptr) ns[i] = NESTEROV ? lerp(g, m, w.to_mom) : m;
+  }
+}
+
+template <typename G, bool NESTEROV, bool STOCHASTIC>
+void e0m3_update_matrix(const qmuon_q4_tensor& t, const MomentumWeights& mw, int64_t bs) {
+  using GS = typename G::storage;
+  const int64_t unit = std::max<int64_t>(bs, kE0M3Block);
+  const int64_t nu = (t.cols + unit - 1) / unit;
+  const int64_t nb = (t.cols + bs - 1) / bs;
+  const float t_old = *t.tensor_scale;
+  // Pass 1: max |m_new| over the tensor.
+  const uint32_t amax = at::parallel_reduce(
+      0, t.rows * nu, grain_units(unit), uint32_t{0},
+      [&](int64_t begin, int64_t end, uint32_t acc) {
+        alignas(64) float m_new[kMaxBlockSize];
+        const MomentumWeights w = mw;
+        for (int64_t u = begin; u < end; ++u) {
+          const int64_t r = u / nu;
+          const int64_t c0 = (u - r * nu) * unit;
+          const int64_t n = std::min(unit, t.cols - c0);
+          e0m3_momentum_unit<G, NESTEROV>(t, w, t_old, r, c0, n, m_new, nullptr);
+          const uint32_t m = absmax_bits(m_new, n);
+          acc = m > acc ? m : acc;
+        }
+        return acc;
+      },
+      [](uint32_t a, uint32_t b) { return a > b ? a : b; });
+  const float t_new = e0m3_tensor_scale_from_amax(bits_f32(amax));
+  const uint32_t stream = static_cast<uint32_t>(t.stream);
+  // Pass 2: NS input, sums of squares, codes and block scales at t_new.
+  at::parallel_for(0, t.rows * nu, grain_units(unit), [&](int64_t begin, int64_t end) {
+    alignas(64) float m_new[kMaxBlockSize];
+    alignas(64) float ns[kMaxBlockSize];
+    const MomentumWeights w = mw;
+    for (int64_t u = begin; u < end; ++u) {
+      const int64_t r = u / nu;
+      const int64_t c0 = (u - r * nu) * unit;
+      const int64_t n = std::min(unit, t.cols - c0);
+      e0m3_momentum_unit<G, NESTEROV>(t, w, t_old, r, c0, n, m_new, ns);
+      GS* __restrict grad = static_cast<GS*>(t.grad) + r * t.grad_rs + c0;
+      for (int64_t i = 0; i < n; ++i) grad[i] = G::store(ns[i]);
+      if (t.sumsq != nullptr) {
+        for (int64_t s0 = 0; s0 < n; s0 += bs) t.sumsq[r * nb + (c0 + s0) / bs] = sum_squares(ns + s0, std::min(bs, n - s0));
+      }
+      uint8_t* __restrict pk = t.packed + r * t.packed_rs + c0 / 2;
+      uint8_t* __restrict sc = static_cast<uint8_t*>(t.scales) + r * t.scales_rs + c0 / kE0M3Block;
+      for (int64_t k0 = 0; k0 < n; k0 += kE0M3Block) {
+        const int64_t kn = std::min(kE0M3Block, n - k0);
+        const float* mb = m_new + k0;
+        const uint32_t s_bits = e0m3_scale_bits(bits_f32(absmax_bits(mb, kn)), t_new);
+        sc[k0 / kE0M3Block] = static_cast<uint8_t>(s_bits);
+        const float step = e0m3_step(s_bits, t_new);
+        const uint64_t first = elem_index(t.row_offset, r, t.cols, c0 + k0);
+        pack_codes(pk + k0 / 2, kn, [&](int64_t i) {
+          const float uu = STOCHASTIC ? uniform_noise(first + static_cast<uint64_t>(i), stream) : 0.0f;
+          return e0m3_code(mb[i], step, STOCHASTIC, uu);
+        });
+      }
+    }
+  });
+  *t.tensor_scale = t_new;
+}
+
+// ---------------------------------------------------------------------------------------------
+// dense update
+// ---------------------------------------------------------------------------------------------
+template <typename B, typename G, bool NESTEROV, bool STOCHASTIC>
+void dense_update_matrix(const qmuon_dense_tensor& t, const MomentumWeights& mw, int64_t bs) {
+  using BS = typename B::storage;
+  using GS = typename G::storage;
+  const int64_t nb = (t.cols + bs - 1) / bs;
+  const uint32_t stream = static_cast<uint32_t>(t.stream);
+  at::parallel_for(0, t.rows * nb, grain_units(bs), [&](int64_t begin, int64_t end) {
+    alignas(64) float ns[kMaxBlockSize];
+    const MomentumWeights w = mw;
+    for (int64_t blk = begin; blk < end; ++blk) {
+      const int64_t r = blk / nb;
+      const int64_t b = blk - r * nb;
+      const int64_t c0 = b * bs;
+      const int64_t n = std::min(bs, t.cols - c0);
+      BS* __restrict buf = static_cast<BS*>(t.buf) + r * t.buf_rs + c0;
+      GS* __restrict grad = static_cast<GS*>(t.grad) + r * t.grad_rs + c0;
+      const uint64_t first = elem_index(t.row_offset, r, t.cols, c0);
+      for (int64_t i = 0; i < n; ++i) {
+        const float g = G::load(grad[i]);
+        const float m = fused_lerp(B::load(buf[i]), g, w.to_grad);
+        const float v = NESTEROV ? fused_lerp(g, m, w.to_mom) : m;
+        if (STOCHASTIC) {
+          buf[i] = static_cast<BS>(bf16_stochastic(m, noise_bits16(first + static_cast<uint64_t>(i), stream)));
+        } else {
+          buf[i] = B::store(m);
+        }
+        grad[i] = G::store(v);
+        ns[i] = v;
+      }
+      if (t.sumsq != nullptr) t.sumsq[r * nb + b] = sum_squares(ns, n);
+    }
+  });
+}
+
+// ---------------------------------------------------------------------------------------------
+// dispatch helpers
+// ---------------------------------------------------------------------------------------------
+template <template <typename, bool, bool> class Kernel, typename T, typename... Args>
+int dispatch_g_flags(int32_t grad_dtype, bool nesterov, bool stochastic, const T& t, Args&&... args) {
+  auto run = [&](auto g_tag) -> int {
+    using G = decltype(g_tag);
+    if (nesterov && stochastic) Kernel<G, true, true>::run(t, args...);
+    else if (nesterov) Kernel<G, true, false>::run(t, args...);
+    else if (stochastic) Kernel<G, false, true>::run(t, args...);
+    else Kernel<G, false, false>::run(t, args...);
+    return 0;
+  };
+  switch (grad_dtype) {
+    case QMUON_FLOAT32: return run(F32{});
+    case QMUON_BFLOAT16: return run(BF16{});
+    case QMUON_FLOAT16: return run(F16{});
+    default: return QMUON_ERR_BAD_DTYPE;
+  }
+}
+
+template <typename G, bool N, bool S>
+struct Int4Kernel {
+  static void run(const qmuon_q4_tensor& t, const MomentumWeights& mw, int64_t bs) { int4_update_matrix<G, N, S>(t, mw, bs); }
+};
+template <typename G, bool N, bool S>
+struct E0M3Kernel {
+  static void run(const qmuon_q4_tensor& t, const MomentumWeights& mw, int64_t bs) { e0m3_update_matrix<G, N, S>(t, mw, bs); }
+};
+template <typename G, bool N, bool S>
+struct DenseF32Kernel {  // stochastic rounding does not apply to an fp32 buffer
+  static void run(const qmuon_dense_tensor& t, const MomentumWeights& mw, int64_t bs) {
+    dense_update_matrix<F32, G, N, false>(t, mw, bs);
+  }
+};
+template <typename G, bool N, bool S>
+struct DenseBF16Kernel {
+  static void run(const qmuon_dense_tensor& t, const MomentumWeights& mw, int64_t bs) {
+    dense_update_matrix<BF16, G, N, S>(t, mw, bs);
+  }
+};
+
+// ---------------------------------------------------------------------------------------------
+// standalone codecs
+// ---------------------------------------------------------------------------------------------
+int codec_cpu(const qmuon_codec_args& a) {
+  const int64_t rows = a.rows, cols = a.cols, pc = (cols + 1) / 2;
+  const bool stoch = a.stream >= 0;
+  const uint32_t stream = static_cast<uint32_t>(a.stream);
+  auto noise = [&](int64_t r, int64_t c) {
+    return stoch ? uniform_noise(elem_index(a.row_offset, r, cols, c), stream) : 0.0f;
+  };
+  if (rows <= 0 || cols <= 0) {
+    if (a.op == QMUON_CODEC_E0M3_QUANTIZE || a.op == QMUON_CODEC_GRID_QUANTIZE) {
+      float* ts = static_cast<float*>(a.op == QMUON_CODEC_E0M3_QUANTIZE ? a.out2 : a.out3);
+      *ts = 1.0f;  // the scale of an empty tensor
+    }
+    return 0;
+  }
+  switch (a.op) {
+    case QMUON_CODEC_PACK_INT4: {
+      const int8_t* in = static_cast<const int8_t*>(a.in0);
+      uint8_t* out = static_cast<uint8_t*>(a.out0);
+      at::parallel_for(0, rows, grain_units(cols), [&](int64_t r0, int64_t r1) {
+        for (int64_t r = r0; r < r1; ++r) {
+          const int8_t* c = in + r * cols;
+          for (int64_t j = 0; j < pc; ++j) {
+            const int32_t lo = c[2 * j];
+            const int32_t hi = 2 * j + 1 < cols ? c[2 * j + 1] : 0;
+            const uint32_t nl = static_cast<uint32_t>(lo < 0 ? 8 - lo : lo);
+            const uint32_t nh = static_cast<uint32_t>(hi < 0 ? 8 - hi : hi);
+            out[r * pc + j] = static_cast<uint8_t>((nl | (nh << 4)) & 0xFFu);
+          }
+        }
+      });
+      return 0;
+    }
+    case QMUON_CODEC_UNPACK_INT4: {
+      const uint8_t* in = static_cast<const uint8_t*>(a.in0);
+      int8_t* out = static_cast<int8_t*>(a.out0);
+      at::parallel_for(0, rows, grain_units(cols), [&](int64_t r0, int64_t r1) {
+        for (int64_t r = r0; r < r1; ++r) {
+          for (int64_t c = 0; c < cols; ++c) out[r * cols + c] = static_cast<int8_t>(unpacked_code(in + r * pc, c));
+        }
+      });
+      return 0;
+    }
+    case QMUON_CODEC_UE4M3_ENCODE: {
+      const float* in = static_cast<const float*>(a.in0);
+      uint8_t* out = static_cast<uint8_t*>(a.out0);
+      const bool up = a.flag != 0;
+      at::parallel_for(0, cols, 32768, [&](int64_t i0, int64_t i1) {
+        for (int64_t i = i0; i < i1; ++i) out[i] = static_cast<uint8_t>(ue4m3_encode(in[i], up));
+      });
+      return 0;
+    }
+    case QMUON_CODEC_UE4M3_DECODE: {
+      const uint8_t* in = static_cast<const uint8_t*>(a.in0);
+      float* out = static_cast<float*>(a.out0);
+      at::parallel_for(0, cols, 32768, [&](int64_t i0, int64_t i1) {
+        for (int64_t i = i0; i < i1; ++i) out[i] = ue4m3_decode(in[i]);
+      });
+      return 0;
+    }
+    case QMUON_CODEC_INT4_QUANTIZE: {
+      const int64_t bs = a.block_size, nb = (cols + bs - 1) / bs;
+      const float* x = static_cast<const float*>(a.in0);
+      uint8_t* pk = static_cast<uint8_t*>(a.out0);
+      float* absmax = static_cast<float*>(a.out1);
+      at::parallel_for(0, rows * nb, grain_units(bs), [&](int64_t b0, int64_t b1) {
+        for (int64_t blk = b0; blk < b1; ++blk) {
+          const int64_t r = blk / nb, c0 = (blk - r * nb) * bs, n = std::min(bs, cols - c0);
+          const float* xb = x + r * cols + c0;
+          const float amax = bits_f32(absmax_bits(xb, n));
+          absmax[blk] = amax;
+          const float inv = int4_quant_inv(amax);
+          pack_codes(pk + r * pc + c0 / 2, n,
+                     [&](int64_t i) { return round_code4(fmul(xb[i], inv), stoch, noise(r, c0 + i)); });
+        }
+      });
+      return 0;
+    }
+    case QMUON_CODEC_INT4_DEQUANTIZE: {
+      const int64_t bs = a.block_size, nb = (cols + bs - 1) / bs;
+      const uint8_t* pk = static_cast<const uint8_t*>(a.in0);
+      const float* absmax = static_cast<const float*>(a.in1);
+      float* out = static_cast<float*>(a.out0);
+      at::parallel_for(0, rows * nb, grain_units(bs), [&](int64_t b0, int64_t b1) {
+        for (int64_t blk = b0; blk < b1; ++blk) {
+          const int64_t r = blk / nb, c0 = (blk - r * nb) * bs, n = std::min(bs, cols - c0);
+          const float scale = int4_dequant_scale(absmax[blk]);
+          const uint8_t* p = pk + r * pc;
+          for (int64_t i = c0; i < c0 + n; ++i) out[r * cols + i] = fmul(unpacked_code(p, i), scale);
+        }
+      });
+      return 0;
+    }
+    case QMUON_CODEC_E0M3_QUANTIZE: {
+      const int64_t nb = (cols + kE0M3Block - 1) / kE0M3Block;
+      const float* x = static_cast<const float*>(a.in0);
+      uint8_t* pk = static_cast<uint8_t*>(a.out0);
+      uint8_t* sc = static_cast<uint8_t*>(a.out1);
+      float t = 1.0f;
+      if (a.flag) {
+        const uint32_t amax = at::parallel_reduce(
+            0, rows, grain_units(cols), uint32_t{0},
+            [&](int64_t r0, int64_t r1, uint32_t acc) {
+              for (int64_t r = r0; r < r1; ++r) {
+                const uint32_t m = absmax_bits(x + r * cols, cols);
+                acc = m > acc ? m : acc;
+              }
+              return acc;
+            },
+            [](uint32_t p, uint32_t q) { return p > q ? p : q; });
+        t = e0m3_tensor_scale_from_amax(bits_f32(amax));
+      }
+      *static_cast<float*>(a.out2) = t;
+      at::parallel_for(0, rows * nb, grain_units(kE0M3Block), [&](int64_t b0, int64_t b1) {
+        for (int64_t blk = b0; blk < b1; ++blk) {
+          const int64_t r = blk / nb, c0 = (blk - r * nb) * kE0M3Block, n = std::min(kE0M3Block, cols - c0);
+          const float* xb = x + r * cols + c0;
+          const uint32_t s_bits = e0m3_scale_bits(bits_f32(absmax_bits(xb, n)), t);
+          sc[blk] = static_cast<uint8_t>(s_bits);
+          const float step = e0m3_step(s_bits, t);
+          pack_codes(pk + r * pc + c0 / 2, n,
+                     [&](int64_t i) { return e0m3_code(xb[i], step, stoch, noise(r, c0 + i)); });
+        }
+      });
+      return 0;
+    }
+    case QMUON_CODEC_E0M3_DEQUANTIZE: {
+      const int64_t nb = (cols + kE0M3Block - 1) / kE0M3Block;
+      const uint8_t* pk = static_cast<const uint8_t*>(a.in0);
+      const uint8_t* sc = static_cast<const uint8_t*>(a.in1);
+      const float t = *static_cast<const float*>(a.in2);
+      float* out = static_cast<float*>(a.out0);
+      at::parallel_for(0, rows, grain_units(cols), [&](int64_t r0, int64_t r1) {
+        for (int64_t r = r0; r < r1; ++r) {
+          for (int64_t c = 0; c < cols; ++c) {
+            out[r * cols + c] = fmul(unpacked_code(pk + r * pc, c), e0m3_step(sc[r * nb + c / kE0M3Block], t));
+          }
+        }
+      });
+      return 0;
+    }
+    case QMUON_CODEC_GRID_QUANTIZE: {
+      const int64_t s = a.block_size, nbc = (cols + s - 1) / s, nbr = (rows + s - 1) / s;
+      const float* x = static_cast<const float*>(a.in0);
+      uint8_t* pk = static_cast<uint8_t*>(a.out0);
+      uint8_t* row_bits = static_cast<uint8_t*>(a.out1);
+      uint8_t* col_bits = static_cast<uint8_t*>(a.out2);
+      // The maxima are found as bits (|x| bit order == value order, NaN on top, as torch's amax).
+      const uint32_t amax = at::parallel_reduce(
+          0, rows, grain_units(cols), uint32_t{0},
+          [&](int64_t r0, int64_t r1, uint32_t acc) {
+            for (int64_t r = r0; r < r1; ++r) {
+              const uint32_t m = absmax_bits(x + r * cols, cols);
+              acc = m > acc ? m : acc;
+            }
+            return acc;
+          },
+          [](uint32_t p, uint32_t q) { return p > q ? p : q; });
+      const float t = grid_scale_from_amax(bits_f32(amax));
+      *static_cast<float*>(a.out3) = t;
+      at::parallel_for(0, rows * nbc, grain_units(s), [&](int64_t b0, int64_t b1) {
+        for (int64_t blk = b0; blk < b1; ++blk) {
+          const int64_t r = blk / nbc, c0 = (blk - r * nbc) * s;
+          const float m = bits_f32(absmax_bits(x + r * cols + c0, std::min(s, cols - c0)));
+          row_bits[blk] = static_cast<uint8_t>(ue4m3_encode(fdiv(m, t), true));
+        }
+      });
+      at::parallel_for(0, nbr, 1, [&](int64_t g0, int64_t g1) {
+        std::vector<uint32_t> m(static_cast<size_t>(cols));
+        for (int64_t g = g0; g < g1; ++g) {
+          const int64_t r0 = g * s, r1 = std::min(rows, r0 + s);
+          std::fill(m.begin(), m.end(), 0u);
+          for (int64_t r = r0; r < r1; ++r) {
+            const float* xr = x + r * cols;
+            for (int64_t c = 0; c < cols; ++c) {
+              const uint32_t b = abs_bits(xr[c]);
+              m[c] = b > m[c] ? b : m[c];
+            }
+          }
+          for (int64_t c = 0; c < cols; ++c) {
+            col_bits[g * cols + c] = static_cast<uint8_t>(ue4m3_encode(fdiv(bits_f32(m[c]), t), true));
+          }
+        }
+      });
+      at::parallel_for(0, rows, grain_units(cols), [&](int64_t r0, int64_t r1) {
+        for (int64_t r = r0; r < r1; ++r) {
+          const float* xr = x + r * cols;
+          const uint8_t* rb = row_bits + r * nbc;
+          const uint8_t* cb = col_bits + (r / s) * cols;
+          pack_codes(pk + r * pc, cols, [&](int64_t c) {
+            return grid_code(xr[c], grid_den(rb[c / s], cb[c], t), stoch, noise(r, c));
+          });
+        }
+      });
+      return 0;
+    }
+    case QMUON_CODEC_GRID_DEQUANTIZE: {
+      const int64_t s = a.block_size, nbc = (cols + s - 1) / s;
+      const uint8_t* pk = static_cast<const uint8_t*>(a.in0);
+      const uint8_t* rb = static_cast<const uint8_t*>(a.in1);
+      const uint8_t* cb = static_cast<const uint8_t*>(a.in2);
+      const float t = *static_cast<const float*>(a.in3);
+      float* out = static_cast<float*>(a.out0);
+      at::parallel_for(0, rows, grain_units(cols), [&](int64_t r0, int64_t r1) {
+        for (int64_t r = r0; r < r1; ++r) {
+          for (int64_t c = 0; c < cols; ++c) {
+            out[r * cols + c] = grid_dequant(unpacked_code(pk + r * pc, c),
+                                             grid_den(rb[r * nbc + c / s], cb[(r / s) * cols + c], t));
+          }
+        }
+      });
+      return 0;
+    }
+    default: return QMUON_ERR_BAD_OP;
+  }
+}
+
+}  // namespace
+}  // namespace qmuon
+
+extern "C" int qmuon_cpu_int4_momentum_update(const qmuon_q4_tensor* tensors, int64_t num_tensors,
+                                              qmuon_q4_params params) {
+  using namespace qmuon;
+  const int64_t bs = params.block_size;
+  if (bs < 2 || bs > kMaxBlockSize || bs % 2 != 0) return QMUON_ERR_BAD_BLOCK_SIZE;
+  const MomentumWeights mw = make_momentum_weights(params.beta);
+  for (int64_t i = 0; i < num_tensors; ++i) {
+    const qmuon_q4_tensor& t = tensors[i];
+    if (t.rows <= 0 || t.cols <= 0) continue;
+    const int err = dispatch_g_flags<Int4Kernel>(params.grad_dtype, params.nesterov != 0, t.stream >= 0, t, mw, bs);
+    if (err) return err;
+  }
+  return 0;
+}
+
+extern "C" int qmuon_cpu_e0m3_momentum_update(const qmuon_q4_tensor* tensors, int64_t num_tensors,
+                                              qmuon_q4_params params) {
+  using namespace qmuon;
+  const int64_t bs = params.block_size;
+  if (bs < 1 || bs > kMaxBlockSize || (bs % kE0M3Block != 0 && kE0M3Block % bs != 0)) return QMUON_ERR_BAD_BLOCK_SIZE;
+  const MomentumWeights mw = make_momentum_weights(params.beta);
+  for (int64_t i = 0; i < num_tensors; ++i) {
+    const qmuon_q4_tensor& t = tensors[i];
+    if (t.rows <= 0 || t.cols <= 0) {
+      // The reference's scale of an empty tensor is 1.
+      if (t.tensor_scale != nullptr) *t.tensor_scale = 1.0f;
+      continue;
+    }
+    const int err = dispatch_g_flags<E0M3Kernel>(params.grad_dtype, params.nesterov != 0, t.stream >= 0, t, mw, bs);
+    if (err) return err;
+  }
+  return 0;
+}
+
+extern "C" int qmuon_cpu_dense_momentum_update(const qmuon_dense_tensor* tensors, int64_t num_tensors,
+                                               qmuon_dense_params params) {
+  using namespace qmuon;
+  const int64_t bs = params.block_size;
+  if (bs < 1 || bs > kMaxBlockSize) return QMUON_ERR_BAD_BLOCK_SIZE;
+  const MomentumWeights mw = make_momentum_weights(params.beta);
+  for (int64_t i = 0; i < num_tensors; ++i) {
+    const qmuon_dense_tensor& t = tensors[i];
+    if (t.rows <= 0 || t.cols <= 0) continue;
+    int err = 0;
+    const bool nest = params.nesterov != 0, stoch = t.stream >= 0;
+    switch (params.buf_dtype) {
+      case QMUON_FLOAT32: err = dispatch_g_flags<DenseF32Kernel>(params.grad_dtype, nest, stoch, t, mw, bs); break;
+      case QMUON_BFLOAT16: err = dispatch_g_flags<DenseBF16Kernel>(params.grad_dtype, nest, stoch, t, mw, bs); break;
+      default: err = QMUON_ERR_BAD_DTYPE;
+    }
+    if (err) return err;
+  }
+  return 0;
+}
+
+extern "C" int qmuon_cpu_codec(const qmuon_codec_args* args) {
+  if (args == nullptr) return QMUON_ERR_BAD_OP;
+  const qmuon_codec_args& a = *args;
+  // int4_quantize packs a block's codes into whole bytes: an even block size (dequantize takes any).
+  if (a.op == QMUON_CODEC_INT4_QUANTIZE &&
+      (a.block_size < 2 || a.block_size > qmuon::kMaxBlockSize || a.block_size % 2 != 0)) {
+    return QMUON_ERR_BAD_BLOCK_SIZE;
+  }
+  if (a.op == QMUON_CODEC_INT4_DEQUANTIZE && a.block_size < 1) return QMUON_ERR_BAD_BLOCK_SIZE;
+  if ((a.op == QMUON_CODEC_GRID_QUANTIZE || a.op == QMUON_CODEC_GRID_DEQUANTIZE) && a.block_size < 1) {
+    return QMUON_ERR_BAD_BLOCK_SIZE;
+  }
+  return qmuon::codec_cpu(a);
+}

@@ -1,0 +1,662 @@
+// CUDA kernels of the 4-bit (int4, e0m3, grid) and dense-format (fp32 / bf16) momentum ops. No torch
+// headers: raw pointers and a cudaStream_t through the C ABI in qmuon/kernels.h (called by
+// csrc/binding_cuda.cpp via binding_4bit.h). All fp32 maths comes from qmuon/block_math_4bit.h
+// (__fmul_rn & co., __fmaf_rn for the dense lerp; built with --fmad=false), so results equal the
+// reference bit for bit; sums of squares are reduced in a fixed order (warp shuffles).
+//
+// int4 update: one warp per row block, as the 8-bit kernel; each lane owns whole bytes (two
+//   consecutive elements), keeps the new momentum in shared memory, warp-reduces absmax and the sum
+//   of squares, then requantizes the bytes it read.
+// e0m3 update: the per-tensor scale depends on the new momentum of the whole tensor, so per matrix:
+//   pass 1 (read-only) recomputes the new momentum and atomically maxes |m| into device scratch,
+//   pass 2 recomputes it, writes the NS input, codes and block scales at the new tensor scale and
+//   the tensor scale itself. One warp per unit of max(block_size, 16) elements; a lane owns whole
+//   16-element scale blocks.
+// dense update: one warp per row block (sum of squares by warp shuffles).
+// codecs: simple grid-stride kernels (conversion / checkpoint paths, not the step).
+#include <cuda_runtime.h>
+
+#include <stdint.h>
+
+#include "qmuon/block_math_4bit.h"
+#include "qmuon/kernels.h"
+
+namespace qmuon {
+namespace cuda4 {
+
+constexpr int kWarp = 32;
+constexpr int kWarpsPerCta = 8;
+constexpr int kSmemBudgetFloats = 8192;
+
+__device__ __forceinline__ uint32_t warp_max_u32(uint32_t v) {
+  for (int o = kWarp / 2; o > 0; o /= 2) {
+    const uint32_t w = __shfl_xor_sync(0xFFFFFFFFu, v, o);
+    v = w > v ? w : v;
+  }
+  return v;
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+  for (int o = kWarp / 2; o > 0; o /= 2) v = fadd(v, __shfl_xor_sync(0xFFFFFFFFu, v, o));
+  return v;
+}
+
+__device__ __forceinline__ uint64_t elem_index(int64_t row_offset, int64_t r, int64_t cols, int64_t c) {
+  return static_cast<uint64_t>(row_offset + r) * static_cast<uint64_t>(cols) + static_cast<uint64_t>(c);
+}
+
+__device__ __forceinline__ float unpacked_code(const uint8_t* p, int64_t i) {
+  const uint32_t byte = p[i >> 1];
+  return nibble_to_code((i & 1) ? (byte >> 4) : (byte & 15u));
+}
+
+inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+inline int launch_error() { return static_cast<int>(cudaGetLastError()); }
+
+// ---------------------------------------------------------------------------------------------
+// int4 update
+// ---------------------------------------------------------------------------------------------
+template <typename G>
+__global__ void int4_update_kernel(const qmuon_q4_tensor t, const MomentumWeights mw, const int nesterov,
+                                   const int64_t bs, const int warps_per_cta) {
+  using GS = typename G::storage;
+  extern __shared__ float smem[];
+  const int warp = threadIdx.x / kWarp;
+  const int lane = threadIdx.x % kWarp;
+  const int64_t nb = (t.cols + bs - 1) / bs;
+  const int64_t g = static_cast<int64_t>(blockIdx.x) * warps_per_cta + warp;
+  if (g >= t.rows * nb) return;  // the whole warp leaves together
+  const int64_t r = g / nb;
+  const int64_t b = g - r * nb;
+  const int64_t c0 = b * bs;  // even
+  const int n = static_cast<int>(min(bs, t.cols - c0));
+  uint8_t* pk = t.packed + r * t.packed_rs + c0 / 2;
+  GS* grad = static_cast<GS*>(t.grad) + r * t.grad_rs + c0;
+  float* absmax = static_cast<float*>(t.scales) + r * t.scales_rs + b;
+  float* m_new = smem + static_cast<int64_t>(warp) * bs;
+  const bool stochastic = t.stream >= 0;
+  const uint32_t stream = static_cast<uint32_t>(t.stream);
+  const float scale = int4_dequant_scale(*absmax);
+  uint32_t amax_bits = 0;
+  float ss = 0.0f;
+  for (int j = lane; 2 * j < n; j += kWarp) {
+    const uint32_t byte = pk[j];
+#pragma unroll
+    for (int k = 0; k < 2; ++k) {
+      const int i = 2 * j + k;
+      if (i < n) {
+        const float m_old = fmul(nibble_to_code(k ? (byte >> 4) : (byte & 15u)), scale);
+        const float gv = G::load(grad[i]);
+        const float m = lerp(m_old, gv, mw.to_grad);
+        const float v = nesterov ? lerp(gv, m, mw.to_mom) : m;
+        grad[i] = G::store(v);
+        m_new[i] = m;
+        const uint32_t ab = abs_bits(m);
+        amax_bits = ab > amax_bits ? ab : amax_bits;
+        ss = fadd(ss, fmul(v, v));
+      }
+    }
+  }
+  const float amax = bits_f32(warp_max_u32(amax_bits));
+  ss = warp_sum(ss);
+  const float inv = int4_quant_inv(amax);
+  const uint64_t first = elem_index(t.row_offset, r, t.cols, c0);
+  for (int j = lane; 2 * j < n; j += kWarp) {
+    const int i = 2 * j;
+    const float u0 = stochastic ? uniform_noise(first + i, stream) : 0.0f;
+    const uint32_t lo = code_to_nibble(round_code4(fmul(m_new[i], inv), stochastic, u0));
+    uint32_t hi = 0;
+    if (i + 1 < n) {
+      const float u1 = stochastic ? uniform_noise(first + i + 1, stream) : 0.0f;
+      hi = code_to_nibble(round_code4(fmul(m_new[i + 1], inv), stochastic, u1));
+    }
+    pk[j] = pack_nibbles(lo, hi);
+  }
+  if (lane == 0) {
+    *absmax = amax;
+    if (t.sumsq != nullptr) t.sumsq[r * nb + b] = ss;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// e0m3 update
+// ---------------------------------------------------------------------------------------------
+// New momentum (and NS input) of the 16-element scale block k0.. of row r; returns the count.
+template <typename G>
+__device__ __forceinline__ int e0m3_sub_block(const qmuon_q4_tensor& t, const MomentumWeights& mw, int nesterov,
+                                              float t_old, int64_t r, int64_t c, float m[16], float v[16]) {
+  using GS = typename G::storage;
+  const int n = static_cast<int>(min(static_cast<int64_t>(kE0M3Block), t.cols - c));
+  const uint8_t* pk = t.packed + r * t.packed_rs + c / 2;
+  const float step = e0m3_step(static_cast<const uint8_t*>(t.scales)[r * t.scales_rs + c / kE0M3Block], t_old);
+  const GS* grad = static_cast<const GS*>(t.grad) + r * t.grad_rs + c;
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    if (i < n) {
+      const float gv = G::load(grad[i]);
+      m[i] = lerp(fmul(unpacked_code(pk, i), step), gv, mw.to_grad);
+      v[i] = nesterov ? lerp(gv, m[i], mw.to_mom) : m[i];
+    }
+  }
+  return n;
+}
+
+template <typename G>
+__global__ void e0m3_pass1_kernel(const qmuon_q4_tensor t, const MomentumWeights mw, const int nesterov,
+                                  const int64_t unit) {
+  const int warp = threadIdx.x / kWarp;
+  const int lane = threadIdx.x % kWarp;
+  const int64_t nu = (t.cols + unit - 1) / unit;
+  const int64_t g = static_cast<int64_t>(blockIdx.x) * kWarpsPerCta + warp;
+  if (blockIdx.x == 0 && threadIdx.x == 0) t.scratch[1] = *t.tensor_scale;  // pass 2 reads the old scale here
+  if (g >= t.rows * nu) return;
+  const float t_old = *t.tensor_scale;
+  const int64_t r = g / nu;
+  const int64_t c0 = (g - r * nu) * unit;
+  const int64_t n = min(unit, t.cols - c0);
+  uint32_t amax_bits = 0;
+  for (int64_t k = static_cast<int64_t>(lane) * kE0M3Block; k < n; k += kWarp * kE0M3Block) {
+    float m[16], v[16];
+    const int cnt = e0m3_sub_block<G>(t, mw, 0, t_old, r, c0 + k, m, v);
+    for (int i = 0; i < cnt; ++i) {
+      const uint32_t ab = abs_bits(m[i]);
+      amax_bits = ab > amax_bits ? ab : amax_bits;
+    }
+  }
+  amax_bits = warp_max_u32(amax_bits);
+  if (lane == 0) atomicMax(reinterpret_cast<unsigned int*>(t.scratch), amax_bits);
+}
+
+template <typename G>
+__global__ void e0m3_pass2_kernel(const qmuon_q4_tensor t, const MomentumWeights mw, const int nesterov,
+                                  const int64_t unit, const int64_t bs) {
+  using GS = typename G::storage;
+  const int warp = threadIdx.x / kWarp;
+  const int lane = threadIdx.x % kWarp;
+  const int64_t nu = (t.cols + unit - 1) / unit;
+  const int64_t nb = (t.cols + bs - 1) / bs;
+  const int64_t g = static_cast<int64_t>(blockIdx.x) * kWarpsPerCta + warp;
+  const float t_old = t.scratch[1];
+  const float t_new = e0m3_tensor_scale_from_amax(t.scratch[0]);  // the max |m| bits, read as a float
+  if (blockIdx.x == 0 && threadIdx.x == 0) *t.tensor_scale = t_new;
+  if (g >= t.rows * nu) return;
+  const int64_t r = g / nu;
+  const int64_t c0 = (g - r * nu) * unit;
+  const int64_t n = min(unit, t.cols - c0);
+  const bool stochastic = t.stream >= 0;
+  const uint32_t stream = static_cast<uint32_t>(t.stream);
+  float ss = 0.0f;  // bs >= 16: the unit is one sum block
+  for (int64_t k = static_cast<int64_t>(lane) * kE0M3Block; k < n; k += kWarp * kE0M3Block) {
+    float m[16], v[16];
+    const int64_t c = c0 + k;
+    const int cnt = e0m3_sub_block<G>(t, mw, nesterov, t_old, r, c, m, v);
+    GS* grad = static_cast<GS*>(t.grad) + r * t.grad_rs + c;
+    uint32_t amax_bits = 0;
+    for (int i = 0; i < cnt; ++i) {
+      grad[i] = G::store(v[i]);
+      const uint32_t ab = abs_bits(m[i]);
+      amax_bits = ab > amax_bits ? ab : amax_bits;
+    }
+    if (bs >= kE0M3Block) {
+      for (int i = 0; i < cnt; ++i) ss = fadd(ss, fmul(v[i], v[i]));
+    } else if (t.sumsq != nullptr) {  // several sum blocks inside this 16-element block
+      for (int s0 = 0; s0 < cnt; s0 += static_cast<int>(bs)) {
+        float s = 0.0f;
+        for (int i = s0; i < cnt && i < s0 + bs; ++i) s = fadd(s, fmul(v[i], v[i]));
+        t.sumsq[r * nb + (c + s0) / bs] = s;
+      }
+    }
+    const uint32_t s_bits = e0m3_scale_bits(bits_f32(amax_bits), t_new);
+    static_cast<uint8_t*>(t.scales)[r * t.scales_rs + c / kE0M3Block] = static_cast<uint8_t>(s_bits);
+    const float step = e0m3_step(s_bits, t_new);
+    const uint64_t first = elem_index(t.row_offset, r, t.cols, c);
+    uint8_t* pk = t.packed + r * t.packed_rs + c / 2;
+    for (int i = 0; i < cnt; i += 2) {
+      const float u0 = stochastic ? uniform_noise(first + i, stream) : 0.0f;
+      const uint32_t lo = code_to_nibble(e0m3_code(m[i], step, stochastic, u0));
+      uint32_t hi = 0;
+      if (i + 1 < cnt) {
+        const float u1 = stochastic ? uniform_noise(first + i + 1, stream) : 0.0f;
+        hi = code_to_nibble(e0m3_code(m[i + 1], step, stochastic, u1));
+      }
+      pk[i / 2] = pack_nibbles(lo, hi);
+    }
+  }
+  if (bs >= kE0M3Block) {
+    ss = warp_sum(ss);
+    if (lane == 0 && t.sumsq != nullptr) t.sumsq[r * nb + c0 / bs] = ss;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// dense update
+// ---------------------------------------------------------------------------------------------
+template <typename B, typename G>
+__global__ void dense_update_kernel(const qmuon_dense_tensor t, const MomentumWeights mw, const int nesterov,
+                                    const int64_t bs) {
+  using BS = typename B::storage;
+  using GS = typename G::storage;
+  const int warp = threadIdx.x / kWarp;
+  const int lane = threadIdx.x % kWarp;
+  const int64_t nb = (t.cols + bs - 1) / bs;
+  const int64_t g = static_cast<int64_t>(blockIdx.x) * kWarpsPerCta + warp;
+  if (g >= t.rows * nb) return;
+  const int64_t r = g / nb;
+  const int64_t b = g - r * nb;
+  const int64_t c0 = b * bs;
+  const int n = static_cast<int>(min(bs, t.cols - c0));
+  BS* buf = static_cast<BS*>(t.buf) + r * t.buf_rs + c0;
+  GS* grad = static_cast<GS*>(t.grad) + r * t.grad_rs + c0;
+  const bool stochastic = sizeof(BS) == 2 && t.stream >= 0;
+  const uint32_t stream = static_cast<uint32_t>(t.stream);
+  const uint64_t first = elem_index(t.row_offset, r, t.cols, c0);
+  float ss = 0.0f;
+  for (int i = lane; i < n; i += kWarp) {
+    const float gv = G::load(grad[i]);
+    const float m = fused_lerp(B::load(buf[i]), gv, mw.to_grad);
+    const float v = nesterov ? fused_lerp(gv, m, mw.to_mom) : m;
+    if (stochastic) {
+      buf[i] = static_cast<BS>(bf16_stochastic(m, noise_bits16(first + i, stream)));
+    } else {
+      buf[i] = B::store(m);
+    }
+    grad[i] = G::store(v);
+    ss = fadd(ss, fmul(v, v));
+  }
+  ss = warp_sum(ss);
+  if (lane == 0 && t.sumsq != nullptr) t.sumsq[r * nb + b] = ss;
+}
+
+// ---------------------------------------------------------------------------------------------
+// codecs
+// ---------------------------------------------------------------------------------------------
+#define QMUON_GRID_STRIDE(i, n) \
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < (n); \
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+
+__global__ void pack_int4_kernel(const int8_t* in, uint8_t* out, int64_t rows, int64_t cols) {
+  const int64_t pc = (cols + 1) / 2;
+  QMUON_GRID_STRIDE(idx, rows * pc) {
+    const int64_t r = idx / pc, j = idx - r * pc;
+    const int32_t lo = in[r * cols + 2 * j];
+    const int32_t hi = 2 * j + 1 < cols ? in[r * cols + 2 * j + 1] : 0;
+    const uint32_t nl = static_cast<uint32_t>(lo < 0 ? 8 - lo : lo);
+    const uint32_t nh = static_cast<uint32_t>(hi < 0 ? 8 - hi : hi);
+    out[idx] = static_cast<uint8_t>((nl | (nh << 4)) & 0xFFu);
+  }
+}
+
+__global__ void unpack_int4_kernel(const uint8_t* in, int8_t* out, int64_t rows, int64_t cols) {
+  const int64_t pc = (cols + 1) / 2;
+  QMUON_GRID_STRIDE(idx, rows * cols) {
+    const int64_t r = idx / cols, c = idx - r * cols;
+    out[idx] = static_cast<int8_t>(unpacked_code(in + r * pc, c));
+  }
+}
+
+__global__ void ue4m3_encode_kernel(const float* in, uint8_t* out, int64_t n, int round_up) {
+  QMUON_GRID_STRIDE(i, n) { out[i] = static_cast<uint8_t>(ue4m3_encode(in[i], round_up != 0)); }
+}
+
+__global__ void ue4m3_decode_kernel(const uint8_t* in, float* out, int64_t n) {
+  QMUON_GRID_STRIDE(i, n) { out[i] = ue4m3_decode(in[i]); }
+}
+
+// Max |x| over the whole matrix into scratch (as bits).
+__global__ void amax_kernel(const float* x, int64_t n, float* scratch) {
+  uint32_t m = 0;
+  QMUON_GRID_STRIDE(i, n) {
+    const uint32_t b = abs_bits(x[i]);
+    m = b > m ? b : m;
+  }
+  m = warp_max_u32(m);
+  if (threadIdx.x % kWarp == 0) atomicMax(reinterpret_cast<unsigned int*>(scratch), m);
+}
+
+// int4_quantize: one thread per (row, block) — codes of a block are whole bytes (even block size).
+__global__ void int4_quantize_kernel(const float* x, uint8_t* pk, float* absmax, int64_t rows, int64_t cols,
+                                     int64_t bs, int64_t stream, int64_t row_offset) {
+  const int64_t nb = (cols + bs - 1) / bs, pc = (cols + 1) / 2;
+  QMUON_GRID_STRIDE(blk, rows * nb) {
+    const int64_t r = blk / nb, c0 = (blk - r * nb) * bs, n = min(bs, cols - c0);
+    const float* xb = x + r * cols + c0;
+    uint32_t m = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      const uint32_t b = abs_bits(xb[i]);
+      m = b > m ? b : m;
+    }
+    const float amax = bits_f32(m);
+    absmax[blk] = amax;
+    const float inv = int4_quant_inv(amax);
+    const bool st = stream >= 0;
+    const uint64_t first = elem_index(row_offset, r, cols, c0);
+    for (int64_t i = 0; i < n; i += 2) {
+      const uint32_t lo = code_to_nibble(
+          round_code4(fmul(xb[i], inv), st, st ? uniform_noise(first + i, static_cast<uint32_t>(stream)) : 0.0f));
+      uint32_t hi = 0;
+      if (i + 1 < n) {
+        hi = code_to_nibble(round_code4(fmul(xb[i + 1], inv), st,
+                                        st ? uniform_noise(first + i + 1, static_cast<uint32_t>(stream)) : 0.0f));
+      }
+      pk[r * pc + (c0 + i) / 2] = pack_nibbles(lo, hi);
+    }
+  }
+}
+
+__global__ void int4_dequantize_kernel(const uint8_t* pk, const float* absmax, float* out, int64_t rows, int64_t cols,
+                                       int64_t bs) {
+  const int64_t nb = (cols + bs - 1) / bs, pc = (cols + 1) / 2;
+  QMUON_GRID_STRIDE(idx, rows * cols) {
+    const int64_t r = idx / cols, c = idx - r * cols;
+    out[idx] = fmul(unpacked_code(pk + r * pc, c), int4_dequant_scale(absmax[r * nb + c / bs]));
+  }
+}
+
+// e0m3_quantize: one thread per 16-element block; the tensor scale comes from scratch (two-level).
+__global__ void e0m3_quantize_kernel(const float* x, uint8_t* pk, uint8_t* sc, float* t_out, const float* scratch,
+                                     int64_t rows, int64_t cols, int two_level, int64_t stream, int64_t row_offset) {
+  const int64_t nb = (cols + kE0M3Block - 1) / kE0M3Block, pc = (cols + 1) / 2;
+  const float t = two_level ? e0m3_tensor_scale_from_amax(scratch[0]) : 1.0f;
+  if (blockIdx.x == 0 && threadIdx.x == 0) *t_out = t;
+  const bool st = stream >= 0;
+  QMUON_GRID_STRIDE(blk, rows * nb) {
+    const int64_t r = blk / nb, c0 = (blk - r * nb) * kE0M3Block, n = min(static_cast<int64_t>(kE0M3Block), cols - c0);
+    const float* xb = x + r * cols + c0;
+    uint32_t m = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      const uint32_t b = abs_bits(xb[i]);
+      m = b > m ? b : m;
+    }
+    const uint32_t s_bits = e0m3_scale_bits(bits_f32(m), t);
+    sc[blk] = static_cast<uint8_t>(s_bits);
+    const float step = e0m3_step(s_bits, t);
+    const uint64_t first = elem_index(row_offset, r, cols, c0);
+    for (int64_t i = 0; i < n; i += 2) {
+      const uint32_t lo = code_to_nibble(
+          e0m3_code(xb[i], step, st, st ? uniform_noise(first + i, static_cast<uint32_t>(stream)) : 0.0f));
+      uint32_t hi = 0;
+      if (i + 1 < n) {
+        hi = code_to_nibble(
+            e0m3_code(xb[i + 1], step, st, st ? uniform_noise(first + i + 1, static_cast<uint32_t>(stream)) : 0.0f));
+      }
+      pk[r * pc + (c0 + i) / 2] = pack_nibbles(lo, hi);
+    }
+  }
+}
+
+__global__ void e0m3_dequantize_kernel(const uint8_t* pk, const uint8_t* sc, const float* t, float* out, int64_t rows,
+                                       int64_t cols) {
+  const int64_t nb = (cols + kE0M3Block - 1) / kE0M3Block, pc = (cols + 1) / 2;
+  const float ts = *t;
+  QMUON_GRID_STRIDE(idx, rows * cols) {
+    const int64_t r = idx / cols, c = idx - r * cols;
+    out[idx] = fmul(unpacked_code(pk + r * pc, c), e0m3_step(sc[r * nb + c / kE0M3Block], ts));
+  }
+}
+
+// Grid maxima: thread per (row, column tile) and per (row tile, column).
+__global__ void grid_maxima_kernel(const float* x, uint8_t* row_bits, uint8_t* col_bits, float* t_out,
+                                   const float* scratch, int64_t rows, int64_t cols, int64_t s) {
+  const int64_t nbc = (cols + s - 1) / s, nbr = (rows + s - 1) / s;
+  const float t = grid_scale_from_amax(scratch[0]);
+  if (blockIdx.x == 0 && threadIdx.x == 0) *t_out = t;
+  QMUON_GRID_STRIDE(idx, rows * nbc + nbr * cols) {
+    uint32_t m = 0;
+    if (idx < rows * nbc) {
+      const int64_t r = idx / nbc, c0 = (idx - r * nbc) * s, c1 = min(cols, c0 + s);
+      for (int64_t c = c0; c < c1; ++c) {
+        const uint32_t b = abs_bits(x[r * cols + c]);
+        m = b > m ? b : m;
+      }
+      row_bits[idx] = static_cast<uint8_t>(ue4m3_encode(fdiv(bits_f32(m), t), true));
+    } else {
+      const int64_t j = idx - rows * nbc, gr = j / cols, c = j - gr * cols, r0 = gr * s, r1 = min(rows, r0 + s);
+      for (int64_t r = r0; r < r1; ++r) {
+        const uint32_t b = abs_bits(x[r * cols + c]);
+        m = b > m ? b : m;
+      }
+      col_bits[j] = static_cast<uint8_t>(ue4m3_encode(fdiv(bits_f32(m), t), true));
+    }
+  }
+}
+
+__global__ void grid_codes_kernel(const float* x, const uint8_t* row_bits, const uint8_t* col_bits, const float* t_in,
+                                  uint8_t* pk, int64_t rows, int64_t cols, int64_t s, int64_t stream,
+                                  int64_t row_offset) {
+  const int64_t nbc = (cols + s - 1) / s, pc = (cols + 1) / 2;
+  const float t = *t_in;
+  const bool st = stream >= 0;
+  QMUON_GRID_STRIDE(idx, rows * pc) {
+    const int64_t r = idx / pc, c = 2 * (idx - r * pc);
+    const uint64_t first = elem_index(row_offset, r, cols, c);
+    const float d0 = grid_den(row_bits[r * nbc + c / s], col_bits[(r / s) * cols + c], t);
+    const uint32_t lo = code_to_nibble(
+        grid_code(x[r * cols + c], d0, st, st ? uniform_noise(first, static_cast<uint32_t>(stream)) : 0.0f));
+    uint32_t hi = 0;
+    if (c + 1 < cols) {
+      const float d1 = grid_den(row_bits[r * nbc + (c + 1) / s], col_bits[(r / s) * cols + c + 1], t);
+      hi = code_to_nibble(grid_code(x[r * cols + c + 1], d1, st,
+                                    st ? uniform_noise(first + 1, static_cast<uint32_t>(stream)) : 0.0f));
+    }
+    pk[idx] = pack_nibbles(lo, hi);
+  }
+}
+
+__global__ void grid_dequantize_kernel(const uint8_t* pk, const uint8_t* row_bits, const uint8_t* col_bits,
+                                       const float* t_in, float* out, int64_t rows, int64_t cols, int64_t s) {
+  const int64_t nbc = (cols + s - 1) / s, pc = (cols + 1) / 2;
+  const float t = *t_in;
+  QMUON_GRID_STRIDE(idx, rows * cols) {
+    const int64_t r = idx / cols, c = idx - r * cols;
+    out[idx] = grid_dequant(unpacked_code(pk + r * pc, c),
+                            grid_den(row_bits[r * nbc + c / s], col_bits[(r / s) * cols + c], t));
+  }
+}
+
+constexpr int kThreads = 256;
+
+inline unsigned grid_for(int64_t n) {
+  const int64_t g = ceil_div(n < 1 ? 1 : n, kThreads);
+  return static_cast<unsigned>(g > 65535 * 16 ? 65535 * 16 : g);
+}
+
+// ---------------------------------------------------------------------------------------------
+// launchers
+// ---------------------------------------------------------------------------------------------
+template <template <typename> class Launch, typename... Args>
+int dispatch_grad(int32_t grad_dtype, Args&&... args) {
+  switch (grad_dtype) {
+    case QMUON_FLOAT32: return Launch<F32>::run(args...);
+    case QMUON_BFLOAT16: return Launch<BF16>::run(args...);
+    case QMUON_FLOAT16: return Launch<F16>::run(args...);
+    default: return QMUON_ERR_BAD_DTYPE;
+  }
+}
+
+template <typename G>
+struct Int4Launch {
+  static int run(const qmuon_q4_tensor* ts, int64_t num, const qmuon_q4_params& p, cudaStream_t s) {
+    const MomentumWeights mw = make_momentum_weights(p.beta);
+    const int64_t bs = p.block_size;
+    int64_t w = kSmemBudgetFloats / bs;
+    const int warps = static_cast<int>(w < 1 ? 1 : (w > kWarpsPerCta ? kWarpsPerCta : w));
+    const size_t smem = static_cast<size_t>(warps) * static_cast<size_t>(bs) * sizeof(float);
+    for (int64_t i = 0; i < num; ++i) {
+      const qmuon_q4_tensor& t = ts[i];
+      if (t.rows <= 0 || t.cols <= 0) continue;
+      const int64_t blocks = t.rows * ceil_div(t.cols, bs);
+      const int64_t grid = ceil_div(blocks, warps);
+      if (grid > 0x7FFFFFFFLL) return cudaErrorInvalidConfiguration;
+      int4_update_kernel<G><<<static_cast<unsigned>(grid), warps * kWarp, smem, s>>>(t, mw, p.nesterov, bs, warps);
+      const int err = launch_error();
+      if (err) return err;
+    }
+    return 0;
+  }
+};
+
+template <typename G>
+struct E0M3Launch {
+  static int run(const qmuon_q4_tensor* ts, int64_t num, const qmuon_q4_params& p, cudaStream_t s) {
+    const MomentumWeights mw = make_momentum_weights(p.beta);
+    const int64_t bs = p.block_size;
+    const int64_t unit = bs > kE0M3Block ? bs : kE0M3Block;
+    for (int64_t i = 0; i < num; ++i) {
+      const qmuon_q4_tensor& t = ts[i];
+      if (t.rows <= 0 || t.cols <= 0) continue;
+      if (t.scratch == nullptr) return QMUON_ERR_BAD_OP;
+      const int64_t grid = ceil_div(t.rows * ceil_div(t.cols, unit), kWarpsPerCta);
+      if (grid > 0x7FFFFFFFLL) return cudaErrorInvalidConfiguration;
+      e0m3_pass1_kernel<G><<<static_cast<unsigned>(grid), kWarpsPerCta * kWarp, 0, s>>>(t, mw, p.nesterov, unit);
+      int err = launch_error();
+      if (err) return err;
+      e0m3_pass2_kernel<G><<<static_cast<unsigned>(grid), kWarpsPerCta * kWarp, 0, s>>>(t, mw, p.nesterov, unit, bs);
+      err = launch_error();
+      if (err) return err;
+    }
+    return 0;
+  }
+};
+
+template <typename B>
+struct DenseLaunchB {
+  template <typename G>
+  struct For {
+    static int run(const qmuon_dense_tensor* ts, int64_t num, const qmuon_dense_params& p, cudaStream_t s) {
+      const MomentumWeights mw = make_momentum_weights(p.beta);
+      for (int64_t i = 0; i < num; ++i) {
+        const qmuon_dense_tensor& t = ts[i];
+        if (t.rows <= 0 || t.cols <= 0) continue;
+        const int64_t grid = ceil_div(t.rows * ceil_div(t.cols, p.block_size), kWarpsPerCta);
+        if (grid > 0x7FFFFFFFLL) return cudaErrorInvalidConfiguration;
+        dense_update_kernel<B, G><<<static_cast<unsigned>(grid), kWarpsPerCta * kWarp, 0, s>>>(t, mw, p.nesterov,
+                                                                                            p.block_size);
+        const int err = launch_error();
+        if (err) return err;
+      }
+      return 0;
+    }
+  };
+};
+
+template <typename G>
+using DenseF32Launch = DenseLaunchB<F32>::For<G>;
+template <typename G>
+using DenseBF16Launch = DenseLaunchB<BF16>::For<G>;
+
+int codec(const qmuon_codec_args& a, cudaStream_t s) {
+  const int64_t rows = a.rows, cols = a.cols;
+  if (rows <= 0 || cols <= 0) return 0;
+  switch (a.op) {
+    case QMUON_CODEC_PACK_INT4:
+      pack_int4_kernel<<<grid_for(rows * ceil_div(cols, 2)), kThreads, 0, s>>>(
+          static_cast<const int8_t*>(a.in0), static_cast<uint8_t*>(a.out0), rows, cols);
+      return launch_error();
+    case QMUON_CODEC_UNPACK_INT4:
+      unpack_int4_kernel<<<grid_for(rows * cols), kThreads, 0, s>>>(static_cast<const uint8_t*>(a.in0),
+                                                                    static_cast<int8_t*>(a.out0), rows, cols);
+      return launch_error();
+    case QMUON_CODEC_UE4M3_ENCODE:
+      ue4m3_encode_kernel<<<grid_for(cols), kThreads, 0, s>>>(static_cast<const float*>(a.in0),
+                                                              static_cast<uint8_t*>(a.out0), cols, a.flag);
+      return launch_error();
+    case QMUON_CODEC_UE4M3_DECODE:
+      ue4m3_decode_kernel<<<grid_for(cols), kThreads, 0, s>>>(static_cast<const uint8_t*>(a.in0),
+                                                              static_cast<float*>(a.out0), cols);
+      return launch_error();
+    case QMUON_CODEC_INT4_QUANTIZE:
+      if (a.block_size < 2 || a.block_size % 2 != 0) return QMUON_ERR_BAD_BLOCK_SIZE;
+      int4_quantize_kernel<<<grid_for(rows * ceil_div(cols, a.block_size)), kThreads, 0, s>>>(
+          static_cast<const float*>(a.in0), static_cast<uint8_t*>(a.out0), static_cast<float*>(a.out1), rows, cols,
+          a.block_size, a.stream, a.row_offset);
+      return launch_error();
+    case QMUON_CODEC_INT4_DEQUANTIZE:
+      if (a.block_size < 1) return QMUON_ERR_BAD_BLOCK_SIZE;
+      int4_dequantize_kernel<<<grid_for(rows * cols), kThreads, 0, s>>>(
+          static_cast<const uint8_t*>(a.in0), static_cast<const float*>(a.in1), static_cast<float*>(a.out0), rows,
+          cols, a.block_size);
+      return launch_error();
+    case QMUON_CODEC_E0M3_QUANTIZE: {
+      if (a.scratch == nullptr) return QMUON_ERR_BAD_OP;
+      if (a.flag) {
+        amax_kernel<<<grid_for(rows * cols), kThreads, 0, s>>>(static_cast<const float*>(a.in0), rows * cols,
+                                                               a.scratch);
+        const int err = launch_error();
+        if (err) return err;
+      }
+      e0m3_quantize_kernel<<<grid_for(rows * ceil_div(cols, kE0M3Block)), kThreads, 0, s>>>(
+          static_cast<const float*>(a.in0), static_cast<uint8_t*>(a.out0), static_cast<uint8_t*>(a.out1),
+          static_cast<float*>(a.out2), a.scratch, rows, cols, a.flag, a.stream, a.row_offset);
+      return launch_error();
+    }
+    case QMUON_CODEC_E0M3_DEQUANTIZE:
+      e0m3_dequantize_kernel<<<grid_for(rows * cols), kThreads, 0, s>>>(
+          static_cast<const uint8_t*>(a.in0), static_cast<const uint8_t*>(a.in1), static_cast<const float*>(a.in2),
+          static_cast<float*>(a.out0), rows, cols);
+      return launch_error();
+    case QMUON_CODEC_GRID_QUANTIZE: {
+      if (a.scratch == nullptr || a.block_size < 1) return QMUON_ERR_BAD_OP;
+      const int64_t sb = a.block_size;
+      const float* x = static_cast<const float*>(a.in0);
+      amax_kernel<<<grid_for(rows * cols), kThreads, 0, s>>>(x, rows * cols, a.scratch);
+      int err = launch_error();
+      if (err) return err;
+      grid_maxima_kernel<<<grid_for(rows * ceil_div(cols, sb) + ceil_div(rows, sb) * cols), kThreads, 0, s>>>(
+          x, static_cast<uint8_t*>(a.out1), static_cast<uint8_t*>(a.out2), static_cast<float*>(a.out3), a.scratch,
+          rows, cols, sb);
+      err = launch_error();
+      if (err) return err;
+      grid_codes_kernel<<<grid_for(rows * ceil_div(cols, 2)), kThreads, 0, s>>>(
+          x, static_cast<const uint8_t*>(a.out1), static_cast<const uint8_t*>(a.out2),
+          static_cast<const float*>(a.out3), static_cast<uint8_t*>(a.out0), rows, cols, sb, a.stream, a.row_offset);
+      return launch_error();
+    }
+    case QMUON_CODEC_GRID_DEQUANTIZE:
+      if (a.block_size < 1) return QMUON_ERR_BAD_BLOCK_SIZE;
+      grid_dequantize_kernel<<<grid_for(rows * cols), kThreads, 0, s>>>(
+          static_cast<const uint8_t*>(a.in0), static_cast<const uint8_t*>(a.in1), static_cast<const uint8_t*>(a.in2),
+          static_cast<const float*>(a.in3), static_cast<float*>(a.out0), rows, cols, a.block_size);
+      return launch_error();
+    default: return QMUON_ERR_BAD_OP;
+  }
+}
+
+}  // namespace cuda4
+}  // namespace qmuon
+
+using namespace qmuon::cuda4;
+
+extern "C" int qmuon_cuda_int4_momentum_update(const qmuon_q4_tensor* tensors, int64_t num_tensors,
+                                               qmuon_q4_params params, void* cuda_stream) {
+  const int64_t bs = params.block_size;
+  if (bs < 2 || bs > qmuon::kMaxBlockSize || bs % 2 != 0) return QMUON_ERR_BAD_BLOCK_SIZE;
+  return dispatch_grad<Int4Launch>(params.grad_dtype, tensors, num_tensors, params,
+                                   static_cast<cudaStream_t>(cuda_stream));
+}
+
+extern "C" int qmuon_cuda_e0m3_momentum_update(const qmuon_q4_tensor* tensors, int64_t num_tensors,
+                                               qmuon_q4_params params, void* cuda_stream) {
+  const int64_t bs = params.block_size;
+  if (bs < 1 || bs > qmuon::kMaxBlockSize || (bs % qmuon::kE0M3Block != 0 && qmuon::kE0M3Block % bs != 0)) {
+    return QMUON_ERR_BAD_BLOCK_SIZE;
+  }
+  return dispatch_grad<E0M3Launch>(params.grad_dtype, tensors, num_tensors, params,
+                                   static_cast<cudaStream_t>(cuda_stream));
+}
+
+extern "C" int qmuon_cuda_dense_momentum_update(const qmuon_dense_tensor* tensors, int64_t num_tensors,
+                                                qmuon_dense_params params, void* cuda_stream) {
+  if (params.block_size < 1 || params.block_size > qmuon::kMaxBlockSize) return QMUON_ERR_BAD_BLOCK_SIZE;
+  const cudaStream_t s = static_cast<cudaStream_t>(cuda_stream);
+  switch (params.buf_dtype) {
+    case QMUON_FLOAT32: return dispatch_grad<DenseF32Launch>(params.grad_dtype, tensors, num_tensors, params, s);
+    case QMUON_BFLOAT16: return dispatch_grad<DenseBF16Launch>(params.grad_dtype, tensors, num_tensors, params, s);
+    default: return QMUON_ERR_BAD_DTYPE;
+  }
+}
+
+extern "C" int qmuon_cuda_codec(const qmuon_codec_args* args, void* cuda_stream) {
+  if (args == nullptr) return QMUON_ERR_BAD_OP;
+  return qmuon::cuda4::codec(*args, static_cast<cudaStream_t>(cuda_stream));
+}
