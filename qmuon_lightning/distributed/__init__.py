@@ -1,0 +1,32 @@
+"""Sharded QMuon: FSDP2 (DTensor ``Shard(0)``) parameters, distributed Newton-Schulz, checkpoints.
+
+Nothing here needs to be called by hand: after ``fully_shard(model)``, ``QMuon(...)`` /
+``qmuon_lightning.build_optimizer(model, ...)`` see DTensor parameters and
+
+* keep each rank's momentum (codes and scales) for its own rows, stored as ``Shard(0)`` DTensors
+  (:mod:`.sharding`), so ``torch.distributed.checkpoint`` saves and reshards it;
+* orthogonalize every whole matrix on one rank, about ``1/N`` of the matrices per rank, moving
+  rows with compact carriers (:mod:`.orthogonalize`, :mod:`.carrier`);
+* report bytes moved per step in ``opt.comm_stats`` / ``opt.comm_bytes_last_step``.
+
+:mod:`.checkpoint` gathers / scatters a consolidated (full) optimizer state dict.
+"""
+
+from .carrier import CARRIERS, RETURN_CARRIERS, get_carrier
+from .checkpoint import full_state_dict, load_full_state_dict
+from .orthogonalize import ShardedStep, plan_owners
+from .sharding import SUPPORTED_SHARDED_FORMATS, RowLayout, global_row_offset, row_layout
+
+__all__ = [
+    "CARRIERS",
+    "RETURN_CARRIERS",
+    "SUPPORTED_SHARDED_FORMATS",
+    "RowLayout",
+    "ShardedStep",
+    "full_state_dict",
+    "get_carrier",
+    "global_row_offset",
+    "load_full_state_dict",
+    "plan_owners",
+    "row_layout",
+]

@@ -1,0 +1,82 @@
+"""Run a function in N fresh processes joined in a gloo process group (tests of sharded QMuon).
+
+``run_workers(fn, world_size, **kwargs)`` spawns ``world_size`` processes (the ``spawn`` start
+method, so no state leaks from the pytest process), initializes ``torch.distributed`` with gloo
+through a FileStore in a private temporary directory (no TCP port to guess), sets one intra-op
+thread per worker, calls ``fn(rank, world_size, **kwargs)`` and returns every rank's return value
+(passed back with ``torch.save``). A worker that raises fails the call with its traceback; a
+worker that hangs (a collective nobody answers) is killed after ``timeout`` seconds and the call
+raises ``TimeoutError`` instead of blocking the test run. ``fn`` must be importable by the child
+(a module-level function of a test module: pytest's ``prepend`` import mode puts tests/ on
+``sys.path``, which the spawn start method passes on).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import shutil
+import tempfile
+import time
+import traceback
+from typing import Any, Callable
+
+import torch
+import torch.multiprocessing as mp
+
+
+def _entry(fn: Callable[..., Any], rank: int, world_size: int, tmp: str, kwargs: dict[str, Any]) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group(
+            "gloo", init_method=f"file://{os.path.join(tmp, 'store')}", rank=rank, world_size=world_size,
+            timeout=datetime.timedelta(seconds=kwargs.pop("_collective_timeout", 60)),
+        )
+        out = fn(rank, world_size, **kwargs)
+        torch.save(out, os.path.join(tmp, f"result{rank}.pt"))
+        dist.barrier()
+        dist.destroy_process_group()
+    except BaseException:
+        with open(os.path.join(tmp, f"error{rank}.txt"), "w") as f:
+            f.write(traceback.format_exc())
+        os._exit(1)
+
+
+def run_workers(fn: Callable[..., Any], world_size: int = 2, timeout: float = 150.0, **kwargs: Any) -> list[Any]:
+    """``[fn(rank, world_size, **kwargs) for rank in range(world_size)]``, each in its own process."""
+    tmp = tempfile.mkdtemp(prefix="qmuon_dist_")
+    ctx = mp.get_context("spawn")
+    kwargs = dict(kwargs, _collective_timeout=max(30, int(timeout) - 10))
+    procs = [ctx.Process(target=_entry, args=(fn, r, world_size, tmp, dict(kwargs)), daemon=True)
+             for r in range(world_size)]
+    try:
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout
+        while any(p.is_alive() for p in procs):
+            if any(p.exitcode not in (None, 0) for p in procs) or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        hung = [r for r, p in enumerate(procs) if p.is_alive()]
+        errors = []
+        for r in range(world_size):
+            path = os.path.join(tmp, f"error{r}.txt")
+            if os.path.exists(path):
+                with open(path) as f:
+                    errors.append(f"--- rank {r} ---\n{f.read()}")
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join(5)
+        if errors:
+            raise RuntimeError("worker failed:\n" + "\n".join(errors))
+        if hung:
+            raise TimeoutError(f"ranks {hung} still running after {timeout:.0f} s (a collective hung?)")
+        bad = [r for r, p in enumerate(procs) if p.exitcode != 0]
+        if bad:
+            raise RuntimeError(f"ranks {bad} exited with codes {[procs[r].exitcode for r in bad]}")
+        return [torch.load(os.path.join(tmp, f"result{r}.pt"), weights_only=False) for r in range(world_size)]
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
