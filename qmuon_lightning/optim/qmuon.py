@@ -45,11 +45,30 @@ DEFAULT_NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 _ROUNDING = ("nearest", "stochastic")
 _NONFINITE = ("skip", "raise")
 _NS_INPUT = ("bf16", "mxfp8")
+# Carriers of the distributed Newton-Schulz exchange (sharded parameters only); must equal
+# qmuon_lightning.distributed.carrier.CARRIERS / RETURN_CARRIERS (a test checks).
+_COMM_CARRIERS = ("bf16", "int8", "mxfp8")
+_COMM_RETURN = ("bf16", "int8")
 _ADJUST_LR = (None, "original", "match_rms_adamw")
 # Keys that describe how a group is built, not how it is tuned: on load_state_dict the
 # constructed optimizer's values win over the checkpoint's (torch would silently take the saved ones).
 _STRUCTURAL_KEYS = ("use_muon", "state_format", "block_size", "rank", "grid_block", "rounding", "seed", "parts",
                     "nonfinite", "ns_input")
+
+
+def _is_dtensor(t: Any) -> bool:
+    """Whether ``t`` is a DTensor (FSDP2 parameter or gradient), without importing torch.distributed
+    on builds that lack it."""
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def _local(t: Tensor) -> Tensor:
+    """The local shard of a DTensor (a view of its storage), or ``t`` itself."""
+    return t.to_local() if _is_dtensor(t) else t
 
 
 def adjusted_lr(lr: float, adjust_lr_fn: str | None, rows: int, cols: int) -> float:
@@ -124,6 +143,12 @@ class QMuon(Optimizer):
             what a receiver of the carrier would (:mod:`qmuon_lightning.quant.mxfp8`). Like
             ``rounding``, the constructed value wins over a checkpoint's on ``load_state_dict``.
         adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: defaults for AdamW groups.
+        comm_carrier, comm_return: sharded (FSDP2 / DTensor ``Shard(0)``) parameters only: how the
+            distributed Newton-Schulz moves NS inputs to the rank that orthogonalizes a matrix
+            (``"int8"`` row-block absmax codes, ``"bf16"``, ``"mxfp8"``) and results back
+            (``"int8"``, ``"bf16"``); see :mod:`qmuon_lightning.distributed`. ``"bf16"`` both ways
+            reproduces single-process QMuon exactly; the int8 default moves 2.03 bytes per element
+            both ways instead of 4. Bytes per step: :attr:`comm_bytes_last_step`, :attr:`comm_stats`.
     """
 
     def __init__(
@@ -150,7 +175,20 @@ class QMuon(Optimizer):
         adamw_betas: tuple[float, float] = (0.9, 0.999),
         adamw_eps: float = 1e-8,
         adamw_weight_decay: float = 1e-2,
+        comm_carrier: str = "int8",
+        comm_return: str = "int8",
     ) -> None:
+        if comm_carrier not in _COMM_CARRIERS or comm_return not in _COMM_RETURN:
+            raise ValueError(
+                f"QMuon: comm_carrier must be one of {_COMM_CARRIERS} and comm_return one of {_COMM_RETURN}, "
+                f"got comm_carrier={comm_carrier!r}, comm_return={comm_return!r}"
+            )
+        #: Carriers of the distributed Newton-Schulz exchange (sharded parameters only).
+        self.comm_carrier, self.comm_return = comm_carrier, comm_return
+        #: Bytes this rank sent to other ranks in the last step (sharded parameters; 0 otherwise).
+        self.comm_bytes_last_step = 0
+        #: Per-step communication figures for logging (empty until a sharded step ran).
+        self.comm_stats: dict[str, float] = {}
         self._adamw_defaults = {
             "lr": adamw_lr,
             "betas": tuple(adamw_betas),
@@ -269,19 +307,34 @@ class QMuon(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        updatable = self._updatable_params()  # raises before anything changes (nonfinite="raise")
+        sharded = self._sharded_step()  # None unless a parameter is a DTensor (FSDP2)
+        updatable = self._updatable_params(sharded)  # raises before anything changes (nonfinite="raise")
         ns_queue: dict[tuple, list[_NSItem]] = defaultdict(list)
         key = 0
         for group, idx in zip(self.param_groups, updatable):
             if group["use_muon"]:
-                self._muon_momentum_step(group, idx, key, ns_queue)
+                self._muon_momentum_step(group, idx, key, ns_queue, sharded)
             else:
                 self._adamw_step(group, idx)
             key += len(group["params"])
         self._orthogonalize_and_apply(ns_queue)
+        if sharded is not None:
+            sharded.finish()  # distributed Newton-Schulz (collective: every rank, same items)
         return loss
 
-    def _updatable_params(self) -> list[list[int]]:
+    def _sharded_step(self) -> Any:
+        """The distributed driver for this step when some parameter is a DTensor, else ``None``.
+
+        The import is lazy: ``optim`` only reaches into ``qmuon_lightning.distributed`` once
+        sharded parameters are seen (FSDP2 / Accelerate may replace parameters after construction).
+        """
+        if not any(_is_dtensor(p) for g in self.param_groups for p in g["params"]):
+            return None
+        from ..distributed.orthogonalize import ShardedStep
+
+        return ShardedStep(self)
+
+    def _updatable_params(self, sharded: Any = None) -> list[list[int]]:
         """Per group, indices of parameters with a finite gradient.
 
         One fused L2-norm reduction over every gradient of every group (NaN/Inf propagate; the
@@ -297,28 +350,31 @@ class QMuon(Optimizer):
                 if p.grad.is_sparse:
                     raise RuntimeError("QMuon does not support sparse gradients")
                 where.append((gi, i))
-                grads.append(p.grad)
+                grads.append(_local(p.grad))
         out: list[list[int]] = [[] for _ in self.param_groups]
-        if not grads:
+        if not grads and sharded is None:
             return out
         # The L2 norm is the fast fused reduction (the inf-norm is several times slower on CPU); it
         # propagates NaN/Inf but can overflow for huge finite gradients, so only tensors whose L2 norm
         # is not finite are re-checked with the exact max-abs.
-        l2 = torch._foreach_norm(grads, 2.0)
-        finite = torch.stack([n.float() for n in l2]).isfinite().tolist()
+        l2 = torch._foreach_norm(grads, 2.0) if grads else []
+        finite = torch.stack([n.float() for n in l2]).isfinite().tolist() if grads else []
         suspects = [j for j, ok in enumerate(finite) if not ok]
         if suspects:
             amax = torch._foreach_norm([grads[j] for j in suspects], float("inf"))
             for j, a in zip(suspects, amax):
                 finite[j] = bool(a.float().isfinite())
+        if sharded is not None:  # one all-reduce: every rank skips / updates the same sharded parameters
+            where, finite = sharded.agree_on_updates(where, finite)
         bad_by_policy: dict[str, list[str]] = defaultdict(list)
-        for (gi, i), ok, g in zip(where, finite, grads):
+        for (gi, i), ok in zip(where, finite):
             if ok:
                 out[gi].append(i)
                 continue
             group = self.param_groups[gi]
             names = group.get("param_names")
-            label = repr(names[i]) if names else f"param group {gi} parameter #{i} (shape {tuple(g.shape)})"
+            shape = tuple(group["params"][i].shape)
+            label = repr(names[i]) if names else f"param group {gi} parameter #{i} (shape {shape})"
             bad_by_policy[group.get("nonfinite", "skip")].append(label)
         if bad_by_policy.get("raise"):
             raise FloatingPointError(
@@ -333,12 +389,17 @@ class QMuon(Optimizer):
 
     @staticmethod
     def _row_offset(p: Tensor) -> int:
-        """Global index of the first local row (used by stochastic-rounding noise). Plain tensors
-        hold all rows; sharded parameters override this in the distributed layer."""
-        return 0
+        """Global index of the first local row (used by stochastic-rounding noise, so a shard
+        draws the noise of the unsharded matrix). Plain tensors hold all rows."""
+        if not _is_dtensor(p):
+            return 0
+        from ..distributed.sharding import global_row_offset
+
+        return global_row_offset(p)
 
     def _muon_momentum_step(
-        self, group: dict[str, Any], idx: list[int], key0: int, ns_queue: dict[tuple, list[_NSItem]]
+        self, group: dict[str, Any], idx: list[int], key0: int, ns_queue: dict[tuple, list[_NSItem]],
+        sharded: Any = None,
     ) -> None:
         if not idx:
             return
@@ -350,16 +411,19 @@ class QMuon(Optimizer):
         stochastic = group["rounding"] == "stochastic"
         grads2d, states, streams, offsets = [], [], [], []
         for p, k in zip(params, keys):
-            rows = p.shape[0]
-            cols = p.numel() // rows
+            grad = _local(p.grad)  # DTensor (FSDP2): this rank's rows; state is built from them
+            rows = grad.shape[0]
+            cols = math.prod(p.shape[1:])
             st = self.state[p]
             if not st:
-                st.update(qstate.init_momentum_state(fmt.name, rows, cols, opts=opts, device=p.device))
+                st.update(qstate.init_momentum_state(fmt.name, rows, cols, opts=opts, device=grad.device))
+                if sharded is not None and _is_dtensor(p):
+                    sharded.init_state(p, st)  # Shard(0) DTensors with the global shape (for DCP)
             st["step"] += 1
             # A 2-D view when the layout allows; otherwise a copy that is written back below.
-            g2 = p.grad.view(rows, cols) if p.grad.is_contiguous() else p.grad.reshape(rows, cols)
+            g2 = grad.view(rows, cols) if grad.is_contiguous() else grad.reshape(rows, cols)
             grads2d.append(g2)
-            states.append(st)
+            states.append({k_: _local(v) for k_, v in st.items()} if sharded is not None else st)
             streams.append(ref.noise_stream(group["seed"], int(st["step"].item()), k) if stochastic else -1)
             offsets.append(self._row_offset(p))
         beta, nesterov = float(group["momentum"]), bool(group["nesterov"])
@@ -373,9 +437,14 @@ class QMuon(Optimizer):
         lr, wd = float(group["lr"]), float(group["weight_decay"])
         parts = group["parts"]
         for p, g2, sums in zip(params, grads2d, block_sums):
-            if g2.data_ptr() != p.grad.data_ptr():
-                p.grad.copy_(g2.view(p.grad.shape))  # keep the contract: .grad holds the NS input
-            p.mul_(1.0 - lr * wd)
+            grad = _local(p.grad)
+            if g2.data_ptr() != grad.data_ptr():
+                grad.copy_(g2.view(grad.shape))  # keep the contract: .grad holds the NS input
+            p_local = _local(p)
+            p_local.mul_(1.0 - lr * wd)
+            if sharded is not None and _is_dtensor(p):
+                sharded.add(p, p_local, g2, sums, group)  # whole-matrix NS across ranks, after all groups
+                continue
             bounds = [0]
             for n in parts or (p.shape[0],):
                 bounds.append(bounds[-1] + n)
@@ -484,19 +553,30 @@ class QMuon(Optimizer):
                 for pid, p in zip(saved["params"], cur["params"]):
                     if pid in saved_state:
                         where = f"param group {gi}, param id {pid}"
-                        muon_state.append((p, self._convert_muon_state(saved_state[pid], saved, cur, p, where)))
+                        src, like = saved_state[pid], p
+                        if _is_dtensor(p):  # sharded: validate and convert this rank's rows only
+                            from ..distributed.sharding import localize_loaded_state
+
+                            src = localize_loaded_state(src, p, where)
+                            like = torch.empty((_local(p).shape[0], *p.shape[1:]), device="meta")
+                        muon_state.append((p, self._convert_muon_state(src, saved, cur, like, where)))
                         del new_state[pid]
             new_groups.append(merged)
         super().load_state_dict({"state": new_state, "param_groups": new_groups})
         for p, st in muon_state:
-            self.state[p] = {k: v.to(device=p.device, copy=True) if k != "step" else v.clone() for k, v in st.items()}
+            new = {k: v.to(device=p.device, copy=True) if k != "step" else v.clone() for k, v in st.items()}
+            if _is_dtensor(p):
+                from ..distributed.sharding import shard_state
+
+                shard_state(p, new)
+            self.state[p] = new
 
     @staticmethod
     def _convert_muon_state(
         st: dict[str, Any], saved_group: dict[str, Any], cur: dict[str, Any], p: Tensor, where: str
     ) -> dict[str, Any]:
         rows = p.shape[0]
-        cols = p.numel() // rows
+        cols = math.prod(p.shape[1:])
         found = qstate.detect_state_format(st)
         saved_fmt = saved_group.get("state_format", found)
         if saved_fmt != found:
