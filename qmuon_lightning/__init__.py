@@ -9,9 +9,19 @@ from importlib.metadata import PackageNotFoundError, version
 
 from .optim import GraspMuon, QMuon, RoutingRule, build_optimizer, route_parameters
 
+# Registers Trainer(strategy="qmuon_fsdp") and its presets in Lightning's StrategyRegistry (Lightning
+# has no entry points for strategies). Without Lightning installed the optimizers still import.
+try:
+    from .strategies import QMuonFSDPStrategy
+except ModuleNotFoundError as _e:  # pragma: no cover - lightning is a declared dependency
+    if not (_e.name or "").startswith("lightning"):
+        raise
+
 try:
     __version__ = version("qmuon-lightning")
 except PackageNotFoundError:  # running from a source tree without install
     __version__ = "0.0.0+source"
 
-__all__ = ["QMuon", "GraspMuon", "RoutingRule", "build_optimizer", "route_parameters", "__version__"]
+__all__ = [
+    "QMuon", "GraspMuon", "RoutingRule", "build_optimizer", "route_parameters", "QMuonFSDPStrategy", "__version__",
+]

@@ -1,0 +1,465 @@
+"""``QMuonFSDPStrategy``: Lightning's FSDP2 strategy (``ModelParallelStrategy``) with QMuon.
+
+What it adds to :class:`lightning.pytorch.strategies.ModelParallelStrategy`:
+
+1. **Sharding without ``configure_model``.** Lightning's strategy requires the LightningModule to
+   call ``fully_shard`` in ``configure_model``. This one applies ``fully_shard`` itself when
+   nothing was sharded, by a policy (:mod:`.sharding`; default: each repeated block, then the
+   roots). A ``configure_model`` that shards is respected as it is.
+2. **Optimizer swap.** With ``optimizer="qmuon"`` (or ``"grasp"``) the optimizer returned by
+   ``configure_optimizers`` is replaced, after sharding, by
+   :func:`qmuon_lightning.build_optimizer` on the sharded module: hidden matrices go to Muon with
+   quantized momentum, the rest to an auxiliary AdamW that keeps the user's AdamW settings; LR
+   schedulers are rebound (:mod:`.optimizer_swap`). The routing table is logged once on rank 0.
+   ``optimizer="keep"`` trains with whatever ``configure_optimizers`` returned.
+3. **Data parallel by default.** ``tensor_parallel_size`` defaults to 1 and the data-parallel
+   mesh dimension spans every process (Lightning's default puts all devices of a node on the
+   tensor-parallel dimension, which only makes sense with a tensor-parallel ``configure_model``).
+4. **Communication metric.** After each optimizer step, if the optimizer reports how many bytes
+   its step sent (attribute ``comm_bytes_last_step``: QMuon's distributed Newton-Schulz exchange),
+   the value is logged as ``qmuon/comm_bytes`` through ``LightningModule.log``.
+
+Checkpoints use Lightning's ``ModelParallelStrategy`` hooks unchanged: with
+``save_distributed_checkpoint=True`` (default) a directory written by
+``torch.distributed.checkpoint`` (each rank writes its shards; loading reshards, so a run saved on
+2 processes resumes on 1 and vice versa), with ``False`` one consolidated file on rank 0.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from datetime import timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Literal, Mapping, Optional, Union
+
+import torch
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.init import _materialize_distributed_module
+from lightning.fabric.utilities.load import _METADATA_FILENAME
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.pytorch.core.optimizer import LightningOptimizer, _MockOptimizer
+from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from ..optim.qmuon import QMuon
+from ..optim.routing import build_optimizer, format_routing_table
+from ..quant import state as qstate
+from . import optimizer_swap as swap
+from .sharding import ShardPolicy, apply_sharding, is_sharded, resolve_policy
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+__all__ = ["QMuonFSDPStrategy", "OPTIMIZER_MODES", "PRESETS"]
+
+log = logging.getLogger(__name__)
+
+OptimizerMode = Literal["qmuon", "grasp", "keep"]
+OPTIMIZER_MODES: tuple[str, ...] = ("qmuon", "grasp", "keep")
+
+#: Registered names -> constructor arguments (``Trainer(strategy=name)``).
+PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
+    "qmuon_fsdp": ("FSDP2 with QMuon (int8 momentum) replacing the configured optimizer", {}),
+    "qmuon_fsdp_int8": (
+        "FSDP2 with QMuon, int8 momentum",
+        {"optimizer": "qmuon", "optimizer_kwargs": {"state_format": "int8"}},
+    ),
+    "qmuon_fsdp_int8_stochastic": (
+        "FSDP2 with QMuon, int8 momentum with stochastic rounding",
+        {"optimizer": "qmuon", "optimizer_kwargs": {"state_format": "int8", "rounding": "stochastic"}},
+    ),
+    "qmuon_fsdp_grasp4": (
+        "FSDP2 with QMuon, GRASP 4-bit momentum",
+        {"optimizer": "grasp", "optimizer_kwargs": {"state_format": "grasp4"}},
+    ),
+    "qmuon_fsdp_keep": ("FSDP2 with automatic sharding; the configured optimizer is kept", {"optimizer": "keep"}),
+}
+
+# Checkpoint metadata entry written by save_checkpoint and checked by load_checkpoint.
+_CKPT_KEY = "qmuon_fsdp"
+# build_optimizer arguments the strategy sets itself.
+_RESERVED_KWARGS = ("verbose",)
+# build_optimizer arguments that only concern routing (not QMuon's constructor).
+_ROUTING_KWARGS = ("rules", "fused_parts")
+
+
+def _validate_optimizer_kwargs(mode: str, kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """Check ``optimizer_kwargs`` against :func:`build_optimizer` and QMuon's own validation now,
+    so a typo fails when the strategy is constructed, not after the processes have started."""
+    if not isinstance(kwargs, Mapping):
+        raise TypeError(f"optimizer_kwargs must be a dict of build_optimizer arguments, got {type(kwargs).__name__}")
+    kwargs = dict(kwargs)
+    if mode == "keep":
+        if kwargs:
+            raise ValueError(
+                f"optimizer='keep' trains with the optimizer configure_optimizers returns; optimizer_kwargs "
+                f"{sorted(kwargs)} would be ignored. Drop them or use optimizer='qmuon'"
+            )
+        return kwargs
+    params = inspect.signature(build_optimizer).parameters
+    allowed = [n for n, p in params.items() if p.kind is inspect.Parameter.KEYWORD_ONLY and n not in _RESERVED_KWARGS]
+    for key in kwargs:
+        if key not in allowed:
+            raise ValueError(
+                f"optimizer_kwargs has unknown key {key!r}; build_optimizer accepts: {', '.join(allowed)}"
+            )
+    if mode == "grasp":
+        fmt = kwargs.setdefault("state_format", "grasp4")
+        if fmt != "grasp4":
+            raise ValueError(
+                f"optimizer='grasp' uses state_format='grasp4', but optimizer_kwargs sets state_format={fmt!r}; "
+                "use optimizer='qmuon' for other formats"
+            )
+    qstate.get_format(kwargs.get("state_format", "int8"))  # raises with the list of formats
+    # Build a throwaway QMuon with the same arguments: its validation (lr, momentum, block_size,
+    # rounding, ...) runs here. One 32x32 Muon matrix and one 1-D AdamW tensor, on CPU.
+    qmuon_kwargs = {k: v for k, v in kwargs.items() if k not in _ROUTING_KWARGS}
+    qmuon_kwargs.setdefault("state_format", "int8")
+    probe = [
+        {"params": [torch.zeros(32, 32, requires_grad=True)]},
+        {"params": [torch.zeros(32, requires_grad=True)], "use_muon": False},
+    ]
+    QMuon(probe, **qmuon_kwargs)
+    return kwargs
+
+
+def _fqn_keyed(osd: dict[str, Any], module: torch.nn.Module) -> dict[str, Any]:
+    """A consolidated optimizer state dict keyed by parameter names (Lightning saves it keyed by
+    parameter index, ``FSDP.rekey_optim_state_dict(..., PARAM_ID)``)."""
+    if not osd["state"] or not all(isinstance(k, int) for k in osd["state"]):
+        return osd
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import OptimStateKeyType
+
+    return FSDP.rekey_optim_state_dict(osd, OptimStateKeyType.PARAM_NAME, module)
+
+
+def _drop_state_except(module: torch.nn.Module, optimizer: Optimizer, keep: set[str]) -> None:
+    """Delete optimizer state of parameters whose name is not in ``keep``."""
+    names = {id(p): n.replace("._orig_mod", "").replace("_orig_mod.", "") for n, p in module.named_parameters()}
+    for p in list(optimizer.state):
+        if names.get(id(p)) not in keep:
+            del optimizer.state[p]
+
+
+class QMuonFSDPStrategy(ModelParallelStrategy):
+    """FSDP2 (``fully_shard``) strategy that shards the model by a policy when ``configure_model``
+    does not, and trains it with :class:`~qmuon_lightning.QMuon`.
+
+    Registered on ``import qmuon_lightning`` as ``"qmuon_fsdp"`` and presets
+    (``"qmuon_fsdp_int8"``, ``"qmuon_fsdp_int8_stochastic"``, ``"qmuon_fsdp_grasp4"``,
+    ``"qmuon_fsdp_keep"``); use ``Trainer(strategy="qmuon_fsdp")``, an instance, or a YAML
+    ``class_path: qmuon_lightning.strategies.QMuonFSDPStrategy``.
+
+    Args:
+        optimizer: ``"qmuon"``: replace the optimizer from ``configure_optimizers`` by
+            ``build_optimizer(module, **optimizer_kwargs)``; its AdamW / Adam settings (``lr``,
+            ``betas``, ``eps``, ``weight_decay``) become the auxiliary AdamW's unless
+            ``optimizer_kwargs`` sets ``adamw_*`` itself. ``"grasp"``: the same with
+            ``state_format="grasp4"``. ``"keep"``: use the configured optimizer unchanged.
+        optimizer_kwargs: arguments of :func:`qmuon_lightning.build_optimizer` (``lr``,
+            ``state_format``, ``rounding``, ``weight_decay``, ``adamw_lr``, ``rules``, ...).
+        shard_policy: which modules become FSDP units when ``configure_model`` does not shard:
+            ``"auto"``, ``"root"``, a list of classes or class names, or a callable
+            ``(name, module) -> bool`` (see :mod:`qmuon_lightning.strategies.sharding`).
+        reshard_after_forward: passed to ``fully_shard`` (free gathered parameters after forward).
+        log_comm_bytes: log the optimizer's ``comm_bytes_last_step`` as ``qmuon/comm_bytes``.
+        data_parallel_size, tensor_parallel_size: device-mesh shape; defaults: all processes on the
+            data-parallel dimension, tensor parallel size 1.
+        save_distributed_checkpoint: ``True``: sharded checkpoint directory
+            (``torch.distributed.checkpoint``); ``False``: one consolidated file written by rank 0.
+        process_group_backend, timeout: as in ``ModelParallelStrategy`` (default backend: NCCL on
+            CUDA, gloo on CPU).
+    """
+
+    strategy_name = "qmuon_fsdp"
+
+    def __init__(
+        self,
+        optimizer: OptimizerMode = "qmuon",
+        optimizer_kwargs: Optional[dict[str, Any]] = None,
+        shard_policy: ShardPolicy = "auto",
+        reshard_after_forward: bool = True,
+        log_comm_bytes: bool = True,
+        data_parallel_size: Union[Literal["auto"], int] = "auto",
+        tensor_parallel_size: Union[Literal["auto"], int] = 1,
+        save_distributed_checkpoint: bool = True,
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[timedelta] = default_pg_timeout,
+    ) -> None:
+        if optimizer not in OPTIMIZER_MODES:
+            raise ValueError(f"optimizer={optimizer!r} is not one of {OPTIMIZER_MODES}")
+        for name, size in (("data_parallel_size", data_parallel_size), ("tensor_parallel_size", tensor_parallel_size)):
+            if size != "auto" and (not isinstance(size, int) or isinstance(size, bool) or size < 1):
+                raise ValueError(f"{name} must be 'auto' or a positive int, got {size!r}")
+        super().__init__(
+            data_parallel_size=data_parallel_size,
+            tensor_parallel_size=tensor_parallel_size,
+            save_distributed_checkpoint=save_distributed_checkpoint,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+        )
+        self._optimizer_mode: str = optimizer
+        self._optimizer_kwargs = _validate_optimizer_kwargs(optimizer, optimizer_kwargs or {})
+        self._shard_policy: ShardPolicy = shard_policy
+        resolve_policy(shard_policy)  # raises on a bad policy now
+        self._reshard_after_forward = bool(reshard_after_forward)
+        self._log_comm_bytes = bool(log_comm_bytes)
+        #: Qualified names of the FSDP units this strategy created (blocks, roots); empty if
+        #: ``configure_model`` sharded the model itself. Set in ``setup``.
+        self.sharded_blocks: list[str] = []
+        self.sharded_roots: list[str] = []
+        #: Routing decisions of the swapped-in QMuon (name, shape, target, rule); set in ``setup``.
+        self.routing: list[Any] = []
+        self._routing_logged = False
+
+    # ------------------------------------------------------------------ registration
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        """Register ``"qmuon_fsdp"`` and its presets (:data:`PRESETS`) in a Lightning strategy registry."""
+        for name, (description, init_params) in PRESETS.items():
+            strategy_registry.register(name, cls, description=description, override=True, **init_params)
+
+    @property
+    def optimizer_mode(self) -> str:
+        return self._optimizer_mode
+
+    @property
+    def optimizer_kwargs(self) -> dict[str, Any]:
+        return dict(self._optimizer_kwargs)
+
+    # ------------------------------------------------------------------ environment
+    @override
+    def setup_environment(self) -> None:
+        tp = self._tensor_parallel_size
+        if tp == "auto":  # Lightning's meaning would be "all devices of a node"; here: no tensor parallelism
+            tp = self._tensor_parallel_size = 1
+        if self._data_parallel_size == "auto":
+            world = self.num_nodes * self.num_processes
+            if world % tp:
+                raise ValueError(
+                    f"tensor_parallel_size={tp} does not divide the world size {world} "
+                    f"({self.num_nodes} node(s) x {self.num_processes} process(es))"
+                )
+            self._data_parallel_size = world // tp
+        super().setup_environment()
+
+    # ------------------------------------------------------------------ setup
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        """``ModelParallelStrategy.setup`` with the ``configure_model`` requirement replaced by the
+        sharding policy (same steps otherwise: materialize, precision, device, optimizers)."""
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        assert self.model is not None
+        assert self.accelerator is not None
+        self.accelerator.setup(trainer)
+        if any(isinstance(mod, FullyShardedDataParallel) for mod in self.model.modules()):
+            raise TypeError(
+                "Found modules wrapped with `torch.distributed.fsdp.FullyShardedDataParallel` (FSDP1). "
+                f"`{type(self).__name__}` uses FSDP2 (`fully_shard`); shard with `fully_shard` in "
+                "configure_model or let the strategy shard (shard_policy)"
+            )
+        self._shard_if_needed()
+        _materialize_distributed_module(self.model, self.root_device)
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _shard_if_needed(self) -> None:
+        assert self.model is not None
+        if is_sharded(self.model):
+            if not self.sharded_blocks and not self.sharded_roots:
+                rank_zero_info(f"{type(self).__name__}: the model is already sharded (configure_model); policy not applied")
+            return
+        if self._tensor_parallel_size != 1:
+            raise ValueError(
+                f"tensor_parallel_size={self._tensor_parallel_size} needs a configure_model that applies tensor "
+                "parallelism (and fully_shard); the automatic policy only shards along the data-parallel dimension"
+            )
+        blocks, roots = apply_sharding(
+            self.model, self.device_mesh["data_parallel"], self._shard_policy,
+            reshard_after_forward=self._reshard_after_forward,
+        )
+        self.sharded_blocks, self.sharded_roots = blocks, roots
+        shown = ", ".join(blocks[:4]) + (f", ... ({len(blocks)} blocks)" if len(blocks) > 4 else "")
+        rank_zero_info(
+            f"{type(self).__name__}: fully_shard applied to {len(blocks)} block(s) [{shown}] and root(s) "
+            f"{[r or '<LightningModule>' for r in roots]} (shard_policy={self._shard_policy!r})"
+        )
+
+    # ------------------------------------------------------------------ optimizer swap
+    @override
+    def setup_optimizers(self, trainer: pl.Trainer) -> None:
+        super().setup_optimizers(trainer)
+        if self._optimizer_mode != "keep":
+            self._swap_optimizer()
+
+    def _swap_optimizer(self) -> None:
+        module = self.lightning_module
+        assert module is not None
+        optimizers = list(self.optimizers)
+        if len(optimizers) > 1:
+            raise swap.SwapError(
+                f"configure_optimizers returned {len(optimizers)} optimizers; optimizer={self._optimizer_mode!r} "
+                "replaces exactly one. Return one optimizer, or use optimizer='keep' and build QMuon yourself "
+                "(qmuon_lightning.build_optimizer) in configure_optimizers"
+            )
+        user = optimizers[0] if optimizers else None
+        if isinstance(user, QMuon):
+            rank_zero_info(f"{type(self).__name__}: configure_optimizers returned a QMuon; kept as it is")
+            return
+        kwargs = dict(self._optimizer_kwargs)
+        if user is not None and not isinstance(user, _MockOptimizer):
+            swap.check_coverage(module, user)
+            settings, notes = swap.adamw_settings(user)
+            for note in notes:
+                rank_zero_warn(f"{type(self).__name__}: {note}")
+            for key, value in settings.items():
+                kwargs.setdefault(key, value)  # explicit optimizer_kwargs win
+        else:
+            user = None
+        new = build_optimizer(module, verbose=False, **kwargs)
+        for config in self.lr_scheduler_configs:
+            if user is None:
+                raise swap.SwapError("an LR scheduler was configured without an optimizer")
+            swap.rebind_scheduler(config.scheduler, user, new)
+        self.optimizers = [new]
+        self._report_routing(new)
+
+    def _report_routing(self, opt: QMuon) -> None:
+        decisions = getattr(opt, "routing", [])
+        self.routing = decisions
+        if not any(d.target == "muon" for d in decisions):
+            rank_zero_warn(
+                f"{type(self).__name__}: no parameter was routed to Muon, so QMuon runs AdamW only. Muon takes "
+                "2-D hidden weights; the rule table sends embeddings, the output head (by name) and 1-D tensors "
+                "to AdamW. Check the routing table, pass optimizer_kwargs={'rules': [...]}, or use optimizer='keep'"
+            )
+        if not self._routing_logged:
+            self._routing_logged = True
+            rank_zero_info(f"{type(self).__name__}: QMuon parameter routing\n{format_routing_table(decisions)}")
+
+    # ------------------------------------------------------------------ checkpoints
+    def _checkpoint_info(self) -> dict[str, Any]:
+        formats = sorted({
+            str(g["state_format"]) for opt in self.optimizers for g in opt.param_groups
+            if g.get("use_muon", False) and "state_format" in g
+        })
+        return {
+            "optimizer": self._optimizer_mode,
+            "optimizer_types": [type(opt).__name__ for opt in self.optimizers],
+            "state_formats": formats,
+            "world_size": self.world_size,
+        }
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None
+    ) -> None:
+        """Lightning's sharded (``torch.distributed.checkpoint`` directory) or consolidated save,
+        plus a ``"qmuon_fsdp"`` entry in the metadata (optimizer types, state formats, world size)
+        that :meth:`load_checkpoint` checks before loading."""
+        checkpoint[_CKPT_KEY] = self._checkpoint_info()
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        """Load model and optimizer state saved by this strategy (either layout, any world size).
+
+        Differs from ``ModelParallelStrategy.load_checkpoint`` in one respect: optimizer state is
+        restored for exactly the parameters that had state when saved. Parameters that never
+        received a gradient (unused in forward) have no state; torch's loader would otherwise
+        require it (strict) or keep the zero state its initializing dry-run ``step()`` created.
+        """
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        path = Path(self.broadcast(str(checkpoint_path)))
+        module = self.model
+        assert module is not None and self.lightning_module is not None
+        strict = self.lightning_module.strict_loading
+        if path.is_dir() and (path / ".metadata").is_file():
+            metadata = torch.load(path / _METADATA_FILENAME, weights_only=weights_only)
+            self._check_compatible(metadata.get(_CKPT_KEY), path, sharded=True)
+            model_state = {"state_dict": get_model_state_dict(module)}
+            dcp.load(model_state, checkpoint_id=path)
+            module.load_state_dict(model_state["state_dict"], strict=strict)
+            saved_keys = set(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
+            for idx, opt in enumerate(self.optimizers):
+                key = f"optimizer_{idx}"
+                osd = get_optimizer_state_dict(module, opt)  # a dry-run step creates every state tensor
+                saved = {fqn for fqn in osd["state"] if any(k.startswith(f"{key}.state.{fqn}.") for k in saved_keys)}
+                osd["state"] = {fqn: v for fqn, v in osd["state"].items() if fqn in saved}
+                dcp.load({key: osd}, checkpoint_id=path)
+                set_optimizer_state_dict(module, opt, optim_state_dict=osd,
+                                         options=StateDictOptions(cpu_offload=True, strict=False))
+                _drop_state_except(module, opt, saved)
+            return metadata
+        if path.is_file():
+            checkpoint = torch.load(path, mmap=True, map_location="cpu", weights_only=weights_only)
+            self._check_compatible(checkpoint.get(_CKPT_KEY), path, sharded=False)
+            set_model_state_dict(module, checkpoint.pop("state_dict"), options=StateDictOptions(
+                full_state_dict=True, broadcast_from_rank0=True, strict=strict))
+            for idx, opt in enumerate(self.optimizers):
+                osd = _fqn_keyed(checkpoint["optimizer_states"][idx], module)
+                saved = set(osd["state"])
+                set_optimizer_state_dict(module, opt, optim_state_dict=osd, options=StateDictOptions(
+                    full_state_dict=True, broadcast_from_rank0=True, strict=False))
+                _drop_state_except(module, opt, saved)
+            return checkpoint
+        raise FileNotFoundError(
+            f"{path} is neither a sharded checkpoint directory (with a .metadata file) nor a checkpoint file"
+        )
+
+    def _check_compatible(self, saved: Optional[Mapping[str, Any]], path: Path, *, sharded: bool) -> None:
+        if not saved or not self.optimizers:
+            return
+        now = self._checkpoint_info()
+        if saved["optimizer_types"] != now["optimizer_types"]:
+            raise ValueError(
+                f"{path} holds optimizer state of {saved['optimizer_types']} (saved with optimizer="
+                f"{saved['optimizer']!r}) but this run trains with {now['optimizer_types']} (optimizer="
+                f"{now['optimizer']!r}); resume with the same optimizer setting"
+            )
+        if sharded and saved["state_formats"] != now["state_formats"]:
+            raise ValueError(
+                f"{path} is a sharded checkpoint with Muon state_format {saved['state_formats']} but this run uses "
+                f"{now['state_formats']}; a sharded checkpoint loads into the same format only. Resume with "
+                f"optimizer_kwargs={{'state_format': {saved['state_formats'][0]!r}}}, or save a consolidated checkpoint "
+                "(save_distributed_checkpoint=False), whose optimizer state QMuon converts between formats on load"
+            )
+
+    # ------------------------------------------------------------------ metrics
+    @override
+    def optimizer_step(
+        self,
+        optimizer: Optimizer,
+        closure: Callable[[], Any],
+        model: Optional[Union[pl.LightningModule, torch.nn.Module]] = None,
+        **kwargs: Any,
+    ) -> Any:
+        out = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if self._log_comm_bytes:
+            self._log_comm(optimizer)
+        return out
+
+    def _log_comm(self, optimizer: Optimizer) -> None:
+        opt = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+        value = getattr(opt, "comm_bytes_last_step", None)
+        module = self.lightning_module
+        if value is None or module is None or module._current_fx_name not in ("optimizer_step", "training_step"):
+            return
+        module.log("qmuon/comm_bytes", float(value), on_step=True, on_epoch=False, prog_bar=False, logger=True)

@@ -1,0 +1,190 @@
+"""Which submodules become FSDP2 units when the LightningModule does not shard itself.
+
+FSDP2 (``torch.distributed.fsdp.fully_shard``) all-gathers one *unit* (a module's own parameters
+not owned by an inner unit) before that module's forward and frees it afterwards, so peak memory is
+about ``sharded model + the largest unit``. The usual layout is one unit per repeated transformer
+block plus one for the rest (embeddings, final norm, output head). :func:`select_blocks` finds the
+blocks by a policy and :func:`apply_sharding` applies ``fully_shard`` bottom-up: blocks first, then
+the roots that hold the remaining parameters.
+
+Policies (``QMuonFSDPStrategy(shard_policy=...)``):
+
+* ``"auto"`` (default): the children of every ``nn.ModuleList``; if the model has none, modules
+  whose class occurs at least twice in the model. Only the outermost match of a nesting chain is
+  kept (a ``Block`` is a unit, not also its inner ``Linear`` layers), and a module that shares a
+  parameter with a module outside it (tied weights) is never a unit of its own.
+* ``"root"``: no blocks; every top-level child that holds parameters is one unit (the whole model
+  is gathered at once: simplest, most memory).
+* a list of classes or class names (``"Block"`` matches ``type(m).__name__``;
+  ``"pkg.mod.Block"`` is imported): modules that are instances of them.
+* a callable ``(qualified_name, module) -> bool``.
+
+Roots: each direct child of the LightningModule that holds parameters outside the selected blocks
+becomes a unit. Parameters registered directly on the LightningModule make the LightningModule
+itself the unit instead; FSDP2 then gathers them in the LightningModule's ``forward``, so the
+training step must call ``self(...)``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections import Counter
+from typing import TYPE_CHECKING, Any, Callable, Sequence, Union
+
+from torch import nn
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+__all__ = ["ShardPolicy", "resolve_policy", "select_blocks", "select_roots", "apply_sharding", "is_sharded"]
+
+#: ``"auto"``, ``"root"``, a sequence of classes / class names, or ``(name, module) -> bool``.
+ShardPolicy = Union[str, Sequence[Union[str, type]], Callable[[str, nn.Module], bool]]
+
+_NAMED_POLICIES = ("auto", "root")
+
+
+def _import_class(path: str) -> type:
+    module_name, _, attr = path.rpartition(".")
+    try:
+        obj = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(
+            f"shard_policy entry {path!r}: cannot import it ({e}); give an importable 'package.module.Class' "
+            "path, a bare class name matched against type(module).__name__, or the class itself"
+        ) from None
+    if not isinstance(obj, type) or not issubclass(obj, nn.Module):
+        raise ValueError(f"shard_policy entry {path!r} is {obj!r}, not an nn.Module subclass")
+    return obj
+
+
+def resolve_policy(policy: ShardPolicy) -> str | Callable[[str, nn.Module], bool]:
+    """Validate ``policy`` and turn a class list into a predicate. Raises ``ValueError`` /
+    ``TypeError`` naming the bad entry; runs in the strategy's constructor, before any process starts."""
+    if isinstance(policy, str):
+        if policy not in _NAMED_POLICIES:
+            raise ValueError(
+                f"shard_policy={policy!r} is not a policy: use 'auto', 'root', a list of block classes "
+                "(or class names), or a callable (name, module) -> bool"
+            )
+        return policy
+    if callable(policy) and not isinstance(policy, type):
+        return policy
+    if isinstance(policy, type):
+        policy = [policy]
+    if not isinstance(policy, Sequence) or not policy:
+        raise TypeError(
+            f"shard_policy must be 'auto', 'root', a non-empty list of classes / class names, or a callable; got {policy!r}"
+        )
+    classes: list[type] = []
+    names: list[str] = []
+    for entry in policy:
+        if isinstance(entry, type):
+            if not issubclass(entry, nn.Module):
+                raise ValueError(f"shard_policy entry {entry!r} is not an nn.Module subclass")
+            classes.append(entry)
+        elif isinstance(entry, str) and "." in entry:
+            classes.append(_import_class(entry))
+        elif isinstance(entry, str) and entry:
+            names.append(entry)
+        else:
+            raise TypeError(f"shard_policy entries must be classes or class names, got {entry!r}")
+    cls_tuple, name_set = tuple(classes), frozenset(names)
+
+    def by_class(_: str, module: nn.Module) -> bool:
+        return isinstance(module, cls_tuple) or type(module).__name__ in name_set
+
+    by_class.__qualname__ = f"by_class({[c.__name__ for c in classes] + sorted(names)})"
+    return by_class
+
+
+def _has_params(module: nn.Module) -> bool:
+    return next(module.parameters(), None) is not None
+
+
+def _shares_params_outside(name: str, module: nn.Module, owners: dict[int, set[str]]) -> bool:
+    """True if a parameter of ``module`` is also registered on a module outside it (tied weights)."""
+    prefix = name + "."
+    for p in module.parameters():
+        for owner in owners[id(p)]:
+            if owner != name and not owner.startswith(prefix):
+                return True
+    return False
+
+
+def _param_owners(root: nn.Module) -> dict[int, set[str]]:
+    owners: dict[int, set[str]] = {}
+    for mod_name, mod in root.named_modules(remove_duplicate=False):
+        for p in mod.parameters(recurse=False):
+            owners.setdefault(id(p), set()).add(mod_name)
+    return owners
+
+
+def select_blocks(root: nn.Module, policy: ShardPolicy = "auto") -> list[tuple[str, nn.Module]]:
+    """The modules of ``root`` that become FSDP units of their own, outermost first, as
+    ``(qualified name, module)``. ``root`` itself is never a block."""
+    resolved = resolve_policy(policy)
+    if resolved == "root":
+        return []
+    owners = _param_owners(root)
+    named = [(n, m) for n, m in root.named_modules() if n]
+    if resolved == "auto":
+        in_list = {id(c) for m in root.modules() if isinstance(m, nn.ModuleList) for c in m.children()}
+        if in_list:
+            predicate: Callable[[str, nn.Module], bool] = lambda _, m: id(m) in in_list  # noqa: E731
+        else:
+            counts = Counter(type(m) for _, m in named)
+            predicate = lambda _, m: counts[type(m)] >= 2  # noqa: E731
+    else:
+        predicate = resolved  # type: ignore[assignment]
+    chosen: list[tuple[str, nn.Module]] = []
+    for name, module in named:
+        if any(name.startswith(c + ".") for c, _ in chosen):
+            continue  # inside a chosen block: the outermost match is the unit
+        if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+            continue  # containers have no forward; FSDP2 hooks forward
+        if not _has_params(module) or not predicate(name, module):
+            continue
+        if _shares_params_outside(name, module, owners):
+            continue
+        chosen.append((name, module))
+    return chosen
+
+
+def select_roots(root: nn.Module, blocks: Sequence[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
+    """The units that hold every parameter not inside a block (see the module docstring)."""
+    if next(root.parameters(recurse=False), None) is not None:
+        return [("", root)]
+    block_params = {id(p) for _, b in blocks for p in b.parameters()}
+    roots = []
+    for name, child in root.named_children():
+        if any(id(p) not in block_params for p in child.parameters()):
+            roots.append((name, child))
+    return roots
+
+
+def is_sharded(module: nn.Module) -> bool:
+    """True if ``fully_shard`` (FSDP2) or tensor parallelism already placed any parameter as a DTensor."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(m, FSDPModule) for m in module.modules()) or any(
+        isinstance(p, DTensor) for p in module.parameters()
+    )
+
+
+def apply_sharding(
+    root: nn.Module, mesh: DeviceMesh, policy: ShardPolicy = "auto", **fully_shard_kwargs: Any
+) -> tuple[list[str], list[str]]:
+    """``fully_shard`` the blocks chosen by ``policy``, then the roots. Returns the qualified names
+    of both (``""`` is ``root`` itself)."""
+    from torch.distributed.fsdp import fully_shard
+
+    blocks = select_blocks(root, policy)
+    roots = select_roots(root, blocks)
+    # Innermost first: fully_shard of an outer module skips parameters already owned by inner units.
+    for _, module in sorted(blocks, key=lambda nm: -nm[0].count(".")):
+        fully_shard(module, mesh=mesh, **fully_shard_kwargs)
+    for _, module in roots:
+        fully_shard(module, mesh=mesh, **fully_shard_kwargs)
+    return [n for n, _ in blocks], [n for n, _ in roots]
