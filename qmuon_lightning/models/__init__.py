@@ -1,5 +1,6 @@
 """Models used by the demo, benchmarks and recipes."""
 
 from .decoder_lm import Block, DecoderLM, DecoderLMConfig
+from .lm_module import DecoderLMModule, MuonWithAdamW, OptimizerSpec
 
-__all__ = ["Block", "DecoderLM", "DecoderLMConfig"]
+__all__ = ["Block", "DecoderLM", "DecoderLMConfig", "DecoderLMModule", "MuonWithAdamW", "OptimizerSpec"]

@@ -1,0 +1,95 @@
+"""``qmuon-train``: train :class:`~qmuon_lightning.models.lm_module.DecoderLMModule` from YAML recipes.
+
+Built on :class:`lightning.pytorch.cli.LightningCLI`::
+
+    qmuon-train fit --config recipes/cpu/smoke.yaml                       # train
+    qmuon-train fit --config recipes/cpu/smoke.yaml --ckpt_path last      # resume from last.ckpt
+    qmuon-train fit --config base.yaml --config run.yaml --model.optimizer.state_format=grasp4
+    qmuon-train fit --config recipes/cpu/smoke.yaml --print_config        # the merged config
+    qmuon-train validate --config recipes/cpu/smoke.yaml --ckpt_path last
+
+(``python -m qmuon_lightning.cli`` is the same program.)
+
+* Several ``--config`` files are merged left to right, then dotted overrides; YAML values may use
+  omegaconf interpolation (``${data.seq_len}``, ``${trainer.default_root_dir}/checkpoints``),
+  resolved after the merge (jsonargparse's ``omegaconf+`` mode), so an override of
+  ``trainer.default_root_dir`` moves every path that refers to it.
+* The optimizer is part of the model's config (``model.optimizer``: an
+  :class:`~qmuon_lightning.models.lm_module.OptimizerSpec`) and is built in
+  ``configure_optimizers``, after ``configure_model`` has sharded the model; LightningCLI's automatic
+  ``optimizer:`` / ``lr_scheduler:`` sections are switched off because they would build the optimizer
+  from unsharded parameters.
+* ``data.seq_len`` sets ``model.max_seq_len`` and ``data.vocab_size`` sets ``model.vocab_size``.
+* A :class:`~qmuon_lightning.callbacks.summary.TrainSummary` is always added (``summary.filename``).
+* ``strategy: qmuon_fsdp`` is available because this module imports ``qmuon_lightning.strategies``.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from typing import Any
+
+from jsonargparse import set_parsing_settings
+from jsonargparse._common import get_parsing_setting
+from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
+
+from . import strategies as _strategies  # noqa: F401  (registers strategy names such as "qmuon_fsdp")
+from .callbacks.summary import TrainSummary
+from .data.datamodule import ByteLMDataModule
+from .models.lm_module import DecoderLMModule
+
+__all__ = ["QMuonCLI", "main"]
+
+
+def _vocab(v: int | None) -> int:
+    return 256 if v is None else int(v)
+
+
+class QMuonCLI(LightningCLI):
+    """LightningCLI for :class:`DecoderLMModule` + :class:`ByteLMDataModule` (see the module docstring)."""
+
+    def __init__(self, args: ArgsType = None, run: bool = True, **kwargs: Any) -> None:
+        kwargs.setdefault("parser_kwargs", {"parser_mode": "omegaconf+", "prog": "qmuon-train"})
+        kwargs.setdefault("save_config_kwargs", {"overwrite": True})  # a resumed run rewrites config.yaml
+        super().__init__(
+            DecoderLMModule, ByteLMDataModule, args=args, run=run, auto_configure_optimizers=False, **kwargs,
+        )
+
+    def parse_arguments(self, parser: LightningArgumentParser, args: ArgsType) -> None:
+        # omegaconf+ resolves interpolation once, on the merged config of every --config file and
+        # override. That config is nested under the subcommand ("fit.trainer..."), so absolute paths
+        # written in a recipe ("${trainer.default_root_dir}") are rewritten relative to where they
+        # appear when each file loads (a global jsonargparse setting: restored afterwards).
+        before = get_parsing_setting("omegaconf_absolute_to_relative_paths")
+        set_parsing_settings(omegaconf_absolute_to_relative_paths=True)
+        try:
+            super().parse_arguments(parser, args)
+        finally:
+            set_parsing_settings(omegaconf_absolute_to_relative_paths=before)
+
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        parser.add_lightning_class_args(TrainSummary, "summary")
+        parser.link_arguments("data.seq_len", "model.max_seq_len")
+        parser.link_arguments("data.vocab_size", "model.vocab_size", compute_fn=_vocab)
+
+    def instantiate_classes(self) -> None:
+        # A value that parses but is inconsistent (d_model not divisible by n_heads, a missing
+        # data file, ...) raises in a constructor; report it like a parse error, with the usage.
+        try:
+            super().instantiate_classes()
+        except (ValueError, TypeError, FileNotFoundError) as err:
+            parser = self._parser(self.subcommand)
+            parser.error(f"invalid configuration: {err}")
+
+
+def main(args: ArgsType = None) -> None:
+    """Console entry point of ``qmuon-train`` (``args``: a list of strings instead of ``sys.argv``)."""
+    with warnings.catch_warnings():
+        # Byte windows come from memory: worker processes would only add start-up time on small runs.
+        warnings.filterwarnings("ignore", ".*does not have many workers.*")
+        QMuonCLI(args=args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,309 @@
+"""A LightningDataModule of next-token windows over byte-level or pre-tokenized corpora.
+
+Three sources, one sampling scheme:
+
+``source="stdlib"`` (default)
+    The Python standard library's own ``*.py`` sources as bytes
+    (:func:`~qmuon_lightning.data.bytes_corpus.build_stdlib_corpus`): present on every machine,
+    no download. A file goes to validation when the SHA-1 of its relative path falls in the first
+    ``val_fraction`` of the hash range, so the split is the same on every machine with the same
+    Python and does not depend on ``max_bytes``.
+``source="text"``
+    Local text files (``paths``: files, directories or glob patterns), read as raw bytes (the
+    byte-level "tokenizer": token = byte value, vocabulary 256), sorted by path and concatenated with
+    a NUL byte after each file.
+``source="bin"``
+    A pre-tokenized flat array of ``uint8`` or ``uint16`` token ids (``paths``: one ``.bin`` file,
+    e.g. written by ``np.array(ids, np.uint16).tofile(path)``), opened as a read-only
+    ``numpy.memmap`` so it is never loaded whole.
+
+For ``text`` and ``bin`` the token stream is cut into chunks of ``split_chunk`` tokens and a chunk
+goes to validation when a hash of ``(seed, chunk index)`` falls below ``val_fraction`` (at least one
+chunk each way): a deterministic split that works for a single large file too.
+
+Training windows of ``seq_len + 1`` tokens are drawn at pseudo-random positions inside the training
+ranges: window ``i`` is a pure function of ``(seed, i)`` (SplitMix64), so the data order is the
+same with any number of workers, and a resumed run continues exactly where the interrupted one
+stopped (the datamodule skips the windows the restored ``global_step`` already consumed).
+Validation uses ``val_windows`` fixed windows from the validation ranges.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal, Sequence
+
+import numpy as np
+import torch
+from torch import Tensor
+from torch.utils.data import DataLoader, Dataset, TensorDataset
+
+import lightning as L
+
+from .bytes_corpus import SEPARATOR, build_stdlib_corpus
+
+__all__ = ["ByteLMDataModule", "TokenWindowDataset", "split_ranges"]
+
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    """SplitMix64 finalizer: a cheap, well-mixed 64-bit hash of an integer (Steele et al. 2014)."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def split_ranges(n_tokens: int, chunk: int, val_fraction: float, seed: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """Cut ``[0, n_tokens)`` into ``chunk``-sized pieces and assign each to train or validation.
+
+    A chunk is validation when ``splitmix64(seed, index) < val_fraction * 2**64``; if that leaves
+    one side empty, the last chunk goes to validation (or the first to training). Adjacent chunks of
+    the same split are merged. Returns ``(train_ranges, val_ranges)`` as half-open intervals.
+    """
+    if chunk <= 0:
+        raise ValueError(f"split_chunk must be positive, got {chunk}")
+    n_chunks = max(1, -(-n_tokens // chunk))
+    if n_chunks < 2:
+        raise ValueError(
+            f"the corpus has {n_tokens:,} tokens, one split_chunk ({chunk:,}); it cannot be split into train and "
+            "validation. Lower split_chunk or add data.")
+    is_val = [_splitmix64((seed << 32) ^ i) < val_fraction * 2**64 for i in range(n_chunks)]
+    if not any(is_val):
+        is_val[-1] = True
+    if all(is_val):
+        is_val[0] = False
+    train: list[tuple[int, int]] = []
+    val: list[tuple[int, int]] = []
+    for i, v in enumerate(is_val):
+        lo, hi = i * chunk, min(n_tokens, (i + 1) * chunk)
+        out = val if v else train
+        if out and out[-1][1] == lo:
+            out[-1] = (out[-1][0], hi)
+        else:
+            out.append((lo, hi))
+    return train, val
+
+
+class TokenWindowDataset(Dataset):
+    """``length`` windows of ``seq_len + 1`` tokens from ``ranges`` of a 1-D token array.
+
+    Item ``i`` is window number ``offset + i``: its start is drawn uniformly over every valid start
+    in every range (a window never crosses a range end) from ``splitmix64(seed, offset + i)``.
+    Returns ``(input, target)`` int64 tensors of length ``seq_len``.
+    """
+
+    def __init__(self, data: np.ndarray | Tensor, ranges: Sequence[tuple[int, int]], seq_len: int, length: int,
+                 seed: int = 0, offset: int = 0) -> None:
+        self.data, self.seq_len, self.length, self.seed, self.offset = data, seq_len, length, seed, offset
+        usable = [(lo, hi) for lo, hi in ranges if hi - lo >= seq_len + 1]
+        if not usable:
+            longest = max((hi - lo for lo, hi in ranges), default=0)
+            raise ValueError(
+                f"no range holds a window of seq_len + 1 = {seq_len + 1} tokens (longest range: {longest}); "
+                "lower seq_len, raise split_chunk, or add data")
+        self._starts = np.array([lo for lo, _ in usable], dtype=np.int64)
+        counts = np.array([hi - lo - seq_len for lo, hi in usable], dtype=np.int64)  # valid starts per range
+        self._cum = np.cumsum(counts)
+        self.total_starts = int(self._cum[-1])
+
+    def __getstate__(self) -> dict:
+        # A memmap would pickle as a full in-memory copy (one per DataLoader worker): reopen it instead.
+        st = dict(self.__dict__)
+        if isinstance(self.data, np.memmap):
+            st["data"] = ("memmap", self.data.filename, self.data.dtype.str)
+        return st
+
+    def __setstate__(self, st: dict) -> None:
+        if isinstance(st["data"], tuple) and st["data"][0] == "memmap":
+            _, path, dt = st["data"]
+            st["data"] = np.memmap(path, dtype=np.dtype(dt), mode="r")
+        self.__dict__.update(st)
+
+    def __len__(self) -> int:
+        return self.length
+
+    def window_start(self, j: int) -> int:
+        """Start token of window number ``j`` (independent of ``offset``)."""
+        u = _splitmix64((self.seed * 1_000_003 + j) & _MASK64) % self.total_starts
+        r = int(np.searchsorted(self._cum, u, side="right"))
+        before = int(self._cum[r - 1]) if r else 0
+        return int(self._starts[r]) + (u - before)
+
+    def __getitem__(self, i: int) -> tuple[Tensor, Tensor]:
+        if not 0 <= i < self.length:
+            raise IndexError(i)
+        s = self.window_start(self.offset + i)
+        w = torch.as_tensor(np.asarray(self.data[s: s + self.seq_len + 1]).astype(np.int64))
+        return w[:-1], w[1:]
+
+
+@dataclass
+class _Corpus:
+    data: np.ndarray
+    train: list[tuple[int, int]]
+    val: list[tuple[int, int]]
+    description: str
+
+
+def _expand_paths(paths: Sequence[str]) -> list[Path]:
+    out: set[Path] = set()
+    for spec in paths:
+        spec = os.path.expanduser(spec)
+        hits = glob.glob(spec, recursive=True) if glob.has_magic(spec) else [spec]
+        if not hits:
+            raise FileNotFoundError(f"data.paths: {spec!r} matches no file")
+        for h in hits:
+            p = Path(h)
+            if p.is_dir():
+                out.update(q for q in p.rglob("*") if q.is_file())
+            elif p.is_file():
+                out.add(p)
+            else:
+                raise FileNotFoundError(f"data.paths: {h!r} does not exist")
+    return sorted(out)
+
+
+class ByteLMDataModule(L.LightningDataModule):
+    """Next-token windows over the stdlib's sources, local text files or a ``.bin`` token array.
+
+    Args:
+        source: ``"stdlib"``, ``"text"`` or ``"bin"`` (see the module docstring).
+        paths: ``text``: files, directories or glob patterns; ``bin``: exactly one ``.bin`` file.
+        dtype: token dtype of a ``bin`` file: ``"uint8"`` or ``"uint16"``.
+        vocab_size: vocabulary of the token ids. ``None``: 256 for byte sources and ``uint8`` bins;
+            required for ``uint16`` bins (e.g. 50304 for GPT-2 ids). Linked to the model's
+            ``vocab_size`` by ``qmuon-train``.
+        seq_len: tokens per training window (the model sees ``seq_len`` inputs, predicts
+            ``seq_len`` targets).
+        batch_size: windows per batch and device.
+        val_fraction: share of files (``stdlib``) or chunks (``text``/``bin``) held out.
+        seed: seeds the split of ``text``/``bin`` and the window positions.
+        max_bytes: ``stdlib`` / ``text``: read at most this many bytes (``None``: no limit for text,
+            16 MiB for stdlib).
+        split_chunk: ``text`` / ``bin``: tokens per split chunk.
+        val_windows: fixed validation windows (validation runs ``ceil(val_windows / batch_size)``
+            batches).
+        train_samples: training windows per epoch. ``None``: enough for the whole run
+            (``max_steps x accumulate_grad_batches x batch_size x data-parallel world size``), or
+            100,000 when ``max_steps`` is not set.
+        num_workers: DataLoader worker processes.
+    """
+
+    def __init__(
+        self,
+        source: Literal["stdlib", "text", "bin"] = "stdlib",
+        paths: list[str] | None = None,
+        dtype: Literal["uint8", "uint16"] = "uint8",
+        vocab_size: int | None = None,
+        seq_len: int = 256,
+        batch_size: int = 16,
+        val_fraction: float = 0.1,
+        seed: int = 0,
+        max_bytes: int | None = None,
+        split_chunk: int = 1 << 16,
+        val_windows: int = 64,
+        train_samples: int | None = None,
+        num_workers: int = 0,
+    ) -> None:
+        super().__init__()
+        if source not in ("stdlib", "text", "bin"):
+            raise ValueError(f"data.source must be 'stdlib', 'text' or 'bin', got {source!r}")
+        if source in ("text", "bin") and not paths:
+            raise ValueError(f"data.source={source!r} needs data.paths (files or glob patterns)")
+        if source == "bin" and len(paths or []) != 1:
+            raise ValueError(f"data.source='bin' reads exactly one .bin file; got paths={paths}")
+        if dtype not in ("uint8", "uint16"):
+            raise ValueError(f"data.dtype must be 'uint8' or 'uint16', got {dtype!r}")
+        if vocab_size is None:
+            if source == "bin" and dtype == "uint16":
+                raise ValueError("data.vocab_size is required for a uint16 .bin (the tokenizer's vocabulary, e.g. 50304)")
+            vocab_size = 256
+        if source != "bin" and vocab_size != 256:
+            raise ValueError(f"data.source={source!r} is byte-level: vocab_size must be 256, got {vocab_size}")
+        if seq_len < 1 or batch_size < 1 or val_windows < 1:
+            raise ValueError("data.seq_len, data.batch_size and data.val_windows must be positive")
+        if not 0.0 < val_fraction < 1.0:
+            raise ValueError(f"data.val_fraction must be in (0, 1), got {val_fraction}")
+        self.source, self.paths, self.dtype = source, list(paths or []), dtype
+        self.vocab_size, self.seq_len, self.batch_size = int(vocab_size), seq_len, batch_size
+        self.val_fraction, self.seed, self.max_bytes, self.split_chunk = val_fraction, seed, max_bytes, split_chunk
+        self.val_windows, self.train_samples, self.num_workers = val_windows, train_samples, num_workers
+        self.corpus: _Corpus | None = None
+        self._val: tuple[Tensor, Tensor] | None = None
+
+    # ------------------------------------------------------------------ loading
+    def _load(self) -> _Corpus:
+        if self.source == "stdlib":
+            c = build_stdlib_corpus(max_bytes=self.max_bytes or (16 << 20), val_fraction=self.val_fraction)
+            data = np.concatenate([c.train.numpy(), c.val.numpy()])
+            n = c.train.numel()
+            return _Corpus(data, [(0, n)], [(n, data.size)], c.describe())
+        if self.source == "text":
+            files = _expand_paths(self.paths)
+            buf = bytearray()
+            for f in files:
+                if self.max_bytes is not None and len(buf) >= self.max_bytes:
+                    break
+                buf += f.read_bytes() + bytes([SEPARATOR])
+            if self.max_bytes is not None:
+                del buf[self.max_bytes:]
+            data = np.frombuffer(bytes(buf), dtype=np.uint8)
+            desc = f"text corpus: {len(files)} file(s), {data.size:,} bytes"
+        else:
+            path = Path(os.path.expanduser(self.paths[0]))
+            if not path.is_file():
+                raise FileNotFoundError(f"data.paths: {str(path)!r} is not a file")
+            itemsize = np.dtype(self.dtype).itemsize
+            if path.stat().st_size % itemsize:
+                raise ValueError(f"{path} has {path.stat().st_size} bytes, not a multiple of {itemsize} ({self.dtype}); wrong data.dtype?")
+            data = np.memmap(path, dtype=self.dtype, mode="r")
+            desc = f"bin corpus {path}: {data.size:,} {self.dtype} tokens"
+        train, val = split_ranges(int(data.size), self.split_chunk, self.val_fraction, self.seed)
+        n_val = sum(hi - lo for lo, hi in val)
+        return _Corpus(data, train, val, f"{desc}; train {data.size - n_val:,} / val {n_val:,} tokens")
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.corpus is None:
+            self.corpus = self._load()
+            val = TokenWindowDataset(self.corpus.data, self.corpus.val, self.seq_len, self.val_windows,
+                                     seed=10_000 + self.seed)
+            xs, ys = zip(*(val[i] for i in range(self.val_windows)))
+            self._val = torch.stack(xs), torch.stack(ys)
+            if self.trainer is None or self.trainer.is_global_zero:
+                print(self.corpus.description)
+
+    # ------------------------------------------------------------------ loaders
+    def _samples_per_step(self) -> int:
+        t = self.trainer
+        if t is None:
+            return self.batch_size
+        world = t.strategy.distributed_sampler_kwargs.get("num_replicas", 1) if t.world_size > 1 else 1
+        return self.batch_size * t.accumulate_grad_batches * world
+
+    def train_dataloader(self) -> DataLoader:
+        assert self.corpus is not None, "call setup() first"
+        per_step = self._samples_per_step()
+        done = int(self.trainer.global_step) * per_step if self.trainer is not None else 0
+        if self.train_samples is not None:
+            length = self.train_samples
+        elif self.trainer is not None and self.trainer.max_steps > 0:
+            length = max(per_step, self.trainer.max_steps * per_step - done)
+        else:
+            length = 100_000
+        ds = TokenWindowDataset(self.corpus.data, self.corpus.train, self.seq_len, length, seed=self.seed, offset=done)
+        # Window positions are already random; a sequential order keeps item i = window (offset + i).
+        return DataLoader(ds, batch_size=self.batch_size, shuffle=False, drop_last=True,
+                          num_workers=self.num_workers, persistent_workers=self.num_workers > 0)
+
+    def val_dataloader(self) -> DataLoader:
+        assert self._val is not None, "call setup() first"
+        return DataLoader(TensorDataset(*self._val), batch_size=self.batch_size, shuffle=False)
+
+    def test_dataloader(self) -> DataLoader:
+        return self.val_dataloader()

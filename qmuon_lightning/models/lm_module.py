@@ -1,0 +1,391 @@
+"""``DecoderLMModule``: the LightningModule that ``qmuon-train`` trains, with the optimizer as data.
+
+Why the optimizer is a spec and not an object: under FSDP2 the module's parameters are replaced by
+sharded DTensors in ``configure_model``. An optimizer built before that (what LightningCLI's
+automatic ``optimizer:`` section does) would hold the unsharded tensors. So the YAML describes the
+optimizer (:class:`OptimizerSpec`) and :meth:`DecoderLMModule.configure_optimizers`, which Lightning
+calls after sharding, builds it from ``self.model``'s current parameters.
+
+Optimizers (``OptimizerSpec.name``):
+
+``qmuon``
+    :func:`qmuon_lightning.build_optimizer`: Muon with ``state_format`` momentum for hidden matrices
+    (fused qkv / gate_up as parts), auxiliary AdamW for embeddings, head, norms.
+``grasp``
+    the same with ``state_format="grasp4"`` (GRASP 4-bit momentum; ``rank`` / ``grid_block``).
+``torch_muon``
+    the fp32 baseline: ``torch.optim.Muon`` for the same hidden matrices (fused matrices as one
+    matrix, as torch does it) plus ``torch.optim.AdamW`` for the rest, in one
+    :class:`MuonWithAdamW` so Lightning's automatic optimization and LR schedulers see one optimizer.
+``adamw``
+    ``torch.optim.AdamW`` for every parameter (``adamw_lr``; no weight decay on 1-D parameters).
+
+The schedule multiplies every group's learning rate by a factor: linear warmup over
+``warmup_steps``, then cosine decay to ``min_lr_ratio`` at the last step (``schedule="cosine"``) or
+a constant 1 (``"constant"``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+import lightning as L
+
+from ..optim.routing import build_optimizer, route_parameters
+from ..quant import state as qstate
+from .decoder_lm import DecoderLM, DecoderLMConfig, _rope_tables
+
+__all__ = ["OptimizerSpec", "DecoderLMModule", "MuonWithAdamW", "build_lm_optimizer", "lr_factor", "memory_budget"]
+
+OPTIMIZER_NAMES = ("qmuon", "grasp", "torch_muon", "adamw")
+
+
+@dataclass
+class OptimizerSpec:
+    """What optimizer to build, and its learning-rate schedule (see the module docstring).
+
+    Args:
+        name: ``"qmuon"``, ``"grasp"``, ``"torch_muon"`` or ``"adamw"``.
+        lr: Muon learning rate (``adjust_lr_fn=None``: torch.optim.Muon's "original" scaling,
+            ``lr * sqrt(max(1, rows/cols))``). Unused by ``adamw``.
+        weight_decay: Muon decoupled weight decay (``p *= 1 - lr * wd``).
+        momentum, nesterov, adjust_lr_fn, ns_steps: as in ``torch.optim.Muon``.
+        state_format: QMuon momentum storage (``fp32``, ``bf16``, ``int8``, ``uint8``, ``int4``,
+            ``e0m3``, ``grasp4``). ``None``: ``int8`` for ``qmuon``, ``grasp4`` for ``grasp``.
+        block_size, rank, grid_block, rounding, seed, nonfinite: QMuon options.
+        adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: the AdamW part (embeddings, head,
+            norms; every parameter for ``adamw``). 1-D parameters never get weight decay.
+        schedule: ``"cosine"`` (warmup, then cosine to ``min_lr_ratio``) or ``"constant"`` (warmup, then 1).
+        warmup_steps: linear warmup length in optimizer steps.
+        min_lr_ratio: the cosine schedule's final factor.
+    """
+
+    name: Literal["qmuon", "grasp", "torch_muon", "adamw"] = "qmuon"
+    lr: float = 0.02
+    weight_decay: float = 0.01
+    momentum: float = 0.95
+    nesterov: bool = True
+    adjust_lr_fn: Literal["original", "match_rms_adamw"] | None = None
+    ns_steps: int = 5
+    state_format: Literal["fp32", "bf16", "int8", "uint8", "int4", "e0m3", "grasp4"] | None = None
+    block_size: int | None = None
+    rank: int = 4
+    grid_block: int = 32
+    rounding: Literal["nearest", "stochastic"] = "nearest"
+    seed: int = 0
+    nonfinite: Literal["skip", "raise"] = "skip"
+    adamw_lr: float = 3e-3
+    adamw_betas: tuple[float, float] = (0.9, 0.95)
+    adamw_eps: float = 1e-8
+    adamw_weight_decay: float = 0.01
+    schedule: Literal["cosine", "constant"] = "cosine"
+    warmup_steps: int = 20
+    min_lr_ratio: float = 0.1
+
+    def __post_init__(self) -> None:
+        if self.name not in OPTIMIZER_NAMES:
+            raise ValueError(f"optimizer.name must be one of {OPTIMIZER_NAMES}, got {self.name!r}")
+        if self.name == "grasp" and self.state_format not in (None, "grasp4"):
+            raise ValueError(
+                f"optimizer.name='grasp' stores grasp4 momentum; got state_format={self.state_format!r}. "
+                "Use name='qmuon' for other formats")
+        if self.name in ("torch_muon", "adamw") and self.state_format not in (None, "fp32"):
+            raise ValueError(
+                f"optimizer.name={self.name!r} keeps fp32 state; state_format={self.state_format!r} needs name='qmuon'")
+        if self.warmup_steps < 0 or not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError("optimizer.warmup_steps must be >= 0 and optimizer.min_lr_ratio in [0, 1]")
+
+    @property
+    def resolved_state_format(self) -> str:
+        """Momentum format of the Muon matrices (``fp32`` for the torch baselines)."""
+        if self.state_format is not None:
+            return self.state_format
+        return {"qmuon": "int8", "grasp": "grasp4"}.get(self.name, "fp32")
+
+
+class MuonWithAdamW(Optimizer):
+    """``torch.optim.Muon`` for 2-D hidden matrices + ``torch.optim.AdamW`` for the rest, as one optimizer.
+
+    Both inner optimizers share this optimizer's ``param_groups`` (Muon's first, each group tagged
+    ``use_muon``) and one ``state`` dict (their parameters are disjoint), so LR schedulers,
+    ``state_dict()`` / ``load_state_dict()`` and Lightning's optimizer handling see one ordinary
+    optimizer. ``step(closure)`` evaluates the closure once, then steps both.
+    """
+
+    def __init__(self, muon_groups: list[dict[str, Any]], adamw_groups: list[dict[str, Any]], *,
+                 lr: float, weight_decay: float, momentum: float, nesterov: bool, ns_steps: int,
+                 adjust_lr_fn: str | None, adamw_lr: float, adamw_betas: tuple[float, float], adamw_eps: float,
+                 adamw_weight_decay: float) -> None:
+        if not muon_groups or not adamw_groups:
+            raise ValueError("MuonWithAdamW needs at least one Muon group and one AdamW group")
+        self.muon = torch.optim.Muon([dict(g, use_muon=True) for g in muon_groups], lr=lr, weight_decay=weight_decay,
+                                     momentum=momentum, nesterov=nesterov, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn)
+        self.adamw = torch.optim.AdamW([dict(g, use_muon=False) for g in adamw_groups], lr=adamw_lr,
+                                       betas=adamw_betas, eps=adamw_eps, weight_decay=adamw_weight_decay)
+        super().__init__([{"params": []}], {})
+        self._link(self.muon.param_groups + self.adamw.param_groups, self.muon.state)
+
+    def _link(self, groups: list[dict[str, Any]], state: Any) -> None:
+        n = len(self.muon.param_groups)
+        self.param_groups = groups
+        self.muon.param_groups, self.adamw.param_groups = groups[:n], groups[n:]
+        self.state = self.muon.state = self.adamw.state = state
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.muon.step()
+        self.adamw.step()
+        return loss
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)  # replaces self.state / self.param_groups: re-share them
+        self._link(self.param_groups, self.state)
+
+
+def _adamw_groups(decisions: list[Any], params: dict[str, nn.Parameter], wd: float) -> list[dict[str, Any]]:
+    decay = [d.name for d in decisions if d.target in ("adamw", "muon") and len(d.shape) >= 2]
+    no_decay = [d.name for d in decisions if d.target != "frozen" and d.name not in decay]
+    groups = []
+    for names, w in ((decay, wd), (no_decay, 0.0)):
+        if names:
+            groups.append({"params": [params[n] for n in names], "param_names": names, "weight_decay": w})
+    return groups
+
+
+def build_lm_optimizer(model: nn.Module, spec: OptimizerSpec, *, verbose: bool = True) -> Optimizer:
+    """Build ``spec``'s optimizer over ``model``'s current parameters (call after sharding)."""
+    if spec.name in ("qmuon", "grasp"):
+        return build_optimizer(
+            model, lr=spec.lr, weight_decay=spec.weight_decay, momentum=spec.momentum, nesterov=spec.nesterov,
+            ns_steps=spec.ns_steps, adjust_lr_fn=spec.adjust_lr_fn, state_format=spec.resolved_state_format,
+            block_size=spec.block_size, rank=spec.rank, grid_block=spec.grid_block, rounding=spec.rounding,
+            seed=spec.seed, nonfinite=spec.nonfinite, adamw_lr=spec.adamw_lr, adamw_betas=tuple(spec.adamw_betas),
+            adamw_eps=spec.adamw_eps, adamw_weight_decay=spec.adamw_weight_decay, verbose=verbose,
+        )
+    decisions = route_parameters(model)
+    params = dict(model.named_parameters())
+    if spec.name == "adamw":
+        return torch.optim.AdamW(_adamw_groups(decisions, params, spec.adamw_weight_decay), lr=spec.adamw_lr,
+                                 betas=tuple(spec.adamw_betas), eps=spec.adamw_eps)
+    muon = [d.name for d in decisions if d.target == "muon"]
+    rest = [d for d in decisions if d.target in ("adamw", "adamw_no_decay")]
+    return MuonWithAdamW(
+        [{"params": [params[n] for n in muon], "param_names": muon}], _adamw_groups(rest, params, spec.adamw_weight_decay),
+        lr=spec.lr, weight_decay=spec.weight_decay, momentum=spec.momentum, nesterov=spec.nesterov,
+        ns_steps=spec.ns_steps, adjust_lr_fn=spec.adjust_lr_fn, adamw_lr=spec.adamw_lr,
+        adamw_betas=tuple(spec.adamw_betas), adamw_eps=spec.adamw_eps, adamw_weight_decay=spec.adamw_weight_decay,
+    )
+
+
+def lr_factor(step: int, *, warmup_steps: int, total_steps: int, schedule: str = "cosine", min_lr_ratio: float = 0.1) -> float:
+    """Multiplier of the base learning rates at optimizer step ``step`` (0-based).
+
+    Warmup: ``(step + 1) / warmup_steps`` (never 0, so the first step moves). Cosine:
+    ``min + (1 - min) * (1 + cos(pi * t)) / 2`` with ``t`` going from 0 after warmup to 1 at
+    ``total_steps - 1``.
+    """
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if schedule == "constant":
+        return 1.0
+    span = max(1, total_steps - 1 - warmup_steps)
+    t = min(1.0, (step - warmup_steps) / span)
+    return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * t))
+
+
+class DecoderLMModule(L.LightningModule):
+    """A :class:`~qmuon_lightning.models.DecoderLM` trained on next-token cross-entropy.
+
+    Model size arguments are those of :class:`~qmuon_lightning.models.DecoderLMConfig` (checked
+    here, so a bad size fails when the config is parsed, not after the data loaded). The network
+    itself is built in :meth:`configure_model`, i.e. inside the strategy's init context: on the
+    meta device for a parameter count, sharded with FSDP2 ``fully_shard`` (per block, then the
+    root) when the strategy gives a data-parallel device mesh.
+
+    Args:
+        vocab_size, d_model, n_layers, n_heads, n_kv_heads, mlp_hidden, max_seq_len, rope_theta,
+            init_std: the model (``max_seq_len`` is linked to ``data.seq_len`` by ``qmuon-train``).
+        optimizer: what to build in :meth:`configure_optimizers` (:class:`OptimizerSpec`).
+        reshard_after_forward: FSDP2: free gathered block weights after forward (saves memory,
+            costs a second all-gather in backward).
+    """
+
+    def __init__(
+        self,
+        vocab_size: int = 256,
+        d_model: int = 256,
+        n_layers: int = 4,
+        n_heads: int = 4,
+        n_kv_heads: int | None = None,
+        mlp_hidden: int | None = None,
+        max_seq_len: int = 1024,
+        rope_theta: float = 10000.0,
+        init_std: float = 0.02,
+        optimizer: OptimizerSpec | None = None,
+        reshard_after_forward: bool = True,
+    ) -> None:
+        super().__init__()
+        self.optimizer_spec = optimizer if optimizer is not None else OptimizerSpec()
+        if isinstance(self.optimizer_spec, dict):  # e.g. from a checkpoint's hparams
+            self.optimizer_spec = OptimizerSpec(**self.optimizer_spec)
+        self.config = DecoderLMConfig(
+            vocab_size=vocab_size, d_model=d_model, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv_heads,
+            mlp_hidden=mlp_hidden, max_seq_len=max_seq_len, rope_theta=rope_theta, init_std=init_std,
+        )
+        self.reshard_after_forward = reshard_after_forward
+        hp = dict(vocab_size=vocab_size, d_model=d_model, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv_heads,
+                  mlp_hidden=mlp_hidden, max_seq_len=max_seq_len, rope_theta=rope_theta, init_std=init_std,
+                  optimizer=asdict(self.optimizer_spec), reshard_after_forward=reshard_after_forward)
+        self.save_hyperparameters(hp)
+        self.model: DecoderLM | None = None
+
+    # ------------------------------------------------------------------ model
+    def configure_model(self) -> None:
+        if self.model is not None:
+            return
+        self.model = DecoderLM(self.config)
+        mesh = self._data_parallel_mesh()
+        if mesh is not None:
+            from torch.distributed.fsdp import fully_shard
+
+            for block in self.model.blocks:
+                fully_shard(block, mesh=mesh, reshard_after_forward=self.reshard_after_forward)
+            fully_shard(self.model, mesh=mesh, reshard_after_forward=self.reshard_after_forward)
+        if any(t.is_meta for t in self.model.parameters()) and self._trainer is not None:
+            self._materialize(self.trainer.strategy.root_device)
+
+    def _data_parallel_mesh(self) -> Any:
+        mesh = getattr(self, "_device_mesh", None)
+        if mesh is None:
+            return None
+        names = mesh.mesh_dim_names or ()
+        dp = mesh["data_parallel"] if "data_parallel" in names else (mesh if mesh.ndim == 1 else None)
+        return dp if dp is not None and dp.size() > 1 else None
+
+    @torch.no_grad()
+    def _materialize(self, device: torch.device) -> None:
+        """Allocate a meta-built model on ``device`` and initialize it as :class:`DecoderLM` does.
+
+        Lightning's generic materialization calls every submodule's own ``reset_parameters``
+        (``nn.Linear``: Kaiming, ``nn.Embedding``: N(0, 1)) after the model's, overriding the
+        model's GPT-style init, and leaves the rotary tables (buffers) uninitialized; so this
+        module does it itself.
+        """
+        assert self.model is not None
+        self.model.to_empty(device=device)
+        self.model.reset_parameters()
+        cos, sin = _rope_tables(self.config, device)
+        self.model.rope_cos.copy_(cos)
+        self.model.rope_sin.copy_(sin)
+
+    def forward(self, idx: Tensor) -> Tensor:
+        assert self.model is not None, "configure_model() has not run"
+        return self.model(idx)
+
+    def num_parameters(self) -> int:
+        """Parameter count of the full (unsharded) model."""
+        assert self.model is not None, "configure_model() has not run"
+        return sum(p.numel() for p in self.model.parameters())
+
+    # ------------------------------------------------------------------ steps
+    def _loss(self, batch: tuple[Tensor, Tensor]) -> Tensor:
+        x, y = batch
+        logits = self(x)
+        return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1))
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        loss = self._loss(batch)
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        self.log("val_loss", self._loss(batch), prog_bar=True, sync_dist=True)
+
+    def test_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        self.log("test_loss", self._loss(batch), sync_dist=True)
+
+    # ------------------------------------------------------------------ optimizer
+    def configure_optimizers(self) -> Any:
+        assert self.model is not None, "configure_model() has not run"
+        spec = self.optimizer_spec
+        opt = build_lm_optimizer(self.model, spec, verbose=self._trainer is None or self.trainer.is_global_zero)
+        total = self._total_steps()
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: lr_factor(
+            step, warmup_steps=spec.warmup_steps, total_steps=total, schedule=spec.schedule,
+            min_lr_ratio=spec.min_lr_ratio))
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step", "name": "lr"}}
+
+    def _total_steps(self) -> int:
+        if self._trainer is None:
+            return max(1, self.optimizer_spec.warmup_steps)
+        if self.trainer.max_steps > 0:
+            return int(self.trainer.max_steps)
+        est = self.trainer.estimated_stepping_batches
+        if not math.isfinite(est):
+            raise ValueError("set trainer.max_steps (or a finite max_epochs) so the cosine schedule knows its length")
+        return int(est)
+
+
+def memory_budget(module: DecoderLMModule, *, batch_size: int, seq_len: int, precision: str = "bf16-mixed",
+                  world_size: int = 1) -> dict[str, float]:
+    """Bytes per device of weights, gradients and optimizer state, and an activation estimate.
+
+    Exact for weights / gradients / state: every parameter of the meta-built model is counted with
+    the optimizer's per-tensor state (QMuon: the format's tensors plus a 4-byte ``step`` per Muon
+    matrix, :func:`qmuon_lightning.quant.state.momentum_nbytes`; AdamW: 8 bytes per element;
+    torch Muon: 4). With FSDP every term but activations is divided by ``world_size`` (shards of
+    dim 0; the uneven remainder is ignored). ``precision``: ``"bf16-true"`` keeps bf16 weights and
+    gradients (2 + 2 bytes), anything else fp32 (4 + 4) with bf16 autocast.
+
+    Activations are an estimate, not a measurement: per layer and token, about ``34 * d_model``
+    bytes for the attention/MLP inputs, outputs and norms kept for backward in bf16 (Korthikanti et
+    al. 2022, "Reducing Activation Recomputation", without the attention-score term because SDPA
+    does not store scores) plus ``4 * mlp_hidden`` bytes for the SwiGLU intermediates, plus the
+    fp32 logits and their gradient (``8 * vocab_size`` bytes per token).
+    """
+    if module.model is None:
+        with torch.device("meta"):
+            module.configure_model()
+    assert module.model is not None
+    spec, cfg = module.optimizer_spec, module.config
+    n_params = sum(p.numel() for p in module.model.parameters())
+    wbytes = 2 if precision.startswith("bf16-true") or precision == "bf16" else 4
+    state = 0
+    if spec.name == "adamw":
+        state = 8 * n_params
+    else:
+        fmt = spec.resolved_state_format
+        opts = qstate.FormatOptions(
+            block_size=spec.block_size if spec.block_size is not None else qstate.DEFAULT_BLOCK_SIZE.get(fmt, 256),
+            rank=spec.rank, grid_block=spec.grid_block)
+        for d in route_parameters(module.model):
+            n = int(torch.Size(d.shape).numel())
+            if d.target == "muon":
+                if spec.name == "torch_muon":
+                    state += 4 * n
+                else:
+                    state += qstate.momentum_nbytes(fmt, d.shape[0], int(n // d.shape[0]), opts) + 4
+            elif d.target != "frozen":
+                state += 8 * n
+    tokens = batch_size * seq_len
+    act = cfg.n_layers * tokens * (34 * cfg.d_model + 4 * cfg.hidden) + tokens * 8 * cfg.vocab_size
+    out = {
+        "parameters": float(n_params),
+        "weights": wbytes * n_params / world_size,
+        "gradients": wbytes * n_params / world_size,
+        "optimizer_state": state / world_size,
+        "activations_estimate": float(act),
+    }
+    out["total"] = out["weights"] + out["gradients"] + out["optimizer_state"] + out["activations_estimate"]
+    return out

@@ -1,0 +1,288 @@
+"""``qmuon-train`` (``qmuon_lightning.cli``): tiny fits in-process, resume, config handling, errors.
+
+Every run here is a ~30k-parameter model on a few hundred KB of stdlib bytes, single thread.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+import lightning as L
+
+from qmuon_lightning.cli import QMuonCLI, main
+from qmuon_lightning.models.lm_module import DecoderLMModule, MuonWithAdamW, OptimizerSpec
+
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:.*LeafSpec",  # Lightning 2.6 calls a pytree API that torch 2.13 deprecates
+    "ignore:.*does not have many workers",
+    "ignore:.*GPU available but not used",
+    "ignore:.*Checkpoint directory .* exists and is not empty",
+)
+
+TINY = """
+seed_everything: 0
+trainer:
+  accelerator: cpu
+  devices: 1
+  max_steps: 6
+  max_epochs: -1
+  val_check_interval: 3
+  check_val_every_n_epoch: null
+  num_sanity_val_steps: 0
+  log_every_n_steps: 1
+  enable_progress_bar: false
+  enable_model_summary: false
+  default_root_dir: {root}
+  logger:
+    - class_path: lightning.pytorch.loggers.CSVLogger
+      init_args:
+        save_dir: ${{trainer.default_root_dir}}
+        name: csv
+  callbacks:
+    - class_path: lightning.pytorch.callbacks.ModelCheckpoint
+      init_args:
+        dirpath: ${{trainer.default_root_dir}}/checkpoints
+        save_last: true
+        every_n_train_steps: 3
+        save_top_k: -1
+model:
+  d_model: 32
+  n_layers: 1
+  n_heads: 2
+  optimizer:
+    name: qmuon
+    state_format: int8
+    rounding: stochastic
+    warmup_steps: 2
+data:
+  seq_len: 32
+  batch_size: 4
+  max_bytes: 600000
+  val_windows: 8
+"""
+
+
+@pytest.fixture
+def tiny_cfg(tmp_path):
+    def make(root: Path, extra: str = "") -> Path:
+        path = root.parent / f"{root.name}.yaml"
+        path.write_text(TINY.format(root=root) + extra)
+        return path
+    return make
+
+
+def _train_losses(root: Path) -> dict[int, float]:
+    """step -> train_loss from every CSV version under ``root/csv`` (later versions win)."""
+    out: dict[int, float] = {}
+    for f in sorted((root / "csv").glob("version_*/metrics.csv")):
+        with open(f, newline="") as fh:
+            for row in csv.DictReader(fh):
+                if row.get("train_loss"):
+                    out[int(row["step"])] = float(row["train_loss"])
+    return out
+
+
+def _print_config(capsys, *args: str) -> dict:
+    with pytest.raises(SystemExit) as exc:
+        main(["fit", *args, "--print_config"])
+    assert exc.value.code in (None, 0)
+    return yaml.safe_load(capsys.readouterr().out)
+
+
+def test_fit_logs_checkpoints_and_summarizes(tmp_path, tiny_cfg):
+    root = tmp_path / "run"
+    cli = QMuonCLI(args=["fit", "--config", str(tiny_cfg(root))])
+    trainer = cli.trainer
+    assert trainer.global_step == 6
+    assert (root / "checkpoints" / "last.ckpt").is_file()
+    losses = _train_losses(root)
+    assert sorted(losses) == list(range(6))
+    # ln 256 = 5.545 at initialization; 6 steps of Muon move it down measurably (a stalled or
+    # diverged optimizer would not).
+    assert abs(losses[0] - math.log(256)) < 0.3
+    assert losses[5] < losses[0] - 0.2, losses
+
+    summary = json.loads(next(root.glob("csv/version_*/summary.json")).read_text())
+    assert summary["steps"] == 6 and summary["optimizer"] == "qmuon" and summary["state_format"] == "int8"
+    assert summary["tokens"] == 6 * 4 * 32
+    assert summary["optimizer_steps_timed"] == 5  # the first step is reported apart
+    assert summary["val_final"][0] == 6 and math.isfinite(summary["val_final"][1])
+    # int8 momentum: 1 B + 4 B / 256 per Muon element (+ a 4 B step per matrix) vs fp32's 4 B.
+    assert 0.25 < summary["muon_state_vs_fp32"] < 0.30
+    assert summary["state_bytes"] < summary["fp32_muon_reference_bytes"]
+    # The model's max_seq_len comes from data.seq_len (link).
+    assert cli.model.config.max_seq_len == 32
+
+
+class StopAtStep(L.Callback):
+    """Interrupts a run after ``step`` optimizer steps (as a crash or a time limit would), so the
+    schedule, which depends on ``max_steps``, is the same as in the uninterrupted run."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step >= self.step:
+            trainer.should_stop = True
+
+
+def test_resume_from_last_matches_uninterrupted_run(tmp_path, tiny_cfg):
+    """fit 6 steps straight vs the same run interrupted after 3 and resumed with ``--ckpt_path
+    last``: same losses at every step (weights, int8 state with stochastic rounding, LR schedule
+    and data position all restored)."""
+    straight = tmp_path / "straight"
+    QMuonCLI(args=["fit", "--config", str(tiny_cfg(straight))])
+    resumed = tmp_path / "resumed"
+    cfg = str(tiny_cfg(resumed))
+    stop = json.dumps({"class_path": f"{__name__}.StopAtStep", "init_args": {"step": 3}})
+    first = QMuonCLI(args=["fit", "--config", cfg, f"--trainer.callbacks+={stop}"])
+    assert first.trainer.global_step == 3
+    cli = QMuonCLI(args=["fit", "--config", cfg, "--ckpt_path", "last"])
+    assert cli.trainer.global_step == 6
+    a, b = _train_losses(straight), _train_losses(resumed)
+    assert sorted(b) == list(range(6))
+    for step in range(6):
+        # Same process, same ops, same data: the only allowed difference is float summation
+        # order, which is identical here, so the tolerance is fp32 round-off of a ~5.0 loss.
+        assert b[step] == pytest.approx(a[step], rel=1e-5, abs=1e-5), (step, a, b)
+
+
+def test_validate_subcommand_loads_checkpoint(tmp_path, tiny_cfg):
+    root = tmp_path / "run"
+    cfg = str(tiny_cfg(root))
+    QMuonCLI(args=["fit", "--config", cfg, "--trainer.max_steps", "3"])
+    ckpt = root / "checkpoints" / "last.ckpt"
+    cli = QMuonCLI(args=["validate", "--config", cfg, "--ckpt_path", str(ckpt)])
+    fresh = QMuonCLI(args=["validate", "--config", cfg])
+    trained, untrained = float(cli.trainer.callback_metrics["val_loss"]), float(fresh.trainer.callback_metrics["val_loss"])
+    assert abs(untrained - math.log(256)) < 0.3
+    assert trained < untrained - 0.05
+
+
+def test_print_config_interpolation_and_links(tmp_path, tiny_cfg, capsys):
+    cfg = str(tiny_cfg(tmp_path / "run"))
+    out = _print_config(capsys, "--config", cfg)
+    assert out["trainer"]["callbacks"][0]["init_args"]["dirpath"] == f"{tmp_path / 'run'}/checkpoints"
+    assert out["trainer"]["logger"][0]["init_args"]["save_dir"] == str(tmp_path / "run")
+    assert out["model"]["optimizer"]["state_format"] == "int8"
+    assert out["summary"]["filename"] == "summary"  # the always-on summary callback
+    # An override of the interpolated key moves every path built from it (resolved after merging).
+    other = tmp_path / "elsewhere"
+    out = _print_config(capsys, "--config", cfg, f"--trainer.default_root_dir={other}")
+    assert out["trainer"]["callbacks"][0]["init_args"]["dirpath"] == f"{other}/checkpoints"
+
+
+def test_several_configs_and_dotted_overrides(tmp_path, tiny_cfg, capsys):
+    base = str(tiny_cfg(tmp_path / "run"))
+    over = tmp_path / "over.yaml"
+    over.write_text("model:\n  n_layers: 3\n  optimizer:\n    name: grasp\n    state_format: null\n"
+                    "data:\n  seq_len: 48\n")
+    out = _print_config(capsys, "--config", base, "--config", str(over), "--model.d_model=64",
+                        "--model.optimizer.lr", "0.01")
+    m = out["model"]
+    assert (m["n_layers"], m["d_model"], m["optimizer"]["name"], m["optimizer"]["lr"]) == (3, 64, "grasp", 0.01)
+    assert m["n_heads"] == 2  # untouched keys of the first config survive the merge
+    assert out["data"]["seq_len"] == 48
+
+
+@pytest.mark.parametrize(
+    "override, expect",
+    [
+        (["--model.optimizer.state_format=int7"], ["state_format", "int7"]),
+        (["--model.d_model=100", "--model.n_heads=3"], ["invalid configuration", "d_model=100", "n_heads=3"]),
+        (["--model.optimizer.name=grasp", "--model.optimizer.state_format=int8"], ["invalid configuration", "grasp4"]),
+        (["--data.source=text"], ["invalid configuration", "data.paths"]),
+        (["--model.dmodel=64"], ["dmodel"]),
+    ],
+    ids=["unknown-format", "heads-do-not-divide", "grasp-with-int8", "text-without-paths", "typo-key"],
+)
+def test_bad_config_gives_clear_error(tmp_path, tiny_cfg, capsys, override, expect):
+    cfg = str(tiny_cfg(tmp_path / "run"))
+    with pytest.raises(SystemExit) as exc:
+        main(["fit", "--config", cfg, *override])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    for word in expect:
+        assert word in err, err
+    assert "Traceback" not in err
+
+
+def test_text_and_bin_sources(tmp_path):
+    """The datamodule's three sources feed the same training step (text files and a uint16 .bin)."""
+    import numpy as np
+
+    from qmuon_lightning.data import ByteLMDataModule
+
+    (tmp_path / "a.txt").write_bytes(b"hello world " * 4000)
+    (tmp_path / "b.txt").write_bytes(bytes(range(256)) * 200)
+    dm = ByteLMDataModule(source="text", paths=[str(tmp_path / "*.txt")], seq_len=16, batch_size=2, split_chunk=4096)
+    dm.setup("fit")
+    x, y = next(iter(dm.train_dataloader()))
+    assert x.shape == (2, 16) and torch.equal(x[:, 1:], y[:, :-1])
+    n = dm.corpus.data.size
+    assert n == 12 * 4000 + 256 * 200 + 2  # two NUL separators
+    train = sum(hi - lo for lo, hi in dm.corpus.train)
+    val = sum(hi - lo for lo, hi in dm.corpus.val)
+    assert train + val == n and val > 0 and train > 0
+    # Deterministic: a second datamodule draws the same split and windows.
+    dm2 = ByteLMDataModule(source="text", paths=[str(tmp_path)], seq_len=16, batch_size=2, split_chunk=4096)
+    dm2.setup("fit")
+    assert dm2.corpus.val == dm.corpus.val and torch.equal(next(iter(dm2.train_dataloader()))[0], x)
+
+    ids = (np.arange(100_000) * 7919 % 50_000).astype(np.uint16)
+    ids.tofile(tmp_path / "tok.bin")
+    dm = ByteLMDataModule(source="bin", paths=[str(tmp_path / "tok.bin")], dtype="uint16", vocab_size=50_000,
+                          seq_len=64, batch_size=2, split_chunk=8192)
+    dm.setup("fit")
+    x, _ = dm.val_dataloader().dataset[0]
+    assert x.dtype == torch.int64 and int(x.max()) < 50_000
+    s = dm.train_dataloader().dataset.window_start(0)
+    assert any(lo <= s and s + 65 <= hi for lo, hi in dm.corpus.train)
+    with pytest.raises(ValueError, match="vocab_size is required"):
+        ByteLMDataModule(source="bin", paths=[str(tmp_path / "tok.bin")], dtype="uint16")
+
+
+def test_torch_muon_baseline_state_dict_roundtrip():
+    """The fp32 baseline optimizer (torch Muon + AdamW as one) saves and reloads its state and
+    keeps both inner optimizers bound to the reloaded groups."""
+    torch.manual_seed(0)
+    m = DecoderLMModule(d_model=32, n_layers=1, n_heads=2, max_seq_len=16,
+                        optimizer=OptimizerSpec(name="torch_muon", warmup_steps=0))
+    m.configure_model()
+    opt = m.configure_optimizers()["optimizer"]
+    assert isinstance(opt, MuonWithAdamW)
+    x = torch.randint(0, 256, (2, 16))
+    for _ in range(2):
+        opt.zero_grad()
+        m._loss((x, x)).backward()
+        opt.step()
+    sd = opt.state_dict()
+    # Muon keeps one fp32 momentum_buffer per hidden matrix (qkv, proj, gate_up, down of 1 block).
+    assert sum("momentum_buffer" in s for s in sd["state"].values()) == 4
+    opt2 = m.configure_optimizers()["optimizer"]
+    opt2.load_state_dict(sd)
+    assert opt2.muon.param_groups[0] is opt2.param_groups[0] and opt2.adamw.state is opt2.state
+    for p in m.parameters():
+        for k, v in opt.state[p].items():
+            assert torch.equal(v, opt2.state[p][k])
+
+
+def test_module_runs_as_console_program(monkeypatch, capsys):
+    """``python -m qmuon_lightning.cli`` (the console script's program, run as ``__main__``)
+    parses ``sys.argv``; --help lists the subcommands."""
+    import runpy
+
+    monkeypatch.setattr(sys, "argv", ["qmuon-train", "--help"])
+    with pytest.raises(SystemExit) as exc:
+        runpy.run_module("qmuon_lightning.cli", run_name="__main__")
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    assert "qmuon-train" in out and "fit" in out and "validate" in out
