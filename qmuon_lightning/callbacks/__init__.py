@@ -1,2 +1,43 @@
-"""Lightning callbacks (quantized-state checkpoints, optimizer-step profiler, fidelity monitor).
-Empty until the callbacks issue lands."""
+"""Lightning callbacks for QMuon runs.
+
+* :class:`QuantizedStateCheckpoint`: a manifest of the quantized optimizer state in every
+  checkpoint, checked on resume (an error names a format / layout mismatch), atomic standalone
+  quantized-state files (keep last k), and export of the momentum dequantized to fp32.
+* :class:`OptimizerStepProfiler`: ``torch.profiler`` windows around ``optimizer.step`` only, on a
+  schedule; Chrome trace, key-averages table (``qmuon::`` ops), peak memory, ``optimizer_step_ms``.
+* :class:`QuantFidelityMonitor`: every N steps, per-layer cosine of the quantized-state Muon update
+  against the fp32-state update on the run's own gradients; warns below a threshold.
+
+See ``docs/callbacks.md``.
+"""
+
+from .checkpoint import (
+    MANIFEST_KEY,
+    QuantizedStateCheckpoint,
+    QuantizedStateMismatchError,
+    atomic_torch_save,
+    build_manifest,
+    export_fp32_momentum,
+    load_quantized_state,
+    standalone_files,
+    validate_manifest,
+)
+from .fidelity import DEFAULT_COSINE_THRESHOLD, QuantFidelityMonitor, UpdateFidelityTracker
+from .profiler import OptimizerStepProfiler, peak_allocated_from_trace
+
+__all__ = [
+    "QuantizedStateCheckpoint",
+    "QuantizedStateMismatchError",
+    "OptimizerStepProfiler",
+    "QuantFidelityMonitor",
+    "UpdateFidelityTracker",
+    "DEFAULT_COSINE_THRESHOLD",
+    "MANIFEST_KEY",
+    "atomic_torch_save",
+    "build_manifest",
+    "validate_manifest",
+    "export_fp32_momentum",
+    "load_quantized_state",
+    "standalone_files",
+    "peak_allocated_from_trace",
+]
