@@ -176,6 +176,9 @@ def check_accelerator(accelerator: Accelerator, optimizer: torch.optim.Optimizer
     """:func:`check_configuration` for a constructed ``Accelerator`` (and, before ``prepare``,
     the optimizer that will be prepared with it)."""
     state = accelerator.state
+    kind = accelerator.distributed_type
+    if _name(kind) in ("DEEPSPEED", "MEGATRON_LM", "XLA"):
+        check_configuration(kind)  # refused whatever the rest says (and their plugins own mixed precision)
     fsdp_plugin = getattr(state, "fsdp_plugin", None)
     pc = getattr(accelerator, "parallelism_config", None)
     # FSDP2: OffloadPolicy() (none, the default) or CPUOffloadPolicy; FSDP1: CPUOffload(offload_params=...).
@@ -183,7 +186,7 @@ def check_accelerator(accelerator: Accelerator, optimizer: torch.optim.Optimizer
     offload = type(co).__name__ == "CPUOffloadPolicy" or getattr(co, "offload_params", False) is True
     inner = unwrap_qmuon(optimizer, strict=False) if optimizer is not None else None
     check_configuration(
-        accelerator.distributed_type,
+        kind,
         fsdp_version=getattr(fsdp_plugin, "fsdp_version", None),
         mixed_precision=str(accelerator.mixed_precision),
         tensor_parallel=bool(pc is not None and getattr(pc, "tp_enabled", False)),
@@ -275,7 +278,8 @@ def prepare_qmuon(
     if lr_scheduler is not None:
         extra.append(lr_scheduler(optimizer))
     prepared = accelerator.prepare(model, optimizer, *extra)
-    prepared = prepared if isinstance(prepared, tuple) else (prepared,)
+    # A tuple, or a list under FSDP2 (Accelerate's _prepare_fsdp2 returns one).
+    prepared = tuple(prepared) if isinstance(prepared, (tuple, list)) else (prepared,)
     p_model, p_opt = prepared[0], prepared[1]
     qm = unwrap_qmuon(p_opt)
     if qm is not optimizer:
