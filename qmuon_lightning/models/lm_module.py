@@ -343,8 +343,9 @@ def memory_budget(module: DecoderLMModule, *, batch_size: int, seq_len: int, pre
 
     Exact for weights / gradients / state: every parameter of the meta-built model is counted with
     the optimizer's per-tensor state (QMuon: the format's tensors plus a 4-byte ``step`` per Muon
-    matrix, :func:`qmuon_lightning.quant.state.momentum_nbytes`; AdamW: 8 bytes per element;
-    torch Muon: 4). With FSDP every term but activations is divided by ``world_size`` (shards of
+    matrix, :func:`qmuon_lightning.quant.state.momentum_nbytes`; AdamW: 8 bytes per element plus a
+    4-byte ``step`` per tensor; torch Muon: 4 bytes per element). ``tests/test_recipes.py``
+    checks the count against the state of a real optimizer after one step. With FSDP every term but activations is divided by ``world_size`` (shards of
     dim 0; the uneven remainder is ignored). ``precision``: ``"bf16-true"`` keeps bf16 weights and
     gradients (2 + 2 bytes), anything else fp32 (4 + 4) with bf16 autocast.
 
@@ -363,7 +364,7 @@ def memory_budget(module: DecoderLMModule, *, batch_size: int, seq_len: int, pre
     wbytes = 2 if precision.startswith("bf16-true") or precision == "bf16" else 4
     state = 0
     if spec.name == "adamw":
-        state = 8 * n_params
+        state = sum(8 * p.numel() + 4 for p in module.model.parameters())  # exp_avg, exp_avg_sq, 0-d fp32 step
     else:
         fmt = spec.resolved_state_format
         opts = qstate.FormatOptions(
@@ -377,7 +378,7 @@ def memory_budget(module: DecoderLMModule, *, batch_size: int, seq_len: int, pre
                 else:
                     state += qstate.momentum_nbytes(fmt, d.shape[0], int(n // d.shape[0]), opts) + 4
             elif d.target != "frozen":
-                state += 8 * n
+                state += 8 * n + 4
     tokens = batch_size * seq_len
     act = cfg.n_layers * tokens * (34 * cfg.d_model + 4 * cfg.hidden) + tokens * 8 * cfg.vocab_size
     out = {

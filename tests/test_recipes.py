@@ -1,0 +1,132 @@
+"""Every recipe under ``recipes/``: its documented command parses (``--print_config``), the model
+builds on the meta device with the parameter count and size class its header states, the memory
+budget in its header matches :func:`memory_budget` recomputed from the merged config, the
+optimizer builds, and an FSDP strategy name resolves to the registered strategy.
+
+Nothing here allocates a real 124M / 350M model: parameters live on the meta device.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from qmuon_lightning.callbacks.summary import optimizer_state_bytes
+from qmuon_lightning.cli import main
+from qmuon_lightning.models.lm_module import DecoderLMModule, OptimizerSpec, build_lm_optimizer, memory_budget
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*LeafSpec", "ignore:.*GPU available but not used")
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPES = sorted(p for p in (REPO / "recipes").rglob("*.yaml") if p.name != "base.yaml")
+UNITS = {"MiB": 2**20, "GiB": 2**30}
+
+
+def _header(path: Path) -> str:
+    return "".join(line for line in path.read_text().splitlines(keepends=True) if line.startswith("#"))
+
+
+def _command(path: Path) -> list[str]:
+    """The ``--config`` arguments of the ``qmuon-train fit`` command in the recipe's header."""
+    m = re.search(r"qmuon-train fit((?: --config \S+)+)\s*$", _header(path), re.M)
+    assert m, f"{path}: the header must show the command: qmuon-train fit --config ..."
+    args = shlex.split(m.group(1))
+    assert args[-1] == str(path.relative_to(REPO)), f"{path}: the command must end with --config of this file"
+    return args
+
+
+def _merged(path: Path, capsys) -> dict:
+    args = [a if a == "--config" else str(REPO / a) for a in _command(path)]
+    with pytest.raises(SystemExit) as exc:
+        main(["fit", *args, "--print_config"])
+    assert exc.value.code in (None, 0)
+    return yaml.safe_load(capsys.readouterr().out)
+
+
+def _module(cfg: dict) -> DecoderLMModule:
+    kw = dict(cfg["model"])
+    # --print_config leaves out link targets; qmuon-train sets these two from data (test_cli checks the links).
+    kw["max_seq_len"] = cfg["data"]["seq_len"]
+    kw["vocab_size"] = cfg["data"]["vocab_size"] or 256
+    kw["optimizer"] = OptimizerSpec(**{k: tuple(v) if isinstance(v, list) else v for k, v in kw["optimizer"].items()})
+    return DecoderLMModule(**kw)
+
+
+def test_recipes_exist():
+    names = {str(p.relative_to(REPO / "recipes")) for p in RECIPES}
+    assert "cpu/smoke.yaml" in names
+    for size in ("gpt124m", "gpt350m"):
+        for opt in ("adamw", "torch_muon", "bf16", "int8", "grasp4"):
+            assert f"gb10/{size}_{opt}.yaml" in names
+    assert any("fsdp" in n for n in names)
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=[str(p.relative_to(REPO / "recipes")) for p in RECIPES])
+def test_recipe(path, capsys):
+    cfg = _merged(path, capsys)
+    header = _header(path)
+
+    module = _module(cfg)
+    with torch.device("meta"):
+        module.configure_model()
+    assert all(p.is_meta for p in module.parameters())
+    n = module.num_parameters()
+    stated = re.search(r"([\d,]{6,}) parameters", header)
+    assert stated, f"{path}: the header must state the exact parameter count"
+    assert n == int(stated.group(1).replace(",", "")), (n, stated.group(0))
+    size = re.search(r"size class: ([\d.]+)M parameters", header)
+    assert size, f"{path}: the header must state 'size class: <N>M parameters'"
+    # "124M-class" etc.: within 15% of the nominal size (the byte vocabulary moves the count a little).
+    assert abs(n / (float(size.group(1)) * 1e6) - 1) < 0.15, (n, size.group(0))
+
+    # The header's budget line == memory_budget recomputed from the merged config.
+    t = cfg["trainer"]
+    fsdp = str(t.get("strategy")).startswith("qmuon_fsdp")
+    world = int(t["num_nodes"]) * int(t["devices"]) if fsdp else 1
+    b = memory_budget(module, batch_size=cfg["data"]["batch_size"], seq_len=cfg["data"]["seq_len"],
+                      precision=str(t["precision"]), world_size=world)
+    m = re.search(r"budget: (.*) (MiB|GiB)$", header, re.M)
+    assert m, f"{path}: the header must carry a 'budget: key=value ... GiB' line"
+    stated_budget = dict(kv.split("=") for kv in m.group(1).split())
+    for key, value in stated_budget.items():
+        # The header rounds to 2 decimals.
+        assert b[key] / UNITS[m.group(2)] == pytest.approx(float(value), abs=0.0051), (key, b[key], value)
+
+    # The optimizer builds over the (meta) parameters with the recipe's settings.
+    opt = build_lm_optimizer(module.model, module.optimizer_spec, verbose=False)
+    assert len(opt.param_groups) >= 2
+
+    if fsdp:
+        from lightning.pytorch.strategies import StrategyRegistry
+
+        from qmuon_lightning.strategies import QMuonFSDPStrategy
+
+        strategy = StrategyRegistry.get(t["strategy"])
+        assert isinstance(strategy, QMuonFSDPStrategy)
+        if module.optimizer_spec.name in ("adamw", "torch_muon"):
+            # A baseline must not be swapped for QMuon by the strategy.
+            assert strategy.optimizer_mode == "keep"
+    if path.parent.name == "gb10":
+        assert t["accelerator"] == "cuda" and t["precision"] == "bf16-mixed"
+        assert f"runs/gb10/{path.stem}" == t["default_root_dir"]
+        assert t["callbacks"][0]["init_args"]["dirpath"] == f"runs/gb10/{path.stem}/checkpoints"
+
+
+@pytest.mark.parametrize("name, state_format", [("qmuon", "int8"), ("grasp", None), ("qmuon", "bf16"),
+                                                ("adamw", None), ("torch_muon", None)])
+def test_memory_budget_state_is_exact(name, state_format):
+    """memory_budget's optimizer-state bytes == the state tensors a real optimizer holds after a step."""
+    torch.manual_seed(0)
+    spec = OptimizerSpec(name=name, state_format=state_format, warmup_steps=0)
+    module = DecoderLMModule(d_model=64, n_layers=2, n_heads=2, max_seq_len=16, optimizer=spec)
+    module.configure_model()
+    opt = build_lm_optimizer(module.model, spec, verbose=False)
+    x = torch.randint(0, 256, (2, 16))
+    module._loss((x, x)).backward()
+    opt.step()
+    assert sum(optimizer_state_bytes(opt)) == memory_budget(module, batch_size=2, seq_len=16)["optimizer_state"]
