@@ -68,6 +68,10 @@ class TinyLM(L.LightningModule):
         self.log("train_loss", loss)
         return loss
 
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", self.model.loss(x, y), sync_dist=True)
+
     def configure_optimizers(self) -> Any:
         opt = torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], **USER_ADAMW)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup)
@@ -543,10 +547,12 @@ def test_two_processes_shard_swap_and_train(same_world: tuple[Path, list[dict]])
         assert r["frozen_unchanged"] and not r["frozen_in_state"]
         assert r["unused_unchanged"] and not r["unused_in_state"]
         assert r["trained_changed"]
+        assert math.isfinite(r["val_loss"]) and r["blocks_after_validate"] == r["blocks"]
         assert r["has_comm_attr"] and "qmuon/comm_bytes" in r["logged"] and r["comm_bytes"] > 0
         # configure_model that shards: the policy is not applied; optimizer="keep" keeps AdamW.
         assert r["self_sharded_policy_blocks"] == [] and r["self_sharded_optimizer"] == "AdamW"
         assert r["self_sharded_steps"] == 2
+        assert "'grasp4' cannot be used on FSDP2-sharded parameters" in r["grasp_error"]
     assert ranks[0]["ckpt_A"] == ["epoch=0.ckpt", "epoch=1.ckpt", "epoch=2.ckpt"]
 
 
@@ -714,6 +720,10 @@ def scenario_same_world(out: Path, optimizer: str) -> dict[str, Any]:
     res["unused_unchanged"] = torch.equal(sA["params"]["model.unused.weight"], fresh["model.unused.weight"])
     res["trained_changed"] = not torch.equal(sA["params"]["model.blocks.1.attn.qkv.weight"],
                                              fresh["model.blocks.1.attn.qkv.weight"])
+    # Validation after fit: a second setup of the already sharded model (the policy is not re-applied).
+    val = tA.validate(mA, make_data(8), verbose=False)
+    res["val_loss"] = float(val[0]["val_loss"])
+    res["blocks_after_validate"] = tA.strategy.sharded_blocks
     res["frozen_in_state"] = "model.blocks.0.attn.proj.weight" in sA["state"]
     res["unused_in_state"] = "model.unused.weight" in sA["state"]
 
@@ -733,6 +743,13 @@ def scenario_same_world(out: Path, optimizer: str) -> dict[str, Any]:
     res["self_sharded_policy_blocks"] = tS.strategy.sharded_blocks
     res["self_sharded_optimizer"] = type(tS.optimizers[0]).__name__
     res["self_sharded_steps"] = tS.global_step
+
+    # A format whose state is not row-local (grasp4) is refused at setup, on every rank alike.
+    try:
+        _fit(out, _strategy(optimizer="grasp"), 1, devices=2)
+        res["grasp_error"] = None
+    except ValueError as e:
+        res["grasp_error"] = str(e)
     return res
 
 

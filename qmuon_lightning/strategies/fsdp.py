@@ -146,6 +146,28 @@ def _drop_state_except(module: torch.nn.Module, optimizer: Optimizer, keep: set[
             del optimizer.state[p]
 
 
+def _check_sharded_formats(opt: QMuon) -> None:
+    """Fail at setup, not at the first step, when a Muon group's state format cannot be sharded
+    (the distributed layer lists the row-local formats it supports)."""
+    try:
+        from ..distributed.sharding import SUPPORTED_SHARDED_FORMATS
+    except ImportError:  # no distributed layer: QMuon itself reports what it cannot do
+        return
+    from torch.distributed.tensor import DTensor
+
+    bad = sorted({
+        str(g["state_format"]) for g in opt.param_groups
+        if g["use_muon"] and g["state_format"] not in SUPPORTED_SHARDED_FORMATS
+        and any(isinstance(p, DTensor) for p in g["params"])
+    })
+    if bad:
+        raise ValueError(
+            f"QMuon state_format {', '.join(map(repr, bad))} cannot be used on FSDP2-sharded parameters: its state "
+            f"is not row-local, so it cannot be split with the weight rows. Sharded formats: "
+            f"{', '.join(SUPPORTED_SHARDED_FORMATS)}; e.g. optimizer_kwargs={{'state_format': 'int4'}} for 4-bit momentum"
+        )
+
+
 class QMuonFSDPStrategy(ModelParallelStrategy):
     """FSDP2 (``fully_shard``) strategy that shards the model by a policy when ``configure_model``
     does not, and trains it with :class:`~qmuon_lightning.QMuon`.
@@ -317,6 +339,7 @@ class QMuonFSDPStrategy(ModelParallelStrategy):
         user = optimizers[0] if optimizers else None
         if isinstance(user, QMuon):
             rank_zero_info(f"{type(self).__name__}: configure_optimizers returned a QMuon; kept as it is")
+            _check_sharded_formats(user)
             return
         kwargs = dict(self._optimizer_kwargs)
         if user is not None and not isinstance(user, _MockOptimizer):
@@ -329,6 +352,7 @@ class QMuonFSDPStrategy(ModelParallelStrategy):
         else:
             user = None
         new = build_optimizer(module, verbose=False, **kwargs)
+        _check_sharded_formats(new)
         for config in self.lr_scheduler_configs:
             if user is None:
                 raise swap.SwapError("an LR scheduler was configured without an optimizer")
