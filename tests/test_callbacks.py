@@ -378,3 +378,126 @@ def test_fidelity_monitor_arguments():
     mon = QuantFidelityMonitor(10, window=3)
     assert [s for s in range(25) if mon._in_window(s)] == [6, 7, 8, 9, 16, 17, 18, 19]
     assert [s for s in range(25) if mon.steps_to_measurement(s) == 0] == [9, 19]
+
+
+# ============================================================================ under qmuon_fsdp (2 processes)
+# The test runs this file as a script (``python tests/test_callbacks.py fsdp <out>``); Lightning's
+# Trainer(devices=2) starts rank 1 by re-running the same command. Each rank writes a JSON file of
+# what it saw. A hung collective fails through the process-group and subprocess timeouts.
+FSDP_TIMEOUT_S = 300
+
+
+class _FsdpLM(L.LightningModule):
+    """A 1-block DecoderLM returning plain AdamW: the qmuon_fsdp strategy shards it and swaps in QMuon."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from qmuon_lightning.models import DecoderLM
+
+        self.model = DecoderLM(vocab_size=64, d_model=32, n_layers=2, n_heads=2, max_seq_len=SEQ, mlp_hidden=64)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return self.model.loss(x, y)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=3e-3)
+
+
+def _fsdp_fit(out: Path, steps: int, callbacks: list, resume: str | None = None) -> L.Trainer:
+    from datetime import timedelta
+
+    from qmuon_lightning.strategies import QMuonFSDPStrategy
+
+    L.seed_everything(0, verbose=False)
+    g = torch.Generator().manual_seed(1234)
+    tokens = torch.randint(0, 64, (4 * steps, SEQ + 1), generator=g)
+    data = DataLoader(torch.utils.data.TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=4)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, strategy=QMuonFSDPStrategy(timeout=timedelta(seconds=120)), max_steps=steps,
+        callbacks=callbacks, logger=False, enable_progress_bar=False, enable_model_summary=False,
+        enable_checkpointing=True, num_sanity_val_steps=0, default_root_dir=str(out),
+    )
+    trainer.fit(_FsdpLM(), data, ckpt_path=resume)
+    return trainer
+
+
+def _fsdp_scenario(out: Path) -> dict:
+    import torch.distributed as dist
+
+    from qmuon_lightning.distributed.checkpoint import full_state_dict
+
+    mc = ModelCheckpoint(dirpath=out / "ckpt", every_n_train_steps=2, save_top_k=-1)
+    qc = QuantizedStateCheckpoint(dirpath=out / "q")
+    tr = _fsdp_fit(out, 2, [mc, qc])
+    opt = tr.optimizers[0]
+    res: dict = {"rank": dist.get_rank(), "optimizer": type(opt).__name__}
+    blob = qc.export_fp32_momentum(out / "fp32.pt")  # collective: every rank
+    full = full_state_dict(opt)  # collective
+    exact = True
+    for group, saved in zip(opt.param_groups, full["param_groups"]):
+        if group["use_muon"]:
+            for p, pid, name in zip(group["params"], saved["params"], group["param_names"]):
+                m = qstate.dequantize_momentum(full["state"][pid], opts=qstate.format_options(group))
+                exact &= torch.equal(blob["momentum"][name], m.reshape(p.shape))
+    res["export_matches_gathered_state"] = bool(exact)
+    res["exported"] = len(blob["momentum"])
+    (ckpt,) = (out / "ckpt").glob("*step=2.ckpt")  # DistributedSampler: 1 batch per epoch per rank
+    res["ckpt_is_dir"] = ckpt.is_dir()
+    if res["rank"] == 0:
+        meta = torch.load(ckpt / "meta.pt", weights_only=False)
+        man = meta[MANIFEST_KEY]
+        res["manifest_sharded"] = man["sharded"]
+        res["manifest_formats"] = sorted({g["state_format"] for g in man["optimizers"][0]["groups"] if g["use_muon"]})
+        res["standalone_files"] = os.listdir(out / "q") if (out / "q").exists() else []
+        res["fp32_file"] = (out / "fp32.pt").exists()
+    dist.barrier()
+    # Resume from the sharded checkpoint: the manifest is validated against the swapped-in QMuon.
+    tr2 = _fsdp_fit(out, 3, [QuantizedStateCheckpoint(dirpath=out / "q", require_manifest=True)], resume=str(ckpt))
+    res["resumed_step"] = tr2.global_step
+    return res
+
+
+@pytest.mark.slow
+def test_under_qmuon_fsdp_two_processes(tmp_path):
+    """Sharded (DCP) saving works with the callback: manifest in the checkpoint metadata, no per-rank
+    standalone file, fp32 export gathered on every rank and written by rank 0, resume validated."""
+    import signal
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "WORLD_SIZE", "NODE_RANK", "MASTER_PORT",
+                                                             "MASTER_ADDR")}
+    env.update(PYTHONPATH=os.pathsep.join([str(root), env.get("PYTHONPATH", "")]), OMP_NUM_THREADS="1",
+               PYTHONWARNINGS="ignore")
+    proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "fsdp", str(tmp_path)], cwd=str(tmp_path),
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        log, _ = proc.communicate(timeout=FSDP_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        log, _ = proc.communicate()
+        pytest.fail(f"fsdp scenario timed out after {FSDP_TIMEOUT_S}s; log tail:\n{log[-6000:]}")
+    results = sorted(tmp_path.glob("fsdp_rank*.json"))
+    if proc.returncode != 0 or len(results) != 2:
+        pytest.fail(f"fsdp scenario exited with {proc.returncode}; log tail:\n{log[-8000:]}")
+    r0, r1 = (json.loads(p.read_text()) for p in results)
+    for r in (r0, r1):
+        assert r["optimizer"] == "QMuon" and r["ckpt_is_dir"] and r["resumed_step"] == 3
+        assert r["export_matches_gathered_state"] and r["exported"] > 0
+    assert r0["manifest_sharded"] is True and r0["manifest_formats"] == ["int8"]
+    assert r0["standalone_files"] == [] and r0["fp32_file"]
+
+
+if __name__ == "__main__":
+    import sys
+
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore")
+    scenario, out_dir = sys.argv[1], Path(sys.argv[2])
+    if scenario != "fsdp":
+        raise SystemExit(f"unknown scenario {scenario!r}; the only one is 'fsdp'")
+    result = _fsdp_scenario(out_dir)
+    (out_dir / f"fsdp_rank{result['rank']}.json").write_text(json.dumps(result, indent=1, default=str))
