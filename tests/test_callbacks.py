@@ -184,9 +184,12 @@ def test_atomic_write_crash_keeps_previous_file(tmp_path, monkeypatch):
     assert good.read_bytes() == good_bytes
     assert sorted(os.listdir(tmp_path / "q")) == ["qmuon-state-step=2.pt"]  # temporary file removed
 
-    # A temporary file left by a killed process is never taken for a complete file.
+    # A temporary file left by a killed process is never taken for a complete file, and the next
+    # successful save removes it.
     (tmp_path / "q" / ".qmuon-state-abc.tmp").write_bytes(b"junk")
     assert standalone_files(tmp_path / "q") == [str(good)]
+    trainer.save_checkpoint(tmp_path / "c.ckpt")
+    assert sorted(os.listdir(tmp_path / "q")) == ["qmuon-state-step=2.pt"]
 
     # The previous file is whole: it validates and loads into a freshly built optimizer.
     fresh = _module()
@@ -368,6 +371,32 @@ def test_fidelity_monitor_does_not_disturb_training(tmp_path):
         for k in sa[pid]:
             assert torch.equal(sa[pid][k], sb[pid][k]), (pid, k)
     assert torch.equal(rng_a, rng_b)
+
+
+@pytest.mark.parametrize("algorithm", ["norm", "value"])
+def test_fidelity_monitor_sees_clipped_gradients(algorithm):
+    """Lightning clips right after on_before_optimizer_step; the monitor applies the same clipping
+    to its copies (compared with torch.nn.utils.clip_grad_*_ on clones)."""
+    from types import SimpleNamespace
+
+    from qmuon_lightning.callbacks.fidelity import _clip_transform
+
+    ps, opt = _toy_optimizer()
+    for p in ps:
+        p.grad = torch.randn_like(p)
+    ref = [p.grad.clone() for p in ps]
+    clip = 0.5 if algorithm == "norm" else 0.1
+    holders = [torch.nn.Parameter(torch.zeros_like(g)) for g in ref]
+    for h, g in zip(holders, ref):
+        h.grad = g.clone()
+    if algorithm == "norm":
+        torch.nn.utils.clip_grad_norm_(holders, clip)
+    else:
+        torch.nn.utils.clip_grad_value_(holders, clip)
+    fn = _clip_transform(SimpleNamespace(gradient_clip_val=clip, gradient_clip_algorithm=algorithm), opt)
+    for p, h in zip(ps, holders):
+        torch.testing.assert_close(fn(p.grad), h.grad, rtol=1e-6, atol=0)  # fp32 rounding of the product
+    assert all(torch.equal(p.grad, g) for p, g in zip(ps, ref))  # the real gradients are untouched
 
 
 def test_fidelity_monitor_arguments():

@@ -425,10 +425,11 @@ class QuantizedStateCheckpoint(Callback):
         self._prune(os.path.dirname(path))
 
     def _prune(self, folder: str) -> None:
-        if self.keep_last_k is None:
-            return
         files = standalone_files(folder)
-        for old in files[: max(0, len(files) - self.keep_last_k)]:
+        stale_tmp = [os.path.join(folder, n) for n in os.listdir(folder)
+                     if n.startswith(_TMP_PREFIX) and n.endswith(".tmp")]  # left by a killed save (one writer)
+        keep = len(files) if self.keep_last_k is None else self.keep_last_k
+        for old in files[: max(0, len(files) - keep)] + stale_tmp:
             with contextlib.suppress(FileNotFoundError):
                 os.remove(old)
 
@@ -443,8 +444,9 @@ class QuantizedStateCheckpoint(Callback):
                 raise QuantizedStateMismatchError(msg + "; pass require_manifest=False to resume anyway")
             rank_zero_warn(msg)
             return
-        if trainer.optimizers:
-            # Strategies that restore after setup (ModelParallelStrategy): the optimizers exist.
+        if trainer.strategy.restore_checkpoint_after_setup:
+            # ModelParallelStrategy / qmuon_fsdp: the checkpoint is read after the optimizers are built
+            # (qmuon_fsdp has loaded the optimizer state already; the error still comes before training).
             self._validate(trainer, manifest, source)
         else:
             # Single-device / DDP: checkpoints are read before the optimizers are built; validate in

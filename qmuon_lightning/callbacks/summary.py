@@ -190,7 +190,7 @@ class TrainSummary(L.Callback):
             "optimizer_steps_timed": len(steps_timed),
         }
         self.summary = s
-        self._report(trainer, s)
+        self._report(s, trainer.log_dir)  # log_dir broadcasts: every rank must ask
 
     @staticmethod
     def table(s: dict[str, Any]) -> str:
@@ -217,10 +217,9 @@ class TrainSummary(L.Callback):
         return "\n".join(["qmuon-train summary", line, *(f"{k.ljust(w)}  {v}" for k, v in rows), line])
 
     @rank_zero_only
-    def _report(self, trainer: L.Trainer, s: dict[str, Any]) -> None:
+    def _report(self, s: dict[str, Any], log_dir: str | None) -> None:
         text = self.table(s)
         print(text, flush=True)
-        log_dir = trainer.log_dir
         if self.filename and log_dir:
             os.makedirs(log_dir, exist_ok=True)
             clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in s.items()}
