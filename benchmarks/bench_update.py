@@ -10,11 +10,18 @@ neighbours on a shared machine hit every case alike) and the median reported:
 * ``dst.copy_(src)`` moving the same number of bytes (read + write): the memory roofline;
 * the same update without the sums of squares (``compute_sumsq=False``) and the update followed by
   a separate per-block sum-of-squares pass over the grad (what an unfused implementation does);
-* ``buf.lerp_(grad, 1 - beta)`` on an fp32 and on a bf16 momentum buffer (the dense formats).
+* ``buf.lerp_(grad, 1 - beta)`` on an fp32 and on a bf16 momentum buffer (the dense formats);
+* the 4-bit fused updates ``int4_momentum_update_multi_`` (block 128) and
+  ``e0m3_momentum_update_multi_`` (UE4M3 scale per 16, fp32 tensor scale) and the compiled dense
+  update ``dense_momentum_update_multi_`` (fp32 buffer), each against a ``copy_`` of the same number
+  of bytes and against its pure-PyTorch reference (``--no-reference`` skips those: they are slow).
+  Bytes counted are the format's minimum: grad read + write, packed codes read + write, scales read
+  + write (e0m3 reads grad and state twice, because its tensor scale needs the new momentum's max
+  before any code can be written; that extra traffic is not counted, so it shows as lower GB/s).
 
 Target: fused int8 update (nearest rounding) >= 0.8x the copy bandwidth (set for CPU; the same
-line is computed on CUDA). PASS / FAIL is computed from the
-measurement. Results go to ``benchmarks/results/update_bandwidth.md`` (``--out``).
+line is computed on CUDA). PASS / FAIL is computed from the measurement. The 4-bit and dense
+lines are reported (x copy_, x reference), not judged. Results go to ``benchmarks/results/update_bandwidth.md`` (``--out``).
 
     python benchmarks/bench_update.py                      # CPU, 16M elements
     python benchmarks/bench_update.py --device cuda --numel 268435456
@@ -60,6 +67,98 @@ def _timer(device: torch.device, inner: int) -> Callable[[Callable[[], object]],
     return run
 
 
+BS4 = 128  # int4 default block (quant/state.py); e0m3 sums of squares use the same granularity
+
+
+def _add_4bit_cases(cases, state, rows, cols, beta, stream, device, compiled: bool, with_reference: bool):
+    """Add the int4 / e0m3 / dense update cases (and equal-byte copies, references) to `cases`;
+    return the table rows to report: (name, copy case, reference case or None)."""
+    from qmuon_lightning.ops import reference_4bit as ref4
+
+    numel = rows * cols
+    m0 = torch.randn(rows, cols, generator=torch.Generator(device).manual_seed(1), device=device) * 1e-3
+    st = {}
+    st["int4"] = list(torch.ops.qmuon.int4_quantize(m0, BS4, -1, 0))
+    st["e0m3"] = list(torch.ops.qmuon.e0m3_quantize(m0, True, -1, 0))
+    st["dense"] = [m0.clone()]
+    del m0
+    nb4 = ref.num_blocks(cols, BS4)
+    sums = [torch.empty(rows, nb4, device=device)]
+    pk_bytes = 2 * rows * ((cols + 1) // 2)  # read + write
+    gsz = {"g_fp32": 4, "g_bf16": 2}
+
+    def nbytes(fmt, gname):
+        g = 2 * numel * gsz[gname]
+        if fmt == "int4":
+            return g + pk_bytes + 2 * 4 * rows * nb4
+        if fmt == "e0m3":
+            return g + pk_bytes + 2 * rows * ref.num_blocks(cols, 16) + 8
+        return g + 2 * 4 * numel  # fp32 buffer
+
+    def op_call(fmt, gname, stochastic):
+        g = state[gname]
+        s = [stream if stochastic else -1]
+        if fmt == "int4":
+            return lambda: torch.ops.qmuon.int4_momentum_update_multi_(
+                [st["int4"][0]], [st["int4"][1]], [g], sums, beta, True, BS4, s, [0])
+        if fmt == "e0m3":
+            return lambda: torch.ops.qmuon.e0m3_momentum_update_multi_(
+                [st["e0m3"][0]], [st["e0m3"][1]], [st["e0m3"][2]], [g], sums, beta, True, BS4, s, [0])
+        return lambda: torch.ops.qmuon.dense_momentum_update_multi_([st["dense"][0]], [g], sums, beta, True, BS4,
+                                                                    s, [0])
+
+    def ref_call(fmt, gname):
+        g = state[gname]
+        if fmt == "int4":
+            return lambda: ref4.int4_momentum_update_(*st["int4"], g, beta=beta, nesterov=True, block_size=BS4)
+        if fmt == "e0m3":
+            return lambda: ref4.e0m3_momentum_update_(*st["e0m3"], g, beta=beta, nesterov=True, block_size=BS4)
+        return lambda: ref.dense_momentum_update_(*st["dense"], g, beta=beta, nesterov=True, block_size=BS4)
+
+    rows_out = []
+    label = "compiled" if compiled else "reference backend"
+    for fmt in ("int4", "e0m3", "dense"):
+        copy_name = f"copy_ {fmt}-fp32-equivalent bytes"
+        n = nbytes(fmt, "g_fp32") // 2
+        src = torch.empty(n, dtype=torch.uint8, device=device).fill_(1)
+        dst = torch.empty(n, dtype=torch.uint8, device=device)
+        cases[copy_name] = ((lambda s_=src, d_=dst: d_.copy_(s_)), 2 * n)
+        variants = [("g_fp32", False), ("g_fp32", True), ("g_bf16", False)] if fmt != "dense" else [("g_fp32", False)]
+        for gname, stoch in variants:
+            gl = gname[2:]
+            name = f"{fmt} update ({label}), {gl} grad, {'stochastic' if stoch else 'nearest'}"
+            cases[name] = (op_call(fmt, gname, stoch), nbytes(fmt, gname))
+            ref_name = None
+            if with_reference and gname == "g_fp32" and not stoch:
+                ref_name = f"{fmt} update (pure-PyTorch reference), fp32 grad, nearest"
+                cases[ref_name] = (ref_call(fmt, gname), nbytes(fmt, gname))
+            rows_out.append((name, copy_name if gname == "g_fp32" else None, ref_name))
+    return rows_out
+
+
+def _report_4bit(rows_out, med, gbs) -> list[str]:
+    if not rows_out:
+        return []
+    lines = ["", "## 4-bit and dense updates (compiled kernels vs copy_ and vs the reference)", "",
+             f"int4 block {BS4}; e0m3 scale per 16 + fp32 tensor scale, sums of squares per {BS4}; dense = fp32 "
+             "buffer. Bytes = the format's minimum traffic (see the script's docstring).", "",
+             "| case | median ms | GB/s | x copy_ (equal bytes) | reference time / kernel time |",
+             "| --- | ---: | ---: | ---: | ---: |"]
+    for name, copy_name, ref_name in rows_out:
+        xc = f"{gbs[name] / gbs[copy_name]:.2f}" if copy_name else ""
+        xr = f"{med[ref_name] / med[name]:.1f}x" if ref_name else ""
+        lines.append(f"| {name} | {med[name] * 1e3:.2f} | {gbs[name]:.1f} | {xc} | {xr} |")
+        if ref_name:
+            lines.append(f"| {ref_name} | {med[ref_name] * 1e3:.2f} | {gbs[ref_name]:.1f} | "
+                         f"{gbs[ref_name] / gbs[copy_name]:.2f} | 1.0x |")
+    for name, copy_name, _ in rows_out:
+        if copy_name:
+            copy_ms = med[copy_name] * 1e3
+            lines.append(f"- `{copy_name}`: {copy_ms:.2f} ms, {gbs[copy_name]:.1f} GB/s")
+            break
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--numel", type=int, default=1 << 24, help="elements per tensor (default 16M)")
@@ -70,6 +169,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--inner", type=int, default=None, help="calls per timed sample (default: 1 on CPU, 10 on CUDA)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU)")
+    p.add_argument("--no-reference", action="store_true", help="skip the pure-PyTorch reference cases (slow)")
+    p.add_argument("--no-4bit", action="store_true", help="only the 8-bit cases")
     p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / "update_bandwidth.md")
     args = p.parse_args(argv)
 
@@ -147,6 +248,8 @@ def main(argv: list[str] | None = None) -> int:
             update(gname, False, "unfused"), q8_bytes(gname) + numel * state[gname].element_size())
     cases["fp32 buf.lerp_(fp32 grad)"] = (lambda: state["buf_fp32"].lerp_(state["g_fp32"], 1 - beta), 12 * numel)
     cases["bf16 buf.lerp_(bf16 grad)"] = (lambda: state["buf_bf16"].lerp_(state["g_bf16"], 1 - beta), 6 * numel)
+    extra_lines = [] if args.no_4bit else _add_4bit_cases(cases, state, rows, cols, beta, stream, device,
+                                                           compiled, not args.no_reference)
     cases = {k: v for k, v in cases.items() if v[0] is not None}
 
     inner = args.inner or (10 if device.type == "cuda" else 1)
@@ -200,6 +303,7 @@ def main(argv: list[str] | None = None) -> int:
                          f"a separate sumsq pass would take {unf:.2f}x the fused time")
     overall = all(verdicts)
     lines.append(f"- overall: {'PASS' if overall else 'FAIL'}")
+    lines.extend(_report_4bit(extra_lines, med, gbs))
     report = "\n".join(lines) + "\n"
     print(report)
     args.out.parent.mkdir(parents=True, exist_ok=True)

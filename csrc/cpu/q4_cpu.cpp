@@ -65,6 +65,53 @@ inline float unpacked_code(const uint8_t* __restrict p, int64_t i) {
   return nibble_to_code((i & 1) ? (byte >> 4) : (byte & 15u));
 }
 
+// Byte -> (low code, high code) as floats: unpacking is one 8-byte table load per byte.
+struct NibbleLut {
+  alignas(64) float v[256][2];
+  NibbleLut() {
+    for (uint32_t b = 0; b < 256; ++b) {
+      v[b][0] = nibble_to_code(b & 15u);
+      v[b][1] = nibble_to_code(b >> 4);
+    }
+  }
+};
+
+inline const NibbleLut& nibble_lut() {
+  static const NibbleLut lut;
+  return lut;
+}
+
+// Codes of elements [0, n) of a run that starts at an even column; p points at its first byte.
+inline void unpack_run(const uint8_t* __restrict p, int64_t n, float* __restrict c) {
+  const NibbleLut& lut = nibble_lut();
+  const int64_t whole = n / 2;
+  for (int64_t j = 0; j < whole; ++j) {
+    const float* e = lut.v[p[j]];
+    c[2 * j] = e[0];
+    c[2 * j + 1] = e[1];
+  }
+  if (n & 1) c[n - 1] = lut.v[p[whole]][0];
+}
+
+// u[i] = uniform noise of element first + i (32-bit counter when the high word is constant).
+inline void fill_noise(float* __restrict u, int64_t n, uint64_t first, uint32_t stream) {
+  const uint32_t lo0 = static_cast<uint32_t>(first);
+  if (static_cast<uint64_t>(lo0) + static_cast<uint64_t>(n) <= (uint64_t{1} << 32)) {
+    const uint32_t key = uniform_noise_key(first, stream);
+    const int32_t n32 = static_cast<int32_t>(n);
+    for (int32_t i = 0; i < n32; ++i) u[i] = uniform_noise_lo(lo0 + static_cast<uint32_t>(i), key);
+  } else {
+    for (int64_t i = 0; i < n; ++i) u[i] = uniform_noise(first + static_cast<uint64_t>(i), stream);
+  }
+}
+
+// out[j] = nib[2j] | nib[2j + 1] << 4 (an odd n leaves the last high nibble 0).
+inline void pack_run(const uint32_t* __restrict nib, int64_t n, uint8_t* __restrict out) {
+  const int64_t whole = n / 2;
+  for (int64_t j = 0; j < whole; ++j) out[j] = static_cast<uint8_t>(nib[2 * j] | (nib[2 * j + 1] << 4));
+  if (n & 1) out[whole] = static_cast<uint8_t>(nib[n - 1]);
+}
+
 // ---------------------------------------------------------------------------------------------
 // int4 update
 // ---------------------------------------------------------------------------------------------
@@ -76,6 +123,8 @@ void int4_update_matrix(const qmuon_q4_tensor& t, const MomentumWeights& mw, int
   at::parallel_for(0, t.rows * nb, grain_units(bs), [&](int64_t begin, int64_t end) {
     alignas(64) float m_new[kMaxBlockSize];
     alignas(64) float ns[kMaxBlockSize];
+    alignas(64) float u[kMaxBlockSize];
+    alignas(64) uint32_t nib[kMaxBlockSize];
     for (int64_t blk = begin; blk < end; ++blk) {
       const int64_t r = blk / nb;
       const int64_t b = blk - r * nb;
@@ -86,8 +135,9 @@ void int4_update_matrix(const qmuon_q4_tensor& t, const MomentumWeights& mw, int
       float* absmax = static_cast<float*>(t.scales) + r * t.scales_rs + b;
       const float scale = int4_dequant_scale(*absmax);
       const MomentumWeights w = mw;
+      unpack_run(pk, n, m_new);  // codes, overwritten by the new momentum below
       for (int64_t i = 0; i < n; ++i) {
-        const float m_old = fmul(unpacked_code(pk, i), scale);
+        const float m_old = fmul(m_new[i], scale);
         const float g = G::load(grad[i]);
         const float m = lerp(m_old, g, w.to_grad);
         const float v = NESTEROV ? lerp(g, m, w.to_mom) : m;
@@ -99,11 +149,11 @@ void int4_update_matrix(const qmuon_q4_tensor& t, const MomentumWeights& mw, int
       if (t.sumsq != nullptr) t.sumsq[r * nb + b] = sum_squares(ns, n);
       *absmax = amax;
       const float inv = int4_quant_inv(amax);
-      const uint64_t first = elem_index(t.row_offset, r, t.cols, c0);
-      pack_codes(pk, n, [&](int64_t i) {
-        const float u = STOCHASTIC ? uniform_noise(first + static_cast<uint64_t>(i), stream) : 0.0f;
-        return round_code4(fmul(m_new[i], inv), STOCHASTIC, u);
-      });
+      if (STOCHASTIC) fill_noise(u, n, elem_index(t.row_offset, r, t.cols, c0), stream);
+      for (int64_t i = 0; i < n; ++i) {
+        nib[i] = code_to_nibble(round_code4(fmul(m_new[i], inv), STOCHASTIC, STOCHASTIC ? u[i] : 0.0f));
+      }
+      pack_run(nib, n, pk);
     }
   });
 }
@@ -120,11 +170,19 @@ inline void e0m3_momentum_unit(const qmuon_q4_tensor& t, const MomentumWeights& 
   const uint8_t* __restrict pk = t.packed + r * t.packed_rs + c0 / 2;
   const uint8_t* __restrict sc = static_cast<const uint8_t*>(t.scales) + r * t.scales_rs + c0 / kE0M3Block;
   const GS* __restrict grad = static_cast<const GS*>(t.grad) + r * t.grad_rs + c0;
+  unpack_run(pk, n, m_new);
+  int64_t k0 = 0;
+  for (; k0 + kE0M3Block <= n; k0 += kE0M3Block) {  // whole 16-element blocks: fixed trip count
+    const float step = e0m3_step(sc[k0 / kE0M3Block], t_old);
+    for (int i = 0; i < kE0M3Block; ++i) m_new[k0 + i] = fmul(m_new[k0 + i], step);
+  }
+  if (k0 < n) {
+    const float step = e0m3_step(sc[k0 / kE0M3Block], t_old);
+    for (int64_t i = k0; i < n; ++i) m_new[i] = fmul(m_new[i], step);
+  }
   for (int64_t i = 0; i < n; ++i) {
-    const float step = e0m3_step(sc[i / kE0M3Block], t_old);
-    const float m_old = fmul(unpacked_code(pk, i), step);
     const float g = G::load(grad[i]);
-    const float m = lerp(m_old, g, w.to_grad);
+    const float m = lerp(m_new[i], g, w.to_grad);
     m_new[i] = m;
     if (ns != nullptr) ns[i] = NESTEROV ? lerp(g, m, w.to_mom) : m;
   }
@@ -160,31 +218,47 @@ void e0m3_update_matrix(const qmuon_q4_tensor& t, const MomentumWeights& mw, int
   at::parallel_for(0, t.rows * nu, grain_units(unit), [&](int64_t begin, int64_t end) {
     alignas(64) float m_new[kMaxBlockSize];
     alignas(64) float ns[kMaxBlockSize];
+    alignas(64) float u[kMaxBlockSize];
+    alignas(64) uint32_t nib[kMaxBlockSize];
     const MomentumWeights w = mw;
-    for (int64_t u = begin; u < end; ++u) {
-      const int64_t r = u / nu;
-      const int64_t c0 = (u - r * nu) * unit;
+    for (int64_t un = begin; un < end; ++un) {
+      const int64_t r = un / nu;
+      const int64_t c0 = (un - r * nu) * unit;
       const int64_t n = std::min(unit, t.cols - c0);
       e0m3_momentum_unit<G, NESTEROV>(t, w, t_old, r, c0, n, m_new, ns);
       GS* __restrict grad = static_cast<GS*>(t.grad) + r * t.grad_rs + c0;
       for (int64_t i = 0; i < n; ++i) grad[i] = G::store(ns[i]);
       if (t.sumsq != nullptr) {
-        for (int64_t s0 = 0; s0 < n; s0 += bs) t.sumsq[r * nb + (c0 + s0) / bs] = sum_squares(ns + s0, std::min(bs, n - s0));
+        for (int64_t s0 = 0; s0 < n; s0 += bs) {
+          t.sumsq[r * nb + (c0 + s0) / bs] = sum_squares(ns + s0, std::min(bs, n - s0));
+        }
       }
-      uint8_t* __restrict pk = t.packed + r * t.packed_rs + c0 / 2;
+      if (STOCHASTIC) fill_noise(u, n, elem_index(t.row_offset, r, t.cols, c0), stream);
       uint8_t* __restrict sc = static_cast<uint8_t*>(t.scales) + r * t.scales_rs + c0 / kE0M3Block;
-      for (int64_t k0 = 0; k0 < n; k0 += kE0M3Block) {
-        const int64_t kn = std::min(kE0M3Block, n - k0);
-        const float* mb = m_new + k0;
-        const uint32_t s_bits = e0m3_scale_bits(bits_f32(absmax_bits(mb, kn)), t_new);
+      int64_t k0 = 0;
+      for (; k0 + kE0M3Block <= n; k0 += kE0M3Block) {  // whole 16-element blocks: fixed trip count
+        uint32_t mb = 0;
+        for (int i = 0; i < kE0M3Block; ++i) {
+          const uint32_t ab = abs_bits(m_new[k0 + i]);
+          mb = ab > mb ? ab : mb;
+        }
+        const uint32_t s_bits = e0m3_scale_bits(bits_f32(mb), t_new);
         sc[k0 / kE0M3Block] = static_cast<uint8_t>(s_bits);
         const float step = e0m3_step(s_bits, t_new);
-        const uint64_t first = elem_index(t.row_offset, r, t.cols, c0 + k0);
-        pack_codes(pk + k0 / 2, kn, [&](int64_t i) {
-          const float uu = STOCHASTIC ? uniform_noise(first + static_cast<uint64_t>(i), stream) : 0.0f;
-          return e0m3_code(mb[i], step, STOCHASTIC, uu);
-        });
+        for (int i = 0; i < kE0M3Block; ++i) {
+          nib[k0 + i] = code_to_nibble(
+              e0m3_code(m_new[k0 + i], step, STOCHASTIC, STOCHASTIC ? u[k0 + i] : 0.0f));
+        }
       }
+      if (k0 < n) {  // the partial block at the end of a row
+        const uint32_t s_bits = e0m3_scale_bits(bits_f32(absmax_bits(m_new + k0, n - k0)), t_new);
+        sc[k0 / kE0M3Block] = static_cast<uint8_t>(s_bits);
+        const float step = e0m3_step(s_bits, t_new);
+        for (int64_t i = k0; i < n; ++i) {
+          nib[i] = code_to_nibble(e0m3_code(m_new[i], step, STOCHASTIC, STOCHASTIC ? u[i] : 0.0f));
+        }
+      }
+      pack_run(nib, n, t.packed + r * t.packed_rs + c0 / 2);
     }
   });
   *t.tensor_scale = t_new;
@@ -455,14 +529,29 @@ int codec_cpu(const qmuon_codec_args& a) {
           }
         }
       });
+      // Decoded maxima (times t), once: the codes loop then reads two floats per element.
+      std::vector<float> row_dec(static_cast<size_t>(rows * nbc)), col_dec(static_cast<size_t>(nbr * cols));
+      for (int64_t i = 0; i < rows * nbc; ++i) row_dec[i] = fmul(ue4m3_decode(row_bits[i]), t);
+      for (int64_t i = 0; i < nbr * cols; ++i) col_dec[i] = fmul(ue4m3_decode(col_bits[i]), t);
       at::parallel_for(0, rows, grain_units(cols), [&](int64_t r0, int64_t r1) {
+        std::vector<float> u(static_cast<size_t>(stoch ? cols : 0));
+        std::vector<uint32_t> nib(static_cast<size_t>(cols));
+        std::vector<float> rrow(static_cast<size_t>(cols));
         for (int64_t r = r0; r < r1; ++r) {
           const float* xr = x + r * cols;
-          const uint8_t* rb = row_bits + r * nbc;
-          const uint8_t* cb = col_bits + (r / s) * cols;
-          pack_codes(pk + r * pc, cols, [&](int64_t c) {
-            return grid_code(xr[c], grid_den(rb[c / s], cb[c], t), stoch, noise(r, c));
-          });
+          const float* rd = row_dec.data() + r * nbc;
+          const float* cd = col_dec.data() + (r / s) * cols;
+          for (int64_t k = 0; k < nbc; ++k) {
+            for (int64_t c = k * s; c < std::min(cols, (k + 1) * s); ++c) rrow[c] = rd[k];
+          }
+          if (stoch) fill_noise(u.data(), cols, elem_index(a.row_offset, r, cols, 0), stream);
+          for (int64_t c = 0; c < cols; ++c) {
+            const float rv = rrow[c], cv = cd[c];
+            // torch.minimum (NaN propagates), as grid_den
+            const float den = cv < rv ? cv : (rv != rv ? rv : (cv != cv ? cv : rv));
+            nib[c] = code_to_nibble(grid_code(xr[c], den, stoch, stoch ? u[c] : 0.0f));
+          }
+          pack_run(nib.data(), cols, pk + r * pc);
         }
       });
       return 0;
@@ -474,11 +563,23 @@ int codec_cpu(const qmuon_codec_args& a) {
       const uint8_t* cb = static_cast<const uint8_t*>(a.in2);
       const float t = *static_cast<const float*>(a.in3);
       float* out = static_cast<float*>(a.out0);
+      const int64_t nbr = (rows + s - 1) / s;
+      std::vector<float> col_dec(static_cast<size_t>(nbr * cols));
+      for (int64_t i = 0; i < nbr * cols; ++i) col_dec[i] = fmul(ue4m3_decode(cb[i]), t);
       at::parallel_for(0, rows, grain_units(cols), [&](int64_t r0, int64_t r1) {
+        std::vector<float> code(static_cast<size_t>(cols)), rrow(static_cast<size_t>(cols));
         for (int64_t r = r0; r < r1; ++r) {
+          unpack_run(pk + r * pc, cols, code.data());
+          for (int64_t k = 0; k < nbc; ++k) {
+            const float v = fmul(ue4m3_decode(rb[r * nbc + k]), t);
+            for (int64_t c = k * s; c < std::min(cols, (k + 1) * s); ++c) rrow[c] = v;
+          }
+          const float* cd = col_dec.data() + (r / s) * cols;
+          float* o = out + r * cols;
           for (int64_t c = 0; c < cols; ++c) {
-            out[r * cols + c] = grid_dequant(unpacked_code(pk + r * pc, c),
-                                             grid_den(rb[r * nbc + c / s], cb[(r / s) * cols + c], t));
+            const float rv = rrow[c], cv = cd[c];
+            const float den = cv < rv ? cv : (rv != rv ? rv : (cv != cv ? cv : rv));
+            o[c] = grid_dequant(code[c], den);
           }
         }
       });
