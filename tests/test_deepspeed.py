@@ -283,11 +283,63 @@ def worker(out_path: str) -> None:
         results["mismatch_error"] = None
     except Exception as e:  # noqa: BLE001
         results["mismatch_error"] = f"{type(e).__name__}: {e}"
+    results["lightning"] = _lightning_run(rank)
     results["compatible_ops_after_init"] = sorted(k for k, v in ds_ops.__compatible_ops__.items() if v)
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(results, f)
     dist.barrier()
+
+
+def _lightning_run(rank: int, steps: int = 3) -> dict:
+    """Trainer(strategy="qmuon_deepspeed") on the CPU accelerator inside the torchrun processes: 3 steps
+    of ZeRO 2 on the same per-rank micro-batches as the reference, then compare."""
+    import lightning.pytorch as pl
+    import torch.distributed as dist
+
+    import qmuon_lightning.strategies.deepspeed as qsd
+
+    class Batches(torch.utils.data.Dataset):
+        # item i on rank r is micro-batch _batch(i, r), as in the engine runs (Trainer built with
+        # use_distributed_sampler=False, so Lightning does not re-deal the items).
+        def __len__(self):
+            return steps
+
+        def __getitem__(self, i):
+            return _batch(i, rank)
+
+    class Lit(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model = _model()
+
+        def training_step(self, batch, _):
+            x = batch[0]
+            return _loss(self.model(x), x)
+
+        def configure_optimizers(self):
+            return ql.build_optimizer(self.model, **OPT_KW)
+
+        def train_dataloader(self):
+            return torch.utils.data.DataLoader(Batches(), batch_size=1, shuffle=False)
+
+    lit = Lit()
+    strategy = qsd.QMuonDeepSpeedStrategy(config={
+        "zero_optimization": {"stage": 2}, "gradient_clipping": 0.0, "train_micro_batch_size_per_gpu": 1,
+    })
+    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=2, max_steps=steps, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         use_distributed_sampler=False)
+    trainer.fit(lit)
+    ref_model, _ = _reference(steps, 2)
+    diffs = [(a.detach().float() - b).abs().max().item() for a, b in zip(lit.model.parameters(), ref_model.parameters())]
+    wrapper = trainer.strategy.qmuon_optimizer
+    dist.barrier()
+    return {
+        "registered": "qmuon_deepspeed" in pl.strategies.StrategyRegistry,
+        "wrapper": type(wrapper).__name__, "mode": wrapper._mode, "max_abs_diff": max(diffs),
+        "ns_items": sorted(wrapper.ns_items.items()), "steps": trainer.global_step,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -355,3 +407,28 @@ def test_no_op_builds_and_mismatch_error(two_process_run):
 
 if __name__ == "__main__" and "--worker" in sys.argv:
     worker(sys.argv[sys.argv.index("--worker") + 1])
+
+
+def test_lightning_strategy_on_cpu_matches_single_process(two_process_run):
+    r = two_process_run[0]["lightning"]
+    assert r["registered"] and r["wrapper"] == "WholeMatrixZeroOptimizer" and r["mode"] == "partitioned"
+    assert r["steps"] == 3
+    assert r["max_abs_diff"] == 0.0  # same averaged gradients as the reference, so bit-exact as the engine path
+
+
+def test_strategy_registered_and_refuses_bad_config():
+    import lightning.pytorch as pl
+
+    import qmuon_lightning.strategies.deepspeed as qsd
+
+    assert pl.strategies.StrategyRegistry["qmuon_deepspeed"]["strategy"] is qsd.QMuonDeepSpeedStrategy
+    assert pl.strategies.StrategyRegistry["qmuon_deepspeed_stage_1"]["init_params"] == {"stage": 1}
+    with pytest.raises(qds.UnsupportedDeepSpeedConfig, match="stage 3"):
+        qsd.QMuonDeepSpeedStrategy(stage=3)
+    with pytest.raises(qds.UnsupportedDeepSpeedConfig, match="DeepSpeedCPUAdam"):
+        qsd.QMuonDeepSpeedStrategy(stage=2, offload_optimizer=True)
+    with pytest.raises(qds.UnsupportedDeepSpeedConfig, match="'optimizer' section"):
+        qsd.QMuonDeepSpeedStrategy(config={"optimizer": {"type": "Adam"}, "zero_optimization": {"stage": 2}})
+    trainer = pl.Trainer(strategy="qmuon_deepspeed", accelerator="cpu", devices=1, logger=False)
+    assert isinstance(trainer.strategy, qsd.QMuonDeepSpeedStrategy)
+    assert trainer.strategy.config["zero_optimization"]["stage"] == 2

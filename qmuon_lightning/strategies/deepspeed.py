@@ -1,0 +1,125 @@
+"""``Trainer(strategy="qmuon_deepspeed")``: Lightning's DeepSpeed strategy with QMuon whole-matrix updates.
+
+:class:`QMuonDeepSpeedStrategy` is Lightning's :class:`~lightning.pytorch.strategies.DeepSpeedStrategy`
+with three changes:
+
+- the QMuon returned by ``configure_optimizers`` is wrapped in
+  :class:`~qmuon_lightning.integrations.deepspeed.WholeMatrixZeroOptimizer` before
+  ``deepspeed.initialize`` and attached to the engine afterwards, so under ZeRO stages 0-2 every
+  Muon matrix is orthogonalized whole, once per step, by one owner rank (see that module);
+- the DeepSpeed config is checked with
+  :func:`~qmuon_lightning.integrations.deepspeed.check_config` (no ``optimizer`` section, no
+  optimizer offload, no stage 3, ...), each refusal naming the fix;
+- it also runs on the CPU accelerator (gloo), which Lightning's own ``setup_environment`` refuses:
+  nothing else in the strategy is CUDA-specific, and DeepSpeed itself runs on its CPU accelerator.
+  On CPU, DeepSpeed's JIT-compiled communication op is skipped
+  (:func:`~qmuon_lightning.integrations.deepspeed.avoid_cpu_op_builds`).
+
+Names registered in Lightning's ``StrategyRegistry`` on import: ``"qmuon_deepspeed"`` (ZeRO stage 2),
+``"qmuon_deepspeed_stage_1"``, ``"qmuon_deepspeed_stage_2"``. Stage 0:
+``QMuonDeepSpeedStrategy(zero_optimization=False)``. A config dict or JSON path works as for
+Lightning's strategy: ``QMuonDeepSpeedStrategy(config="examples/ds_config_zero2.json")``.
+
+Checkpoints are DeepSpeed checkpoint directories (``trainer.save_checkpoint(path)`` /
+``Trainer.fit(ckpt_path=path)``): the quantized momentum is in the optimizer state DeepSpeed writes
+(one file per rank at stages 1/2). Resume with the same number of processes and ZeRO stage.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any, Optional
+
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.accelerators import CPUAccelerator
+from lightning.pytorch.strategies import DeepSpeedStrategy, StrategyRegistry
+from lightning.pytorch.strategies.ddp import DDPStrategy
+from torch.nn import Module
+from torch.optim import Optimizer
+
+from ..integrations.deepspeed import WholeMatrixZeroOptimizer, avoid_cpu_op_builds, check_config
+from ..optim.qmuon import QMuon
+
+__all__ = ["QMuonDeepSpeedStrategy", "STRATEGY_NAMES"]
+
+#: Names this module registers, with the ZeRO stage each selects.
+STRATEGY_NAMES = {"qmuon_deepspeed": 2, "qmuon_deepspeed_stage_1": 1, "qmuon_deepspeed_stage_2": 2}
+
+
+class QMuonDeepSpeedStrategy(DeepSpeedStrategy):
+    """DeepSpeed ZeRO 0/1/2 with QMuon's whole-matrix Newton-Schulz and quantized momentum.
+
+    Takes the arguments of Lightning's ``DeepSpeedStrategy``. ``configure_optimizers`` must return
+    one QMuon (for example ``qmuon_lightning.build_optimizer(self)``), optionally with a scheduler.
+    Other optimizers pass through to DeepSpeed unchanged.
+    """
+
+    strategy_name = "qmuon_deepspeed"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.config = check_config(self.config)  # refuse impossible configs at construction
+        #: The wrapper handed to DeepSpeed (None until fit starts or when the optimizer is not QMuon).
+        self.qmuon_optimizer: Optional[WholeMatrixZeroOptimizer] = None
+
+    def setup_environment(self) -> None:
+        if isinstance(self.accelerator, CPUAccelerator):
+            # Lightning's DeepSpeedStrategy raises for any non-CUDA accelerator; DeepSpeed runs on its CPU
+            # accelerator (gloo), so skip only that check.
+            DDPStrategy.setup_environment(self)
+            return
+        super().setup_environment()
+
+    def setup_distributed(self) -> None:
+        if isinstance(self.accelerator, CPUAccelerator):
+            # Lightning's version first checks that CUDA device indices match local ranks; CPU devices
+            # have no index. The rest is the same.
+            reset_seed()
+            self.set_world_ranks()
+            self._init_deepspeed_distributed()
+            return
+        super().setup_distributed()
+
+    def _init_deepspeed_distributed(self) -> None:
+        if isinstance(self.accelerator, CPUAccelerator):
+            avoid_cpu_op_builds()
+        super()._init_deepspeed_distributed()
+
+    def _setup_model_and_optimizer(
+        self, model: Module, optimizer: Optional[Optimizer], lr_scheduler: Any = None
+    ) -> tuple[Any, Optimizer]:
+        import deepspeed
+
+        wrapper = None
+        if isinstance(optimizer, QMuon):
+            self.config = check_config(self.config)  # again: Lightning filled in precision, batch size, clipping
+            wrapper = WholeMatrixZeroOptimizer(optimizer)
+            optimizer = wrapper
+        # As Lightning's DeepSpeedStrategy does, except the device rank: a CPU device has no index, and
+        # DeepSpeed compares args.device_rank with 0, so the local rank stands in for it there.
+        index = self.root_device.index
+        engine, ds_optimizer, _, _ = deepspeed.initialize(
+            args=argparse.Namespace(device_rank=self.local_rank if index is None else index),
+            config=self.config,
+            model=model,
+            model_parameters=[p for p in model.parameters() if p.requires_grad],
+            optimizer=optimizer,
+            lr_scheduler=lr_scheduler,
+            dist_init_required=False,
+        )
+        if wrapper is not None:
+            wrapper.attach(engine)
+            self.qmuon_optimizer = wrapper
+        return engine, ds_optimizer
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        for name, stage in STRATEGY_NAMES.items():
+            strategy_registry.register(
+                name, cls, description=f"DeepSpeed ZeRO stage {stage} with QMuon whole-matrix updates",
+                override=True, stage=stage,
+            )
+
+
+if "qmuon_deepspeed" not in StrategyRegistry:
+    QMuonDeepSpeedStrategy.register_strategies(StrategyRegistry)
