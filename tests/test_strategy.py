@@ -474,6 +474,18 @@ def test_rebind_sequential_scheduler() -> None:
     assert ratio[0] == pytest.approx(ratio[1], rel=1e-9) and 0 < ratio[0] < 1
 
 
+def test_rebind_reduce_on_plateau() -> None:
+    m = nn.Linear(8, 8)
+    old = torch.optim.AdamW(m.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.ReduceLROnPlateau(old, factor=0.5, patience=0, min_lr=1e-6)
+    new = QMuon([{"params": [m.weight], "lr": 0.02}, {"params": [m.bias], "use_muon": False, "lr": 1e-3}])
+    swap.rebind_scheduler(sched, old, new)
+    assert sched.min_lrs == [1e-6, 1e-6]
+    for metric in (1.0, 2.0, 3.0):  # the first sets "best"; two worse values halve every group twice
+        sched.step(metric)
+    assert [g["lr"] for g in new.param_groups] == pytest.approx([0.02 / 4, 1e-3 / 4], rel=1e-12)
+
+
 # ---------------------------------------------------------------------------------------------
 # End to end: 2 CPU processes (gloo), launched by Lightning
 
@@ -573,6 +585,9 @@ def test_resume_two_to_one_process(one_proc: tuple[Path, list[dict]]) -> None:
     out, ranks = one_proc
     assert len(ranks) == 1 and ranks[0]["world_size"] == 1 and ranks[0]["optimizer_type"] == "QMuon"
     assert ranks[0]["global_step"] == 4 + 4  # resumed at step 4, one more epoch of 4 batches on 1 process
+    assert "state_format ['int8'] but this run uses ['uint8']" in ranks[0]["mismatch_format"]
+    assert "optimizer_kwargs={'state_format': 'int8'}" in ranks[0]["mismatch_format"]
+    assert "['QMuon']" in ranks[0]["mismatch_optimizer"] and "['AdamW']" in ranks[0]["mismatch_optimizer"]
     two = torch.load(out / "ref_2proc_epoch1.pt", weights_only=True)
     one = torch.load(out / "loaded_1proc_epoch1.pt", weights_only=True)
     assert two["global_step"] == one["global_step"] == 4
@@ -786,6 +801,14 @@ def scenario_one_proc(out: Path, optimizer: str) -> dict[str, Any]:
     res["world_size"] = t.world_size
     res["global_step"] = t.global_step
     res["optimizer_type"] = type(t.optimizers[0]).__name__
+    # Resuming with another state format or optimizer is refused before anything is loaded.
+    for label, kw in (("format", {"optimizer": optimizer, "optimizer_kwargs": {"state_format": "uint8"}}),
+                      ("optimizer", {"optimizer": "keep"})):
+        try:
+            _fit(out, _strategy(**kw), 3, devices=1, resume=out / "B" / "epoch=1.ckpt")
+            res[f"mismatch_{label}"] = None
+        except ValueError as e:
+            res[f"mismatch_{label}"] = str(e)
     return res
 
 

@@ -417,7 +417,7 @@ class QMuonFSDPStrategy(ModelParallelStrategy):
         strict = self.lightning_module.strict_loading
         if path.is_dir() and (path / ".metadata").is_file():
             metadata = torch.load(path / _METADATA_FILENAME, weights_only=weights_only)
-            self._check_compatible(metadata.get(_CKPT_KEY), path, sharded=True)
+            self._check_compatible(metadata.get(_CKPT_KEY), path)
             model_state = {"state_dict": get_model_state_dict(module)}
             dcp.load(model_state, checkpoint_id=path)
             module.load_state_dict(model_state["state_dict"], strict=strict)
@@ -434,7 +434,7 @@ class QMuonFSDPStrategy(ModelParallelStrategy):
             return metadata
         if path.is_file():
             checkpoint = torch.load(path, mmap=True, map_location="cpu", weights_only=weights_only)
-            self._check_compatible(checkpoint.get(_CKPT_KEY), path, sharded=False)
+            self._check_compatible(checkpoint.get(_CKPT_KEY), path)
             set_model_state_dict(module, checkpoint.pop("state_dict"), options=StateDictOptions(
                 full_state_dict=True, broadcast_from_rank0=True, strict=strict))
             for idx, opt in enumerate(self.optimizers):
@@ -448,7 +448,7 @@ class QMuonFSDPStrategy(ModelParallelStrategy):
             f"{path} is neither a sharded checkpoint directory (with a .metadata file) nor a checkpoint file"
         )
 
-    def _check_compatible(self, saved: Optional[Mapping[str, Any]], path: Path, *, sharded: bool) -> None:
+    def _check_compatible(self, saved: Optional[Mapping[str, Any]], path: Path) -> None:
         if not saved or not self.optimizers:
             return
         now = self._checkpoint_info()
@@ -458,12 +458,14 @@ class QMuonFSDPStrategy(ModelParallelStrategy):
                 f"{saved['optimizer']!r}) but this run trains with {now['optimizer_types']} (optimizer="
                 f"{now['optimizer']!r}); resume with the same optimizer setting"
             )
-        if sharded and saved["state_formats"] != now["state_formats"]:
+        if saved["state_formats"] != now["state_formats"]:
+            # torch's loaders place saved tensors into the current optimizer's state layout (same keys,
+            # dtypes and sharding), so a checkpoint loads into the format it was saved with only.
             raise ValueError(
-                f"{path} is a sharded checkpoint with Muon state_format {saved['state_formats']} but this run uses "
-                f"{now['state_formats']}; a sharded checkpoint loads into the same format only. Resume with "
-                f"optimizer_kwargs={{'state_format': {saved['state_formats'][0]!r}}}, or save a consolidated checkpoint "
-                "(save_distributed_checkpoint=False), whose optimizer state QMuon converts between formats on load"
+                f"{path} holds Muon momentum in state_format {saved['state_formats']} but this run uses "
+                f"{now['state_formats']}; resume with optimizer_kwargs={{'state_format': {saved['state_formats'][0]!r}}}. "
+                "(To change format, load the checkpoint without this strategy and use QMuon.load_state_dict, "
+                "which converts between formats.)"
             )
 
     # ------------------------------------------------------------------ metrics
