@@ -274,11 +274,42 @@ def _worker_unsupported(mesh) -> str:
     return "no error"
 
 
+def _worker_collective_skips(mesh, rank: int) -> dict:
+    """A NaN in rank 1's rows only, a gradient on rank 0 only, and nonfinite='raise': every rank
+    must take the same decision (or the next collective would hang)."""
+    import qmuon_lightning as ql
+
+    net = _Net()
+    _shard(net, mesh)
+    opt = ql.QMuon(_groups(net), lr=0.02)
+    before = {n: _full(p).detach().clone() for n, p in net.named_parameters()}
+    grads = _grads(net, 0)
+    grads["b"][4, 7] = float("nan")  # row 4 lives on rank 1
+    _set_grads(net, grads, True)
+    if rank == 1:
+        net.a.grad = None  # rank 0 has a gradient for `a`, rank 1 does not: it counts as zeros
+    opt.step()
+    after = {n: _full(p).detach().clone() for n, p in net.named_parameters()}
+    out = {"skips": opt.nonfinite_skips, "b_unchanged": torch.equal(before["b"], after["b"]),
+           "a_changed": not torch.equal(before["a"], after["a"]), "b_state": net.b in opt.state}
+    opt_raise = ql.QMuon(_groups(net), lr=0.02, nonfinite="raise")
+    _set_grads(net, grads, True)
+    try:
+        opt_raise.step()
+        out["raised"] = ""
+    except FloatingPointError as e:
+        out["raised"] = str(e)
+    out["unchanged_after_raise"] = all(torch.equal(after[n], _full(p)) for n, p in net.named_parameters())
+    return out
+
+
 def _worker_two(rank: int, world: int, root: str, configs: list[dict], comm: dict) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
+    mesh = init_device_mesh("cpu", (world,))
     return {"direct": _worker_direct(rank, world, configs),
-            "unsupported": _worker_unsupported(init_device_mesh("cpu", (world,))),
+            "skips": _worker_collective_skips(mesh, rank),
+            "unsupported": _worker_unsupported(mesh),
             "train": _worker_train(rank, world, root, os.path.join(root, "plain"), comm)}
 
 
@@ -439,6 +470,15 @@ def test_comm_bytes_reported(runs):
         assert st["ns_bytes_total"] < 0.6 * bf["ns_bytes_total"]
     assert runs["two"][0]["direct"]["int8"]["stats"][-1]["ns_bytes_total"] == \
         runs["two"][1]["direct"]["int8"]["stats"][-1]["ns_bytes_total"]
+
+
+def test_nonfinite_and_missing_grads_decided_collectively(runs):
+    for r in (0, 1):
+        sk = runs["two"][r]["skips"]
+        assert sk["skips"] == 1 and sk["b_unchanged"] and not sk["b_state"], sk  # both ranks skipped b
+        assert sk["a_changed"]
+        assert "param group 0" in sk["raised"] or "'b'" in sk["raised"], sk["raised"]
+        assert sk["unchanged_after_raise"]
 
 
 def test_unsupported_format_raises(runs):

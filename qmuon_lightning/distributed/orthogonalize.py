@@ -132,6 +132,7 @@ class ShardedStep:
         self.world = mesh.size()
         self.rank = mesh.get_local_rank()
         self.flag_bytes = 0
+        self.sent = 0  # bytes of NS payload this rank sent to other ranks in this step
         ret = getattr(opt, "comm_return", "int8")
         fwd = getattr(opt, "comm_carrier", "int8")
         if fwd not in CARRIERS or ret not in RETURN_CARRIERS:
@@ -208,6 +209,8 @@ class ShardedStep:
         return self.ret.nbytes(n, it.cols)
 
     def _exchange(self, send: Tensor, send_sizes: list[int], recv_sizes: list[int]) -> Tensor:
+        assert send.numel() == sum(send_sizes)
+        self.sent += send.numel() - send_sizes[self.rank]  # counted from the buffer handed to the collective
         if self.world == 1:
             return send
         recv = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=send.device)
@@ -318,8 +321,7 @@ class ShardedStep:
         wire = sum(fwd_w[s][d] + ret_w[s][d] for s in range(world) for d in range(world) if s != d)
         bf16_wire = sum(2 * 2 * it.n_of(s) * it.cols for j, it in enumerate(items) for s in range(world) if s != owners[j])
         exchange = sum(self._fwd_bytes(it, it.rows) + self._ret_bytes(it, it.rows) for it in items)
-        mine = sum(fwd_w[me][d] + ret_w[me][d] for d in range(world) if d != me)
-        self._record(stats, mine, wire, elements, bf16_wire, exchange, float(len(owned)))
+        self._record(stats, self.sent, wire, elements, bf16_wire, exchange, float(len(owned)))
 
     def _record(self, stats: dict[str, float], mine: int, wire: int, elements: int, bf16_wire: float,
                 exchange: float, owned: float) -> None:
