@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # GPU check of the compiled kernels, one script, < 10 minutes on one H200 (step time limits add up
-# to 570 s; expected ~3 minutes):
+# to 570 s; expected ~4 minutes):
 #   1. build the CPU + CUDA extension (QMUON_BACKEND=extension: a build failure is an error, not a
 #      silent fallback to the reference),
-#   2. run the cuda-marked tests (CUDA kernel == reference, bit for bit), then the whole
-#      tests/test_kernels.py (CPU comparisons, opcheck, nvcc compile for sm_90/100/121),
-#   3. run the bandwidth benchmark on the GPU,
+#   2. run the cuda-marked tests of tests/test_kernels.py (8-bit) and tests/test_kernels_4bit.py
+#      (int4 / e0m3 / dense updates and the 4-bit codecs: CUDA kernel == reference, bit for bit),
+#      then the rest of both files (CPU comparisons, opcheck, nvcc compile for sm_90/100/121),
+#   3. run the bandwidth benchmark on the GPU (8-bit, 4-bit and dense updates),
 #   4. print a summary table.
 # Logs and the benchmark table go to $OUT (the device tool's output folder) or /tmp/qmuon_gpu_check.
 # Exit status: 0 when every step passed.
@@ -58,7 +59,7 @@ run_step() {  # name timeout_s logfile command...
 } 2>&1 | tee "$OUT_DIR/env.txt"
 
 # ---- 1. build ---------------------------------------------------------------------------------
-run_step "build CPU+CUDA extension" 240 "$OUT_DIR/build.log" "$PY" -m qmuon_lightning.ops.build
+run_step "build CPU+CUDA extension" 200 "$OUT_DIR/build.log" "$PY" -m qmuon_lightning.ops.build
 BACKEND=$(grep -m1 '^backend:' "$OUT_DIR/build.log" | awk '{print $2}')
 rc=$STEP_RC
 if [ "$rc" -eq 0 ] && [ "$BACKEND" != "cpu+cuda-extension" ]; then rc=1; fi
@@ -68,25 +69,26 @@ BUILD_OK=$rc
 # ---- 2. tests ---------------------------------------------------------------------------------
 summary_line() { grep -E '[0-9]+ (passed|failed|errors?|skipped|deselected)' "$1" | tail -n 1; }
 if [ "$BUILD_OK" -eq 0 ]; then
-    run_step "cuda-marked tests" 90 "$OUT_DIR/pytest_cuda.log" \
-        "$PY" -m pytest -q -m cuda -p no:cacheprovider -rs tests/test_kernels.py
+    run_step "cuda-marked tests" 130 "$OUT_DIR/pytest_cuda.log" \
+        "$PY" -m pytest -q -m cuda -p no:cacheprovider -rs tests/test_kernels.py tests/test_kernels_4bit.py
     rc=$STEP_RC
-    # A run where every cuda test skipped is not a pass.
+    # A run where every cuda test skipped (or any was skipped: the CUDA kernels must load) is not a pass.
     if [ "$rc" -eq 0 ] && ! grep -qE '[0-9]+ passed' "$OUT_DIR/pytest_cuda.log"; then rc=1; fi
+    if [ "$rc" -eq 0 ] && grep -qE '[0-9]+ skipped' "$OUT_DIR/pytest_cuda.log"; then rc=1; fi
     record "pytest -m cuda" "$rc" "$STEP_DT" "$(summary_line "$OUT_DIR/pytest_cuda.log")"
 
-    run_step "all kernel tests" 120 "$OUT_DIR/pytest_all.log" \
-        "$PY" -m pytest -q -p no:cacheprovider -rs tests/test_kernels.py
-    record "pytest tests/test_kernels.py" "$STEP_RC" "$STEP_DT" "$(summary_line "$OUT_DIR/pytest_all.log")"
+    run_step "other kernel tests" 140 "$OUT_DIR/pytest_all.log" \
+        "$PY" -m pytest -q -m "not cuda" -p no:cacheprovider -rs tests/test_kernels.py tests/test_kernels_4bit.py
+    record "pytest -m 'not cuda' test_kernels*.py" "$STEP_RC" "$STEP_DT" "$(summary_line "$OUT_DIR/pytest_all.log")"
 else
     record "pytest -m cuda" 1 0 "skipped: build failed"
-    record "pytest tests/test_kernels.py" 1 0 "skipped: build failed"
+    record "pytest -m 'not cuda' test_kernels*.py" 1 0 "skipped: build failed"
 fi
 
 # ---- 3. benchmark -----------------------------------------------------------------------------
 if [ "$BUILD_OK" -eq 0 ]; then
-    run_step "bandwidth benchmark (cuda)" 120 "$OUT_DIR/bench.log" \
-        "$PY" benchmarks/bench_update.py --device cuda --numel $((1 << 28)) --reps 20 --warmup 3 \
+    run_step "bandwidth benchmark (cuda)" 100 "$OUT_DIR/bench.log" \
+        "$PY" benchmarks/bench_update.py --device cuda --numel $((1 << 27)) --reps 15 --warmup 3 \
         --out "$OUT_DIR/update_bandwidth_cuda.md"
     # bench exits 1 when its target line fails; that is reported, the script's status follows it.
     record "bench_update.py --device cuda" "$STEP_RC" "$STEP_DT" "$(grep -m1 -- '- overall' "$OUT_DIR/bench.log")"

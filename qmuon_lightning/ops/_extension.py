@@ -429,7 +429,8 @@ def _make_4bit_kernels(device_type: str, defaults: dict[str, Callable]) -> dict[
         if (compiled() and _e0m3_block_ok(block_size)
                 and _lists_ok(len(packed), scales, tensor_scales, grads, block_sumsq)
                 and _mats_ok(packed, (torch.uint8,)) and _mats_ok(scales, (torch.uint8,))
-                and all(t.dtype == torch.float32 and t.numel() == 1 for t in tensor_scales)
+                and all(t.dtype == torch.float32 and t.numel() == 1 and t.device == g.device
+                        for t, g in zip(tensor_scales, grads))
                 and _mats_ok(grads, _GRAD_DTYPES) and _mats_ok(block_sumsq, (torch.float32,))):
             torch.ops.qmuon_C.e0m3_momentum_update_multi_(*args)
         else:
