@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+from typing import Any
 
 from lightning.pytorch.strategies import Strategy, StrategyRegistry
 
@@ -30,25 +31,34 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 
+def _optional_strategy_module(name: str) -> Any:
+    """Import ``strategies.<name>`` if that module exists (modules owned and landed separately)."""
+    try:
+        return importlib.import_module(f"{__name__}.{name}")
+    except ModuleNotFoundError as e:
+        if e.name != f"{__name__}.{name}":
+            raise
+        return None
+
+
+_deepspeed = _optional_strategy_module("deepspeed")
+if _deepspeed is not None:
+    QMuonDeepSpeedStrategy = _deepspeed.QMuonDeepSpeedStrategy
+    __all__.append("QMuonDeepSpeedStrategy")
+
+
 def _strategy_classes() -> list[type[Strategy]]:
     classes: list[type[Strategy]] = [QMuonFSDPStrategy]
-    # The DeepSpeed strategy lives in its own module, owned and landed separately: registered when present.
-    try:
-        deepspeed_mod = importlib.import_module(f"{__name__}.deepspeed")
-    except ModuleNotFoundError as e:
-        if e.name != f"{__name__}.deepspeed":
-            raise
-        return classes
-    for obj in vars(deepspeed_mod).values():
-        if (
-            isinstance(obj, type) and issubclass(obj, Strategy) and obj.__module__ == deepspeed_mod.__name__
+    if _deepspeed is not None:
+        classes += [
+            obj for obj in vars(_deepspeed).values()
+            if isinstance(obj, type) and issubclass(obj, Strategy) and obj.__module__ == _deepspeed.__name__
             and "register_strategies" in vars(obj)
-        ):
-            classes.append(obj)
+        ]
     return classes
 
 
-def register_strategies(registry=StrategyRegistry) -> list[str]:
+def register_strategies(registry: Any = StrategyRegistry) -> list[str]:
     """Register this package's strategies in ``registry`` (Lightning's ``StrategyRegistry`` by
     default; already done on import). Returns the names registered."""
     classes = _strategy_classes()
