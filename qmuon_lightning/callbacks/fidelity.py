@@ -40,7 +40,7 @@ import re
 from typing import Any, Callable, Mapping
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
@@ -59,10 +59,11 @@ __all__ = ["QuantFidelityMonitor", "UpdateFidelityTracker", "DEFAULT_COSINE_THRE
 #: The seed notes' cosine gate (``omega_pack_e0m3.md``: per-token cosine 0.98 "points in nearly the
 #: same direction"; its consumer gate measured 0.978-0.982) is for a quantized GEMM's output. On
 #: the Muon update it would flag healthy int8 layers: on byte-level DecoderLMs (d_model 64 and 128,
-#: 2 layers, 120-300 steps, window 50-60) int8 layers measured 0.82-0.997 (mean 0.955-0.971; int8's
-#: validation-loss gap to fp32 state is -0.11% in benchmarks/results/fidelity.md), grasp4 layers
-#: 0.52-0.83, e0m3 0.41-0.76, int4 0.35-0.60. 0.8 sits below every int8 layer measured and above
-#: most 4-bit layers. Pass ``threshold=0.98`` for the seed notes' gate.
+#: 2 layers, 120-300 steps, window 50-60; table in docs/callbacks.md) int8 layers measured
+#: 0.82-0.997 (mean 0.955-0.971; int8's validation-loss gap to fp32 state is -0.11% in
+#: benchmarks/results/fidelity.md), grasp4 layers 0.52-0.83, e0m3 0.32-0.76, int4 0.35-0.66.
+#: 0.8 sits below every int8 layer measured and above most 4-bit layers. Pass ``threshold=0.98``
+#: for the seed notes' gate.
 DEFAULT_COSINE_THRESHOLD = 0.8
 
 GradTransform = Callable[[Tensor], Tensor]

@@ -93,6 +93,8 @@ class TrainSummary(L.Callback):
         self._hooked: set[int] = set()
         self._handles: list[Any] = []
         self._cuda = False
+        self._start_step = 0
+        self._t_fit = time.perf_counter()
 
     # ------------------------------------------------------------------ timing
     def _sync(self) -> None:
@@ -107,9 +109,9 @@ class TrainSummary(L.Callback):
         if mesh is not None and mesh.mesh_dim_names and "data_parallel" in mesh.mesh_dim_names:
             self._replicas = mesh["data_parallel"].size()
         self._t_fit = time.perf_counter()
-        self._start_step = int(trainer.global_step)
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._start_step = int(trainer.global_step)  # a resumed run's loops are restored by now
         for opt in trainer.optimizers:
             if id(opt) not in self._hooked:
                 self._hooked.add(id(opt))
