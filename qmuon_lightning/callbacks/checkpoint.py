@@ -11,8 +11,8 @@ checkpoint and restores it on resume. What it cannot do, and this callback adds:
    momentum into, say, grasp4; pass ``allow_format_change=True`` to accept that conversion).
 2. **A standalone quantized-state file per save** (``<dirpath>/qmuon-state-step=<N>.pt``): the
    manifest and the optimizer state dicts only, loadable with ``torch.load(weights_only=True)`` and
-   with :func:`load_quantized_state` outside Lightning (e.g. next to a ``save_weights_only``
-   checkpoint). Written atomically (temporary file in the same folder, ``fsync``, ``os.replace``,
+   with :func:`load_quantized_state` outside Lightning (to inspect the quantized state or move it
+   into another training loop without the model weights). Written atomically (temporary file in the same folder, ``fsync``, ``os.replace``,
    ``fsync`` of the folder), so a crash mid-save leaves the previous file whole; the newest
    ``keep_last_k`` are kept.
 3. **fp32 export** (:meth:`QuantizedStateCheckpoint.export_fp32_momentum`,
@@ -24,6 +24,10 @@ distributed checkpoint already stores each rank's rows of the quantized state; t
 added as usual (rank 0 writes the checkpoint metadata). The standalone file is skipped unless
 ``gather_sharded=True``, which gathers the full state on every rank (collective; the full
 quantized state must fit in each rank's memory) and writes one consolidated file from rank 0.
+
+Weights-only saves (``ModelCheckpoint(save_weights_only=True)``, ``save_checkpoint(weights_only=True)``)
+hold no optimizer state, and Lightning does not call callbacks' ``on_save_checkpoint`` for them:
+neither the manifest nor a standalone file is written then.
 """
 
 from __future__ import annotations
