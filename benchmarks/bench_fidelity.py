@@ -166,6 +166,10 @@ def train_interleaved(kinds: list[str], args, train_ds, val) -> list[Run]:
             for r in runs:
                 r.val.append((step + 1, evaluate(r.model, val)))
             el = time.perf_counter() - t_start
+            if args.partial:  # progress snapshot, so a run cut short still leaves its curves
+                args.partial.write_text(json.dumps({"step": step + 1, "elapsed_s": el, "curves": {
+                    r.kind: {"train": r.train, "val": r.val, "opt_ms": [1e3 * t for t in r.opt_times],
+                             "train_ms": [1e3 * t for t in r.step_times]} for r in runs}}))
             print(f"step {step + 1}/{args.steps}  {el:.0f} s  " + "  ".join(
                 f"{r.kind}={r.val[-1][1]:.4f}" for r in runs), flush=True)
     return runs
@@ -294,7 +298,11 @@ def plot(out: Path, curves: dict[str, dict], cfg: dict, name: str = "fidelity") 
             a3.plot(steps, [100 * (v - rv[s]) / rv[s] for s, v in zip(steps, vals)], style, marker="o", ms=3,
                     label=kind)
     a1.set(title=f"train loss ({25}-step mean)", xlabel="step", ylabel="loss (nats / byte)")
-    a2.set(title="validation loss", xlabel="step", ylim=(None, min(3.5, a2.get_ylim()[1])))
+    finals = [c["val"][-1][1] for c in curves.values()]
+    lo, hi = min(min(v for _, v in c["val"]) for c in curves.values()), max(finals)
+    if len(next(iter(curves.values()))["val"]) > 2:  # zoom on the later part of training
+        a2.set_ylim(lo - 0.05 * (hi - lo + 0.1), hi + 0.5 * (hi - lo + 0.1))
+    a2.set(title="validation loss", xlabel="step")
     a3.axhline(0, color="k", lw=0.6)
     for y in (0.5, 1.5):
         a3.axhline(y, color="grey", lw=0.6, ls=":")
@@ -305,6 +313,69 @@ def plot(out: Path, curves: dict[str, dict], cfg: dict, name: str = "fidelity") 
     fig.tight_layout()
     fig.savefig(out / f"{name}_loss.png", dpi=110)
     print(f"wrote {out / f'{name}_loss.png'}")
+
+
+def merge(out: Path, names: list[str]) -> None:
+    """Combine runs made as concurrent processes (each interleaving its own optimizers, each with
+    ``qmuon:fp32`` as its in-process step-time reference) into ``fidelity.{json,md,png}``.
+
+    Losses do not depend on the split (same seed, data order and step budget; one thread, so the
+    runs are deterministic): the ``qmuon:fp32`` curves of all parts must agree exactly, which is
+    checked. Step-time ratios stay within their part (same process, same load)."""
+    parts = [json.loads((out / f"{n}.json").read_text()) for n in names]
+    keys = ("steps", "d_model", "layers", "heads", "seq_len", "batch", "lr", "adamw_lr", "seed", "max_bytes",
+            "val_windows", "rank", "grid_block", "device", "threads")
+    for n, d in zip(names[1:], parts[1:]):
+        diff = {k: (parts[0]["config"].get(k), d["config"].get(k)) for k in keys
+                if parts[0]["config"].get(k) != d["config"].get(k)}
+        if diff:
+            raise SystemExit(f"--merge: {n} was run with a different configuration than {names[0]}: {diff}")
+    curves: dict[str, dict] = {}
+    rows: list[dict] = []
+    step_times: dict[str, dict] = {}
+    fp32_identical = []
+    for d in parts:
+        for r in d["rows"]:
+            k = r["optimizer"]
+            if k in curves:
+                fp32_identical.append(curves[k]["val"] == d["curves"][k]["val"] and curves[k]["train"] == d["curves"][k]["train"])
+                continue
+            curves[k] = d["curves"][k]
+            step_times[k] = d.get("step_times_ms", {}).get(k)
+            rows.append(dict(r))
+    if not all(fp32_identical):
+        raise SystemExit("--merge: the parts' shared runs differ; they are not the same training run")
+    ref = next((r for r in rows if r["optimizer"] == "torch-muon"), rows[0])
+    cos: dict[str, float] = {"fp32": 1.0}
+    carrier: dict[str, float] = {}
+    for d in parts:
+        cos.update(d.get("extra", {}).get("update_cosine", {}))
+        carrier.update(d.get("extra", {}).get("carrier_cosine", {}))
+    for r in rows:
+        r["gap_vs_fp32_muon_pct"] = 100.0 * (r["final_val_loss"] - ref["final_val_loss"]) / ref["final_val_loss"]
+        if r["optimizer"].startswith("qmuon:"):
+            r["update_cosine_vs_fp32"] = cos.get(r["optimizer"].split(":", 1)[1])
+    ex = [d.get("extra", {}) for d in parts]
+    extra = {
+        "machine": ex[0].get("machine", "?") + f"; {len(parts)} concurrent processes ({', '.join(names)}), "
+                   "step-time ratios within each",
+        "train_wall_s": max(e.get("train_wall_s", 0) for e in ex),
+        "train_cpu_s": sum(e.get("train_cpu_s", 0) for e in ex),
+        "total_wall_s": max(e.get("total_wall_s", 0) for e in ex),
+        "load_start": "/".join(str(e.get("load_start", "?")) for e in ex),
+        "load_end": "/".join(str(e.get("load_end", "?")) for e in ex),
+        "carrier_cosine": carrier, "update_cosine": cos, "parts": names,
+        "parts_wall_s": [e.get("train_wall_s") for e in ex], "parts_cpu_s": [e.get("train_cpu_s") for e in ex],
+        "shared_runs_identical": bool(fp32_identical) and all(fp32_identical),
+    }
+    cfg = dict(parts[0]["config"], optimizers=",".join(curves))
+    (out / "fidelity.json").write_text(json.dumps(
+        {"config": cfg, "rows": rows, "train_bytes": parts[0].get("train_bytes", 0), "extra": extra,
+         "curves": curves, "step_times_ms": step_times}, indent=1))
+    text = render(cfg, rows, parts[0].get("train_bytes", 0), extra)
+    (out / "fidelity.md").write_text(text)
+    print(text)
+    plot(out, curves, cfg, "fidelity")
 
 
 def _loadavg() -> str:
@@ -326,15 +397,23 @@ def main() -> None:
     ap.add_argument("--rank", type=int, default=4, help="grasp4 factor rank")
     ap.add_argument("--grid-block", type=int, default=32, help="grasp4 residual grid tile side")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--cos-steps", type=int, default=8)
+    ap.add_argument("--cos-steps", type=int, default=8, help="gradient steps for the update cosine (0: skip it)")
+    ap.add_argument("--cos-variants", default=None,
+                    help="comma list of <format>[:mxfp8] for the update cosine (default: this run's QMuon kinds)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--optimizers", default=DEFAULT_OPTIMIZERS,
                     help="comma list of adamw, torch-muon, qmuon:<format>[:mxfp8]")
     ap.add_argument("--out", default=str(RESULTS))
     ap.add_argument("--name", default="fidelity", help="output file stem (fidelity.json / .md)")
     ap.add_argument("--render-only", action="store_true", help="rewrite the .md / .png from an existing .json")
+    ap.add_argument("--merge", default=None, metavar="NAME,NAME",
+                    help="combine runs made as concurrent processes (--name ... with disjoint --optimizers, each "
+                         "including qmuon:fp32) into fidelity.{json,md,png}")
     args = ap.parse_args()
     out = Path(args.out)
+    if args.merge:
+        merge(out, args.merge.split(","))
+        return
     if args.render_only:
         data = json.loads((out / f"{args.name}.json").read_text())
         text = render(data["config"], data["rows"], data.get("train_bytes", 0), data.get("extra"))
@@ -360,6 +439,7 @@ def main() -> None:
     print(corpus.describe(), flush=True)
     train_ds = RandomWindowDataset(corpus.train, args.seq_len, 10**7, seed=args.seed)
     val = tuple(t.to(args.device) for t in fixed_windows(corpus.val, args.seq_len, args.val_windows, seed=args.seed + 1))
+    args.partial = out / f"{args.name}.partial.json"
     t0, c0 = time.perf_counter(), time.process_time()
     runs = train_interleaved(kinds, args, train_ds, val)
     train_wall, train_cpu = time.perf_counter() - t0, time.process_time() - c0
@@ -368,9 +448,11 @@ def main() -> None:
     med = lambda xs: statistics.median(xs)  # noqa: E731
     base = by_kind.get("qmuon:fp32", ref)
     qvariants = [k.split(":", 1)[1] for k in kinds if k.startswith("qmuon:") and k != "qmuon:fp32" and "@" not in k]
+    if args.cos_variants:
+        qvariants = args.cos_variants.split(",")
     carrier_variants = ["fp32:mxfp8", "bf16"]
     cos_variants = list(dict.fromkeys(qvariants + carrier_variants))
-    cos = lm_update_cosine(ref.model, train_ds, args, cos_variants) if qvariants else {}
+    cos = lm_update_cosine(ref.model, train_ds, args, cos_variants) if qvariants and args.cos_steps > 0 else {}
     cos["fp32"] = 1.0
     rows = []
     for r in runs:
@@ -388,8 +470,10 @@ def main() -> None:
     extra = {"machine": f"{cpu_name()}, {default_threads()} CPU(s) available" if args.device == "cpu"
              else torch.cuda.get_device_name(), "train_wall_s": train_wall, "train_cpu_s": train_cpu,
              "total_wall_s": time.perf_counter() - t_script, "load_start": load_start, "load_end": _loadavg(),
-             "carrier_cosine": {k: cos[k] for k in carrier_variants if k in cos}}
-    cfg = {k: v for k, v in vars(args).items() if k not in ("out", "render_only", "name")}
+             "carrier_cosine": {k: cos[k] for k in carrier_variants if k in cos},
+             "update_cosine": {k: v for k, v in cos.items()}}
+    args.partial.unlink(missing_ok=True)
+    cfg = {k: v for k, v in vars(args).items() if k not in ("out", "render_only", "name", "partial", "merge")}
     (out / f"{args.name}.json").write_text(json.dumps(
         {"config": cfg, "rows": rows, "train_bytes": corpus.train.numel(), "extra": extra,
          "curves": {r.kind: {"train": r.train, "val": r.val} for r in runs},
