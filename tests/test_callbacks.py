@@ -316,6 +316,29 @@ def test_tracker_reproduces_per_layer_update_cosine(fmt):
     assert list(got.values()) == pytest.approx(want, abs=1e-6)
 
 
+@pytest.mark.parametrize("fmt,ns_input", [("int8", "bf16"), ("grasp4", "bf16"), ("int8", "mxfp8")])
+def test_tracker_quantized_update_is_the_optimizer_update(fmt, ns_input):
+    """The monitor's quantized-path update is what QMuon then applies (lr=1, no weight decay),
+    fused parts and the MXFP8 Newton-Schulz carrier included."""
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.zeros(96, 32))
+    q = torch.nn.Parameter(torch.zeros(32, 64))
+    opt = QMuon([{"params": [p], "parts": (32, 32, 32)}, {"params": [q]}], lr=1.0, weight_decay=0.0,
+                state_format=fmt, ns_input=ns_input)
+    tracker = UpdateFidelityTracker(opt, keep_updates=True)
+    for t in range(3):
+        for x in (p, q):
+            x.grad = torch.randn_like(x) * 1e-3
+        tracker.observe(measure=t == 2)
+        before = [p.detach().clone(), q.detach().clone()]
+        opt.step()
+    for name, x, b in zip(("group0.param0", "group1.param0"), (p, q), before):
+        u_q, _ = tracker.last_updates[name]
+        # Measured identical (max |diff| 0). The tolerance is a few fp32 ulps of |p| <= 1.4 (1.2e-7
+        # each), for the rounding of p - u that the parameter change goes through.
+        torch.testing.assert_close(b - x.detach(), u_q, rtol=0, atol=1e-6)
+
+
 def _monitor_run(tmp_path, fmt, **kw):
     mon = QuantFidelityMonitor(6, window=5, **kw)
     logger = CSVLogger(tmp_path, name=f"fid_{fmt}")

@@ -90,6 +90,7 @@ def _group_entry(gi: int, group: dict[str, Any], names: Mapping[int, str]) -> di
             "state_format": group["state_format"], "block_size": opts.block_size, "rank": opts.rank,
             "grid_block": opts.grid_block, "rounding": group["rounding"], "seed": int(group["seed"]),
             "momentum": float(group["momentum"]), "parts": list(group["parts"]) if group["parts"] else None,
+            "ns_input": group.get("ns_input", "bf16"),
         })
     return entry
 

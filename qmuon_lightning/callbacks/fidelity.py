@@ -51,6 +51,7 @@ from ..optim.newton_schulz import newton_schulz_folded
 from ..optim.qmuon import QMuon, adjusted_lr
 from ..quant import state as qstate
 from ..quant.fidelity import cosine
+from ..quant.mxfp8 import mxfp8_roundtrip_normalized
 from ._common import is_dtensor, log_to_loggers, muon_params, param_names, qmuon_optimizers
 
 __all__ = ["QuantFidelityMonitor", "UpdateFidelityTracker", "DEFAULT_COSINE_THRESHOLD"]
@@ -85,10 +86,12 @@ class UpdateFidelityTracker:
         names: ``id(param) -> name`` (default: group ``param_names`` or ``group{g}.param{i}``).
         params: regex; only Muon parameters whose name matches (``re.search``) are monitored.
         shadow_device: where the fp32 shadow lives (default: each parameter's device).
+        keep_updates: keep the last measurement's update directions in :attr:`last_updates`
+            (``{name: (quantized, fp32)}``, fp32 tensors; for inspection and tests).
     """
 
     def __init__(self, optimizer: QMuon, *, names: Mapping[int, str] | None = None, params: str | None = None,
-                 shadow_device: torch.device | str | None = None) -> None:
+                 shadow_device: torch.device | str | None = None, keep_updates: bool = False) -> None:
         if not isinstance(optimizer, QMuon):
             raise TypeError(f"UpdateFidelityTracker needs a qmuon_lightning.QMuon, got {type(optimizer).__name__}")
         self.optimizer = optimizer
@@ -106,6 +109,8 @@ class UpdateFidelityTracker:
             self.entries.append((group, p, key, name))
         self.shadow_device = torch.device(shadow_device) if shadow_device is not None else None
         self._shadow: dict[int, Tensor] = {}
+        self.keep_updates = keep_updates
+        self.last_updates: dict[str, tuple[Tensor, Tensor]] = {}
 
     @property
     def active(self) -> bool:
@@ -177,14 +182,19 @@ class UpdateFidelityTracker:
             sums_q = torch.empty((rows, nb), dtype=torch.float32, device=p.device)
             fmt.update([state_copy], [n_q], [sums_q], beta=beta, nesterov=nesterov, opts=opts, streams=[-1],
                        offsets=[0], keys=[key], seed=int(group["seed"]))
-            u_q = _update(n_q, sums_q, group)
-            u_ref = _update(n_ref.to(p.device), sums_ref.to(p.device), group)
+            u_q = _update(n_q, sums_q, group, carrier=group.get("ns_input", "bf16"))
+            u_ref = _update(n_ref.to(p.device), sums_ref.to(p.device), group, carrier="bf16")
             out[name] = cosine(u_q, u_ref)
+            if self.keep_updates:
+                self.last_updates[name] = (u_q, u_ref)
         return out
 
 
-def _update(ns_input: Tensor, sums: Tensor, group: dict[str, Any]) -> Tensor:
-    """The Muon update direction QMuon applies for one matrix (per part; lr factor 1), fp32."""
+def _update(ns_input: Tensor, sums: Tensor, group: dict[str, Any], *, carrier: str = "bf16") -> Tensor:
+    """The Muon update direction QMuon applies for one matrix (per part; lr factor 1), fp32.
+
+    ``carrier="mxfp8"`` feeds Newton-Schulz the decoded MXFP8 carrier of the normalized input, as
+    QMuon does for groups with ``ns_input="mxfp8"`` (the fp32 reference always uses bf16)."""
     rows, cols = ns_input.shape
     out = torch.empty((rows, cols), dtype=torch.float32, device=ns_input.device)
     coefficients = tuple(group["ns_coefficients"])
@@ -193,7 +203,11 @@ def _update(ns_input: Tensor, sums: Tensor, group: dict[str, Any]) -> Tensor:
         bounds.append(bounds[-1] + n)
     for r0, r1 in zip(bounds[:-1], bounds[1:]):
         inv_norm = torch.clamp(sums[r0:r1].sum().sqrt(), min=float(group["eps"])).reciprocal().reshape(1)
-        o = newton_schulz_folded(ns_input[r0:r1].unsqueeze(0), inv_norm, coefficients, int(group["ns_steps"]))[0]
+        x = ns_input[r0:r1].unsqueeze(0)
+        if carrier == "mxfp8":
+            x = mxfp8_roundtrip_normalized(ns_input[r0:r1], inv_norm[0]).unsqueeze(0)
+            inv_norm = torch.ones_like(inv_norm)
+        o = newton_schulz_folded(x, inv_norm, coefficients, int(group["ns_steps"]))[0]
         out[r0:r1] = o.float() * adjusted_lr(1.0, group["adjust_lr_fn"], r1 - r0, cols)
     return out
 
