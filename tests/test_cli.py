@@ -147,6 +147,8 @@ def test_resume_from_last_matches_uninterrupted_run(tmp_path, tiny_cfg):
     assert first.trainer.global_step == 3
     cli = QMuonCLI(args=["fit", "--config", cfg, "--ckpt_path", "last"])
     assert cli.trainer.global_step == 6
+    summary = json.loads(sorted(resumed.glob("csv/version_*/summary.json"))[-1].read_text())
+    assert (summary["steps"], summary["steps_this_run"], summary["tokens"]) == (6, 3, 3 * 4 * 32)
     a, b = _train_losses(straight), _train_losses(resumed)
     assert sorted(b) == list(range(6))
     for step in range(6):
@@ -286,3 +288,28 @@ def test_module_runs_as_console_program(monkeypatch, capsys):
     assert exc.value.code == 0
     out = capsys.readouterr().out
     assert "qmuon-train" in out and "fit" in out and "validate" in out
+
+
+@pytest.mark.slow
+def test_fit_and_resume_under_qmuon_fsdp_two_processes(tmp_path, tiny_cfg):
+    """``strategy: qmuon_fsdp`` on 2 CPU processes (gloo): DecoderLMModule.configure_model shards
+    the blocks with fully_shard, QMuon is built on the DTensor shards in configure_optimizers (the
+    strategy keeps it), the DCP checkpoint resumes with ``--ckpt_path last``."""
+    import os
+    import subprocess
+
+    root = tmp_path / "fsdp"
+    cfg = str(tiny_cfg(root))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    base = [sys.executable, "-m", "qmuon_lightning.cli", "fit", "--config", cfg, "--trainer.strategy=qmuon_fsdp",
+            "--trainer.devices=2"]
+    for extra in ([], ["--trainer.max_steps=9", "--ckpt_path=last"]):
+        r = subprocess.run(base + extra, capture_output=True, text=True, timeout=300, env=env)
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "configure_optimizers returned a QMuon; kept as it is" in r.stdout + r.stderr
+    assert (root / "checkpoints" / "last.ckpt").is_dir()  # torch.distributed.checkpoint directory
+    runs = sorted(root.glob("csv/version_*/summary.json"))
+    first, second = (json.loads(p.read_text()) for p in runs)
+    assert (first["steps"], second["steps"], second["steps_this_run"]) == (6, 9, 3)
+    assert first["tokens"] == 6 * 4 * 32 * 2  # two data-parallel replicas
+    assert second["val_final"][1] < first["val_first"][1]
