@@ -481,9 +481,13 @@ def _fsdp_scenario(out: Path) -> dict:
 
     mc = ModelCheckpoint(dirpath=out / "ckpt", every_n_train_steps=2, save_top_k=-1)
     qc = QuantizedStateCheckpoint(dirpath=out / "q")
-    tr = _fsdp_fit(out, 2, [mc, qc])
+    prof = OptimizerStepProfiler(steps=(1,), dirpath=out / "prof")
+    mon = QuantFidelityMonitor(2, window=1)
+    tr = _fsdp_fit(out, 2, [mc, qc, prof, mon])
     opt = tr.optimizers[0]
     res: dict = {"rank": dist.get_rank(), "optimizer": type(opt).__name__}
+    res["profiled"] = [(r["step"], os.path.basename(r["trace"]), r["qmuon_ops"]) for r in prof.records]
+    res["monitor_trackers"] = len(mon._trackers)  # DTensor parameters: disabled with a warning
     blob = qc.export_fp32_momentum(out / "fp32.pt")  # collective: every rank
     full = full_state_dict(opt)  # collective
     exact = True
@@ -513,7 +517,8 @@ def _fsdp_scenario(out: Path) -> dict:
 @pytest.mark.slow
 def test_under_qmuon_fsdp_two_processes(tmp_path):
     """Sharded (DCP) saving works with the callback: manifest in the checkpoint metadata, no per-rank
-    standalone file, fp32 export gathered on every rank and written by rank 0, resume validated."""
+    standalone file, fp32 export gathered on every rank and written by rank 0, resume validated.
+    The profiler writes one trace per rank; the fidelity monitor disables itself (DTensor)."""
     import signal
     import subprocess
     import sys
@@ -539,6 +544,10 @@ def test_under_qmuon_fsdp_two_processes(tmp_path):
     for r in (r0, r1):
         assert r["optimizer"] == "QMuon" and r["ckpt_is_dir"] and r["resumed_step"] == 3
         assert r["export_matches_gathered_state"] and r["exported"] > 0
+        assert r["monitor_trackers"] == 0
+        (step, trace, ops), = r["profiled"]
+        assert step == 1 and trace == f"optimizer_step_000001-rank{r['rank']}.trace.json"
+        assert "qmuon::q8_momentum_update_multi_" in ops
     assert r0["manifest_sharded"] is True and r0["manifest_formats"] == ["int8"]
     assert r0["standalone_files"] == [] and r0["fp32_file"]
 
