@@ -267,6 +267,22 @@ def test_direct_parameters_make_the_module_itself_the_root() -> None:
     assert select_roots(m, blocks) == [("", m)]
 
 
+def test_root_policy_descends_into_containers() -> None:
+    class Top(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
+            self.heads = nn.ModuleDict({"a": nn.Linear(4, 2), "b": nn.Linear(4, 3)})
+            self.act = nn.ReLU()
+
+    m = Top()
+    assert select_blocks(m, "root") == []
+    assert [n for n, _ in select_roots(m, [])] == ["layers.0", "layers.1", "heads.a", "heads.b"]
+    blocks = select_blocks(m, "auto")
+    assert [n for n, _ in blocks] == ["layers.0", "layers.1"]
+    assert [n for n, _ in select_roots(m, blocks)] == ["heads.a", "heads.b"]
+
+
 def test_policy_resolution_accepts_classes_and_dotted_paths() -> None:
     pred = resolve_policy(["qmuon_lightning.models.decoder_lm.Block", nn.Embedding])
     lm = TinyLM()
@@ -607,6 +623,15 @@ def test_resume_one_to_two_processes(one_proc: tuple[Path, list[dict]]) -> None:
     _assert_same(one["optim_state"], two["optim_state"], "optimizer")
 
 
+@pytest.mark.cuda
+def test_cuda_nccl_train_and_resume_bit_exact(tmp_path: Path) -> None:
+    """On a GPU: NCCL process group, parameters on CUDA, QMuon swapped in, sharded resume bit-exact."""
+    (r,) = _run_worker("cuda_resume", tmp_path, "qmuon")
+    assert r["backend"] == "nccl" and r["device"].startswith("cuda")
+    assert r["optimizer_type"] == "QMuon"
+    assert r["resume_bitexact"], r["resume_max_diff"]
+
+
 # ---------------------------------------------------------------------------------------------
 # Worker (runs in the subprocesses)
 
@@ -670,7 +695,7 @@ class _DumpState(L.Callback):
 
 def _fit(out: Path, strategy: QMuonFSDPStrategy, max_epochs: int, *, devices: int, ckpt_dir: str | None = None,
          resume: Path | None = None, dump: tuple[Path, str] | None = None, module: L.LightningModule | None = None,
-         logger: bool = False) -> tuple[L.Trainer, L.LightningModule]:
+         logger: bool = False, accelerator: str = "cpu", summary: bool = False) -> tuple[L.Trainer, L.LightningModule]:
     from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.loggers import CSVLogger
 
@@ -682,9 +707,9 @@ def _fit(out: Path, strategy: QMuonFSDPStrategy, max_epochs: int, *, devices: in
     if dump:
         callbacks.append(_DumpState(*dump))
     trainer = L.Trainer(
-        accelerator="cpu", devices=devices, strategy=strategy, max_epochs=max_epochs, callbacks=callbacks,
+        accelerator=accelerator, devices=devices, strategy=strategy, max_epochs=max_epochs, callbacks=callbacks,
         logger=CSVLogger(out, name="logs") if logger else False, log_every_n_steps=1, enable_progress_bar=False,
-        enable_model_summary=False, enable_checkpointing=bool(ckpt_dir), num_sanity_val_steps=0,
+        enable_model_summary=summary, enable_checkpointing=bool(ckpt_dir), num_sanity_val_steps=0,
     )
     trainer.fit(module, make_data(), ckpt_path=str(resume) if resume else None)
     return trainer, module
@@ -711,7 +736,7 @@ def scenario_same_world(out: Path, optimizer: str) -> dict[str, Any]:
 
     res: dict[str, Any] = {}
     tA, mA = _fit(out, _strategy(optimizer=optimizer, save_distributed_checkpoint=False), 3, devices=2,
-                  ckpt_dir="A", logger=True)
+                  ckpt_dir="A", logger=True, summary=True)
     sA = _local_state(tA)
     s = tA.strategy
     opt = tA.optimizers[0]
@@ -822,7 +847,32 @@ def scenario_two_from_one(out: Path, optimizer: str) -> dict[str, Any]:
     return res
 
 
-SCENARIOS = {"same_world": scenario_same_world, "one_proc": scenario_one_proc, "two_from_one": scenario_two_from_one}
+def scenario_cuda_resume(out: Path, optimizer: str) -> dict[str, Any]:
+    """1 GPU (NCCL): 3 epochs with sharded checkpoints, then a resume from epoch 0; bit-identical end
+    state. SDPA runs its math kernel (the fused kernels' backward may use atomics)."""
+    import torch.distributed as dist
+
+    torch.backends.cuda.enable_flash_sdp(False)
+    torch.backends.cuda.enable_mem_efficient_sdp(False)
+    res: dict[str, Any] = {}
+    tA, mA = _fit(out, _strategy(optimizer=optimizer), 3, devices=1, ckpt_dir="G", accelerator="gpu")
+    sA = _local_state(tA)
+    res["backend"] = dist.get_backend()
+    res["device"] = str(next(mA.parameters()).device)
+    res["optimizer_type"] = type(tA.optimizers[0]).__name__
+    tB, _ = _fit(out, _strategy(optimizer=optimizer), 3, devices=1, resume=out / "G" / "epoch=0.ckpt", accelerator="gpu")
+    sB = _local_state(tB)
+    res["resume_max_diff"] = _max_diff(sA, sB)
+    res["resume_bitexact"] = res["resume_max_diff"] == 0.0 and _same_keys(sA, sB)
+    return res
+
+
+SCENARIOS = {
+    "same_world": scenario_same_world,
+    "one_proc": scenario_one_proc,
+    "two_from_one": scenario_two_from_one,
+    "cuda_resume": scenario_cuda_resume,
+}
 
 
 def _worker_main(argv: list[str]) -> int:

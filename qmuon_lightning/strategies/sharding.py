@@ -20,7 +20,7 @@ Policies (``QMuonFSDPStrategy(shard_policy=...)``):
 * a callable ``(qualified_name, module) -> bool``.
 
 Roots: each direct child of the LightningModule that holds parameters outside the selected blocks
-becomes a unit. Parameters registered directly on the LightningModule make the LightningModule
+becomes a unit (for a ``ModuleList`` / ``ModuleDict``, which has no forward, its children instead). Parameters registered directly on the LightningModule make the LightningModule
 itself the unit instead; FSDP2 then gathers them in the LightningModule's ``forward``, so the
 training step must call ``self(...)``.
 """
@@ -156,10 +156,19 @@ def select_roots(root: nn.Module, blocks: Sequence[tuple[str, nn.Module]]) -> li
     if next(root.parameters(recurse=False), None) is not None:
         return [("", root)]
     block_params = {id(p) for _, b in blocks for p in b.parameters()}
-    roots = []
-    for name, child in root.named_children():
-        if any(id(p) not in block_params for p in child.parameters()):
-            roots.append((name, child))
+    roots: list[tuple[str, nn.Module]] = []
+
+    def visit(prefix: str, module: nn.Module) -> None:
+        for name, child in module.named_children():
+            qualified = f"{prefix}{name}"
+            if not any(id(p) not in block_params for p in child.parameters()):
+                continue
+            if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
+                visit(qualified + ".", child)  # containers have no forward for FSDP2 to hook: use their children
+            else:
+                roots.append((qualified, child))
+
+    visit("", root)
     return roots
 
 
