@@ -30,6 +30,7 @@ lines are reported (x copy_, x reference), not judged. Results go to ``benchmark
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import statistics
 import sys
@@ -252,6 +253,7 @@ def main(argv: list[str] | None = None) -> int:
                                                            compiled, not args.no_reference)
     cases = {k: v for k, v in cases.items() if v[0] is not None}
 
+    load_start = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     inner = args.inner or (10 if device.type == "cuda" else 1)
     timer = _timer(device, inner)
     times: dict[str, list[float]] = {k: [] for k in cases}
@@ -260,6 +262,7 @@ def main(argv: list[str] | None = None) -> int:
             t = timer(fn)
             if rep >= args.warmup:
                 times[name].append(t)
+    load_end = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     med = {k: statistics.median(v) for k, v in times.items()}
     gbs = {k: cases[k][1] / med[k] / 1e9 for k in cases}
 
@@ -269,11 +272,13 @@ def main(argv: list[str] | None = None) -> int:
     else:
         dev_desc = f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
     lines = [
-        "# Fused 8-bit momentum update: bandwidth",
+        "# Fused momentum updates: bandwidth",
         "",
         f"- device: {device.type} ({dev_desc}); backend: `{backend}`; torch {torch.__version__}",
         f"- matrix {rows} x {cols} = {numel / 2**20:.0f} Mi elements, block_size {bs}, beta {beta}, nesterov, "
         f"{args.reps} interleaved repetitions (each {inner} back-to-back calls) after {args.warmup} warm-up, medians",
+        f"- 1-minute load average {load_start:.1f} at start, {load_end:.1f} at end, on {os.cpu_count()} CPUs "
+        "(above the CPU count other processes competed for the cores: compare ratios within this run)",
         "- q8 bytes = grad read + write, int8 codes read + write, absmax read + write "
         "(+ one more grad read for the separate sumsq pass); lerp_ bytes = buf read + write + grad read",
         "",
@@ -281,7 +286,9 @@ def main(argv: list[str] | None = None) -> int:
         "| --- | ---: | ---: | ---: | ---: |",
     ]
     t_lerp32 = med["fp32 buf.lerp_(fp32 grad)"]
-    for name in cases:
+    extra_names = {n for row in extra_lines for n in row if n} | {k for k in cases if k.startswith("copy_ ") and
+                                                                  ("int4" in k or "e0m3" in k or "dense" in k)}
+    for name in (k for k in cases if k not in extra_names):
         gl = "bf16" if "bf16 grad" in name or name.startswith("copy_ bf16") else "fp32"
         copy_gbs = gbs[f"copy_ {gl}-equivalent bytes"]
         lines.append(f"| {name} | {med[name] * 1e3:.2f} | {gbs[name]:.1f} | {gbs[name] / copy_gbs:.2f} | "

@@ -170,19 +170,15 @@ inline void e0m3_momentum_unit(const qmuon_q4_tensor& t, const MomentumWeights& 
   const uint8_t* __restrict pk = t.packed + r * t.packed_rs + c0 / 2;
   const uint8_t* __restrict sc = static_cast<const uint8_t*>(t.scales) + r * t.scales_rs + c0 / kE0M3Block;
   const GS* __restrict grad = static_cast<const GS*>(t.grad) + r * t.grad_rs + c0;
+  alignas(64) float step[kMaxBlockSize + kE0M3Block];  // each element's decoded block step (one vector loop below)
   unpack_run(pk, n, m_new);
-  int64_t k0 = 0;
-  for (; k0 + kE0M3Block <= n; k0 += kE0M3Block) {  // whole 16-element blocks: fixed trip count
-    const float step = e0m3_step(sc[k0 / kE0M3Block], t_old);
-    for (int i = 0; i < kE0M3Block; ++i) m_new[k0 + i] = fmul(m_new[k0 + i], step);
-  }
-  if (k0 < n) {
-    const float step = e0m3_step(sc[k0 / kE0M3Block], t_old);
-    for (int64_t i = k0; i < n; ++i) m_new[i] = fmul(m_new[i], step);
+  for (int64_t k = 0; k * kE0M3Block < n; ++k) {
+    const float sk = e0m3_step(sc[k], t_old);
+    for (int i = 0; i < kE0M3Block; ++i) step[k * kE0M3Block + i] = sk;  // may run past n: step has room
   }
   for (int64_t i = 0; i < n; ++i) {
     const float g = G::load(grad[i]);
-    const float m = lerp(m_new[i], g, w.to_grad);
+    const float m = lerp(fmul(m_new[i], step[i]), g, w.to_grad);
     m_new[i] = m;
     if (ns != nullptr) ns[i] = NESTEROV ? lerp(g, m, w.to_mom) : m;
   }
@@ -219,6 +215,7 @@ void e0m3_update_matrix(const qmuon_q4_tensor& t, const MomentumWeights& mw, int
     alignas(64) float m_new[kMaxBlockSize];
     alignas(64) float ns[kMaxBlockSize];
     alignas(64) float u[kMaxBlockSize];
+    alignas(64) float step[kMaxBlockSize + kE0M3Block];
     alignas(64) uint32_t nib[kMaxBlockSize];
     const MomentumWeights w = mw;
     for (int64_t un = begin; un < end; ++un) {
@@ -235,28 +232,25 @@ void e0m3_update_matrix(const qmuon_q4_tensor& t, const MomentumWeights& mw, int
       }
       if (STOCHASTIC) fill_noise(u, n, elem_index(t.row_offset, r, t.cols, c0), stream);
       uint8_t* __restrict sc = static_cast<uint8_t*>(t.scales) + r * t.scales_rs + c0 / kE0M3Block;
-      int64_t k0 = 0;
-      for (; k0 + kE0M3Block <= n; k0 += kE0M3Block) {  // whole 16-element blocks: fixed trip count
+      // Block scales first (scalar, per 16 elements), then one long loop of divisions that pipeline.
+      for (int64_t k0 = 0; k0 < n; k0 += kE0M3Block) {
+        const int64_t kn = std::min(kE0M3Block, n - k0);
         uint32_t mb = 0;
-        for (int i = 0; i < kE0M3Block; ++i) {
-          const uint32_t ab = abs_bits(m_new[k0 + i]);
-          mb = ab > mb ? ab : mb;
+        if (kn == kE0M3Block) {
+          for (int i = 0; i < kE0M3Block; ++i) {
+            const uint32_t ab = abs_bits(m_new[k0 + i]);
+            mb = ab > mb ? ab : mb;
+          }
+        } else {
+          mb = absmax_bits(m_new + k0, kn);  // the partial block at the end of a row
         }
         const uint32_t s_bits = e0m3_scale_bits(bits_f32(mb), t_new);
         sc[k0 / kE0M3Block] = static_cast<uint8_t>(s_bits);
-        const float step = e0m3_step(s_bits, t_new);
-        for (int i = 0; i < kE0M3Block; ++i) {
-          nib[k0 + i] = code_to_nibble(
-              e0m3_code(m_new[k0 + i], step, STOCHASTIC, STOCHASTIC ? u[k0 + i] : 0.0f));
-        }
+        const float sk = e0m3_step(s_bits, t_new);
+        for (int i = 0; i < kE0M3Block; ++i) step[k0 + i] = sk;
       }
-      if (k0 < n) {  // the partial block at the end of a row
-        const uint32_t s_bits = e0m3_scale_bits(bits_f32(absmax_bits(m_new + k0, n - k0)), t_new);
-        sc[k0 / kE0M3Block] = static_cast<uint8_t>(s_bits);
-        const float step = e0m3_step(s_bits, t_new);
-        for (int64_t i = k0; i < n; ++i) {
-          nib[i] = code_to_nibble(e0m3_code(m_new[i], step, STOCHASTIC, STOCHASTIC ? u[i] : 0.0f));
-        }
+      for (int64_t i = 0; i < n; ++i) {
+        nib[i] = code_to_nibble(e0m3_code(m_new[i], step[i], STOCHASTIC, STOCHASTIC ? u[i] : 0.0f));
       }
       pack_run(nib, n, t.packed + r * t.packed_rs + c0 / 2);
     }
