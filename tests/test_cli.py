@@ -121,6 +121,17 @@ def test_fit_logs_checkpoints_and_summarizes(tmp_path, tiny_cfg):
     # The model's max_seq_len comes from data.seq_len (link).
     assert cli.model.config.max_seq_len == 32
 
+    # The loss plot reads the same curves back and writes a PNG.
+    pytest.importorskip("matplotlib")
+    from qmuon_lightning.plotting import main as plot_main
+    from qmuon_lightning.plotting import read_run
+
+    curves = read_run(root)
+    # Lightning logs the validation that follows batch index k (global_step k + 1) at step k.
+    assert curves.train == losses and sorted(curves.val) == [2, 5]
+    png = plot_main([str(root), "--out", str(root / "loss.png")])
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
 
 class StopAtStep(L.Callback):
     """Interrupts a run after ``step`` optimizer steps (as a crash or a time limit would), so the
