@@ -604,6 +604,7 @@ def test_resume_two_to_one_process(one_proc: tuple[Path, list[dict]]) -> None:
     assert "state_format ['int8'] but this run uses ['uint8']" in ranks[0]["mismatch_format"]
     assert "optimizer_kwargs={'state_format': 'int8'}" in ranks[0]["mismatch_format"]
     assert "['QMuon']" in ranks[0]["mismatch_optimizer"] and "['AdamW']" in ranks[0]["mismatch_optimizer"]
+    assert "holds no optimizer state (saved with save_weights_only=True?)" in ranks[0]["weights_only_error"]
     two = torch.load(out / "ref_2proc_epoch1.pt", weights_only=True)
     one = torch.load(out / "loaded_1proc_epoch1.pt", weights_only=True)
     assert two["global_step"] == one["global_step"] == 4
@@ -826,6 +827,13 @@ def scenario_one_proc(out: Path, optimizer: str) -> dict[str, Any]:
     res["world_size"] = t.world_size
     res["global_step"] = t.global_step
     res["optimizer_type"] = type(t.optimizers[0]).__name__
+    # A weights-only checkpoint cannot resume training: a clear error instead of a half-restored run.
+    t.save_checkpoint(out / "weights_only.ckpt", weights_only=True)
+    try:
+        _fit(out, _strategy(optimizer=optimizer), 3, devices=1, resume=out / "weights_only.ckpt")
+        res["weights_only_error"] = None
+    except KeyError as e:
+        res["weights_only_error"] = str(e)
     # Resuming with another state format or optimizer is refused before anything is loaded.
     for label, kw in (("format", {"optimizer": optimizer, "optimizer_kwargs": {"state_format": "uint8"}}),
                       ("optimizer", {"optimizer": "keep"})):

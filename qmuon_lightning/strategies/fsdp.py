@@ -81,6 +81,10 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
 
 # Checkpoint metadata entry written by save_checkpoint and checked by load_checkpoint.
 _CKPT_KEY = "qmuon_fsdp"
+_NO_OPTIMIZER_STATE = (
+    "{path} holds no optimizer state (saved with save_weights_only=True?), so training cannot resume from it. "
+    "To start a new run from its weights, load them into the module before fit, or use a full checkpoint"
+)
 # build_optimizer arguments the strategy sets itself.
 _RESERVED_KWARGS = ("verbose",)
 # build_optimizer arguments that only concern routing (not QMuon's constructor).
@@ -424,6 +428,8 @@ class QMuonFSDPStrategy(ModelParallelStrategy):
             saved_keys = set(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
             for idx, opt in enumerate(self.optimizers):
                 key = f"optimizer_{idx}"
+                if not any(k.startswith(f"{key}.") for k in saved_keys):
+                    raise KeyError(_NO_OPTIMIZER_STATE.format(path=path))
                 osd = get_optimizer_state_dict(module, opt)  # a dry-run step creates every state tensor
                 saved = {fqn for fqn in osd["state"] if any(k.startswith(f"{key}.state.{fqn}.") for k in saved_keys)}
                 osd["state"] = {fqn: v for fqn, v in osd["state"].items() if fqn in saved}
@@ -437,6 +443,8 @@ class QMuonFSDPStrategy(ModelParallelStrategy):
             self._check_compatible(checkpoint.get(_CKPT_KEY), path)
             set_model_state_dict(module, checkpoint.pop("state_dict"), options=StateDictOptions(
                 full_state_dict=True, broadcast_from_rank0=True, strict=strict))
+            if self.optimizers and "optimizer_states" not in checkpoint:
+                raise KeyError(_NO_OPTIMIZER_STATE.format(path=path))
             for idx, opt in enumerate(self.optimizers):
                 osd = _fqn_keyed(checkpoint["optimizer_states"][idx], module)
                 saved = set(osd["state"])
