@@ -253,6 +253,18 @@ def test_dense_fp32_equals_torch_muon_lerp(ext, numel):
     assert_bits_equal(grad, t_ns, "NS input vs torch lerp")
 
 
+def test_dense_stays_on_reference_when_torch_lerp_rounds_differently(ext, monkeypatch):
+    # A torch build whose lerp rounds twice (no FMA) makes the probe fail: the dense op must then run
+    # the reference (torch's own lerp_), not the kernel.
+    monkeypatch.setitem(_extension._lerp_fused, "cpu", False)
+    buf, grad = momentum(3, 40), make_grad(3, 40, torch.float32)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        check_update("dense", [[buf]], [grad], block_size=32, steps=1)
+    names = {e.name for e in prof.events()}
+    assert "qmuon::dense_momentum_update_multi_" in names
+    assert "qmuon_C::dense_momentum_update_multi_" not in names
+
+
 def test_multi_tensor_mixed_dtypes_and_shapes(ext):
     specs = [((3, 5), torch.float32), ((1, 1), torch.bfloat16), ((65, 513), torch.float16), ((2, 300), torch.float32),
              ((37, 64), torch.bfloat16)]
