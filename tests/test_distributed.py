@@ -233,6 +233,12 @@ def _worker_train(rank: int, world: int, root: str, load_from: str | None, comm:
     _dcp_save(model, opt, path)
     out["saved_state"] = full_state_dict(opt)
     out["saved_params"] = _full_params(model)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+    full_opts = StateDictOptions(full_state_dict=True)
+    # torch's own consolidation; a deep copy because the 0-d `step` tensors in it are the live ones
+    full_msd, full_osd = copy.deepcopy(get_state_dict(model, opt, options=full_opts))
+    out["torch_full_state"] = copy.deepcopy(full_osd["state"])  # loading below aliases AdamW's `step` tensors
     out["state_is_dtensor"] = all(
         type(v).__name__ == "DTensor" for st in opt.state.values() for k, v in st.items() if k != "step")
     _train_steps(model, opt, range(TRAIN_STEPS, TRAIN_STEPS + CONT_STEPS), rank, world)
@@ -250,6 +256,12 @@ def _worker_train(rank: int, world: int, root: str, load_from: str | None, comm:
     _dcp_load(model, opt, path)
     _train_steps(model, opt, range(TRAIN_STEPS, TRAIN_STEPS + CONT_STEPS), rank, world)
     out["resume_params"] = _full_params(model)
+    # resume from torch's full (consolidated) state dicts: set_state_dict distributes them
+    model = _sharded_lm(mesh)
+    opt = _opt(model, **comm)
+    set_state_dict(model, opt, model_state_dict=full_msd, optim_state_dict=full_osd, options=full_opts)
+    _train_steps(model, opt, range(TRAIN_STEPS, TRAIN_STEPS + CONT_STEPS), rank, world)
+    out["resume_full_params"] = _full_params(model)
     if load_from is not None:  # resharded resume
         model = _sharded_lm(mesh)
         opt = _opt(model, **comm)
@@ -509,6 +521,7 @@ def test_fsdp_training_close_to_unsharded(runs):
 def test_dcp_resume_bit_exact_same_world_size(runs):
     t = runs["two"][0]["train"]
     assert _maxdiff(t["resume_params"], t["cont_params"]) == 0.0
+    assert _maxdiff(t["resume_full_params"], t["cont_params"]) == 0.0  # via full_state_dict=True
     # DCP's _init_optim_state fake step (zero grads, lr 0) leaves the parameters alone
     assert t["fake_step_max_change"] == 0.0
 
@@ -557,6 +570,11 @@ def test_reshard_2_to_1_and_consolidated(runs):
         o.load_state_dict(copy.deepcopy(full))
 
     state_full, params_full = _plain_from(load_full)
+    # torch's full_state_dict=True gathers the same tensors (keyed by parameter name)
+    names = [n for g in full["param_groups"] for n in g["param_names"]]
+    torch_full = t["torch_full_state"]
+    for pid, st in full["state"].items():
+        assert all(torch.equal(torch_full[names[pid]][k], v) for k, v in st.items()), names[pid]
     assert _state_equal(state_full, full["state"])
     assert _maxdiff(params_dcp, params_full) == 0.0
     rel = _displacement_rel(params_dcp, t["cont_params"], t["saved_params"])
