@@ -139,6 +139,11 @@ def resolve_resume(resume: str, output_dir: str) -> str:
     return found[-1]
 
 
+def _local(t: Tensor) -> Tensor:
+    """What this process holds: an FSDP2 DTensor's local shard (``numel()`` of a DTensor is global)."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 @torch.no_grad()
 def evaluate(model: nn.Module, x: Tensor, y: Tensor, batch_size: int = 16) -> float:
     """Mean next-byte cross-entropy (nats) over fixed windows; every rank runs it (FSDP2 needs all)."""
@@ -231,20 +236,20 @@ def main(argv: Sequence[str] | None = None) -> TrainResult:
             accelerator.save_state(last_ckpt)
     final_val = evaluate(model, val_x, val_y)
     qm = unwrap_qmuon(optimizer)
-    # Elements this process holds (an FSDP2 DTensor's local shard), to match state_nbytes().
-    muon_elems = sum((p.to_local() if hasattr(p, "to_local") else p).numel()
-                     for g in qm.param_groups if g["use_muon"] for p in g["params"])
+    muon_elems = sum(_local(p).numel() for g in qm.param_groups if g["use_muon"] for p in g["params"])
+    state_bytes = sum(_local(v).numel() * v.element_size() for g in qm.param_groups if g["use_muon"]
+                      for p in g["params"] for v in qm.state.get(p, {}).values() if torch.is_tensor(v))
     result = TrainResult(
         start_step=start, end_step=step, num_processes=n, distributed_type=str(accelerator.distributed_type),
         mixed_precision=str(accelerator.mixed_precision), last_train_loss=last_loss,
         initial_val_loss=initial_val, final_val_loss=final_val,
         tokens_per_s=tokens / max(train_seconds, 1e-9),
-        muon_state_bytes=qm.state_nbytes(), fp32_momentum_bytes=4 * muon_elems, last_checkpoint=last_ckpt,
+        muon_state_bytes=state_bytes, fp32_momentum_bytes=4 * muon_elems, last_checkpoint=last_ckpt,
     )
     accelerator.print(
         f"done: steps {start} -> {step} on {n} process(es) ({result.distributed_type}, mixed precision "
         f"{result.mixed_precision}); val loss {initial_val:.4f} -> {final_val:.4f} nats/byte; "
-        f"{result.tokens_per_s:,.0f} tokens/s in training steps; Muon state {result.muon_state_bytes:,} bytes = "
+        f"{result.tokens_per_s:,.0f} tokens/s in training steps; Muon state on this process {result.muon_state_bytes:,} bytes = "
         f"{result.muon_state_bytes / max(1, result.fp32_momentum_bytes):.3f}x fp32 momentum; checkpoint {last_ckpt}"
     )
     accelerator.end_training()
