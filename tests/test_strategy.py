@@ -613,6 +613,7 @@ def test_resume_two_to_one_process(one_proc: tuple[Path, list[dict]]) -> None:
     assert "model.unused.weight" not in one["optim_state"]
 
 
+@pytest.mark.slow  # fast variants: the 2 -> 1 resume (same DCP resharding, other direction) and the same-world tests
 def test_resume_one_to_two_processes(one_proc: tuple[Path, list[dict]]) -> None:
     out, _ = one_proc
     ranks = _run_worker("two_from_one", out, "qmuon")

@@ -19,10 +19,13 @@ What it adds to :class:`lightning.pytorch.strategies.ModelParallelStrategy`:
    its step sent (attribute ``comm_bytes_last_step``: QMuon's distributed Newton-Schulz exchange),
    the value is logged as ``qmuon/comm_bytes`` through ``LightningModule.log``.
 
-Checkpoints use Lightning's ``ModelParallelStrategy`` hooks unchanged: with
+Checkpoints are saved by Lightning's ``ModelParallelStrategy`` hooks: with
 ``save_distributed_checkpoint=True`` (default) a directory written by
 ``torch.distributed.checkpoint`` (each rank writes its shards; loading reshards, so a run saved on
-2 processes resumes on 1 and vice versa), with ``False`` one consolidated file on rank 0.
+2 processes resumes on 1 and vice versa), with ``False`` one consolidated file on rank 0. The
+metadata gains a ``"qmuon_fsdp"`` entry (optimizer types, state formats, world size).
+:meth:`QMuonFSDPStrategy.load_checkpoint` checks that entry and restores optimizer state for
+exactly the parameters that had state when saved (see there).
 """
 
 from __future__ import annotations
@@ -87,8 +90,6 @@ _NO_OPTIMIZER_STATE = (
 )
 # build_optimizer arguments the strategy sets itself.
 _RESERVED_KWARGS = ("verbose",)
-# build_optimizer arguments that only concern routing (not QMuon's constructor).
-_ROUTING_KWARGS = ("rules", "fused_parts")
 
 
 def _validate_optimizer_kwargs(mode: str, kwargs: Mapping[str, Any]) -> dict[str, Any]:
@@ -121,7 +122,8 @@ def _validate_optimizer_kwargs(mode: str, kwargs: Mapping[str, Any]) -> dict[str
     qstate.get_format(kwargs.get("state_format", "int8"))  # raises with the list of formats
     # Build a throwaway QMuon with the same arguments: its validation (lr, momentum, block_size,
     # rounding, ...) runs here. One 32x32 Muon matrix and one 1-D AdamW tensor, on CPU.
-    qmuon_kwargs = {k: v for k, v in kwargs.items() if k not in _ROUTING_KWARGS}
+    qmuon_params = inspect.signature(QMuon.__init__).parameters  # routing-only keys (rules, fused_parts) are not
+    qmuon_kwargs = {k: v for k, v in kwargs.items() if k in qmuon_params}
     qmuon_kwargs.setdefault("state_format", "int8")
     probe = [
         {"params": [torch.zeros(32, 32, requires_grad=True)]},
@@ -165,10 +167,11 @@ def _check_sharded_formats(opt: QMuon) -> None:
         and any(isinstance(p, DTensor) for p in g["params"])
     })
     if bad:
+        hint = " ('int4' for 4-bit momentum)" if "int4" in SUPPORTED_SHARDED_FORMATS else ""
         raise ValueError(
             f"QMuon state_format {', '.join(map(repr, bad))} cannot be used on FSDP2-sharded parameters: its state "
-            f"is not row-local, so it cannot be split with the weight rows. Sharded formats: "
-            f"{', '.join(SUPPORTED_SHARDED_FORMATS)}; e.g. optimizer_kwargs={{'state_format': 'int4'}} for 4-bit momentum"
+            f"is not row-local, so it cannot be split with the weight rows. Use optimizer_kwargs={{'state_format': ...}} "
+            f"with one of {', '.join(SUPPORTED_SHARDED_FORMATS)}{hint}"
         )
 
 
