@@ -73,6 +73,7 @@ def main(argv: list[str] | None = None) -> dict:
         config = json.load(f)
     if args.stage is not None:
         config.setdefault("zero_optimization", {})["stage"] = args.stage
+    corpus = build_stdlib_corpus(max_bytes=args.corpus_bytes)  # before DeepSpeed starts: fails fast
     model = DecoderLM(DecoderLMConfig(vocab_size=VOCAB, d_model=args.d_model, n_layers=args.layers,
                                       n_heads=args.heads, max_seq_len=args.seq_len))
     opt = ql.build_optimizer(model, lr=args.lr, weight_decay=args.weight_decay, state_format=args.state_format,
@@ -84,7 +85,6 @@ def main(argv: list[str] | None = None) -> dict:
     stage = engine.zero_optimization_stage()
     say(f"DeepSpeed ZeRO stage {stage}, {world} process(es) on {engine.device}; {opt}")
 
-    corpus = build_stdlib_corpus(max_bytes=args.corpus_bytes)
     micro = engine.train_micro_batch_size_per_gpu()
     gas = engine.gradient_accumulation_steps()
     data = RandomWindowDataset(corpus.train, args.seq_len, length=(args.steps + 1) * gas * micro * world, seed=args.seed)

@@ -181,11 +181,11 @@ def _reference(stage_steps: int, world: int) -> tuple[DecoderLM, ql.QMuon]:
     return model, opt
 
 
-def _engine(stage: int, seed: int = 0):
+def _engine(stage: int, seed: int = 0, bf16: bool = False):
     model = _model(seed)
     # gradient_clipping: DeepSpeed clips to norm 1.0 unless told otherwise; the reference does not clip.
     cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "steps_per_print": 10 ** 9,
-           "gradient_clipping": 0.0,
+           "gradient_clipping": 0.0, "bf16": {"enabled": bf16},
            "zero_optimization": {"stage": stage, "reduce_bucket_size": 500, "allgather_bucket_size": 500}}
     engine, opt, _, _ = qds.initialize(model, ql.build_optimizer(model, **OPT_KW), cfg)
     return engine, opt
@@ -248,6 +248,23 @@ def worker(out_path: str) -> None:
             "zero_class": type(engine.optimizer).__name__,
         }
         del engine, opt
+    # bf16 parameters at ZeRO 2: fp32 master partitions, bf16 model weights.
+    engine, opt = _engine(2, bf16=True)
+    x = _batch(0, rank)
+    counts = _train(engine, opt, range(3), rank, world)
+    synced = True
+    for info in opt._params:
+        p = engine.optimizer.bit16_groups[info.group][info.pos]  # the model's bf16 parameter
+        v = opt._views(info)
+        if v is not None:  # this rank's fp32 master slice, rounded, is what the bf16 model holds
+            seg = info.holders[rank]
+            synced &= torch.equal(p.detach().reshape(-1)[seg.start: seg.start + seg.length], v[0].to(torch.bfloat16))
+    results["bf16"] = {
+        "dtype": str(next(engine.module.parameters()).dtype), "mode": opt._mode, "counts": counts, "synced": synced,
+        "finite": all(bool(p.isfinite().all()) for p in engine.module.parameters()),
+        "moved": min((a.float() - b.float()).abs().max().item() for a, b in zip(engine.module.parameters(), _model().parameters())),
+    }
+    del engine, opt, x
     # Checkpoint: save after 2 steps, continue 2; a fresh engine (other init) loads and continues 2.
     ckdir = os.path.join(os.path.dirname(out_path), "ckpt")
     for stage in (0, 2):
@@ -409,6 +426,16 @@ if __name__ == "__main__" and "--worker" in sys.argv:
     worker(sys.argv[sys.argv.index("--worker") + 1])
 
 
+def test_bf16_zero2_runs_whole_matrix_once(two_process_run):
+    res = two_process_run[0]
+    r = res["bf16"]
+    assert r["dtype"] == "torch.bfloat16" and r["mode"] == "partitioned" and r["finite"]
+    parts = [float(n) for n in res["stage0"]["parts"]]
+    assert all(c["items"] == parts and c["doers"] == [1.0] * len(parts) for c in r["counts"])
+    assert r["synced"]  # updates land in DeepSpeed's fp32 master partition and reach the bf16 weights
+    assert r["moved"] > 0  # every parameter changed
+
+
 def test_lightning_strategy_on_cpu_matches_single_process(two_process_run):
     r = two_process_run[0]["lightning"]
     assert r["registered"] and r["wrapper"] == "WholeMatrixZeroOptimizer" and r["mode"] == "partitioned"
@@ -432,3 +459,27 @@ def test_strategy_registered_and_refuses_bad_config():
     trainer = pl.Trainer(strategy="qmuon_deepspeed", accelerator="cpu", devices=1, logger=False)
     assert isinstance(trainer.strategy, qsd.QMuonDeepSpeedStrategy)
     assert trainer.strategy.config["zero_optimization"]["stage"] == 2
+
+
+@pytest.mark.slow
+def test_example_under_deepspeed_launcher(tmp_path):
+    """examples/deepspeed_train.py with the `deepspeed` launcher on 2 CPU processes: train, checkpoint,
+    resume. Slow (two more launches); the fast tests above cover the same engine path."""
+    import shutil
+
+    launcher = shutil.which("deepspeed")
+    if launcher is None:
+        pytest.skip("the deepspeed launcher is not on PATH")
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+    common = [launcher, "--num_gpus", "2", "--master_port", str(_free_port()), str(ROOT / "examples" / "deepspeed_train.py"),
+              "--d-model", "64", "--seq-len", "64", "--corpus-bytes", str(1 << 20), "--log-every", "2",
+              "--save-dir", str(tmp_path / "ck")]
+    first = subprocess.run(common + ["--steps", "4", "--save-every", "2"], env=env, capture_output=True, text=True,
+                           timeout=600, cwd=str(ROOT))
+    assert first.returncode == 0, (first.stdout + first.stderr)[-4000:]
+    assert "val loss" in first.stdout and "bytes/param" in first.stdout
+    common[4] = str(_free_port())
+    second = subprocess.run(common + ["--steps", "6", "--resume"], env=env, capture_output=True, text=True,
+                            timeout=600, cwd=str(ROOT))
+    assert second.returncode == 0, (second.stdout + second.stderr)[-4000:]
+    assert "resumed from" in second.stdout and "at step 4" in second.stdout
