@@ -90,6 +90,22 @@ class SelfShardingLM(TinyLM):
         fully_shard(self.model, mesh=mesh)
 
 
+class DirectParamLM(TinyLM):
+    """Holds a parameter directly on the LightningModule, so the LightningModule itself is the
+    root FSDP unit; the training step goes through ``self(...)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.logit_scale = nn.Parameter(torch.ones(VOCAB))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(x) * self.logit_scale
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.cross_entropy(self(x).reshape(-1, VOCAB), y.reshape(-1))
+
+
 def make_data(n: int = 16) -> torch.utils.data.DataLoader:
     g = torch.Generator().manual_seed(1234)
     tokens = torch.randint(0, VOCAB, (n, SEQ + 1), generator=g)
@@ -581,6 +597,7 @@ def test_two_processes_shard_swap_and_train(same_world: tuple[Path, list[dict]])
         assert r["self_sharded_policy_blocks"] == [] and r["self_sharded_optimizer"] == "AdamW"
         assert r["self_sharded_steps"] == 2
         assert "'grasp4' cannot be used on FSDP2-sharded parameters" in r["grasp_error"]
+        assert r["direct_roots"] == [""] and r["direct_steps"] == 2 and r["direct_scale_trained"]
     assert ranks[0]["ckpt_A"] == ["epoch=0.ckpt", "epoch=1.ckpt", "epoch=2.ckpt"]
 
 
@@ -785,6 +802,12 @@ def scenario_same_world(out: Path, optimizer: str) -> dict[str, Any]:
     res["self_sharded_policy_blocks"] = tS.strategy.sharded_blocks
     res["self_sharded_optimizer"] = type(tS.optimizers[0]).__name__
     res["self_sharded_steps"] = tS.global_step
+
+    # Parameters on the LightningModule itself: the LightningModule is the root unit.
+    tR, mR = _fit(out, _strategy(optimizer=optimizer), 1, devices=2, module=DirectParamLM())
+    res["direct_roots"] = tR.strategy.sharded_roots
+    res["direct_steps"] = tR.global_step
+    res["direct_scale_trained"] = not torch.equal(mR.logit_scale.full_tensor(), torch.ones(VOCAB))
 
     # A format whose state is not row-local (grasp4) is refused at setup, on every rank alike.
     try:
