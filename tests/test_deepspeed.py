@@ -143,6 +143,45 @@ def test_single_process_matches_qmuon_bit_exact():
     assert sd["qmuon_deepspeed"]["owners"] == [0] * len(parts)
 
 
+@pytest.mark.parametrize("policy", ["skip", "raise"])
+def test_nonfinite_gradient_policies(policy):
+    model = _model()
+    opt = qds.WholeMatrixZeroOptimizer(ql.build_optimizer(model, **{**OPT_KW, "nonfinite": policy}))
+    x = _batch(0, 0)
+    _loss(model(x), x).backward()
+    bad = model.blocks[0].attn.proj.weight
+    bad.grad[0, 0] = float("nan")
+    before = [p.detach().clone() for p in model.parameters()]
+    if policy == "raise":
+        with pytest.raises(FloatingPointError, match="blocks.0.attn.proj.weight"):
+            opt.step()
+        assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+        assert not any(len(v) for v in opt.inner.state.values())
+        return
+    opt.step()
+    assert opt.nonfinite_skips == 1
+    for a, (name, b) in zip(before, model.named_parameters()):
+        assert torch.equal(a, b) == (name == "blocks.0.attn.proj.weight"), name
+
+
+def test_state_dict_refuses_another_layout():
+    model = _model()
+    opt = qds.WholeMatrixZeroOptimizer(ql.build_optimizer(model, **OPT_KW))
+    x = _batch(0, 0)
+    _loss(model(x), x).backward()
+    opt.step()
+    sd = opt.state_dict()
+    assert sd["qmuon_deepspeed"]["inner"]["state"][0]["momentum_codes"].dtype == torch.int8
+    other = qds.WholeMatrixZeroOptimizer(ql.build_optimizer(_model(), **OPT_KW))
+    other.load_state_dict(sd)  # same layout: fine, and the momentum is restored bit for bit
+    assert torch.equal(other.inner.state[other._proxies[0]]["momentum_codes"], opt.inner.state[opt._proxies[0]]["momentum_codes"])
+    bad = {**sd, "qmuon_deepspeed": {**sd["qmuon_deepspeed"], "world_size": 2}}
+    with pytest.raises(ValueError, match="same number of processes and ZeRO stage"):
+        other.load_state_dict(bad)
+    with pytest.raises(ValueError, match="not written by qmuon_lightning's DeepSpeed integration"):
+        other.load_state_dict(ql.build_optimizer(_model(), **OPT_KW).state_dict())
+
+
 def test_wrapping_a_used_qmuon_is_refused():
     model = _model()
     opt = ql.build_optimizer(model, **OPT_KW)
@@ -218,7 +257,7 @@ def _params(engine) -> list[torch.Tensor]:
 
 def worker(out_path: str) -> None:
     torch.set_num_threads(1)
-    import deepspeed as ds  # noqa: F401
+    import deepspeed  # noqa: F401  (the CPU accelerator is chosen on import)
     import torch.distributed as dist
 
     from deepspeed.accelerator import get_accelerator

@@ -18,11 +18,11 @@ class name does not contain "muon" and it sets no ``use_muon`` attribute, so Dee
 never runs. After the engine is built, :meth:`WholeMatrixZeroOptimizer.attach` reads the engine's
 partition layout (``bit16_groups``, the flat buffers, ``partition_size``): for each parameter,
 which element range of which rank's flat fp32 partition holds which of its elements. Then, per
-``step()`` (which DeepSpeed calls once per optimizer step, after the averaged gradients landed in
-the fp32 partitions, after unscaling and clipping):
+``step()`` call (DeepSpeed's ZeRO optimizer makes one per parameter group and optimizer step, after
+the group's averaged gradients landed in its fp32 partition, after unscaling and clipping):
 
 1. one small all-reduce of a "non-finite" flag per parameter, so every rank skips (or raises for)
-   the same parameters before anything changes;
+   the same parameters before the call changes anything;
 2. each Muon matrix has an *owner* rank (matrices dealt by size, largest first, to the least loaded
    rank, so NS work and momentum are split about ``1/N``). One ``all_to_all`` sends every rank's
    slices of the averaged gradient of each matrix to its owner (fp32);
