@@ -308,6 +308,17 @@ def test_example_trains_and_resumes_bit_exact(fresh_accelerate, tmp_path) -> Non
             assert torch.equal(v, ob["state"][pid][key]), (pid, key)
 
 
+def test_example_resume_latest_picks_the_newest_checkpoint(tmp_path) -> None:
+    ex = _load_example()
+    with pytest.raises(SystemExit, match="no checkpoint"):
+        ex.resolve_resume("latest", str(tmp_path))
+    for step in (3, 10, 9):
+        (tmp_path / "checkpoints" / f"step_{step:06d}").mkdir(parents=True)
+    assert ex.resolve_resume("latest", str(tmp_path)).endswith("step_000010")
+    with pytest.raises(SystemExit, match="no such checkpoint"):
+        ex.resolve_resume(str(tmp_path / "missing"), str(tmp_path))
+
+
 # ---------------------------------------------------------------------------------------------- 2 processes
 def _free_port() -> int:
     with socket.socket() as s:
