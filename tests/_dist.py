@@ -44,10 +44,16 @@ def _entry(fn: Callable[..., Any], rank: int, world_size: int, tmp: str, kwargs:
         os._exit(1)
 
 
-def run_workers(fn: Callable[..., Any], world_size: int = 2, timeout: float = 150.0, **kwargs: Any) -> list[Any]:
-    """``[fn(rank, world_size, **kwargs) for rank in range(world_size)]``, each in its own process."""
+def run_workers(fn: Callable[..., Any], world_size: int = 2, timeout: float = 150.0, start_method: str = "spawn",
+                **kwargs: Any) -> list[Any]:
+    """``[fn(rank, world_size, **kwargs) for rank in range(world_size)]``, each in its own process.
+
+    ``start_method="fork"`` skips re-importing torch and qmuon_lightning in every worker (about
+    10 s each on a busy machine); use it only from a process that has not started intra-op thread
+    pools or CUDA (the test suite runs with one torch thread, see conftest.py).
+    """
     tmp = tempfile.mkdtemp(prefix="qmuon_dist_")
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context(start_method)
     kwargs = dict(kwargs, _collective_timeout=max(30, int(timeout) - 10))
     procs = [ctx.Process(target=_entry, args=(fn, r, world_size, tmp, dict(kwargs)), daemon=True)
              for r in range(world_size)]

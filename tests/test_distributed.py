@@ -23,6 +23,7 @@ import pytest
 import torch
 from torch import nn
 
+import torch.multiprocessing as mp
 from _dist import run_workers
 
 STEPS = 4
@@ -104,6 +105,24 @@ def _full(t):
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
+def _loc(t):
+    """This rank's rows, cloned (the direct scenario returns shards and the test process
+    concatenates them: no gather collectives, which are slow on an oversubscribed machine)."""
+    from torch.distributed.tensor import DTensor
+
+    return (t.to_local() if isinstance(t, DTensor) else t).detach().clone()
+
+
+def _merge_shards(per_rank: list):
+    """Concatenate rank-local results along dim 0 (dicts recursively; 0-d tensors from rank 0)."""
+    first = per_rank[0]
+    if isinstance(first, dict):
+        return {k: _merge_shards([r[k] for r in per_rank]) for k in first}
+    if isinstance(first, torch.Tensor) and first.ndim >= 1:
+        return torch.cat(per_rank)
+    return first
+
+
 def _worker_direct(rank: int, world: int, configs: list[dict]) -> dict:
     import qmuon_lightning as ql
     from torch.distributed.device_mesh import init_device_mesh
@@ -127,13 +146,13 @@ def _worker_direct(rank: int, world: int, configs: list[dict]) -> dict:
             opt_ref.step()
             opt.step()
             stats.append(dict(opt.comm_stats, comm_bytes_last_step=opt.comm_bytes_last_step))
-        res = {"params": {n: _full(p).detach().clone() for n, p in net.named_parameters()},
+        res = {"params": {n: _loc(p) for n, p in net.named_parameters()},
                "ref_params": {n: p.detach().clone() for n, p in ref.named_parameters()},
                "stats": stats}
         st = {}
         for n in ("a", "b", "c", "qkv"):
             p = getattr(net, n)
-            st[n] = {k: _full(v).clone() for k, v in opt.state[p].items()}
+            st[n] = {k: _loc(v) for k, v in opt.state[p].items()}
             st["ref_" + n] = {k: v.clone() for k, v in opt_ref.state[getattr(ref, n)].items()}
         res["state"] = st
         res["dtensor_state"] = all(type(v).__name__ == "DTensor" for k, v in opt.state[net.b].items() if k != "step")
@@ -294,14 +313,14 @@ def _worker_collective_skips(mesh, rank: int) -> dict:
     net = _Net()
     _shard(net, mesh)
     opt = ql.QMuon(_groups(net), lr=0.02)
-    before = {n: _full(p).detach().clone() for n, p in net.named_parameters()}
+    before = {n: _loc(p) for n, p in net.named_parameters()}
     grads = _grads(net, 0)
     grads["b"][4, 7] = float("nan")  # row 4 lives on rank 1
     _set_grads(net, grads, True)
     if rank == 1:
         net.a.grad = None  # rank 0 has a gradient for `a`, rank 1 does not: it counts as zeros
     opt.step()
-    after = {n: _full(p).detach().clone() for n, p in net.named_parameters()}
+    after = {n: _loc(p) for n, p in net.named_parameters()}
     out = {"skips": opt.nonfinite_skips, "b_unchanged": torch.equal(before["b"], after["b"]),
            "a_changed": not torch.equal(before["a"], after["a"]), "b_state": net.b in opt.state}
     opt_raise = ql.QMuon(_groups(net), lr=0.02, nonfinite="raise")
@@ -311,7 +330,7 @@ def _worker_collective_skips(mesh, rank: int) -> dict:
         out["raised"] = ""
     except FloatingPointError as e:
         out["raised"] = str(e)
-    out["unchanged_after_raise"] = all(torch.equal(after[n], _full(p)) for n, p in net.named_parameters())
+    out["unchanged_after_raise"] = all(torch.equal(after[n], _loc(p)) for n, p in net.named_parameters())
     return out
 
 
@@ -359,7 +378,19 @@ def runs(tmp_path_factory):
     assert not dist.is_initialized()  # DCP below runs without a process group in this process
     root = str(tmp_path_factory.mktemp("dcp"))
     plain = _plain_run(root)
-    two = run_workers(_worker_two, 2, timeout=300, root=root, configs=[dict(c) for c in DIRECT_CONFIGS], comm=TRAIN_COMM)
+    # fork: the workers inherit this process's imports (torch, lightning, the compiled kernels)
+    # instead of importing them again; conftest.py keeps torch at one thread, so no OpenMP pool
+    # is forked. The timeout turns a hang into a failure.
+    start = "fork" if torch.get_num_threads() == 1 and "fork" in mp.get_all_start_methods() else "spawn"
+    two = run_workers(_worker_two, 2, timeout=300, start_method=start, root=root,
+                      configs=[dict(c) for c in DIRECT_CONFIGS], comm=TRAIN_COMM)
+    for name in two[0]["direct"]:  # shards -> full tensors (the unsharded references are full already)
+        res = [t["direct"][name] for t in two]
+        params = _merge_shards([r["params"] for r in res])
+        state = {n: (_merge_shards([r["state"][n] for r in res]) if not n.startswith("ref_") else res[0]["state"][n])
+                 for n in res[0]["state"]}
+        for r in res:
+            r["params"], r["state"] = params, state
     return {"root": root, "plain": plain, "two": two}
 
 
