@@ -35,7 +35,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F

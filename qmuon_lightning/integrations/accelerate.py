@@ -34,7 +34,6 @@ which keeps the codes' dtypes (torch's default would cast them to the parameter 
 from __future__ import annotations
 
 import importlib.util
-import logging
 import warnings
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -64,8 +63,6 @@ __all__ = [
     "check_state_keys",
     "unwrap_qmuon",
 ]
-
-log = logging.getLogger(__name__)
 
 #: Accelerate's DDP-style distributed types: full parameters on every rank, gradients all-reduced
 #: by ``DistributedDataParallel`` before ``optimizer.step()``.
