@@ -31,7 +31,11 @@ import warnings
 from typing import Any
 
 from jsonargparse import set_parsing_settings
-from jsonargparse._common import get_parsing_setting
+
+try:  # not part of jsonargparse's public names; only used to restore the setting after parsing
+    from jsonargparse._common import get_parsing_setting
+except ImportError:  # pragma: no cover - depends on the jsonargparse version
+    get_parsing_setting = None
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
 
 from . import strategies as _strategies  # noqa: F401  (registers strategy names such as "qmuon_fsdp")
@@ -61,8 +65,13 @@ class QMuonCLI(LightningCLI):
         # override. That config is nested under the subcommand ("fit.trainer..."), so absolute paths
         # written in a recipe ("${trainer.default_root_dir}") are rewritten relative to where they
         # appear when each file loads (a global jsonargparse setting: restored afterwards).
-        before = get_parsing_setting("omegaconf_absolute_to_relative_paths")
-        set_parsing_settings(omegaconf_absolute_to_relative_paths=True)
+        before = get_parsing_setting("omegaconf_absolute_to_relative_paths") if get_parsing_setting else False
+        try:
+            set_parsing_settings(omegaconf_absolute_to_relative_paths=True)
+        except TypeError as err:
+            raise ImportError(
+                "qmuon-train needs jsonargparse's omegaconf+ mode with absolute interpolation paths "
+                f"(tested with jsonargparse 4.53): pip install -U 'jsonargparse[signatures]' ({err})") from err
         try:
             super().parse_arguments(parser, args)
         finally:
