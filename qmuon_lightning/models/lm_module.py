@@ -349,11 +349,11 @@ def memory_budget(module: DecoderLMModule, *, batch_size: int, seq_len: int, pre
     dim 0; the uneven remainder is ignored). ``precision``: ``"bf16-true"`` keeps bf16 weights and
     gradients (2 + 2 bytes), anything else fp32 (4 + 4) with bf16 autocast.
 
-    Activations are an estimate, not a measurement: per layer and token, about ``34 * d_model``
-    bytes for the attention/MLP inputs, outputs and norms kept for backward in bf16 (Korthikanti et
-    al. 2022, "Reducing Activation Recomputation", without the attention-score term because SDPA
-    does not store scores) plus ``4 * mlp_hidden`` bytes for the SwiGLU intermediates, plus the
-    fp32 logits and their gradient (``8 * vocab_size`` bytes per token).
+    Activations are an estimate, not a measurement: per layer and token, ``34 * d_model`` bytes
+    (Korthikanti et al. 2022, "Reducing Activation Recomputation": a GPT block's tensors kept for
+    backward in 16-bit, without the attention-score term because SDPA does not store scores), plus
+    ``4 * mlp_hidden`` bytes as a conservative allowance for SwiGLU's gate/up intermediates (larger
+    than a GPT MLP's), plus the fp32 logits and their gradient (``8 * vocab_size`` bytes per token).
     """
     if module.model is None:
         with torch.device("meta"):
