@@ -530,7 +530,8 @@ class WholeMatrixZeroOptimizer(Optimizer):
         for p in muon_live:
             by_owner[p.owner].append(p)
         full_grad: dict[int, Tensor] = {}
-        if self._mode == "partitioned":
+        has_muon = any(p.muon for p in params)  # the same on every rank: no exchange for AdamW-only calls
+        if self._mode == "partitioned" and has_muon:
             send, send_sizes = [], []
             for r in range(self._world):
                 n = 0
@@ -596,6 +597,8 @@ class WholeMatrixZeroOptimizer(Optimizer):
                 proxy.data = _placeholder(info.shape, self._device)
 
         # 3. the NS output back to every rank holding a slice; each applies it to its slice.
+        if not has_muon:
+            return loss
         send, send_sizes = [], []
         for r in range(self._world):
             n = 0
