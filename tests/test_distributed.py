@@ -188,10 +188,7 @@ def _batch(step: int, rank: int = 0, world: int = 1):
 def _opt(model, **kw):
     import qmuon_lightning as ql
 
-    opt = ql.build_optimizer(model, lr=0.02, adamw_lr=1e-2, verbose=False)
-    for k, v in kw.items():  # build_optimizer does not take the carrier options (yet): set them after
-        setattr(opt, k, v)
-    return opt
+    return ql.build_optimizer(model, lr=0.02, adamw_lr=1e-2, verbose=False, **kw)
 
 
 def _sharded_lm(mesh):

@@ -194,6 +194,8 @@ def build_optimizer(
     adamw_betas: tuple[float, float] = (0.9, 0.95),
     adamw_eps: float = 1e-8,
     adamw_weight_decay: float = 0.1,
+    comm_carrier: str = "int8",
+    comm_return: str = "int8",
     rules: Sequence[RoutingRule] | None = None,
     fused_parts: Mapping[str, Sequence[int]] | None = None,
     verbose: bool = True,
@@ -233,7 +235,7 @@ def build_optimizer(
         state_format=state_format, block_size=block_size, rank=rank, grid_block=grid_block,
         rounding=rounding, seed=seed,
         nonfinite=nonfinite, ns_input=ns_input, adamw_lr=adamw_lr, adamw_betas=adamw_betas, adamw_eps=adamw_eps,
-        adamw_weight_decay=adamw_weight_decay,
+        adamw_weight_decay=adamw_weight_decay, comm_carrier=comm_carrier, comm_return=comm_return,
     )
     for d in decisions:
         d.param = None
