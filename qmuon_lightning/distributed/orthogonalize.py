@@ -117,6 +117,7 @@ class ShardedStep:
                 check_sharded_param(p, where)
                 if mesh is None:
                     mesh = p.device_mesh
+                    self.device = p.to_local().device  # collectives run on it (NCCL needs CUDA tensors)
                 elif p.device_mesh != mesh:
                     raise NotImplementedError(
                         f"QMuon: {where} is sharded on a different device mesh than the other parameters; sharded "
@@ -150,18 +151,21 @@ class ShardedStep:
             for i, p in enumerate(group["params"]):
                 if isinstance(p, DTensor):
                     sharded.append((gi, i))
-        flags = torch.zeros(2 * len(sharded), dtype=torch.int32)
+        host = [0] * (2 * len(sharded))
         for j, key in enumerate(sharded):
             if key in local:
-                flags[2 * j] = 1
-                flags[2 * j + 1] = 0 if local[key] else 1
+                host[2 * j] = 1
+                host[2 * j + 1] = 0 if local[key] else 1
+        flags = torch.tensor(host, dtype=torch.int32)
         if self.world > 1 and sharded:
+            flags = flags.to(self.device)
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.pg)
             self.flag_bytes = flags.numel() * flags.element_size()
+            host = flags.tolist()
         agreed = {}
         for j, (gi, i) in enumerate(sharded):
-            if flags[2 * j]:
-                agreed[(gi, i)] = not bool(flags[2 * j + 1])
+            if host[2 * j]:
+                agreed[(gi, i)] = not host[2 * j + 1]
                 p = self.opt.param_groups[gi]["params"][i]
                 if p.grad is None:  # others have a gradient: this rank's rows got none
                     p.grad = torch.zeros_like(p)
