@@ -278,6 +278,17 @@ def _worker_train(rank: int, world: int, root: str, load_from: str | None, comm:
     set_state_dict(model, opt, model_state_dict=full_msd, optim_state_dict=full_osd, options=full_opts)
     _train_steps(model, opt, range(TRAIN_STEPS, TRAIN_STEPS + CONT_STEPS), rank, world)
     out["resume_full_params"] = _full_params(model)
+    # resume from our consolidated state dict (qmuon_lightning.distributed.load_full_state_dict)
+    from qmuon_lightning.distributed import load_full_state_dict
+
+    model = _sharded_lm(mesh)
+    opt = _opt(model, **comm)
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+    set_model_state_dict(model, copy.deepcopy(full_msd), options=full_opts)
+    load_full_state_dict(opt, copy.deepcopy(out["saved_state"]))
+    _train_steps(model, opt, range(TRAIN_STEPS, TRAIN_STEPS + CONT_STEPS), rank, world)
+    out["resume_consolidated_params"] = _full_params(model)
     if load_from is not None:  # resharded resume
         model = _sharded_lm(mesh)
         opt = _opt(model, **comm)
@@ -550,6 +561,7 @@ def test_dcp_resume_bit_exact_same_world_size(runs):
     t = runs["two"][0]["train"]
     assert _maxdiff(t["resume_params"], t["cont_params"]) == 0.0
     assert _maxdiff(t["resume_full_params"], t["cont_params"]) == 0.0  # via full_state_dict=True
+    assert _maxdiff(t["resume_consolidated_params"], t["cont_params"]) == 0.0  # load_full_state_dict
     # DCP's _init_optim_state fake step (zero grads, lr 0) leaves the parameters alone
     assert t["fake_step_max_change"] == 0.0
 
