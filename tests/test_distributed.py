@@ -211,21 +211,21 @@ def _train_steps(model, opt, steps, rank, world, grads_out=None):
         opt.zero_grad(set_to_none=True)
 
 
-def _dcp_save(model, opt, path):
+def _dcp_save(model, opt, path, no_dist: bool = False):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     msd, osd = get_state_dict(model, opt)
-    dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=path, no_dist=no_dist)
 
 
-def _dcp_load(model, opt, path):
+def _dcp_load(model, opt, path, no_dist: bool = False):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     msd, osd = get_state_dict(model, opt)
     sd = {"model": msd, "optim": osd}
-    dcp.load(sd, checkpoint_id=path)
+    dcp.load(sd, checkpoint_id=path, no_dist=no_dist)
     set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
 
 
@@ -371,7 +371,7 @@ def _plain_run(root: str) -> dict:
     opt = _opt(model)
     grads: dict = {}
     _train_steps(model, opt, range(TRAIN_STEPS), 0, 1, grads)
-    _dcp_save(model, opt, os.path.join(root, "plain"))
+    _dcp_save(model, opt, os.path.join(root, "plain"), no_dist=True)
     out = {"grads0": grads, "saved_params": _full_params(model),
            "saved_state": {k: {kk: vv.clone() for kk, vv in v.items()} for k, v in opt.state_dict()["state"].items()}}
     _train_steps(model, opt, range(TRAIN_STEPS, TRAIN_STEPS + CONT_STEPS), 0, 1)
@@ -383,13 +383,13 @@ def _plain_run(root: str) -> dict:
 def runs(tmp_path_factory):
     import torch.distributed as dist
 
-    assert not dist.is_initialized()  # DCP below runs without a process group in this process
     root = str(tmp_path_factory.mktemp("dcp"))
     plain = _plain_run(root)
     # fork: the workers inherit this process's imports (torch, lightning, the compiled kernels)
     # instead of importing them again; conftest.py keeps torch at one thread, so no OpenMP pool
     # is forked. The timeout turns a hang into a failure.
-    start = "fork" if torch.get_num_threads() == 1 and "fork" in mp.get_all_start_methods() else "spawn"
+    forkable = torch.get_num_threads() == 1 and not dist.is_initialized() and "fork" in mp.get_all_start_methods()
+    start = "fork" if forkable else "spawn"
     two = run_workers(_worker_two, 2, timeout=300, start_method=start, root=root,
                       configs=[dict(c) for c in DIRECT_CONFIGS], comm=TRAIN_COMM)
     for name in two[0]["direct"]:  # shards -> full tensors (the unsharded references are full already)
@@ -598,7 +598,7 @@ def test_reshard_2_to_1_and_consolidated(runs):
     bit for bit, and then the same training."""
     t = runs["two"][0]["train"]
     path = os.path.join(runs["root"], "w2")
-    state_dcp, params_dcp = _plain_from(lambda m, o: _dcp_load(m, o, path))
+    state_dcp, params_dcp = _plain_from(lambda m, o: _dcp_load(m, o, path, no_dist=True))
     full = t["saved_state"]
     assert _state_equal(state_dcp, full["state"])
 
