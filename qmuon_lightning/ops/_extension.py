@@ -5,8 +5,11 @@ Layers
 ``csrc/qmuon/block_math.h``  per-element / per-block maths (dequantize, momentum lerp, absmax,
                              requantize, stochastic-rounding hash), ``__host__ __device__``
 ``csrc/qmuon/kernels.h``     C ABI of the kernels: raw pointers, row strides, a ``cudaStream_t``
-``csrc/cpu/q8_cpu.cpp``      CPU kernels (``at::parallel_for``, loops g++ vectorizes)
-``csrc/cuda/q8_cuda.cu``     CUDA kernels (no torch headers; compile-checked with plain nvcc)
+``csrc/qmuon/block_math_4bit.h``  the same for the 4-bit formats (nibbles, UE4M3, int4 / e0m3 / grid
+                             scales and codes) and the dense update's FMA lerp
+``csrc/cpu/q8_cpu.cpp``, ``csrc/cpu/q4_cpu.cpp``  CPU kernels (``at::parallel_for``, loops g++ vectorizes)
+``csrc/cuda/q8_cuda.cu``, ``csrc/cuda/q4_cuda.cu``  CUDA kernels (no torch headers; compile-checked
+                             with plain nvcc)
 ``csrc/binding*.cpp``        the ``qmuon_C`` operator library: schemas, argument checks, CPU
                              implementations, and (``binding_cuda.cpp``, only when torch has CUDA)
                              CUDA implementations. ``qmuon_C`` is internal: its
@@ -23,8 +26,9 @@ Registration
 CUDA) implementations that call ``torch.ops.qmuon_C.*``. The extension is built and loaded lazily,
 on the first call of one of those kernels (or of :func:`status` / ``qmuon_lightning.ops.backend()``);
 if it cannot be built or loaded, the kernels run the reference and a warning says why, once.
-Arguments the compiled kernels do not support (e.g. float64 grads, ``block_size`` > 4096) also run
-the reference.
+Arguments the compiled kernels do not support (e.g. float64 grads, ``block_size`` > 4096, an odd
+int4 block) also run the reference; so does the dense update when this torch build's ``lerp`` does
+not round like the kernel (see :func:`_dense_matches_torch`). docs/kernels.md has the full list.
 
 Sources
 -------
