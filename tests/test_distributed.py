@@ -249,6 +249,7 @@ def _worker_train(rank: int, world: int, root: str, load_from: str | None, comm:
     _dcp_save(model, opt, path)
     out["saved_state"] = full_state_dict(opt)
     out["saved_params"] = _full_params(model)
+    out["state_nbytes"] = opt.state_nbytes()  # this rank's shard only
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
     full_opts = StateDictOptions(full_state_dict=True)
@@ -372,7 +373,7 @@ def _plain_run(root: str) -> dict:
     grads: dict = {}
     _train_steps(model, opt, range(TRAIN_STEPS), 0, 1, grads)
     _dcp_save(model, opt, os.path.join(root, "plain"), no_dist=True)
-    out = {"grads0": grads, "saved_params": _full_params(model),
+    out = {"grads0": grads, "saved_params": _full_params(model), "state_nbytes": opt.state_nbytes(),
            "saved_state": {k: {kk: vv.clone() for kk, vv in v.items()} for k, v in opt.state_dict()["state"].items()}}
     _train_steps(model, opt, range(TRAIN_STEPS, TRAIN_STEPS + CONT_STEPS), 0, 1)
     out["cont_params"] = _full_params(model)
@@ -619,3 +620,15 @@ def test_reshard_2_to_1_and_consolidated(runs):
     assert _maxdiff(params_dcp, params_full) == 0.0
     rel = _displacement_rel(params_dcp, t["cont_params"], t["saved_params"])
     assert max(rel.values()) < 0.25, rel  # same origin as test_fsdp_training_close_to_unsharded
+
+
+def test_state_nbytes_counts_local_shards(runs):
+    """``QMuon.state_nbytes()`` reports what this rank holds: the ranks' figures add up to the
+    unsharded optimizer's (row-sharded codes and per-row-block scales split exactly; the 0-d
+    ``step`` tensors are replicated, 4 bytes per Muon parameter per rank)."""
+    per_rank = [t["train"]["state_nbytes"] for t in runs["two"]]
+    plain = runs["plain"]["state_nbytes"]
+    assert all(0 < n < plain for n in per_rank)
+    # one 0-d step tensor per stepped Muon parameter (AdamW state is not counted by state_nbytes())
+    n_steps = sum(1 for st in runs["plain"]["saved_state"].values() if "exp_avg" not in st)
+    assert sum(per_rank) == plain + 4 * n_steps * (len(per_rank) - 1)

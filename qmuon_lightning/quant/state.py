@@ -409,8 +409,17 @@ def validate_momentum_state(
 
 
 def state_nbytes(state: dict[str, Tensor]) -> int:
-    """Bytes held by every tensor in one parameter's state."""
-    return sum(t.numel() * t.element_size() for t in state.values() if isinstance(t, Tensor))
+    """Bytes held *on this rank* by every tensor in one parameter's state.
+
+    Sharded state (a ``DTensor``, as kept for FSDP2 parameters) counts its local shard, not the
+    global tensor: the point of sharding is that no rank holds the whole momentum.
+    """
+    total = 0
+    for t in state.values():
+        if isinstance(t, Tensor):
+            local = t.to_local() if hasattr(t, "to_local") else t
+            total += local.numel() * local.element_size()
+    return total
 
 
 def momentum_nbytes(state_format: str, rows: int, cols: int, opts: FormatOptions | None = None) -> int:
