@@ -67,7 +67,7 @@ def _ema(values: Sequence[float], weight: float) -> list[float]:
     return out
 
 
-def plot_runs(runs: Sequence[Curves], out: str | Path, *, smooth: float = 0.8, title: str | None = None) -> Path:
+def plot_runs(runs: Sequence[Curves], out: str | Path, *, smooth: float = 0.6, title: str | None = None) -> Path:
     """Draw every run's train (thin + EMA) and validation (markers) loss; write ``out`` (PNG)."""
     try:
         import matplotlib
@@ -113,7 +113,7 @@ def main(argv: Sequence[str] | None = None) -> Path:
     p.add_argument("runs", nargs="+", help="metrics.csv files or CSVLogger directories (one per run)")
     p.add_argument("--out", required=True, help="PNG to write")
     p.add_argument("--label", action="append", help="legend label per run (in order; default: directory name)")
-    p.add_argument("--smooth", type=float, default=0.8, help="EMA weight of the past for train loss (0: raw)")
+    p.add_argument("--smooth", type=float, default=0.6, help="EMA weight of the past for train loss (0: raw)")
     p.add_argument("--title", default=None)
     args = p.parse_args(argv)
     labels = args.label or []
