@@ -21,6 +21,7 @@ Built on :class:`lightning.pytorch.cli.LightningCLI`::
   from unsharded parameters.
 * ``data.seq_len`` sets ``model.max_seq_len`` and ``data.vocab_size`` sets ``model.vocab_size``.
 * A :class:`~qmuon_lightning.callbacks.summary.TrainSummary` is always added (``summary.filename``).
+* A ``TensorBoardLogger`` in the config is skipped with a warning when tensorboard is not installed.
 * ``strategy: qmuon_fsdp`` is available because this module imports ``qmuon_lightning.strategies``.
 """
 
@@ -37,6 +38,7 @@ try:  # not part of jsonargparse's public names; only used to restore the settin
 except ImportError:  # pragma: no cover - depends on the jsonargparse version
     get_parsing_setting = None
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from . import strategies as _strategies  # noqa: F401  (registers strategy names such as "qmuon_fsdp")
 from .callbacks.summary import TrainSummary
@@ -44,6 +46,12 @@ from .data.datamodule import ByteLMDataModule
 from .models.lm_module import DecoderLMModule
 
 __all__ = ["QMuonCLI", "main"]
+
+
+def _tensorboard_available() -> bool:
+    from lightning.fabric.loggers.tensorboard import _TENSORBOARD_AVAILABLE, _TENSORBOARDX_AVAILABLE
+
+    return bool(_TENSORBOARD_AVAILABLE or _TENSORBOARDX_AVAILABLE)
 
 
 def _vocab(v: int | None) -> int:
@@ -81,6 +89,21 @@ class QMuonCLI(LightningCLI):
         parser.add_lightning_class_args(TrainSummary, "summary")
         parser.link_arguments("data.seq_len", "model.max_seq_len")
         parser.link_arguments("data.vocab_size", "model.vocab_size", compute_fn=_vocab)
+
+    def before_instantiate_classes(self) -> None:
+        # Recipes list a TensorBoardLogger beside the CSV one; it is optional: without tensorboard
+        # (or tensorboardX) installed it is dropped with a warning instead of failing the run.
+        if _tensorboard_available():
+            return
+        cfg = self.config[self.subcommand] if self.subcommand else self.config
+        loggers = cfg.get("trainer.logger")
+        if not isinstance(loggers, list):
+            return
+        kept = [lg for lg in loggers if not str(getattr(lg, "class_path", "")).endswith("TensorBoardLogger")]
+        if len(kept) != len(loggers):
+            rank_zero_warn("tensorboard is not installed: the TensorBoardLogger of this config is skipped "
+                           "(pip install tensorboard to get it); the other loggers run as configured")
+            cfg["trainer.logger"] = kept or False
 
     def instantiate_classes(self) -> None:
         # A value that parses but is inconsistent (d_model not divisible by n_heads, a missing

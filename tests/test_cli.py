@@ -168,6 +168,26 @@ def test_resume_from_last_matches_uninterrupted_run(tmp_path, tiny_cfg):
         assert b[step] == pytest.approx(a[step], rel=1e-5, abs=1e-5), (step, a, b)
 
 
+def test_tensorboard_logger_is_optional(tmp_path, tiny_cfg, monkeypatch):
+    """A recipe's TensorBoardLogger is dropped (with a warning) when tensorboard is not installed;
+    with it installed, both loggers are built."""
+    import qmuon_lightning.cli as cli_mod
+
+    extra = ("    - class_path: lightning.pytorch.loggers.TensorBoardLogger\n"
+             "      init_args:\n        save_dir: ${trainer.default_root_dir}\n        name: tb\n")
+    text = TINY.format(root=tmp_path / "run").replace("        name: csv\n", "        name: csv\n" + extra)
+    cfg = tmp_path / "tb.yaml"
+    cfg.write_text(text)
+    args = ["--config", str(cfg), "--trainer.max_steps=1"]  # run=False: no subcommand
+    if cli_mod._tensorboard_available():
+        cli = QMuonCLI(args=args, run=False)
+        assert [type(lg).__name__ for lg in cli.trainer.loggers] == ["CSVLogger", "TensorBoardLogger"]
+    monkeypatch.setattr(cli_mod, "_tensorboard_available", lambda: False)
+    with pytest.warns(UserWarning, match="tensorboard is not installed"):
+        cli = QMuonCLI(args=args, run=False)
+    assert [type(lg).__name__ for lg in cli.trainer.loggers] == ["CSVLogger"]
+
+
 def test_validate_subcommand_loads_checkpoint(tmp_path, tiny_cfg):
     root = tmp_path / "run"
     cfg = str(tiny_cfg(root))
