@@ -22,7 +22,8 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from .sharding import row_layout, shard_state
+from ..quant.state import format_options
+from .sharding import chunk_ranges, row_layout, shard_state, state_kind
 
 __all__ = ["full_state_dict", "load_full_state_dict"]
 
@@ -59,17 +60,19 @@ def load_full_state_dict(opt: torch.optim.Optimizer, state_dict: dict[str, Any])
             if pid not in state or not isinstance(p, DTensor):
                 continue
             lay = row_layout(p)
-            a, b = lay.ranges[lay.rank]
             entry = {}
             for k, v in state[pid].items():
                 if isinstance(v, Tensor) and not isinstance(v, DTensor) and v.ndim >= 1:
-                    if int(v.shape[0]) != lay.rows:
+                    kind = state_kind(state[pid], k)
+                    if kind == "rows" and int(v.shape[0]) != lay.rows:
                         raise ValueError(
                             f"param id {pid}: state {k!r} has {v.shape[0]} rows but the parameter has {lay.rows}; "
                             "the checkpoint belongs to a different model or parameter order")
+                    # rows / row tiles (grasp4 grid_col_max): this rank's chunk; grasp4's R: all of it
+                    a, b = chunk_ranges(int(v.shape[0]), lay.world)[lay.rank] if kind != "replicate" else (0, None)
                     entry[k] = v[a:b].to(p.device)
                 else:
                     entry[k] = v
-            shard_state(p, entry)
+            shard_state(p, entry, grid_block=format_options(cur).grid_block)
             state[pid] = entry
     opt.load_state_dict({"state": state, "param_groups": state_dict["param_groups"]})

@@ -45,6 +45,8 @@ from torch.distributed.tensor import DTensor
 from ..optim.newton_schulz import NS_BATCH_MAX_ELEMENTS, newton_schulz_folded
 from ..optim.qmuon import adjusted_lr
 from .carrier import CARRIERS, RETURN_CARRIERS, Carrier, get_carrier
+from ..quant import state as qstate
+from .grasp_sharded import check_grasp_layout, grasp_update_sharded
 from .sharding import SUPPORTED_SHARDED_FORMATS, RowLayout, check_sharded_param, row_layout, shard_state
 
 __all__ = ["ShardedStep", "plan_owners"]
@@ -107,6 +109,7 @@ class ShardedStep:
     def __init__(self, opt: Any) -> None:
         self.opt = opt
         self.items: list[_ShardItem] = []
+        self._group_of: dict[int, dict[str, Any]] = {}
         mesh = None
         for gi, group in enumerate(opt.param_groups):
             for i, p in enumerate(group["params"]):
@@ -125,8 +128,11 @@ class ShardedStep:
                 if group["use_muon"] and group["state_format"] not in SUPPORTED_SHARDED_FORMATS:
                     raise NotImplementedError(
                         f"QMuon: state_format={group['state_format']!r} is not supported for sharded (FSDP2) parameters "
-                        f"({where}): its state is not row-local (e0m3 has one scale per tensor, grasp4 a power "
-                        f"iteration over the whole matrix). Use one of {', '.join(SUPPORTED_SHARDED_FORMATS)}")
+                        f"({where}): its state is not row-local (e0m3 has one fp32 scale per tensor). Use one of "
+                        f"{', '.join(SUPPORTED_SHARDED_FORMATS)}")
+                if group["use_muon"] and group["state_format"] == "grasp4":
+                    check_grasp_layout(p, qstate.format_options(group), where)  # before any state changes
+                self._group_of[id(p)] = group
         assert mesh is not None
         self.mesh = mesh
         self.pg = mesh.get_group()
@@ -183,9 +189,28 @@ class ShardedStep:
         return out_where, out_finite
 
     # ------------------------------------------------------------------ 2. momentum (called per parameter)
-    @staticmethod
-    def init_state(p: DTensor, st: dict[str, Tensor]) -> None:
-        shard_state(p, st)
+    def init_state(self, p: DTensor, st: dict[str, Tensor]) -> None:
+        group = self._group_of.get(id(p), {})
+        shard_state(p, st, grid_block=qstate.format_options(group).grid_block)
+
+    def grasp_update(self, params: list[Tensor], states: list[dict[str, Tensor]], grads2d: list[Tensor],
+                     block_sums: list[Tensor], **kw: Any) -> None:
+        """grasp4 momentum of one group: sharded parameters through :func:`.grasp_sharded.grasp_update_sharded`
+        (collective), plain ones through the single-process format."""
+        fmt = qstate.get_format("grasp4")
+        split: dict[bool, list[int]] = {True: [], False: []}
+        for j, p in enumerate(params):
+            split[isinstance(p, DTensor)].append(j)
+        per = ("streams", "offsets", "keys")
+        for is_dt, idx in split.items():
+            if not idx:
+                continue
+            sub = {k: ([v[j] for j in idx] if k in per else v) for k, v in kw.items()}
+            args = ([states[j] for j in idx], [grads2d[j] for j in idx], [block_sums[j] for j in idx])
+            if is_dt:
+                grasp_update_sharded([params[j] for j in idx], *args, **sub, group=self.pg)
+            else:
+                fmt.update(*args, **sub)
 
     def add(self, p: DTensor, param_local: Tensor, g2: Tensor, sums: Tensor, group: dict[str, Any]) -> None:
         """Queue the parts of one sharded parameter (``g2``: local NS input rows, ``sums``: their

@@ -13,8 +13,11 @@ rows, and stored as a DTensor with the parameter's mesh, ``Shard(0)`` and the *g
 load (2 -> 1 or 1 -> 2 ranks) without requantizing. (Per-rank plain tensors saved under one key
 are deduplicated by DCP and all but one rank's copy is silently lost.)
 
-``e0m3`` (one fp32 scale per tensor) and ``grasp4`` (power iteration over the whole matrix, tile
-layout across rows) are not row-local; sharded training with them raises ``NotImplementedError``.
+``grasp4`` is not row-local (a power iteration over the whole matrix, a replicated ``R`` factor,
+column maxima per row *tile*); :mod:`.grasp_sharded` updates it with three small collectives, and its
+tensors are stored as ``Shard(0)`` over rows, ``Shard(0)`` over row tiles (``grid_col_max``) or
+``Replicate()`` (``R``): :func:`state_kind`. ``e0m3`` (one fp32 scale per tensor) is not supported
+sharded and raises ``NotImplementedError``.
 """
 
 from __future__ import annotations
@@ -26,7 +29,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from ..quant import grasp as _grasp
 
 __all__ = [
     "SUPPORTED_SHARDED_FORMATS",
@@ -42,8 +47,8 @@ __all__ = [
     "process_group_of",
 ]
 
-#: State formats whose every tensor is row-local (dim 0 = the parameter's rows).
-SUPPORTED_SHARDED_FORMATS = ("fp32", "bf16", "int8", "uint8", "int4")
+#: State formats QMuon can keep for ``Shard(0)`` parameters (the row-local ones and grasp4).
+SUPPORTED_SHARDED_FORMATS = ("fp32", "bf16", "int8", "uint8", "int4", "grasp4")
 
 
 def is_sharded(t: Any) -> bool:
@@ -141,20 +146,42 @@ def process_group_of(p: DTensor) -> dist.ProcessGroup:
     return p.device_mesh.get_group()
 
 
+def state_kind(st: dict[str, Any], key: str) -> str:
+    """How state tensor ``key`` (``ndim >= 1``) splits over row shards: ``"rows"`` (dim 0 = the
+    parameter's rows), ``"tiles"`` (dim 0 = row tiles of ``grid_block`` rows: grasp4's
+    ``grid_col_max``) or ``"replicate"`` (one per matrix: grasp4's ``R`` factor)."""
+    if _grasp.P_CODES in st:
+        if key in (_grasp.R_CODES, _grasp.R_ABSMAX):
+            return "replicate"
+        if key == _grasp.GRID_COL:
+            return "tiles"
+    return "rows"
+
+
 def _wrap(t: Tensor, like: DTensor, global_rows: int) -> DTensor:
     shape = (global_rows, *t.shape[1:])
     stride = torch.empty(shape, device="meta").stride()
     return DTensor.from_local(t, like.device_mesh, [Shard(0)], run_check=False, shape=torch.Size(shape), stride=stride)
 
 
-def shard_state(p: DTensor, st: dict[str, Tensor]) -> None:
+def shard_state(p: DTensor, st: dict[str, Tensor], grid_block: int | None = None) -> None:
     """Wrap the local state tensors of ``p`` (dim 0 = local rows) as ``Shard(0)`` DTensors with
-    the global row count, in place. 0-d tensors (``step``) stay plain: they are identical on
-    every rank, which is what DCP's deduplication of plain tensors assumes."""
+    the global row count, in place. 0-d tensors (``step``, grasp4's ``grid_scale``) stay plain: they
+    are identical on every rank, which is what DCP's deduplication of plain tensors assumes.
+    grasp4 state (``grid_block`` required): ``grid_col_max`` is ``Shard(0)`` over the
+    ``ceil(rows / grid_block)`` row tiles, ``R`` a ``Replicate()`` DTensor (saved once)."""
     rows = int(p.shape[0])
     for k, v in list(st.items()):
         if isinstance(v, Tensor) and not isinstance(v, DTensor) and v.ndim >= 1:
-            st[k] = _wrap(v, p, rows)
+            kind = state_kind(st, k)
+            if kind == "replicate":
+                st[k] = DTensor.from_local(v, p.device_mesh, [Replicate()], run_check=False)
+            elif kind == "tiles":
+                if grid_block is None:
+                    raise TypeError("shard_state: grasp4 state needs grid_block (the group's grid_block option)")
+                st[k] = _wrap(v, p, -(-rows // int(grid_block)))
+            else:
+                st[k] = _wrap(v, p, rows)
 
 
 def local_state(st: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -171,25 +198,30 @@ def localize_loaded_state(st: dict[str, Any], p: DTensor, where: str) -> dict[st
     rank's rows. 0-d tensors and non-tensors pass through.
     """
     lay = row_layout(p)
-    a, b = lay.ranges[lay.rank]
     out: dict[str, Any] = {}
     for k, v in st.items():
+        kind = state_kind(st, k) if isinstance(v, Tensor) and v.ndim >= 1 else "plain"
+        if kind == "replicate":  # grasp4's R: the whole tensor on every rank
+            out[k] = v.full_tensor() if isinstance(v, DTensor) else v
+            continue
+        if kind == "plain":
+            out[k] = v.full_tensor() if isinstance(v, DTensor) else v
+            continue
+        n = int(v.shape[0])
+        if kind == "rows" and n != lay.rows:
+            raise ValueError(
+                f"{where}: {k} has {n} rows but the parameter has {lay.rows}; the checkpoint belongs "
+                "to a different model or parameter order")
+        # rows: this rank's rows; tiles: this rank's row tiles (torch.chunk of the n tiles, which equals
+        # the tiles of its rows when shards start on tile boundaries, see grasp_sharded.check_grasp_layout)
+        a, b = chunk_ranges(n, lay.world)[lay.rank]
         if isinstance(v, DTensor):
-            if v.ndim >= 1 and (v.device_mesh != p.device_mesh or tuple(v.placements) != (Shard(0),)):
-                v = v.redistribute(p.device_mesh, [Shard(0)]) if v.device_mesh == p.device_mesh else v.full_tensor()
-            if isinstance(v, DTensor):
-                if v.ndim >= 1 and int(v.shape[0]) != lay.rows:
-                    raise ValueError(
-                        f"{where}: {k} has {v.shape[0]} rows but the parameter has {lay.rows}; the checkpoint belongs "
-                        "to a different model or parameter order")
-                out[k] = v.to_local() if v.ndim >= 1 else v.full_tensor()
+            if v.device_mesh == p.device_mesh and tuple(v.placements) == (Shard(0),):
+                out[k] = v.to_local()
                 continue
-        if isinstance(v, Tensor) and v.ndim >= 1:
-            if int(v.shape[0]) != lay.rows:
-                raise ValueError(
-                    f"{where}: {k} has {v.shape[0]} rows but the parameter has {lay.rows}; the checkpoint belongs "
-                    "to a different model or parameter order")
-            out[k] = v[a:b]
-        else:
-            out[k] = v
+            if v.device_mesh == p.device_mesh:
+                out[k] = v.redistribute(p.device_mesh, [Shard(0)]).to_local()
+                continue
+            v = v.full_tensor()
+        out[k] = v[a:b]
     return out

@@ -432,8 +432,12 @@ class QMuon(Optimizer):
             torch.empty((g2.shape[0], ref.num_blocks(g2.shape[1], bs)), dtype=torch.float32, device=g2.device)
             for g2 in grads2d
         ]
-        fmt.update(states, grads2d, block_sums, beta=beta, nesterov=nesterov, opts=opts, streams=streams,
-                   offsets=offsets, keys=keys, seed=int(group["seed"]))
+        kw = dict(beta=beta, nesterov=nesterov, opts=opts, streams=streams, offsets=offsets, keys=keys,
+                  seed=int(group["seed"]))
+        if sharded is not None and fmt.name == "grasp4":  # sharded grasp4 needs collectives (whole-matrix QR)
+            sharded.grasp_update(params, states, grads2d, block_sums, **kw)
+        else:
+            fmt.update(states, grads2d, block_sums, **kw)
         lr, wd = float(group["lr"]), float(group["weight_decay"])
         parts = group["parts"]
         for p, g2, sums in zip(params, grads2d, block_sums):
@@ -533,7 +537,7 @@ class QMuon(Optimizer):
         # floating-point parameter to the parameter's dtype, which would turn int8 codes, fp32 scales
         # and bf16 momentum into the parameter's dtype.
         new_groups, new_state = [], dict(saved_state)
-        muon_state: list[tuple[Tensor, dict[str, Any]]] = []
+        muon_state: list[tuple[Tensor, dict[str, Any], dict[str, Any]]] = []
         for gi, (saved, cur) in enumerate(zip(saved_groups, self.param_groups)):
             version = saved.get("qmuon_version", 0)
             if version > FORMAT_VERSION:
@@ -557,18 +561,22 @@ class QMuon(Optimizer):
                         if _is_dtensor(p):  # sharded: validate and convert this rank's rows only
                             from ..distributed.sharding import localize_loaded_state
 
+                            if cur["state_format"] == "grasp4" and qstate.detect_state_format(src) != "grasp4":
+                                raise NotImplementedError(
+                                    f"{where}: converting {qstate.detect_state_format(src)} momentum to grasp4 needs the "
+                                    "whole matrix; load it into a single-process QMuon, save grasp4, then shard")
                             src = localize_loaded_state(src, p, where)
                             like = torch.empty((_local(p).shape[0], *p.shape[1:]), device="meta")
-                        muon_state.append((p, self._convert_muon_state(src, saved, cur, like, where)))
+                        muon_state.append((p, self._convert_muon_state(src, saved, cur, like, where), cur))
                         del new_state[pid]
             new_groups.append(merged)
         super().load_state_dict({"state": new_state, "param_groups": new_groups})
-        for p, st in muon_state:
+        for p, st, cur in muon_state:
             new = {k: v.to(device=p.device, copy=True) if k != "step" else v.clone() for k, v in st.items()}
             if _is_dtensor(p):
                 from ..distributed.sharding import shard_state
 
-                shard_state(p, new)
+                shard_state(p, new, grid_block=qstate.format_options(cur).grid_block)
             self.state[p] = new
 
     @staticmethod
