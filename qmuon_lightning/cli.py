@@ -27,7 +27,6 @@ Built on :class:`lightning.pytorch.cli.LightningCLI`::
 
 from __future__ import annotations
 
-import sys
 import warnings
 from typing import Any
 

@@ -31,7 +31,6 @@ Validation uses ``val_windows`` fixed windows from the validation ranges.
 from __future__ import annotations
 
 import glob
-import hashlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
