@@ -20,6 +20,7 @@ namespace qmuon {
 namespace {
 
 constexpr int kLanes = 16;
+constexpr int64_t kPrefetchBlocks = 4;  // software prefetch distance of the int4 update, in row blocks
 
 int64_t grain_units(int64_t unit) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(unit, 1)); }
 
@@ -65,32 +66,35 @@ inline float unpacked_code(const uint8_t* __restrict p, int64_t i) {
   return nibble_to_code((i & 1) ? (byte >> 4) : (byte & 15u));
 }
 
-// Byte -> (low code, high code) as floats: unpacking is one 8-byte table load per byte.
-struct NibbleLut {
-  alignas(64) float v[256][2];
-  NibbleLut() {
-    for (uint32_t b = 0; b < 256; ++b) {
-      v[b][0] = nibble_to_code(b & 15u);
-      v[b][1] = nibble_to_code(b >> 4);
-    }
-  }
-};
-
-inline const NibbleLut& nibble_lut() {
-  static const NibbleLut lut;
-  return lut;
-}
+// Unpacking and packing go through a byte array of nibbles, one per element, which the packed bytes
+// map to by a widening / narrowing of 16-bit pairs (little-endian: byte j of the packed run holds
+// nibbles 2j and 2j + 1), so every loop is element-wise and g++ vectorizes it.
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
+#error "q4_cpu.cpp assumes a little-endian host (16-bit nibble pairs)"
+#endif
 
 // Codes of elements [0, n) of a run that starts at an even column; p points at its first byte.
 inline void unpack_run(const uint8_t* __restrict p, int64_t n, float* __restrict c) {
-  const NibbleLut& lut = nibble_lut();
-  const int64_t whole = n / 2;
-  for (int64_t j = 0; j < whole; ++j) {
-    const float* e = lut.v[p[j]];
-    c[2 * j] = e[0];
-    c[2 * j + 1] = e[1];
+  alignas(64) uint16_t pairs[kMaxBlockSize / 2];
+  for (int64_t s0 = 0; s0 < n; s0 += kMaxBlockSize) {  // kMaxBlockSize is even: chunks start on a byte
+    const int64_t m = std::min(kMaxBlockSize, n - s0);
+    const int64_t nbytes = (m + 1) / 2;
+    const uint8_t* __restrict ps = p + s0 / 2;
+    for (int64_t j = 0; j < nbytes; ++j) {
+      const uint32_t b = ps[j];
+      pairs[j] = static_cast<uint16_t>((b & 15u) | ((b >> 4) << 8));
+    }
+    const uint8_t* __restrict nib = reinterpret_cast<const uint8_t*>(pairs);  // char access: no aliasing issue
+    float* __restrict cs = c + s0;
+    for (int64_t i = 0; i < m; ++i) cs[i] = nibble_to_code(nib[i]);
   }
-  if (n & 1) c[n - 1] = lut.v[p[whole]][0];
+}
+
+// The same packing for a run of any length held in a byte array with room for n + 1 bytes.
+inline void pack_bytes(uint8_t* __restrict nib, int64_t n, uint8_t* __restrict out) {
+  if (n & 1) nib[n] = 0;
+  const int64_t nbytes = (n + 1) / 2;
+  for (int64_t j = 0; j < nbytes; ++j) out[j] = static_cast<uint8_t>((nib[2 * j] & 15u) | (nib[2 * j + 1] << 4));
 }
 
 // u[i] = uniform noise of element first + i (32-bit counter when the high word is constant).
@@ -105,11 +109,20 @@ inline void fill_noise(float* __restrict u, int64_t n, uint64_t first, uint32_t 
   }
 }
 
+// Nibbles of a run, one byte per element, readable as 16-bit pairs by pack_run.
+struct NibbleRun {
+  alignas(64) uint16_t pairs[kMaxBlockSize / 2 + 1];
+  uint8_t* bytes() { return reinterpret_cast<uint8_t*>(pairs); }
+};
+
 // out[j] = nib[2j] | nib[2j + 1] << 4 (an odd n leaves the last high nibble 0).
-inline void pack_run(const uint32_t* __restrict nib, int64_t n, uint8_t* __restrict out) {
-  const int64_t whole = n / 2;
-  for (int64_t j = 0; j < whole; ++j) out[j] = static_cast<uint8_t>(nib[2 * j] | (nib[2 * j + 1] << 4));
-  if (n & 1) out[whole] = static_cast<uint8_t>(nib[n - 1]);
+inline void pack_run(NibbleRun& run, int64_t n, uint8_t* __restrict out) {
+  if (n & 1) run.bytes()[n] = 0;
+  const int64_t nbytes = (n + 1) / 2;
+  for (int64_t j = 0; j < nbytes; ++j) {
+    const uint32_t w = run.pairs[j];
+    out[j] = static_cast<uint8_t>((w & 15u) | ((w >> 8) << 4));
+  }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -124,7 +137,7 @@ void int4_update_matrix(const qmuon_q4_tensor& t, const MomentumWeights& mw, int
     alignas(64) float m_new[kMaxBlockSize];
     alignas(64) float ns[kMaxBlockSize];
     alignas(64) float u[kMaxBlockSize];
-    alignas(64) uint32_t nib[kMaxBlockSize];
+    NibbleRun nib;
     for (int64_t blk = begin; blk < end; ++blk) {
       const int64_t r = blk / nb;
       const int64_t b = blk - r * nb;
@@ -133,6 +146,16 @@ void int4_update_matrix(const qmuon_q4_tensor& t, const MomentumWeights& mw, int
       uint8_t* __restrict pk = t.packed + r * t.packed_rs + c0 / 2;
       GS* __restrict grad = static_cast<GS*>(t.grad) + r * t.grad_rs + c0;
       float* absmax = static_cast<float*>(t.scales) + r * t.scales_rs + b;
+      {
+        // Software prefetch kPrefetchBlocks ahead, as the 8-bit kernel: the requantize phase below
+        // touches no memory, so keep DRAM busy meanwhile (prefetches never fault).
+        const uintptr_t pg = reinterpret_cast<uintptr_t>(grad) + kPrefetchBlocks * bs * sizeof(GS);
+        const uintptr_t pp = reinterpret_cast<uintptr_t>(pk) + kPrefetchBlocks * bs / 2;
+        for (int64_t off = 0; off < n * static_cast<int64_t>(sizeof(GS)); off += 64) {
+          __builtin_prefetch(reinterpret_cast<const void*>(pg + off), 1);
+        }
+        for (int64_t off = 0; off < n / 2; off += 64) __builtin_prefetch(reinterpret_cast<const void*>(pp + off), 1);
+      }
       const float scale = int4_dequant_scale(*absmax);
       const MomentumWeights w = mw;
       unpack_run(pk, n, m_new);  // codes, overwritten by the new momentum below
@@ -150,8 +173,10 @@ void int4_update_matrix(const qmuon_q4_tensor& t, const MomentumWeights& mw, int
       *absmax = amax;
       const float inv = int4_quant_inv(amax);
       if (STOCHASTIC) fill_noise(u, n, elem_index(t.row_offset, r, t.cols, c0), stream);
+      uint8_t* __restrict nb8 = nib.bytes();
       for (int64_t i = 0; i < n; ++i) {
-        nib[i] = code_to_nibble(round_code4(fmul(m_new[i], inv), STOCHASTIC, STOCHASTIC ? u[i] : 0.0f));
+        nb8[i] = static_cast<uint8_t>(
+            code_to_nibble(round_code4(fmul(m_new[i], inv), STOCHASTIC, STOCHASTIC ? u[i] : 0.0f)));
       }
       pack_run(nib, n, pk);
     }
@@ -171,6 +196,15 @@ inline void e0m3_momentum_unit(const qmuon_q4_tensor& t, const MomentumWeights& 
   const uint8_t* __restrict sc = static_cast<const uint8_t*>(t.scales) + r * t.scales_rs + c0 / kE0M3Block;
   const GS* __restrict grad = static_cast<const GS*>(t.grad) + r * t.grad_rs + c0;
   alignas(64) float step[kMaxBlockSize + kE0M3Block];  // each element's decoded block step (one vector loop below)
+  {
+    // Software prefetch of the units kPrefetchBlocks ahead (same row layout assumed; never faults).
+    const uintptr_t pg = reinterpret_cast<uintptr_t>(grad) + kPrefetchBlocks * n * sizeof(GS);
+    const uintptr_t pp = reinterpret_cast<uintptr_t>(pk) + kPrefetchBlocks * n / 2;
+    for (int64_t off = 0; off < n * static_cast<int64_t>(sizeof(GS)); off += 64) {
+      __builtin_prefetch(reinterpret_cast<const void*>(pg + off), 0);
+    }
+    for (int64_t off = 0; off < n / 2; off += 64) __builtin_prefetch(reinterpret_cast<const void*>(pp + off), 0);
+  }
   unpack_run(pk, n, m_new);
   for (int64_t k = 0; k * kE0M3Block < n; ++k) {
     const float sk = e0m3_step(sc[k], t_old);
@@ -216,7 +250,7 @@ void e0m3_update_matrix(const qmuon_q4_tensor& t, const MomentumWeights& mw, int
     alignas(64) float ns[kMaxBlockSize];
     alignas(64) float u[kMaxBlockSize];
     alignas(64) float step[kMaxBlockSize + kE0M3Block];
-    alignas(64) uint32_t nib[kMaxBlockSize];
+    NibbleRun nib;
     const MomentumWeights w = mw;
     for (int64_t un = begin; un < end; ++un) {
       const int64_t r = un / nu;
@@ -249,8 +283,10 @@ void e0m3_update_matrix(const qmuon_q4_tensor& t, const MomentumWeights& mw, int
         const float sk = e0m3_step(s_bits, t_new);
         for (int i = 0; i < kE0M3Block; ++i) step[k0 + i] = sk;
       }
+      uint8_t* __restrict nb8 = nib.bytes();
       for (int64_t i = 0; i < n; ++i) {
-        nib[i] = code_to_nibble(e0m3_code(m_new[i], step[i], STOCHASTIC, STOCHASTIC ? u[i] : 0.0f));
+        nb8[i] = static_cast<uint8_t>(
+            code_to_nibble(e0m3_code(m_new[i], step[i], STOCHASTIC, STOCHASTIC ? u[i] : 0.0f)));
       }
       pack_run(nib, n, t.packed + r * t.packed_rs + c0 / 2);
     }
@@ -529,7 +565,7 @@ int codec_cpu(const qmuon_codec_args& a) {
       for (int64_t i = 0; i < nbr * cols; ++i) col_dec[i] = fmul(ue4m3_decode(col_bits[i]), t);
       at::parallel_for(0, rows, grain_units(cols), [&](int64_t r0, int64_t r1) {
         std::vector<float> u(static_cast<size_t>(stoch ? cols : 0));
-        std::vector<uint32_t> nib(static_cast<size_t>(cols));
+        std::vector<uint8_t> nib(static_cast<size_t>(cols + 1));
         std::vector<float> rrow(static_cast<size_t>(cols));
         for (int64_t r = r0; r < r1; ++r) {
           const float* xr = x + r * cols;
@@ -543,9 +579,9 @@ int codec_cpu(const qmuon_codec_args& a) {
             const float rv = rrow[c], cv = cd[c];
             // torch.minimum (NaN propagates), as grid_den
             const float den = cv < rv ? cv : (rv != rv ? rv : (cv != cv ? cv : rv));
-            nib[c] = code_to_nibble(grid_code(xr[c], den, stoch, stoch ? u[c] : 0.0f));
+            nib[c] = static_cast<uint8_t>(code_to_nibble(grid_code(xr[c], den, stoch, stoch ? u[c] : 0.0f)));
           }
-          pack_run(nib.data(), cols, pk + r * pc);
+          pack_bytes(nib.data(), cols, pk + r * pc);
         }
       });
       return 0;

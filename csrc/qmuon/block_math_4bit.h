@@ -32,7 +32,8 @@ QMUON_HD uint32_t code_to_nibble(float q) {
 // Nibble -> code as a float; nibble 8 ("-0", never written) decodes to +0 like the reference.
 QMUON_HD float nibble_to_code(uint32_t n) {
   const int32_t mag = static_cast<int32_t>(n & 7u);
-  return static_cast<float>((n & 8u) ? -mag : mag);
+  const int32_t neg = -static_cast<int32_t>((n >> 3) & 1u);  // 0 or -1: branch-free negate (vectorizes)
+  return static_cast<float>((mag ^ neg) - neg);
 }
 
 QMUON_HD uint8_t pack_nibbles(uint32_t lo, uint32_t hi) { return static_cast<uint8_t>(lo | (hi << 4)); }
