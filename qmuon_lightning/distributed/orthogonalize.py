@@ -46,6 +46,7 @@ from ..optim.newton_schulz import NS_BATCH_MAX_ELEMENTS, newton_schulz_folded
 from ..optim.qmuon import adjusted_lr
 from .carrier import CARRIERS, RETURN_CARRIERS, Carrier, get_carrier
 from ..quant import state as qstate
+from .e0m3_sharded import e0m3_update_sharded
 from .grasp_sharded import check_grasp_layout, grasp_update_sharded
 from .sharding import SUPPORTED_SHARDED_FORMATS, RowLayout, check_sharded_param, row_layout, shard_state
 
@@ -128,8 +129,7 @@ class ShardedStep:
                 if group["use_muon"] and group["state_format"] not in SUPPORTED_SHARDED_FORMATS:
                     raise NotImplementedError(
                         f"QMuon: state_format={group['state_format']!r} is not supported for sharded (FSDP2) parameters "
-                        f"({where}): its state is not row-local (e0m3 has one fp32 scale per tensor). Use one of "
-                        f"{', '.join(SUPPORTED_SHARDED_FORMATS)}")
+                        f"({where}). Use one of {', '.join(SUPPORTED_SHARDED_FORMATS)}")
                 if group["use_muon"] and group["state_format"] == "grasp4":
                     check_grasp_layout(p, qstate.format_options(group), where)  # before any state changes
                 self._group_of[id(p)] = group
@@ -193,11 +193,15 @@ class ShardedStep:
         group = self._group_of.get(id(p), {})
         shard_state(p, st, grid_block=qstate.format_options(group).grid_block)
 
-    def grasp_update(self, params: list[Tensor], states: list[dict[str, Tensor]], grads2d: list[Tensor],
-                     block_sums: list[Tensor], **kw: Any) -> None:
-        """grasp4 momentum of one group: sharded parameters through :func:`.grasp_sharded.grasp_update_sharded`
+    #: formats whose sharded momentum update needs collectives (QMuon hands them to :meth:`format_update`)
+    COLLECTIVE_FORMATS = ("grasp4", "e0m3")
+
+    def format_update(self, name: str, params: list[Tensor], states: list[dict[str, Tensor]], grads2d: list[Tensor],
+                      block_sums: list[Tensor], **kw: Any) -> None:
+        """The momentum update of one group in a :attr:`COLLECTIVE_FORMATS` format: sharded parameters
+        through :func:`.grasp_sharded.grasp_update_sharded` / :func:`.e0m3_sharded.e0m3_update_sharded`
         (collective), plain ones through the single-process format."""
-        fmt = qstate.get_format("grasp4")
+        fmt = qstate.get_format(name)
         split: dict[bool, list[int]] = {True: [], False: []}
         for j, p in enumerate(params):
             split[isinstance(p, DTensor)].append(j)
@@ -207,8 +211,10 @@ class ShardedStep:
                 continue
             sub = {k: ([v[j] for j in idx] if k in per else v) for k, v in kw.items()}
             args = ([states[j] for j in idx], [grads2d[j] for j in idx], [block_sums[j] for j in idx])
-            if is_dt:
+            if is_dt and name == "grasp4":
                 grasp_update_sharded([params[j] for j in idx], *args, **sub, group=self.pg)
+            elif is_dt:
+                e0m3_update_sharded(*args, **sub, group=self.pg)
             else:
                 fmt.update(*args, **sub)
 

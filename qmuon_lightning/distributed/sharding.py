@@ -16,8 +16,8 @@ are deduplicated by DCP and all but one rank's copy is silently lost.)
 ``grasp4`` is not row-local (a power iteration over the whole matrix, a replicated ``R`` factor,
 column maxima per row *tile*); :mod:`.grasp_sharded` updates it with three small collectives, and its
 tensors are stored as ``Shard(0)`` over rows, ``Shard(0)`` over row tiles (``grid_col_max``) or
-``Replicate()`` (``R``): :func:`state_kind`. ``e0m3`` (one fp32 scale per tensor) is not supported
-sharded and raises ``NotImplementedError``.
+``Replicate()`` (``R``): :func:`state_kind`. ``e0m3`` is row-local apart from its 0-d tensor scale
+(a plain tensor, identical on every rank after a MAX all-reduce: :mod:`.e0m3_sharded`).
 """
 
 from __future__ import annotations
@@ -47,8 +47,8 @@ __all__ = [
     "process_group_of",
 ]
 
-#: State formats QMuon can keep for ``Shard(0)`` parameters (the row-local ones and grasp4).
-SUPPORTED_SHARDED_FORMATS = ("fp32", "bf16", "int8", "uint8", "int4", "grasp4")
+#: State formats QMuon can keep for ``Shard(0)`` parameters (the row-local ones, grasp4 and e0m3).
+SUPPORTED_SHARDED_FORMATS = ("fp32", "bf16", "int8", "uint8", "int4", "grasp4", "e0m3")
 
 
 def is_sharded(t: Any) -> bool:

@@ -434,8 +434,8 @@ class QMuon(Optimizer):
         ]
         kw = dict(beta=beta, nesterov=nesterov, opts=opts, streams=streams, offsets=offsets, keys=keys,
                   seed=int(group["seed"]))
-        if sharded is not None and fmt.name == "grasp4":  # sharded grasp4 needs collectives (whole-matrix QR)
-            sharded.grasp_update(params, states, grads2d, block_sums, **kw)
+        if sharded is not None and fmt.name in sharded.COLLECTIVE_FORMATS:  # grasp4 / e0m3: whole-matrix pieces
+            sharded.format_update(fmt.name, params, states, grads2d, block_sums, **kw)
         else:
             fmt.update(states, grads2d, block_sums, **kw)
         lr, wd = float(group["lr"]), float(group["weight_decay"])
@@ -561,10 +561,11 @@ class QMuon(Optimizer):
                         if _is_dtensor(p):  # sharded: validate and convert this rank's rows only
                             from ..distributed.sharding import localize_loaded_state
 
-                            if cur["state_format"] == "grasp4" and qstate.detect_state_format(src) != "grasp4":
+                            found = qstate.detect_state_format(src)
+                            if cur["state_format"] in ("grasp4", "e0m3") and found != cur["state_format"]:
                                 raise NotImplementedError(
-                                    f"{where}: converting {qstate.detect_state_format(src)} momentum to grasp4 needs the "
-                                    "whole matrix; load it into a single-process QMuon, save grasp4, then shard")
+                                    f"{where}: converting {found} momentum to {cur['state_format']} needs the whole "
+                                    f"matrix; load it into a single-process QMuon, save {cur['state_format']}, then shard")
                             src = localize_loaded_state(src, p, where)
                             like = torch.empty((_local(p).shape[0], *p.shape[1:]), device="meta")
                         muon_state.append((p, self._convert_muon_state(src, saved, cur, like, where), cur))
