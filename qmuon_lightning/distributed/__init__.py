@@ -9,11 +9,14 @@ Nothing here needs to be called by hand: after ``fully_shard(model)``, ``QMuon(.
   rows with compact carriers (:mod:`.orthogonalize`, :mod:`.carrier`);
 * report bytes moved per step in ``opt.comm_stats`` / ``opt.comm_bytes_last_step``.
 
-:mod:`.checkpoint` gathers / scatters a consolidated (full) optimizer state dict.
+:mod:`.checkpoint` gathers / scatters a consolidated (full) optimizer state dict. grasp4 and e0m3
+momentum, which have per-matrix pieces, are updated with a few small collectives
+(:mod:`.grasp_sharded`, :mod:`.e0m3_sharded`).
 """
 
 from .carrier import CARRIERS, RETURN_CARRIERS, get_carrier
 from .checkpoint import full_state_dict, load_full_state_dict
+from .grasp_sharded import check_grasp_layout
 from .orthogonalize import ShardedStep, plan_owners
 from .sharding import SUPPORTED_SHARDED_FORMATS, RowLayout, global_row_offset, row_layout
 
@@ -23,6 +26,7 @@ __all__ = [
     "SUPPORTED_SHARDED_FORMATS",
     "RowLayout",
     "ShardedStep",
+    "check_grasp_layout",
     "full_state_dict",
     "get_carrier",
     "global_row_offset",

@@ -31,7 +31,8 @@ Sharding: P's rows, the residual codes and ``grid_row_max`` go with the weight's
 ``grid_scale`` is a per-matrix max (MAX all-reduce). R (and Q)
 are per matrix: under row sharding ``R = M^T P`` is a sum over the shards and needs an all-reduce
 (SUM), and the QR of the row-sharded ``M Q`` needs a distributed (TSQR or Cholesky-QR) step.
-This module implements the single-process case.
+This module implements the single-process case; the row-sharded one (all-gathered ``M Q`` for the
+QR, all-reduced ``R`` and ``grid_scale``) is :mod:`qmuon_lightning.distributed.grasp_sharded`.
 
 Defaults (``rank=4``, ``grid_block=32``) and why
 ------------------------------------------------
