@@ -35,7 +35,6 @@ buffer holding every parameter's piece):
 
 from __future__ import annotations
 
-from typing import Any
 
 import torch
 import torch.distributed as dist

@@ -32,7 +32,6 @@ Bytes: :attr:`QMuon.comm_stats` after each step (see :meth:`ShardedStep.finish`)
 
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
