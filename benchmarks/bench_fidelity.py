@@ -263,8 +263,9 @@ def render(cfg: dict, rows: list[dict], train_bytes: int, extra: dict | None = N
         "The torch.optim.Muon run is not like-for-like: it orthogonalizes the fused qkv / gate_up matrices whole "
         "(and scales their lr by sqrt(rows / cols) as one matrix) where QMuon works part by part, and its AdamW "
         "group decays the norm gains too; QMuon fp32 is the reference for the quantized formats. Update cosine: "
-        "mean over Muon layers of the per-layer cosine between the variant's update and the fp32-state, bf16-input "
-        f"Muon update, on {cfg['cos_steps']} gradient steps of the trained torch-Muon model (first 3 skipped). "
+        + ("mean over Muon layers of the per-layer cosine between the variant's update and the fp32-state, bf16-input "
+           f"Muon update, on {cfg['cos_steps']} gradient steps of the trained torch-Muon model (first 3 skipped). "
+           if cfg["cos_steps"] > 0 else "not computed in this run (--cos-steps 0). ") +
         "The 4-bit formats and the MXFP8 carrier run pure-PyTorch code (no compiled kernels).",
     ]
     if carrier:
@@ -285,18 +286,19 @@ def plot(out: Path, curves: dict[str, dict], cfg: dict, name: str = "fidelity") 
         return
     fig, (a1, a2, a3) = plt.subplots(1, 3, figsize=(17, 4.8))
     ref = curves.get("qmuon:fp32")
+    colors = {kind: f"C{i % 10}" for i, kind in enumerate(curves)}
     for kind, c in curves.items():
         k = 25
         tr = c["train"]
         sm = [sum(tr[max(0, i - k + 1): i + 1]) / len(tr[max(0, i - k + 1): i + 1]) for i in range(len(tr))]
         style = "--" if kind.endswith(":mxfp8") else "-"
-        a1.plot(sm, style, label=kind, lw=1.2)
+        a1.plot(sm, style, label=kind, lw=1.2, color=colors[kind])
         steps, vals = zip(*c["val"])
-        a2.plot(steps, vals, style, marker="o", ms=3, label=kind)
+        a2.plot(steps, vals, style, marker="o", ms=3, label=kind, color=colors[kind])
         if ref and kind not in ("adamw", "torch-muon"):
             rv = dict(map(tuple, ref["val"]))
             a3.plot(steps, [100 * (v - rv[s]) / rv[s] for s, v in zip(steps, vals)], style, marker="o", ms=3,
-                    label=kind)
+                    label=kind, color=colors[kind])
     a1.set(title=f"train loss ({25}-step mean)", xlabel="step", ylabel="loss (nats / byte)")
     finals = [c["val"][-1][1] for c in curves.values()]
     lo, hi = min(min(v for _, v in c["val"]) for c in curves.values()), max(finals)
