@@ -266,7 +266,8 @@ def render(cfg: dict, rows: list[dict], train_bytes: int, extra: dict | None = N
         + ("mean over Muon layers of the per-layer cosine between the variant's update and the fp32-state, bf16-input "
            f"Muon update, on {cfg['cos_steps']} gradient steps of the trained torch-Muon model (first 3 skipped). "
            if cfg["cos_steps"] > 0 else "not computed in this run (--cos-steps 0). ") +
-        "The 4-bit formats and the MXFP8 carrier run pure-PyTorch code (no compiled kernels).",
+        "Momentum updates and codecs go through `torch.ops.qmuon` (compiled kernels when the extension is built); "
+        "GRASP's power iteration / QR and the MXFP8 codec are pure PyTorch.",
     ]
     if carrier:
         lines += ["", "MXFP8 carrier alone (same gradients, fp32 momentum, NS input MXFP8 vs bf16): update cosine vs "
