@@ -13,38 +13,19 @@
 #include <cstdint>
 #include <vector>
 
+#include "cpu/block_reduce_cpu.h"
 #include "qmuon/block_math_4bit.h"
 #include "qmuon/kernels.h"
 
 namespace qmuon {
 namespace {
 
-constexpr int kLanes = 16;
+using cpu::absmax_bits;
+using cpu::kLanes;
+using cpu::sum_squares;
 constexpr int64_t kPrefetchBlocks = 4;  // software prefetch distance of the int4 update, in row blocks
 
 int64_t grain_units(int64_t unit) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(unit, 1)); }
-
-inline float sum_squares(const float* __restrict x, int64_t n) {
-  float acc[kLanes] = {};
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) {
-    for (int j = 0; j < kLanes; ++j) acc[j] = fadd(acc[j], fmul(x[i + j], x[i + j]));
-  }
-  for (int j = 0; i + j < n; ++j) acc[j] = fadd(acc[j], fmul(x[i + j], x[i + j]));
-  for (int w = kLanes / 2; w > 0; w /= 2) {
-    for (int j = 0; j < w; ++j) acc[j] = fadd(acc[j], acc[j + w]);
-  }
-  return acc[0];
-}
-
-inline uint32_t absmax_bits(const float* __restrict x, int64_t n) {
-  uint32_t m = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    const uint32_t b = abs_bits(x[i]);
-    m = b > m ? b : m;
-  }
-  return m;
-}
 
 inline uint64_t elem_index(int64_t row_offset, int64_t r, int64_t cols, int64_t c) {
   return static_cast<uint64_t>(row_offset + r) * static_cast<uint64_t>(cols) + static_cast<uint64_t>(c);

@@ -6,40 +6,21 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "cpu/block_reduce_cpu.h"
 #include "qmuon/block_math.h"
 #include "qmuon/kernels.h"
 
 namespace qmuon {
 namespace {
 
-constexpr int kLanes = 16;  // independent fp32 accumulators of a block's sum of squares
+using cpu::kLanes;
+using cpu::sum_squares;
 constexpr int64_t kPrefetchBlocks = 4;  // software prefetch distance of the update, in row blocks
 
 // Work per parallel_for chunk: ~32K elements.
 int64_t grain_blocks(int64_t block_size) { return std::max<int64_t>(1, 32768 / block_size); }
 
-// Sum of squares of x[0:n] with kLanes interleaved partial sums combined pairwise.
-inline float sum_squares(const float* __restrict x, int64_t n) {
-  float acc[kLanes] = {};
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) {
-    for (int j = 0; j < kLanes; ++j) acc[j] = fadd(acc[j], fmul(x[i + j], x[i + j]));
-  }
-  for (int j = 0; i + j < n; ++j) acc[j] = fadd(acc[j], fmul(x[i + j], x[i + j]));
-  for (int w = kLanes / 2; w > 0; w /= 2) {
-    for (int j = 0; j < w; ++j) acc[j] = fadd(acc[j], acc[j + w]);
-  }
-  return acc[0];
-}
-
-inline float absmax_of(const float* __restrict x, int64_t n) {
-  uint32_t m = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    const uint32_t b = abs_bits(x[i]);
-    m = b > m ? b : m;
-  }
-  return bits_f32(m);
-}
+inline float absmax_of(const float* __restrict x, int64_t n) { return bits_f32(cpu::absmax_bits(x, n)); }
 
 template <typename CodeT, bool STOCHASTIC>
 inline void quantize_block(const float* __restrict x, CodeT* __restrict codes, int64_t n, float inv,

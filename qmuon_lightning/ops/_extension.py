@@ -81,7 +81,7 @@ _CODE_DTYPES = (torch.int8, torch.uint8)
 
 _CPU_SOURCES = ("binding.cpp", "cpu/q8_cpu.cpp", "cpu/q4_cpu.cpp")
 _CUDA_SOURCES = ("binding_cuda.cpp", "cuda/q8_cuda.cu", "cuda/q4_cuda.cu")
-_HEADERS = ("binding_common.h", "binding_4bit.h", "qmuon/block_math.h", "qmuon/block_math_4bit.h", "qmuon/kernels.h")
+_HEADERS = ("binding_common.h", "binding_4bit.h", "cpu/block_reduce_cpu.h", "qmuon/block_math.h", "qmuon/block_math_4bit.h", "qmuon/kernels.h")
 
 
 @dataclass(frozen=True)
