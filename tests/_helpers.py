@@ -83,3 +83,34 @@ def momentum_fp32(opt, p) -> torch.Tensor:
 
     group = next(g for g in opt.param_groups if any(q is p for q in g["params"]))
     return dequantize_momentum(opt.state[p], opts=format_options(group), cols=p.numel() // p.shape[0])
+
+
+# ----------------------------------------------------------------------------- kernel comparisons
+def sumsq_rtol(block_size: int) -> float:
+    """Tolerance of a per-block sum of squares, kernel vs reference: both add ``n <= block_size``
+    non-negative fp32 squares in different orders; each is within ``(n - 1) * 2**-24`` (relative) of
+    the exact sum, so they differ by at most ``2 * block_size * 2**-24``."""
+    return 2.0 * block_size * 2.0**-24
+
+
+def float_bits(t: torch.Tensor) -> torch.Tensor:
+    """Integer view of a float tensor's bits, so equality is bitwise (NaN- and -0-aware)."""
+    t = t.contiguous()
+    if not t.is_floating_point():
+        return t
+    return t.view({8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}[t.element_size()])
+
+
+def assert_bits_equal(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
+    """Same shape, dtype and bits (on CPU), with the first differing elements in the message."""
+    a, b = a.cpu(), b.cpu()
+    assert a.shape == b.shape and a.dtype == b.dtype, f"{what}: {a.shape}/{a.dtype} vs {b.shape}/{b.dtype}"
+    eq = float_bits(a) == float_bits(b)
+    if not bool(eq.all()):
+        idx = (~eq).nonzero()[:5].tolist()
+        raise AssertionError(f"{what}: {int((~eq).sum())} of {eq.numel()} elements differ, first at {idx}: "
+                             f"{[a[tuple(i)].item() for i in idx]} vs {[b[tuple(i)].item() for i in idx]}")
+
+
+def assert_sumsq_close(a: torch.Tensor, b: torch.Tensor, block_size: int) -> None:
+    torch.testing.assert_close(a.cpu(), b.cpu(), rtol=sumsq_rtol(block_size), atol=1e-30, equal_nan=True)

@@ -1,7 +1,7 @@
 """Compiled kernels (csrc/) against the pure-PyTorch reference (qmuon_lightning/ops/reference.py).
 
 Contract: identical codes, absmax and grad (Newton-Schulz input) bits; per-block sums of squares
-equal up to fp32 summation order, i.e. within ``SUMSQ_RTOL(block_size)`` relative error (both sides
+equal up to fp32 summation order, i.e. within ``sumsq_rtol(block_size)`` relative error (both sides
 sum ``block_size`` non-negative fp32 squares; each sum is within ``(n - 1) * 2**-24`` of the exact
 one, so they differ by at most ``2 * block_size * 2**-24`` relatively).
 
@@ -22,6 +22,7 @@ import pytest
 import torch
 
 import qmuon_lightning.ops as qops
+from _helpers import assert_bits_equal, assert_sumsq_close
 from qmuon_lightning.ops import _extension
 from qmuon_lightning.ops import reference as ref
 
@@ -30,10 +31,6 @@ SHAPES = [(1, 1), (3, 5), (37, 300), (129, 513)]
 GRAD_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 CODE_DTYPES = [torch.int8, torch.uint8]
 BLOCK_SIZES = [32, 128, 256]
-
-
-def SUMSQ_RTOL(block_size: int) -> float:  # noqa: N802 - reads like the constant it is
-    return 2.0 * block_size * 2.0**-24
 
 
 @pytest.fixture(scope="module")
@@ -47,27 +44,6 @@ def ext():
 # ---------------------------------------------------------------------------------------------
 # helpers
 # ---------------------------------------------------------------------------------------------
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    """Integer view of a float tensor's bits, so equality is bitwise (NaN- and -0-aware)."""
-    t = t.contiguous()
-    if not t.is_floating_point():
-        return t
-    return t.view({8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}[t.element_size()])
-
-
-def assert_bits_equal(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
-    assert a.shape == b.shape and a.dtype == b.dtype, f"{what}: {a.shape}/{a.dtype} vs {b.shape}/{b.dtype}"
-    eq = _bits(a) == _bits(b)
-    if not bool(eq.all()):
-        idx = (~eq).nonzero()[:5].tolist()
-        raise AssertionError(f"{what}: {int((~eq).sum())} of {eq.numel()} elements differ, first at {idx}: "
-                             f"{[a[tuple(i)].item() for i in idx]} vs {[b[tuple(i)].item() for i in idx]}")
-
-
-def assert_sumsq_close(a: torch.Tensor, b: torch.Tensor, block_size: int) -> None:
-    torch.testing.assert_close(a, b, rtol=SUMSQ_RTOL(block_size), atol=1e-30, equal_nan=True)
-
-
 def make_state(rows, cols, code_dtype, block_size, device="cpu", seed=0):
     """A non-trivial 8-bit state: the quantized form of a random momentum with row-varying scale."""
     gen = torch.Generator().manual_seed(seed)

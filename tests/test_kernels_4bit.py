@@ -20,6 +20,7 @@ import os
 import pytest
 import torch
 
+from _helpers import assert_bits_equal, assert_sumsq_close
 from qmuon_lightning.ops import _extension
 from qmuon_lightning.ops import reference as ref
 from qmuon_lightning.ops import reference_4bit as ref4
@@ -27,10 +28,6 @@ from qmuon_lightning.ops import reference_4bit as ref4
 SHAPES = [(1, 1), (1, 2), (3, 5), (2, 17), (37, 300), (65, 513)]
 GRAD_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 STREAM = ref.noise_stream(1234, 7, 3)
-
-
-def SUMSQ_RTOL(block_size: int) -> float:  # noqa: N802
-    return 2.0 * block_size * 2.0**-24
 
 
 @pytest.fixture(scope="module")
@@ -44,27 +41,6 @@ def ext():
 # ---------------------------------------------------------------------------------------------
 # helpers
 # ---------------------------------------------------------------------------------------------
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    t = t.contiguous()
-    if not t.is_floating_point():
-        return t
-    return t.view({8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}[t.element_size()])
-
-
-def assert_bits_equal(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
-    a, b = a.cpu(), b.cpu()
-    assert a.shape == b.shape and a.dtype == b.dtype, f"{what}: {a.shape}/{a.dtype} vs {b.shape}/{b.dtype}"
-    eq = _bits(a) == _bits(b)
-    if not bool(eq.all()):
-        idx = (~eq).nonzero()[:5].tolist()
-        raise AssertionError(f"{what}: {int((~eq).sum())} of {eq.numel()} elements differ, first at {idx}: "
-                             f"{[a[tuple(i)].item() for i in idx]} vs {[b[tuple(i)].item() for i in idx]}")
-
-
-def assert_sumsq_close(a: torch.Tensor, b: torch.Tensor, block_size: int) -> None:
-    torch.testing.assert_close(a.cpu(), b.cpu(), rtol=SUMSQ_RTOL(block_size), atol=1e-30, equal_nan=True)
-
-
 def momentum(rows, cols, seed=0, device="cpu"):
     """A momentum with row-varying scale (1e-4 .. 3): block scales of very different sizes."""
     gen = torch.Generator().manual_seed(seed)
