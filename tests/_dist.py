@@ -86,3 +86,42 @@ def run_workers(fn: Callable[..., Any], world_size: int = 2, timeout: float = 15
         return [torch.load(os.path.join(tmp, f"result{r}.pt"), weights_only=False) for r in range(world_size)]
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+# ----------------------------------------------------------------------------- DTensor test utilities
+def set_grads(net: "torch.nn.Module", grads: dict[str, torch.Tensor], sharded: bool) -> None:
+    """Give every parameter of ``net`` the *full* gradient ``grads[name]`` (``None`` if absent): as
+    is for plain parameters; for FSDP2 ``Shard(0)`` parameters, this rank's rows (``torch.chunk``
+    split, as FSDP2 shards: ceil(rows / world) rows per rank, trailing ranks possibly empty)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    for n, p in net.named_parameters():
+        if n not in grads:
+            p.grad = None
+            continue
+        g = grads[n]
+        if sharded:
+            mesh = p.device_mesh
+            rows, world, rank = g.shape[0], mesh.size(), mesh.get_local_rank()
+            chunk = -(-rows // world)
+            a = min(rank * chunk, rows)
+            b = min(a + chunk, rows)
+            p.grad = DTensor.from_local(g[a:b].clone(), mesh, [Shard(0)], run_check=False, shape=g.shape,
+                                        stride=g.stride())
+        else:
+            p.grad = g.clone()
+
+
+def full_copy(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor (gathered if it is a DTensor), detached and cloned."""
+    from torch.distributed.tensor import DTensor
+
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+
+
+def local_copy(t: torch.Tensor) -> torch.Tensor:
+    """This rank's rows, detached and cloned (tests return shards and join them in the pytest
+    process: no gather collectives, which are slow on an oversubscribed machine)."""
+    from torch.distributed.tensor import DTensor
+
+    return (t.to_local() if isinstance(t, DTensor) else t).detach().clone()

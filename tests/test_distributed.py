@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 import torch.multiprocessing as mp
-from _dist import run_workers
+from _dist import full_copy, local_copy, run_workers, set_grads
 
 STEPS = 4
 
@@ -80,39 +80,6 @@ def _shard(net: nn.Module, mesh) -> None:
     fully_shard(net, mesh=mesh)
 
 
-def _set_grads(net: nn.Module, grads: dict[str, torch.Tensor], sharded: bool) -> None:
-    from torch.distributed.tensor import DTensor, Shard
-
-    for n, p in net.named_parameters():
-        if n not in grads:
-            p.grad = None
-            continue
-        g = grads[n]
-        if sharded:
-            mesh = p.device_mesh
-            rows, world, rank = g.shape[0], mesh.size(), mesh.get_local_rank()
-            chunk = -(-rows // world)
-            a = min(rank * chunk, rows)
-            b = min(a + chunk, rows)
-            p.grad = DTensor.from_local(g[a:b].clone(), mesh, [Shard(0)], run_check=False, shape=g.shape, stride=g.stride())
-        else:
-            p.grad = g.clone()
-
-
-def _full(t):
-    from torch.distributed.tensor import DTensor
-
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
-def _loc(t):
-    """This rank's rows, cloned (the direct scenario returns shards and the test process
-    concatenates them: no gather collectives, which are slow on an oversubscribed machine)."""
-    from torch.distributed.tensor import DTensor
-
-    return (t.to_local() if isinstance(t, DTensor) else t).detach().clone()
-
-
 def _merge_shards(per_rank: list):
     """Concatenate rank-local results along dim 0 (dicts recursively; 0-d tensors from rank 0)."""
     first = per_rank[0]
@@ -141,18 +108,18 @@ def _worker_direct(rank: int, world: int, configs: list[dict]) -> dict:
         stats = []
         for s in range(STEPS):
             grads = _grads(ref, s)
-            _set_grads(ref, grads, False)
-            _set_grads(net, grads, True)
+            set_grads(ref, grads, False)
+            set_grads(net, grads, True)
             opt_ref.step()
             opt.step()
             stats.append(dict(opt.comm_stats, comm_bytes_last_step=opt.comm_bytes_last_step))
-        res = {"params": {n: _loc(p) for n, p in net.named_parameters()},
+        res = {"params": {n: local_copy(p) for n, p in net.named_parameters()},
                "ref_params": {n: p.detach().clone() for n, p in ref.named_parameters()},
                "stats": stats}
         st = {}
         for n in ("a", "b", "c", "qkv"):
             p = getattr(net, n)
-            st[n] = {k: _loc(v) for k, v in opt.state[p].items()}
+            st[n] = {k: local_copy(v) for k, v in opt.state[p].items()}
             st["ref_" + n] = {k: v.clone() for k, v in opt_ref.state[getattr(ref, n)].items()}
         res["state"] = st
         res["dtensor_state"] = all(type(v).__name__ == "DTensor" for k, v in opt.state[net.b].items() if k != "step")
@@ -206,7 +173,7 @@ def _train_steps(model, opt, steps, rank, world, grads_out=None):
         x, y = _batch(s, rank, world)
         model.loss(x, y).backward()
         if grads_out is not None and not grads_out:
-            grads_out.update({n: _full(p.grad).clone() for n, p in model.named_parameters()})
+            grads_out.update({n: full_copy(p.grad).clone() for n, p in model.named_parameters()})
         opt.step()
         opt.zero_grad(set_to_none=True)
 
@@ -230,7 +197,7 @@ def _dcp_load(model, opt, path, no_dist: bool = False):
 
 
 def _full_params(model):
-    return {n: _full(p).detach().clone() for n, p in model.named_parameters()}
+    return {n: full_copy(p).detach().clone() for n, p in model.named_parameters()}
 
 
 def _worker_train(rank: int, world: int, root: str, load_from: str | None, comm: dict) -> dict:
@@ -324,24 +291,24 @@ def _worker_collective_skips(mesh, rank: int) -> dict:
     net = _Net()
     _shard(net, mesh)
     opt = ql.QMuon(_groups(net), lr=0.02)
-    before = {n: _loc(p) for n, p in net.named_parameters()}
+    before = {n: local_copy(p) for n, p in net.named_parameters()}
     grads = _grads(net, 0)
     grads["b"][4, 7] = float("nan")  # row 4 lives on rank 1
-    _set_grads(net, grads, True)
+    set_grads(net, grads, True)
     if rank == 1:
         net.a.grad = None  # rank 0 has a gradient for `a`, rank 1 does not: it counts as zeros
     opt.step()
-    after = {n: _loc(p) for n, p in net.named_parameters()}
+    after = {n: local_copy(p) for n, p in net.named_parameters()}
     out = {"skips": opt.nonfinite_skips, "b_unchanged": torch.equal(before["b"], after["b"]),
            "a_changed": not torch.equal(before["a"], after["a"]), "b_state": net.b in opt.state}
     opt_raise = ql.QMuon(_groups(net), lr=0.02, nonfinite="raise")
-    _set_grads(net, grads, True)
+    set_grads(net, grads, True)
     try:
         opt_raise.step()
         out["raised"] = ""
     except FloatingPointError as e:
         out["raised"] = str(e)
-    out["unchanged_after_raise"] = all(torch.equal(after[n], _loc(p)) for n, p in net.named_parameters())
+    out["unchanged_after_raise"] = all(torch.equal(after[n], local_copy(p)) for n, p in net.named_parameters())
     return out
 
 

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 import torch.multiprocessing as mp
-from _dist import run_workers
+from _dist import full_copy, local_copy, run_workers, set_grads
 
 STEPS = 3
 
@@ -49,35 +49,6 @@ def _grads(net, step):
         low = torch.randn(rows, 2, generator=g) @ torch.randn(2, cols, generator=g)
         out[n] = ((low + 0.3 * torch.randn(rows, cols, generator=g)) * 1e-2).view(p.shape)
     return out
-
-
-def _set_grads(net, grads, sharded):
-    from torch.distributed.tensor import DTensor, Shard
-
-    for n, p in net.named_parameters():
-        g = grads[n]
-        if sharded:
-            mesh = p.device_mesh
-            rows, world, rank = g.shape[0], mesh.size(), mesh.get_local_rank()
-            chunk = -(-rows // world)
-            a = min(rank * chunk, rows)
-            b = min(a + chunk, rows)
-            p.grad = DTensor.from_local(g[a:b].clone(), mesh, [Shard(0)], run_check=False, shape=g.shape,
-                                        stride=g.stride())
-        else:
-            p.grad = g.clone()
-
-
-def _full(t):
-    from torch.distributed.tensor import DTensor
-
-    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
-
-
-def _local(t):
-    from torch.distributed.tensor import DTensor
-
-    return (t.to_local() if isinstance(t, DTensor) else t).detach().clone()
 
 
 def _sharded(mesh, state_format="grasp4", **kw):
@@ -116,47 +87,47 @@ def _worker(rank: int, world: int, root: str) -> dict:
     net, opt = _sharded(mesh)
     for s in range(STEPS):
         grads = _grads(ref, s)
-        _set_grads(ref, grads, False)
-        _set_grads(net, grads, True)
+        set_grads(ref, grads, False)
+        set_grads(net, grads, True)
         opt_ref.step()
         opt.step()
-    out["params"] = {n: _full(p) for n, p in net.named_parameters()}
+    out["params"] = {n: full_copy(p) for n, p in net.named_parameters()}
     out["ref_params"] = {n: p.detach().clone() for n, p in ref.named_parameters()}
-    out["state"] = {n: {k: _full(v) for k, v in opt.state[getattr(net, n)].items()} for n in ("a", "b", "conv")}
+    out["state"] = {n: {k: full_copy(v) for k, v in opt.state[getattr(net, n)].items()} for n in ("a", "b", "conv")}
     out["ref_state"] = {n: {k: v.clone() for k, v in opt_ref.state[getattr(ref, n)].items()} for n in ("a", "b", "conv")}
-    out["local_r"] = _local(opt.state[net.a]["grasp_r_codes"])
+    out["local_r"] = local_copy(opt.state[net.a]["grasp_r_codes"])
     out["grid_scale"] = opt.state[net.a]["grid_scale"].clone()
     out["placements"] = {k: str(getattr(v, "placements", None)) for k, v in opt.state[net.a].items()}
     # --- DCP checkpoint after STEPS steps, continue 2 steps; a fresh optimizer loads it and continues
     path = os.path.join(root, "w2")
     _dcp(net, opt, path, load=False)
     out["saved_full"] = full_state_dict(opt)
-    out["saved_params"] = {n: _full(p) for n, p in net.named_parameters()}
+    out["saved_params"] = {n: full_copy(p) for n, p in net.named_parameters()}
     for s in range(STEPS, STEPS + 2):
-        _set_grads(net, _grads(ref, s), True)
+        set_grads(net, _grads(ref, s), True)
         opt.step()
-    out["cont_params"] = {n: _full(p) for n, p in net.named_parameters()}
+    out["cont_params"] = {n: full_copy(p) for n, p in net.named_parameters()}
     net2, opt2 = _sharded(mesh)
     _dcp(net2, opt2, path, load=True)
     out["loaded_full"] = full_state_dict(opt2)
     for s in range(STEPS, STEPS + 2):
-        _set_grads(net2, _grads(ref, s), True)
+        set_grads(net2, _grads(ref, s), True)
         opt2.step()
-    out["resume_params"] = {n: _full(p) for n, p in net2.named_parameters()}
+    out["resume_params"] = {n: full_copy(p) for n, p in net2.named_parameters()}
     # --- shards that do not start on a tile boundary: 96 rows -> 48 + 48, grid_block 32
     bad = nn.Linear(40, 96, bias=False)
     from torch.distributed.fsdp import fully_shard
 
     fully_shard(bad, mesh=mesh)
     opt_bad = ql.QMuon([{"params": [bad.weight], "param_names": ["w"]}], state_format="grasp4")
-    before = _local(bad.weight)
+    before = local_copy(bad.weight)
     bad.weight.grad = torch.ones_like(bad.weight)
     try:
         opt_bad.step()
         out["unaligned"] = "no error"
     except ValueError as e:
         out["unaligned"] = str(e)
-    out["unaligned_unchanged"] = torch.equal(before, _local(bad.weight)) and not opt_bad.state
+    out["unaligned_unchanged"] = torch.equal(before, local_copy(bad.weight)) and not opt_bad.state
     # --- the consolidated grasp4 state loads onto 2 ranks (plain full tensors sliced per rank)
     from qmuon_lightning.distributed import load_full_state_dict
 
@@ -167,9 +138,9 @@ def _worker(rank: int, world: int, root: str) -> dict:
     load_full_state_dict(opt3, copy.deepcopy(out["saved_full"]))  # torch's AdamW load aliases state tensors
     out["consolidated_loaded"] = full_state_dict(opt3)
     for s in range(STEPS, STEPS + 2):
-        _set_grads(net3, _grads(ref, s), True)
+        set_grads(net3, _grads(ref, s), True)
         opt3.step()
-    out["consolidated_params"] = {n: _full(p) for n, p in net3.named_parameters()}
+    out["consolidated_params"] = {n: full_copy(p) for n, p in net3.named_parameters()}
     # --- e0m3: nearest and stochastic rounding, sharded vs single process
     for rounding in ("nearest", "stochastic"):
         ref_e = _Net()
@@ -177,14 +148,14 @@ def _worker(rank: int, world: int, root: str) -> dict:
         net_e, opt_e = _sharded(mesh, state_format="e0m3", rounding=rounding)
         for s in range(STEPS):
             grads = _grads(ref_e, s)
-            _set_grads(ref_e, grads, False)
-            _set_grads(net_e, grads, True)
+            set_grads(ref_e, grads, False)
+            set_grads(net_e, grads, True)
             opt_re.step()
             opt_e.step()
         out["e0m3_" + rounding] = {
-            "params": {n: _full(p) for n, p in net_e.named_parameters()},
+            "params": {n: full_copy(p) for n, p in net_e.named_parameters()},
             "ref_params": {n: p.detach().clone() for n, p in ref_e.named_parameters()},
-            "state": {n: {k: _full(v) for k, v in opt_e.state[getattr(net_e, n)].items()} for n in ("a", "b", "conv")},
+            "state": {n: {k: full_copy(v) for k, v in opt_e.state[getattr(net_e, n)].items()} for n in ("a", "b", "conv")},
             "ref_state": {n: {k: v.clone() for k, v in opt_re.state[getattr(ref_e, n)].items()}
                           for n in ("a", "b", "conv")},
         }
