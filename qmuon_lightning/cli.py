@@ -42,6 +42,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from . import strategies as _strategies  # noqa: F401  (registers strategy names such as "qmuon_fsdp")
 from .callbacks.summary import TrainSummary
 from .data.datamodule import ByteLMDataModule
+from .distributed.process_group import shut_down_process_group
 from .models.lm_module import DecoderLMModule
 
 __all__ = ["QMuonCLI", "main"]
@@ -120,6 +121,8 @@ def main(args: ArgsType = None) -> None:
         # Byte windows come from memory: worker processes would only add start-up time on small runs.
         warnings.filterwarnings("ignore", ".*does not have many workers.*")
         QMuonCLI(args=args)
+    # Tear a multi-process run's process group down while Python is still alive (see its docstring).
+    shut_down_process_group()
 
 
 if __name__ == "__main__":

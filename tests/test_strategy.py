@@ -920,4 +920,8 @@ def _worker_main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(_worker_main(sys.argv[1:]))
+    code = _worker_main(sys.argv[1:])
+    from qmuon_lightning.distributed import shut_down_process_group
+
+    shut_down_process_group()  # an orderly gloo teardown; see its docstring
+    sys.exit(code)

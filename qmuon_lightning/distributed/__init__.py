@@ -11,13 +11,15 @@ Nothing here needs to be called by hand: after ``fully_shard(model)``, ``QMuon(.
 
 :mod:`.checkpoint` gathers / scatters a consolidated (full) optimizer state dict. grasp4 and e0m3
 momentum, which have per-matrix pieces, are updated with a few small collectives
-(:mod:`.grasp_sharded`, :mod:`.e0m3_sharded`).
+(:mod:`.grasp_sharded`, :mod:`.e0m3_sharded`). :func:`.shut_down_process_group` ends a
+multi-process script in order.
 """
 
 from .carrier import CARRIERS, RETURN_CARRIERS, get_carrier
 from .checkpoint import full_state_dict, load_full_state_dict
 from .grasp_sharded import check_grasp_layout
 from .orthogonalize import ShardedStep, plan_owners
+from .process_group import shut_down_process_group
 from .sharding import SUPPORTED_SHARDED_FORMATS, RowLayout, global_row_offset, row_layout
 
 __all__ = [
@@ -33,4 +35,5 @@ __all__ = [
     "load_full_state_dict",
     "plan_owners",
     "row_layout",
+    "shut_down_process_group",
 ]
