@@ -22,9 +22,19 @@ int64_t grain_blocks(int64_t block_size) { return std::max<int64_t>(1, 32768 / b
 
 inline float absmax_of(const float* __restrict x, int64_t n) { return bits_f32(cpu::absmax_bits(x, n)); }
 
+// Codes are computed into an int32 staging buffer, then narrowed to bytes in a second loop. One loop
+// from floats straight to bytes makes g++ vectorize 64 codes per iteration through mask and byte-
+// permute sequences; split, each loop runs 16 lanes wide and the narrowing is a plain pack (measured
+// 9-13% faster update with nearest rounding, 2-5% with stochastic; same codes).
+template <typename CodeT>
+inline void store_codes(const int32_t* __restrict qi, CodeT* __restrict codes, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) codes[i] = CodeIO<CodeT>::store_int(qi[i]);
+}
+
 template <typename CodeT, bool STOCHASTIC>
 inline void quantize_block(const float* __restrict x, CodeT* __restrict codes, int64_t n, float inv,
                            uint64_t first_index, uint32_t stream) {
+  alignas(64) int32_t qi[kMaxBlockSize];
   if (STOCHASTIC) {
     const uint32_t lo0 = static_cast<uint32_t>(first_index);
     if (static_cast<uint64_t>(lo0) + static_cast<uint64_t>(n) <= (uint64_t{1} << 32)) {
@@ -33,17 +43,18 @@ inline void quantize_block(const float* __restrict x, CodeT* __restrict codes, i
       const int32_t n32 = static_cast<int32_t>(n);
       for (int32_t i = 0; i < n32; ++i) {
         const float u = uniform_noise_lo(lo0 + static_cast<uint32_t>(i), key);
-        codes[i] = CodeIO<CodeT>::store(quantize_stochastic(x[i], inv, u));
+        qi[i] = static_cast<int32_t>(quantize_stochastic(x[i], inv, u));
       }
     } else {
       for (int64_t i = 0; i < n; ++i) {
         const float u = uniform_noise(first_index + static_cast<uint64_t>(i), stream);
-        codes[i] = CodeIO<CodeT>::store(quantize_stochastic(x[i], inv, u));
+        qi[i] = static_cast<int32_t>(quantize_stochastic(x[i], inv, u));
       }
     }
   } else {
-    for (int64_t i = 0; i < n; ++i) codes[i] = CodeIO<CodeT>::store(quantize_nearest(x[i], inv));
+    for (int64_t i = 0; i < n; ++i) qi[i] = static_cast<int32_t>(quantize_nearest(x[i], inv));
   }
+  store_codes(qi, codes, n);
 }
 
 // One matrix of the fused update: for each row block, dequantize, update, write the NS input,

@@ -187,16 +187,19 @@ QMUON_HD uint32_t abs_bits(float x) { return f32_bits(x) & 0x7FFFFFFFu; }
 template <typename CodeT>
 struct CodeIO;
 
+// store_int takes the code as an integer in [-127, 127]; store takes it as an integer-valued float.
 template <>
 struct CodeIO<int8_t> {
   QMUON_HD static float load(int8_t c) { return static_cast<float>(c); }
-  QMUON_HD static int8_t store(float q) { return static_cast<int8_t>(static_cast<int32_t>(q)); }
+  QMUON_HD static int8_t store_int(int32_t q) { return static_cast<int8_t>(q); }
+  QMUON_HD static int8_t store(float q) { return store_int(static_cast<int32_t>(q)); }
 };
 
 template <>
 struct CodeIO<uint8_t> {
   QMUON_HD static float load(uint8_t c) { return static_cast<float>(static_cast<int32_t>(c) - 128); }
-  QMUON_HD static uint8_t store(float q) { return static_cast<uint8_t>(static_cast<int32_t>(q) + 128); }
+  QMUON_HD static uint8_t store_int(int32_t q) { return static_cast<uint8_t>(q + 128); }
+  QMUON_HD static uint8_t store(float q) { return store_int(static_cast<int32_t>(q)); }
 };
 
 // ---------------------------------------------------------------------------------------------
