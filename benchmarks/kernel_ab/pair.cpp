@@ -1,0 +1,71 @@
+// A/B timing of two builds of the 8-bit CPU update kernel (see README.md in this folder).
+// Calls build A and build B alternately on the same buffers and prints each one's median time and
+// the median of the per-pair ratios B/A (each pair ran back to back, so drift on a shared machine
+// cancels). Environment: ROWS (default 4096; 32 keeps everything in L2), BF16=1 (bf16 gradients),
+// STOCH=1 (stochastic rounding), NOSS_A=1 / NOSS_B=1 (that side skips the sums of squares), and
+// OMP_NUM_THREADS.
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+#include "qmuon/kernels.h"
+
+extern "C" int upd_A(const qmuon_q8_tensor*, int64_t, qmuon_q8_params);
+extern "C" int upd_B(const qmuon_q8_tensor*, int64_t, qmuon_q8_params);
+
+int main(int argc, char** argv) {
+  const int64_t rows = getenv("ROWS") ? atoi(getenv("ROWS")) : 4096, cols = 4096, bs = 256, nb = cols / bs;
+  const int reps = argc > 1 ? atoi(argv[1]) : 41;
+  const bool bf = getenv("BF16") != nullptr;
+  const bool sums_a = getenv("NOSS_A") == nullptr, sums_b = getenv("NOSS_B") == nullptr;
+  std::vector<int8_t> codes(rows * cols);
+  std::vector<float> absmax(rows * nb, 1.0f), grad(rows * cols), sumsq(rows * nb);
+  std::vector<uint16_t> grad_bf16(rows * cols);
+  srand(1);
+  for (auto& c : codes) c = static_cast<int8_t>(rand() % 255 - 127);
+  for (size_t i = 0; i < grad.size(); ++i) {
+    grad[i] = rand() / static_cast<float>(RAND_MAX) - 0.5f;
+    uint32_t u;
+    std::memcpy(&u, &grad[i], 4);
+    grad_bf16[i] = static_cast<uint16_t>(u >> 16);
+  }
+  auto run = [&](auto fn, bool sums) {
+    qmuon_q8_tensor t{codes.data(), absmax.data(), bf ? static_cast<void*>(grad_bf16.data()) : grad.data(),
+                      sums ? sumsq.data() : nullptr, rows, cols, cols, nb, cols, 0, getenv("STOCH") ? 7 : -1};
+    qmuon_q8_params p{0.95, 1, QMUON_INT8, bf ? QMUON_BFLOAT16 : QMUON_FLOAT32, bs};
+    const auto t0 = std::chrono::steady_clock::now();
+    if (fn(&t, 1, p) != 0) {
+      fprintf(stderr, "kernel error\n");
+      exit(1);
+    }
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  };
+  std::vector<double> a, b, ratio;
+  for (int i = 0; i < reps + 2; ++i) {  // two warm-up pairs
+    double ta, tb;
+    if (i % 2) {
+      ta = run(upd_A, sums_a);
+      tb = run(upd_B, sums_b);
+    } else {
+      tb = run(upd_B, sums_b);
+      ta = run(upd_A, sums_a);
+    }
+    if (i >= 2) {
+      a.push_back(ta);
+      b.push_back(tb);
+      ratio.push_back(tb / ta);
+    }
+  }
+  auto median = [](std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    return v[v.size() / 2];
+  };
+  const double bytes = static_cast<double>(rows * cols) * (bf ? 6.0 : 10.0);
+  printf("A %.3f ms (%.1f GB/s)  B %.3f ms (%.1f GB/s)  B/A median of %d paired ratios: %.3f\n", median(a) * 1e3,
+         bytes / median(a) / 1e9, median(b) * 1e3, bytes / median(b) / 1e9, reps, median(ratio));
+  return 0;
+}
