@@ -181,6 +181,10 @@ def _build_spec(with_cuda: bool) -> dict[str, Any]:
     cuda_cflags = ["-O3", "--fmad=false", "-lineinfo"]
     ldflags = ["-fopenmp"]
     h = hashlib.sha256()
+    # The source directory is part of the key: torch's build.ninja names absolute paths, so two
+    # checkouts with identical sources sharing one build directory would make ninja rebuild
+    # whenever the other one had built last (a silent 20 s stall in a first training step).
+    h.update(str(src.resolve()).encode())
     for rel in files + list(_HEADERS):
         h.update(rel.encode())
         h.update((src / rel).read_bytes())
@@ -200,23 +204,40 @@ def _build_spec(with_cuda: bool) -> dict[str, Any]:
         extra_include_paths=[str(src)],
         build_directory=os.path.join(root, "qmuon", name),
         with_cuda=with_cuda,
+        inputs=[str(src / f) for f in files + list(_HEADERS)],
     )
+
+
+def _build_reason(so: str, inputs: list[str]) -> str | None:
+    """Why ``torch.utils.cpp_extension.load`` is about to compile (None: it will only load).
+
+    ninja rebuilds when an input is newer than its output, so a checkout that rewrote files with
+    unchanged contents (the build key hashes contents) still costs a rebuild; say so up front."""
+    if not os.path.exists(so):
+        return "first build for these sources; it takes a minute or more"
+    built = os.path.getmtime(so)
+    newer = [p for p in inputs if os.path.getmtime(p) > built]
+    if newer:
+        return (f"{len(newer)} source file(s) are newer than the cached build (e.g. {os.path.basename(newer[0])}); "
+                "rebuilding takes up to a minute")
+    return None
 
 
 def _build_and_load(with_cuda: bool, verbose: bool) -> str:
     from torch.utils.cpp_extension import load
 
     spec = _build_spec(with_cuda)
+    inputs = spec.pop("inputs")
     os.makedirs(spec["build_directory"], exist_ok=True)
     so = os.path.join(spec["build_directory"], spec["name"] + ".so")
-    fresh = not os.path.exists(so)
-    if fresh:
+    reason = _build_reason(so, inputs)
+    if reason:
         what = "CPU and CUDA" if with_cuda else "CPU"
-        print(f"qmuon_lightning: compiling the {what} kernels (csrc/) into {spec['build_directory']}; "
-              "the first build takes a minute or more ...", file=sys.stderr, flush=True)
+        print(f"qmuon_lightning: compiling the {what} kernels (csrc/) into {spec['build_directory']}: "
+              f"{reason} ...", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
     path = load(is_python_module=False, verbose=verbose, **spec)
-    if fresh:
+    if reason:
         print(f"qmuon_lightning: kernels built in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
     return str(path) if path else so
 
