@@ -33,7 +33,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import qmuon_lightning as ql
-from qmuon_lightning.distributed import shut_down_process_group
+from qmuon_lightning.distributed import exit_after_distributed_run
 from qmuon_lightning.data.bytes_corpus import RandomWindowDataset, build_stdlib_corpus, fixed_windows
 from qmuon_lightning.integrations import deepspeed as qds
 from qmuon_lightning.models import DecoderLM
@@ -146,4 +146,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 if __name__ == "__main__":
     main()
-    shut_down_process_group()  # tear the process group down while Python is still alive
+    exit_after_distributed_run()  # shut the process group down and exit without finalization

@@ -42,7 +42,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from . import strategies as _strategies  # noqa: F401  (registers strategy names such as "qmuon_fsdp")
 from .callbacks.summary import TrainSummary
 from .data.datamodule import ByteLMDataModule
-from .distributed.process_group import shut_down_process_group
+from .distributed.process_group import exit_after_distributed_run
 from .models.lm_module import DecoderLMModule
 
 __all__ = ["QMuonCLI", "main"]
@@ -121,8 +121,9 @@ def main(args: ArgsType = None) -> None:
         # Byte windows come from memory: worker processes would only add start-up time on small runs.
         warnings.filterwarnings("ignore", ".*does not have many workers.*")
         QMuonCLI(args=args)
-    # Tear a multi-process run's process group down while Python is still alive (see its docstring).
-    shut_down_process_group()
+    # A rank of a multi-process run that succeeded leaves here without Python's finalization (see the
+    # docstring for why); a single-process run returns normally.
+    exit_after_distributed_run()
 
 
 if __name__ == "__main__":

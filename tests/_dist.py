@@ -36,9 +36,9 @@ def _entry(fn: Callable[..., Any], rank: int, world_size: int, tmp: str, kwargs:
         )
         out = fn(rank, world_size, **kwargs)
         torch.save(out, os.path.join(tmp, f"result{rank}.pt"))
-        from qmuon_lightning.distributed import shut_down_process_group
+        from qmuon_lightning.distributed import exit_after_distributed_run
 
-        shut_down_process_group()  # no-op when fn already did it
+        exit_after_distributed_run()  # exits with 0; returns only if fn already shut the group down
     except BaseException:
         with open(os.path.join(tmp, f"error{rank}.txt"), "w") as f:
             f.write(traceback.format_exc())

@@ -562,6 +562,6 @@ if __name__ == "__main__":
         raise SystemExit(f"unknown scenario {scenario!r}; the only one is 'fsdp'")
     result = _fsdp_scenario(out_dir)
     (out_dir / f"fsdp_rank{result['rank']}.json").write_text(json.dumps(result, indent=1, default=str))
-    from qmuon_lightning.distributed import shut_down_process_group
+    from qmuon_lightning.distributed import exit_after_distributed_run
 
-    shut_down_process_group()  # an orderly gloo teardown; see its docstring
+    exit_after_distributed_run()  # see its docstring

@@ -331,7 +331,9 @@ def test_fit_and_resume_under_qmuon_fsdp_two_processes(tmp_path, tiny_cfg):
 
     root = tmp_path / "fsdp"
     cfg = str(tiny_cfg(root))
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    # PYTHONFAULTHANDLER: a crash prints every thread's Python stack into the output asserted on.
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parents[1]),
+               PYTHONFAULTHANDLER="1")
     base = [sys.executable, "-m", "qmuon_lightning.cli", "fit", "--config", cfg, "--trainer.strategy=qmuon_fsdp",
             "--trainer.devices=2"]
     for extra in ([], ["--trainer.max_steps=9", "--ckpt_path=last"]):

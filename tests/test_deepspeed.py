@@ -344,9 +344,9 @@ def worker(out_path: str) -> None:
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(results, f)
-    from qmuon_lightning.distributed import shut_down_process_group
+    from qmuon_lightning.distributed import exit_after_distributed_run
 
-    shut_down_process_group()  # barrier, then an orderly gloo teardown (see its docstring)
+    exit_after_distributed_run()  # see its docstring
 
 
 def _lightning_run(rank: int, steps: int = 3) -> dict:

@@ -1,4 +1,4 @@
-"""``shut_down_process_group``: an orderly end of a multi-process run."""
+"""``shut_down_process_group`` and ``exit_after_distributed_run``: the end of a multi-process run."""
 
 from __future__ import annotations
 
@@ -26,3 +26,44 @@ def test_two_processes_wait_then_destroy():
     results = run_workers(_worker, world_size=2, start_method="fork")
     for r in results:
         assert r == {"sum": 3.0, "destroyed": True, "initialized_after": False}
+
+
+_EXIT_SCRIPT = """
+import os, sys, torch, torch.distributed as dist
+from qmuon_lightning.distributed import exit_after_distributed_run
+exit_after_distributed_run()  # no group yet: returns
+dist.init_process_group("gloo")
+t = torch.ones(1)
+dist.all_reduce(t)
+print(f"rank {dist.get_rank()} sum {t.item():.0f}", flush=True)
+sys.stdout.write("buffered, flushed by the helper\\n")
+exit_after_distributed_run()
+print("not reached", flush=True)
+sys.exit(3)
+"""
+
+
+def test_exit_after_distributed_run_exits_zero_without_finalization(tmp_path):
+    """Two gloo ranks: each prints, calls the helper, and leaves with status 0 right there (the
+    code after it does not run; what was written to stdout before it is not lost)."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = tmp_path / "exit_script.py"
+    script.write_text(_EXIT_SCRIPT)
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                   OMP_NUM_THREADS="1")
+        procs.append(subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))
+    for rank, p in enumerate(procs):
+        out, _ = p.communicate(timeout=120)
+        assert p.returncode == 0, out
+        assert f"rank {rank} sum 2" in out and "buffered, flushed by the helper" in out, out
+        assert "not reached" not in out, out

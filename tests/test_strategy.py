@@ -921,7 +921,7 @@ def _worker_main(argv: list[str]) -> int:
 
 if __name__ == "__main__":
     code = _worker_main(sys.argv[1:])
-    from qmuon_lightning.distributed import shut_down_process_group
+    from qmuon_lightning.distributed import exit_after_distributed_run
 
-    shut_down_process_group()  # an orderly gloo teardown; see its docstring
+    exit_after_distributed_run()  # see its docstring
     sys.exit(code)

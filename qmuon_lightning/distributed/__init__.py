@@ -11,15 +11,15 @@ Nothing here needs to be called by hand: after ``fully_shard(model)``, ``QMuon(.
 
 :mod:`.checkpoint` gathers / scatters a consolidated (full) optimizer state dict. grasp4 and e0m3
 momentum, which have per-matrix pieces, are updated with a few small collectives
-(:mod:`.grasp_sharded`, :mod:`.e0m3_sharded`). :func:`.shut_down_process_group` ends a
-multi-process script in order.
+(:mod:`.grasp_sharded`, :mod:`.e0m3_sharded`). :func:`.exit_after_distributed_run` ends a
+rank of a multi-process script that succeeded.
 """
 
 from .carrier import CARRIERS, RETURN_CARRIERS, get_carrier
 from .checkpoint import full_state_dict, load_full_state_dict
 from .grasp_sharded import check_grasp_layout
 from .orthogonalize import ShardedStep, plan_owners
-from .process_group import shut_down_process_group
+from .process_group import exit_after_distributed_run, shut_down_process_group
 from .sharding import SUPPORTED_SHARDED_FORMATS, RowLayout, global_row_offset, row_layout
 
 __all__ = [
@@ -29,6 +29,7 @@ __all__ = [
     "RowLayout",
     "ShardedStep",
     "check_grasp_layout",
+    "exit_after_distributed_run",
     "full_state_dict",
     "get_carrier",
     "global_row_offset",
