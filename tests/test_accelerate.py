@@ -493,9 +493,9 @@ def _worker_main(argv: list[str]) -> None:
         rep = {f"fsdp2_{args.state_dict_type}": _worker_fsdp2(out, args.state_dict_type, force_on_cpu=False)}
     rank = int(os.environ.get("RANK", "0"))
     (out / f"rank{rank}.json").write_text(json.dumps(rep, default=str))
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
+    from qmuon_lightning.distributed import exit_after_distributed_run
+
+    exit_after_distributed_run()  # see its docstring
 
 
 if __name__ == "__main__":
