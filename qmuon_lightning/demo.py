@@ -118,14 +118,15 @@ class _TrainTimer(L.Callback):
 
 @torch.no_grad()
 def evaluate(model: nn.Module, x: Tensor, y: Tensor, batch_size: int = 32) -> float:
-    """Mean next-byte cross-entropy (nats) over fixed windows, in eval mode."""
+    """Mean next-byte cross-entropy (nats) over fixed windows, in eval mode (logits taken in fp32;
+    under FSDP2 every rank must call it, as the forward is collective)."""
     was_training = model.training
     model.eval()
     total, count = 0.0, 0
     for i in range(0, x.size(0), batch_size):
         logits = model(x[i: i + batch_size])
         tgt = y[i: i + batch_size]
-        total += float(nn.functional.cross_entropy(logits.reshape(-1, VOCAB), tgt.reshape(-1), reduction="sum"))
+        total += float(nn.functional.cross_entropy(logits.float().reshape(-1, VOCAB), tgt.reshape(-1), reduction="sum"))
         count += tgt.numel()
     model.train(was_training)
     return total / count
