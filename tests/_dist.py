@@ -126,3 +126,19 @@ def local_copy(t: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
     return (t.to_local() if isinstance(t, DTensor) else t).detach().clone()
+
+
+def step_side_by_side(ref: "torch.nn.Module", opt_ref: "torch.optim.Optimizer", net: "torch.nn.Module",
+                      opt: "torch.optim.Optimizer", grads_for_step: Callable[["torch.nn.Module", int], dict],
+                      steps: int, after_step: Callable[[int], None] | None = None) -> None:
+    """``steps`` optimizer steps of a single-process model ``ref`` and its FSDP2-sharded twin ``net``
+    on the same full gradients ``grads_for_step(ref, step)`` (``net`` gets this rank's rows)."""
+    for s in range(steps):
+        grads = grads_for_step(ref, s)
+        set_grads(ref, grads, False)
+        set_grads(net, grads, True)
+        opt_ref.step()
+        opt.step()
+        if after_step is not None:
+            after_step(s)
+

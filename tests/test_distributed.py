@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 import torch.multiprocessing as mp
-from _dist import full_copy, local_copy, run_workers, set_grads
+from _dist import full_copy, local_copy, run_workers, set_grads, step_side_by_side
 
 STEPS = 4
 
@@ -106,13 +106,8 @@ def _worker_direct(rank: int, world: int, configs: list[dict]) -> dict:
         opt_ref = ql.QMuon(_groups(ref), **kw)
         opt = ql.QMuon(_groups(net), **kw, **comm)
         stats = []
-        for s in range(STEPS):
-            grads = _grads(ref, s)
-            set_grads(ref, grads, False)
-            set_grads(net, grads, True)
-            opt_ref.step()
-            opt.step()
-            stats.append(dict(opt.comm_stats, comm_bytes_last_step=opt.comm_bytes_last_step))
+        step_side_by_side(ref, opt_ref, net, opt, _grads, STEPS, after_step=lambda s: stats.append(
+            dict(opt.comm_stats, comm_bytes_last_step=opt.comm_bytes_last_step)))
         res = {"params": {n: local_copy(p) for n, p in net.named_parameters()},
                "ref_params": {n: p.detach().clone() for n, p in ref.named_parameters()},
                "stats": stats}

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 import torch.multiprocessing as mp
-from _dist import full_copy, local_copy, run_workers, set_grads
+from _dist import full_copy, local_copy, run_workers, set_grads, step_side_by_side
 
 STEPS = 3
 
@@ -85,12 +85,7 @@ def _worker(rank: int, world: int, root: str) -> dict:
     ref = _Net()
     opt_ref = ql.QMuon(_groups(ref), lr=0.02, weight_decay=0.1, state_format="grasp4")
     net, opt = _sharded(mesh)
-    for s in range(STEPS):
-        grads = _grads(ref, s)
-        set_grads(ref, grads, False)
-        set_grads(net, grads, True)
-        opt_ref.step()
-        opt.step()
+    step_side_by_side(ref, opt_ref, net, opt, _grads, STEPS)
     out["params"] = {n: full_copy(p) for n, p in net.named_parameters()}
     out["ref_params"] = {n: p.detach().clone() for n, p in ref.named_parameters()}
     out["state"] = {n: {k: full_copy(v) for k, v in opt.state[getattr(net, n)].items()} for n in ("a", "b", "conv")}
@@ -146,12 +141,7 @@ def _worker(rank: int, world: int, root: str) -> dict:
         ref_e = _Net()
         opt_re = ql.QMuon(_groups(ref_e), lr=0.02, weight_decay=0.1, state_format="e0m3", rounding=rounding)
         net_e, opt_e = _sharded(mesh, state_format="e0m3", rounding=rounding)
-        for s in range(STEPS):
-            grads = _grads(ref_e, s)
-            set_grads(ref_e, grads, False)
-            set_grads(net_e, grads, True)
-            opt_re.step()
-            opt_e.step()
+        step_side_by_side(ref_e, opt_re, net_e, opt_e, _grads, STEPS)
         out["e0m3_" + rounding] = {
             "params": {n: full_copy(p) for n, p in net_e.named_parameters()},
             "ref_params": {n: p.detach().clone() for n, p in ref_e.named_parameters()},
