@@ -5,6 +5,7 @@
 #include <torch/library.h>
 
 #include <optional>
+#include <string>
 
 #include "binding_4bit.h"
 #include "binding_common.h"
@@ -67,6 +68,8 @@ struct CpuBackend {
   static void codec(const qmuon_codec_args& a) { check_cpu(qmuon_cpu_codec(&a), "4-bit codec"); }
 };
 
+std::string cpu_vector_isa() { return qmuon_cpu_vector_isa(); }
+
 struct NoGuard {
   explicit NoGuard(c10::Device) {}
 };
@@ -81,6 +84,8 @@ TORCH_LIBRARY(qmuon_C, m) {
       "bool compute_sumsq=True) -> ()");
   m.def("quantize_rows(Tensor x, int block_size, bool signed, int stream, int row_offset) -> (Tensor, Tensor)");
   m.def("dequantize_rows(Tensor codes, Tensor absmax, int block_size) -> Tensor");
+  // No tensor arguments, so one catch-all kernel: "avx512" or "portable" (see kernels.h).
+  m.def("cpu_vector_isa() -> str", &qmuon::cpu_vector_isa);
   QMUON_4BIT_SCHEMAS(m);
 }
 

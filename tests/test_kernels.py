@@ -161,6 +161,45 @@ def test_prebuild_command_fails_when_the_build_fails(mode, tmp_path):
         assert "backend: reference" in out.stdout and "building/loading the compiled kernels failed" in out.stdout
 
 
+def _has_avx512f() -> bool:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            return any(line.startswith("flags") and " avx512f" in line for line in f)
+    except OSError:
+        return False
+
+
+def test_build_reports_its_cpu_loops(ext):
+    isa = _extension.cpu_vector_isa()
+    if os.environ.get("QMUON_EXPECT_CPU_LOOPS"):  # set by test_portable_build_matches_reference
+        assert isa == os.environ["QMUON_EXPECT_CPU_LOOPS"]
+        return
+    # -march=native (the default) on a CPU with AVX-512 must compile the AVX-512 loops, elsewhere not.
+    if os.environ.get("QMUON_CPU_ARCH", "native").strip() == "native" and sys.platform != "win32":
+        assert isa == ("avx512" if _has_avx512f() else "portable")
+    else:
+        assert isa in ("avx512", "portable")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(sys.platform != "linux" or os.uname().machine != "x86_64" or not _has_avx512f(),
+                    reason="needs an x86-64 CPU with AVX-512: elsewhere the native build already runs the "
+                           "portable loops, which the rest of this file tests")
+def test_portable_build_matches_reference(ext, tmp_path):
+    """The CPU kernels have hand-written AVX-512 loops beside portable ones (q8_cpu.cpp); a native
+    build on this machine tests only the former. Build again for x86-64-v3 (AVX2, no AVX-512) into a
+    private cache and run this file's kernel-vs-reference comparisons on that build."""
+    env = dict(os.environ, QMUON_CPU_ARCH="x86-64-v3", TORCH_EXTENSIONS_DIR=str(tmp_path), QMUON_BACKEND="extension",
+               QMUON_EXPECT_CPU_LOOPS="portable")
+    selection = ("update_matches_reference or quantize_dequantize_match or all_16bit or noise_index or zero_state "
+                 "or tiny_and_empty or noncontiguous or build_reports_its_cpu_loops")
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", "-k", selection,
+                          str(Path(__file__))], env=env, cwd=str(REPO), capture_output=True, text=True, timeout=1200)
+    tail = (out.stdout + out.stderr)[-3000:]
+    assert out.returncode == 0, tail
+    assert " passed" in out.stdout and " failed" not in out.stdout, tail
+
+
 def test_unbuildable_extension_warns_once_and_uses_reference(monkeypatch, tmp_path):
     monkeypatch.setattr(_extension, "_status", None)
     monkeypatch.setattr(_extension, "csrc_dir", lambda: tmp_path / "missing")

@@ -135,6 +135,14 @@ QMUON_HD float lerp(float start, float end, const LerpWeight& lw) {
   return fadd(base, fmul(diff, lw.coef));
 }
 
+// lerp with the weight's branch known at compile time (SMALL: |w| < 0.5); equal to lerp() bit for
+// bit when lw.small == SMALL. Lets a loop that was dispatched on lw.small drop the per-element select.
+template <bool SMALL>
+QMUON_HD float lerp_fixed(float start, float end, const LerpWeight& lw) {
+  const float diff = fsub(end, start);
+  return fadd(SMALL ? start : end, fmul(diff, lw.coef));
+}
+
 // m_new = lerp(m_old, g, 1 - beta);  ns_input = lerp(g, m_new, beta) if nesterov else m_new.
 struct MomentumWeights {
   LerpWeight to_grad;  // weight 1 - beta (computed in double, as Python does)

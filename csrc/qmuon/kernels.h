@@ -54,6 +54,10 @@ int qmuon_cpu_quantize_rows(const float* x, int64_t x_rs, void* codes, int32_t c
 int qmuon_cpu_dequantize_rows(const void* codes, int64_t codes_rs, int32_t code_dtype, const float* absmax,
                               int64_t absmax_rs, float* out, int64_t rows, int64_t cols, int64_t block_size);
 
+// Which vector loops the CPU kernels were compiled with: "avx512" (hand-written AVX-512 forms of the
+// hot loops, see q8_cpu.cpp) or "portable" (only the compiler-vectorized C++ loops).
+const char* qmuon_cpu_vector_isa(void);
+
 // ---- CUDA (csrc/cuda/q8_cuda.cu). `cuda_stream` is a cudaStream_t. Return a cudaError_t (0 = ok)
 // or one of the QMUON_ERR_* codes; the launch is asynchronous on `cuda_stream`.
 int qmuon_cuda_q8_momentum_update(const qmuon_q8_tensor* tensors, int64_t num_tensors, qmuon_q8_params params,

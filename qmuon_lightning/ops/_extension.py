@@ -316,6 +316,15 @@ def backend() -> str:
     return status().backend
 
 
+def cpu_vector_isa() -> str | None:
+    """The vector loops the compiled CPU kernels were built with: ``"avx512"`` (hand-written AVX-512
+    forms of the hot loops, chosen at compile time by ``-march``, see ``QMUON_CPU_ARCH``) or
+    ``"portable"`` (compiler-vectorized C++ only); None when the reference runs."""
+    if not status().cpu:
+        return None
+    return str(torch.ops.qmuon_C.cpu_vector_isa())
+
+
 # ---------------------------------------------------------------------------------------------
 # Kernels registered on the torch.ops.qmuon custom ops
 # ---------------------------------------------------------------------------------------------

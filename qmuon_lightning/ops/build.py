@@ -4,8 +4,9 @@
 
 Builds the extension from ``csrc/`` (or loads the cached build; see :mod:`._extension` for where
 the sources and the build live and for the environment variables), then prints ``backend: ...``
-(``reference``, ``cpu-extension`` or ``cpu+cuda-extension``), the library path and, if any, why the
-reference (or no CUDA kernel) is used.
+(``reference``, ``cpu-extension`` or ``cpu+cuda-extension``), the library path, which vector loops
+the CPU kernels have (``avx512`` or ``portable``) and, if any, why the reference (or no CUDA kernel)
+is used.
 
 Exit status: 0 when the compiled kernels load (or ``QMUON_BACKEND=reference`` asks for none); 1 when
 they cannot be built or loaded: under ``QMUON_BACKEND=extension`` the error is printed, under
@@ -41,6 +42,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"backend: {st.backend}")
     if st.library:
         print(f"library: {st.library}")
+    isa = _extension.cpu_vector_isa()
+    if isa:
+        flags = " ".join(_extension._cpu_arch_flags()) or "the compiler's default target"
+        print(f"cpu loops: {isa} (built with {flags}; QMUON_CPU_ARCH sets it)")
     if st.reason:
         print(f"note: {st.reason}")
     return 0 if st.backend != "reference" or mode == "reference" else 1
