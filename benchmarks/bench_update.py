@@ -11,9 +11,9 @@ neighbours on a shared machine hit every case alike) and the median reported:
 * the compiled kernel (``torch.ops.qmuon_C``) with and without the sums of squares
   (``compute_sumsq``): the price of the fused norms, kernel against kernel, and the update followed
   by a separate per-block sum-of-squares pass over the grad (what an unfused implementation does).
-  The public op's Python dispatch (``torch.library.custom_op``, a fixed cost per call of one
-  multi-tensor update, not per element) is the difference between the public-op row and the kernel
-  row, reported on its own;
+  The public op's dispatch (the C++ dispatcher, one Python kernel that checks the arguments, the
+  version-counter bumps: a fixed cost per call of one multi-tensor update, not per element) is the
+  median per-repetition difference between the public-op row and the kernel row, reported on its own;
 * ``buf.lerp_(grad, 1 - beta)`` on an fp32 and on a bf16 momentum buffer (the dense formats);
 * the 4-bit fused updates ``int4_momentum_update_multi_`` (block 128) and
   ``e0m3_momentum_update_multi_`` (UE4M3 scale per 16, fp32 tensor scale) and the compiled dense
@@ -322,7 +322,10 @@ def main(argv: list[str] | None = None) -> int:
             ratio = statistics.median(a / b for a, b in zip(times[f"q8 kernel, {gl} grad, nearest, + sumsq"],
                                                             times[f"q8 kernel, {gl} grad, nearest, no sumsq"]))
             unf = med[f"q8 update, {gl} grad, nearest, + separate sumsq pass"] / fused_k
-            dispatch_ms = (med[f"q8 update, {gl} grad, nearest"] - fused_k) * 1e3
+            # The public op's fixed cost per call: median of per-repetition differences to the kernel.
+            dispatch_ms = statistics.median(
+                a - b for a, b in zip(times[f"q8 update, {gl} grad, nearest"],
+                                      times[f"q8 kernel, {gl} grad, nearest, + sumsq"])) * 1e3
             if gl == "fp32":  # the target is set on fp32 grads, as the bandwidth target
                 ok_ss = ratio <= TARGET_SUMSQ_RATIO
                 verdicts.append(ok_ss)

@@ -21,9 +21,9 @@ Layers
 Registration
 ------------
 ``torch.ops.qmuon.*`` stays the single entry point: those ops are declared in Python
-(:mod:`._library`, ``torch.library.custom_op``) with the pure-PyTorch reference as their default.
-:func:`register_compiled_kernels` adds ``register_kernel("cpu")`` (and ``"cuda"`` when torch has
-CUDA) implementations that call ``torch.ops.qmuon_C.*``. The extension is built and loaded lazily,
+(:mod:`._library`, one ``torch.library.Library``) with the pure-PyTorch reference as their default.
+:func:`register_compiled_kernels` adds ``CPU`` (and ``CUDA`` when torch has CUDA) implementations
+that call ``torch.ops.qmuon_C.*``. The extension is built and loaded lazily,
 on the first call of one of those kernels (or of :func:`status` / ``qmuon_lightning.ops.backend()``);
 if it cannot be built or loaded, the kernels run the reference and a warning says why, once.
 Arguments the compiled kernels do not support (e.g. float64 grads, ``block_size`` > 4096, an odd
@@ -560,24 +560,20 @@ _registered = False
 
 
 def register_compiled_kernels(ops: dict[str, Any]) -> None:
-    """Register the compiled kernels on the ``torch.ops.qmuon`` custom ops (``name -> CustomOpDef``,
-    from :mod:`._library`). Nothing is built here: the kernels load the extension on first call."""
+    """Register the compiled kernels on the ``torch.ops.qmuon`` ops (``name -> QmuonOp``, from
+    :mod:`._library`) for the ``CPU`` key (and ``CUDA`` when torch has CUDA). Nothing is built here:
+    the kernels load the extension on first call."""
     global _registered
     if _registered or os.environ.get("QMUON_BACKEND", "").strip().lower() == "reference":
         return
     # The default (reference) implementation of each op, to fall back on.
-    defaults = {name: getattr(op, "_init_fn", None) for name, op in ops.items()}
-    if any(fn is None for fn in defaults.values()):
-        warnings.warn("qmuon_lightning: this torch version's custom_op has no default-implementation hook; "
-                      "the compiled kernels are not registered and torch.ops.qmuon runs the reference.",
-                      RuntimeWarning, stacklevel=2)
-        return
+    defaults = {name: op.reference for name, op in ops.items()}
     device_types = ["cpu"] + (["cuda"] if torch.version.cuda is not None else [])
     for device_type in device_types:
         kernels = _make_kernels(device_type, defaults)
         for name, op in ops.items():
             if name in kernels:
-                op.register_kernel(device_type, kernels[name])
+                op.register_kernel(device_type.upper(), kernels[name])
     _registered = True
 
 

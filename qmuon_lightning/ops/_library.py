@@ -1,9 +1,19 @@
 """Schemas of the ``torch.ops.qmuon`` operators, in one place.
 
-Each op is declared with ``torch.library.custom_op`` (mutation annotations via ``mutates_args``),
-its default implementation is the pure-PyTorch reference in :mod:`.reference`, and a fake
-implementation describes output shapes for ``torch.compile`` / meta tensors. Compiled CPU and CUDA
-kernels register themselves for their device types on top of these defaults.
+Each op is declared on one ``torch.library.Library("qmuon", "DEF")`` from a typed Python prototype
+(the schema, with its mutation annotations, comes from ``torch.library.infer_schema``). Its default
+implementation (dispatch key ``CompositeExplicitAutograd``) is the pure-PyTorch reference in
+:mod:`.reference` / :mod:`.reference_4bit`; a fake implementation describes output shapes for
+``torch.compile`` / meta tensors; compiled CPU and CUDA kernels register for the ``CPU`` / ``CUDA``
+keys on top of these defaults (:mod:`._extension`).
+
+Why not ``torch.library.custom_op``: it wraps every call in Python layers (argument defaults filled
+from the schema, version bumps, an autograd shim, a dynamo guard) that cost ~65 us per call on an
+idle machine and 0.3-1 ms right after a 16M-element kernel has evicted the caches, more than the
+fused sums of squares cost (measured in benchmarks/bench_update.py). Here a call is the C++
+dispatcher, one Python kernel and the compiled op. What custom_op did that still matters is done by
+:class:`QmuonOp`: the version counters of the mutated tensors are bumped after every call (so
+autograd notices in-place writes), whichever kernel ran.
 
 Multi-tensor ops take lists; ``block_sumsq`` (outputs), ``streams`` and ``row_offsets`` are per
 tensor. A stream of -1 means nearest rounding, anything else is the 32-bit stochastic-rounding
@@ -14,12 +24,66 @@ auto-functionalize them (``torch.compile``, AOTAutograd).
 
 from __future__ import annotations
 
+import inspect
+from typing import Any, Callable
+
 import torch
 from torch import Tensor
 
 from . import reference as ref
 
 _NS = "qmuon"
+_lib = torch.library.Library(_NS, "DEF")  # kept alive for the life of the process: it owns the ops
+
+
+class QmuonOp:
+    """One ``torch.ops.qmuon`` operator: its schema, reference default, fake, and the kernels
+    registered per dispatch key. Calling it calls ``torch.ops.qmuon.<name>``."""
+
+    def __init__(self, fn: Callable[..., Any], mutates_args: tuple[str, ...]) -> None:
+        self.name = fn.__name__
+        self.reference = fn
+        params = list(inspect.signature(fn).parameters)
+        unknown = set(mutates_args) - set(params)
+        if unknown:
+            raise ValueError(f"qmuon::{self.name}: mutates_args names no parameter: {sorted(unknown)}")
+        self.mutated = tuple(params.index(a) for a in mutates_args)
+        schema = torch.library.infer_schema(fn, mutates_args=mutates_args)
+        _lib.define(self.name + schema)
+        self.register_kernel("CompositeExplicitAutograd", fn)
+
+    def _bumping(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """``fn``, then a version-counter bump of every tensor it mutated (what the dispatcher's
+        ADInplaceOrView kernels do for torch's own in-place ops)."""
+        if not self.mutated:
+            return fn
+        mutated = self.mutated
+
+        def kernel(*args: Any) -> Any:
+            out = fn(*args)
+            for i in mutated:
+                a = args[i]
+                torch._C._increment_version((a,) if isinstance(a, Tensor) else tuple(a))
+            return out
+
+        kernel.__name__ = getattr(fn, "__name__", self.name)
+        return kernel
+
+    def register_kernel(self, dispatch_key: str, fn: Callable[..., Any]) -> None:
+        """Implementation for ``dispatch_key`` (``"CPU"``, ``"CUDA"``, ``"CompositeExplicitAutograd"``)."""
+        _lib.impl(self.name, self._bumping(fn), dispatch_key)
+
+    def register_fake(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        torch.library.register_fake(f"{_NS}::{self.name}", fn, lib=_lib)
+        return fn
+
+    def __call__(self, *args: Any) -> Any:
+        return getattr(torch.ops.qmuon, self.name)(*args)
+
+
+def _op(mutates_args: tuple[str, ...] = ()) -> Callable[[Callable[..., Any]], QmuonOp]:
+    """Declare ``torch.ops.qmuon.<fn name>`` with ``fn`` (typed) as its schema and reference."""
+    return lambda fn: QmuonOp(fn, tuple(mutates_args))
 
 
 def _stream(s: int) -> int | None:
@@ -51,8 +115,7 @@ def _check_block_sumsq(block_sumsq: list[Tensor], mats: list[Tensor], block_size
 # The multi-tensor updates write their per-row-block sums of squares into caller-allocated
 # ``block_sumsq`` tensors and return None: a mutating op that returns a Tensor[] cannot be
 # auto-functionalized, so it would break torch.compile / AOTAutograd.
-@torch.library.custom_op(
-    f"{_NS}::q8_momentum_update_multi_", mutates_args=("codes", "absmax", "grads", "block_sumsq"))
+@_op(mutates_args=("codes", "absmax", "grads", "block_sumsq"))
 def q8_momentum_update_multi_(
     codes: list[Tensor],
     absmax: list[Tensor],
@@ -82,7 +145,7 @@ def _(codes, absmax, grads, block_sumsq, beta, nesterov, block_size, streams, ro
     return None
 
 
-@torch.library.custom_op(f"{_NS}::dense_momentum_update_multi_", mutates_args=("bufs", "grads", "block_sumsq"))
+@_op(mutates_args=("bufs", "grads", "block_sumsq"))
 def dense_momentum_update_multi_(
     bufs: list[Tensor],
     grads: list[Tensor],
@@ -106,7 +169,7 @@ def _(bufs, grads, block_sumsq, beta, nesterov, block_size, streams, row_offsets
     return None
 
 
-@torch.library.custom_op(f"{_NS}::quantize_rows", mutates_args=())
+@_op(mutates_args=())
 def quantize_rows(x: Tensor, block_size: int, signed: bool, stream: int, row_offset: int) -> tuple[Tensor, Tensor]:
     """fp32 matrix -> (codes, absmax) in the row-block layout."""
     noise = None if stream < 0 else ref.uniform_noise(*x.shape, stream, row_offset, x.device)
@@ -121,7 +184,7 @@ def _(x, block_size, signed, stream, row_offset):
     return codes, absmax
 
 
-@torch.library.custom_op(f"{_NS}::dequantize_rows", mutates_args=())
+@_op(mutates_args=())
 def dequantize_rows(codes: Tensor, absmax: Tensor, block_size: int) -> Tensor:
     """(codes, absmax) -> fp32 matrix."""
     return ref.dequantize_rows(codes, absmax, block_size)
@@ -137,7 +200,7 @@ def _(codes, absmax, block_size):
 from . import reference_4bit as ref4  # noqa: E402
 
 
-@torch.library.custom_op(f"{_NS}::pack_int4", mutates_args=())
+@_op(mutates_args=())
 def pack_int4(codes: Tensor) -> Tensor:
     """int8 sign-magnitude codes in -7..7 ``(rows, cols)`` -> uint8 ``(rows, ceil(cols / 2))``."""
     return ref4.pack_int4(codes)
@@ -148,7 +211,7 @@ def _(codes):
     return torch.empty((codes.shape[0], ref4.packed_cols(codes.shape[1])), dtype=torch.uint8, device=codes.device)
 
 
-@torch.library.custom_op(f"{_NS}::unpack_int4", mutates_args=())
+@_op(mutates_args=())
 def unpack_int4(packed: Tensor, cols: int) -> Tensor:
     """Inverse of ``pack_int4``: int8 codes ``(rows, cols)``."""
     return ref4.unpack_int4(packed, cols)
@@ -159,7 +222,7 @@ def _(packed, cols):
     return torch.empty((packed.shape[0], cols), dtype=torch.int8, device=packed.device)
 
 
-@torch.library.custom_op(f"{_NS}::ue4m3_encode", mutates_args=())
+@_op(mutates_args=())
 def ue4m3_encode(x: Tensor, round_up: bool) -> Tensor:
     """Non-negative fp32 -> UE4M3 bit patterns (uint8), nearest-even or rounded up."""
     return ref4.ue4m3_encode(x, round_up=round_up)
@@ -170,7 +233,7 @@ def _(x, round_up):
     return torch.empty(x.shape, dtype=torch.uint8, device=x.device)
 
 
-@torch.library.custom_op(f"{_NS}::ue4m3_decode", mutates_args=())
+@_op(mutates_args=())
 def ue4m3_decode(bits: Tensor) -> Tensor:
     """UE4M3 bit patterns -> fp32."""
     return ref4.ue4m3_decode(bits)
@@ -185,7 +248,7 @@ def _noise(x: Tensor, stream: int, row_offset: int) -> Tensor | None:
     return None if stream < 0 else ref.uniform_noise(*x.shape, stream, row_offset, x.device)
 
 
-@torch.library.custom_op(f"{_NS}::int4_quantize", mutates_args=())
+@_op(mutates_args=())
 def int4_quantize(x: Tensor, block_size: int, stream: int, row_offset: int) -> tuple[Tensor, Tensor]:
     """fp32 matrix -> (packed int4 codes, fp32 absmax per row block)."""
     return ref4.int4_quantize(x, block_size, noise=_noise(x, stream, row_offset))
@@ -198,7 +261,7 @@ def _(x, block_size, stream, row_offset):
             torch.empty((rows, ref.num_blocks(cols, block_size)), dtype=torch.float32, device=x.device))
 
 
-@torch.library.custom_op(f"{_NS}::int4_dequantize", mutates_args=())
+@_op(mutates_args=())
 def int4_dequantize(packed: Tensor, absmax: Tensor, block_size: int, cols: int) -> Tensor:
     return ref4.int4_dequantize(packed, absmax, block_size, cols)
 
@@ -208,7 +271,7 @@ def _(packed, absmax, block_size, cols):
     return torch.empty((packed.shape[0], cols), dtype=torch.float32, device=packed.device)
 
 
-@torch.library.custom_op(f"{_NS}::e0m3_quantize", mutates_args=())
+@_op(mutates_args=())
 def e0m3_quantize(x: Tensor, two_level: bool, stream: int, row_offset: int) -> tuple[Tensor, Tensor, Tensor]:
     """fp32 matrix -> (packed E0M3 codes, UE4M3 per-16 scales, fp32 0-d tensor scale)."""
     return ref4.e0m3_quantize(x, two_level=two_level, noise=_noise(x, stream, row_offset))
@@ -222,7 +285,7 @@ def _(x, two_level, stream, row_offset):
             torch.empty((), dtype=torch.float32, device=x.device))
 
 
-@torch.library.custom_op(f"{_NS}::e0m3_dequantize", mutates_args=())
+@_op(mutates_args=())
 def e0m3_dequantize(packed: Tensor, scales: Tensor, tensor_scale: Tensor, cols: int) -> Tensor:
     return ref4.e0m3_dequantize(packed, scales, tensor_scale, cols)
 
@@ -232,7 +295,7 @@ def _(packed, scales, tensor_scale, cols):
     return torch.empty((packed.shape[0], cols), dtype=torch.float32, device=packed.device)
 
 
-@torch.library.custom_op(f"{_NS}::grid_quantize4", mutates_args=())
+@_op(mutates_args=())
 def grid_quantize4(x: Tensor, grid_block: int, stream: int, row_offset: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """fp32 matrix -> (packed codes, UE4M3 tile-row maxima, UE4M3 tile-column maxima, fp32 scale)."""
     return ref4.grid_quantize4(x, grid_block, noise=_noise(x, stream, row_offset))
@@ -247,7 +310,7 @@ def _(x, grid_block, stream, row_offset):
             torch.empty((), dtype=torch.float32, device=x.device))
 
 
-@torch.library.custom_op(f"{_NS}::grid_dequantize4", mutates_args=())
+@_op(mutates_args=())
 def grid_dequantize4(packed: Tensor, row_max: Tensor, col_max: Tensor, scale: Tensor, grid_block: int,
                      cols: int) -> Tensor:
     return ref4.grid_dequantize4(packed, row_max, col_max, scale, grid_block, cols)
@@ -263,8 +326,7 @@ def _check_grads_2d(grads: list[Tensor], n: int, op: str) -> None:
         raise ValueError(f"qmuon::{op}: got {len(grads)} grads for {n} states")
 
 
-@torch.library.custom_op(
-    f"{_NS}::int4_momentum_update_multi_", mutates_args=("packed", "absmax", "grads", "block_sumsq"))
+@_op(mutates_args=("packed", "absmax", "grads", "block_sumsq"))
 def int4_momentum_update_multi_(
     packed: list[Tensor],
     absmax: list[Tensor],
@@ -291,9 +353,7 @@ def _(packed, absmax, grads, block_sumsq, beta, nesterov, block_size, streams, r
     return None
 
 
-@torch.library.custom_op(
-    f"{_NS}::e0m3_momentum_update_multi_",
-    mutates_args=("packed", "scales", "tensor_scales", "grads", "block_sumsq"))
+@_op(mutates_args=("packed", "scales", "tensor_scales", "grads", "block_sumsq"))
 def e0m3_momentum_update_multi_(
     packed: list[Tensor],
     scales: list[Tensor],
