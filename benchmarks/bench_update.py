@@ -1,7 +1,8 @@
 """Bandwidth of the fused 8-bit momentum update (``torch.ops.qmuon.q8_momentum_update_multi_``).
 
 What is measured, in one process, with all cases interleaved repetition by repetition (so drift and
-neighbours on a shared machine hit every case alike) and the median reported:
+neighbours on a shared machine hit every case alike; every other repetition in reverse order, so no
+case always runs right after the same one) and the median reported:
 
 * the fused int8 update (dequantize, momentum lerp, Nesterov blend written into the grad, per-block
   sums of squares, requantize), for fp32 / bf16 grads, nearest and stochastic rounding. Bytes
@@ -269,8 +270,12 @@ def main(argv: list[str] | None = None) -> int:
     inner = args.inner or (10 if device.type == "cuda" else 1)
     timer = _timer(device, inner)
     times: dict[str, list[float]] = {k: [] for k in cases}
+    order = list(cases)
     for rep in range(args.warmup + args.reps):
-        for name, (fn, _) in cases.items():
+        # Every other repetition runs the cases in reverse order, so that no case always follows the
+        # same neighbour (the one before leaves part of the shared tensors in the last-level cache).
+        for name in (order if rep % 2 == 0 else order[::-1]):
+            fn = cases[name][0]
             t = timer(fn)
             if rep >= args.warmup:
                 times[name].append(t)
@@ -288,7 +293,8 @@ def main(argv: list[str] | None = None) -> int:
         "",
         f"- device: {device.type} ({dev_desc}); backend: `{backend}`; torch {torch.__version__}",
         f"- matrix {rows} x {cols} = {numel / 2**20:.0f} Mi elements, block_size {bs}, beta {beta}, nesterov, "
-        f"{args.reps} interleaved repetitions (each {inner} back-to-back calls) after {args.warmup} warm-up, medians",
+        f"{args.reps} interleaved repetitions (each {inner} back-to-back calls; odd ones in reverse case order) after "
+        f"{args.warmup} warm-up, medians",
         f"- 1-minute load average {load_start:.1f} at start, {load_end:.1f} at end, on {os.cpu_count()} CPUs "
         "(above the CPU count other processes competed for the cores: compare ratios within this run)",
         "- q8 bytes = grad read + write, int8 codes read + write, absmax read + write "
