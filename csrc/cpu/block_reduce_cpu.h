@@ -33,12 +33,14 @@ static_assert(kLanes == 16, "sum_squares is written for 16 lanes");
 
 // acc + v * v, the square not rounded on its own where the CPU has a fused multiply-add (one vector
 // operation instead of two; the kernels are built with -ffp-contract=off, so this is explicit).
-inline f32x16 add_square(f32x16 acc, f32x16 v) {
+// (By reference: a 64-byte vector passed or returned by value draws g++'s -Wpsabi note in builds
+// without AVX-512.)
+inline void add_square(f32x16& acc, const f32x16& v) {
 #if defined(__AVX512F__)
-  return reinterpret_cast<f32x16>(_mm512_fmadd_ps(reinterpret_cast<__m512>(v), reinterpret_cast<__m512>(v),
-                                                  reinterpret_cast<__m512>(acc)));
+  acc = reinterpret_cast<f32x16>(_mm512_fmadd_ps(reinterpret_cast<__m512>(v), reinterpret_cast<__m512>(v),
+                                                 reinterpret_cast<__m512>(acc)));
 #else
-  return acc + v * v;
+  acc = acc + v * v;
 #endif
 }
 
@@ -57,14 +59,14 @@ inline float sum_squares(const float* __restrict x, int64_t n) {
     f32x16 v, w;
     std::memcpy(&v, x + i, sizeof(v));
     std::memcpy(&w, x + i + kLanes, sizeof(w));
-    acc = add_square(acc, v);
-    acc_odd = add_square(acc_odd, w);
+    add_square(acc, v);
+    add_square(acc_odd, w);
   }
   acc = acc + acc_odd;
   for (; i + kLanes <= n; i += kLanes) {
     f32x16 v;
     std::memcpy(&v, x + i, sizeof(v));
-    acc = add_square(acc, v);
+    add_square(acc, v);
   }
   for (int j = 0; i + j < n; ++j) acc[j] = fadd(acc[j], fmul(x[i + j], x[i + j]));
   const f32x4 h4 = add_halves<f32x4>(add_halves<f32x8>(acc));
