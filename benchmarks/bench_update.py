@@ -166,6 +166,31 @@ def _report_4bit(rows_out, med, gbs) -> list[str]:
     return lines
 
 
+def _small_call_dispatch(device: torch.device, calls: int = 2001) -> tuple[float, float]:
+    """Microseconds per call of the public int8 update and of the compiled op it runs, on a 64 x 256
+    matrix (the per-call cost of the public op's dispatch, without the cache misses a large call
+    causes): medians over `calls` alternating calls."""
+    codes, absmax = torch.ops.qmuon.quantize_rows(torch.randn(64, 256, device=device), 256, True, -1, 0)
+    grad = torch.randn(64, 256, device=device)
+    sums = [torch.empty(64, 1, device=device)]
+    args = ([codes], [absmax], [grad], sums, 0.95, True, 256, [-1], [0])
+    pub, ker = [], []
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    for i in range(calls + 10):
+        sync()
+        t0 = time.perf_counter()
+        torch.ops.qmuon.q8_momentum_update_multi_(*args)
+        sync()
+        t1 = time.perf_counter()
+        torch.ops.qmuon_C.q8_momentum_update_multi_(*args, True)
+        sync()
+        t2 = time.perf_counter()
+        if i >= 10:
+            pub.append(t1 - t0)
+            ker.append(t2 - t1)
+    return statistics.median(pub) * 1e6, statistics.median(ker) * 1e6
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--numel", type=int, default=1 << 24, help="elements per tensor (default 16M)")
@@ -343,6 +368,10 @@ def main(argv: list[str] | None = None) -> int:
                          f"({gl} grads, kernel vs kernel, median of paired repetitions{f'; target <= {TARGET_SUMSQ_RATIO}x' if tag else ''}); "
                          f"a separate sumsq pass after the plain update takes {unf:.2f}x the fused kernel; "
                          f"the public op's Python dispatch added {dispatch_ms:+.2f} ms per call")
+    if compiled:
+        us_pub, us_ker = _small_call_dispatch(device)
+        lines.append(f"- a small call (64 x 256, fp32 grads): public op {us_pub:.1f} us, compiled op {us_ker:.1f} us "
+                     f"(dispatch {us_pub - us_ker:.1f} us; medians of 2001 alternating calls)")
     overall = all(verdicts)
     lines.append(f"- overall: {'PASS' if overall else 'FAIL'}")
     lines.extend(_report_4bit(extra_lines, med, gbs))

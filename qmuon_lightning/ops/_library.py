@@ -8,7 +8,7 @@ implementation (dispatch key ``CompositeExplicitAutograd``) is the pure-PyTorch 
 keys on top of these defaults (:mod:`._extension`).
 
 Why not ``torch.library.custom_op``: it wraps every call in Python layers (argument defaults filled
-from the schema, version bumps, an autograd shim, a dynamo guard) that cost ~65 us per call on an
+from the schema, version bumps, an autograd shim, a dynamo guard) that cost 55-65 us per call on an
 idle machine and 0.3-1 ms right after a 16M-element kernel has evicted the caches, more than the
 fused sums of squares cost (measured in benchmarks/bench_update.py). Here a call is the C++
 dispatcher, one Python kernel and the compiled op. What custom_op did that still matters is done by
