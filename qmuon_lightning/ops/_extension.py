@@ -326,7 +326,7 @@ def cpu_vector_isa() -> str | None:
 
 
 # ---------------------------------------------------------------------------------------------
-# Kernels registered on the torch.ops.qmuon custom ops
+# Kernels registered on the torch.ops.qmuon ops (CPU / CUDA keys)
 # ---------------------------------------------------------------------------------------------
 def _compiled_for(device_type: str) -> bool:
     st = status()
