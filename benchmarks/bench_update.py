@@ -47,6 +47,10 @@ import torch
 
 import qmuon_lightning.ops as qops
 from qmuon_lightning.ops import reference as ref
+from qmuon_lightning.ops._extension import cpu_vector_isa
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import header_lines  # noqa: E402
 
 TARGET_FRACTION_OF_COPY = 0.8
 TARGET_SUMSQ_RATIO = 1.05  # update + per-block sums of squares vs the update alone (the prototype: 1.69)
@@ -314,9 +318,9 @@ def main(argv: list[str] | None = None) -> int:
     else:
         dev_desc = f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
     lines = [
-        "# Fused momentum updates: bandwidth",
-        "",
-        f"- device: {device.type} ({dev_desc}); backend: `{backend}`; torch {torch.__version__}",
+        *header_lines("Fused momentum updates: bandwidth"),
+        f"- device: {device.type} ({dev_desc}); backend: `{backend}`"
+        f"{f' (cpu loops: {isa})' if (isa := cpu_vector_isa()) else ''}; torch {torch.__version__}",
         f"- matrix {rows} x {cols} = {numel / 2**20:.0f} Mi elements, block_size {bs}, beta {beta}, nesterov, "
         f"{args.reps} interleaved repetitions (each {inner} back-to-back calls; odd ones in reverse case order) after "
         f"{args.warmup} warm-up, medians",
