@@ -43,7 +43,7 @@ constexpr int kNearest = 0;
 constexpr int kFloor = 1;
 #endif
 
-template <typename CodeT, int ROUND>
+template <int ROUND>
 inline int32_t code_of(float x, float inv) {
   const float q = fmul(x, inv);
   return static_cast<int32_t>(clamp_code(ROUND == kNearest ? round_half_even(q) : round_down(q)));
@@ -65,13 +65,13 @@ inline void store_codes(const float* __restrict x, float inv, CodeT* __restrict 
     if constexpr (std::is_same_v<CodeT, uint8_t>) qi = _mm512_add_epi32(qi, _mm512_set1_epi32(128));
     _mm512_mask_cvtepi32_storeu_epi8(codes + i, 0xFFFF, qi);
   }
-  for (; i < n; ++i) codes[i] = CodeIO<CodeT>::store_int(code_of<CodeT, ROUND>(x[i], inv));
+  for (; i < n; ++i) codes[i] = CodeIO<CodeT>::store_int(code_of<ROUND>(x[i], inv));
 #else
   // Portable: codes into an int32 staging buffer, then narrowed to bytes in a second loop. One loop
   // from floats straight to bytes makes g++ vectorize 64 codes per iteration through mask and byte-
   // permute sequences; split, each loop runs 16 lanes wide and the narrowing is a plain pack.
   alignas(64) int32_t qi[kMaxBlockSize];
-  for (; i < n; ++i) qi[i] = code_of<CodeT, ROUND>(x[i], inv);
+  for (; i < n; ++i) qi[i] = code_of<ROUND>(x[i], inv);
   for (i = 0; i < n; ++i) codes[i] = CodeIO<CodeT>::store_int(qi[i]);
 #endif
 }
