@@ -1,6 +1,27 @@
-"""``optimizer.step()`` wall time: QMuon (fp32 / bf16 / int8 / uint8 momentum) vs ``torch.optim.Muon``
-vs ``torch.optim.AdamW`` on the same GPT-shaped matrices, plus a breakdown of where QMuon spends
-its step (finite check, momentum-update op, Newton-Schulz, the rest).
+"""``optimizer.step()`` wall time: QMuon int8 with its default Newton-Schulz dtype (``ns_dtype="auto"``)
+vs ``ns_dtype="bf16"`` vs ``ns_dtype="fp32"`` vs ``torch.optim.Muon`` on the same GPT-shaped matrices,
+the CPU it ran on (ATen CPU capability, bf16 flags, what ``"auto"`` resolved to and why), the ratios
+the step-time targets need (PASS / MISS), and a breakdown of where each optimizer spends its step
+(non-finite check, momentum-update op, Newton-Schulz, batch assembly / apply, the rest).
+
+Optimizer names
+---------------
+``torch.Muon``, ``torch.AdamW``, and ``qmuon-<state_format>[-noparts][-ns<auto|bf16|fp32>][-<coefficients>]``:
+
+* ``<state_format>``: ``int8``, ``uint8``, ``fp32``, ``bf16``, ... (QMuon's ``state_format``);
+* ``-noparts``: one Muon group without ``parts``: the fused qkv matrix is orthogonalized whole, the
+  same work as ``torch.optim.Muon`` (with ``parts=(d, d, d)`` QMuon runs three d x d Newton-Schulz
+  instead of one 3d x d: more matmul flops, an algorithmic difference);
+* ``-nsbf16`` / ``-nsfp32`` / ``-nsauto``: ``ns_dtype``; without it QMuon's default (``"auto"``);
+* ``-polar_express`` (or any other ``ns_coefficients`` preset name): ``ns_coefficients``; default ``"muon"``.
+
+Targets (judged per matrix set on the median of per-round ratios)
+----------------------------------------------------------------
+1. ``qmuon-int8-noparts`` (default ``ns_dtype``) <= 1.0x ``torch.optim.Muon``;
+2. ``qmuon-int8-noparts`` within 1.15x of the faster (lower median) of ``-nsbf16`` / ``-nsfp32``;
+3. on a CPU without native bf16 matmul: ``qmuon-int8-noparts`` <= 0.1x ``torch.optim.Muon``
+   (reported as not applicable where bf16 matmul is native; emulate such a CPU with
+   ``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2``).
 
 Method
 ------
@@ -8,30 +29,38 @@ Method
 * Gradients come from a pool of pre-generated random sets. Before *every* timed step each
   optimizer's ``.grad`` tensors are restored from the pool (``copy_``, outside the timed region):
   QMuon overwrites ``.grad`` with the Newton-Schulz input, so grads must be reset each step.
+* ``ns_dtype="auto"`` is resolved (and a bf16 / fp32 matmul timed, for the record) before anything
+  is timed, so no decision lands in a timed step.
 * Repetitions are interleaved: in each round every optimizer takes one step (round-robin, the
-  starting optimizer rotates each round), so machine noise hits all of them alike. The table
-  reports the median over rounds, the 25th-75th percentile, and two ratios against
-  ``torch.optim.Muon``: ratio of medians and the median of per-round ratios (paired, which is the
-  less noise-sensitive one and the one the PASS/FAIL line uses).
+  starting optimizer rotates each round), so machine noise hits all of them alike. The tables
+  report the median over rounds, the 25th-75th percentile, the ratio of medians and the median of
+  per-round ratios (paired, the less noise-sensitive one and the one the targets use).
 * The breakdown runs after the timing rounds under ``torch.profiler`` with ``record_function``
-  ranges added by a benchmark-only subclass (the library is not modified), again interleaved.
+  ranges added by a benchmark-only subclass and module-level wrappers (the library is not
+  modified), again interleaved.
 
-    python benchmarks/bench_step.py                       # d=512, 4 layers (~2-3 min on 2 cores)
+    python benchmarks/bench_step.py                       # d=256 x 4 and d=512 x 4 layers, writes results/step_time.md
     python benchmarks/bench_step.py --preset gpt-small    # d=768, 12 layers
-    python benchmarks/bench_step.py --steps 5 --warmup 1 --no-write   # quick look
+    python benchmarks/bench_step.py --configs 256x4:20,512x4:10   # DxLAYERS[:rounds], any number
+    python benchmarks/bench_step.py --steps 5 --warmup 1 --profile-steps 1 --no-write   # quick look
+    ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 python benchmarks/bench_step.py --configs 256x4 \\
+        --steps 4 --warmup 1 --profile-steps 1 --out benchmarks/results/step_time_avx2.md   # no native bf16
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
+import platform
 import resource
 import statistics
 import sys
 import time
 from collections import defaultdict
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -39,25 +68,39 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import RESULTS_DIR, default_threads, ensure_backend, gpt_matrices, header_lines, make_params, md_table, qmuon_param_groups  # noqa: E402
+from _common import RESULTS_DIR, cpu_name, default_threads, ensure_backend, gpt_matrices, header_lines, make_params, md_table, qmuon_param_groups  # noqa: E402
 
 import qmuon_lightning.optim.qmuon as qmuon_mod  # noqa: E402
 from qmuon_lightning import QMuon  # noqa: E402
 
-PRESETS = {"small": (512, 4), "gpt-small": (768, 12)}
-ALL_OPTIMIZERS = (
-    "torch.Muon", "qmuon-fp32", "qmuon-bf16", "qmuon-int8", "qmuon-uint8", "qmuon-int8-noparts", "torch.AdamW",
-)
-#: ``-noparts``: the fused qkv matrices are orthogonalized whole (no ``parts``), exactly the work
-#: torch.optim.Muon does; with ``parts`` QMuon runs three d x d Newton-Schulz per qkv instead of one
-#: d x 3d, which costs more flops (an algorithmic difference, not an implementation one).
-DEFAULT_OPTIMIZERS = ("torch.Muon", "qmuon-fp32", "qmuon-bf16", "qmuon-int8", "qmuon-int8-noparts", "torch.AdamW")
+try:  # the refactored QMuon: the step runs through qmuon_lightning.core.pipeline
+    import qmuon_lightning.core.pipeline as pipeline_mod  # noqa: E402
+except ImportError:  # pragma: no cover - older checkouts
+    pipeline_mod = None
+try:
+    from qmuon_lightning.core import newton_schulz as ns_mod  # noqa: E402
+except ImportError:  # pragma: no cover - older checkouts (no ns_dtype)
+    ns_mod = None
+
+NS_DTYPES = tuple(getattr(ns_mod, "NS_DTYPES", ()))
+NS_PRESETS = tuple(getattr(ns_mod, "NS_PRESETS", {}))
+NS_DTYPE_ENV = getattr(ns_mod, "NS_DTYPE_ENV", "QMUON_NS_DTYPE")
+
+#: preset -> matrix sets (d_model, layers); the default covers the issue's d=256 x 4 layers (3.1M
+#: elements) and a 4x bigger set.
+PRESETS = {"default": ((256, 4), (512, 4)), "small": ((512, 4),), "gpt-small": ((768, 12),)}
 BASELINE = "torch.Muon"
-# int8 QMuon step time <= 1.0x torch.optim.Muon, judged like for like: torch.optim.Muon orthogonalizes
-# a fused qkv matrix whole, so the comparison uses the same work (no ``parts``). Orthogonalizing
-# q, k, v separately (``qmuon-int8``) is more matmul flops by construction and is reported beside it.
-TARGET = ("qmuon-int8-noparts", 1.0)
-INFO = ("qmuon-int8",)
+DEFAULT = "qmuon-int8-noparts"  # QMuon int8, default ns_dtype ("auto"), same NS work as torch.optim.Muon
+BF16 = DEFAULT + "-nsbf16"
+FP32 = DEFAULT + "-nsfp32"
+POLAR = DEFAULT + "-polar_express"
+DEFAULT_OPTIMIZERS = (BASELINE, DEFAULT, BF16, FP32, POLAR)
+EXAMPLES = ("torch.Muon", "torch.AdamW", "qmuon-int8", "qmuon-int8-noparts", "qmuon-int8-noparts-nsfp32",
+            "qmuon-fp32", "qmuon-bf16", "qmuon-uint8", "qmuon-int8-noparts-polar_express")
+#: target thresholds (median per-round ratios)
+T_VS_MUON = 1.0
+T_VS_EXPLICIT = 1.15
+T_NO_BF16 = 0.1
 
 
 # ---------------------------------------------------------------------------------------- phases
@@ -75,14 +118,22 @@ class PhasedQMuon(QMuon):
             with record_function("phase/finite_check"):
                 return super()._finite_mask(*args, **kwargs)
 
-    def _muon_momentum_step(self, *args, **kwargs):
-        with record_function("phase/momentum_step"):
-            return super()._muon_momentum_step(*args, **kwargs)
+    # Momentum + NS items of one group: ``_muon_group_step`` (pipeline QMuon), ``_muon_momentum_step`` before.
+    if hasattr(QMuon, "_muon_group_step"):
+        def _muon_group_step(self, *args, **kwargs):
+            with record_function("phase/momentum_step"):
+                return super()._muon_group_step(*args, **kwargs)
+    elif hasattr(QMuon, "_muon_momentum_step"):
+        def _muon_momentum_step(self, *args, **kwargs):
+            with record_function("phase/momentum_step"):
+                return super()._muon_momentum_step(*args, **kwargs)
 
-    @staticmethod
-    def _orthogonalize_and_apply(ns_queue):
-        with record_function("phase/orthogonalize_and_apply"):
-            return QMuon._orthogonalize_and_apply(ns_queue)
+    # Older QMuon: a staticmethod; the pipeline QMuon calls ``pipeline.orthogonalize`` (patched below).
+    if hasattr(QMuon, "_orthogonalize_and_apply"):
+        @staticmethod
+        def _orthogonalize_and_apply(*args, **kwargs):
+            with record_function("phase/orthogonalize_and_apply"):
+                return QMuon._orthogonalize_and_apply(*args, **kwargs)
 
 
 #: Older QMuon ran the finite check inside ``_muon_momentum_step``; current ones run it first in ``step()``.
@@ -91,8 +142,12 @@ FINITE_CHECK_IN_MOMENTUM_STEP = not hasattr(QMuon, "_updatable_params")
 
 @contextmanager
 def _patched(module, name: str, label: str):
-    """Wrap ``module.name`` (a function looked up at call time) in a profiler range."""
-    orig = getattr(module, name)
+    """Wrap ``module.name`` (a function looked up at call time) in a profiler range; nothing if
+    ``module`` has no such attribute."""
+    orig = getattr(module, name, None) if module is not None else None
+    if orig is None:
+        yield False
+        return
 
     def wrapper(*args, **kwargs):
         with record_function(label):
@@ -100,9 +155,54 @@ def _patched(module, name: str, label: str):
 
     setattr(module, name, wrapper)
     try:
-        yield
+        yield True
     finally:
         setattr(module, name, orig)
+
+
+def _module_patches() -> list[tuple[object, str, str]]:
+    """(module, function, range) for the module-level functions the step calls: pipeline QMuon
+    calls ``pipeline.orthogonalize`` which calls the pipeline module's own ``newton_schulz_folded``
+    global (``from .newton_schulz import newton_schulz_folded``, so it is patched there)."""
+    import torch.optim._muon as torch_muon_mod
+
+    out: list[tuple[object, str, str]] = []
+    if pipeline_mod is not None and hasattr(pipeline_mod, "orthogonalize"):
+        out += [(pipeline_mod, "orthogonalize", "phase/orthogonalize_and_apply"),
+                (pipeline_mod, "newton_schulz_folded", "phase/newton_schulz")]
+    elif hasattr(qmuon_mod, "newton_schulz_folded"):  # older checkouts
+        out.append((qmuon_mod, "newton_schulz_folded", "phase/newton_schulz"))
+    out.append((torch_muon_mod, "_zeropower_via_newtonschulz", "phase/newton_schulz"))
+    return out
+
+
+# ---------------------------------------------------------------------------------------- names
+def parse_qmuon_name(name: str) -> tuple[str, bool, dict]:
+    """``qmuon-<fmt>[-noparts][-ns<dtype>][-<coefficients preset>]`` -> (fmt, noparts, QMuon kwargs)."""
+    tokens = name.split("-")
+    if tokens[0] != "qmuon" or len(tokens) < 2 or not tokens[1]:
+        raise ValueError(_unknown(name))
+    fmt, noparts, kw = tokens[1], False, {}
+    for m in tokens[2:]:
+        if m == "noparts":
+            noparts = True
+        elif m.startswith("ns") and m[2:] in NS_DTYPES:
+            kw["ns_dtype"] = m[2:]
+        elif m in NS_PRESETS:
+            kw["ns_coefficients"] = m
+        else:
+            raise ValueError(_unknown(name))
+    return fmt, noparts, kw
+
+
+def _unknown(name: str) -> str:
+    return (f"unknown optimizer {name!r}; use torch.Muon, torch.AdamW or "
+            f"qmuon-<state_format>[-noparts][-ns<{'|'.join(NS_DTYPES) or 'dtype'}>][-<{'|'.join(NS_PRESETS) or 'preset'}>], "
+            f"e.g. {', '.join(EXAMPLES)}")
+
+
+def _dtype_name(dt: torch.dtype) -> str:
+    return {torch.bfloat16: "bf16", torch.float32: "fp32"}.get(dt, str(dt))
 
 
 # ---------------------------------------------------------------------------------------- setup
@@ -118,13 +218,29 @@ class Runner:
         elif name == "torch.AdamW":
             self.opt = torch.optim.AdamW(self.params)
         elif name.startswith("qmuon-"):
-            fmt, _, variant = name.split("-", 1)[1].partition("-")
-            if variant not in ("", "noparts"):
-                raise ValueError(f"unknown optimizer {name!r}; choose from {', '.join(ALL_OPTIMIZERS)}")
-            groups = [{"params": self.params}] if variant == "noparts" else qmuon_param_groups(specs, self.params)
-            self.opt = qcls(groups, state_format=fmt)
+            fmt, noparts, kw = parse_qmuon_name(name)
+            groups = [{"params": self.params}] if noparts else qmuon_param_groups(specs, self.params)
+            self.opt = qcls(groups, state_format=fmt, **kw)
         else:
-            raise ValueError(f"unknown optimizer {name!r}; choose from {', '.join(ALL_OPTIMIZERS)}")
+            raise ValueError(_unknown(name))
+
+    def ns_label(self) -> tuple[str, str]:
+        """(NS dtype, NS coefficients) this optimizer runs, as shown in the table."""
+        if self.name == "torch.Muon":
+            return "bf16 (always)", "muon"
+        if not isinstance(self.opt, QMuon):
+            return "-", "-"
+        g = self.opt.param_groups[0]
+        req = g.get("ns_dtype", "bf16")
+        coeffs = g.get("ns_coefficients", "muon")
+        coeffs = coeffs if isinstance(coeffs, str) else "custom"
+        if ns_mod is None:
+            return str(req), coeffs
+        res = _dtype_name(ns_mod.resolve_ns_dtype(req, "cpu"))
+        if req != "auto":
+            return res, coeffs
+        pinned = f", pinned by {NS_DTYPE_ENV}" if os.environ.get(NS_DTYPE_ENV, "").strip() else ""
+        return f"auto → {res}{pinned}", coeffs
 
     def restore_grads(self, grads: list[torch.Tensor]) -> None:
         for p, g in zip(self.params, grads):
@@ -154,6 +270,11 @@ def pct(xs: list[float], q: float) -> float:
     i = (len(xs) - 1) * q
     lo, hi = int(i), min(int(i) + 1, len(xs) - 1)
     return xs[lo] + (xs[hi] - xs[lo]) * (i - lo)
+
+
+def paired(a: list[float], b: list[float]) -> float:
+    """Median of per-round ratios a_i / b_i."""
+    return statistics.median([x / y for x, y in zip(a, b)])
 
 
 # ---------------------------------------------------------------------------------------- timing
@@ -189,10 +310,9 @@ def profile_breakdown(specs, names: list[str], pool, reps: int, seed: int, log: 
         runners[n].restore_grads(pool[0])
         runners[n].opt.step()
     acc: dict[str, dict] = {n: {"events": defaultdict(lambda: [0.0, 0.0, 0]), "steps": 0, "wall": []} for n in names}
-    import torch.optim._muon as torch_muon_mod
-
-    with _patched(qmuon_mod, "newton_schulz_folded", "phase/newton_schulz"), \
-            _patched(torch_muon_mod, "_zeropower_via_newtonschulz", "phase/newton_schulz"):
+    with ExitStack() as stack:
+        for mod, fn, label in _module_patches():
+            stack.enter_context(_patched(mod, fn, label))
         for rep in range(reps):
             for n in rotated(names, rep):
                 r = runners[n]
@@ -221,18 +341,22 @@ def profile_breakdown(specs, names: list[str], pool, reps: int, seed: int, log: 
         ns = tot("phase/newton_schulz")
         phases: list[tuple[str, float]] = []
         if n.startswith("qmuon-"):
-            op = tot("qmuon::q8_momentum_update_multi_") + tot("qmuon::dense_momentum_update_multi_")
+            # the public op (``qmuon::``) only: the compiled kernel (``qmuon_C::``) is nested in it
+            op = sum(v[1] for k, v in ev.items() if k.startswith("qmuon::") and k.endswith("_momentum_update_multi_"))
             finite = tot("phase/finite_check")
             mstep = tot("phase/momentum_step")
             ortho = tot("phase/orthogonalize_and_apply")
             nested = FINITE_CHECK_IN_MOMENTUM_STEP
+            group_fn = "_muon_group_step" if hasattr(QMuon, "_muon_group_step") else "_muon_momentum_step"
+            ortho_fn = "pipeline.orthogonalize" if pipeline_mod is not None else "_orthogonalize_and_apply"
+            ns_fn = "pipeline.newton_schulz_folded" if pipeline_mod is not None else "newton_schulz_folded"
             phases = [
-                ("non-finite gradient check (`_foreach_norm(grads, inf)`)", finite),
+                ("non-finite gradient check (`_updatable_params`: fused `_foreach_norm`)", finite),
                 ("momentum-update op (`torch.ops.qmuon.*_momentum_update_multi_`)", op),
-                ("rest of `_muon_momentum_step` (state init, `step += 1`, weight decay, per-part sums)",
+                (f"rest of `{group_fn}` (state init, `step += 1`, weight decay, NS items)",
                  mstep - op - (finite if nested else 0.0)),
-                ("Newton-Schulz (`newton_schulz_folded`)", ns),
-                ("NS batch assembly + parameter update (`_orthogonalize_and_apply` minus NS)", ortho - ns),
+                (f"Newton-Schulz (`{ns_fn}`)", ns),
+                (f"NS batch assembly + parameter update (`{ortho_fn}` minus NS)", ortho - ns),
                 ("rest of `step()` (Python, dict bookkeeping)", step - mstep - ortho - (0.0 if nested else finite)),
             ]
         elif n == "torch.Muon":
@@ -264,100 +388,224 @@ def contention_note(load_start: float, load_end: float, threads: int) -> list[st
         msg += ("With several torch threads every parallel region can stall until a descheduled worker thread "
                 "runs again (up to a scheduler tick), which inflates absolute times and favours implementations "
                 "with fewer, larger ops (QMuon batches its Newton-Schulz matmuls; torch.optim.Muon runs ~15 small "
-                "ops per matrix). Treat the ratios as indicative only and cross-check with `--threads 1` "
-                "(insensitive to that effect) or on an idle machine.")
+                "ops per matrix). Treat the ratios vs torch.optim.Muon as indicative only and cross-check with "
+                "`--threads 1` (insensitive to that effect) or on an idle machine; the QMuon-vs-QMuon ratios "
+                "(ns_dtype) share the same batching and are less affected.")
     else:
         msg += "Single-threaded timings are affected by time slicing but not by thread stalls; ratios stay usable."
     return [msg, ""]
 
 
+# ---------------------------------------------------------------------------------------- the CPU
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+@dataclass
+class CpuInfo:
+    model: str
+    capability: str
+    bf16_flags: list[str]
+    env: dict[str, str]
+    auto: str  # what ns_dtype="auto" resolved to on CPU in this process
+    native_bf16: bool | None  # the library's instruction-set rule; None if unknown
+    reason: str
+    t_bf16_ms: float | None
+    t_fp32_ms: float | None
+
+    @property
+    def emulated(self) -> bool:
+        return bool(self.bf16_flags) and self.native_bf16 is False
+
+
+def cpu_info() -> CpuInfo:
+    """The CPU, ``ns_dtype="auto"``'s decision (resolved now, before anything is timed) and a
+    single-thread bf16 vs fp32 matmul timing for the record."""
+    try:
+        cap = torch.backends.cpu.get_cpu_capability()
+    except Exception:  # pragma: no cover - very old torch
+        cap = "unknown"
+    flags = _cpu_flags()
+    bf16 = sorted(f for f in flags if f in ("avx512_bf16", "amx_bf16", "amx_tile", "bf16"))
+    env = {k: os.environ[k] for k in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", NS_DTYPE_ENV) if os.environ.get(k)}
+    if ns_mod is None:
+        return CpuInfo(cpu_name(), cap, bf16, env, "n/a (no ns_dtype in this checkout)", None, "", None, None)
+    auto = _dtype_name(ns_mod.resolve_ns_dtype("auto", "cpu"))
+    native, reason = ns_mod._probe_cpu_bf16() if hasattr(ns_mod, "_probe_cpu_bf16") else (None, "")
+    t16 = t32 = None
+    if hasattr(ns_mod, "measure_cpu_bf16_ratio"):
+        t16, t32 = ns_mod.measure_cpu_bf16_ratio(reps=9)
+        t16, t32 = t16 * 1e3, t32 * 1e3
+    return CpuInfo(cpu_name(), cap, bf16, env, auto, native, reason, t16, t32)
+
+
+def cpu_lines(c: CpuInfo) -> list[str]:
+    env = ", ".join(f"`{k}={v}`" for k, v in c.env.items()) or "none of `ATEN_CPU_CAPABILITY`, `ONEDNN_MAX_CPU_ISA`, " \
+        f"`{NS_DTYPE_ENV}` set"
+    lines = [
+        f"- CPU: {c.model}; ATen CPU capability **{c.capability}**; bf16 flags in /proc/cpuinfo: "
+        f"{', '.join(c.bf16_flags) or 'none'}; environment: {env}",
+    ]
+    if c.emulated:
+        lines.append("- **Emulated CPU without native bf16 matmul:** the CPU has bf16 instructions, but the environment "
+                     "caps ATen / oneDNN below them, so bf16 GEMMs run emulated as on an AVX2-only CPU.")
+    if c.env.get(NS_DTYPE_ENV):
+        lines.append(f"- `ns_dtype=\"auto\"` -> **{c.auto}**, pinned by `{NS_DTYPE_ENV}={c.env[NS_DTYPE_ENV]}` "
+                     f"(the instruction-set rule would say: {c.reason})")
+    else:
+        lines.append(f"- `ns_dtype=\"auto\"` -> **{c.auto}** (resolved before timing): {c.reason or 'n/a'}")
+    if c.t_bf16_ms is not None:
+        lines.append(f"- For the record (`measure_cpu_bf16_ratio`: 256x256 matmul, 1 thread, median of 9; the automatic "
+                     f"choice does not time anything): bf16 {c.t_bf16_ms:.3f} ms vs fp32 {c.t_fp32_ms:.3f} ms, "
+                     f"bf16/fp32 = {c.t_bf16_ms / c.t_fp32_ms:.2f}")
+    return lines
+
+
+# ---------------------------------------------------------------------------------------- verdicts
+def targets(times: dict[str, list[float]], c: CpuInfo) -> list[dict]:
+    """The step-time targets on one matrix set: [{name, ratio, rom, ok_rounds, rounds, verdict, note}]."""
+    med = {n: statistics.median(t) for n, t in times.items()}
+    out: list[dict] = []
+
+    def row(label: str, a: str, b: str, limit: float, applicable: bool = True, note: str = "") -> None:
+        r = paired(times[a], times[b])
+        ok_rounds = sum(x / y <= limit for x, y in zip(times[a], times[b]))
+        verdict = ("PASS" if r <= limit else "MISS") if applicable else "n/a"
+        out.append({"target": label, "a": a, "b": b, "limit": limit, "ratio": r, "rom": med[a] / med[b],
+                    "ok_rounds": ok_rounds, "rounds": len(times[a]), "verdict": verdict, "note": note})
+
+    if DEFAULT in times and BASELINE in times:
+        row(f"default QMuon int8 <= {T_VS_MUON:g}x torch.optim.Muon", DEFAULT, BASELINE, T_VS_MUON)
+    if DEFAULT in times and BF16 in times and FP32 in times:
+        faster = BF16 if med[BF16] <= med[FP32] else FP32
+        row(f"default within {T_VS_EXPLICIT:g}x of the faster explicit ns_dtype "
+            f"(`{'bf16' if faster == BF16 else 'fp32'}`, lower median)", DEFAULT, faster, T_VS_EXPLICIT)
+    if DEFAULT in times and BASELINE in times:
+        if c.native_bf16 is False:
+            row(f"no native bf16 matmul: default <= {T_NO_BF16:g}x torch.optim.Muon", DEFAULT, BASELINE, T_NO_BF16)
+        else:
+            row(f"no native bf16 matmul: default <= {T_NO_BF16:g}x torch.optim.Muon", DEFAULT, BASELINE, T_NO_BF16,
+                applicable=False, note="this CPU has native bf16 matmul; see the AVX2-capped run")
+    if c.env.get(NS_DTYPE_ENV):
+        for t in out:
+            t["note"] = (t["note"] + "; " if t["note"] else "") + f"default pinned by {NS_DTYPE_ENV}"
+    return out
+
+
+def fmt_ratio(t: dict) -> str:
+    return f"{t['ratio']:.3f}x"
+
+
 # ---------------------------------------------------------------------------------------- main
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--preset", choices=sorted(PRESETS), default="small",
-                    help="small: d=512, 4 layers (default); gpt-small: d=768, 12 layers")
-    ap.add_argument("--d-model", type=int, help="override the preset's d_model")
-    ap.add_argument("--layers", type=int, help="override the preset's number of layers")
-    ap.add_argument("--steps", type=int, default=15, help="timed rounds (each optimizer steps once per round)")
-    ap.add_argument("--warmup", type=int, default=2, help="untimed rounds first")
-    ap.add_argument("--pool", type=int, default=3, help="pre-generated gradient sets, used in turn")
-    ap.add_argument("--profile-steps", type=int, default=3, help="profiled rounds for the breakdown (0: skip)")
-    ap.add_argument("--optimizers", default=",".join(DEFAULT_OPTIMIZERS), help=f"comma list from {','.join(ALL_OPTIMIZERS)}")
-    ap.add_argument("--threads", type=int, default=default_threads())
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", type=Path, help="markdown output (default benchmarks/results/step_time[_PRESET].md)")
-    ap.add_argument("--no-write", action="store_true")
-    args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-    d, layers = PRESETS[args.preset]
-    d = args.d_model or d
-    layers = args.layers or layers
-    names = [n.strip() for n in args.optimizers.split(",") if n.strip()]
-    if BASELINE not in names:
-        names.insert(0, BASELINE)
+def parse_configs(args) -> tuple[list[tuple[int, int, int]], str]:
+    """[(d_model, layers, rounds)] and the output-name tag ('' for the default preset)."""
+    if args.configs:
+        out = []
+        for spec in args.configs.split(","):
+            spec = spec.strip()
+            if not spec:
+                continue
+            shape, _, rounds = spec.partition(":")
+            d, _, layers = shape.lower().partition("x")
+            try:
+                out.append((int(d), int(layers), int(rounds) if rounds else args.steps))
+            except ValueError:
+                raise SystemExit(f"--configs: expected DxLAYERS[:ROUNDS] entries like 256x4:20, got {spec!r}") from None
+        return out, "_".join(f"d{d}_l{l}" for d, l, _ in out)
+    sets = PRESETS[args.preset]
+    if args.d_model is not None or args.layers is not None:
+        d = args.d_model or sets[-1][0]
+        layers = args.layers or sets[-1][1]
+        return [(d, layers, args.steps)], f"d{d}_l{layers}"
+    return [(d, layers, args.steps) for d, layers in sets], "" if args.preset == "default" else args.preset
 
-    def log(msg: str) -> None:
-        print(msg, file=sys.stderr, flush=True)
 
+def run_config(d: int, layers: int, steps: int, names: list[str], args, c: CpuInfo, log: Callable) -> dict:
     specs = gpt_matrices(d, layers)
     n_elems = sum(s.shape[0] * s.shape[1] for s in specs)
-    backend = ensure_backend()  # builds the compiled kernels, if any, before anything is timed
-    log(f"{len(specs)} matrices, {n_elems:,} elements, threads={torch.get_num_threads()}, "
-        f"torch.ops.qmuon backend: {backend}, optimizers: {', '.join(names)}")
-    t_start = time.perf_counter()
-    load_start = os.getloadavg()
+    log(f"d={d}, {layers} layers: {len(specs)} matrices, {n_elems:,} elements, {steps} rounds")
+    t0 = time.perf_counter()
+    load_start = os.getloadavg()[0]
     pool = make_pool(specs, args.pool, args.seed)
     runners = {n: Runner(n, specs, args.seed) for n in names}
-    times, faults = time_interleaved(runners, pool, args.steps, args.warmup, log)
+    ns_labels = {n: r.ns_label() for n, r in runners.items()}
+    times, faults = time_interleaved(runners, pool, steps, args.warmup, log)
     del runners
     gc.collect()
 
     base = times[BASELINE]
     med = {n: statistics.median(t) * 1e3 for n, t in times.items()}
-    paired = {n: statistics.median([a / b for a, b in zip(t, base)]) for n, t in times.items()}
-    faster = {n: sum(a <= b for a, b in zip(t, base)) for n, t in times.items()}
     rows = []
     for n in names:
         t = [x * 1e3 for x in times[n]]
         rows.append([
-            f"`{n}`", f"{med[n]:.1f}", f"{pct(t, 0.25):.1f} - {pct(t, 0.75):.1f}", f"{min(t):.1f}",
-            f"{med[n] / med[BASELINE]:.3f}x", f"{paired[n]:.3f}x", f"{faster[n]}/{len(t)}",
-            f"{statistics.median(faults[n]):,.0f}",
+            f"`{n}`", ns_labels[n][0], ns_labels[n][1], f"{med[n]:.1f}", f"{pct(t, 0.25):.1f} - {pct(t, 0.75):.1f}",
+            f"{min(t):.1f}", f"{med[n] / med[BASELINE]:.3f}x", f"{paired(times[n], base):.3f}x",
+            f"{sum(a <= b for a, b in zip(times[n], base))}/{len(t)}", f"{statistics.median(faults[n]):,.0f}",
         ])
     table = md_table(
-        ["optimizer", "median ms/step", "p25 - p75 ms", "min ms", "ratio of medians vs torch.Muon",
-         "median per-round ratio", "rounds <= torch.Muon", "minor page faults / step"],
-        rows,
+        ["optimizer", "NS dtype", "NS coefficients", "median ms/step", "p25 - p75 ms", "min ms",
+         "ratio of medians vs torch.Muon", "median per-round ratio vs torch.Muon", "rounds <= torch.Muon",
+         "minor page faults / step"],
+        rows, align=["l", "l", "l"] + ["r"] * 7,
     )
-    tname, tmax = TARGET
+    tg = targets(times, c)
     verdict_lines = []
-    if tname in paired:
-        ok = paired[tname] <= tmax
+    for t in tg:
         verdict_lines.append(
-            f"**Target `{tname}` <= {tmax:.1f}x `torch.optim.Muon`: {'PASS' if ok else 'FAIL'}** "
-            f"(median per-round ratio {paired[tname]:.3f}x; ratio of medians {med[tname] / med[BASELINE]:.3f}x; "
-            f"{tname} was at least as fast as torch.optim.Muon in {faster[tname]} of {len(times[tname])} rounds)."
-        )
-    for n in INFO:
-        if n in paired:
-            verdict_lines.append(
-                f"For reference, `{n}` (fused qkv orthogonalized as separate q, k, v: more matmul work): "
-                f"median per-round ratio {paired[n]:.3f}x."
-            )
-    print(table)
-    print("\n".join(verdict_lines))
+            f"- **{t['target']}: {t['verdict']}** - `{t['a']}` / `{t['b']}`: median per-round ratio {fmt_ratio(t)}, "
+            f"ratio of medians {t['rom']:.3f}x, {t['ok_rounds']} of {t['rounds']} rounds within {t['limit']:g}x"
+            + (f" ({t['note']})" if t["note"] else "") + ".")
+    info = []
+    if BF16 in times and FP32 in times:
+        info.append(f"- QMuon NS in bf16 vs fp32 (`-nsbf16` / `-nsfp32`): median per-round ratio "
+                    f"{paired(times[BF16], times[FP32]):.3f}x.")
+    if POLAR in times and DEFAULT in times:
+        info.append(f"- `ns_coefficients=\"polar_express\"` vs `\"muon\"` (same ns_dtype, same 5 steps): median per-round "
+                    f"ratio {paired(times[POLAR], times[DEFAULT]):.3f}x.")
+    if "qmuon-int8" in times:
+        info.append(f"- `qmuon-int8` (fused qkv orthogonalized as separate q, k, v: more matmul work) vs torch.optim.Muon: "
+                    f"median per-round ratio {paired(times['qmuon-int8'], base):.3f}x.")
+    elapsed_timing = time.perf_counter() - t0
+    load_end = os.getloadavg()[0]
+    body = [
+        f"## d={d}, {layers} layers: {n_elems / 1e6:.1f}M elements",
+        "",
+        f"{len(specs)} fp32 matrices, {n_elems:,} elements (qkv {3 * d}x{d}, with `parts=({d}, {d}, {d})` only in "
+        f"`qmuon-<fmt>` without `-noparts`; attn out {d}x{d}, mlp fc {4 * d}x{d}, mlp proj {d}x{4 * d}). "
+        f"{steps} timed rounds after {args.warmup} warm-up rounds ({elapsed_timing:.0f}s); 1-min load average at "
+        f"start / end {load_start:.1f} / {load_end:.1f} on {default_threads()} CPUs.",
+        "",
+        table,
+        "",
+        *verdict_lines,
+        *info,
+        "",
+        *contention_note(load_start, load_end, torch.get_num_threads()),
+    ]
+    print("\n".join(body), flush=True)
 
-    breakdown_md: list[str] = []
+    prof_md: list[str] = []
+    bd = None
     if args.profile_steps > 0:
         prof_names = [n for n in names if n != "torch.AdamW"]
         bd = profile_breakdown(specs, prof_names, pool, args.profile_steps, args.seed, log)
-        breakdown_md += [
-            "## Where the step goes",
+        ns_where = ("`qmuon_lightning.core.pipeline.newton_schulz_folded` (QMuon)" if pipeline_mod is not None
+                    else "`qmuon_lightning.optim.qmuon.newton_schulz_folded` (QMuon)")
+        prof_md += [
+            f"### Where the step goes (d={d}, {layers} layers)",
             "",
-            f"`torch.profiler` (CPU), {args.profile_steps} profiled steps per optimizer, interleaved; "
-            "mean ms per step of each phase (profiled steps are slightly slower than unprofiled ones). "
-            "QMuon phases come from `record_function` ranges added by a benchmark-only subclass; "
-            "the NS ranges wrap `qmuon_lightning.optim.qmuon.newton_schulz_folded` and "
+            f"`torch.profiler` (CPU), {args.profile_steps} profiled step(s) per optimizer, interleaved; mean ms per step "
+            "of each phase (profiled steps are slightly slower than unprofiled ones). QMuon phases come from "
+            "`record_function` ranges added by a benchmark-only subclass (`_updatable_params`, `_muon_group_step`) and "
+            f"module-level wrappers (`qmuon_lightning.core.pipeline.orthogonalize`); the NS ranges wrap {ns_where} and "
             "`torch.optim._muon._zeropower_via_newtonschulz`.",
             "",
         ]
@@ -365,49 +613,122 @@ def main() -> int:
             b = bd[n]
             prow = [[p, f"{ms:.1f}", f"{100 * ms / b['step']:.1f}%"] for p, ms in b["phases"]]
             prow.append(["**step total (profiled)**", f"**{b['step']:.1f}**", "100%"])
-            breakdown_md += [f"### `{n}`", "", md_table(["phase", "ms / step", "share"], prow), ""]
-        for n in ("qmuon-int8", "torch.Muon"):
+            prof_md += [f"#### `{n}` (NS dtype {ns_labels[n][0]})", "", md_table(["phase", "ms / step", "share"], prow), ""]
+        for n in (DEFAULT, "torch.Muon"):
             if n not in bd:
                 continue
             trow = [[f"`{k}`", f"{v[0]:.2f}", f"{v[2]:.0f}"] for k, v in bd[n]["top"]]
-            breakdown_md += [
-                f"Top aten ops of `{n}` by self CPU time (ms per step, calls per step):",
+            prof_md += [
+                f"Top ops of `{n}` by self CPU time (ms per step, calls per step):",
                 "",
                 md_table(["op", "self ms / step", "calls / step"], trow),
                 "",
             ]
-        print("\n".join(breakdown_md))
+        print("\n".join(prof_md), flush=True)
+    return {
+        "d_model": d, "layers": layers, "matrices": len(specs), "elements": n_elems, "rounds": steps,
+        "warmup": args.warmup, "load_start": load_start, "load_end": load_end,
+        "ns": {n: {"dtype": ns_labels[n][0], "coefficients": ns_labels[n][1]} for n in names},
+        "times_ms": {n: [round(x * 1e3, 3) for x in t] for n, t in times.items()},
+        "minor_faults": faults,
+        "targets": tg,
+        "phases_ms": {n: {p: round(ms, 3) for p, ms in b["phases"]} | {"step": round(b["step"], 3)}
+                      for n, b in bd.items()} if bd else {},
+        "md": body + prof_md,
+    }
 
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", choices=sorted(PRESETS), default="default",
+                    help="default: d=256 x 4 and d=512 x 4 layers; small: d=512 x 4; gpt-small: d=768 x 12")
+    ap.add_argument("--configs", help="matrix sets DxLAYERS[:ROUNDS], comma separated (e.g. 256x4:20,512x4:10); "
+                                      "overrides --preset / --d-model / --layers")
+    ap.add_argument("--d-model", type=int, help="one matrix set: override the preset's d_model")
+    ap.add_argument("--layers", type=int, help="one matrix set: override the preset's number of layers")
+    ap.add_argument("--steps", type=int, default=15, help="timed rounds (each optimizer steps once per round)")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed rounds first")
+    ap.add_argument("--pool", type=int, default=3, help="pre-generated gradient sets, used in turn")
+    ap.add_argument("--profile-steps", type=int, default=2, help="profiled rounds per matrix set (0: skip)")
+    ap.add_argument("--optimizers", default=",".join(DEFAULT_OPTIMIZERS),
+                    help=f"comma list; names: torch.Muon, torch.AdamW, qmuon-<fmt>[-noparts][-ns<dtype>][-<preset>] "
+                         f"(e.g. {', '.join(EXAMPLES)})")
+    ap.add_argument("--threads", type=int, default=default_threads())
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", type=Path, help="markdown output (default benchmarks/results/step_time[_TAG].md); "
+                                             "a .json with the raw per-round times is written beside it")
+    ap.add_argument("--no-write", action="store_true")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    configs, tag = parse_configs(args)
+    names = [n.strip() for n in args.optimizers.split(",") if n.strip()]
+    if BASELINE not in names:
+        names.insert(0, BASELINE)
+    for n in names:  # fail on a bad name before anything runs
+        if n.startswith("qmuon-"):
+            parse_qmuon_name(n)
+        elif n not in ("torch.Muon", "torch.AdamW"):
+            raise SystemExit(_unknown(n))
+
+    def log(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    backend = ensure_backend()  # builds the compiled kernels, if any, before anything is timed
+    c = cpu_info()  # resolves ns_dtype="auto" now, outside any timed step
+    log(f"threads={torch.get_num_threads()}, torch.ops.qmuon backend: {backend}, optimizers: {', '.join(names)}")
+    for line in cpu_lines(c):
+        log(line)
+    t_start = time.perf_counter()
+    results = [run_config(d, layers, steps, names, args, c, log) for d, layers, steps in configs]
     elapsed = time.perf_counter() - t_start
-    load_end = os.getloadavg()
-    lines = header_lines("optimizer.step() time")
-    lines += [
-        f"Matrices: GPT d={d}, {layers} layers ({'preset `' + args.preset + '`' if (args.d_model is None and args.layers is None) else 'custom'}): "
-        f"{len(specs)} fp32 matrices, {n_elems:,} elements (qkv {3 * d}x{d} with `parts=({d}, {d}, {d})`, "
-        f"attn out {d}x{d}, mlp fc {4 * d}x{d}, mlp proj {d}x{4 * d}). Default hyperparameters for every optimizer "
-        "(QMuon: block_size 256, nearest rounding; torch.optim.AdamW: default implementation choice on CPU).",
+
+    summary_rows = []
+    for r in results:
+        for t in r["targets"]:
+            summary_rows.append([f"d={r['d_model']} x {r['layers']} ({r['elements'] / 1e6:.1f}M)", t["target"],
+                                 f"`{t['a']}` / `{t['b']}`", fmt_ratio(t), f"{t['rom']:.3f}x",
+                                 f"{t['ok_rounds']}/{t['rounds']}", f"**{t['verdict']}**"])
+    summary = md_table(["matrices", "target", "ratio", "median per-round ratio", "ratio of medians",
+                        "rounds within target", "verdict"], summary_rows, align=["l", "l", "l", "r", "r", "r", "l"])
+    print("\n" + summary)
+
+    head = header_lines("optimizer.step() time: QMuon int8 ns_dtype auto / bf16 / fp32 vs torch.optim.Muon")
+    if head and head[-1] == "":
+        head = head[:-1]
+    lines = head + cpu_lines(c) + [
         "",
-        f"{args.steps} timed rounds after {args.warmup} warm-up rounds; in each round every optimizer takes one "
-        f"`step()` (round-robin, rotating start). Before each step its `.grad` tensors are restored from a pool of "
-        f"{args.pool} pre-generated random gradient sets (not timed). Total run time {elapsed:.0f}s. "
-        f"1-min load average at start / end: {load_start[0]:.1f} / {load_end[0]:.1f} on "
-        f"{default_threads()} CPUs (above the CPU count means other processes competed for the cores; "
-        "the paired per-round ratio is the column least affected by that).",
+        f"Optimizers: {', '.join(f'`{n}`' for n in names)}. `{DEFAULT}` is QMuon int8 with its defaults "
+        "(`ns_dtype=\"auto\"`, `ns_coefficients=\"muon\"`, block_size 256, nearest rounding) in one group without "
+        "`parts`, i.e. the same Newton-Schulz work as `torch.optim.Muon` (fused qkv orthogonalized whole); "
+        "`-nsbf16` / `-nsfp32` pin `ns_dtype`, `-polar_express` sets `ns_coefficients`. Every optimizer owns a copy of "
+        f"the same matrices; in each round every optimizer takes one `step()` (round-robin, rotating start) after its "
+        f"`.grad` tensors are restored from a pool of {args.pool} pre-generated random gradient sets (not timed). "
+        f"Total run time {elapsed:.0f}s.",
         "",
-        table,
+        "### Targets",
         "",
-        *verdict_lines,
+        "Median of per-round ratios (each round times every optimizer once, so the pair shares the machine's state).",
         "",
-        *contention_note(load_start[0], load_end[0], torch.get_num_threads()),
-        *breakdown_md,
+        summary,
+        "",
+        *[x for r in results for x in r["md"]],
     ]
     text = "\n".join(lines)
     if not args.no_write:
-        out = args.out or RESULTS_DIR / ("step_time.md" if args.preset == "small" and args.d_model is None
-                                         and args.layers is None else f"step_time_{args.preset if args.d_model is None and args.layers is None else f'd{d}_l{layers}'}.md")
+        out = args.out or RESULTS_DIR / (f"step_time_{tag}.md" if tag else "step_time.md")
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(text)
-        log(f"wrote {out}")
+        meta = {
+            "header": head, "threads": torch.get_num_threads(), "optimizers": names, "pool": args.pool,
+            "python": platform.python_version(), "torch": torch.__version__, "backend": backend,
+            "cpu": {"model": c.model, "capability": c.capability, "bf16_flags": c.bf16_flags, "env": c.env,
+                    "auto": c.auto, "native_bf16_rule": c.native_bf16, "reason": c.reason,
+                    "matmul256_1thread_ms": {"bf16": c.t_bf16_ms, "fp32": c.t_fp32_ms}},
+            "elapsed_s": round(elapsed, 1),
+            "configs": [{k: v for k, v in r.items() if k != "md"} for r in results],
+        }
+        out.with_suffix(".json").write_text(json.dumps(meta, indent=1))
+        log(f"wrote {out} and {out.with_suffix('.json').name}")
     return 0
 
 

@@ -59,7 +59,11 @@ struct CpuBackend {
   }
   static void e0m3(const std::vector<qmuon_q4_tensor>& ts, const qmuon_q4_params& p) {
     check_cpu(qmuon_cpu_e0m3_momentum_update(ts.data(), static_cast<int64_t>(ts.size()), p),
-              "e0m3_momentum_update_multi_");
+              "e0m3 momentum update");
+  }
+  static void e0m3_amax(const std::vector<qmuon_q4_tensor>& ts, const qmuon_q4_params& p) {
+    check_cpu(qmuon_cpu_e0m3_momentum_amax(ts.data(), static_cast<int64_t>(ts.size()), p),
+              "e0m3_momentum_amax_multi");
   }
   static void dense(const std::vector<qmuon_dense_tensor>& ts, const qmuon_dense_params& p) {
     check_cpu(qmuon_cpu_dense_momentum_update(ts.data(), static_cast<int64_t>(ts.size()), p),

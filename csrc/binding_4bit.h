@@ -5,6 +5,7 @@
 // CudaBackend in binding_cuda.cpp):
 //   static void int4(const std::vector<qmuon_q4_tensor>&, const qmuon_q4_params&);
 //   static void e0m3(const std::vector<qmuon_q4_tensor>&, const qmuon_q4_params&);
+//   static void e0m3_amax(const std::vector<qmuon_q4_tensor>&, const qmuon_q4_params&);
 //   static void dense(const std::vector<qmuon_dense_tensor>&, const qmuon_dense_params&);
 //   static void codec(const qmuon_codec_args&);
 //   static constexpr bool kNeedsScratch;  // e0m3 / grid keep a device-side max (CUDA)
@@ -45,6 +46,13 @@ inline void check_2d(const at::Tensor& t, c10::ScalarType dtype, int64_t rows, i
               " has shape ", t.sizes(), " but needs (", rows, ", ", cols, ")", hint);
 }
 
+// A one-element fp32 tensor on `device` (the e0m3 tensor scales, the grid scale).
+inline void check_scalar(const at::Tensor& t, const char* what, size_t i, c10::Device device, const char* op) {
+  TORCH_CHECK(t.scalar_type() == c10::kFloat && t.numel() == 1 && t.device() == device, "qmuon: ", op, " ", what,
+              " ", i, " must be a one-element float32 tensor on ", device, ", got ", t.scalar_type(), " ", t.sizes(),
+              " on ", t.device());
+}
+
 inline void check_sumsq_out(at::TensorList block_sumsq, size_t i, const at::Tensor& g, int64_t block_size,
                             const char* op) {
   TORCH_CHECK(block_sumsq.size() > i, "qmuon: ", op, " needs one block_sumsq output per tensor");
@@ -58,16 +66,42 @@ inline void check_sumsq_out(at::TensorList block_sumsq, size_t i, const at::Tens
 // ---------------------------------------------------------------------------------------------
 // int4 / e0m3 multi-tensor updates
 // ---------------------------------------------------------------------------------------------
+enum class Q4Update { kInt4, kE0M3, kE0M3WithScale };
+
+inline const char* q4_update_name(Q4Update kind) {
+  switch (kind) {
+    case Q4Update::kInt4: return "int4_momentum_update_multi_";
+    case Q4Update::kE0M3: return "e0m3_momentum_update_multi_";
+    default: return "e0m3_momentum_update_with_scale_multi_";
+  }
+}
+
+// The e0m3 state of matrix i against its grad (shared by the updates and the amax op).
+inline void check_e0m3_state(const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& tensor_scale,
+                             const at::Tensor& g, size_t i, const char* op) {
+  check_grad(g, i, packed, op);
+  const int64_t rows = g.size(0), cols = g.size(1);
+  check_2d(packed, c10::kByte, rows, packed_cols(cols), "packed", i, op, " (two 4-bit codes per byte)");
+  check_2d(scales, c10::kByte, rows, num_blocks(cols, kE0M3Block), "scales", i, op,
+           " (one UE4M3 scale per 16 elements)");
+  check_scalar(tensor_scale, "tensor_scales", i, g.device(), op);
+  TORCH_CHECK(packed.device() == scales.device(), "qmuon: ", op, " state ", i, " is on two devices");
+}
+
+// new_tensor_scales: only for kE0M3WithScale (one 0-d fp32 tensor per matrix, read).
 template <typename Backend>
-void q4_momentum_update_multi_impl(bool e0m3, at::TensorList packed, at::TensorList scales,
-                                   at::TensorList tensor_scales, at::TensorList grads, at::TensorList block_sumsq,
-                                   double beta, bool nesterov, int64_t block_size, at::IntArrayRef streams,
-                                   at::IntArrayRef row_offsets) {
-  const char* op = e0m3 ? "e0m3_momentum_update_multi_" : "int4_momentum_update_multi_";
+void q4_momentum_update_multi_impl(Q4Update kind, at::TensorList packed, at::TensorList scales,
+                                   at::TensorList tensor_scales, at::TensorList new_tensor_scales,
+                                   at::TensorList grads, at::TensorList block_sumsq, double beta, bool nesterov,
+                                   int64_t block_size, at::IntArrayRef streams, at::IntArrayRef row_offsets) {
+  const bool e0m3 = kind != Q4Update::kInt4;
+  const bool with_scale = kind == Q4Update::kE0M3WithScale;
+  const char* op = q4_update_name(kind);
   const size_t n = packed.size();
   check_lists(op, n, {{"scales", scales.size()}, {"grads", grads.size()}, {"block_sumsq", block_sumsq.size()},
                       {"streams", streams.size()}, {"row_offsets", row_offsets.size()}});
   if (e0m3) check_lists(op, n, {{"tensor_scales", tensor_scales.size()}});
+  if (with_scale) check_lists(op, n, {{"new_tensor_scales", new_tensor_scales.size()}});
   if (e0m3) {
     TORCH_CHECK(block_size >= 1 && block_size <= kMaxBlockSize &&
                     (block_size % kE0M3Block == 0 || kE0M3Block % block_size == 0),
@@ -78,7 +112,7 @@ void q4_momentum_update_multi_impl(bool e0m3, at::TensorList packed, at::TensorL
                 " needs an even block_size in [2, ", kMaxBlockSize, "] (two codes per byte), got ", block_size);
   }
   at::Tensor scratch;
-  if (Backend::kNeedsScratch && e0m3 && n > 0) {
+  if (Backend::kNeedsScratch && kind == Q4Update::kE0M3 && n > 0) {  // pass 1's max and the old scale
     scratch = at::zeros({static_cast<int64_t>(2 * n)}, packed[0].options().dtype(c10::kFloat));
   }
   std::vector<Writable> writables;
@@ -86,25 +120,24 @@ void q4_momentum_update_multi_impl(bool e0m3, at::TensorList packed, at::TensorL
   std::map<int32_t, std::vector<qmuon_q4_tensor>> groups;
   for (size_t i = 0; i < n; ++i) {
     const at::Tensor& g = grads[i];
-    check_grad(g, i, packed[i], op);
-    const int64_t rows = g.size(0), cols = g.size(1);
-    check_2d(packed[i], c10::kByte, rows, packed_cols(cols), "packed", i, op, " (two 4-bit codes per byte)");
     if (e0m3) {
-      check_2d(scales[i], c10::kByte, rows, num_blocks(cols, kE0M3Block), "scales", i, op,
-               " (one UE4M3 scale per 16 elements)");
-      const at::Tensor& ts = tensor_scales[i];
-      TORCH_CHECK(ts.scalar_type() == c10::kFloat && ts.numel() == 1 && ts.device() == g.device(), "qmuon: ", op,
-                  " tensor_scales ", i, " must be a one-element float32 tensor on ", g.device(), ", got ",
-                  ts.scalar_type(), " ", ts.sizes(), " on ", ts.device());
+      check_e0m3_state(packed[i], scales[i], tensor_scales[i], g, i, op);
+      if (with_scale) check_scalar(new_tensor_scales[i], "new_tensor_scales", i, g.device(), op);
     } else {
-      check_2d(scales[i], c10::kFloat, rows, num_blocks(cols, block_size), "absmax", i, op,
+      check_grad(g, i, packed[i], op);
+      check_2d(packed[i], c10::kByte, g.size(0), packed_cols(g.size(1)), "packed", i, op,
+               " (two 4-bit codes per byte)");
+      check_2d(scales[i], c10::kFloat, g.size(0), num_blocks(g.size(1), block_size), "absmax", i, op,
                " (rows, ceil(cols / block_size))");
+      TORCH_CHECK(packed[i].device() == scales[i].device(), "qmuon: ", op, " state ", i, " is on two devices");
     }
-    TORCH_CHECK(packed[i].device() == scales[i].device(), "qmuon: ", op, " state ", i, " is on two devices");
+    const int64_t rows = g.size(0), cols = g.size(1);
     TORCH_CHECK(i == 0 || g.device() == grads[0].device(), "qmuon: ", op, ": all tensors must be on one device");
     check_sumsq_out(block_sumsq, i, g, block_size, op);
     if (rows == 0 || cols == 0) {
-      if (e0m3) tensor_scales[i].fill_(1.0);  // the reference's scale of an empty tensor
+      // the reference's scale of an empty tensor, or the given one
+      if (with_scale) tensor_scales[i].fill_(new_tensor_scales[i].reshape({}));
+      else if (e0m3) tensor_scales[i].fill_(1.0);
       continue;
     }
     const size_t w0 = writables.size();
@@ -116,6 +149,7 @@ void q4_momentum_update_multi_impl(bool e0m3, at::TensorList packed, at::TensorL
     t.packed = static_cast<uint8_t*>(writables[w0].work.data_ptr());
     t.scales = writables[w0 + 1].work.data_ptr();
     t.tensor_scale = e0m3 ? tensor_scales[i].data_ptr<float>() : nullptr;
+    t.new_tensor_scale = with_scale ? new_tensor_scales[i].const_data_ptr<float>() : nullptr;
     t.grad = writables[w0 + 2].work.data_ptr();
     t.sumsq = writables[w0 + 3].work.data_ptr<float>();
     t.scratch = scratch.defined() ? scratch.data_ptr<float>() + 2 * i : nullptr;
@@ -137,6 +171,55 @@ void q4_momentum_update_multi_impl(bool e0m3, at::TensorList packed, at::TensorL
     if (e0m3) Backend::e0m3(kv.second, p); else Backend::int4(kv.second, p);
   }
   for (const auto& w : writables) w.write_back();
+}
+
+// max |m_new| of every e0m3 matrix: fp32 (n,) on the grads' device (CPU for an empty list).
+template <typename Backend>
+at::Tensor e0m3_momentum_amax_multi_impl(at::TensorList packed, at::TensorList scales, at::TensorList tensor_scales,
+                                         at::TensorList grads, double beta) {
+  const char* op = "e0m3_momentum_amax_multi";
+  const size_t n = packed.size();
+  check_lists(op, n, {{"scales", scales.size()}, {"tensor_scales", tensor_scales.size()}, {"grads", grads.size()}});
+  const at::TensorOptions opts = n > 0 ? grads[0].options().dtype(c10::kFloat) : at::TensorOptions().dtype(c10::kFloat);
+  at::Tensor out = at::zeros({static_cast<int64_t>(n)}, opts);
+  at::Tensor scratch;
+  if (Backend::kNeedsScratch && n > 0) scratch = at::zeros({static_cast<int64_t>(2 * n)}, opts);
+  std::vector<at::Tensor> keep;  // unit-column-stride copies the kernel reads (nothing is written back)
+  keep.reserve(3 * n);
+  auto readable = [&keep](const at::Tensor& t) -> void* {
+    keep.push_back(kernel_layout_ok(t) ? t : t.contiguous());
+    return keep.back().data_ptr();
+  };
+  auto row_stride = [](const at::Tensor& t) { return t.size(0) <= 1 ? t.size(1) : t.stride(0); };
+  std::map<int32_t, std::vector<qmuon_q4_tensor>> groups;
+  for (size_t i = 0; i < n; ++i) {
+    const at::Tensor& g = grads[i];
+    check_e0m3_state(packed[i], scales[i], tensor_scales[i], g, i, op);
+    TORCH_CHECK(i == 0 || g.device() == grads[0].device(), "qmuon: ", op, ": all tensors must be on one device");
+    if (g.size(0) == 0 || g.size(1) == 0) continue;  // out[i] stays 0
+    qmuon_q4_tensor t{};
+    t.packed = static_cast<uint8_t*>(readable(packed[i]));
+    t.packed_rs = row_stride(keep.back());
+    t.scales = readable(scales[i]);
+    t.scales_rs = row_stride(keep.back());
+    t.grad = readable(g);
+    t.grad_rs = row_stride(keep.back());
+    t.tensor_scale = tensor_scales[i].data_ptr<float>();  // read only
+    t.amax_out = out.data_ptr<float>() + i;
+    t.scratch = scratch.defined() ? scratch.data_ptr<float>() + 2 * i : nullptr;
+    t.rows = g.size(0);
+    t.cols = g.size(1);
+    t.stream = -1;
+    groups[to_qmuon_dtype(g.scalar_type())].push_back(t);
+  }
+  for (const auto& kv : groups) {
+    qmuon_q4_params p{};
+    p.beta = beta;
+    p.grad_dtype = kv.first;
+    p.block_size = kE0M3Block;
+    Backend::e0m3_amax(kv.second, p);
+  }
+  return out;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -364,20 +447,34 @@ at::Tensor e0m3_dequantize_impl(const at::Tensor& packed_in, const at::Tensor& s
   return out;
 }
 
+// grid_quantize4 (scale_in == nullptr: the scale is computed from x and returned as the 4th tensor)
+// or grid_quantize4_with_scale (the given one-element fp32 scale; the 4th tensor is undefined).
 template <typename Backend>
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> grid_quantize4_impl(const at::Tensor& x_in,
-                                                                               int64_t grid_block, int64_t stream,
-                                                                               int64_t row_offset) {
-  check_matrix(x_in, "x", "grid_quantize4");
-  TORCH_CHECK(grid_block >= 1, "qmuon: grid_quantize4 needs grid_block >= 1, got ", grid_block);
+                                                                               int64_t grid_block,
+                                                                               const at::Tensor* scale_in,
+                                                                               int64_t stream, int64_t row_offset) {
+  const char* op = scale_in == nullptr ? "grid_quantize4" : "grid_quantize4_with_scale";
+  check_matrix(x_in, "x", op);
+  TORCH_CHECK(grid_block >= 1, "qmuon: ", op, " needs grid_block >= 1, got ", grid_block);
+  if (scale_in != nullptr) check_scalar(*scale_in, "scale", 0, x_in.device(), op);
   const at::Tensor x = contiguous_as(x_in, c10::kFloat);
   const int64_t rows = x.size(0), cols = x.size(1);
   at::Tensor packed = at::empty({rows, packed_cols(cols)}, x.options().dtype(c10::kByte));
   at::Tensor row_max = at::empty({rows, num_blocks(cols, grid_block)}, x.options().dtype(c10::kByte));
   at::Tensor col_max = at::empty({num_blocks(rows, grid_block), cols}, x.options().dtype(c10::kByte));
-  at::Tensor t = at::empty({}, x.options());
-  at::Tensor scratch = Backend::kNeedsScratch ? at::zeros({1}, x.options()) : at::Tensor();
-  qmuon_codec_args a = codec_args(QMUON_CODEC_GRID_QUANTIZE, rows, cols);
+  at::Tensor t, scale, scratch;
+  const int32_t codec = scale_in == nullptr ? QMUON_CODEC_GRID_QUANTIZE : QMUON_CODEC_GRID_QUANTIZE_WITH_SCALE;
+  qmuon_codec_args a = codec_args(codec, rows, cols);
+  if (scale_in == nullptr) {
+    t = at::empty({}, x.options());
+    if (Backend::kNeedsScratch) scratch = at::zeros({1}, x.options());  // the max |x| bits
+    a.out3 = t.data_ptr();
+    a.scratch = scratch.defined() ? scratch.data_ptr<float>() : nullptr;
+  } else {
+    scale = scale_in->contiguous();
+    a.in1 = scale.data_ptr();
+  }
   a.block_size = grid_block;
   a.stream = stream32(stream);
   a.row_offset = row_offset;
@@ -385,9 +482,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> grid_quantize4_impl(c
   a.out0 = packed.data_ptr();
   a.out1 = row_max.data_ptr();
   a.out2 = col_max.data_ptr();
-  a.out3 = t.data_ptr();
-  a.scratch = scratch.defined() ? scratch.data_ptr<float>() : nullptr;
-  if (rows > 0 && cols > 0) Backend::codec(a); else t.fill_(1.0);
+  if (rows > 0 && cols > 0) Backend::codec(a); else if (t.defined()) t.fill_(1.0);
   return {packed, row_max, col_max, t};
 }
 
@@ -430,6 +525,13 @@ at::Tensor grid_dequantize4_impl(const at::Tensor& packed_in, const at::Tensor& 
       "Tensor(d!)[] grads, Tensor(e!)[] block_sumsq, float beta, bool nesterov, int block_size, int[] streams, "   \
       "int[] row_offsets) -> ()");                                                                                 \
   m.def(                                                                                                           \
+      "e0m3_momentum_update_with_scale_multi_(Tensor(a!)[] packed, Tensor(b!)[] scales, "                          \
+      "Tensor(c!)[] tensor_scales, Tensor[] new_tensor_scales, Tensor(d!)[] grads, Tensor(e!)[] block_sumsq, "     \
+      "float beta, bool nesterov, int block_size, int[] streams, int[] row_offsets) -> ()");                       \
+  m.def(                                                                                                           \
+      "e0m3_momentum_amax_multi(Tensor[] packed, Tensor[] scales, Tensor[] tensor_scales, Tensor[] grads, "        \
+      "float beta) -> Tensor");                                                                                    \
+  m.def(                                                                                                           \
       "dense_momentum_update_multi_(Tensor(a!)[] bufs, Tensor(b!)[] grads, Tensor(c!)[] block_sumsq, float beta, " \
       "bool nesterov, int block_size, int[] streams, int[] row_offsets) -> ()");                                   \
   m.def("pack_int4(Tensor codes) -> Tensor");                                                                      \
@@ -443,6 +545,9 @@ at::Tensor grid_dequantize4_impl(const at::Tensor& packed_in, const at::Tensor& 
   m.def(                                                                                                           \
       "grid_quantize4(Tensor x, int grid_block, int stream, int row_offset) -> (Tensor, Tensor, Tensor, Tensor)"); \
   m.def(                                                                                                           \
+      "grid_quantize4_with_scale(Tensor x, int grid_block, Tensor scale, int stream, int row_offset) "             \
+      "-> (Tensor, Tensor, Tensor)");                                                                              \
+  m.def(                                                                                                           \
       "grid_dequantize4(Tensor packed, Tensor row_max, Tensor col_max, Tensor scale, int grid_block, int cols) "   \
       "-> Tensor")
 
@@ -454,8 +559,8 @@ at::Tensor grid_dequantize4_impl(const at::Tensor& packed_in, const at::Tensor& 
             bool nesterov, int64_t bs, at::IntArrayRef streams, at::IntArrayRef offsets) {                         \
            std::optional<Guard> g;                                                                                 \
            if (!grads.empty()) g.emplace(grads[0].device());                                                       \
-           qmuon::q4_momentum_update_multi_impl<Backend>(false, packed, absmax, {}, grads, sums, beta, nesterov,   \
-                                                         bs, streams, offsets);                                    \
+           qmuon::q4_momentum_update_multi_impl<Backend>(qmuon::Q4Update::kInt4, packed, absmax, {}, {}, grads,    \
+                                                         sums, beta, nesterov, bs, streams, offsets);              \
          });                                                                                                       \
   m.impl("e0m3_momentum_update_multi_",                                                                            \
          [](at::TensorList packed, at::TensorList scales, at::TensorList ts, at::TensorList grads,                 \
@@ -463,8 +568,24 @@ at::Tensor grid_dequantize4_impl(const at::Tensor& packed_in, const at::Tensor& 
             at::IntArrayRef offsets) {                                                                             \
            std::optional<Guard> g;                                                                                 \
            if (!grads.empty()) g.emplace(grads[0].device());                                                       \
-           qmuon::q4_momentum_update_multi_impl<Backend>(true, packed, scales, ts, grads, sums, beta, nesterov, bs, \
-                                                         streams, offsets);                                        \
+           qmuon::q4_momentum_update_multi_impl<Backend>(qmuon::Q4Update::kE0M3, packed, scales, ts, {}, grads,    \
+                                                         sums, beta, nesterov, bs, streams, offsets);              \
+         });                                                                                                       \
+  m.impl("e0m3_momentum_update_with_scale_multi_",                                                                 \
+         [](at::TensorList packed, at::TensorList scales, at::TensorList ts, at::TensorList new_ts,                \
+            at::TensorList grads, at::TensorList sums, double beta, bool nesterov, int64_t bs,                     \
+            at::IntArrayRef streams, at::IntArrayRef offsets) {                                                    \
+           std::optional<Guard> g;                                                                                 \
+           if (!grads.empty()) g.emplace(grads[0].device());                                                       \
+           qmuon::q4_momentum_update_multi_impl<Backend>(qmuon::Q4Update::kE0M3WithScale, packed, scales, ts,      \
+                                                         new_ts, grads, sums, beta, nesterov, bs, streams,         \
+                                                         offsets);                                                 \
+         });                                                                                                       \
+  m.impl("e0m3_momentum_amax_multi",                                                                               \
+         [](at::TensorList packed, at::TensorList scales, at::TensorList ts, at::TensorList grads, double beta) {  \
+           std::optional<Guard> g;                                                                                 \
+           if (!grads.empty()) g.emplace(grads[0].device());                                                       \
+           return qmuon::e0m3_momentum_amax_multi_impl<Backend>(packed, scales, ts, grads, beta);                  \
          });                                                                                                       \
   m.impl("dense_momentum_update_multi_",                                                                           \
          [](at::TensorList bufs, at::TensorList grads, at::TensorList sums, double beta, bool nesterov, int64_t bs, \
@@ -508,8 +629,14 @@ at::Tensor grid_dequantize4_impl(const at::Tensor& packed_in, const at::Tensor& 
   });                                                                                                              \
   m.impl("grid_quantize4", [](const at::Tensor& x, int64_t s, int64_t st, int64_t o) {                             \
     const Guard g(x.device());                                                                                     \
-    return qmuon::grid_quantize4_impl<Backend>(x, s, st, o);                                                       \
+    return qmuon::grid_quantize4_impl<Backend>(x, s, nullptr, st, o);                                              \
   });                                                                                                              \
+  m.impl("grid_quantize4_with_scale",                                                                              \
+         [](const at::Tensor& x, int64_t s, const at::Tensor& scale, int64_t st, int64_t o) {                      \
+           const Guard g(x.device());                                                                              \
+           auto out = qmuon::grid_quantize4_impl<Backend>(x, s, &scale, st, o);                                    \
+           return std::make_tuple(std::get<0>(out), std::get<1>(out), std::get<2>(out));                          \
+         });                                                                                                       \
   m.impl("grid_dequantize4", [](const at::Tensor& p, const at::Tensor& r, const at::Tensor& c, const at::Tensor& t, \
                                 int64_t s, int64_t cols) {                                                         \
     const Guard g(p.device());                                                                                     \

@@ -1,13 +1,15 @@
 """qmuon_lightning: Muon with 8-bit and 4-bit (int4, e0m3, GRASP) momentum for Lightning, FSDP2,
 Accelerate and DeepSpeed users.
 
-Layers (imports flow one way): ``ops`` (kernels and their pure-PyTorch references) ->
-``quant`` (state formats) -> ``optim`` (QMuon, routing) -> ``strategies`` / ``callbacks``.
+Layers (imports flow one way, no cycles): ``ops`` (kernels and their pure-PyTorch references) ->
+``quant`` (state formats) -> ``core`` (the Muon step: plan, momentum, Newton-Schulz, apply; the
+config) -> ``optim`` (QMuon, routing) / ``distributed`` / ``integrations`` -> ``strategies`` /
+``callbacks`` -> ``cli``.
 """
 
 from importlib.metadata import PackageNotFoundError, version
 
-from .optim import GraspMuon, QMuon, RoutingRule, build_optimizer, route_parameters
+from .optim import GraspMuon, QMuon, QMuonConfig, RoutingRule, build_optimizer, route_parameters
 
 # Registers Trainer(strategy="qmuon_fsdp") and its presets in Lightning's StrategyRegistry (Lightning
 # has no entry points for strategies). Without Lightning installed the optimizers still import.
@@ -23,5 +25,5 @@ except PackageNotFoundError:  # running from a source tree without install
     __version__ = "0.0.0+source"
 
 __all__ = [
-    "QMuon", "GraspMuon", "RoutingRule", "build_optimizer", "route_parameters", "QMuonFSDPStrategy", "__version__",
+    "QMuon", "QMuonConfig", "GraspMuon", "RoutingRule", "build_optimizer", "route_parameters", "QMuonFSDPStrategy", "__version__",
 ]

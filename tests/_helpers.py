@@ -5,6 +5,11 @@ from __future__ import annotations
 
 import io
 import math
+import os
+import signal
+import socket
+import subprocess
+from pathlib import Path
 
 import torch
 
@@ -114,3 +119,75 @@ def assert_bits_equal(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
 
 def assert_sumsq_close(a: torch.Tensor, b: torch.Tensor, block_size: int) -> None:
     torch.testing.assert_close(a.cpu(), b.cpu(), rtol=sumsq_rtol(block_size), atol=1e-30, equal_nan=True)
+
+
+# ----------------------------------------------------------------------------- state comparison
+def assert_same(a, b, where: str = "") -> None:
+    """Bit-exact equality of nested state (dicts, lists, tuples, tensors, plain values): tensors
+    must have the same dtype, shape and values (``torch.equal``); the message names the first
+    differing entry by its path and, for tensors, the largest difference."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor), f"{where}: tensor vs {type(b).__name__}"
+        assert a.dtype == b.dtype and a.shape == b.shape, f"{where}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
+        if not torch.equal(a, b):
+            d = (a.double() - b.double()).abs()
+            raise AssertionError(f"{where}: {int((d != 0).sum())} of {d.numel()} elements differ, max |diff| "
+                                 f"{d.max().item():.3e}")
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and set(a) == set(b), f"{where}: keys differ: {sorted(set(a) ^ set(b or {}), key=str)}"
+        for k in a:
+            assert_same(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert isinstance(b, (list, tuple)) and len(a) == len(b), f"{where}: lengths differ"
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, f"{where}: {a!r} != {b!r}"
+
+
+# ----------------------------------------------------------------------------- subprocess launches
+#: The repository root (tests/..).
+REPO = Path(__file__).resolve().parents[1]
+
+#: Variables a launcher (torchrun, Lightning, the deepspeed launcher) sets for its children; a child
+#: launcher started from a test must not inherit them from an outer one.
+_LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK",
+                  "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago on 127.0.0.1 (for a launcher's ``--master_port``)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def subprocess_env(**extra: str) -> dict[str, str]:
+    """The environment for a launched test worker: this one without launcher variables, the
+    repository first on ``PYTHONPATH``, one OpenMP thread (see conftest.py), plus ``extra``."""
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARS}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
+    env["OMP_NUM_THREADS"] = "1"
+    env.update(extra)
+    return env
+
+
+def run_launcher(cmd: list[str], *, timeout: float, env: dict[str, str] | None = None, what: str = "") -> str:
+    """Run ``cmd`` (a launcher and its workers) in its own session and return stdout + stderr.
+
+    Fails the test, with the log's tail, when it exits non-zero or runs past ``timeout`` seconds
+    (then the whole session, launcher and workers, is killed, so no rank lingers)."""
+    import pytest
+
+    what = what or " ".join(cmd[:4])
+    proc = subprocess.Popen(cmd, cwd=str(REPO), env=env if env is not None else subprocess_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        log, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        log, _ = proc.communicate()
+        pytest.fail(f"{what}: still running after {timeout:.0f} s; log tail:\n{log[-6000:]}")
+    if proc.returncode != 0:
+        pytest.fail(f"{what}: exit status {proc.returncode}; log tail:\n{log[-8000:]}")
+    return log

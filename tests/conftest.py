@@ -5,6 +5,8 @@ The ``cuda`` and ``slow`` markers are declared in pyproject.toml; nothing is re-
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -14,8 +16,37 @@ import torch
 # in the same process, so the thread count never enters a tolerance.
 torch.set_num_threads(1)
 
+# ns_dtype="auto" picks the Newton-Schulz dtype from the CPU's instruction set (bf16 where bf16
+# matmul is native, fp32 elsewhere), so the same test would run different arithmetic on an AMX
+# Xeon and on an AVX2-only EPYC. The suite pins "auto" to bf16 (torch.optim.Muon's arithmetic, which
+# the exactness tests were written for; subprocess workers inherit it). Tests of the automatic
+# choice itself remove the variable (tests/test_newton_schulz.py), and fp32 paths are tested with
+# an explicit ns_dtype="fp32".
+os.environ.setdefault("QMUON_NS_DTYPE", "bf16")
+
 #: Decorator for tests that need a GPU: ``@requires_cuda``. Skips (never passes) without CUDA.
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.fixture(scope="session")
+def ext():
+    """The loaded compiled kernels (``qmuon_lightning.ops._extension.status()``); the test skips, with
+    the reason, where they cannot be built (or ``QMUON_BACKEND=reference`` asks for none)."""
+    from qmuon_lightning.ops import _extension
+
+    st = _extension.status()
+    if not st.cpu:
+        pytest.skip(f"compiled kernels unavailable: {st.reason}")
+    return st
+
+
+@pytest.fixture(scope="session")
+def cuda_ext(ext):
+    """The loaded compiled kernels, with CUDA ones (for ``@pytest.mark.cuda`` kernel tests); skips
+    with the reason where there are none."""
+    if not ext.cuda:
+        pytest.skip(f"CUDA kernels unavailable: {ext.reason}")
+    return ext
 
 
 def pytest_collection_modifyitems(config, items):

@@ -14,6 +14,7 @@ from torch.library import opcheck
 
 from qmuon_lightning import GraspMuon, QMuon
 from qmuon_lightning.ops import reference_4bit as ref4
+from qmuon_lightning.optim.fidelity import per_layer_update_cosine
 from qmuon_lightning.quant import fidelity
 from qmuon_lightning.quant import grasp as qgrasp
 from qmuon_lightning.quant import state as qstate
@@ -328,14 +329,14 @@ def test_opcheck_4bit_momentum_updates():
 def test_update_cosine_is_one_for_the_reference_and_high_for_int8():
     shapes = [(32, 48), (48, 32)]
     grads = [list(t) for t in zip(*[fidelity.synthetic_gradients(r, c, 4, seed=i) for i, (r, c) in enumerate(shapes)])]
-    res = fidelity.per_layer_update_cosine(shapes, grads, ("fp32", "int8"), block_size=32)
+    res = per_layer_update_cosine(shapes, grads, ("fp32", "int8"), block_size=32)
     assert set(res) == {"fp32", "int8"} and all(len(v) == 2 for v in res.values())
     assert all(c == pytest.approx(1.0, abs=1e-12) for c in res["fp32"])
     assert all(c > 0.97 for c in res["int8"])
-    last = fidelity.per_layer_update_cosine(shapes, grads, ("int8",), reduce="last", block_size=32)
+    last = per_layer_update_cosine(shapes, grads, ("int8",), reduce="last", block_size=32)
     assert len(last["int8"]) == 2
     with pytest.raises(ValueError, match="reduce must be"):
-        fidelity.per_layer_update_cosine(shapes, grads, ("int8",), reduce="max")
+        per_layer_update_cosine(shapes, grads, ("int8",), reduce="max")
 
 
 def test_grasp4_update_cosine_beats_int4_on_realistic_gradients():
@@ -344,7 +345,7 @@ def test_grasp4_update_cosine_beats_int4_on_realistic_gradients():
     shapes = [(128, 128), (256, 128)]
     grads = [list(t) for t in zip(*[fidelity.synthetic_gradients(r, c, 10, seed=10 + i)
                                     for i, (r, c) in enumerate(shapes)])]
-    res = fidelity.per_layer_update_cosine(shapes, grads, ("int4", "e0m3", "grasp4"), skip=3)
+    res = per_layer_update_cosine(shapes, grads, ("int4", "e0m3", "grasp4"), skip=3)
     for i in range(len(shapes)):
         assert res["grasp4"][i] > res["int4"][i] + 0.1, res
         assert res["grasp4"][i] > 0.8, res

@@ -38,7 +38,8 @@ from qmuon_lightning.callbacks import checkpoint as ckpt_mod
 from qmuon_lightning.data.bytes_corpus import RandomWindowDataset
 from qmuon_lightning.demo import DemoModule
 from qmuon_lightning.quant import state as qstate
-from qmuon_lightning.quant.fidelity import per_layer_update_cosine, synthetic_gradients
+from qmuon_lightning.optim.fidelity import per_layer_update_cosine
+from qmuon_lightning.quant.fidelity import synthetic_gradients
 
 SEQ = 16
 BATCH = 4
@@ -147,8 +148,8 @@ def test_validate_manifest_errors_name_the_problem():
     _, saved = _toy_optimizer("int8", 256)
     man = build_manifest([(0, saved)])
     _, cur = _toy_optimizer("int8", 128)
-    with pytest.raises(QuantizedStateMismatchError, match=r"block_size=256 but this run's optimizer uses "
-                                                          r"state_format='int8', block_size=128"):
+    with pytest.raises(QuantizedStateMismatchError, match=r"saved with block_size=256 but this optimizer uses "
+                                                          r"block_size=128; construct the optimizer with block_size=256"):
         validate_manifest(man, [(0, cur)])
     _, other_shape = _toy_optimizer("int8", 256, rows=32)
     with pytest.raises(QuantizedStateMismatchError, match=r"'a.weight' was \(64, 64\) when saved but 'a.weight' is "

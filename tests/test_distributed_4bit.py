@@ -1,4 +1,4 @@
-"""Sharded grasp4 momentum (FSDP2 ``Shard(0)``) over 2 gloo processes vs single-process QMuon.
+"""Sharded grasp4 and e0m3 momentum (FSDP2 ``Shard(0)``) over 2 gloo processes vs single-process QMuon.
 
 One fork per module (:mod:`_dist`). The workers feed the sharded optimizer and a single-process
 reference the *same* full gradients, so differences come from the optimizer only: the per-rank
@@ -79,8 +79,11 @@ def _worker(rank: int, world: int, root: str) -> dict:
     from qmuon_lightning.distributed import full_state_dict
     from torch.distributed.device_mesh import init_device_mesh
 
+    from qmuon_lightning.ops import _extension, _kernels
+
     mesh = init_device_mesh("cpu", (world,))
-    out: dict = {}
+    out: dict = {"compiled_cpu": bool(_extension.status().cpu)}
+    served_before = _kernels.served.copy()
     # --- sharded vs single process, same gradients
     ref = _Net()
     opt_ref = ql.QMuon(_groups(ref), lr=0.02, weight_decay=0.1, state_format="grasp4")
@@ -149,6 +152,7 @@ def _worker(rank: int, world: int, root: str) -> dict:
             "ref_state": {n: {k: v.clone() for k, v in opt_re.state[getattr(ref_e, n)].items()}
                           for n in ("a", "b", "conv")},
         }
+    out["served"] = dict(_kernels.served - served_before)
     return out
 
 
@@ -282,3 +286,16 @@ def test_sharded_e0m3_equals_single_process(runs, rounding):
             assert torch.equal(r["state"][n][k], v), (n, k)
     for n in ("a", "b", "conv"):  # (the AdamW embedding is initialized from the global RNG, differently)
         assert torch.equal(r["params"][n], r["ref_params"][n]), n
+
+
+def test_sharded_updates_run_the_compiled_kernels(runs):
+    """The sharded e0m3 / grasp4 updates go through ``torch.ops.qmuon``'s row-shard ops, served by the
+    compiled CPU kernels when the extension is loaded (the same kernels as the single-process update)."""
+    r = runs["two"][0]
+    ops = ("e0m3_momentum_amax_multi", "e0m3_momentum_update_with_scale_multi_", "grid_quantize4_with_scale")
+    used = {op: r["served"].get((op, "compiled"), 0) + r["served"].get((op, "reference"), 0) for op in ops}
+    assert all(n > 0 for n in used.values()), r["served"]
+    if not r["compiled_cpu"]:
+        pytest.skip("the compiled CPU extension is not loaded here (reference backend)")
+    for op in ops:
+        assert r["served"].get((op, "reference"), 0) == 0 and r["served"][(op, "compiled")] > 0, (op, r["served"])

@@ -33,14 +33,6 @@ CODE_DTYPES = [torch.int8, torch.uint8]
 BLOCK_SIZES = [32, 128, 256]
 
 
-@pytest.fixture(scope="module")
-def ext():
-    st = _extension.status()
-    if not st.cpu:
-        pytest.skip(f"compiled kernels unavailable: {st.reason}")
-    return st
-
-
 # ---------------------------------------------------------------------------------------------
 # helpers
 # ---------------------------------------------------------------------------------------------
@@ -189,16 +181,18 @@ def test_portable_build_matches_reference(ext, tmp_path):
     """The CPU kernels have hand-written AVX-512 loops beside portable ones (q8_cpu.cpp); a native
     build on this machine tests only the former, and the compiler vectorizes the shared loops
     differently without AVX-512. Build again for x86-64-v3 (AVX2, no AVX-512) into a private cache
-    and run the 8-bit and 4-bit kernel-vs-reference comparisons on that build."""
+    and run the 8-bit, 4-bit and row-shard kernel-vs-reference comparisons on that build."""
     if os.environ.get("QMUON_EXPECT_CPU_LOOPS"):
         pytest.skip("already inside the portable-build run")
     env = dict(os.environ, QMUON_CPU_ARCH="x86-64-v3", TORCH_EXTENSIONS_DIR=str(tmp_path), QMUON_BACKEND="extension",
                QMUON_EXPECT_CPU_LOOPS="portable")
     selection = ("(matches_reference or quantize_dequantize_match or all_16bit or noise_index or zero_state "
                  "or tiny_and_empty or noncontiguous or codecs or equals_torch_muon_lerp or mixed_dtypes "
-                 "or build_reports_its_cpu_loops) and not portable_build")  # not this test: no recursion
+                 "or amax or with_scale or row_split or build_reports_its_cpu_loops) "
+                 "and not portable_build")  # not this test: no recursion
+    files = [Path(__file__).with_name(f) for f in ("test_kernels.py", "test_kernels_4bit.py", "test_kernels_sharded.py")]
     out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", "-k", selection,
-                          str(Path(__file__)), str(Path(__file__).with_name("test_kernels_4bit.py"))],
+                          *map(str, files)],
                          env=env, cwd=str(REPO), capture_output=True, text=True, timeout=1200)
     tail = (out.stdout + out.stderr)[-3000:]
     assert out.returncode == 0, tail
@@ -500,14 +494,10 @@ def test_optimizer_path_state_through_ops_api(ext):
 # CUDA
 # ---------------------------------------------------------------------------------------------
 @pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 @pytest.mark.parametrize("grad_dtype", GRAD_DTYPES, ids=str)
 @pytest.mark.parametrize("code_dtype", CODE_DTYPES, ids=str)
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)
-def test_cuda_update_matches_reference(grad_dtype, code_dtype, block_size):
-    st = _extension.status()
-    if not st.cuda:
-        pytest.skip(f"CUDA kernels unavailable: {st.reason}")
+def test_cuda_update_matches_reference(cuda_ext, grad_dtype, code_dtype, block_size):
     for (rows, cols), rounding, nesterov in itertools.product(SHAPES, ["nearest", "stochastic"], [False, True]):
         codes, absmax = make_state(rows, cols, code_dtype, block_size)
         grad = make_grad(rows, cols, grad_dtype)
@@ -529,11 +519,7 @@ def test_cuda_update_matches_reference(grad_dtype, code_dtype, block_size):
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
-def test_cuda_noncontiguous_multi_and_rows_ops():
-    st = _extension.status()
-    if not st.cuda:
-        pytest.skip(f"CUDA kernels unavailable: {st.reason}")
+def test_cuda_noncontiguous_multi_and_rows_ops(cuda_ext):
     dev = "cuda"
     codes, absmax, grads = [], [], []
     for i in range(40):  # > one launch batch; odd shapes and misaligned views

@@ -21,21 +21,13 @@ import pytest
 import torch
 
 from _helpers import assert_bits_equal, assert_sumsq_close
-from qmuon_lightning.ops import _extension
+from qmuon_lightning.ops import _kernels
 from qmuon_lightning.ops import reference as ref
 from qmuon_lightning.ops import reference_4bit as ref4
 
 SHAPES = [(1, 1), (1, 2), (3, 5), (2, 17), (37, 300), (65, 513)]
 GRAD_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 STREAM = ref.noise_stream(1234, 7, 3)
-
-
-@pytest.fixture(scope="module")
-def ext():
-    st = _extension.status()
-    if not st.cpu:
-        pytest.skip(f"compiled kernels unavailable: {st.reason}")
-    return st
 
 
 # ---------------------------------------------------------------------------------------------
@@ -56,16 +48,6 @@ def make_grad(rows, cols, dtype, seed=1, device="cpu"):
 def nan_sums(grads, block_size):
     return [torch.full((g.shape[0], ref.num_blocks(g.shape[1], block_size)), float("nan"), device=g.device)
             for g in grads]
-
-
-def clone_like(ts):
-    """Clones that keep each tensor's strides (a non-contiguous view stays non-contiguous)."""
-    out = []
-    for t in ts:
-        c = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=t.device)
-        c.copy_(t)
-        out.append(c)
-    return out
 
 
 def _s(stream):
@@ -181,37 +163,23 @@ def test_public_ops_dispatch_to_compiled_kernels(ext):
 # ---------------------------------------------------------------------------------------------
 # fused updates == reference
 # ---------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
-@pytest.mark.parametrize("grad_dtype", GRAD_DTYPES, ids=str)
-@pytest.mark.parametrize("block_size", [32, 128])
-def test_int4_update_matches_reference(ext, shape, grad_dtype, block_size):
-    rows, cols = shape
-    for stream, nesterov in itertools.product([-1, STREAM], [False, True]):
-        st = fmt_state("int4", momentum(rows, cols), block_size)
-        check_update("int4", [st], [make_grad(rows, cols, grad_dtype)], block_size=block_size, nesterov=nesterov,
-                     streams=[stream], offsets=[5])
+# (format, block_size, momentum buffer dtype): int4 blocks are even; e0m3's block_size is only the
+# sums' granularity (a multiple or a divisor of 16); dense has fp32 and bf16 buffers.
+UPDATE_CASES = [("int4", 32, torch.float32), ("int4", 128, torch.float32), ("e0m3", 256, torch.float32),
+                ("e0m3", 16, torch.float32), ("e0m3", 8, torch.float32), ("e0m3", 48, torch.float32),
+                ("dense", 256, torch.float32), ("dense", 256, torch.bfloat16)]
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
 @pytest.mark.parametrize("grad_dtype", GRAD_DTYPES, ids=str)
-@pytest.mark.parametrize("block_size", [256, 16, 8, 48])
-def test_e0m3_update_matches_reference(ext, shape, grad_dtype, block_size):
+@pytest.mark.parametrize("fmt,block_size,buf_dtype", UPDATE_CASES,
+                         ids=[f"{f}-{b}" + ("-bf16buf" if d == torch.bfloat16 else "") for f, b, d in UPDATE_CASES])
+def test_update_matches_reference(ext, shape, grad_dtype, fmt, block_size, buf_dtype):
     rows, cols = shape
     for stream, nesterov in itertools.product([-1, STREAM], [False, True]):
-        st = fmt_state("e0m3", momentum(rows, cols), block_size)
-        check_update("e0m3", [st], [make_grad(rows, cols, grad_dtype)], block_size=block_size, nesterov=nesterov,
-                     streams=[stream], offsets=[5])
-
-
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
-@pytest.mark.parametrize("grad_dtype", GRAD_DTYPES, ids=str)
-@pytest.mark.parametrize("buf_dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_dense_update_matches_reference(ext, shape, grad_dtype, buf_dtype):
-    rows, cols = shape
-    for stream, nesterov in itertools.product([-1, STREAM], [False, True]):
-        st = fmt_state("dense", momentum(rows, cols), 256, buf_dtype)
-        check_update("dense", [st], [make_grad(rows, cols, grad_dtype)], block_size=256, nesterov=nesterov,
-                     streams=[stream], offsets=[5], steps=3)
+        st = fmt_state(fmt, momentum(rows, cols), block_size, buf_dtype)
+        check_update(fmt, [st], [make_grad(rows, cols, grad_dtype)], block_size=block_size, nesterov=nesterov,
+                     streams=[stream], offsets=[5], steps=3 if fmt == "dense" else 2)
 
 
 @pytest.mark.parametrize("numel", [1, 7, 8, 15, 16, 17, 31, 33, 1000, 4099])
@@ -232,7 +200,7 @@ def test_dense_fp32_equals_torch_muon_lerp(ext, numel):
 def test_dense_stays_on_reference_when_torch_lerp_rounds_differently(ext, monkeypatch):
     # A torch build whose lerp rounds twice (no FMA) makes the probe fail: the dense op must then run
     # the reference (torch's own lerp_), not the kernel.
-    monkeypatch.setitem(_extension._lerp_fused, "cpu", False)
+    monkeypatch.setitem(_kernels._lerp_fused, "cpu", False)
     buf, grad = momentum(3, 40), make_grad(3, 40, torch.float32)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         check_update("dense", [[buf]], [grad], block_size=32, steps=1)
@@ -526,17 +494,10 @@ def test_opcheck_codecs(ext):
 # ---------------------------------------------------------------------------------------------
 # CUDA: kernel == CPU reference (the reference is device-independent)
 # ---------------------------------------------------------------------------------------------
-def _cuda_ready():
-    st = _extension.status()
-    if not st.cuda:
-        pytest.skip(f"CUDA kernels unavailable: {st.reason}")
-
-
 @pytest.mark.cuda
 @pytest.mark.parametrize("fmt", ["int4", "e0m3", "dense"])
 @pytest.mark.parametrize("grad_dtype", GRAD_DTYPES, ids=str)
-def test_cuda_updates_match_reference(fmt, grad_dtype):
-    _cuda_ready()
+def test_cuda_updates_match_reference(cuda_ext, fmt, grad_dtype):
     block_sizes = {"int4": [32, 128], "e0m3": [256, 8], "dense": [256]}[fmt]
     for (rows, cols), bs, stream, nesterov in itertools.product(SHAPES, block_sizes, [-1, STREAM], [False, True]):
         for buf_dtype in ([torch.float32, torch.bfloat16] if fmt == "dense" else [torch.float32]):
@@ -546,8 +507,7 @@ def test_cuda_updates_match_reference(fmt, grad_dtype):
 
 
 @pytest.mark.cuda
-def test_cuda_multi_tensor_noncontiguous():
-    _cuda_ready()
+def test_cuda_multi_tensor_noncontiguous(cuda_ext):
     for fmt, bs in (("int4", 64), ("e0m3", 32), ("dense", 64)):
         states, grads = [], []
         for i in range(30):
@@ -562,8 +522,7 @@ def test_cuda_multi_tensor_noncontiguous():
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("stream", [-1, STREAM])
-def test_cuda_codecs_match_reference(stream):
-    _cuda_ready()
+def test_cuda_codecs_match_reference(cuda_ext, stream):
     for rows, cols in SHAPES + [(300, 1000)]:
         x = momentum(rows, cols, seed=7)
         xc = x.cuda()
@@ -596,8 +555,7 @@ def test_cuda_codecs_match_reference(stream):
 
 
 @pytest.mark.cuda
-def test_cuda_opcheck_updates():
-    _cuda_ready()
+def test_cuda_opcheck_updates(cuda_ext):
     for fmt in ("int4", "e0m3", "dense"):
         args = _update_args(fmt, torch.bfloat16, True, 32)
         args = tuple([t.cuda() for t in a] if isinstance(a, list) and a and isinstance(a[0], torch.Tensor) else a

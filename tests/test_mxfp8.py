@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from qmuon_lightning import QMuon
-from qmuon_lightning.optim.newton_schulz import newton_schulz_folded
+from qmuon_lightning.core.newton_schulz import newton_schulz_folded
 from qmuon_lightning.quant import mxfp8 as mx
 from qmuon_lightning.quant.fidelity import cosine, synthetic_gradients
 
@@ -213,7 +213,7 @@ def _opt_pair(shapes, **kw):
     for ns_input in ("bf16", "mxfp8"):
         torch.manual_seed(0)
         ps = [torch.nn.Parameter(torch.randn(s) * 0.02) for s in shapes]
-        out.append((ps, QMuon(ps, lr=0.02, ns_input=ns_input, **kw)))
+        out.append((ps, QMuon(ps, lr=0.02, ns_input=ns_input, ns_dtype="bf16", **kw)))
     return out
 
 
@@ -260,7 +260,7 @@ def test_mxfp8_update_cosine_vs_bf16_input():
     upd = {}
     for ns_input in ("bf16", "mxfp8"):
         ps = [torch.nn.Parameter(torch.zeros(s)) for s in shapes]
-        opt = QMuon(ps, lr=1.0, weight_decay=0.0, state_format="fp32", ns_input=ns_input)
+        opt = QMuon(ps, lr=1.0, weight_decay=0.0, state_format="fp32", ns_input=ns_input, ns_dtype="bf16")
         per_step = []
         for t in range(6):
             before = [p.detach().clone() for p in ps]

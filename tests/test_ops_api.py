@@ -13,7 +13,9 @@ from torch.library import opcheck
 
 from _helpers import QMAX, expand_blocks
 from qmuon_lightning import ops
+from qmuon_lightning.ops import _extension, _kernels
 from qmuon_lightning.ops import reference as ref
+from qmuon_lightning.ops import reference_4bit as ref4
 from qmuon_lightning.ops import (
     QuantizedMuonNormSegment as Seg,
     QuantizedMuonState,
@@ -36,8 +38,24 @@ def _states_and_grads(seed=0):
     return states, grads
 
 
+def _reference_requested() -> bool:
+    return os.environ.get("QMUON_BACKEND", "").strip().lower() == "reference"
+
+
+def _compiled_expected() -> bool:
+    """Whether this run must serve the ops from the compiled kernels: yes unless QMUON_BACKEND=reference
+    (so a build that silently failed under ``auto`` fails here instead of testing the reference twice)."""
+    if _reference_requested():
+        return False
+    st = _extension.status()
+    assert st.cpu, (f"the compiled kernels did not load ({st.reason}); "
+                    "run with QMUON_BACKEND=reference to test the reference alone")
+    return True
+
+
 def test_backend_is_known():
     assert ops.backend() in ("reference", "cpu-extension", "cpu+cuda-extension")
+    assert (ops.backend() == "reference") == (not _compiled_expected())
 
 
 @pytest.mark.parametrize("nesterov", [False, True])
@@ -71,7 +89,10 @@ def test_update_multi_contract(nesterov):
 def test_dispatched_kernels_match_reference(rounding):
     """torch.ops.qmuon.* (compiled kernels when built, else the reference) against the readable
     reference in ops.reference: identical codes, scales and NS input; block sums equal up to fp32
-    summation order."""
+    summation order. The results cannot tell a compiled run from a fallback to the reference, so the
+    guarded kernels' ``served`` counts must say that the compiled kernel ran every call."""
+    compiled = _compiled_expected()
+    before = _kernels.served.copy()
     gen = torch.Generator().manual_seed(11)
     shapes = [(24, 64), (10, 40), (3, 5)]
     streams = [ref.noise_stream(3, 7, k) if rounding == "stochastic" else -1 for k in range(len(shapes))]
@@ -104,6 +125,12 @@ def test_dispatched_kernels_match_reference(rounding):
     c2, a2 = ref.quantize_rows(x, BS, signed=True, noise=noise)
     assert torch.equal(c1, c2) and torch.equal(a1, a2)
     assert torch.equal(torch.ops.qmuon.dequantize_rows(c1, a1, BS), ref.dequantize_rows(c2, a2, BS))
+    served = _kernels.served - before
+    if compiled:
+        assert served == {("q8_momentum_update_multi_", "compiled"): 2, ("quantize_rows", "compiled"): 1,
+                          ("dequantize_rows", "compiled"): 1}, served
+    else:  # nothing compiled is registered: the ops' default (the reference) ran
+        assert not served and ops.backend() == "reference"
 
 
 def test_update_multi_argument_errors():
@@ -237,10 +264,27 @@ def test_opcheck_dense_momentum_update_multi():
     opcheck(torch.ops.qmuon.dense_momentum_update_multi_.default, args)
 
 
+def test_opcheck_sharded_e0m3_and_grid_ops():
+    # The row-shard ops (tests/test_kernels_sharded.py compares their kernels with the reference).
+    gen = torch.Generator().manual_seed(10)
+    states = [ref4.e0m3_quantize(torch.randn(r, c, generator=gen)) for r, c in ((4, 40), (3, 17))]
+    packed, scales, tscales = (list(x) for x in zip(*states))
+    grads = [torch.randn(4, 40, generator=gen), torch.randn(3, 17, generator=gen).bfloat16()]
+    opcheck(torch.ops.qmuon.e0m3_momentum_amax_multi.default, (packed, scales, tscales, grads, 0.9))
+    new_scales = [torch.tensor(0.002), torch.tensor(0.01)]
+    opcheck(torch.ops.qmuon.e0m3_momentum_update_with_scale_multi_.default,
+            (packed, scales, tscales, new_scales, grads, ops.empty_block_sumsq(grads, 16), 0.9, True, 16, [-1, 7],
+             [0, 3]))
+    x = torch.randn(20, 33, generator=gen)
+    opcheck(torch.ops.qmuon.grid_quantize4_with_scale.default, (x, 8, torch.tensor(0.01), 5, 16))
+
+
 def test_backend_follows_qmuon_backend_env():
-    if os.environ.get("QMUON_BACKEND", "").strip().lower() == "reference":
+    if _reference_requested():
         assert ops.backend() == "reference"
         assert not hasattr(torch.ops.qmuon_C, "q8_momentum_update_multi_")
+    else:
+        assert ops.backend() != "reference", _extension.status().reason
 
 
 @pytest.mark.skipif(os.environ.get("QMUON_BACKEND", "").strip().lower() == "reference",

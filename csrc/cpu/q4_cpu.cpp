@@ -7,6 +7,8 @@
 // update takes two passes: pass 1 recomputes the new momentum block by block only to find its max
 // |m| (nothing written), pass 2 recomputes it again, writes the Newton-Schulz input, the codes and
 // the block scales. The state is not written until pass 2, so both passes read the same old state.
+// A row shard runs the passes as two ops (qmuon_cpu_e0m3_momentum_amax, then the update with
+// new_tensor_scale set to its matrix's scale), with a MAX all-reduce of the amax between them.
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -199,15 +201,13 @@ inline void e0m3_momentum_unit(const qmuon_q4_tensor& t, const MomentumWeights& 
   }
 }
 
-template <typename G, bool NESTEROV, bool STOCHASTIC>
-void e0m3_update_matrix(const qmuon_q4_tensor& t, const MomentumWeights& mw, int64_t bs) {
-  using GS = typename G::storage;
-  const int64_t unit = std::max<int64_t>(bs, kE0M3Block);
+// Pass 1: bits of max |m_new| over the matrix (nothing written). The max does not depend on the
+// order it is taken in, so any unit (a multiple or divisor of 16) gives the same bits.
+template <typename G>
+uint32_t e0m3_amax_bits(const qmuon_q4_tensor& t, const MomentumWeights& mw, int64_t unit) {
   const int64_t nu = (t.cols + unit - 1) / unit;
-  const int64_t nb = (t.cols + bs - 1) / bs;
   const float t_old = *t.tensor_scale;
-  // Pass 1: max |m_new| over the tensor.
-  const uint32_t amax = at::parallel_reduce(
+  return at::parallel_reduce(
       0, t.rows * nu, grain_units(unit), uint32_t{0},
       [&](int64_t begin, int64_t end, uint32_t acc) {
         alignas(64) float m_new[kMaxBlockSize];
@@ -216,14 +216,26 @@ void e0m3_update_matrix(const qmuon_q4_tensor& t, const MomentumWeights& mw, int
           const int64_t r = u / nu;
           const int64_t c0 = (u - r * nu) * unit;
           const int64_t n = std::min(unit, t.cols - c0);
-          e0m3_momentum_unit<G, NESTEROV>(t, w, t_old, r, c0, n, m_new, nullptr);
+          e0m3_momentum_unit<G, false>(t, w, t_old, r, c0, n, m_new, nullptr);
           const uint32_t m = absmax_bits(m_new, n);
           acc = m > acc ? m : acc;
         }
         return acc;
       },
       [](uint32_t a, uint32_t b) { return a > b ? a : b; });
-  const float t_new = e0m3_tensor_scale_from_amax(bits_f32(amax));
+}
+
+// Pass 2 (after pass 1, or with the tensor scale given: t.new_tensor_scale).
+template <typename G, bool NESTEROV, bool STOCHASTIC>
+void e0m3_update_matrix(const qmuon_q4_tensor& t, const MomentumWeights& mw, int64_t bs) {
+  using GS = typename G::storage;
+  const int64_t unit = std::max<int64_t>(bs, kE0M3Block);
+  const int64_t nu = (t.cols + unit - 1) / unit;
+  const int64_t nb = (t.cols + bs - 1) / bs;
+  const float t_old = *t.tensor_scale;
+  const float t_new = t.new_tensor_scale != nullptr
+                          ? *t.new_tensor_scale
+                          : e0m3_tensor_scale_from_amax(bits_f32(e0m3_amax_bits<G>(t, mw, unit)));
   const uint32_t stream = static_cast<uint32_t>(t.stream);
   // Pass 2: NS input, sums of squares, codes and block scales at t_new.
   at::parallel_for(0, t.rows * nu, grain_units(unit), [&](int64_t begin, int64_t end) {
@@ -357,6 +369,68 @@ struct DenseBF16Kernel {
 // ---------------------------------------------------------------------------------------------
 // standalone codecs
 // ---------------------------------------------------------------------------------------------
+// grid_quantize4 of x (rows, cols) with the maxima scale t: codes into out0, UE4M3 row / column maxima
+// into out1 / out2.
+void grid_quantize_cpu(const qmuon_codec_args& a, float t) {
+  const int64_t rows = a.rows, cols = a.cols, pc = (cols + 1) / 2;
+  const bool stoch = a.stream >= 0;
+  const uint32_t stream = static_cast<uint32_t>(a.stream);
+  const int64_t s = a.block_size, nbc = (cols + s - 1) / s, nbr = (rows + s - 1) / s;
+  const float* x = static_cast<const float*>(a.in0);
+  uint8_t* pk = static_cast<uint8_t*>(a.out0);
+  uint8_t* row_bits = static_cast<uint8_t*>(a.out1);
+  uint8_t* col_bits = static_cast<uint8_t*>(a.out2);
+  at::parallel_for(0, rows * nbc, grain_units(s), [&](int64_t b0, int64_t b1) {
+    for (int64_t blk = b0; blk < b1; ++blk) {
+      const int64_t r = blk / nbc, c0 = (blk - r * nbc) * s;
+      const float m = bits_f32(absmax_bits(x + r * cols + c0, std::min(s, cols - c0)));
+      row_bits[blk] = static_cast<uint8_t>(ue4m3_encode(fdiv(m, t), true));
+    }
+  });
+  at::parallel_for(0, nbr, 1, [&](int64_t g0, int64_t g1) {
+    std::vector<uint32_t> m(static_cast<size_t>(cols));
+    for (int64_t g = g0; g < g1; ++g) {
+      const int64_t r0 = g * s, r1 = std::min(rows, r0 + s);
+      std::fill(m.begin(), m.end(), 0u);
+      for (int64_t r = r0; r < r1; ++r) {
+        const float* xr = x + r * cols;
+        for (int64_t c = 0; c < cols; ++c) {
+          const uint32_t b = abs_bits(xr[c]);
+          m[c] = b > m[c] ? b : m[c];
+        }
+      }
+      for (int64_t c = 0; c < cols; ++c) {
+        col_bits[g * cols + c] = static_cast<uint8_t>(ue4m3_encode(fdiv(bits_f32(m[c]), t), true));
+      }
+    }
+  });
+  // Decoded maxima (times t), once: the codes loop then reads two floats per element.
+  std::vector<float> row_dec(static_cast<size_t>(rows * nbc)), col_dec(static_cast<size_t>(nbr * cols));
+  for (int64_t i = 0; i < rows * nbc; ++i) row_dec[i] = fmul(ue4m3_decode(row_bits[i]), t);
+  for (int64_t i = 0; i < nbr * cols; ++i) col_dec[i] = fmul(ue4m3_decode(col_bits[i]), t);
+  at::parallel_for(0, rows, grain_units(cols), [&](int64_t r0, int64_t r1) {
+    std::vector<float> u(static_cast<size_t>(stoch ? cols : 0));
+    std::vector<uint8_t> nib(static_cast<size_t>(cols + 1));
+    std::vector<float> rrow(static_cast<size_t>(cols));
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* xr = x + r * cols;
+      const float* rd = row_dec.data() + r * nbc;
+      const float* cd = col_dec.data() + (r / s) * cols;
+      for (int64_t k = 0; k < nbc; ++k) {
+        for (int64_t c = k * s; c < std::min(cols, (k + 1) * s); ++c) rrow[c] = rd[k];
+      }
+      if (stoch) fill_noise(u.data(), cols, elem_index(a.row_offset, r, cols, 0), stream);
+      for (int64_t c = 0; c < cols; ++c) {
+        const float rv = rrow[c], cv = cd[c];
+        // torch.minimum (NaN propagates), as grid_den
+        const float den = cv < rv ? cv : (rv != rv ? rv : (cv != cv ? cv : rv));
+        nib[c] = static_cast<uint8_t>(code_to_nibble(grid_code(xr[c], den, stoch, stoch ? u[c] : 0.0f)));
+      }
+      pack_bytes(nib.data(), cols, pk + r * pc);
+    }
+  });
+}
+
 int codec_cpu(const qmuon_codec_args& a) {
   const int64_t rows = a.rows, cols = a.cols, pc = (cols + 1) / 2;
   const bool stoch = a.stream >= 0;
@@ -498,11 +572,7 @@ int codec_cpu(const qmuon_codec_args& a) {
       return 0;
     }
     case QMUON_CODEC_GRID_QUANTIZE: {
-      const int64_t s = a.block_size, nbc = (cols + s - 1) / s, nbr = (rows + s - 1) / s;
       const float* x = static_cast<const float*>(a.in0);
-      uint8_t* pk = static_cast<uint8_t*>(a.out0);
-      uint8_t* row_bits = static_cast<uint8_t*>(a.out1);
-      uint8_t* col_bits = static_cast<uint8_t*>(a.out2);
       // The maxima are found as bits (|x| bit order == value order, NaN on top, as torch's amax).
       const uint32_t amax = at::parallel_reduce(
           0, rows, grain_units(cols), uint32_t{0},
@@ -516,57 +586,12 @@ int codec_cpu(const qmuon_codec_args& a) {
           [](uint32_t p, uint32_t q) { return p > q ? p : q; });
       const float t = grid_scale_from_amax(bits_f32(amax));
       *static_cast<float*>(a.out3) = t;
-      at::parallel_for(0, rows * nbc, grain_units(s), [&](int64_t b0, int64_t b1) {
-        for (int64_t blk = b0; blk < b1; ++blk) {
-          const int64_t r = blk / nbc, c0 = (blk - r * nbc) * s;
-          const float m = bits_f32(absmax_bits(x + r * cols + c0, std::min(s, cols - c0)));
-          row_bits[blk] = static_cast<uint8_t>(ue4m3_encode(fdiv(m, t), true));
-        }
-      });
-      at::parallel_for(0, nbr, 1, [&](int64_t g0, int64_t g1) {
-        std::vector<uint32_t> m(static_cast<size_t>(cols));
-        for (int64_t g = g0; g < g1; ++g) {
-          const int64_t r0 = g * s, r1 = std::min(rows, r0 + s);
-          std::fill(m.begin(), m.end(), 0u);
-          for (int64_t r = r0; r < r1; ++r) {
-            const float* xr = x + r * cols;
-            for (int64_t c = 0; c < cols; ++c) {
-              const uint32_t b = abs_bits(xr[c]);
-              m[c] = b > m[c] ? b : m[c];
-            }
-          }
-          for (int64_t c = 0; c < cols; ++c) {
-            col_bits[g * cols + c] = static_cast<uint8_t>(ue4m3_encode(fdiv(bits_f32(m[c]), t), true));
-          }
-        }
-      });
-      // Decoded maxima (times t), once: the codes loop then reads two floats per element.
-      std::vector<float> row_dec(static_cast<size_t>(rows * nbc)), col_dec(static_cast<size_t>(nbr * cols));
-      for (int64_t i = 0; i < rows * nbc; ++i) row_dec[i] = fmul(ue4m3_decode(row_bits[i]), t);
-      for (int64_t i = 0; i < nbr * cols; ++i) col_dec[i] = fmul(ue4m3_decode(col_bits[i]), t);
-      at::parallel_for(0, rows, grain_units(cols), [&](int64_t r0, int64_t r1) {
-        std::vector<float> u(static_cast<size_t>(stoch ? cols : 0));
-        std::vector<uint8_t> nib(static_cast<size_t>(cols + 1));
-        std::vector<float> rrow(static_cast<size_t>(cols));
-        for (int64_t r = r0; r < r1; ++r) {
-          const float* xr = x + r * cols;
-          const float* rd = row_dec.data() + r * nbc;
-          const float* cd = col_dec.data() + (r / s) * cols;
-          for (int64_t k = 0; k < nbc; ++k) {
-            for (int64_t c = k * s; c < std::min(cols, (k + 1) * s); ++c) rrow[c] = rd[k];
-          }
-          if (stoch) fill_noise(u.data(), cols, elem_index(a.row_offset, r, cols, 0), stream);
-          for (int64_t c = 0; c < cols; ++c) {
-            const float rv = rrow[c], cv = cd[c];
-            // torch.minimum (NaN propagates), as grid_den
-            const float den = cv < rv ? cv : (rv != rv ? rv : (cv != cv ? cv : rv));
-            nib[c] = static_cast<uint8_t>(code_to_nibble(grid_code(xr[c], den, stoch, stoch ? u[c] : 0.0f)));
-          }
-          pack_bytes(nib.data(), cols, pk + r * pc);
-        }
-      });
+      grid_quantize_cpu(a, t);
       return 0;
     }
+    case QMUON_CODEC_GRID_QUANTIZE_WITH_SCALE:
+      grid_quantize_cpu(a, *static_cast<const float*>(a.in1));
+      return 0;
     case QMUON_CODEC_GRID_DEQUANTIZE: {
       const int64_t s = a.block_size, nbc = (cols + s - 1) / s;
       const uint8_t* pk = static_cast<const uint8_t*>(a.in0);
@@ -637,6 +662,28 @@ extern "C" int qmuon_cpu_e0m3_momentum_update(const qmuon_q4_tensor* tensors, in
   return 0;
 }
 
+extern "C" int qmuon_cpu_e0m3_momentum_amax(const qmuon_q4_tensor* tensors, int64_t num_tensors,
+                                            qmuon_q4_params params) {
+  using namespace qmuon;
+  constexpr int64_t kUnit = 256;  // any multiple of 16 gives the same max; this one is the default block
+  const MomentumWeights mw = make_momentum_weights(params.beta);
+  for (int64_t i = 0; i < num_tensors; ++i) {
+    const qmuon_q4_tensor& t = tensors[i];
+    if (t.amax_out == nullptr) return QMUON_ERR_BAD_OP;
+    uint32_t bits = 0;  // an empty matrix: 0, as the reference
+    if (t.rows > 0 && t.cols > 0) {
+      switch (params.grad_dtype) {
+        case QMUON_FLOAT32: bits = e0m3_amax_bits<F32>(t, mw, kUnit); break;
+        case QMUON_BFLOAT16: bits = e0m3_amax_bits<BF16>(t, mw, kUnit); break;
+        case QMUON_FLOAT16: bits = e0m3_amax_bits<F16>(t, mw, kUnit); break;
+        default: return QMUON_ERR_BAD_DTYPE;
+      }
+    }
+    *t.amax_out = amax_from_bits(bits);
+  }
+  return 0;
+}
+
 extern "C" int qmuon_cpu_dense_momentum_update(const qmuon_dense_tensor* tensors, int64_t num_tensors,
                                                qmuon_dense_params params) {
   using namespace qmuon;
@@ -667,7 +714,8 @@ extern "C" int qmuon_cpu_codec(const qmuon_codec_args* args) {
     return QMUON_ERR_BAD_BLOCK_SIZE;
   }
   if (a.op == QMUON_CODEC_INT4_DEQUANTIZE && a.block_size < 1) return QMUON_ERR_BAD_BLOCK_SIZE;
-  if ((a.op == QMUON_CODEC_GRID_QUANTIZE || a.op == QMUON_CODEC_GRID_DEQUANTIZE) && a.block_size < 1) {
+  if ((a.op == QMUON_CODEC_GRID_QUANTIZE || a.op == QMUON_CODEC_GRID_QUANTIZE_WITH_SCALE ||
+       a.op == QMUON_CODEC_GRID_DEQUANTIZE) && a.block_size < 1) {
     return QMUON_ERR_BAD_BLOCK_SIZE;
   }
   return qmuon::codec_cpu(a);

@@ -11,7 +11,8 @@
 //   pass 1 (read-only) recomputes the new momentum and atomically maxes |m| into device scratch,
 //   pass 2 recomputes it, writes the NS input, codes and block scales at the new tensor scale and
 //   the tensor scale itself. One warp per unit of max(block_size, 16) elements; a lane owns whole
-//   16-element scale blocks.
+//   16-element scale blocks. A row shard runs pass 1 alone (the amax op) and, once the amax is
+//   all-reduced, pass 2 with its matrix's scale given (new_tensor_scale).
 // dense update: one warp per row block (sum of squares by warp shuffles).
 // codecs: simple grid-stride kernels (conversion / checkpoint paths, not the step).
 #include <cuda_runtime.h>
@@ -168,18 +169,27 @@ __global__ void e0m3_pass1_kernel(const qmuon_q4_tensor t, const MomentumWeights
   if (lane == 0) atomicMax(reinterpret_cast<unsigned int*>(t.scratch), amax_bits);
 }
 
+// max |m| of pass 1 (scratch[0], bits) as amax_out, NaN made the one quiet NaN (amax_from_bits).
+__global__ void e0m3_amax_out_kernel(const float* scratch, float* amax_out) {
+  if (blockIdx.x == 0 && threadIdx.x == 0) *amax_out = amax_from_bits(f32_bits(scratch[0]));
+}
+
+// t_old: the scale the old state was encoded with. t_new: the scale to encode with, or (t_new_is_amax)
+// pass 1's max |m| bits read as a float, from which the scale is computed and written to *t.tensor_scale
+// (t_old then comes from scratch[1]: block 0 overwrites the tensor scale while others may still read it).
 template <typename G>
 __global__ void e0m3_pass2_kernel(const qmuon_q4_tensor t, const MomentumWeights mw, const int nesterov,
-                                  const int64_t unit, const int64_t bs) {
+                                  const int64_t unit, const int64_t bs, const float* t_old_src,
+                                  const float* t_new_src, const int t_new_is_amax) {
   using GS = typename G::storage;
   const int warp = threadIdx.x / kWarp;
   const int lane = threadIdx.x % kWarp;
   const int64_t nu = (t.cols + unit - 1) / unit;
   const int64_t nb = (t.cols + bs - 1) / bs;
   const int64_t g = static_cast<int64_t>(blockIdx.x) * kWarpsPerCta + warp;
-  const float t_old = t.scratch[1];
-  const float t_new = e0m3_tensor_scale_from_amax(t.scratch[0]);  // the max |m| bits, read as a float
-  if (blockIdx.x == 0 && threadIdx.x == 0) *t.tensor_scale = t_new;
+  const float t_old = *t_old_src;
+  const float t_new = t_new_is_amax ? e0m3_tensor_scale_from_amax(*t_new_src) : *t_new_src;
+  if (t_new_is_amax && blockIdx.x == 0 && threadIdx.x == 0) *t.tensor_scale = t_new;
   if (g >= t.rows * nu) return;
   const int64_t r = g / nu;
   const int64_t c0 = (g - r * nu) * unit;
@@ -395,12 +405,13 @@ __global__ void e0m3_dequantize_kernel(const uint8_t* pk, const uint8_t* sc, con
   }
 }
 
-// Grid maxima: thread per (row, column tile) and per (row tile, column).
+// Grid maxima: thread per (row, column tile) and per (row tile, column). The scale is *t_src, or
+// (t_from_amax) computed from the max |x| bits there and written to *t_out.
 __global__ void grid_maxima_kernel(const float* x, uint8_t* row_bits, uint8_t* col_bits, float* t_out,
-                                   const float* scratch, int64_t rows, int64_t cols, int64_t s) {
+                                   const float* t_src, int t_from_amax, int64_t rows, int64_t cols, int64_t s) {
   const int64_t nbc = (cols + s - 1) / s, nbr = (rows + s - 1) / s;
-  const float t = grid_scale_from_amax(scratch[0]);
-  if (blockIdx.x == 0 && threadIdx.x == 0) *t_out = t;
+  const float t = t_from_amax ? grid_scale_from_amax(*t_src) : *t_src;
+  if (t_from_amax && blockIdx.x == 0 && threadIdx.x == 0) *t_out = t;
   QMUON_GRID_STRIDE(idx, rows * nbc + nbr * cols) {
     uint32_t m = 0;
     if (idx < rows * nbc) {
@@ -505,13 +516,52 @@ struct E0M3Launch {
     for (int64_t i = 0; i < num; ++i) {
       const qmuon_q4_tensor& t = ts[i];
       if (t.rows <= 0 || t.cols <= 0) continue;
-      if (t.scratch == nullptr) return QMUON_ERR_BAD_OP;
       const int64_t grid = ceil_div(t.rows * ceil_div(t.cols, unit), kWarpsPerCta);
       if (grid > 0x7FFFFFFFLL) return cudaErrorInvalidConfiguration;
-      e0m3_pass1_kernel<G><<<static_cast<unsigned>(grid), kWarpsPerCta * kWarp, 0, s>>>(t, mw, p.nesterov, unit);
+      const unsigned g = static_cast<unsigned>(grid);
+      int err = 0;
+      if (t.new_tensor_scale != nullptr) {
+        // The scale is given: pass 2 alone, then the tensor scale is overwritten (stream order keeps
+        // every block's read of the old scale before the copy).
+        e0m3_pass2_kernel<G><<<g, kWarpsPerCta * kWarp, 0, s>>>(t, mw, p.nesterov, unit, bs, t.tensor_scale,
+                                                                t.new_tensor_scale, 0);
+        err = launch_error();
+        if (err) return err;
+        if (t.new_tensor_scale != t.tensor_scale) {
+          err = static_cast<int>(cudaMemcpyAsync(t.tensor_scale, t.new_tensor_scale, sizeof(float),
+                                                 cudaMemcpyDeviceToDevice, s));
+          if (err) return err;
+        }
+        continue;
+      }
+      if (t.scratch == nullptr) return QMUON_ERR_BAD_OP;
+      e0m3_pass1_kernel<G><<<g, kWarpsPerCta * kWarp, 0, s>>>(t, mw, p.nesterov, unit);
+      err = launch_error();
+      if (err) return err;
+      e0m3_pass2_kernel<G><<<g, kWarpsPerCta * kWarp, 0, s>>>(t, mw, p.nesterov, unit, bs, t.scratch + 1, t.scratch,
+                                                              1);
+      err = launch_error();
+      if (err) return err;
+    }
+    return 0;
+  }
+};
+
+template <typename G>
+struct E0M3AmaxLaunch {
+  static int run(const qmuon_q4_tensor* ts, int64_t num, const qmuon_q4_params& p, cudaStream_t s) {
+    const MomentumWeights mw = make_momentum_weights(p.beta);
+    constexpr int64_t kUnit = 256;  // the max does not depend on the unit
+    for (int64_t i = 0; i < num; ++i) {
+      const qmuon_q4_tensor& t = ts[i];
+      if (t.scratch == nullptr || t.amax_out == nullptr) return QMUON_ERR_BAD_OP;
+      if (t.rows <= 0 || t.cols <= 0) continue;  // amax_out is zeroed by the caller
+      const int64_t grid = ceil_div(t.rows * ceil_div(t.cols, kUnit), kWarpsPerCta);
+      if (grid > 0x7FFFFFFFLL) return cudaErrorInvalidConfiguration;
+      e0m3_pass1_kernel<G><<<static_cast<unsigned>(grid), kWarpsPerCta * kWarp, 0, s>>>(t, mw, 0, kUnit);
       int err = launch_error();
       if (err) return err;
-      e0m3_pass2_kernel<G><<<static_cast<unsigned>(grid), kWarpsPerCta * kWarp, 0, s>>>(t, mw, p.nesterov, unit, bs);
+      e0m3_amax_out_kernel<<<1, 1, 0, s>>>(t.scratch, t.amax_out);
       err = launch_error();
       if (err) return err;
     }
@@ -544,6 +594,23 @@ template <typename G>
 using DenseF32Launch = DenseLaunchB<F32>::For<G>;
 template <typename G>
 using DenseBF16Launch = DenseLaunchB<BF16>::For<G>;
+
+// Maxima, then codes, with the scale *t_src (t_from_amax: computed from the max |x| bits there and
+// written to out3, which the codes kernel then reads).
+int grid_quantize(const qmuon_codec_args& a, const float* t_src, int t_from_amax, cudaStream_t s) {
+  const int64_t rows = a.rows, cols = a.cols, sb = a.block_size;
+  const float* x = static_cast<const float*>(a.in0);
+  grid_maxima_kernel<<<grid_for(rows * ceil_div(cols, sb) + ceil_div(rows, sb) * cols), kThreads, 0, s>>>(
+      x, static_cast<uint8_t*>(a.out1), static_cast<uint8_t*>(a.out2), static_cast<float*>(a.out3), t_src,
+      t_from_amax, rows, cols, sb);
+  const int err = launch_error();
+  if (err) return err;
+  grid_codes_kernel<<<grid_for(rows * ceil_div(cols, 2)), kThreads, 0, s>>>(
+      x, static_cast<const uint8_t*>(a.out1), static_cast<const uint8_t*>(a.out2),
+      t_from_amax ? static_cast<const float*>(a.out3) : t_src, static_cast<uint8_t*>(a.out0), rows, cols, sb,
+      a.stream, a.row_offset);
+  return launch_error();
+}
 
 int codec(const qmuon_codec_args& a, cudaStream_t s) {
   const int64_t rows = a.rows, cols = a.cols;
@@ -597,21 +664,15 @@ int codec(const qmuon_codec_args& a, cudaStream_t s) {
       return launch_error();
     case QMUON_CODEC_GRID_QUANTIZE: {
       if (a.scratch == nullptr || a.block_size < 1) return QMUON_ERR_BAD_OP;
-      const int64_t sb = a.block_size;
-      const float* x = static_cast<const float*>(a.in0);
-      amax_kernel<<<grid_for(rows * cols), kThreads, 0, s>>>(x, rows * cols, a.scratch);
-      int err = launch_error();
+      amax_kernel<<<grid_for(rows * cols), kThreads, 0, s>>>(static_cast<const float*>(a.in0), rows * cols,
+                                                             a.scratch);
+      const int err = launch_error();
       if (err) return err;
-      grid_maxima_kernel<<<grid_for(rows * ceil_div(cols, sb) + ceil_div(rows, sb) * cols), kThreads, 0, s>>>(
-          x, static_cast<uint8_t*>(a.out1), static_cast<uint8_t*>(a.out2), static_cast<float*>(a.out3), a.scratch,
-          rows, cols, sb);
-      err = launch_error();
-      if (err) return err;
-      grid_codes_kernel<<<grid_for(rows * ceil_div(cols, 2)), kThreads, 0, s>>>(
-          x, static_cast<const uint8_t*>(a.out1), static_cast<const uint8_t*>(a.out2),
-          static_cast<const float*>(a.out3), static_cast<uint8_t*>(a.out0), rows, cols, sb, a.stream, a.row_offset);
-      return launch_error();
+      return grid_quantize(a, a.scratch, 1, s);
     }
+    case QMUON_CODEC_GRID_QUANTIZE_WITH_SCALE:
+      if (a.in1 == nullptr || a.block_size < 1) return QMUON_ERR_BAD_OP;
+      return grid_quantize(a, static_cast<const float*>(a.in1), 0, s);
     case QMUON_CODEC_GRID_DEQUANTIZE:
       if (a.block_size < 1) return QMUON_ERR_BAD_BLOCK_SIZE;
       grid_dequantize_kernel<<<grid_for(rows * cols), kThreads, 0, s>>>(
@@ -643,6 +704,12 @@ extern "C" int qmuon_cuda_e0m3_momentum_update(const qmuon_q4_tensor* tensors, i
   }
   return dispatch_grad<E0M3Launch>(params.grad_dtype, tensors, num_tensors, params,
                                    static_cast<cudaStream_t>(cuda_stream));
+}
+
+extern "C" int qmuon_cuda_e0m3_momentum_amax(const qmuon_q4_tensor* tensors, int64_t num_tensors,
+                                             qmuon_q4_params params, void* cuda_stream) {
+  return dispatch_grad<E0M3AmaxLaunch>(params.grad_dtype, tensors, num_tensors, params,
+                                       static_cast<cudaStream_t>(cuda_stream));
 }
 
 extern "C" int qmuon_cuda_dense_momentum_update(const qmuon_dense_tensor* tensors, int64_t num_tensors,

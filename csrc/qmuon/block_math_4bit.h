@@ -131,6 +131,10 @@ QMUON_HD float e0m3_tensor_scale_from_amax(float amax) {
   return ok ? t : 1.0f;
 }
 
+// max |m| reported from its bits (abs_bits, max-reduced): NaN as the one quiet NaN 0x7FC00000, the pattern
+// reference_4bit.e0m3_momentum_amax returns (a max over bits keeps whichever NaN payload is largest).
+QMUON_HD float amax_from_bits(uint32_t bits) { return bits_f32(bits > 0x7F800000u ? 0x7FC00000u : bits); }
+
 // Block scale bits: ue4m3_ceil(block_amax / (7 * t)).
 QMUON_HD uint32_t e0m3_scale_bits(float block_amax, float t) {
   return ue4m3_encode(fdiv(block_amax, fmul(kQMax4, t)), true);

@@ -82,6 +82,10 @@ typedef struct qmuon_q4_tensor {
   void* grad;           // fp32 / bf16 / fp16 (rows, cols), row stride grad_rs; overwritten with the NS input
   float* sumsq;         // fp32 (rows, ceil(cols / block_size)) contiguous; written (NULL: not computed)
   float* scratch;       // e0m3 on CUDA: 2 zeroed floats of device memory (amax bits, old scale); else NULL
+  // e0m3 update: the new tensor scale to encode with (one float, read), or NULL to compute it from the
+  // new momentum of this matrix. A row shard passes its whole matrix's (see qmuon_*_e0m3_momentum_amax).
+  const float* new_tensor_scale;
+  float* amax_out;      // e0m3 amax: where max |m_new| of this matrix goes (one float); else NULL
   int64_t rows;
   int64_t cols;
   int64_t packed_rs;
@@ -135,7 +139,9 @@ enum qmuon_codec_op {
   QMUON_CODEC_E0M3_DEQUANTIZE = 8,  // in0 packed, in1 uint8 scales, in2 fp32 tensor scale [1] -> out0 fp32
   QMUON_CODEC_GRID_QUANTIZE = 9,    // in0 fp32 -> out0 packed, out1 uint8 row maxima (rows, ceil(cols/s)),
                                     //   out2 uint8 column maxima (ceil(rows/s), cols), out3 fp32 scale [1]
-  QMUON_CODEC_GRID_DEQUANTIZE = 10  // in0 packed, in1 row maxima, in2 column maxima, in3 fp32 scale [1] -> out0
+  QMUON_CODEC_GRID_DEQUANTIZE = 10,  // in0 packed, in1 row maxima, in2 column maxima, in3 fp32 scale [1] -> out0
+  QMUON_CODEC_GRID_QUANTIZE_WITH_SCALE = 11  // GRID_QUANTIZE with the scale given: in0 fp32, in1 fp32 scale [1]
+                                             //   -> out0 packed, out1 row maxima, out2 column maxima
 };
 
 typedef struct qmuon_codec_args {
@@ -159,6 +165,9 @@ typedef struct qmuon_codec_args {
 
 int qmuon_cpu_int4_momentum_update(const qmuon_q4_tensor* tensors, int64_t num_tensors, qmuon_q4_params params);
 int qmuon_cpu_e0m3_momentum_update(const qmuon_q4_tensor* tensors, int64_t num_tensors, qmuon_q4_params params);
+// The first pass of the e0m3 update alone: *amax_out = max |m_new| of each matrix (a NaN gives the quiet NaN
+// 0x7FC00000), nothing else written; params.nesterov and params.block_size are not used.
+int qmuon_cpu_e0m3_momentum_amax(const qmuon_q4_tensor* tensors, int64_t num_tensors, qmuon_q4_params params);
 int qmuon_cpu_dense_momentum_update(const qmuon_dense_tensor* tensors, int64_t num_tensors,
                                     qmuon_dense_params params);
 int qmuon_cpu_codec(const qmuon_codec_args* args);
@@ -167,6 +176,8 @@ int qmuon_cuda_int4_momentum_update(const qmuon_q4_tensor* tensors, int64_t num_
                                     void* cuda_stream);
 int qmuon_cuda_e0m3_momentum_update(const qmuon_q4_tensor* tensors, int64_t num_tensors, qmuon_q4_params params,
                                     void* cuda_stream);
+int qmuon_cuda_e0m3_momentum_amax(const qmuon_q4_tensor* tensors, int64_t num_tensors, qmuon_q4_params params,
+                                  void* cuda_stream);  // scratch as for the update; amax_out in device memory
 int qmuon_cuda_dense_momentum_update(const qmuon_dense_tensor* tensors, int64_t num_tensors,
                                      qmuon_dense_params params, void* cuda_stream);
 int qmuon_cuda_codec(const qmuon_codec_args* args, void* cuda_stream);

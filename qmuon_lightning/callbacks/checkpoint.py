@@ -45,6 +45,8 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
+from ..core.config import ResumeMismatch, check_resume, plain_coefficients
+from ..core.newton_schulz import MUON_COEFFICIENTS, resolve_schedule
 from ..optim.qmuon import FORMAT_VERSION, QMuon
 from ..quant import state as qstate
 from ._common import is_dtensor, param_names, qmuon_optimizers
@@ -90,7 +92,8 @@ def _group_entry(gi: int, group: dict[str, Any], names: Mapping[int, str]) -> di
             "state_format": group["state_format"], "block_size": opts.block_size, "rank": opts.rank,
             "grid_block": opts.grid_block, "rounding": group["rounding"], "seed": int(group["seed"]),
             "momentum": float(group["momentum"]), "parts": list(group["parts"]) if group["parts"] else None,
-            "ns_input": group.get("ns_input", "bf16"),
+            "ns_input": group.get("ns_input", "bf16"), "ns_dtype": group.get("ns_dtype", "auto"),
+            "ns_coefficients": plain_coefficients(group.get("ns_coefficients")), "ns_steps": int(group["ns_steps"]),
         })
     return entry
 
@@ -110,20 +113,11 @@ def build_manifest(optimizers: Sequence[tuple[int, QMuon]], module: nn.Module | 
         "global_step": global_step,
         "optimizers": [
             {"index": idx, "class": type(opt).__name__,
+             "config": opt.config.to_dict() if hasattr(opt, "config") else None,
              "groups": [_group_entry(gi, g, param_names(module, opt)) for gi, g in enumerate(opt.param_groups)]}
             for idx, opt in optimizers
         ],
     }
-
-
-def _describe(entry: dict[str, Any]) -> str:
-    s = f"state_format={entry['state_format']!r}"
-    fmt = qstate.FORMATS.get(entry["state_format"])
-    if fmt is not None and fmt.uses_block_size:
-        s += f", block_size={entry['block_size']}"
-    if entry["state_format"] == "grasp4":
-        s += f", rank={entry['rank']}, grid_block={entry['grid_block']}"
-    return s
 
 
 def validate_manifest(manifest: Mapping[str, Any], optimizers: Sequence[tuple[int, QMuon]],
@@ -185,22 +179,14 @@ def validate_manifest(manifest: Mapping[str, Any], optimizers: Sequence[tuple[in
             if not saved["use_muon"]:
                 continue
             first = saved["params"][0]["name"] if saved["params"] else "-"
-            layout_keys = ["state_format"]
-            fmt = qstate.FORMATS.get(saved["state_format"])
-            if fmt is not None and fmt.uses_block_size:
-                layout_keys.append("block_size")
-            if saved["state_format"] == "grasp4":
-                layout_keys += ["rank", "grid_block"]
-            if any(saved[k] != cur[k] for k in layout_keys):
-                msg = (f"{gw} ({len(saved['params'])} matrices, first {first!r}) was saved with {_describe(saved)} "
-                       f"but this run's optimizer uses {_describe(cur)}")
-                if allow_format_change:
-                    notes.append(msg + "; QMuon.load_state_dict converts the momentum (dequantize and re-encode)")
-                else:
-                    problems.append(
-                        msg + f". Build the optimizer with {_describe(saved)} to resume, or pass "
-                        "QuantizedStateCheckpoint(allow_format_change=True) to let QMuon.load_state_dict convert the "
-                        "momentum (dequantize and re-encode; not bit-exact)")
+            try:
+                note = check_resume(saved, cur, where=f"{gw} ({len(saved['params'])} matrices, first {first!r})",
+                                    allow_format_change=allow_format_change)
+            except ResumeMismatch as e:
+                problems.append(str(e))
+                continue
+            if note:
+                notes.append(note)
     if problems:
         raise QuantizedStateMismatchError(
             f"cannot resume from {source}:\n  - " + "\n  - ".join(problems))
@@ -289,6 +275,18 @@ def _full_state_dict(opt: QMuon) -> dict[str, Any]:
     return opt.state_dict()
 
 
+def _torch_coefficients(group: dict[str, Any], gi: int) -> tuple[float, float, float]:
+    """The group's NS coefficients as torch.optim.Muon takes them: one ``(a, b, c)`` for every
+    iteration. A per-iteration schedule (e.g. ``"polar_express"``) has no such form: torch's
+    default is exported instead, with a warning (the momentum itself is exact either way)."""
+    sched = resolve_schedule(group["ns_coefficients"], int(group["ns_steps"]))
+    if len(set(sched.coefficients)) == 1 and sched.norm_safety == 1.0:
+        return sched.coefficients[0]
+    rank_zero_warn(f"param group {gi}: ns_coefficients={group['ns_coefficients']!r} is a per-iteration schedule, which "
+                   f"torch.optim.Muon cannot run; the exported group uses torch's default {MUON_COEFFICIENTS}")
+    return MUON_COEFFICIENTS
+
+
 def export_fp32_momentum(optimizer: QMuon, path: str | os.PathLike | None, module: nn.Module | None = None, *,
                          write: bool = True) -> dict[str, Any]:
     """Dequantize every Muon momentum of ``optimizer`` to fp32 and save it (atomically) at ``path``.
@@ -331,7 +329,7 @@ def export_fp32_momentum(optimizer: QMuon, path: str | os.PathLike | None, modul
             index += 1
         t_groups.append({
             "lr": group["lr"], "weight_decay": group["weight_decay"], "momentum": group["momentum"],
-            "nesterov": group["nesterov"], "ns_coefficients": tuple(group["ns_coefficients"]), "eps": group["eps"],
+            "nesterov": group["nesterov"], "ns_coefficients": _torch_coefficients(group, gi), "eps": group["eps"],
             "ns_steps": group["ns_steps"], "adjust_lr_fn": group["adjust_lr_fn"], "params": ids,
         })
     blob = {"format": "qmuon_fp32_momentum", "version": 1, "param_names": order, "momentum": momentum,

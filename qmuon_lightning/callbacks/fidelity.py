@@ -6,7 +6,7 @@ For a Muon parameter at step ``t`` the optimizer computes ``m_t = beta m_{t-1} +
 from the *stored* (quantized) ``m_{t-1}``, the Nesterov blend ``n_t = lerp(g_t, m_t, beta)`` and the
 update ``U = adj_lr * NS(n_t)`` (per part for fused matrices). The fp32-state reference makes the
 same computation from an fp32 momentum that saw the same gradients. The monitor logs, per layer,
-``cos(U_quantized, U_fp32)``: the metric of :func:`qmuon_lightning.quant.fidelity.per_layer_update_cosine`
+``cos(U_quantized, U_fp32)``: the metric of :func:`qmuon_lightning.optim.fidelity.per_layer_update_cosine`
 (which runs two optimizers on synthetic gradients), taken here on the run's own gradients.
 
 Why a shadow momentum is needed: the new momentum ``m_t`` enters step ``t``'s update before it is
@@ -35,6 +35,7 @@ optimizer sees (a custom ``configure_gradient_clipping`` is not replicated).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from typing import Any, Callable, Mapping
@@ -47,11 +48,11 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 
 from ..ops import reference as ref
-from ..optim.newton_schulz import newton_schulz_folded
-from ..optim.qmuon import QMuon, adjusted_lr
+from ..core import pipeline
+from ..core.plan import MatrixPart, plan_param
+from ..optim.qmuon import QMuon
 from ..quant import state as qstate
 from ..quant.fidelity import cosine
-from ..quant.mxfp8 import mxfp8_roundtrip_normalized
 from ._common import is_dtensor, log_to_loggers, muon_params, param_names, qmuon_optimizers
 
 __all__ = ["QuantFidelityMonitor", "UpdateFidelityTracker", "DEFAULT_COSINE_THRESHOLD"]
@@ -182,7 +183,7 @@ class UpdateFidelityTracker:
             sums_q = torch.empty((rows, nb), dtype=torch.float32, device=p.device)
             fmt.update([state_copy], [n_q], [sums_q], beta=beta, nesterov=nesterov, opts=opts, streams=[-1],
                        offsets=[0], keys=[key], seed=int(group["seed"]))
-            u_q = _update(n_q, sums_q, group, carrier=group.get("ns_input", "bf16"))
+            u_q = _update(n_q, sums_q, group)
             u_ref = _update(n_ref.to(p.device), sums_ref.to(p.device), group, carrier="bf16")
             out[name] = cosine(u_q, u_ref)
             if self.keep_updates:
@@ -190,25 +191,23 @@ class UpdateFidelityTracker:
         return out
 
 
-def _update(ns_input: Tensor, sums: Tensor, group: dict[str, Any], *, carrier: str = "bf16") -> Tensor:
-    """The Muon update direction QMuon applies for one matrix (per part; lr factor 1), fp32.
+def _update(ns_input: Tensor, sums: Tensor, group: dict[str, Any], *, carrier: str | None = None) -> Tensor:
+    """The Muon update direction QMuon applies for one matrix (per part; lr factor 1), fp32,
+    computed by the optimizer's own pipeline (:func:`qmuon_lightning.core.pipeline.orthogonalize`).
 
-    ``carrier="mxfp8"`` feeds Newton-Schulz the decoded MXFP8 carrier of the normalized input, as
-    QMuon does for groups with ``ns_input="mxfp8"`` (the fp32 reference always uses bf16)."""
+    ``carrier`` overrides the group's ``ns_input`` (the fp32 reference always reads the NS input
+    as it is)."""
     rows, cols = ns_input.shape
     out = torch.empty((rows, cols), dtype=torch.float32, device=ns_input.device)
-    coefficients = tuple(group["ns_coefficients"])
-    bounds = [0]
-    for n in group["parts"] or (rows,):
-        bounds.append(bounds[-1] + n)
-    for r0, r1 in zip(bounds[:-1], bounds[1:]):
-        inv_norm = torch.clamp(sums[r0:r1].sum().sqrt(), min=float(group["eps"])).reciprocal().reshape(1)
-        x = ns_input[r0:r1].unsqueeze(0)
-        if carrier == "mxfp8":
-            x = mxfp8_roundtrip_normalized(ns_input[r0:r1], inv_norm[0]).unsqueeze(0)
-            inv_norm = torch.ones_like(inv_norm)
-        o = newton_schulz_folded(x, inv_norm, coefficients, int(group["ns_steps"]))[0]
-        out[r0:r1] = o.float() * adjusted_lr(1.0, group["adjust_lr_fn"], r1 - r0, cols)
+    settings = pipeline.ns_settings(group, ns_input.device)
+    if carrier is not None:
+        settings = dataclasses.replace(settings, carrier=carrier)
+
+    def write(part: MatrixPart, o: Tensor) -> None:
+        out[part.r0: part.r1] = o.float() * part.lr_scale
+
+    plan = plan_param(ns_input, group, 0, "")
+    pipeline.orthogonalize(pipeline.local_items(plan, ns_input, sums, group, settings, write))
     return out
 
 

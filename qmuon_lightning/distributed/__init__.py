@@ -4,23 +4,24 @@ Nothing here needs to be called by hand: after ``fully_shard(model)``, ``QMuon(.
 ``qmuon_lightning.build_optimizer(model, ...)`` see DTensor parameters and
 
 * keep each rank's momentum (codes and scales) for its own rows, stored as ``Shard(0)`` DTensors
-  (:mod:`.sharding`), so ``torch.distributed.checkpoint`` saves and reshards it;
+  as each state format places its tensors (:mod:`qmuon_lightning.quant.layout`, re-exported by
+  :mod:`.sharding`), so ``torch.distributed.checkpoint`` saves and reshards it;
 * orthogonalize every whole matrix on one rank, about ``1/N`` of the matrices per rank, moving
   rows with compact carriers (:mod:`.orthogonalize`, :mod:`.carrier`);
 * report bytes moved per step in ``opt.comm_stats`` / ``opt.comm_bytes_last_step``.
 
-:mod:`.checkpoint` gathers / scatters a consolidated (full) optimizer state dict. grasp4 and e0m3
-momentum, which have per-matrix pieces, are updated with a few small collectives
-(:mod:`.grasp_sharded`, :mod:`.e0m3_sharded`). :func:`.exit_after_distributed_run` ends a
-rank of a multi-process script that succeeded.
+:mod:`.checkpoint` gathers / scatters a consolidated (full) optimizer state dict. Formats with
+per-matrix pieces (grasp4, e0m3) update their shards with a few small collectives in their own
+``StateFormat.update_sharded`` (:mod:`qmuon_lightning.quant.formats`).
+:func:`.exit_after_distributed_run` ends a rank of a multi-process script that succeeded.
 """
 
 from .carrier import CARRIERS, RETURN_CARRIERS, get_carrier
 from .checkpoint import full_state_dict, load_full_state_dict
-from .grasp_sharded import check_grasp_layout
 from .orthogonalize import ShardedStep, plan_owners
 from .process_group import exit_after_distributed_run, shut_down_process_group
-from .sharding import SUPPORTED_SHARDED_FORMATS, RowLayout, global_row_offset, row_layout
+from ..quant.layout import RowLayout, global_row_offset, row_layout
+from ..quant.registry import SUPPORTED_SHARDED_FORMATS
 
 __all__ = [
     "CARRIERS",
@@ -28,7 +29,6 @@ __all__ = [
     "SUPPORTED_SHARDED_FORMATS",
     "RowLayout",
     "ShardedStep",
-    "check_grasp_layout",
     "exit_after_distributed_run",
     "full_state_dict",
     "get_carrier",

@@ -10,7 +10,8 @@ result does not depend on how the matrix is sharded.
 ============  ===============================================================  ===================
 carrier       encoding                                                         bytes / element
 ============  ===============================================================  ===================
-``bf16``      the values rounded to bf16 (what single-process NS reads)         2
+``bf16``      the values rounded to bf16 (what bf16 Newton-Schulz reads)        2
+``fp32``      the values as they are (what fp32 Newton-Schulz reads)            4
 ``int8``      symmetric absmax codes per 256-element row block + fp32 scale     1 + 4/256 = 1.016
 ``mxfp8``     OCP MXFP8: E4M3 payload + E8M0 scale per 32 (:mod:`..quant.mxfp8`)  1 + 1/32 = 1.031
 ============  ===============================================================  ===================
@@ -61,19 +62,23 @@ class Carrier:
         return self.decode(buf, *x.shape)
 
 
-class BF16Carrier(Carrier):
-    name = "bf16"
-    out_dtype = torch.bfloat16
+class DenseCarrier(Carrier):
+    """The values in a float dtype: bf16 (what bf16 Newton-Schulz reads) or fp32 (what fp32
+    Newton-Schulz reads: with it both ways, the sharded update is single-process QMuon's)."""
+
+    def __init__(self, name: str, dtype: torch.dtype) -> None:
+        self.name, self.out_dtype = name, dtype
+        self._size = torch.empty((), dtype=dtype).element_size()
 
     def nbytes(self, rows, cols):
-        return _pad4(2 * rows * cols)
+        return _pad4(self._size * rows * cols)
 
     def encode_into(self, x, buf):
         n = x.numel()
-        buf[: 2 * n].view(torch.bfloat16).view(x.shape).copy_(x)
+        buf[: self._size * n].view(self.out_dtype).view(x.shape).copy_(x)
 
     def decode(self, buf, rows, cols):
-        return buf[: 2 * rows * cols].view(torch.bfloat16).view(rows, cols)
+        return buf[: self._size * rows * cols].view(self.out_dtype).view(rows, cols)
 
 
 class Int8Carrier(Carrier):
@@ -130,11 +135,14 @@ class MXFP8Carrier(Carrier):
         return _mx.mxfp8_decode(payload, scales, _mx.MX_BLOCK, torch.bfloat16)
 
 
-_CARRIERS: dict[str, Carrier] = {c.name: c for c in (BF16Carrier(), Int8Carrier(), MXFP8Carrier())}
+_CARRIERS: dict[str, Carrier] = {
+    c.name: c for c in (DenseCarrier("bf16", torch.bfloat16), DenseCarrier("fp32", torch.float32), Int8Carrier(),
+                        MXFP8Carrier())
+}
 #: Carriers for the forward trip (NS inputs).
 CARRIERS: tuple[str, ...] = tuple(_CARRIERS)
 #: Carriers for the return trip (NS outputs).
-RETURN_CARRIERS: tuple[str, ...] = ("bf16", "int8")
+RETURN_CARRIERS: tuple[str, ...] = ("bf16", "fp32", "int8")
 
 
 def get_carrier(name: str) -> Carrier:

@@ -22,8 +22,8 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from ..quant.state import format_options
-from .sharding import chunk_ranges, row_layout, shard_state, state_kind
+from ..quant.layout import localize_loaded_state, shard_state
+from ..quant.state import StateFormatError, detect_state_format, format_options, get_format
 
 __all__ = ["full_state_dict", "load_full_state_dict"]
 
@@ -59,20 +59,18 @@ def load_full_state_dict(opt: torch.optim.Optimizer, state_dict: dict[str, Any])
         for pid, p in zip(saved["params"], cur["params"]):
             if pid not in state or not isinstance(p, DTensor):
                 continue
-            lay = row_layout(p)
-            entry = {}
-            for k, v in state[pid].items():
+            src = state[pid]
+            fmt = None  # AdamW state, or a broken one QMuon.load_state_dict reports: every tensor splits by rows
+            if cur.get("use_muon", False):
+                try:
+                    fmt = get_format(detect_state_format(src))  # the format the state was saved in
+                except StateFormatError:
+                    pass
+            opts = format_options({**cur, **saved})
+            entry = localize_loaded_state(src, p, fmt, opts, where=f"param id {pid}")
+            for k, v in entry.items():  # the full tensors' slices (0-d tensors stay where they are)
                 if isinstance(v, Tensor) and not isinstance(v, DTensor) and v.ndim >= 1:
-                    kind = state_kind(state[pid], k)
-                    if kind == "rows" and int(v.shape[0]) != lay.rows:
-                        raise ValueError(
-                            f"param id {pid}: state {k!r} has {v.shape[0]} rows but the parameter has {lay.rows}; "
-                            "the checkpoint belongs to a different model or parameter order")
-                    # rows / row tiles (grasp4 grid_col_max): this rank's chunk; grasp4's R: all of it
-                    a, b = chunk_ranges(int(v.shape[0]), lay.world)[lay.rank] if kind != "replicate" else (0, None)
-                    entry[k] = v[a:b].to(p.device)
-                else:
-                    entry[k] = v
-            shard_state(p, entry, grid_block=format_options(cur).grid_block)
+                    entry[k] = v.to(p.device)
+            shard_state(p, entry, fmt, opts)
             state[pid] = entry
     opt.load_state_dict({"state": state, "param_groups": state_dict["param_groups"]})

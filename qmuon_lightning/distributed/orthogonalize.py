@@ -16,38 +16,43 @@ algorithm). With ``N`` ranks each holding some rows of every matrix, one optimiz
 4. **Forward all-to-all** (one ``all_to_all_single`` of bytes): every rank sends its rows of each
    matrix to the owner, encoded with the forward carrier (:mod:`.carrier`), plus the fp32
    per-row-block sums of squares of those rows (``4 / block_size`` bytes per element).
-5. **Orthogonalize** (owner): the owner assembles each matrix, sums the block sums of the whole
-   matrix in the same order as single-process QMuon (so ``1 / ||G||`` is bit-identical), and
-   runs the batched, norm-folded Newton-Schulz on its share of same-shape matrices.
+5. **Orthogonalize** (owner): the owner sums the block sums of each whole matrix in the same
+   order as single-process QMuon (so ``1 / ||G||`` is bit-identical) and hands its matrices to
+   :func:`qmuon_lightning.core.pipeline.orthogonalize`, the batching every driver uses; each
+   matrix is decoded from the received rows straight into its batch slot, and each result is
+   encoded into the return buffer as soon as its batch is done, so no rank holds more than one
+   batch of whole matrices at a time.
 6. **Return all-to-all**: the owner sends each rank its rows of the result (return carrier);
    each rank applies ``p -= adjusted_lr * O`` to its rows.
 
+The plan (which rows each rank holds, layout checks) is built once per set of parameters, by
+:class:`ShardedStep`'s constructor; a step only fills it.
+
 Every carrier is row-local and is applied to every piece, including the rows an owner holds
 itself, so the update does not depend on the world size or on which rank owns a matrix. With the
-``bf16`` carrier both ways the update is exactly single-process QMuon's (same NS input bits, same
-inverse norm, same NS, same bf16 result added to the parameter).
+carrier both ways in the Newton-Schulz dtype (``bf16`` for ``ns_dtype="bf16"``, ``fp32`` for
+``"fp32"``) the update is exactly single-process QMuon's (same NS input bits, same inverse norm,
+same NS, same result added to the parameter).
 
 Bytes: :attr:`QMuon.comm_stats` after each step (see :meth:`ShardedStep.finish`).
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
+import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from ..optim.newton_schulz import NS_BATCH_MAX_ELEMENTS, newton_schulz_folded
-from ..optim.qmuon import adjusted_lr
-from .carrier import CARRIERS, RETURN_CARRIERS, Carrier, get_carrier
+from ..core.pipeline import NSItem, NSSettings, orthogonalize
+from ..core.plan import ParamPlan
 from ..quant import state as qstate
-from .e0m3_sharded import e0m3_update_sharded
-from .grasp_sharded import check_grasp_layout, grasp_update_sharded
-from .sharding import SUPPORTED_SHARDED_FORMATS, RowLayout, check_sharded_param, row_layout, shard_state
+from ..quant.layout import RowLayout, check_sharded_param, row_layout, shard_state
+from .carrier import Carrier, get_carrier
 
 __all__ = ["ShardedStep", "plan_owners"]
 
@@ -65,8 +70,7 @@ class _ShardItem:
     nb: int
     lr: float
     eps: float
-    coefficients: tuple[float, float, float]
-    steps: int
+    settings: NSSettings
     forward: str  # forward carrier name
 
     @property
@@ -86,7 +90,7 @@ class _ShardItem:
         return b - a
 
 
-def plan_owners(items: list[_ShardItem], world: int) -> list[int]:
+def plan_owners(items: list[Any], world: int) -> list[int]:
     """Owner rank of every item: greedy least-loaded by NS cost, largest first; ties go to the
     rank holding most of the item's rows, then to the lowest rank. Deterministic, so every rank
     computes the same plan without communicating."""
@@ -103,15 +107,21 @@ def plan_owners(items: list[_ShardItem], world: int) -> list[int]:
 
 
 class ShardedStep:
-    """The per-step driver QMuon creates when it sees DTensor parameters (every rank must call
-    :meth:`agree_on_updates` and :meth:`finish` in the same step: both are collective)."""
+    """The distributed driver of a QMuon whose parameters include ``Shard(0)`` DTensors.
 
-    def __init__(self, opt: Any) -> None:
-        self.opt = opt
-        self.items: list[_ShardItem] = []
+    Built once per set of parameters (the layout checks run here, before any state exists); each
+    step calls :meth:`begin`, :meth:`agree_on_updates`, :meth:`add` per sharded parameter and
+    :meth:`finish`. ``agree_on_updates`` and ``finish`` are collective: every rank calls them in
+    the same step.
+    """
+
+    def __init__(self, param_groups: list[dict[str, Any]], comm_carrier: str, comm_return: str) -> None:
+        self.param_groups = param_groups
+        self._layouts: dict[int, RowLayout] = {}
         self._group_of: dict[int, dict[str, Any]] = {}
+        self._sharded_keys: list[tuple[int, int]] = []
         mesh = None
-        for gi, group in enumerate(opt.param_groups):
+        for gi, group in enumerate(param_groups):
             for i, p in enumerate(group["params"]):
                 if not isinstance(p, DTensor):
                     continue
@@ -125,37 +135,39 @@ class ShardedStep:
                     raise NotImplementedError(
                         f"QMuon: {where} is sharded on a different device mesh than the other parameters; sharded "
                         "QMuon needs every DTensor parameter on one 1-D mesh (fully_shard with one mesh)")
-                if group["use_muon"] and group["state_format"] not in SUPPORTED_SHARDED_FORMATS:
-                    raise NotImplementedError(
-                        f"QMuon: state_format={group['state_format']!r} is not supported for sharded (FSDP2) parameters "
-                        f"({where}). Use one of {', '.join(SUPPORTED_SHARDED_FORMATS)}")
-                if group["use_muon"] and group["state_format"] == "grasp4":
-                    check_grasp_layout(p, qstate.format_options(group), where)  # before any state changes
+                lay = row_layout(p)
+                if group["use_muon"]:
+                    fmt = qstate.get_format(group["state_format"])
+                    fmt.check_sharded_layout(lay, qstate.format_options(group), where)  # before any state changes
+                self._layouts[id(p)] = lay
                 self._group_of[id(p)] = group
+                self._sharded_keys.append((gi, i))
         assert mesh is not None
         self.mesh = mesh
-        self.pg = mesh.get_group()
+        self.process_group = mesh.get_group()
         self.world = mesh.size()
         self.rank = mesh.get_local_rank()
+        self.forward_default = comm_carrier
+        get_carrier(comm_carrier)  # raises for an unknown carrier
+        self.ret: Carrier = get_carrier(comm_return)
+        self.begin()
+
+    def begin(self) -> None:
+        """Start a step: forget the previous step's items and byte counts."""
+        self.items: list[_ShardItem] = []
         self.flag_bytes = 0
         self.sent = 0  # bytes of NS payload this rank sent to other ranks in this step
-        ret = getattr(opt, "comm_return", "int8")
-        fwd = getattr(opt, "comm_carrier", "int8")
-        if fwd not in CARRIERS or ret not in RETURN_CARRIERS:
-            raise ValueError(f"QMuon: comm_carrier must be one of {CARRIERS} and comm_return one of {RETURN_CARRIERS}")
-        self.forward_default = fwd
-        self.ret: Carrier = get_carrier(ret)
+
+    def row_offset(self, p: DTensor) -> int:
+        """Global index of this rank's first row of ``p``."""
+        return self._layouts[id(p)].start
 
     # ------------------------------------------------------------------ 1. agreement
     def agree_on_updates(self, where: list[tuple[int, int]], finite: list[bool]) -> tuple[list[tuple[int, int]], list[bool]]:
         """Make the has-gradient and finite decisions of DTensor parameters global (all-reduce
         MAX of ``[has_grad, bad]`` per sharded parameter). Plain parameters keep local decisions."""
         local = dict(zip(where, finite))
-        sharded: list[tuple[int, int]] = []
-        for gi, group in enumerate(self.opt.param_groups):
-            for i, p in enumerate(group["params"]):
-                if isinstance(p, DTensor):
-                    sharded.append((gi, i))
+        sharded = self._sharded_keys
         host = [0] * (2 * len(sharded))
         for j, key in enumerate(sharded):
             if key in local:
@@ -164,18 +176,18 @@ class ShardedStep:
         flags = torch.tensor(host, dtype=torch.int32)
         if self.world > 1 and sharded:
             flags = flags.to(self.device)
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.pg)
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.process_group)
             self.flag_bytes = flags.numel() * flags.element_size()
             host = flags.tolist()
         agreed = {}
         for j, (gi, i) in enumerate(sharded):
             if host[2 * j]:
                 agreed[(gi, i)] = not host[2 * j + 1]
-                p = self.opt.param_groups[gi]["params"][i]
+                p = self.param_groups[gi]["params"][i]
                 if p.grad is None:  # others have a gradient: this rank's rows got none
                     p.grad = torch.zeros_like(p)
         out_where, out_finite = [], []
-        for gi, group in enumerate(self.opt.param_groups):
+        for gi, group in enumerate(self.param_groups):
             for i, p in enumerate(group["params"]):
                 key = (gi, i)
                 if isinstance(p, DTensor):
@@ -189,49 +201,26 @@ class ShardedStep:
 
     # ------------------------------------------------------------------ 2. momentum (called per parameter)
     def init_state(self, p: DTensor, st: dict[str, Tensor]) -> None:
-        group = self._group_of.get(id(p), {})
-        shard_state(p, st, grid_block=qstate.format_options(group).grid_block)
+        """Wrap a new local state of ``p`` as DTensors with the global shape (so DCP reshards it)."""
+        group = self._group_of[id(p)]
+        shard_state(p, st, qstate.get_format(group["state_format"]), qstate.format_options(group))
 
-    #: formats whose sharded momentum update needs collectives (QMuon hands them to :meth:`format_update`)
-    COLLECTIVE_FORMATS = ("grasp4", "e0m3")
-
-    def format_update(self, name: str, params: list[Tensor], states: list[dict[str, Tensor]], grads2d: list[Tensor],
-                      block_sums: list[Tensor], **kw: Any) -> None:
-        """The momentum update of one group in a :attr:`COLLECTIVE_FORMATS` format: sharded parameters
-        through :func:`.grasp_sharded.grasp_update_sharded` / :func:`.e0m3_sharded.e0m3_update_sharded`
-        (collective), plain ones through the single-process format."""
-        fmt = qstate.get_format(name)
-        split: dict[bool, list[int]] = {True: [], False: []}
-        for j, p in enumerate(params):
-            split[isinstance(p, DTensor)].append(j)
-        per = ("streams", "offsets", "keys")
-        for is_dt, idx in split.items():
-            if not idx:
-                continue
-            sub = {k: ([v[j] for j in idx] if k in per else v) for k, v in kw.items()}
-            args = ([states[j] for j in idx], [grads2d[j] for j in idx], [block_sums[j] for j in idx])
-            if is_dt and name == "grasp4":
-                grasp_update_sharded([params[j] for j in idx], *args, **sub, group=self.pg)
-            elif is_dt:
-                e0m3_update_sharded(*args, **sub, group=self.pg)
-            else:
-                fmt.update(*args, **sub)
-
-    def add(self, p: DTensor, param_local: Tensor, g2: Tensor, sums: Tensor, group: dict[str, Any]) -> None:
+    def add(self, p: DTensor, plan: ParamPlan, param_local: Tensor, g2: Tensor, sums: Tensor,
+            group: dict[str, Any], settings: NSSettings) -> None:
         """Queue the parts of one sharded parameter (``g2``: local NS input rows, ``sums``: their
         block sums)."""
-        lay = row_layout(p)
-        bounds = [0]
-        for n in group["parts"] or (lay.rows,):
-            bounds.append(bounds[-1] + n)
-        fwd = "mxfp8" if group.get("ns_input", "bf16") == "mxfp8" else self.forward_default
-        for r0, r1 in zip(bounds[:-1], bounds[1:]):
-            lo, hi = lay.overlap(lay.rank, r0, r1)
+        lay = self._layouts[id(p)]
+        # ns_input="mxfp8": the MXFP8 carrier is the forward trip itself, so the owner's NS reads
+        # the decoded rows as they arrive.
+        fwd = "mxfp8" if settings.carrier == "mxfp8" else self.forward_default
+        owner_settings = dataclasses.replace(settings, carrier="bf16")
+        lr = float(group["lr"])
+        for part in plan.parts:
+            lo, hi = lay.overlap(lay.rank, part.r0, part.r1)
             a, b = lo - lay.start, hi - lay.start
             self.items.append(_ShardItem(
-                layout=lay, r0=r0, r1=r1, param_rows=param_local[a:b], ns_input=g2[a:b], sums=sums[a:b],
-                nb=sums.shape[1], lr=adjusted_lr(float(group["lr"]), group["adjust_lr_fn"], r1 - r0, lay.cols),
-                eps=float(group["eps"]), coefficients=tuple(group["ns_coefficients"]), steps=int(group["ns_steps"]),
+                layout=lay, r0=part.r0, r1=part.r1, param_rows=param_local[a:b], ns_input=g2[a:b], sums=sums[a:b],
+                nb=sums.shape[1], lr=lr * part.lr_scale, eps=float(group["eps"]), settings=owner_settings,
                 forward=fwd,
             ))
 
@@ -248,17 +237,16 @@ class ShardedStep:
         if self.world == 1:
             return send
         recv = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=send.device)
-        dist.all_to_all_single(recv, send, recv_sizes, send_sizes, group=self.pg)
+        dist.all_to_all_single(recv, send, recv_sizes, send_sizes, group=self.process_group)
         return recv
 
-    def finish(self) -> None:
-        """Run the distributed Newton-Schulz for every queued item and apply the updates; record
-        the bytes in ``opt.comm_stats`` / ``opt.comm_bytes_last_step``."""
+    def finish(self, batch_budget: float = 1.0) -> dict[str, float]:
+        """Run the distributed Newton-Schulz for every queued item, apply the updates, and return
+        this step's communication figures."""
         items, world, me = self.items, self.world, self.rank
         stats = {"flags_bytes": float(self.flag_bytes)}
         if not items:
-            self._record(stats, 0, 0, 0, 0.0, 0.0, 0.0)
-            return
+            return self._record(stats, 0, 0, 0, 0.0, 0.0, 0.0)
         owners = plan_owners(items, world)
         owned = [j for j, o in enumerate(owners) if o == me]
         device = items[0].ns_input.device
@@ -288,57 +276,40 @@ class ShardedStep:
                 send[off: off + 4 * n * it.nb].view(torch.float32).view(n, it.nb).copy_(it.sums)
                 off += 4 * n * it.nb
         recv = self._exchange(send, fwd_w[me], [fwd_w[s][me] for s in range(world)])
+        del send
 
-        # Owner: assemble whole matrices straight into bf16 NS batches.
-        groups: dict[tuple, list[int]] = defaultdict(list)
+        # Where each rank's rows of each owned item sit in the receive buffer, and where the
+        # results go in the return buffer (both laid out rank by rank, item by item).
+        recv_at: dict[tuple[int, int], int] = {}
+        off = 0
+        for s in range(world):
+            for j in owned:
+                recv_at[(j, s)] = off
+                off += self._fwd_bytes(items[j], items[j].n_of(s))
+        ret_send = torch.empty(sum(ret_w[me]), dtype=torch.uint8, device=device)
+        ret_at: dict[tuple[int, int], int] = {}
+        off = 0
+        for s in range(world):
+            for j in owned:
+                ret_at[(j, s)] = off
+                off += self._ret_bytes(items[j], items[j].n_of(s))
+
+        ns_items = []
         for j in owned:
             it = items[j]
-            groups[(it.rows, it.cols, it.coefficients, it.steps)].append(j)
-        slot: dict[int, tuple[Tensor, int]] = {}
-        batches: list[tuple[Tensor, list[int], tuple, int]] = []
-        for (rows, cols, coefficients, steps), js in groups.items():
-            per_batch = max(1, NS_BATCH_MAX_ELEMENTS // (rows * cols))
-            for start in range(0, len(js), per_batch):
-                chunk = js[start: start + per_batch]
-                batch = torch.empty((len(chunk), rows, cols), dtype=torch.bfloat16, device=device)
-                for k, j in enumerate(chunk):
-                    slot[j] = (batch, k)
-                batches.append((batch, chunk, coefficients, steps))
-        full_sums = {j: torch.empty((items[j].rows, items[j].nb), dtype=torch.float32, device=device) for j in owned}
-        off = 0
-        for s in range(world):
-            for j in owned:
-                it = items[j]
+            full_sums = torch.empty((it.rows, it.nb), dtype=torch.float32, device=device)
+            for s in range(world):
                 lo, hi = it.rows_of(s)
                 n = hi - lo
-                carrier = get_carrier(it.forward)
-                nb_c = carrier.nbytes(n, it.cols)
-                batch, k = slot[j]
-                batch[k, lo - it.r0: hi - it.r0].copy_(carrier.decode(recv[off: off + nb_c], n, it.cols))
-                off += nb_c
-                full_sums[j][lo - it.r0: hi - it.r0].copy_(recv[off: off + 4 * n * it.nb].view(torch.float32).view(n, it.nb))
-                off += 4 * n * it.nb
+                at = recv_at[(j, s)] + get_carrier(it.forward).nbytes(n, it.cols)
+                full_sums[lo - it.r0: hi - it.r0].copy_(recv[at: at + 4 * n * it.nb].view(torch.float32).view(n, it.nb))
+            ns_items.append(NSItem(
+                rows=it.rows, cols=it.cols, sumsq=full_sums.sum(), eps=it.eps, settings=it.settings,
+                apply=self._returner(j, ret_send, ret_at), load=self._loader(j, recv, recv_at), device=device))
+        orthogonalize(ns_items, batch_budget)
+        del recv
 
-        outs: dict[int, Tensor] = {}
-        for batch, chunk, coefficients, steps in batches:
-            sumsq = torch.stack([full_sums[j].sum() for j in chunk])
-            eps = torch.tensor([items[j].eps for j in chunk], dtype=torch.float32, device=device)
-            inv_norm = torch.maximum(sumsq.sqrt(), eps).reciprocal()
-            out = newton_schulz_folded(batch, inv_norm, coefficients, steps)
-            for k, j in enumerate(chunk):
-                outs[j] = out[k]
-
-        # Return: each rank's rows of every owned result.
-        send = torch.empty(sum(ret_w[me]), dtype=torch.uint8, device=device)
-        off = 0
-        for s in range(world):
-            for j in owned:
-                it = items[j]
-                lo, hi = it.rows_of(s)
-                nb_c = self.ret.nbytes(hi - lo, it.cols)
-                self.ret.encode_into(outs[j][lo - it.r0: hi - it.r0], send[off: off + nb_c])
-                off += nb_c
-        recv = self._exchange(send, ret_w[me], [ret_w[d][me] for d in range(world)])
+        recv = self._exchange(ret_send, ret_w[me], [ret_w[d][me] for d in range(world)])
         off = 0
         for d in range(world):
             for j, it in enumerate(items):
@@ -355,10 +326,37 @@ class ShardedStep:
         wire = sum(fwd_w[s][d] + ret_w[s][d] for s in range(world) for d in range(world) if s != d)
         bf16_wire = sum(2 * 2 * it.n_of(s) * it.cols for j, it in enumerate(items) for s in range(world) if s != owners[j])
         exchange = sum(self._fwd_bytes(it, it.rows) + self._ret_bytes(it, it.rows) for it in items)
-        self._record(stats, self.sent, wire, elements, bf16_wire, exchange, float(len(owned)))
+        return self._record(stats, self.sent, wire, elements, bf16_wire, exchange, float(len(owned)))
 
-    def _record(self, stats: dict[str, float], mine: int, wire: int, elements: int, bf16_wire: float,
-                exchange: float, owned: float) -> None:
+    def _loader(self, j: int, recv: Tensor, recv_at: dict[tuple[int, int], int]) -> Callable[[Tensor], None]:
+        """Decode every rank's rows of owned item ``j`` into a batch slot."""
+        it = self.items[j]
+
+        def load(dest: Tensor) -> None:
+            carrier = get_carrier(it.forward)
+            for s in range(self.world):
+                lo, hi = it.rows_of(s)
+                at = recv_at[(j, s)]
+                dest[lo - it.r0: hi - it.r0].copy_(carrier.decode(recv[at: at + carrier.nbytes(hi - lo, it.cols)],
+                                                                  hi - lo, it.cols))
+
+        return load
+
+    def _returner(self, j: int, buf: Tensor, ret_at: dict[tuple[int, int], int]) -> Callable[[Tensor], None]:
+        """Encode each rank's rows of owned item ``j``'s result into the return buffer."""
+        it = self.items[j]
+
+        def apply(out: Tensor) -> None:
+            for s in range(self.world):
+                lo, hi = it.rows_of(s)
+                at = ret_at[(j, s)]
+                self.ret.encode_into(out[lo - it.r0: hi - it.r0], buf[at: at + self.ret.nbytes(hi - lo, it.cols)])
+
+        return apply
+
+    @staticmethod
+    def _record(stats: dict[str, float], mine: int, wire: int, elements: int, bf16_wire: float,
+                exchange: float, owned: float) -> dict[str, float]:
         el = max(elements, 1)
         stats.update({
             "ns_bytes_sent": float(mine),  # this rank, both trips, to other ranks
@@ -369,5 +367,4 @@ class ShardedStep:
             "exchange_bytes_per_param": exchange / el,  # if every element crossed the wire both ways (bf16: 4)
             "matrices_owned": owned,
         })
-        self.opt.comm_stats = stats
-        self.opt.comm_bytes_last_step = int(mine + stats["flags_bytes"])
+        return stats

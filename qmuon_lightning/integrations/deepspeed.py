@@ -53,7 +53,6 @@ gradient accumulation (DeepSpeed's ``BF16_Optimizer``, a different partition lay
 
 from __future__ import annotations
 
-import bisect
 import copy
 import dataclasses
 import json
@@ -68,7 +67,8 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.optim import Optimizer
 
-from ..optim.qmuon import QMuon, adjusted_lr
+from ..core.plan import adjusted_lr
+from ..optim.qmuon import QMuon
 
 __all__ = [
     "UnsupportedDeepSpeedConfig",
@@ -256,58 +256,6 @@ def _placeholder(shape: torch.Size, device: torch.device) -> Tensor:
     return torch.zeros(1, dtype=torch.float32, device=device).expand(shape)
 
 
-class _CaptureQMuon(QMuon):
-    """QMuon over proxy tensors whose NS output is captured instead of applied.
-
-    The owner's momentum update and whole-matrix Newton-Schulz are QMuon's own code; only the final
-    ``p -= lr_adj * O`` is redirected: each NS item's target becomes a zeroed bf16 buffer and its lr
-    ``-1``, so QMuon's ``add_(O, alpha=1)`` writes exactly ``O`` there (``0 + 1 * O`` is exact).
-    """
-
-    def __init__(self, params: Any, **kwargs: Any) -> None:
-        super().__init__(params, **kwargs)
-        self._targets: list[tuple[int, int, int, Tensor, int]] = []  # (start ptr, end ptr, row bytes, out, index)
-        self._starts: list[int] = []
-        #: NS items (matrices or fused parts) orthogonalized in the last step, per Muon parameter index.
-        self.ns_items: dict[int, int] = defaultdict(int)
-        #: Rows covered by those items, per Muon parameter index.
-        self.ns_rows: dict[int, int] = defaultdict(int)
-
-    def set_capture(self, entries: list[tuple[Tensor, Tensor, int]]) -> None:
-        """``entries``: (proxy data, bf16 output buffer of the same shape, parameter index)."""
-        rows = []
-        for data, out, index in entries:
-            start = data.data_ptr()
-            row_bytes = (data.numel() // data.shape[0]) * data.element_size()
-            rows.append((start, start + data.numel() * data.element_size(), row_bytes, out, index))
-        rows.sort(key=lambda t: t[0])
-        self._targets = rows
-        self._starts = [t[0] for t in rows]
-        self.ns_items.clear()
-        self.ns_rows.clear()
-
-    def _target(self, param_rows: Tensor) -> tuple[Tensor, int]:
-        ptr = param_rows.data_ptr()
-        i = bisect.bisect_right(self._starts, ptr) - 1
-        if i < 0 or not self._targets[i][0] <= ptr < self._targets[i][1]:
-            raise RuntimeError("internal error: an NS item does not belong to any owned matrix")
-        start, _, row_bytes, out, index = self._targets[i]
-        r0 = (ptr - start) // row_bytes
-        return out[r0: r0 + param_rows.shape[0]], index
-
-    def _orthogonalize_and_apply(self, ns_queue: dict[tuple, list[Any]]) -> None:  # type: ignore[override]
-        redirected: dict[tuple, list[Any]] = {}
-        for key, items in ns_queue.items():
-            new = []
-            for it in items:
-                target, index = self._target(it.param_rows)
-                self.ns_items[index] += 1
-                self.ns_rows[index] += int(it.param_rows.shape[0])
-                new.append(dataclasses.replace(it, param_rows=target, lr=-1.0))
-            redirected[key] = new
-        super()._orthogonalize_and_apply(redirected)
-
-
 # ------------------------------------------------------------------------------- optimizer
 class WholeMatrixZeroOptimizer(Optimizer):
     """Client optimizer for ``deepspeed.initialize`` that runs a :class:`~qmuon_lightning.QMuon`'s
@@ -357,8 +305,15 @@ class WholeMatrixZeroOptimizer(Optimizer):
             inner_groups.append(ig)
         # The inner optimizer keeps the same group structure (so parameter indices, the stochastic
         # rounding keys, are those of a single-process QMuon) but holds proxies, not the model's tensors.
-        self._inner = _CaptureQMuon(inner_groups)
+        self._inner = QMuon(inner_groups)
         self._proxies = [p for g in self._inner.param_groups for p in g["params"]]
+        # The owner's momentum update and whole-matrix Newton-Schulz are QMuon's own (core pipeline);
+        # its updates are handed to _capture instead of being applied to the proxies.
+        self._inner.update_sink = self._capture
+        self._proxy_index = {id(proxy): info.index for info, proxy in zip(self._params, self._proxies)}
+        self._out: dict[int, Tensor] = {}
+        #: NS items (matrices or fused parts) orthogonalized in the last call, per Muon parameter index.
+        self._ns_items_call: dict[int, int] = defaultdict(int)
         # The QMuon's own group dicts (torch's add_param_group keeps the dict objects): DeepSpeed swaps
         # their "params" for its flat partitions, and a scheduler built on the QMuon sets their "lr".
         super().__init__(groups, dict(qmuon.defaults))
@@ -560,8 +515,8 @@ class WholeMatrixZeroOptimizer(Optimizer):
 
         # 2. the owner's QMuon update (momentum + whole-matrix NS), AdamW on this rank's slices.
         self._sync_inner_groups()
-        capture: list[tuple[Tensor, Tensor, int]] = []
-        out: dict[int, Tensor] = {}
+        out = self._out = {}
+        self._ns_items_call.clear()
         for info, proxy in zip(self._params, self._proxies):
             if info.muon:
                 g = full_grad.get(info.index)
@@ -574,8 +529,6 @@ class WholeMatrixZeroOptimizer(Optimizer):
                 # weight_decay 0 QMuon only multiplies it by 1.0 (exact) before the captured NS output.
                 proxy.data = g2
                 proxy.grad = g2
-                out[info.index] = torch.zeros(info.shape, dtype=torch.bfloat16, device=g.device)
-                capture.append((g2, out[info.index], info.index))
             else:
                 v = views[info.index]
                 if v is None or info.index not in live or v[1] is None:
@@ -584,11 +537,10 @@ class WholeMatrixZeroOptimizer(Optimizer):
                 else:
                     proxy.data = v[0]
                     proxy.grad = v[1]
-        self._inner.set_capture(capture)
         self._inner.step()
         if 0 in active:  # a new optimizer step (DeepSpeed steps groups in order, one call each)
             self.ns_items = {}
-        for k, v in self._inner.ns_items.items():
+        for k, v in self._ns_items_call.items():
             self.ns_items[k] = self.ns_items.get(k, 0) + v
         for proxy in self._proxies:
             proxy.grad = None
@@ -610,7 +562,7 @@ class WholeMatrixZeroOptimizer(Optimizer):
             send_sizes.append(n)
         recv_sizes = [sum(p.holders[self._rank].length for p in by_owner[s] if p.holders[self._rank] is not None)
                       for s in range(self._world)]
-        recv = self._all_to_all(send, send_sizes, recv_sizes, torch.bfloat16)
+        recv = self._all_to_all(send, send_sizes, recv_sizes, self._return_dtype())
         at = 0
         for s in range(self._world):
             for p in by_owner[s]:
@@ -620,6 +572,25 @@ class WholeMatrixZeroOptimizer(Optimizer):
                 self._apply_update(p, views[p.index][0], seg, recv.narrow(0, at, seg.length))
                 at += seg.length
         return loss
+
+    def _capture(self, proxy: Tensor, part: Any, o: Tensor) -> None:
+        """QMuon's update sink: keep the NS output of one part of an owned matrix for the return trip."""
+        index = self._proxy_index[id(proxy)]
+        info = self._params[index]
+        buf = self._out.get(index)
+        if buf is None:
+            buf = self._out[index] = torch.empty(info.shape, dtype=self._return_dtype(), device=o.device)
+        rows = buf[part.r0: part.r1]
+        rows.copy_(o.reshape(rows.shape))
+        self._ns_items_call[index] += 1
+
+    def _return_dtype(self) -> torch.dtype:
+        """dtype of the NS outputs sent back: that of Newton-Schulz (fp32 when any Muon group runs
+        it in fp32), so the applied update is the single-process one. Every rank resolves the same."""
+        from ..core.newton_schulz import resolve_ns_dtype
+
+        dtypes = {resolve_ns_dtype(g.get("ns_dtype", "auto"), self._device) for g in self._all_groups if g["use_muon"]}
+        return torch.float32 if torch.float32 in dtypes else torch.bfloat16
 
     def _sync_inner_groups(self) -> None:
         for g, ig in zip(self._all_groups, self._inner.param_groups):

@@ -45,6 +45,10 @@ from .decoder_lm import DecoderLM, DecoderLMConfig, _rope_tables
 __all__ = ["OptimizerSpec", "DecoderLMModule", "MuonWithAdamW", "build_lm_optimizer", "lr_factor", "memory_budget"]
 
 OPTIMIZER_NAMES = ("qmuon", "grasp", "torch_muon", "adamw")
+#: The momentum format of each optimizer when ``state_format`` is None (``resolved_state_format``).
+_DEFAULT_STATE_FORMAT = {"qmuon": "int8", "grasp": "grasp4", "torch_muon": "fp32", "adamw": "fp32"}
+#: Optimizers that always use their default format (``state_format`` may only repeat it).
+_FIXED_STATE_FORMAT = ("grasp", "torch_muon", "adamw")
 
 
 @dataclass
@@ -57,8 +61,8 @@ class OptimizerSpec:
             ``lr * sqrt(max(1, rows/cols))``). Unused by ``adamw``.
         weight_decay: Muon decoupled weight decay (``p *= 1 - lr * wd``).
         momentum, nesterov, adjust_lr_fn, ns_steps: as in ``torch.optim.Muon``.
-        state_format: QMuon momentum storage (``fp32``, ``bf16``, ``int8``, ``uint8``, ``int4``,
-            ``e0m3``, ``grasp4``). ``None``: ``int8`` for ``qmuon``, ``grasp4`` for ``grasp``.
+        state_format: QMuon momentum storage, any registered format (``fp32``, ``bf16``, ``int8``,
+            ``uint8``, ``int4``, ``e0m3``, ``grasp4``). ``None``: ``int8`` for ``qmuon``, ``grasp4`` for ``grasp``.
         block_size, rank, grid_block, rounding, seed, nonfinite: QMuon options.
         adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: the AdamW part (embeddings, head,
             norms; every parameter for ``adamw``). 1-D parameters never get weight decay.
@@ -74,7 +78,7 @@ class OptimizerSpec:
     nesterov: bool = True
     adjust_lr_fn: Literal["original", "match_rms_adamw"] | None = None
     ns_steps: int = 5
-    state_format: Literal["fp32", "bf16", "int8", "uint8", "int4", "e0m3", "grasp4"] | None = None
+    state_format: str | None = None  # a registered format (qmuon_lightning.quant.STATE_FORMATS), checked below
     block_size: int | None = None
     rank: int = 4
     grid_block: int = 32
@@ -92,13 +96,13 @@ class OptimizerSpec:
     def __post_init__(self) -> None:
         if self.name not in OPTIMIZER_NAMES:
             raise ValueError(f"optimizer.name must be one of {OPTIMIZER_NAMES}, got {self.name!r}")
-        if self.name == "grasp" and self.state_format not in (None, "grasp4"):
+        if self.state_format is not None:
+            qstate.get_format(self.state_format)  # raises with the list of registered formats
+        fixed = _DEFAULT_STATE_FORMAT[self.name] if self.name in _FIXED_STATE_FORMAT else None
+        if fixed is not None and self.state_format not in (None, fixed):
             raise ValueError(
-                f"optimizer.name='grasp' stores grasp4 momentum; got state_format={self.state_format!r}. "
+                f"optimizer.name={self.name!r} stores {fixed} momentum; got state_format={self.state_format!r}. "
                 "Use name='qmuon' for other formats")
-        if self.name in ("torch_muon", "adamw") and self.state_format not in (None, "fp32"):
-            raise ValueError(
-                f"optimizer.name={self.name!r} keeps fp32 state; state_format={self.state_format!r} needs name='qmuon'")
         if self.warmup_steps < 0 or not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ValueError("optimizer.warmup_steps must be >= 0 and optimizer.min_lr_ratio in [0, 1]")
 
@@ -107,7 +111,7 @@ class OptimizerSpec:
         """Momentum format of the Muon matrices (``fp32`` for the torch baselines)."""
         if self.state_format is not None:
             return self.state_format
-        return {"qmuon": "int8", "grasp": "grasp4"}.get(self.name, "fp32")
+        return _DEFAULT_STATE_FORMAT[self.name]
 
 
 class MuonWithAdamW(Optimizer):
@@ -368,7 +372,7 @@ def memory_budget(module: DecoderLMModule, *, batch_size: int, seq_len: int, pre
     else:
         fmt = spec.resolved_state_format
         opts = qstate.FormatOptions(
-            block_size=spec.block_size if spec.block_size is not None else qstate.DEFAULT_BLOCK_SIZE.get(fmt, 256),
+            block_size=spec.block_size if spec.block_size is not None else qstate.get_format(fmt).default_block_size,
             rank=spec.rank, grid_block=spec.grid_block)
         for d in route_parameters(module.model):
             n = int(torch.Size(d.shape).numel())

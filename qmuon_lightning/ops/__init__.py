@@ -1,9 +1,13 @@
-"""Functional API of the quantized-momentum kernels (names kept from the cppmega prototype).
+"""The quantized-momentum ops and their prototype-named functional API.
 
-Everything here dispatches through ``torch.ops.qmuon.*`` (declared in :mod:`._library`). The
-default implementation of every op is the readable pure-PyTorch reference in :mod:`.reference`
-(8-bit row blocks) or :mod:`.reference_4bit` (nibble packing, int4, E0M3 / UE4M3, grid
-quantization, and the fused int4 / e0m3 momentum updates; no compiled kernels yet).
+Everything dispatches through ``torch.ops.qmuon.*`` (each op declared once in :mod:`._library`, with
+its pure-PyTorch reference in :mod:`.reference` / :mod:`.reference_4bit` and, where it builds, a
+compiled CPU / CUDA kernel from ``csrc/``; :func:`backend` says which runs).
+
+The ``quantized_muon_*`` functions keep the names of the cppmega prototype design doc so that its
+users can switch: they are thin wrappers of ``torch.ops.qmuon.q8_momentum_update_multi_`` on
+:class:`QuantizedMuonState` lists (stream ids from ``(seed, step, index)``, block sums reduced to one
+global norm or to the norm groups of a :class:`QuantizedMuonNormPlan`). New code can call the ops.
 """
 
 from __future__ import annotations
@@ -42,8 +46,9 @@ __all__ = [
 
 def backend() -> str:
     """Which implementation ``torch.ops.qmuon`` runs: ``"reference"`` (pure PyTorch),
-    ``"cpu-extension"`` or ``"cpu+cuda-extension"`` (compiled kernels from ``csrc/``). Builds the
-    extension if it is not built yet (see :mod:`._extension`; ``QMUON_BACKEND=reference`` skips it)."""
+    ``"cpu-extension"`` or ``"cpu+cuda-extension"`` (compiled kernels from ``csrc/``; arguments a
+    kernel does not support still run the reference). Builds the extension if it is not built yet
+    (see :mod:`._extension`; ``QMUON_BACKEND=reference`` skips it)."""
     from ._extension import backend as _backend
 
     return _backend()
@@ -120,7 +125,8 @@ def quantized_muon_momentum_update_multi_(
     step: int = 0,
     row_offsets: Sequence[int] | None = None,
 ) -> None:
-    """``m = beta * m + (1 - beta) * g`` on 8-bit state, for many tensors in one call.
+    """``m = beta * m + (1 - beta) * g`` on 8-bit state, for many tensors in one call (the prototype's
+    name for ``torch.ops.qmuon.q8_momentum_update_multi_``).
 
     Each grad is overwritten with the updated momentum (or the Nesterov blend
     ``lerp(g, m, beta)`` when ``nesterov``), which is the Newton-Schulz input.

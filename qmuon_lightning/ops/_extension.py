@@ -1,48 +1,28 @@
-"""Build, load and register the compiled kernels in ``csrc/`` behind ``torch.ops.qmuon.*``.
+"""Build and load the compiled kernels in ``csrc/`` (the ``qmuon_C`` operator library).
 
-Layers
-------
-``csrc/qmuon/block_math.h``  per-element / per-block maths (dequantize, momentum lerp, absmax,
-                             requantize, stochastic-rounding hash), ``__host__ __device__``
-``csrc/qmuon/kernels.h``     C ABI of the kernels: raw pointers, row strides, a ``cudaStream_t``
-``csrc/qmuon/block_math_4bit.h``  the same for the 4-bit formats (nibbles, UE4M3, int4 / e0m3 / grid
-                             scales and codes) and the dense update's FMA lerp
-``csrc/cpu/q8_cpu.cpp``, ``csrc/cpu/q4_cpu.cpp``  CPU kernels (``at::parallel_for``, loops g++ vectorizes)
-``csrc/cuda/q8_cuda.cu``, ``csrc/cuda/q4_cuda.cu``  CUDA kernels (no torch headers; compile-checked
-                             with plain nvcc)
-``csrc/binding*.cpp``        the ``qmuon_C`` operator library: schemas, argument checks, CPU
-                             implementations, and (``binding_cuda.cpp``, only when torch has CUDA)
-                             CUDA implementations. ``qmuon_C`` is internal: its
-                             ``q8_momentum_update_multi_`` writes the block sums of squares into the
-                             caller's ``block_sumsq`` outputs like the public op, and also takes
-                             ``compute_sumsq=True`` (the benchmark turns it off, with an empty
-                             ``block_sumsq``, to price the fused sums of squares).
+This module only builds and loads; :mod:`._kernels` registers the loaded kernels on the
+``torch.ops.qmuon`` ops (declared in :mod:`._library`), and ``python -m qmuon_lightning.ops.build``
+(:mod:`.build`) is the command-line front end. Nothing is built at import: the first call of a
+compiled kernel, :func:`status` or ``qmuon_lightning.ops.backend()`` builds (or loads the cached
+build); if that fails the ops run the pure-PyTorch reference and a warning says why, once.
 
-Registration
-------------
-``torch.ops.qmuon.*`` stays the single entry point: those ops are declared in Python
-(:mod:`._library`, one ``torch.library.Library``) with the pure-PyTorch reference as their default.
-:func:`register_compiled_kernels` adds ``CPU`` (and ``CUDA`` when torch has CUDA) implementations
-that call ``torch.ops.qmuon_C.*``. The extension is built and loaded lazily,
-on the first call of one of those kernels (or of :func:`status` / ``qmuon_lightning.ops.backend()``);
-if it cannot be built or loaded, the kernels run the reference and a warning says why, once.
-Arguments the compiled kernels do not support (e.g. float64 grads, ``block_size`` > 4096, an odd
-int4 block) also run the reference; so does the dense update when this torch build's ``lerp`` does
-not round like the kernel (see :func:`_dense_matches_torch`). docs/kernels.md has the full list.
+Sources (``csrc/``)
+-------------------
+``qmuon/block_math.h``, ``qmuon/block_math_4bit.h``  per-element / per-block maths, ``__host__ __device__``
+``qmuon/kernels.h``          the kernels' C ABI: raw pointers, row strides, a ``cudaStream_t``
+``cpu/*.cpp``, ``cuda/*.cu`` the kernels (the ``.cu`` files see no torch header)
+``binding*.cpp``, ``binding*.h``  the ``qmuon_C`` schemas, argument checks and CPU / CUDA implementations
 
-Sources
--------
 An installed wheel ships ``csrc/`` as ``qmuon_lightning/_csrc`` (pyproject.toml maps it into the
-package); a source checkout / editable install uses the repository's ``csrc/``. See :func:`csrc_dir`.
+package); a source checkout uses the repository's ``csrc/`` (:func:`csrc_dir`).
 
 Build
 -----
 Just in time with ``torch.utils.cpp_extension.load`` (ninja), into
-``<torch extensions dir>/qmuon/<name>`` where the name carries a hash of the sources, the flags,
-the torch / Python / CUDA versions and the CPU (the CPU kernels are built with ``-march=native``).
-Prebuild with ``python -m qmuon_lightning.ops.build``. CPU code is compiled with
-``-ffp-contract=off`` and CUDA code with ``--fmad=false`` (plus explicit ``__f*_rn`` intrinsics) so
-that results equal the reference bit for bit.
+``<torch extensions dir>/qmuon/<name>``; the name hashes the sources, the flags, the torch / Python /
+CUDA versions and the CPU (the CPU kernels are built with ``-march=native``). CPU code is compiled
+with ``-ffp-contract=off`` and CUDA code with ``--fmad=false`` (plus explicit ``__f*_rn``
+intrinsics) so that results equal the reference bit for bit.
 
 Environment
 -----------
@@ -68,20 +48,18 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
-__all__ = ["ExtensionStatus", "status", "backend", "register_compiled_kernels", "csrc_dir", "MAX_BLOCK_SIZE"]
+__all__ = ["ExtensionStatus", "status", "backend", "cpu_vector_isa", "csrc_dir"]
 
-MAX_BLOCK_SIZE = 4096  # csrc/qmuon/block_math.h: kMaxBlockSize
 _LIB = "qmuon_C"
-_GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_CODE_DTYPES = (torch.int8, torch.uint8)
 
 _CPU_SOURCES = ("binding.cpp", "cpu/q8_cpu.cpp", "cpu/q4_cpu.cpp")
 _CUDA_SOURCES = ("binding_cuda.cpp", "cuda/q8_cuda.cu", "cuda/q4_cuda.cu")
-_HEADERS = ("binding_common.h", "binding_4bit.h", "cpu/block_reduce_cpu.h", "qmuon/block_math.h", "qmuon/block_math_4bit.h", "qmuon/kernels.h")
+_HEADERS = ("binding_common.h", "binding_4bit.h", "cpu/block_reduce_cpu.h", "qmuon/block_math.h",
+            "qmuon/block_math_4bit.h", "qmuon/kernels.h")
 
 
 @dataclass(frozen=True)
@@ -323,268 +301,3 @@ def cpu_vector_isa() -> str | None:
     if not status().cpu:
         return None
     return str(torch.ops.qmuon_C.cpu_vector_isa())
-
-
-# ---------------------------------------------------------------------------------------------
-# Kernels registered on the torch.ops.qmuon ops (CPU / CUDA keys)
-# ---------------------------------------------------------------------------------------------
-def _compiled_for(device_type: str) -> bool:
-    st = status()
-    return st.cuda if device_type == "cuda" else st.cpu
-
-
-def _q8_supported(codes, absmax, grads, block_sumsq, block_size: int) -> bool:
-    if not 1 <= block_size <= MAX_BLOCK_SIZE:
-        return False
-    return all(
-        c.dtype in _CODE_DTYPES and a.dtype == torch.float32 and g.dtype in _GRAD_DTYPES
-        and s.dtype == torch.float32 and c.dim() == 2 and a.dim() == 2 and g.dim() == 2 and s.dim() == 2
-        for c, a, g, s in zip(codes, absmax, grads, block_sumsq)
-    )
-
-
-def _make_kernels(device_type: str, defaults: dict[str, Callable]) -> dict[str, Callable]:
-    # torch.ops.qmuon_C exists only once status() has loaded the library (first call).
-    def q8_momentum_update_multi_(codes, absmax, grads, block_sumsq, beta, nesterov, block_size, streams,
-                                  row_offsets):
-        if _compiled_for(device_type) and _q8_supported(codes, absmax, grads, block_sumsq, block_size):
-            torch.ops.qmuon_C.q8_momentum_update_multi_(
-                codes, absmax, grads, block_sumsq, beta, nesterov, block_size, streams, row_offsets)
-        else:
-            defaults["q8_momentum_update_multi_"](
-                codes, absmax, grads, block_sumsq, beta, nesterov, block_size, streams, row_offsets)
-
-    def quantize_rows(x, block_size, signed, stream, row_offset):
-        if (_compiled_for(device_type) and 1 <= block_size <= MAX_BLOCK_SIZE and x.dim() == 2
-                and x.dtype in _GRAD_DTYPES):
-            return torch.ops.qmuon_C.quantize_rows(x, block_size, signed, stream, row_offset)
-        return defaults["quantize_rows"](x, block_size, signed, stream, row_offset)
-
-    def dequantize_rows(codes, absmax, block_size):
-        if (_compiled_for(device_type) and 1 <= block_size <= MAX_BLOCK_SIZE and codes.dim() == 2
-                and codes.dtype in _CODE_DTYPES and absmax.dtype == torch.float32):
-            return torch.ops.qmuon_C.dequantize_rows(codes, absmax, block_size)
-        return defaults["dequantize_rows"](codes, absmax, block_size)
-
-    kernels = {
-        "q8_momentum_update_multi_": q8_momentum_update_multi_,
-        "quantize_rows": quantize_rows,
-        "dequantize_rows": dequantize_rows,
-    }
-    kernels.update(_make_4bit_kernels(device_type, defaults))
-    return kernels
-
-
-# ---------------------------------------------------------------------------------------------
-# 4-bit and dense-format kernels: "supported?" guards (anything else runs the reference)
-# ---------------------------------------------------------------------------------------------
-_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-_DENSE_BUF_DTYPES = (torch.float32, torch.bfloat16)
-
-
-def _packed_cols(cols: int) -> int:
-    return (cols + 1) // 2
-
-
-def _int4_block_ok(block_size: int) -> bool:
-    # Two codes per byte: an odd block would split a byte between two blocks (two writers).
-    return 2 <= block_size <= MAX_BLOCK_SIZE and block_size % 2 == 0
-
-
-def _e0m3_block_ok(block_size: int) -> bool:
-    # block_size only sets the sums-of-squares granularity; the kernels walk units of max(block_size, 16)
-    # that hold whole 16-element scale blocks and whole sum blocks.
-    return 1 <= block_size <= MAX_BLOCK_SIZE and (block_size % 16 == 0 or 16 % block_size == 0)
-
-
-def _mats_ok(ts, dtypes) -> bool:
-    return all(t.dim() == 2 and t.dtype in dtypes for t in ts)
-
-
-def _lists_ok(n: int, *lists) -> bool:
-    return all(len(x) == n for x in lists)
-
-
-_lerp_fused: dict[str, bool] = {}
-
-
-def _dense_matches_torch(device: torch.device) -> bool:
-    """Whether the compiled dense update reproduces torch's ``lerp`` on this device, bit for bit.
-
-    The fp32 dense format must stay identical to ``torch.optim.Muon`` (``buf.lerp_(grad, 1 - beta)``).
-    torch's CPU lerp kernel computes ``base + coeff * (end - start)`` with one fused multiply-add
-    (vectorized ``fmadd``; its scalar tail is contracted the same way) and its CUDA kernel is
-    contracted by nvcc, and the compiled kernel uses an explicit FMA. A torch build without FMA
-    (an old CPU, ``ATEN_CPU_CAPABILITY=default``) rounds twice; this probe, run once per device type,
-    compares the kernel with the reference on values where the two roundings differ, and the dense
-    ops stay on the reference if they do not agree.
-    """
-    key = device.type
-    if key not in _lerp_fused:
-        from . import reference as ref
-
-        gen = torch.Generator().manual_seed(1234)
-        ok = True
-        for buf_dtype in _DENSE_BUF_DTYPES:
-            buf = torch.randn(5, 333, generator=gen).to(buf_dtype).to(device)
-            grad = torch.randn(5, 333, generator=gen).to(device)
-            r_buf, r_grad = buf.clone(), grad.clone()
-            sums = [torch.empty(5, 2, device=device)]
-            torch.ops.qmuon_C.dense_momentum_update_multi_([buf], [grad], sums, 0.95, True, 256, [-1], [0])
-            ref.dense_momentum_update_(r_buf, r_grad, beta=0.95, nesterov=True, block_size=256)
-            ok = ok and torch.equal(buf.view(torch.int16 if buf_dtype == torch.bfloat16 else torch.int32),
-                                    r_buf.view(torch.int16 if buf_dtype == torch.bfloat16 else torch.int32))
-            ok = ok and torch.equal(grad.view(torch.int32), r_grad.view(torch.int32))
-        _lerp_fused[key] = ok
-        if not ok:
-            warnings.warn(f"qmuon_lightning: this torch build's {key} lerp does not round like the compiled dense "
-                          "update (no FMA); fp32/bf16 momentum uses the pure-PyTorch reference.",
-                          RuntimeWarning, stacklevel=3)
-    return _lerp_fused[key]
-
-
-def _make_4bit_kernels(device_type: str, defaults: dict[str, Callable]) -> dict[str, Callable]:
-    def compiled() -> bool:
-        return _compiled_for(device_type)
-
-    def int4_momentum_update_multi_(packed, absmax, grads, block_sumsq, beta, nesterov, block_size, streams,
-                                    row_offsets):
-        args = (packed, absmax, grads, block_sumsq, beta, nesterov, block_size, streams, row_offsets)
-        if (compiled() and _int4_block_ok(block_size) and _lists_ok(len(packed), absmax, grads, block_sumsq)
-                and _mats_ok(packed, (torch.uint8,)) and _mats_ok(absmax, (torch.float32,))
-                and _mats_ok(grads, _GRAD_DTYPES) and _mats_ok(block_sumsq, (torch.float32,))):
-            torch.ops.qmuon_C.int4_momentum_update_multi_(*args)
-        else:
-            defaults["int4_momentum_update_multi_"](*args)
-
-    def e0m3_momentum_update_multi_(packed, scales, tensor_scales, grads, block_sumsq, beta, nesterov, block_size,
-                                    streams, row_offsets):
-        args = (packed, scales, tensor_scales, grads, block_sumsq, beta, nesterov, block_size, streams, row_offsets)
-        if (compiled() and _e0m3_block_ok(block_size)
-                and _lists_ok(len(packed), scales, tensor_scales, grads, block_sumsq)
-                and _mats_ok(packed, (torch.uint8,)) and _mats_ok(scales, (torch.uint8,))
-                and all(t.dtype == torch.float32 and t.numel() == 1 and t.device == g.device
-                        for t, g in zip(tensor_scales, grads))
-                and _mats_ok(grads, _GRAD_DTYPES) and _mats_ok(block_sumsq, (torch.float32,))):
-            torch.ops.qmuon_C.e0m3_momentum_update_multi_(*args)
-        else:
-            defaults["e0m3_momentum_update_multi_"](*args)
-
-    def dense_momentum_update_multi_(bufs, grads, block_sumsq, beta, nesterov, block_size, streams, row_offsets):
-        args = (bufs, grads, block_sumsq, beta, nesterov, block_size, streams, row_offsets)
-        if (compiled() and 1 <= block_size <= MAX_BLOCK_SIZE and _lists_ok(len(bufs), grads, block_sumsq)
-                and _mats_ok(bufs, _DENSE_BUF_DTYPES) and _mats_ok(grads, _GRAD_DTYPES)
-                and _mats_ok(block_sumsq, (torch.float32,))
-                and (not bufs or _dense_matches_torch(bufs[0].device))):
-            torch.ops.qmuon_C.dense_momentum_update_multi_(*args)
-        else:
-            defaults["dense_momentum_update_multi_"](*args)
-
-    def pack_int4(codes):
-        if compiled() and codes.dim() == 2 and codes.dtype == torch.int8:
-            return torch.ops.qmuon_C.pack_int4(codes)
-        return defaults["pack_int4"](codes)
-
-    def unpack_int4(packed, cols):
-        if compiled() and packed.dim() == 2 and packed.dtype == torch.uint8 and cols >= 0 \
-                and _packed_cols(cols) == packed.shape[1]:
-            return torch.ops.qmuon_C.unpack_int4(packed, cols)
-        return defaults["unpack_int4"](packed, cols)
-
-    def ue4m3_encode(x, round_up):
-        if compiled() and x.dtype in _FLOAT_DTYPES:
-            return torch.ops.qmuon_C.ue4m3_encode(x, round_up)
-        return defaults["ue4m3_encode"](x, round_up)
-
-    def ue4m3_decode(bits):
-        if compiled() and bits.dtype == torch.uint8:
-            return torch.ops.qmuon_C.ue4m3_decode(bits)
-        return defaults["ue4m3_decode"](bits)
-
-    def int4_quantize(x, block_size, stream, row_offset):
-        if compiled() and x.dim() == 2 and x.dtype in _FLOAT_DTYPES and _int4_block_ok(block_size):
-            return torch.ops.qmuon_C.int4_quantize(x, block_size, stream, row_offset)
-        return defaults["int4_quantize"](x, block_size, stream, row_offset)
-
-    def int4_dequantize(packed, absmax, block_size, cols):
-        if (compiled() and packed.dim() == 2 and packed.dtype == torch.uint8 and absmax.dim() == 2
-                and absmax.dtype == torch.float32 and block_size >= 1 and cols >= 0
-                and _packed_cols(cols) == packed.shape[1]):
-            return torch.ops.qmuon_C.int4_dequantize(packed, absmax, block_size, cols)
-        return defaults["int4_dequantize"](packed, absmax, block_size, cols)
-
-    def e0m3_quantize(x, two_level, stream, row_offset):
-        if compiled() and x.dim() == 2 and x.dtype in _FLOAT_DTYPES:
-            return torch.ops.qmuon_C.e0m3_quantize(x, two_level, stream, row_offset)
-        return defaults["e0m3_quantize"](x, two_level, stream, row_offset)
-
-    def e0m3_dequantize(packed, scales, tensor_scale, cols):
-        if (compiled() and packed.dim() == 2 and packed.dtype == torch.uint8 and scales.dim() == 2
-                and scales.dtype == torch.uint8 and tensor_scale.numel() == 1
-                and tensor_scale.dtype in _FLOAT_DTYPES and tensor_scale.device == packed.device and cols >= 0
-                and _packed_cols(cols) == packed.shape[1]):
-            return torch.ops.qmuon_C.e0m3_dequantize(packed, scales, tensor_scale, cols)
-        return defaults["e0m3_dequantize"](packed, scales, tensor_scale, cols)
-
-    def grid_quantize4(x, grid_block, stream, row_offset):
-        if compiled() and x.dim() == 2 and x.dtype in _FLOAT_DTYPES and grid_block >= 1:
-            return torch.ops.qmuon_C.grid_quantize4(x, grid_block, stream, row_offset)
-        return defaults["grid_quantize4"](x, grid_block, stream, row_offset)
-
-    def grid_dequantize4(packed, row_max, col_max, scale, grid_block, cols):
-        if (compiled() and packed.dim() == 2 and packed.dtype == torch.uint8 and row_max.dtype == torch.uint8
-                and col_max.dtype == torch.uint8 and scale.numel() == 1 and scale.dtype in _FLOAT_DTYPES
-                and scale.device == packed.device and grid_block >= 1 and cols >= 0
-                and _packed_cols(cols) == packed.shape[1]):
-            return torch.ops.qmuon_C.grid_dequantize4(packed, row_max, col_max, scale, grid_block, cols)
-        return defaults["grid_dequantize4"](packed, row_max, col_max, scale, grid_block, cols)
-
-    return {
-        "int4_momentum_update_multi_": int4_momentum_update_multi_,
-        "e0m3_momentum_update_multi_": e0m3_momentum_update_multi_,
-        "dense_momentum_update_multi_": dense_momentum_update_multi_,
-        "pack_int4": pack_int4,
-        "unpack_int4": unpack_int4,
-        "ue4m3_encode": ue4m3_encode,
-        "ue4m3_decode": ue4m3_decode,
-        "int4_quantize": int4_quantize,
-        "int4_dequantize": int4_dequantize,
-        "e0m3_quantize": e0m3_quantize,
-        "e0m3_dequantize": e0m3_dequantize,
-        "grid_quantize4": grid_quantize4,
-        "grid_dequantize4": grid_dequantize4,
-    }
-
-
-_registered = False
-
-
-def register_compiled_kernels(ops: dict[str, Any]) -> None:
-    """Register the compiled kernels on the ``torch.ops.qmuon`` ops (``name -> QmuonOp``, from
-    :mod:`._library`) for the ``CPU`` key (and ``CUDA`` when torch has CUDA). Nothing is built here:
-    the kernels load the extension on first call."""
-    global _registered
-    if _registered or os.environ.get("QMUON_BACKEND", "").strip().lower() == "reference":
-        return
-    # The default (reference) implementation of each op, to fall back on.
-    defaults = {name: op.reference for name, op in ops.items()}
-    device_types = ["cpu"] + (["cuda"] if torch.version.cuda is not None else [])
-    for device_type in device_types:
-        kernels = _make_kernels(device_type, defaults)
-        for name, op in ops.items():
-            if name in kernels:
-                op.register_kernel(device_type.upper(), kernels[name])
-    _registered = True
-
-
-def _main(argv: list[str] | None = None) -> int:
-    """``python -m qmuon_lightning.ops._extension``, kept for old scripts; use
-    ``python -m qmuon_lightning.ops.build`` (this module is imported by the package, so running it
-    with ``-m`` draws runpy's "found in sys.modules" warning)."""
-    from qmuon_lightning.ops.build import main
-
-    return main(argv)
-
-
-if __name__ == "__main__":
-    raise SystemExit(_main())

@@ -1,25 +1,24 @@
-"""Schemas of the ``torch.ops.qmuon`` operators, in one place.
+"""The ``torch.ops.qmuon`` operators, each declared once.
 
-Each op is declared on one ``torch.library.Library("qmuon", "DEF")`` from a typed Python prototype
-(the schema, with its mutation annotations, comes from ``torch.library.infer_schema``). Its default
-implementation (dispatch key ``CompositeExplicitAutograd``) is the pure-PyTorch reference in
-:mod:`.reference` / :mod:`.reference_4bit`; a fake implementation describes output shapes for
-``torch.compile`` / meta tensors; compiled CPU and CUDA kernels register for the ``CPU`` / ``CUDA``
-keys on top of these defaults (:mod:`._extension`).
+An op is a typed Python prototype decorated with :func:`_op`: the schema (with its mutation
+annotations) comes from ``torch.library.infer_schema``, the prototype's body is the pure-PyTorch
+reference (:mod:`.reference` / :mod:`.reference_4bit`) and the default implementation (dispatch key
+``CompositeExplicitAutograd``), ``@op.register_fake`` describes output shapes for ``torch.compile`` /
+meta tensors, and ``@op.compiled_when`` says which arguments the compiled twin
+``torch.ops.qmuon_C.<name>`` supports. Every op lands in :data:`OPS`, from which :mod:`._kernels`
+registers the compiled kernels (``CPU`` / ``CUDA`` keys) at the end of this module.
 
-Why not ``torch.library.custom_op``: it wraps every call in Python layers (argument defaults filled
-from the schema, version bumps, an autograd shim, a dynamo guard) that cost 55-65 us per call on an
-idle machine and 0.3-1 ms right after a 16M-element kernel has evicted the caches, more than the
-fused sums of squares cost (measured in benchmarks/bench_update.py). Here a call is the C++
-dispatcher, one Python kernel and the compiled op. What custom_op did that still matters is done by
+Why a ``Library`` and not ``torch.library.custom_op``: custom_op runs several Python layers per call
+(defaults, version bumps, an autograd shim, a dynamo guard) that cost more than the fused sums of
+squares (docs/kernels.md has the measurements). What of it still matters is done by
 :class:`QmuonOp`: the version counters of the mutated tensors are bumped after every call (so
 autograd notices in-place writes), whichever kernel ran.
 
 Multi-tensor ops take lists; ``block_sumsq`` (outputs), ``streams`` and ``row_offsets`` are per
 tensor. A stream of -1 means nearest rounding, anything else is the 32-bit stochastic-rounding
 stream of that tensor. The multi-tensor updates return None and write their per-row-block sums of
-squares into the caller-allocated ``block_sumsq`` list (see :func:`empty_block_sumsq`), so torch can
-auto-functionalize them (``torch.compile``, AOTAutograd).
+squares into the caller-allocated ``block_sumsq`` list (see :func:`empty_block_sumsq`): a mutating op
+that returned a Tensor[] could not be auto-functionalized (``torch.compile``, AOTAutograd).
 """
 
 from __future__ import annotations
@@ -30,27 +29,35 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
+from . import _kernels as K
 from . import reference as ref
+from . import reference_4bit as ref4
 
 _NS = "qmuon"
 _lib = torch.library.Library(_NS, "DEF")  # kept alive for the life of the process: it owns the ops
 
 
 class QmuonOp:
-    """One ``torch.ops.qmuon`` operator: its schema, reference default, fake, and the kernels
-    registered per dispatch key. Calling it calls ``torch.ops.qmuon.<name>``."""
+    """One ``torch.ops.qmuon`` operator: its schema, reference default, fake, the predicate of its
+    compiled kernel, and the kernels registered per dispatch key. Calling it calls
+    ``torch.ops.qmuon.<name>``."""
 
     def __init__(self, fn: Callable[..., Any], mutates_args: tuple[str, ...]) -> None:
         self.name = fn.__name__
         self.reference = fn
+        #: ``supported(*args) -> bool`` of the compiled twin ``torch.ops.qmuon_C.<name>``; None: no twin.
+        self.supported: Callable[..., bool] | None = None
         params = list(inspect.signature(fn).parameters)
         unknown = set(mutates_args) - set(params)
         if unknown:
             raise ValueError(f"qmuon::{self.name}: mutates_args names no parameter: {sorted(unknown)}")
+        if self.name in OPS:
+            raise ValueError(f"qmuon::{self.name} is declared twice")
         self.mutated = tuple(params.index(a) for a in mutates_args)
         schema = torch.library.infer_schema(fn, mutates_args=mutates_args)
         _lib.define(self.name + schema)
         self.register_kernel("CompositeExplicitAutograd", fn)
+        OPS[self.name] = self
 
     def _bumping(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         """``fn``, then a version-counter bump of every tensor it mutated (what the dispatcher's
@@ -77,8 +84,18 @@ class QmuonOp:
         torch.library.register_fake(f"{_NS}::{self.name}", fn, lib=_lib)
         return fn
 
+    def compiled_when(self, fn: Callable[..., bool]) -> Callable[..., bool]:
+        """Declare that ``torch.ops.qmuon_C.<name>`` implements this op for the arguments on which
+        ``fn`` (same parameters as the op) is true; other calls run the reference."""
+        self.supported = fn
+        return fn
+
     def __call__(self, *args: Any) -> Any:
         return getattr(torch.ops.qmuon, self.name)(*args)
+
+
+#: Every declared op, by name (the one list :mod:`._kernels` registers compiled kernels from).
+OPS: dict[str, QmuonOp] = {}
 
 
 def _op(mutates_args: tuple[str, ...] = ()) -> Callable[[Callable[..., Any]], QmuonOp]:
@@ -112,9 +129,38 @@ def _check_block_sumsq(block_sumsq: list[Tensor], mats: list[Tensor], block_size
                 f"{out.dtype} {tuple(out.shape)} on {out.device}")
 
 
-# The multi-tensor updates write their per-row-block sums of squares into caller-allocated
-# ``block_sumsq`` tensors and return None: a mutating op that returns a Tensor[] cannot be
-# auto-functionalized, so it would break torch.compile / AOTAutograd.
+def _check_grads_2d(grads: list[Tensor], n: int, op: str) -> None:
+    if len(grads) != n:
+        raise ValueError(f"qmuon::{op}: got {len(grads)} grads for {n} states")
+
+
+def _each_matrix(update_one: Callable[..., Tensor], op: str, states: tuple[list[Tensor], ...], grads: list[Tensor],
+                 block_sumsq: list[Tensor], beta: float, nesterov: bool, block_size: int, streams: list[int],
+                 row_offsets: list[int], **per_matrix: list[Any]) -> None:
+    """The reference of a multi-tensor update: ``update_one`` (the :mod:`.reference` /
+    :mod:`.reference_4bit` update of one matrix) on every matrix, its block sums copied into the
+    caller's ``block_sumsq``. ``per_matrix`` lists become keyword arguments of ``update_one``."""
+    for lst in (*states, streams, row_offsets, *per_matrix.values()):
+        _check_grads_2d(grads, len(lst), op)
+    _check_block_sumsq(block_sumsq, grads, block_size, op)
+    for i, (g, out) in enumerate(zip(grads, block_sumsq)):
+        out.copy_(update_one(*(st[i] for st in states), g, beta=beta, nesterov=nesterov, block_size=block_size,
+                             stream=_stream(streams[i]), row_offset=row_offsets[i],
+                             **{k: v[i] for k, v in per_matrix.items()}))
+
+
+def _update_fake(op: QmuonOp) -> None:
+    """The fake of a multi-tensor update: it returns None, after the reference's check of the
+    ``block_sumsq`` outputs against the grads."""
+    params = list(inspect.signature(op.reference).parameters)
+    i_grads, i_sums, i_bs = (params.index(p) for p in ("grads", "block_sumsq", "block_size"))
+
+    def fake(*args: Any) -> None:
+        _check_block_sumsq(args[i_sums], args[i_grads], args[i_bs], op.name)
+
+    op.register_fake(fake)
+
+
 @_op(mutates_args=("codes", "absmax", "grads", "block_sumsq"))
 def q8_momentum_update_multi_(
     codes: list[Tensor],
@@ -133,16 +179,17 @@ def q8_momentum_update_multi_(
     squares of that input for each row block into ``block_sumsq[i]`` (caller-allocated, fp32,
     shaped like the tensor's absmax).
     """
-    _check_block_sumsq(block_sumsq, codes, block_size, "q8_momentum_update_multi_")
-    for c, a, g, out, s, o in zip(codes, absmax, grads, block_sumsq, streams, row_offsets, strict=True):
-        out.copy_(ref.q8_momentum_update_(
-            c, a, g, beta=beta, nesterov=nesterov, block_size=block_size, stream=_stream(s), row_offset=o))
+    _each_matrix(ref.q8_momentum_update_, "q8_momentum_update_multi_", (codes, absmax), grads, block_sumsq, beta,
+                 nesterov, block_size, streams, row_offsets)
 
 
-@q8_momentum_update_multi_.register_fake
+_update_fake(q8_momentum_update_multi_)
+
+
+@q8_momentum_update_multi_.compiled_when
 def _(codes, absmax, grads, block_sumsq, beta, nesterov, block_size, streams, row_offsets):
-    _check_block_sumsq(block_sumsq, codes, block_size, "q8_momentum_update_multi_")
-    return None
+    return (K.block_ok(block_size) and K.mats_ok(codes, K.CODE_DTYPES) and K.mats_ok(absmax, (torch.float32,))
+            and K.grads_and_sums_ok(grads, block_sumsq))
 
 
 @_op(mutates_args=("bufs", "grads", "block_sumsq"))
@@ -157,16 +204,18 @@ def dense_momentum_update_multi_(
     row_offsets: list[int],
 ) -> None:
     """fp32 / bf16 momentum update with the same contract as ``q8_momentum_update_multi_``."""
-    _check_block_sumsq(block_sumsq, bufs, block_size, "dense_momentum_update_multi_")
-    for b, g, out, s, o in zip(bufs, grads, block_sumsq, streams, row_offsets, strict=True):
-        out.copy_(ref.dense_momentum_update_(
-            b, g, beta=beta, nesterov=nesterov, block_size=block_size, stream=_stream(s), row_offset=o))
+    _each_matrix(ref.dense_momentum_update_, "dense_momentum_update_multi_", (bufs,), grads, block_sumsq, beta,
+                 nesterov, block_size, streams, row_offsets)
 
 
-@dense_momentum_update_multi_.register_fake
+_update_fake(dense_momentum_update_multi_)
+
+
+@dense_momentum_update_multi_.compiled_when
 def _(bufs, grads, block_sumsq, beta, nesterov, block_size, streams, row_offsets):
-    _check_block_sumsq(block_sumsq, bufs, block_size, "dense_momentum_update_multi_")
-    return None
+    return (K.block_ok(block_size) and K.lists_ok(len(grads), bufs) and K.mats_ok(bufs, K.DENSE_BUF_DTYPES)
+            and K.grads_and_sums_ok(grads, block_sumsq)
+            and (not bufs or K.dense_matches_torch(bufs[0].device)))  # fp32 must stay torch.optim.Muon's lerp
 
 
 @_op(mutates_args=())
@@ -184,6 +233,11 @@ def _(x, block_size, signed, stream, row_offset):
     return codes, absmax
 
 
+@quantize_rows.compiled_when
+def _(x, block_size, signed, stream, row_offset):
+    return K.block_ok(block_size) and x.dim() == 2 and x.dtype in K.GRAD_DTYPES
+
+
 @_op(mutates_args=())
 def dequantize_rows(codes: Tensor, absmax: Tensor, block_size: int) -> Tensor:
     """(codes, absmax) -> fp32 matrix."""
@@ -195,10 +249,13 @@ def _(codes, absmax, block_size):
     return torch.empty(codes.shape, dtype=torch.float32, device=codes.device)
 
 
-# ----------------------------------------------------------------------------- 4-bit formats
-# Pure-PyTorch references (ops/reference_4bit.py); compiled CPU / CUDA kernels (csrc/) register on top.
-from . import reference_4bit as ref4  # noqa: E402
+@dequantize_rows.compiled_when
+def _(codes, absmax, block_size):
+    return (K.block_ok(block_size) and codes.dim() == 2 and codes.dtype in K.CODE_DTYPES
+            and absmax.dtype == torch.float32)
 
+
+# ----------------------------------------------------------------------------- 4-bit formats
 
 @_op(mutates_args=())
 def pack_int4(codes: Tensor) -> Tensor:
@@ -209,6 +266,11 @@ def pack_int4(codes: Tensor) -> Tensor:
 @pack_int4.register_fake
 def _(codes):
     return torch.empty((codes.shape[0], ref4.packed_cols(codes.shape[1])), dtype=torch.uint8, device=codes.device)
+
+
+@pack_int4.compiled_when
+def _(codes):
+    return codes.dim() == 2 and codes.dtype == torch.int8
 
 
 @_op(mutates_args=())
@@ -222,6 +284,11 @@ def _(packed, cols):
     return torch.empty((packed.shape[0], cols), dtype=torch.int8, device=packed.device)
 
 
+@unpack_int4.compiled_when
+def _(packed, cols):
+    return K.packed_ok(packed, cols)
+
+
 @_op(mutates_args=())
 def ue4m3_encode(x: Tensor, round_up: bool) -> Tensor:
     """Non-negative fp32 -> UE4M3 bit patterns (uint8), nearest-even or rounded up."""
@@ -233,6 +300,11 @@ def _(x, round_up):
     return torch.empty(x.shape, dtype=torch.uint8, device=x.device)
 
 
+@ue4m3_encode.compiled_when
+def _(x, round_up):
+    return x.dtype in K.FLOAT_DTYPES
+
+
 @_op(mutates_args=())
 def ue4m3_decode(bits: Tensor) -> Tensor:
     """UE4M3 bit patterns -> fp32."""
@@ -242,6 +314,16 @@ def ue4m3_decode(bits: Tensor) -> Tensor:
 @ue4m3_decode.register_fake
 def _(bits):
     return torch.empty(bits.shape, dtype=torch.float32, device=bits.device)
+
+
+@ue4m3_decode.compiled_when
+def _(bits):
+    return bits.dtype == torch.uint8
+
+
+def _dequantize_fake(packed: Tensor, *args: Any) -> Tensor:
+    """The fake of every 4-bit dequantize op, ``(packed, ..., cols) -> fp32 (rows, cols)``."""
+    return torch.empty((packed.shape[0], args[-1]), dtype=torch.float32, device=packed.device)
 
 
 def _noise(x: Tensor, stream: int, row_offset: int) -> Tensor | None:
@@ -261,14 +343,22 @@ def _(x, block_size, stream, row_offset):
             torch.empty((rows, ref.num_blocks(cols, block_size)), dtype=torch.float32, device=x.device))
 
 
+@int4_quantize.compiled_when
+def _(x, block_size, stream, row_offset):
+    return x.dim() == 2 and x.dtype in K.FLOAT_DTYPES and K.int4_block_ok(block_size)
+
+
 @_op(mutates_args=())
 def int4_dequantize(packed: Tensor, absmax: Tensor, block_size: int, cols: int) -> Tensor:
     return ref4.int4_dequantize(packed, absmax, block_size, cols)
 
 
-@int4_dequantize.register_fake
+int4_dequantize.register_fake(_dequantize_fake)
+
+
+@int4_dequantize.compiled_when
 def _(packed, absmax, block_size, cols):
-    return torch.empty((packed.shape[0], cols), dtype=torch.float32, device=packed.device)
+    return K.packed_ok(packed, cols) and K.mats_ok([absmax], (torch.float32,)) and block_size >= 1
 
 
 @_op(mutates_args=())
@@ -285,14 +375,23 @@ def _(x, two_level, stream, row_offset):
             torch.empty((), dtype=torch.float32, device=x.device))
 
 
+@e0m3_quantize.compiled_when
+def _(x, two_level, stream, row_offset):
+    return x.dim() == 2 and x.dtype in K.FLOAT_DTYPES
+
+
 @_op(mutates_args=())
 def e0m3_dequantize(packed: Tensor, scales: Tensor, tensor_scale: Tensor, cols: int) -> Tensor:
     return ref4.e0m3_dequantize(packed, scales, tensor_scale, cols)
 
 
-@e0m3_dequantize.register_fake
+e0m3_dequantize.register_fake(_dequantize_fake)
+
+
+@e0m3_dequantize.compiled_when
 def _(packed, scales, tensor_scale, cols):
-    return torch.empty((packed.shape[0], cols), dtype=torch.float32, device=packed.device)
+    return (K.packed_ok(packed, cols) and K.mats_ok([scales], (torch.uint8,)) and tensor_scale.numel() == 1
+            and tensor_scale.dtype in K.FLOAT_DTYPES and tensor_scale.device == packed.device)
 
 
 @_op(mutates_args=())
@@ -302,12 +401,37 @@ def grid_quantize4(x: Tensor, grid_block: int, stream: int, row_offset: int) -> 
 
 
 @grid_quantize4.register_fake
-def _(x, grid_block, stream, row_offset):
+def _grid_quantize4_fake(x, grid_block, stream, row_offset):
     rows, cols = x.shape
     return (torch.empty((rows, ref4.packed_cols(cols)), dtype=torch.uint8, device=x.device),
             torch.empty((rows, ref.num_blocks(cols, grid_block)), dtype=torch.uint8, device=x.device),
             torch.empty((ref.num_blocks(rows, grid_block), cols), dtype=torch.uint8, device=x.device),
             torch.empty((), dtype=torch.float32, device=x.device))
+
+
+@grid_quantize4.compiled_when
+def _(x, grid_block, stream, row_offset):
+    return x.dim() == 2 and x.dtype in K.FLOAT_DTYPES and grid_block >= 1
+
+
+@_op(mutates_args=())
+def grid_quantize4_with_scale(x: Tensor, grid_block: int, scale: Tensor, stream: int,
+                              row_offset: int) -> tuple[Tensor, Tensor, Tensor]:
+    """``grid_quantize4`` with the maxima scale given (a one-element fp32 tensor): (packed codes, UE4M3
+    tile-row maxima, UE4M3 tile-column maxima). A row shard passes its matrix's scale (``amax / 448``
+    of the MAX all-reduced amax) and gets the matrix's bytes for its rows; ``x``'s first row must be a
+    tile boundary (the column maxima cover ``grid_block``-row tiles from there)."""
+    return ref4.grid_quantize4_with_scale(x, grid_block, scale.reshape(()), noise=_noise(x, stream, row_offset))
+
+
+@grid_quantize4_with_scale.register_fake
+def _(x, grid_block, scale, stream, row_offset):
+    return _grid_quantize4_fake(x, grid_block, stream, row_offset)[:3]
+
+
+@grid_quantize4_with_scale.compiled_when
+def _(x, grid_block, scale, stream, row_offset):
+    return x.dim() == 2 and x.dtype in K.FLOAT_DTYPES and grid_block >= 1 and K.scalar_ok(scale, x.device)
 
 
 @_op(mutates_args=())
@@ -316,14 +440,14 @@ def grid_dequantize4(packed: Tensor, row_max: Tensor, col_max: Tensor, scale: Te
     return ref4.grid_dequantize4(packed, row_max, col_max, scale, grid_block, cols)
 
 
-@grid_dequantize4.register_fake
+grid_dequantize4.register_fake(_dequantize_fake)
+
+
+@grid_dequantize4.compiled_when
 def _(packed, row_max, col_max, scale, grid_block, cols):
-    return torch.empty((packed.shape[0], cols), dtype=torch.float32, device=packed.device)
-
-
-def _check_grads_2d(grads: list[Tensor], n: int, op: str) -> None:
-    if len(grads) != n:
-        raise ValueError(f"qmuon::{op}: got {len(grads)} grads for {n} states")
+    return (K.packed_ok(packed, cols) and row_max.dtype == torch.uint8 and col_max.dtype == torch.uint8
+            and scale.numel() == 1 and scale.dtype in K.FLOAT_DTYPES and scale.device == packed.device
+            and grid_block >= 1)
 
 
 @_op(mutates_args=("packed", "absmax", "grads", "block_sumsq"))
@@ -340,17 +464,18 @@ def int4_momentum_update_multi_(
 ) -> None:
     """int4 momentum update (same contract as ``q8_momentum_update_multi_``; ``block_sumsq`` is
     shaped ``(rows, ceil(cols / block_size))`` of each grad)."""
-    _check_grads_2d(grads, len(packed), "int4_momentum_update_multi_")
-    _check_block_sumsq(block_sumsq, grads, block_size, "int4_momentum_update_multi_")
-    for c, a, g, out, s, o in zip(packed, absmax, grads, block_sumsq, streams, row_offsets, strict=True):
-        out.copy_(ref4.int4_momentum_update_(
-            c, a, g, beta=beta, nesterov=nesterov, block_size=block_size, stream=_stream(s), row_offset=o))
+    _each_matrix(ref4.int4_momentum_update_, "int4_momentum_update_multi_", (packed, absmax), grads, block_sumsq,
+                 beta, nesterov, block_size, streams, row_offsets)
 
 
-@int4_momentum_update_multi_.register_fake
+_update_fake(int4_momentum_update_multi_)
+
+
+@int4_momentum_update_multi_.compiled_when
 def _(packed, absmax, grads, block_sumsq, beta, nesterov, block_size, streams, row_offsets):
-    _check_block_sumsq(block_sumsq, grads, block_size, "int4_momentum_update_multi_")
-    return None
+    return (K.int4_block_ok(block_size) and K.lists_ok(len(grads), packed, absmax)
+            and K.mats_ok(packed, (torch.uint8,)) and K.mats_ok(absmax, (torch.float32,))
+            and K.grads_and_sums_ok(grads, block_sumsq))
 
 
 @_op(mutates_args=("packed", "scales", "tensor_scales", "grads", "block_sumsq"))
@@ -367,39 +492,92 @@ def e0m3_momentum_update_multi_(
     row_offsets: list[int],
 ) -> None:
     """e0m3 momentum update; ``block_size`` only sets the granularity of ``block_sumsq``."""
-    _check_grads_2d(grads, len(packed), "e0m3_momentum_update_multi_")
-    _check_block_sumsq(block_sumsq, grads, block_size, "e0m3_momentum_update_multi_")
-    for c, sc, t, g, out, s, o in zip(packed, scales, tensor_scales, grads, block_sumsq, streams, row_offsets,
-                                      strict=True):
-        out.copy_(ref4.e0m3_momentum_update_(
-            c, sc, t, g, beta=beta, nesterov=nesterov, block_size=block_size, stream=_stream(s), row_offset=o))
+    _each_matrix(ref4.e0m3_momentum_update_, "e0m3_momentum_update_multi_", (packed, scales, tensor_scales), grads,
+                 block_sumsq, beta, nesterov, block_size, streams, row_offsets)
 
 
-@e0m3_momentum_update_multi_.register_fake
-def _(packed, scales, tensor_scales, grads, block_sumsq, beta, nesterov, block_size, streams, row_offsets):
-    _check_block_sumsq(block_sumsq, grads, block_size, "e0m3_momentum_update_multi_")
-    return None
+_update_fake(e0m3_momentum_update_multi_)
 
 
-# Compiled CPU / CUDA kernels (csrc/, built on first use) take over on the devices they support and
-# fall back to the reference above when they are unavailable; see _extension.py.
-from . import _extension  # noqa: E402
+def _e0m3_state_ok(packed, scales, tensor_scales, grads) -> bool:
+    return (K.lists_ok(len(grads), packed, scales, tensor_scales) and K.mats_ok(packed, (torch.uint8,))
+            and K.mats_ok(scales, (torch.uint8,)) and K.scalars_ok(tensor_scales, grads)
+            and K.mats_ok(grads, K.GRAD_DTYPES))
 
-_extension.register_compiled_kernels({
-    "q8_momentum_update_multi_": q8_momentum_update_multi_,
-    "quantize_rows": quantize_rows,
-    "dequantize_rows": dequantize_rows,
-    "dense_momentum_update_multi_": dense_momentum_update_multi_,
-    "int4_momentum_update_multi_": int4_momentum_update_multi_,
-    "e0m3_momentum_update_multi_": e0m3_momentum_update_multi_,
-    "pack_int4": pack_int4,
-    "unpack_int4": unpack_int4,
-    "ue4m3_encode": ue4m3_encode,
-    "ue4m3_decode": ue4m3_decode,
-    "int4_quantize": int4_quantize,
-    "int4_dequantize": int4_dequantize,
-    "e0m3_quantize": e0m3_quantize,
-    "e0m3_dequantize": e0m3_dequantize,
-    "grid_quantize4": grid_quantize4,
-    "grid_dequantize4": grid_dequantize4,
-})
+
+@e0m3_momentum_update_multi_.compiled_when
+def _e0m3_update_ok(packed, scales, tensor_scales, grads, block_sumsq, beta, nesterov, block_size, streams,
+                    row_offsets):
+    return (K.e0m3_block_ok(block_size) and _e0m3_state_ok(packed, scales, tensor_scales, grads)
+            and K.grads_and_sums_ok(grads, block_sumsq))
+
+
+# Row-sharded e0m3 (FSDP2 Shard(0)): the tensor scale is the whole matrix's, max |m_new| / (7 * 448), so a
+# shard runs the update's two passes as two ops with a MAX all-reduce between them:
+#   amax = e0m3_momentum_amax_multi(...); all_reduce(amax, MAX); t = e0m3_tensor_scale_from_amax(amax[i])
+#   e0m3_momentum_update_with_scale_multi_(..., new_tensor_scales=[t, ...], ...)
+# which gives each shard the bytes the unsharded update writes for its rows.
+@_op(mutates_args=())
+def e0m3_momentum_amax_multi(
+    packed: list[Tensor],
+    scales: list[Tensor],
+    tensor_scales: list[Tensor],
+    grads: list[Tensor],
+    beta: float,
+) -> Tensor:
+    """fp32 ``(n,)``: per matrix, max |m_new| of the new momentum ``m_new = beta * m_old + (1 - beta) * g``
+    (``m_old`` decoded with the stored tensor scale); 0 for an empty matrix, NaN (0x7FC00000) if
+    ``m_new`` holds a NaN. Writes nothing."""
+    _check_grads_2d(grads, len(packed), "e0m3_momentum_amax_multi")
+    if not packed:
+        return torch.zeros(0)
+    return torch.stack([ref4.e0m3_momentum_amax(c, sc, t, g, beta=beta)
+                        for c, sc, t, g in zip(packed, scales, tensor_scales, grads, strict=True)])
+
+
+@e0m3_momentum_amax_multi.register_fake
+def _(packed, scales, tensor_scales, grads, beta):
+    _check_grads_2d(grads, len(packed), "e0m3_momentum_amax_multi")
+    return torch.empty((len(packed),), dtype=torch.float32, device=grads[0].device if grads else "cpu")
+
+
+@e0m3_momentum_amax_multi.compiled_when
+def _(packed, scales, tensor_scales, grads, beta):
+    return _e0m3_state_ok(packed, scales, tensor_scales, grads)
+
+
+@_op(mutates_args=("packed", "scales", "tensor_scales", "grads", "block_sumsq"))
+def e0m3_momentum_update_with_scale_multi_(
+    packed: list[Tensor],
+    scales: list[Tensor],
+    tensor_scales: list[Tensor],
+    new_tensor_scales: list[Tensor],
+    grads: list[Tensor],
+    block_sumsq: list[Tensor],
+    beta: float,
+    nesterov: bool,
+    block_size: int,
+    streams: list[int],
+    row_offsets: list[int],
+) -> None:
+    """``e0m3_momentum_update_multi_`` encoding with the given tensor scales (one-element fp32 tensors)
+    instead of the ones computed from the matrices; the old state is decoded with ``tensor_scales[i]``
+    as it is at the call, which afterwards holds ``new_tensor_scales[i]``."""
+    _each_matrix(ref4.e0m3_momentum_update_, "e0m3_momentum_update_with_scale_multi_",
+                 (packed, scales, tensor_scales), grads, block_sumsq, beta, nesterov, block_size, streams, row_offsets,
+                 new_tensor_scale=new_tensor_scales)
+
+
+_update_fake(e0m3_momentum_update_with_scale_multi_)
+
+
+@e0m3_momentum_update_with_scale_multi_.compiled_when
+def _(packed, scales, tensor_scales, new_tensor_scales, grads, block_sumsq, beta, nesterov, block_size, streams,
+      row_offsets):
+    return (_e0m3_update_ok(packed, scales, tensor_scales, grads, block_sumsq, beta, nesterov, block_size, streams,
+                            row_offsets)
+            and K.lists_ok(len(grads), new_tensor_scales) and K.scalars_ok(new_tensor_scales, grads))
+
+
+# Compiled CPU / CUDA kernels (csrc/, built on first use) take over where their predicates hold.
+K.register_compiled_kernels(OPS.values())

@@ -33,7 +33,7 @@ never meets the subnormal floor ``2**-9`` (which a single-level ``t = 1`` would:
 :func:`e0m3_quantize` with ``two_level=False``). Rounding the scale up keeps ``|x| / scale <= 7``, so
 no element is clipped and the nearest-rounding error is at most half a step of the decoded scale.
 The per-tensor scale is the only non-row-local piece: under row sharding ``max_block_amax`` needs a
-max all-reduce.
+max all-reduce (:func:`e0m3_momentum_amax`, then :func:`e0m3_momentum_update_` with ``new_tensor_scale``).
 
 Grid quantization (GRASP residual)
 ----------------------------------
@@ -42,8 +42,8 @@ Grid quantization (GRASP residual)
 ``|x| / min(...) <= 1`` and ``code = round(7 x / min(r_i, c_j))``. Row maxima have shape
 ``(rows, ceil(cols / s))``, column maxima ``(ceil(rows / s), cols)``; both are stored as UE4M3 (8 bits,
 rounded up) relative to one fp32 scale ``amax / 448`` per matrix (bf16 maxima would cost 4 / s
-bytes per element instead of 2 / s; see :mod:`qmuon_lightning.quant.grasp` for the measurements),
-and the codes use the decoded maxima. The per-matrix scale needs a MAX all-reduce under sharding.
+bytes per element instead of 2 / s), and the codes use the decoded maxima. The per-matrix scale needs
+a MAX all-reduce under sharding (:func:`grid_scale_from_amax`, :func:`grid_quantize4_with_scale`).
 
 Stochastic rounding uses :func:`.reference.uniform_noise` (counter-based, reproducible on resume).
 """
@@ -68,11 +68,16 @@ __all__ = [
     "int4_quantize",
     "int4_dequantize",
     "e0m3_tensor_scale",
+    "e0m3_tensor_scale_from_amax",
     "e0m3_quantize",
+    "e0m3_quantize_with_scale",
     "e0m3_dequantize",
+    "grid_scale_from_amax",
     "grid_quantize4",
+    "grid_quantize4_with_scale",
     "grid_dequantize4",
     "int4_momentum_update_",
+    "e0m3_momentum_amax",
     "e0m3_momentum_update_",
 ]
 
@@ -152,23 +157,34 @@ def int4_dequantize(packed: Tensor, absmax: Tensor, block_size: int, cols: int) 
 
 
 # ----------------------------------------------------------------------------- e0m3
-def e0m3_tensor_scale(x: Tensor) -> Tensor:
-    """The fp32 per-tensor scale that maps the largest block scale to 448 (0-d; 1 for a zero or
-    non-finite tensor)."""
-    amax = x.float().abs().amax() if x.numel() else torch.zeros((), device=x.device)
+def _amax(x: Tensor) -> Tensor:
+    """max |x| as a 0-d fp32 tensor (0 for an empty tensor; NaN if x holds one)."""
+    return x.float().abs().amax() if x.numel() else torch.zeros((), device=x.device)
+
+
+def _scale_from_amax(amax: Tensor, divisor: float) -> Tensor:
     # A tensor divisor: a Python-scalar divisor becomes a reciprocal multiply on CUDA (other bits).
-    t = amax / torch.full_like(amax, QMAX4 * UE4M3_MAX)
+    t = amax / torch.full_like(amax, divisor)
     return torch.where((t > 0) & torch.isfinite(t), t, torch.ones_like(t))
 
 
-def e0m3_quantize(
-    x: Tensor, *, two_level: bool = True, noise: Tensor | None = None
-) -> tuple[Tensor, Tensor, Tensor]:
-    """fp32 ``(rows, cols)`` -> (packed uint8, UE4M3 scales uint8 ``(rows, ceil(cols/16))``, fp32
-    0-d tensor scale). ``two_level=False`` uses tensor scale 1 (single-level UE4M3, for comparison)."""
+def e0m3_tensor_scale_from_amax(amax: Tensor) -> Tensor:
+    """``amax / (7 * 448)``, or 1 where that is not a positive finite number: the e0m3 tensor scale
+    of a matrix whose max |x| is ``amax`` (under row sharding, the MAX all-reduce of the shards')."""
+    return _scale_from_amax(amax, QMAX4 * UE4M3_MAX)
+
+
+def e0m3_tensor_scale(x: Tensor) -> Tensor:
+    """The fp32 per-tensor scale that maps the largest block scale to 448 (0-d; 1 for a zero or
+    non-finite tensor)."""
+    return e0m3_tensor_scale_from_amax(_amax(x))
+
+
+def e0m3_quantize_with_scale(x: Tensor, t: Tensor, *, noise: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """:func:`e0m3_quantize` with the tensor scale ``t`` given (0-d fp32): (packed uint8, UE4M3
+    scales). Row-local, so a row shard encoded with its matrix's ``t`` gives the matrix's bytes."""
     rows, cols = x.shape
     xb = _blocked(x.float(), E0M3_BLOCK)
-    t = e0m3_tensor_scale(x) if two_level else torch.ones((), dtype=torch.float32, device=x.device)
     amax = xb.abs().amax(dim=-1)
     s_bits = ue4m3_encode(amax / (QMAX4 * t), round_up=True)
     step = ue4m3_decode(s_bits) * t
@@ -177,7 +193,17 @@ def e0m3_quantize(
     q = _round_codes(xb / safe[..., None], nz)
     q = torch.where(step[..., None] > 0, q, torch.zeros_like(q))
     q = q.reshape(rows, q.shape[1] * E0M3_BLOCK)[:, :cols]
-    return pack_int4(q.to(torch.int8)), s_bits, t.reshape(()).to(torch.float32)
+    return pack_int4(q.to(torch.int8)), s_bits
+
+
+def e0m3_quantize(
+    x: Tensor, *, two_level: bool = True, noise: Tensor | None = None
+) -> tuple[Tensor, Tensor, Tensor]:
+    """fp32 ``(rows, cols)`` -> (packed uint8, UE4M3 scales uint8 ``(rows, ceil(cols/16))``, fp32
+    0-d tensor scale). ``two_level=False`` uses tensor scale 1 (single-level UE4M3, for comparison)."""
+    t = e0m3_tensor_scale(x) if two_level else torch.ones((), dtype=torch.float32, device=x.device)
+    packed, s_bits = e0m3_quantize_with_scale(x, t, noise=noise)
+    return packed, s_bits, t.reshape(()).to(torch.float32)
 
 
 def e0m3_dequantize(packed: Tensor, scales: Tensor, tensor_scale: Tensor, cols: int) -> Tensor:
@@ -203,6 +229,30 @@ def _grid_denominator(row_max: Tensor, col_max: Tensor, s: int, rows: int, cols:
     return torch.minimum(r, c)
 
 
+def grid_scale_from_amax(amax: Tensor) -> Tensor:
+    """``amax / 448``, or 1 where that is not a positive finite number: the grid maxima scale of a
+    matrix whose max |x| is ``amax`` (under row sharding, the MAX all-reduce of the shards')."""
+    return _scale_from_amax(amax, UE4M3_MAX)
+
+
+def grid_quantize4_with_scale(
+    x: Tensor, s: int, t: Tensor, *, noise: Tensor | None = None
+) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`grid_quantize4` with the maxima scale ``t`` given (0-d fp32): (packed codes, UE4M3 row
+    maxima, UE4M3 column maxima of ``x``'s tiles). Row-local apart from ``t``; the column maxima
+    cover ``s``-row tiles starting at ``x``'s first row, so a row shard must start on a tile boundary."""
+    rows, cols = x.shape
+    x = x.float()
+    row_max, col_max = _grid_maxima(x, s)
+    row_bits = ue4m3_encode(row_max / t, round_up=True)
+    col_bits = ue4m3_encode(col_max / t, round_up=True)
+    den = _grid_denominator(ue4m3_decode(row_bits) * t, ue4m3_decode(col_bits) * t, s, rows, cols)
+    safe = torch.where(den > 0, den, torch.ones_like(den))
+    q = _round_codes(x / safe * QMAX4, noise)
+    q = torch.where(den > 0, q, torch.zeros_like(q))
+    return pack_int4(q.to(torch.int8)), row_bits, col_bits
+
+
 def grid_quantize4(
     x: Tensor, s: int, *, noise: Tensor | None = None
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -213,19 +263,8 @@ def grid_quantize4(
     largest maximum sits at the top of UE4M3's range), and every entry is scaled by
     ``7 / min(decoded tile row max, decoded tile column max)``: ``|x| / min(...) <= 1``, no clipping.
     """
-    rows, cols = x.shape
-    x = x.float()
-    row_max, col_max = _grid_maxima(x, s)
-    amax = x.abs().amax() if x.numel() else torch.zeros((), device=x.device)
-    t = amax / torch.full_like(amax, UE4M3_MAX)  # true division on every device (see e0m3_tensor_scale)
-    t = torch.where((t > 0) & torch.isfinite(t), t, torch.ones_like(t)).reshape(())
-    row_bits = ue4m3_encode(row_max / t, round_up=True)
-    col_bits = ue4m3_encode(col_max / t, round_up=True)
-    den = _grid_denominator(ue4m3_decode(row_bits) * t, ue4m3_decode(col_bits) * t, s, rows, cols)
-    safe = torch.where(den > 0, den, torch.ones_like(den))
-    q = _round_codes(x / safe * QMAX4, noise)
-    q = torch.where(den > 0, q, torch.zeros_like(q))
-    return pack_int4(q.to(torch.int8)), row_bits, col_bits, t.to(torch.float32)
+    t = grid_scale_from_amax(_amax(x)).reshape(())
+    return (*grid_quantize4_with_scale(x, s, t, noise=noise), t.to(torch.float32))
 
 
 def grid_dequantize4(packed: Tensor, row_bits: Tensor, col_bits: Tensor, t: Tensor, s: int, cols: int) -> Tensor:
@@ -253,16 +292,38 @@ def int4_momentum_update_(
     return block_sumsq(ns_input, block_size)
 
 
+def _e0m3_new_momentum(packed: Tensor, scales: Tensor, tensor_scale: Tensor, grad: Tensor, beta: float,
+                       nesterov: bool) -> tuple[Tensor, Tensor]:
+    m_old = e0m3_dequantize(packed, scales, tensor_scale, grad.shape[1])
+    return _q8_momentum_and_ns_input(m_old, grad.float(), beta, nesterov)
+
+
+def e0m3_momentum_amax(packed: Tensor, scales: Tensor, tensor_scale: Tensor, grad: Tensor, *, beta: float) -> Tensor:
+    """max |m_new| of the new momentum ``m_new = beta * m_old + (1 - beta) * g`` (0-d fp32; 0 for an
+    empty matrix, NaN if ``m_new`` holds one): the first half of :func:`e0m3_momentum_update_`, which
+    a row shard needs before it can encode (the tensor scale is that of the whole matrix)."""
+    m_new, _ = _e0m3_new_momentum(packed, scales, tensor_scale, grad, beta, False)
+    a = _amax(m_new)
+    # One NaN bit pattern (amax would pass on whichever NaN it met), so that kernels can match it.
+    return torch.where(torch.isnan(a), torch.full_like(a, float("nan")), a)
+
+
 def e0m3_momentum_update_(
     packed: Tensor, scales: Tensor, tensor_scale: Tensor, grad: Tensor, *, beta: float, nesterov: bool,
-    block_size: int, stream: int | None = None, row_offset: int = 0,
+    block_size: int, stream: int | None = None, row_offset: int = 0, new_tensor_scale: Tensor | None = None,
 ) -> Tensor:
-    """The same for e0m3 state; ``block_size`` is only the granularity of the returned sums."""
-    cols = grad.shape[1]
-    m_old = e0m3_dequantize(packed, scales, tensor_scale, cols)
-    m_new, ns_input = _q8_momentum_and_ns_input(m_old, grad.float(), beta, nesterov)
-    noise = None if stream is None else uniform_noise(grad.shape[0], cols, stream, row_offset, grad.device)
-    new_packed, new_scales, new_t = e0m3_quantize(m_new, noise=noise)
+    """The same for e0m3 state; ``block_size`` is only the granularity of the returned sums.
+
+    ``new_tensor_scale`` (0-d fp32) replaces the scale computed from the new momentum (a row shard
+    passes its matrix's, from the all-reduced :func:`e0m3_momentum_amax`); either way
+    ``tensor_scale`` holds the scale used afterwards."""
+    m_new, ns_input = _e0m3_new_momentum(packed, scales, tensor_scale, grad, beta, nesterov)
+    noise = None if stream is None else uniform_noise(*grad.shape, stream, row_offset, grad.device)
+    if new_tensor_scale is None:
+        new_packed, new_scales, new_t = e0m3_quantize(m_new, noise=noise)
+    else:
+        new_t = new_tensor_scale.reshape(())
+        new_packed, new_scales = e0m3_quantize_with_scale(m_new, new_t, noise=noise)
     packed.copy_(new_packed)
     scales.copy_(new_scales)
     tensor_scale.copy_(new_t)

@@ -1,6 +1,6 @@
-"""Optimizers built on the quantized state formats: :class:`QMuon` and the parameter router."""
+"""Optimizers built on the Muon core (:mod:`qmuon_lightning.core`): :class:`QMuon` and the parameter router."""
 
-from .newton_schulz import newton_schulz_folded, newton_schulz_reference
+from ..core.config import QMuonConfig
 from .qmuon import DEFAULT_NS_COEFFICIENTS, FORMAT_VERSION, GraspMuon, QMuon, adjusted_lr
 from .routing import (
     DEFAULT_HEAD_REGEX,
@@ -14,12 +14,11 @@ from .routing import (
 
 __all__ = [
     "QMuon",
+    "QMuonConfig",
     "GraspMuon",
     "FORMAT_VERSION",
     "DEFAULT_NS_COEFFICIENTS",
     "adjusted_lr",
-    "newton_schulz_folded",
-    "newton_schulz_reference",
     "RoutingRule",
     "RouteDecision",
     "DEFAULT_RULES",

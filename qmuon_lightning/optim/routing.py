@@ -26,7 +26,9 @@ from typing import Any, Literal, Mapping, Sequence
 import torch
 from torch import nn
 
-from .qmuon import DEFAULT_NS_COEFFICIENTS, QMuon
+from ..core.config import DEFAULT_CONFIG, QMuonConfig
+from ..core.pipeline import DEFAULT_BATCH_BUDGET
+from .qmuon import QMuon
 
 __all__ = [
     "RoutingRule",
@@ -174,31 +176,12 @@ def format_routing_table(decisions: Sequence[RouteDecision]) -> str:
 def build_optimizer(
     model: nn.Module,
     *,
-    lr: float = 0.02,
-    weight_decay: float = 0.1,
-    momentum: float = 0.95,
-    nesterov: bool = True,
-    ns_coefficients: tuple[float, float, float] = DEFAULT_NS_COEFFICIENTS,
-    eps: float = 1e-7,
-    ns_steps: int = 5,
-    adjust_lr_fn: str | None = None,
-    state_format: str = "int8",
-    block_size: int | None = None,
-    rank: int = 4,
-    grid_block: int = 32,
-    rounding: str = "nearest",
-    seed: int = 0,
-    nonfinite: str = "skip",
-    ns_input: str = "bf16",
-    adamw_lr: float = 3e-4,
-    adamw_betas: tuple[float, float] = (0.9, 0.95),
-    adamw_eps: float = 1e-8,
-    adamw_weight_decay: float = 0.1,
-    comm_carrier: str = "int8",
-    comm_return: str = "int8",
+    config: QMuonConfig | None = None,
     rules: Sequence[RoutingRule] | None = None,
     fused_parts: Mapping[str, Sequence[int]] | None = None,
     verbose: bool = True,
+    batch_budget: float = DEFAULT_BATCH_BUDGET,
+    **qmuon_kwargs: Any,
 ) -> QMuon:
     """Route ``model``'s parameters with the rule table and build one :class:`QMuon`.
 
@@ -206,7 +189,19 @@ def build_optimizer(
     ``parts``), one AdamW group, one AdamW group without weight decay. Every group carries
     ``param_names``. The routing table is logged (``logging`` at INFO) and printed on rank 0 when
     ``verbose``; it is also kept as ``optimizer.routing``.
+
+    The optimizer's arguments are those of :class:`~qmuon_lightning.core.config.QMuonConfig`
+    (one set of defaults, shared with ``QMuon``): pass a ``config``, keyword arguments
+    (``lr=0.02, state_format="grasp4", ...``), or both (keywords override the config's fields).
+    An unknown keyword raises ``TypeError`` listing the accepted ones.
     """
+    cfg = config or DEFAULT_CONFIG
+    if qmuon_kwargs:
+        unknown = sorted(set(qmuon_kwargs) - set(QMuonConfig.field_names()))
+        if unknown:
+            raise TypeError(f"build_optimizer: unknown argument(s) {unknown}; accepted: routing (rules, fused_parts, "
+                            f"verbose, batch_budget, config) and QMuon's: {', '.join(QMuonConfig.field_names())}")
+        cfg = cfg.replace(**qmuon_kwargs)
     decisions = route_parameters(model, rules, fused_parts)
     muon = [d for d in decisions if d.target == "muon" and d.parts is None]
     fused = [d for d in decisions if d.target == "muon" and d.parts is not None]
@@ -218,7 +213,7 @@ def build_optimizer(
         by_parts.setdefault(d.parts, []).append(d)  # type: ignore[arg-type]
     for parts, sel in by_parts.items():
         groups.append({"params": [d.param for d in sel], "param_names": [d.name for d in sel], "parts": parts})
-    for target, wd in (("adamw", adamw_weight_decay), ("adamw_no_decay", 0.0)):
+    for target, wd in (("adamw", cfg.adamw_weight_decay), ("adamw_no_decay", 0.0)):
         sel = [d for d in decisions if d.target == target]
         if sel:
             groups.append({
@@ -229,14 +224,7 @@ def build_optimizer(
         raise ValueError("the model has no trainable parameters")
     if not muon and not fused:
         log.warning("build_optimizer: no parameter was routed to Muon; QMuon will run AdamW only")
-    opt = QMuon(
-        groups, lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
-        ns_coefficients=ns_coefficients, eps=eps, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn,
-        state_format=state_format, block_size=block_size, rank=rank, grid_block=grid_block,
-        rounding=rounding, seed=seed,
-        nonfinite=nonfinite, ns_input=ns_input, adamw_lr=adamw_lr, adamw_betas=adamw_betas, adamw_eps=adamw_eps,
-        adamw_weight_decay=adamw_weight_decay, comm_carrier=comm_carrier, comm_return=comm_return,
-    )
+    opt = QMuon.from_config(groups, cfg, batch_budget=batch_budget)
     for d in decisions:
         d.param = None
     opt.routing = decisions  # type: ignore[attr-defined]

@@ -1,22 +1,21 @@
-"""Fidelity of quantized momentum: how close is a quantized-state Muon update to the fp32-state one?
+"""Fidelity metrics of quantized momentum: :func:`cosine`, :func:`momentum_relative_error`, and
+:func:`synthetic_gradients`, gradient sequences like a training run's (a slowly drifting low-rank
+signal plus noise, with outlier rows and columns), on which naive 4-bit momentum loses the top
+singular directions that Muon cares about.
 
-:func:`per_layer_update_cosine` runs one :class:`~qmuon_lightning.QMuon` per state format on clones of
-the same parameters, feeds every optimizer the same gradient sequence and compares each step's
-update (the parameter change, with ``lr=1`` and no weight decay, i.e. the orthogonalized update)
-with the fp32-state update, per layer. :func:`synthetic_gradients` makes gradient sequences like a
-training run's (a slowly drifting low-rank signal plus noise, with outlier rows and columns), on
-which naive 4-bit momentum loses the top singular directions that Muon cares about.
+The update-cosine measurement that runs :class:`~qmuon_lightning.QMuon` per format
+(``per_layer_update_cosine``) sits above the optimizer, in :mod:`qmuon_lightning.optim.fidelity`
+(this layer does not import the optimizer).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
 
 import torch
 from torch import Tensor
 
-__all__ = ["cosine", "synthetic_gradients", "per_layer_update_cosine", "update_cosine", "momentum_relative_error"]
+__all__ = ["cosine", "synthetic_gradients", "momentum_relative_error"]
 
 
 def cosine(a: Tensor, b: Tensor) -> float:
@@ -53,62 +52,6 @@ def synthetic_gradients(
         n = noise * torch.randn(rows, cols, generator=g) / math.sqrt(rank)
         out.append((scale * row_gain * col_gain * (signal + n)).float())
     return out
-
-
-def per_layer_update_cosine(
-    params: Sequence[Tensor | tuple[int, int]],
-    grads: Sequence[Sequence[Tensor]],
-    formats: Sequence[str] = ("int8", "int4", "e0m3", "grasp4"),
-    *,
-    reference: str = "fp32",
-    reduce: str = "mean",
-    skip: int = 0,
-    **qmuon_kwargs: Any,
-) -> dict[str, list[float]]:
-    """Per-layer cosine between each format's Muon update and the ``reference``-state update.
-
-    Args:
-        params: the matrices (their values are cloned; the originals are untouched) or shapes.
-        grads: ``grads[t][i]`` is parameter ``i``'s gradient at step ``t`` (same for every format).
-        formats: state formats to compare.
-        reduce: ``"mean"`` over steps ``skip..`` or ``"last"``.
-        qmuon_kwargs: passed to every :class:`~qmuon_lightning.QMuon` (``momentum``, ``nesterov``,
-            ``rounding``, ``rank``, ``grid_block``, ``block_size``...).
-
-    Returns ``{format: [cosine per layer]}``.
-    """
-    from ..optim import QMuon
-
-    if reduce not in ("mean", "last"):
-        raise ValueError(f"reduce must be 'mean' or 'last', got {reduce!r}")
-    init = [torch.zeros(p) if isinstance(p, tuple) else p.detach().float() for p in params]
-    kw = {"lr": 1.0, "weight_decay": 0.0, **qmuon_kwargs}
-
-    def updates(fmt: str) -> list[list[Tensor]]:
-        ps = [torch.nn.Parameter(p.clone()) for p in init]
-        opt = QMuon(ps, state_format=fmt, **kw)
-        out = []
-        for step_grads in grads:
-            before = [p.detach().clone() for p in ps]
-            for p, g in zip(ps, step_grads, strict=True):
-                p.grad = g.detach().clone().to(p.dtype)
-            opt.step()
-            out.append([b - p.detach() for b, p in zip(before, ps)])
-        return out
-
-    ref_updates = updates(reference)
-    result: dict[str, list[float]] = {}
-    for fmt in formats:
-        upd = updates(fmt)
-        steps = range(len(grads) - 1, len(grads)) if reduce == "last" else range(skip, len(grads))
-        result[fmt] = [
-            sum(cosine(upd[t][i], ref_updates[t][i]) for t in steps) / len(steps) for i in range(len(init))
-        ]
-    return result
-
-
-#: Alias (the name used in the issue).
-update_cosine = per_layer_update_cosine
 
 
 def momentum_relative_error(m_hat: Tensor, m: Tensor) -> float:

@@ -48,6 +48,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from ..core.config import QMuonConfig, ResumeMismatch, check_resume, config_fields_of, state_layout
 from ..optim.qmuon import QMuon
 from ..optim.routing import build_optimizer, format_routing_table
 from ..quant import state as qstate
@@ -88,13 +89,16 @@ _NO_OPTIMIZER_STATE = (
     "{path} holds no optimizer state (saved with save_weights_only=True?), so training cannot resume from it. "
     "To start a new run from its weights, load them into the module before fit, or use a full checkpoint"
 )
-# build_optimizer arguments the strategy sets itself.
-_RESERVED_KWARGS = ("verbose",)
+# What each optimizer mode fixes in build_optimizer's arguments.
+_MODE_KWARGS: dict[str, dict[str, Any]] = {"qmuon": {}, "grasp": {"state_format": "grasp4"}, "keep": {}}
+# build_optimizer arguments besides QMuon's (QMuonConfig's fields); "verbose" is the strategy's own.
+_ROUTING_KWARGS = ("rules", "fused_parts", "batch_budget")
 
 
 def _validate_optimizer_kwargs(mode: str, kwargs: Mapping[str, Any]) -> dict[str, Any]:
-    """Check ``optimizer_kwargs`` against :func:`build_optimizer` and QMuon's own validation now,
-    so a typo fails when the strategy is constructed, not after the processes have started."""
+    """Check ``optimizer_kwargs`` now with the optimizer's own validation (:class:`QMuonConfig`),
+    so a typo or a bad value fails when the strategy is constructed, not after the processes have
+    started."""
     if not isinstance(kwargs, Mapping):
         raise TypeError(f"optimizer_kwargs must be a dict of build_optimizer arguments, got {type(kwargs).__name__}")
     kwargs = dict(kwargs)
@@ -105,31 +109,26 @@ def _validate_optimizer_kwargs(mode: str, kwargs: Mapping[str, Any]) -> dict[str
                 f"{sorted(kwargs)} would be ignored. Drop them or use optimizer='qmuon'"
             )
         return kwargs
-    params = inspect.signature(build_optimizer).parameters
-    allowed = [n for n, p in params.items() if p.kind is inspect.Parameter.KEYWORD_ONLY and n not in _RESERVED_KWARGS]
+    allowed = (*QMuonConfig.field_names(), *_ROUTING_KWARGS)
     for key in kwargs:
         if key not in allowed:
             raise ValueError(
                 f"optimizer_kwargs has unknown key {key!r}; build_optimizer accepts: {', '.join(allowed)}"
             )
-    if mode == "grasp":
-        fmt = kwargs.setdefault("state_format", "grasp4")
-        if fmt != "grasp4":
+    for key, fixed in _MODE_KWARGS[mode].items():
+        got = kwargs.setdefault(key, fixed)
+        if got != fixed:
             raise ValueError(
-                f"optimizer='grasp' uses state_format='grasp4', but optimizer_kwargs sets state_format={fmt!r}; "
-                "use optimizer='qmuon' for other formats"
+                f"optimizer={mode!r} uses {key}={fixed!r}, but optimizer_kwargs sets {key}={got!r}; "
+                "use optimizer='qmuon' for other values"
             )
-    qstate.get_format(kwargs.get("state_format", "int8"))  # raises with the list of formats
-    # Build a throwaway QMuon with the same arguments: its validation (lr, momentum, block_size,
-    # rounding, ...) runs here. One 32x32 Muon matrix and one 1-D AdamW tensor, on CPU.
-    qmuon_params = inspect.signature(QMuon.__init__).parameters  # routing-only keys (rules, fused_parts) are not
-    qmuon_kwargs = {k: v for k, v in kwargs.items() if k in qmuon_params}
-    qmuon_kwargs.setdefault("state_format", "int8")
-    probe = [
-        {"params": [torch.zeros(32, 32, requires_grad=True)]},
-        {"params": [torch.zeros(32, requires_grad=True)], "use_muon": False},
-    ]
-    QMuon(probe, **qmuon_kwargs)
+    try:
+        QMuonConfig.from_kwargs(**config_fields_of(kwargs))
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"optimizer_kwargs: {e}") from None
+    budget = kwargs.get("batch_budget", 1.0)
+    if not (isinstance(budget, (int, float)) and budget > 0):
+        raise ValueError(f"optimizer_kwargs: batch_budget must be > 0, got {budget!r}")
     return kwargs
 
 
@@ -154,24 +153,19 @@ def _drop_state_except(module: torch.nn.Module, optimizer: Optimizer, keep: set[
 
 def _check_sharded_formats(opt: QMuon) -> None:
     """Fail at setup, not at the first step, when a Muon group's state format cannot be sharded
-    (the distributed layer lists the row-local formats it supports)."""
-    try:
-        from ..distributed.sharding import SUPPORTED_SHARDED_FORMATS
-    except ImportError:  # no distributed layer: QMuon itself reports what it cannot do
-        return
+    (the registry lists the formats that support ``Shard(0)`` parameters)."""
     from torch.distributed.tensor import DTensor
 
     bad = sorted({
         str(g["state_format"]) for g in opt.param_groups
-        if g["use_muon"] and g["state_format"] not in SUPPORTED_SHARDED_FORMATS
+        if g["use_muon"] and g["state_format"] not in qstate.SUPPORTED_SHARDED_FORMATS
         and any(isinstance(p, DTensor) for p in g["params"])
     })
     if bad:
-        hint = " ('int4' for 4-bit momentum)" if "int4" in SUPPORTED_SHARDED_FORMATS else ""
         raise ValueError(
             f"QMuon state_format {', '.join(map(repr, bad))} cannot be used on FSDP2-sharded parameters: its state "
-            f"is not row-local, so it cannot be split with the weight rows. Use optimizer_kwargs={{'state_format': ...}} "
-            f"with one of {', '.join(SUPPORTED_SHARDED_FORMATS)}{hint}"
+            f"cannot be split with the weight rows. Use optimizer_kwargs={{'state_format': ...}} "
+            f"with one of {', '.join(qstate.SUPPORTED_SHARDED_FORMATS)}"
         )
 
 
@@ -382,14 +376,13 @@ class QMuonFSDPStrategy(ModelParallelStrategy):
 
     # ------------------------------------------------------------------ checkpoints
     def _checkpoint_info(self) -> dict[str, Any]:
-        formats = sorted({
-            str(g["state_format"]) for opt in self.optimizers for g in opt.param_groups
-            if g.get("use_muon", False) and "state_format" in g
-        })
+        muon_groups = [g for opt in self.optimizers for g in opt.param_groups
+                       if g.get("use_muon", False) and "state_format" in g]
         return {
             "optimizer": self._optimizer_mode,
             "optimizer_types": [type(opt).__name__ for opt in self.optimizers],
-            "state_formats": formats,
+            "state_formats": sorted({str(g["state_format"]) for g in muon_groups}),
+            "muon_layouts": [state_layout(g) for g in muon_groups],
             "world_size": self.world_size,
         }
 
@@ -469,15 +462,26 @@ class QMuonFSDPStrategy(ModelParallelStrategy):
                 f"{saved['optimizer']!r}) but this run trains with {now['optimizer_types']} (optimizer="
                 f"{now['optimizer']!r}); resume with the same optimizer setting"
             )
-        if saved["state_formats"] != now["state_formats"]:
-            # torch's loaders place saved tensors into the current optimizer's state layout (same keys,
-            # dtypes and sharding), so a checkpoint loads into the format it was saved with only.
-            raise ValueError(
-                f"{path} holds Muon momentum in state_format {saved['state_formats']} but this run uses "
-                f"{now['state_formats']}; resume with optimizer_kwargs={{'state_format': {saved['state_formats'][0]!r}}}. "
-                "(To change format, load the checkpoint without this strategy and use QMuon.load_state_dict, "
-                "which converts between formats.)"
-            )
+        # torch's loaders place saved tensors into the current optimizer's state layout (same keys,
+        # dtypes and sharding), so a checkpoint loads into the layout it was saved with only.
+        saved_layouts = saved.get("muon_layouts")
+        if saved_layouts is None:  # written before layouts were recorded: the formats must agree
+            saved_layouts = [{"state_format": f} for f in saved["state_formats"]]
+            now_layouts = [{"state_format": f} for f in now["state_formats"]]
+        else:
+            now_layouts = now["muon_layouts"]
+        hint = ("(To change format, load the checkpoint without this strategy and use QMuon.load_state_dict, "
+                "which converts between formats.)")
+        if len(saved_layouts) != len(now_layouts):
+            raise ValueError(f"{path} holds {len(saved_layouts)} Muon parameter groups but this run has "
+                             f"{len(now_layouts)}; build the optimizer with the same routing. {hint}")
+        for i, (a, b) in enumerate(zip(saved_layouts, now_layouts)):
+            if a == b:
+                continue
+            try:
+                check_resume(a, b, where=f"{path}, Muon group {i}", allow_format_change=False)
+            except ResumeMismatch as e:
+                raise ValueError(f"{e}; pass the matching optimizer_kwargs. {hint}") from None
 
     # ------------------------------------------------------------------ metrics
     @override

@@ -1,0 +1,300 @@
+"""One typed configuration for QMuon, and one compatibility check for resuming its state.
+
+:class:`QMuonConfig` holds every argument of :class:`~qmuon_lightning.QMuon` with the single set
+of defaults that ``QMuon``, :func:`~qmuon_lightning.build_optimizer`, the ``qmuon_fsdp``
+strategy's ``optimizer_kwargs`` and the checkpoint manifest share. Validation lives here too, so a
+bad value fails when a strategy is constructed (before processes start), with the same message
+the optimizer would give, and without building a throwaway optimizer.
+
+:func:`check_resume` is the one place that decides whether saved Muon state can be resumed by an
+optimizer: ``QMuon.load_state_dict``, ``QuantizedStateCheckpoint`` and the strategy call it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from ..quant import state as qstate
+from .newton_schulz import NS_DTYPES, resolve_schedule
+from .plan import ADJUST_LR_FNS
+
+__all__ = [
+    "QMuonConfig",
+    "DEFAULT_CONFIG",
+    "ROUNDING_MODES",
+    "NONFINITE_POLICIES",
+    "NS_INPUTS",
+    "COMM_CARRIERS",
+    "COMM_RETURNS",
+    "MUON_GROUP_KEYS",
+    "ADAMW_GROUP_KEYS",
+    "STRUCTURAL_KEYS",
+    "validate_muon_group",
+    "validate_adamw_group",
+    "state_layout",
+    "check_resume",
+    "ResumeMismatch",
+]
+
+ROUNDING_MODES = ("nearest", "stochastic")
+NONFINITE_POLICIES = ("skip", "raise")
+#: What Newton-Schulz reads: the NS input as it is, or its MXFP8 carrier (quant.mxfp8).
+NS_INPUTS = ("bf16", "mxfp8")
+#: Carriers of the distributed Newton-Schulz exchange (sharded parameters only); the
+#: distributed layer's carrier registry must offer these (a test checks).
+COMM_CARRIERS = ("bf16", "fp32", "int8", "mxfp8")
+COMM_RETURNS = ("bf16", "fp32", "int8")
+
+
+@dataclass(frozen=True)
+class QMuonConfig:
+    """Every QMuon argument, with the defaults ``QMuon`` and ``build_optimizer`` share.
+
+    Muon (hidden matrices):
+        lr: 0.02, the Muon learning rate of KellerJordan/Muon and modded-nanogpt with the
+            ``"original"`` shape adjustment (``torch.optim.Muon`` defaults to 1e-3; pass it for
+            torch's default). Use ``adjust_lr_fn="match_rms_adamw"`` to reuse an AdamW lr instead.
+        weight_decay, momentum, nesterov, eps, ns_steps, adjust_lr_fn: as ``torch.optim.Muon``
+            (0.1, 0.95, True, 1e-7, 5, None = "original").
+        ns_coefficients: ``"muon"`` (torch.optim.Muon's ``(3.4445, -4.7750, 2.0315)``, default),
+            ``"polar_express"``, one ``(a, b, c)`` tuple, or a list of per-iteration tuples.
+        ns_dtype: ``"auto"`` (bf16 on CUDA and on CPUs with fast native bf16 matmul, fp32
+            elsewhere), ``"bf16"`` (exactly ``torch.optim.Muon``'s arithmetic) or ``"fp32"``.
+    State:
+        state_format: momentum storage (``quant.state.FORMATS``), default ``"int8"``.
+        block_size: elements per absmax block along a row; ``None`` takes the format's default.
+        rank, grid_block: grasp4's factor rank and grid tile side.
+        rounding: ``"nearest"`` or ``"stochastic"``; seed: its counter-based noise seed.
+        nonfinite: ``"skip"`` (leave a parameter and its state untouched for a step with a
+            NaN/Inf gradient) or ``"raise"``.
+        ns_input: ``"bf16"`` or ``"mxfp8"`` (NS reads the decoded MXFP8 carrier).
+    AdamW (embeddings, head, 1-D tensors): adamw_lr 3e-4, adamw_betas (0.9, 0.95),
+        adamw_eps 1e-8, adamw_weight_decay 0.1 (the usual GPT pretraining values).
+    Sharded parameters: comm_carrier / comm_return: encodings of the distributed NS exchange.
+    """
+
+    lr: float = 0.02
+    weight_decay: float = 0.1
+    momentum: float = 0.95
+    nesterov: bool = True
+    ns_coefficients: Any = "muon"
+    eps: float = 1e-7
+    ns_steps: int = 5
+    adjust_lr_fn: str | None = None
+    ns_dtype: str = "auto"
+    state_format: str = "int8"
+    block_size: int | None = None
+    rank: int = 4
+    grid_block: int = 32
+    rounding: str = "nearest"
+    seed: int = 0
+    nonfinite: str = "skip"
+    ns_input: str = "bf16"
+    adamw_lr: float = 3e-4
+    adamw_betas: tuple[float, float] = (0.9, 0.95)
+    adamw_eps: float = 1e-8
+    adamw_weight_decay: float = 0.1
+    comm_carrier: str = "int8"
+    comm_return: str = "int8"
+
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> "QMuonConfig":
+        """Build and validate; an unknown key raises naming the accepted ones."""
+        unknown = sorted(set(kwargs) - set(cls.field_names()))
+        if unknown:
+            raise TypeError(f"unknown QMuon argument(s) {unknown}; accepted: {', '.join(cls.field_names())}")
+        return cls(**kwargs).validate()
+
+    def replace(self, **changes: Any) -> "QMuonConfig":
+        return dataclasses.replace(self, **changes).validate()
+
+    def validate(self) -> "QMuonConfig":
+        """Raise ``ValueError`` naming the first bad argument and its accepted values."""
+        if self.comm_carrier not in COMM_CARRIERS or self.comm_return not in COMM_RETURNS:
+            raise ValueError(
+                f"QMuon: comm_carrier must be one of {COMM_CARRIERS} and comm_return one of {COMM_RETURNS}, "
+                f"got comm_carrier={self.comm_carrier!r}, comm_return={self.comm_return!r}")
+        validate_muon_group(self.muon_group_defaults(), "QMuon")
+        validate_adamw_group(self.adamw_group_defaults(), "QMuon (AdamW defaults)")
+        return self
+
+    def muon_group_defaults(self) -> dict[str, Any]:
+        """Defaults of a Muon parameter group (what torch.optim stores as ``defaults``)."""
+        return {
+            "lr": self.lr, "weight_decay": self.weight_decay, "momentum": self.momentum,
+            "nesterov": self.nesterov, "ns_coefficients": _freeze(self.ns_coefficients), "eps": self.eps,
+            "ns_steps": self.ns_steps, "adjust_lr_fn": self.adjust_lr_fn, "ns_dtype": self.ns_dtype,
+            "state_format": self.state_format, "block_size": self.block_size, "rank": self.rank,
+            "grid_block": self.grid_block, "rounding": self.rounding, "seed": self.seed,
+            "nonfinite": self.nonfinite, "ns_input": self.ns_input, "use_muon": True, "parts": None,
+        }
+
+    def adamw_group_defaults(self) -> dict[str, Any]:
+        return {"lr": self.adamw_lr, "betas": tuple(self.adamw_betas), "eps": self.adamw_eps,
+                "weight_decay": self.adamw_weight_decay}
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain values (for manifests and logs)."""
+        d = dataclasses.asdict(self)
+        d["ns_coefficients"] = plain_coefficients(d["ns_coefficients"])
+        d["adamw_betas"] = list(d["adamw_betas"])
+        return d
+
+
+#: The defaults, as one object (``QMuon``'s signature reads its defaults from it).
+DEFAULT_CONFIG = QMuonConfig()
+
+
+def _freeze(spec: Any) -> Any:
+    """A hashable form of an ``ns_coefficients`` spec (tuples all the way down)."""
+    if isinstance(spec, str):
+        return spec
+    seq = list(spec)
+    if seq and isinstance(seq[0], (list, tuple)):
+        return tuple(tuple(float(x) for x in c) for c in seq)
+    return tuple(float(x) for x in seq)
+
+
+def plain_coefficients(spec: Any) -> Any:
+    """An ``ns_coefficients`` spec as plain lists (for JSON-like manifests)."""
+    if spec is None or isinstance(spec, str):
+        return spec
+    return [list(c) if isinstance(c, (list, tuple)) else c for c in spec]
+
+
+#: Keys of a Muon group (QMuon fills missing ones from its defaults).
+MUON_GROUP_KEYS = tuple(QMuonConfig().muon_group_defaults())
+ADAMW_GROUP_KEYS = ("lr", "betas", "eps", "weight_decay")
+#: Keys that describe how a group is built, not how it is tuned: on ``load_state_dict`` the
+#: constructed optimizer's values win over the checkpoint's (torch would silently take the saved
+#: ones, e.g. switch a run back to the state format or NS precision it was saved with).
+STRUCTURAL_KEYS = ("use_muon", "state_format", "block_size", "rank", "grid_block", "rounding", "seed", "parts",
+                   "nonfinite", "ns_input", "ns_dtype", "ns_coefficients")
+
+
+def validate_muon_group(group: dict[str, Any], where: str) -> None:
+    """Check (and normalize in place: ``block_size``, ``parts``, ``ns_coefficients``) a Muon group."""
+
+    def bad(msg: str) -> ValueError:
+        return ValueError(f"{where}: {msg}")
+
+    if not _real(group["lr"]) or not group["lr"] >= 0.0:
+        raise bad(f"lr must be >= 0, got {group['lr']}")
+    if not _real(group["momentum"]) or not 0.0 <= group["momentum"] < 1.0:
+        raise bad(f"momentum must be in [0, 1), got {group['momentum']}")
+    if not _real(group["weight_decay"]) or not group["weight_decay"] >= 0.0:
+        raise bad(f"weight_decay must be >= 0, got {group['weight_decay']}")
+    if not _real(group["eps"]) or not group["eps"] > 0.0:
+        raise bad(f"eps must be > 0 (it bounds 1 / ||G|| for a zero gradient), got {group['eps']}")
+    if group["adjust_lr_fn"] not in ADJUST_LR_FNS:
+        raise bad(f"adjust_lr_fn must be None, 'original' or 'match_rms_adamw', got {group['adjust_lr_fn']!r}")
+    if not isinstance(group["ns_steps"], int) or isinstance(group["ns_steps"], bool) or not 0 <= group["ns_steps"] < 100:
+        raise bad(f"ns_steps must be an int in [0, 100), got {group['ns_steps']!r}")
+    try:
+        group["ns_coefficients"] = _freeze(group["ns_coefficients"])
+        resolve_schedule(group["ns_coefficients"], int(group["ns_steps"]))
+    except (TypeError, ValueError) as e:
+        raise bad(f"ns_coefficients: {e}") from None
+    group.setdefault("ns_dtype", "auto")
+    if group["ns_dtype"] not in NS_DTYPES:
+        raise bad(f"ns_dtype must be one of {NS_DTYPES}, got {group['ns_dtype']!r}")
+    fmt = qstate.get_format(group["state_format"])  # raises with the list of formats
+    if group.get("block_size") is None:
+        group["block_size"] = fmt.default_block_size
+    group.setdefault("rank", 4)
+    group.setdefault("grid_block", 32)
+    bs = group["block_size"]
+    if not isinstance(bs, int) or isinstance(bs, bool) or bs <= 0 or bs % 32 or bs > 4096:
+        raise bad(f"block_size must be a multiple of 32 in [32, 4096] (kernel warp granularity), got {bs!r}")
+    try:
+        fmt.validate_options(qstate.format_options(group))
+    except ValueError as e:
+        raise bad(str(e)) from None
+    if group["rounding"] not in ROUNDING_MODES:
+        raise bad(f"rounding must be 'nearest' or 'stochastic', got {group['rounding']!r}")
+    if group["nonfinite"] not in NONFINITE_POLICIES:
+        raise bad(f"nonfinite must be 'skip' or 'raise', got {group['nonfinite']!r}")
+    if group.setdefault("ns_input", "bf16") not in NS_INPUTS:
+        raise bad(f"ns_input must be 'bf16' (the NS input as it is) or 'mxfp8' (MXFP8 carrier), got {group['ns_input']!r}")
+    parts = group.get("parts")
+    if parts is not None:
+        try:
+            parts = tuple(int(n) for n in parts)
+        except (TypeError, ValueError):
+            raise bad(f"parts must be a sequence of positive row counts, got {group['parts']!r}") from None
+        if not parts or min(parts) <= 0:
+            raise bad(f"parts must be positive row counts, got {group['parts']!r}")
+        group["parts"] = parts
+
+
+def validate_adamw_group(group: dict[str, Any], where: str) -> None:
+    b1, b2 = group["betas"]
+    if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
+        raise ValueError(f"{where} (AdamW): betas must be in [0, 1), got {group['betas']}")
+    if not group["eps"] >= 0.0 or not group["lr"] >= 0.0 or not group["weight_decay"] >= 0.0:
+        raise ValueError(f"{where} (AdamW): lr, eps and weight_decay must be >= 0")
+
+
+def _real(x: Any) -> bool:
+    """A real number (NaN included: the range checks that follow reject it with the value shown)."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+# ------------------------------------------------------------------------------------ resume
+class ResumeMismatch(ValueError):
+    """Saved Muon state that cannot be resumed as it is by this optimizer."""
+
+
+def state_layout(group: Mapping[str, Any]) -> dict[str, Any]:
+    """The part of a Muon group that fixes how its momentum is stored: the format and the
+    options that are part of that format's layout (for example int8's ``block_size``)."""
+    fmt = qstate.get_format(group["state_format"])
+    opts = qstate.format_options(dict(group))
+    out: dict[str, Any] = {"state_format": fmt.name}
+    for key in fmt.layout_options:
+        out[key] = getattr(opts, key)
+    return out
+
+
+def describe_layout(layout: Mapping[str, Any]) -> str:
+    return ", ".join(f"{k}={v!r}" for k, v in layout.items())
+
+
+def check_resume(saved: Mapping[str, Any], current: Mapping[str, Any], *, where: str,
+                 allow_format_change: bool) -> str | None:
+    """Whether Muon state saved with group ``saved`` can be resumed by group ``current``.
+
+    Same format and same layout options: fine (returns None). Another format: allowed only when
+    ``allow_format_change`` (the momentum is dequantized and re-encoded: returns a note saying
+    so), else :class:`ResumeMismatch`. Same format with other layout options (e.g. int8 saved with
+    ``block_size=128``, resumed with 256): always :class:`ResumeMismatch`, since a converted state
+    would silently differ from an uninterrupted run; the message names the constructor argument
+    that resumes it.
+    """
+    a, b = state_layout(saved), state_layout(current)
+    if a == b:
+        return None
+    if a["state_format"] == b["state_format"]:
+        diff = [k for k in a if a[k] != b.get(k)]
+        raise ResumeMismatch(
+            f"{where}: momentum was saved with {describe_layout({k: a[k] for k in diff})} but this optimizer uses "
+            f"{describe_layout({k: b[k] for k in diff})}; construct the optimizer with "
+            f"{', '.join(f'{k}={a[k]!r}' for k in diff)} to resume")
+    msg = f"{where}: saved with {describe_layout(a)}, this optimizer uses {describe_layout(b)}"
+    if allow_format_change:
+        return msg + "; the momentum is converted (dequantized and re-encoded; not bit-exact)"
+    raise ResumeMismatch(
+        msg + f". Build the optimizer with {describe_layout(a)} to resume, or allow a format change (QMuon."
+        "load_state_dict converts; QuantizedStateCheckpoint(allow_format_change=True))")
+
+
+def config_fields_of(kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """The subset of ``kwargs`` that are QMuon arguments."""
+    names = set(QMuonConfig.field_names())
+    return {k: v for k, v in kwargs.items() if k in names}

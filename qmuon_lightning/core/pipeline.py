@@ -1,0 +1,299 @@
+"""The Muon step, once, as free functions every driver calls.
+
+One Muon step is::
+
+    momentum  (through the group's state format: dequantize, m = beta m + (1 - beta) g, requantize;
+               the Nesterov blend, the Newton-Schulz (NS) input, is written into the gradient buffer
+               together with its per-row-block sums of squares)
+    -> items  (one per matrix or fused part: its NS input, sum of squares, lr factor)
+    -> orthogonalize (same-shape items batched within a memory budget, 1/norm folded into NS)
+    -> apply  (p -= lr * lr_scale * O; decoupled weight decay is applied before)
+
+:class:`~qmuon_lightning.QMuon` (one process), the sharded step
+(:mod:`qmuon_lightning.distributed.orthogonalize`: the owner rank of a matrix runs
+:func:`orthogonalize` on matrices assembled from every rank's rows), the DeepSpeed driver and the
+fidelity monitor all go through these functions; they differ only in where an item's NS input
+comes from (:attr:`NSItem.source` / :attr:`NSItem.load`) and where its output goes
+(:attr:`NSItem.apply`).
+
+Memory: the NS working set of a batch of ``B`` matrices is about ``(2 B + 1)`` times the batch in
+the NS dtype (input, the running iterate, the next one) plus small Gram matrices. Batching same-shape
+matrices only pays while the matrices are small (fewer, larger GEMMs); stacking every same-shape
+matrix of a model (as one unbounded batch would) costs more peak memory than the quantized state
+saves. :func:`orthogonalize` therefore caps a batch at the element count of the largest matrix of
+the step (times ``batch_budget``), so the step's transient memory is that of the largest matrix's
+own NS, as in ``torch.optim.Muon``, which orthogonalizes one matrix at a time.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+from torch import Tensor
+
+from ..ops import reference as ref
+from ..quant import state as qstate
+from ..quant.mxfp8 import mxfp8_roundtrip_normalized
+from .newton_schulz import NSSchedule, newton_schulz_folded, resolve_ns_dtype, resolve_schedule
+from .plan import MatrixPart, ParamPlan
+
+__all__ = [
+    "NSSettings",
+    "NSItem",
+    "ns_settings",
+    "orthogonalize",
+    "finite_flags",
+    "momentum_inputs",
+    "update_momentum",
+    "local_items",
+    "is_dtensor",
+    "local",
+]
+
+#: Default cap of a batch, in multiples of the largest matrix of the step (see the module docstring).
+DEFAULT_BATCH_BUDGET = 1.0
+
+
+def is_dtensor(t: Any) -> bool:
+    """Whether ``t`` is a DTensor (FSDP2 parameter or gradient), without importing
+    torch.distributed on builds that lack it."""
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def local(t: Tensor) -> Tensor:
+    """The local shard of a DTensor (a view of its storage), or ``t`` itself."""
+    return t.to_local() if is_dtensor(t) else t
+
+
+@dataclass(frozen=True)
+class NSSettings:
+    """How a matrix is orthogonalized; items with equal settings and shape share a batch."""
+
+    schedule: NSSchedule
+    steps: int
+    dtype: torch.dtype
+    carrier: str  # "bf16": the NS input as it is; "mxfp8": its decoded MXFP8 carrier (quant.mxfp8)
+
+
+def ns_settings(group: dict[str, Any], device: torch.device) -> NSSettings:
+    """The NS settings of a Muon ``group`` on ``device`` (``ns_dtype="auto"`` is resolved there)."""
+    steps = int(group["ns_steps"])
+    return NSSettings(
+        schedule=resolve_schedule(group["ns_coefficients"], steps),
+        steps=steps,
+        dtype=resolve_ns_dtype(group.get("ns_dtype", "auto"), device),
+        carrier=group.get("ns_input", "bf16"),
+    )
+
+
+@dataclass(eq=False)
+class NSItem:
+    """One matrix waiting for Newton-Schulz.
+
+    The NS input comes from ``source`` (a 2-D ``rows x cols`` tensor, any float dtype) or, when
+    ``source`` is None, from ``load(dest)``, which writes it into a ``rows x cols`` slot of the batch
+    (a sharded owner decodes the rows received from every rank straight into the batch).
+    ``apply(out)`` receives the ``rows x cols`` NS output (in the NS dtype) and must not keep it:
+    the batch is freed after the call.
+    """
+
+    rows: int
+    cols: int
+    sumsq: Tensor  # 0-d fp32: squared Frobenius norm of the NS input
+    eps: float
+    settings: NSSettings
+    apply: Callable[[Tensor], None]
+    source: Tensor | None = None
+    load: Callable[[Tensor], None] | None = None
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+
+    @property
+    def numel(self) -> int:
+        return self.rows * self.cols
+
+
+def _fill(batch: Tensor, chunk: Sequence[NSItem]) -> None:
+    for i, it in enumerate(chunk):
+        if it.source is not None:
+            batch[i].copy_(it.source)
+        else:
+            assert it.load is not None
+            it.load(batch[i])
+
+
+def orthogonalize(items: Iterable[NSItem], batch_budget: float = DEFAULT_BATCH_BUDGET) -> None:
+    """Orthogonalize every item and hand each output to its ``apply``.
+
+    Items of one shape and :class:`NSSettings` are stacked into batches of at most
+    ``batch_budget x`` the largest item's element count (at least one matrix per batch), in the
+    order they were given; ``1 / max(||G||, eps)`` is folded into the first NS iteration.
+    A lone item whose source already has the NS dtype is orthogonalized in place of a copy.
+    """
+    items = list(items)
+    if not items:
+        return
+    budget = max(1, int(batch_budget * max(it.numel for it in items)))
+    queues: dict[tuple, list[NSItem]] = defaultdict(list)
+    for it in items:
+        queues[(it.rows, it.cols, it.settings, str(it.device))].append(it)
+    for (rows, cols, settings, _), queue in queues.items():
+        per_batch = max(1, budget // (rows * cols))
+        for start in range(0, len(queue), per_batch):
+            chunk = queue[start: start + per_batch]
+            _orthogonalize_chunk(chunk, rows, cols, settings)
+
+
+def _orthogonalize_chunk(chunk: list[NSItem], rows: int, cols: int, s: NSSettings) -> None:
+    first = chunk[0]
+    sumsq = torch.stack([it.sumsq.reshape(()) for it in chunk])
+    eps = torch.tensor([it.eps for it in chunk], dtype=torch.float32, device=sumsq.device)
+    inv_norm = torch.maximum(sumsq.sqrt(), eps).reciprocal()
+    if s.carrier == "mxfp8":
+        # NS sees exactly what a receiver of the MXFP8 carrier of G / ||G|| decodes (encoded from
+        # the full-precision NS input); that input is normalized already, so its inverse norm
+        # becomes 1. The gradient buffer is never written.
+        batch = torch.empty((len(chunk), rows, cols), dtype=s.dtype, device=first.device)
+        for i, it in enumerate(chunk):
+            if it.source is not None:
+                x = it.source
+            else:
+                assert it.load is not None
+                x = torch.empty((rows, cols), dtype=torch.float32, device=first.device)
+                it.load(x)
+            batch[i].copy_(mxfp8_roundtrip_normalized(x, inv_norm[i]))
+        inv_norm = torch.ones_like(inv_norm)
+    elif len(chunk) == 1 and first.source is not None and first.source.dtype == s.dtype:
+        batch = first.source.unsqueeze(0)  # no copy; NS does not write its input
+    else:
+        batch = torch.empty((len(chunk), rows, cols), dtype=s.dtype, device=first.device)
+        _fill(batch, chunk)
+    out = newton_schulz_folded(batch, inv_norm, s.schedule, s.steps, dtype=s.dtype)
+    del batch
+    for i, it in enumerate(chunk):
+        it.apply(out[i])
+
+
+# ------------------------------------------------------------------------------------ momentum
+def finite_flags(grads: Sequence[Tensor]) -> list[bool]:
+    """Per gradient, whether every element is finite, with one host sync.
+
+    The fused L2 norm propagates NaN/Inf and is the fast reduction (the inf-norm is several times
+    slower on CPU); it can overflow for huge finite gradients, so only tensors whose L2 norm is
+    not finite are re-checked with the exact max-abs.
+    """
+    if not grads:
+        return []
+    l2 = torch._foreach_norm(list(grads), 2.0)
+    finite = torch.stack([n.float() for n in l2]).isfinite().tolist()
+    suspects = [j for j, ok in enumerate(finite) if not ok]
+    if suspects:
+        amax = torch._foreach_norm([grads[j] for j in suspects], float("inf"))
+        for j, a in zip(suspects, amax):
+            finite[j] = bool(a.float().isfinite())
+    return finite
+
+
+@dataclass
+class MomentumInputs:
+    """What the format update of one group needs, per parameter (local rows for DTensors)."""
+
+    grads2d: list[Tensor] = field(default_factory=list)
+    states: list[dict[str, Tensor]] = field(default_factory=list)
+    streams: list[int] = field(default_factory=list)
+    offsets: list[int] = field(default_factory=list)
+    keys: list[int] = field(default_factory=list)
+
+    def subset(self, idx: Sequence[int]) -> "MomentumInputs":
+        return MomentumInputs(*([getattr(self, f)[j] for j in idx]
+                                for f in ("grads2d", "states", "streams", "offsets", "keys")))
+
+
+def momentum_inputs(group: dict[str, Any], grads: Sequence[Tensor], states: Sequence[dict[str, Tensor]],
+                    plans: Sequence[ParamPlan], row_offsets: Sequence[int]) -> MomentumInputs:
+    """Advance each state's ``step`` and collect the format update's inputs.
+
+    ``grads``: local gradients; ``states``: local state tensors (already initialized);
+    ``row_offsets``: global index of each gradient's first row (stochastic-rounding noise is keyed
+    by the global element, so a shard draws the noise of the unsharded matrix).
+    """
+    stochastic = group["rounding"] == "stochastic"
+    out = MomentumInputs()
+    for grad, st, plan, row0 in zip(grads, states, plans, row_offsets, strict=True):
+        rows = grad.shape[0]
+        st["step"] += 1
+        # A 2-D view when the layout allows; otherwise a copy the caller writes back.
+        out.grads2d.append(grad.view(rows, plan.cols) if grad.is_contiguous() else grad.reshape(rows, plan.cols))
+        out.states.append(st)
+        out.streams.append(ref.noise_stream(group["seed"], int(st["step"].item()), plan.key) if stochastic else -1)
+        out.offsets.append(int(row0))
+        out.keys.append(plan.key)
+    return out
+
+
+def update_momentum(group: dict[str, Any], inputs: MomentumInputs, *, sharded_params: Sequence[Any] | None = None,
+                    process_group: Any = None) -> list[Tensor]:
+    """The group's format update over ``inputs``; returns the per-row-block sums of squares of
+    each NS input (fp32 ``(rows, ceil(cols / block_size))``).
+
+    With ``sharded_params`` (the DTensor parameters behind ``inputs``, in order) the format's
+    sharded update runs instead, collectively over ``process_group``.
+    """
+    fmt = qstate.get_format(group["state_format"])
+    opts = qstate.format_options(group)
+    block_sums = [
+        torch.empty((g.shape[0], ref.num_blocks(g.shape[1], opts.block_size)), dtype=torch.float32, device=g.device)
+        for g in inputs.grads2d
+    ]
+    if not inputs.grads2d:
+        return block_sums
+    kw = dict(beta=float(group["momentum"]), nesterov=bool(group["nesterov"]), opts=opts, streams=inputs.streams,
+              offsets=inputs.offsets, keys=inputs.keys, seed=int(group["seed"]))
+    if sharded_params is not None:
+        fmt.update_sharded(list(sharded_params), inputs.states, inputs.grads2d, block_sums, **kw,
+                           process_group=process_group)
+    else:
+        fmt.update(inputs.states, inputs.grads2d, block_sums, **kw)
+    return block_sums
+
+
+def local_items(plan: ParamPlan, ns_input: Tensor, block_sums: Tensor, group: dict[str, Any],
+                settings: NSSettings, apply: Callable[[MatrixPart, Tensor], None]) -> list[NSItem]:
+    """The NS items of a parameter held whole by this process (one per matrix / fused part).
+
+    ``apply(part, out)`` receives each part's NS output.
+    """
+    eps = float(group["eps"])
+    items = []
+    for part in plan.parts:
+        items.append(NSItem(
+            rows=part.rows, cols=part.cols, sumsq=block_sums[part.r0: part.r1].sum(), eps=eps, settings=settings,
+            apply=_bind(apply, part), source=ns_input[part.r0: part.r1], device=ns_input.device,
+        ))
+    return items
+
+
+def _bind(apply: Callable[[MatrixPart, Tensor], None], part: MatrixPart) -> Callable[[Tensor], None]:
+    return lambda out: apply(part, out)
+
+
+def apply_to(param_rows: Tensor, lr: float) -> Callable[[MatrixPart, Tensor], None]:
+    """The default ``apply`` of :func:`local_items`: ``p[r0:r1] -= lr * lr_scale * O`` on the
+    parameter rows ``param_rows`` (a dim-0 view, any ndim)."""
+
+    def apply(part: MatrixPart, out: Tensor) -> None:
+        rows = param_rows[part.r0: part.r1]
+        rows.add_(out.reshape(rows.shape), alpha=-lr * part.lr_scale)
+
+    return apply
+
+
+def numel(shape: Sequence[int]) -> int:
+    return math.prod(int(s) for s in shape)

@@ -1,0 +1,166 @@
+"""The compiled kernels behind the ``torch.ops.qmuon`` ops: what they accept, and their registration.
+
+Every op of :mod:`._library` that has a compiled twin (``torch.ops.qmuon_C.<same name>``, built by
+:mod:`._extension`) declares, next to its schema, a predicate saying whether the compiled kernel
+supports a call's arguments (``@op.compiled_when``; the building blocks are below).
+:func:`register_compiled_kernels` then gives every such op one guarded kernel for the ``CPU`` key (and
+``CUDA`` when torch has CUDA), made by one factory: the compiled op when the extension is loaded for
+that device and the predicate holds, the reference otherwise. So an unsupported argument (float64
+grads, ``block_size`` > 4096, an odd int4 block, ...) or a failed build costs speed, never a result.
+
+:data:`served` counts, per ``(op name, "compiled" | "reference")``, which implementation the guarded
+kernels ran, so that tests can tell a compiled run from a silent fallback (the results are the same
+by design, so comparing them cannot).
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import warnings
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
+
+import torch
+from torch import Tensor
+
+from . import _extension
+
+if TYPE_CHECKING:
+    from ._library import QmuonOp
+
+__all__ = ["register_compiled_kernels", "served", "MAX_BLOCK_SIZE"]
+
+MAX_BLOCK_SIZE = 4096  # csrc/qmuon/block_math.h: kMaxBlockSize
+GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+CODE_DTYPES = (torch.int8, torch.uint8)
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)  # codec inputs (cast to fp32)
+DENSE_BUF_DTYPES = (torch.float32, torch.bfloat16)
+
+#: Calls served by the guarded kernels: ``served[(op_name, "compiled")]``, ``served[(op_name, "reference")]``.
+served: collections.Counter[tuple[str, str]] = collections.Counter()
+
+
+# ---------------------------------------------------------------------------------------------
+# Building blocks of the "compiled kernel supports these arguments" predicates
+# ---------------------------------------------------------------------------------------------
+def block_ok(block_size: int) -> bool:
+    return 1 <= block_size <= MAX_BLOCK_SIZE
+
+
+def int4_block_ok(block_size: int) -> bool:
+    # Two codes per byte: an odd block would split a byte between two blocks (two writers).
+    return 2 <= block_size <= MAX_BLOCK_SIZE and block_size % 2 == 0
+
+
+def e0m3_block_ok(block_size: int) -> bool:
+    # block_size only sets the sums-of-squares granularity; the kernels walk units of max(block_size, 16)
+    # that hold whole 16-element scale blocks and whole sum blocks.
+    return block_ok(block_size) and (block_size % 16 == 0 or 16 % block_size == 0)
+
+
+def mats_ok(ts: Iterable[Tensor], dtypes: Sequence[torch.dtype]) -> bool:
+    return all(t.dim() == 2 and t.dtype in dtypes for t in ts)
+
+
+def lists_ok(n: int, *lists: Sequence[Any]) -> bool:
+    return all(len(x) == n for x in lists)
+
+
+def grads_and_sums_ok(grads: Sequence[Tensor], block_sumsq: Sequence[Tensor]) -> bool:
+    """The grads and ``block_sumsq`` outputs of a multi-tensor update (one fp32 output per grad)."""
+    return len(block_sumsq) == len(grads) and mats_ok(grads, GRAD_DTYPES) and mats_ok(block_sumsq, (torch.float32,))
+
+
+def scalar_ok(t: Tensor, device: torch.device) -> bool:
+    """A one-element fp32 tensor on ``device`` (the e0m3 tensor scales, a given grid scale)."""
+    return t.dtype == torch.float32 and t.numel() == 1 and t.device == device
+
+
+def scalars_ok(ts: Sequence[Tensor], like: Sequence[Tensor]) -> bool:
+    return all(scalar_ok(t, g.device) for t, g in zip(ts, like))
+
+
+def packed_ok(packed: Tensor, cols: int) -> bool:
+    """uint8 ``(rows, ceil(cols / 2))``: the packed 4-bit codes of ``cols`` columns."""
+    return packed.dim() == 2 and packed.dtype == torch.uint8 and cols >= 0 and (cols + 1) // 2 == packed.shape[1]
+
+
+_lerp_fused: dict[str, bool] = {}
+
+
+def dense_matches_torch(device: torch.device) -> bool:
+    """Whether the compiled dense update reproduces torch's ``lerp`` on this device, bit for bit.
+
+    The fp32 dense format must stay identical to ``torch.optim.Muon`` (``buf.lerp_(grad, 1 - beta)``),
+    whose lerp rounds once (a fused multiply-add on CPU, contracted by nvcc on CUDA), as the kernel
+    does. A torch build without FMA (an old CPU, ``ATEN_CPU_CAPABILITY=default``) rounds twice; this
+    probe, run once per device type, compares the kernel with the reference where the two roundings
+    differ, and the dense op stays on the reference if they disagree.
+    """
+    key = device.type
+    if key not in _lerp_fused:
+        from . import reference as ref
+
+        gen = torch.Generator().manual_seed(1234)
+        ok = True
+        for buf_dtype in DENSE_BUF_DTYPES:
+            buf = torch.randn(5, 333, generator=gen).to(buf_dtype).to(device)
+            grad = torch.randn(5, 333, generator=gen).to(device)
+            r_buf, r_grad = buf.clone(), grad.clone()
+            sums = [torch.empty(5, 2, device=device)]
+            torch.ops.qmuon_C.dense_momentum_update_multi_([buf], [grad], sums, 0.95, True, 256, [-1], [0])
+            ref.dense_momentum_update_(r_buf, r_grad, beta=0.95, nesterov=True, block_size=256)
+            bits = torch.int16 if buf_dtype == torch.bfloat16 else torch.int32
+            ok = ok and torch.equal(buf.view(bits), r_buf.view(bits))
+            ok = ok and torch.equal(grad.view(torch.int32), r_grad.view(torch.int32))
+        _lerp_fused[key] = ok
+        if not ok:
+            warnings.warn(f"qmuon_lightning: this torch build's {key} lerp does not round like the compiled dense "
+                          "update (no FMA); fp32/bf16 momentum uses the pure-PyTorch reference.",
+                          RuntimeWarning, stacklevel=3)
+    return _lerp_fused[key]
+
+
+# ---------------------------------------------------------------------------------------------
+# Registration
+# ---------------------------------------------------------------------------------------------
+def _compiled_for(device_type: str) -> bool:
+    st = _extension.status()  # loads (or builds) the extension on the first call
+    return st.cuda if device_type == "cuda" else st.cpu
+
+
+def _guarded_kernel(name: str, supported: Callable[..., bool], reference: Callable[..., Any],
+                    device_type: str) -> Callable[..., Any]:
+    """The kernel of op ``name`` for one device type: ``torch.ops.qmuon_C.<name>`` when the extension
+    is loaded for it and ``supported(*args)``, else ``reference``."""
+    compiled_key, reference_key = (name, "compiled"), (name, "reference")
+
+    def kernel(*args: Any) -> Any:
+        if _compiled_for(device_type) and supported(*args):
+            served[compiled_key] += 1
+            return getattr(torch.ops.qmuon_C, name)(*args)  # qmuon_C exists once status() has loaded it
+        served[reference_key] += 1
+        return reference(*args)
+
+    kernel.__name__ = name
+    return kernel
+
+
+_registered = False
+
+
+def register_compiled_kernels(ops: Iterable[QmuonOp]) -> None:
+    """Register the guarded kernel of every op in ``ops`` that has a ``compiled_when`` predicate for
+    ``CPU`` (and ``CUDA`` when torch has CUDA). Nothing is built here, and nothing is registered under
+    ``QMUON_BACKEND=reference``."""
+    global _registered
+    if _registered or os.environ.get("QMUON_BACKEND", "").strip().lower() == "reference":
+        return
+    device_types = ["cpu"] + (["cuda"] if torch.version.cuda is not None else [])
+    for op in ops:
+        if op.supported is None:
+            continue
+        for device_type in device_types:
+            op.register_kernel(device_type.upper(),
+                               _guarded_kernel(op.name, op.supported, op.reference, device_type))
+    _registered = True

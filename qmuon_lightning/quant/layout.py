@@ -1,0 +1,275 @@
+"""Row bookkeeping for dim-0 sharded (FSDP2 ``Shard(0)``) parameters and their momentum state.
+
+FSDP2 (``fully_shard``) turns every parameter into a :class:`~torch.distributed.tensor.DTensor`
+with placement ``Shard(0)`` on a 1-D device mesh. Rows are split like :func:`torch.chunk`:
+``chunk = ceil(rows / N)``, rank ``r`` owns rows ``[min(r chunk, rows), min((r + 1) chunk, rows))``,
+so trailing ranks may own fewer rows or none (3 rows on 2 ranks: 2 + 1; 1 row: 1 + 0).
+
+The state of a shard is created from the *local* rows and each tensor is stored as the format's
+:meth:`~qmuon_lightning.quant.StateFormat.placement` says:
+
+* ``"rows"``: a ``Shard(0)`` DTensor with the parameter's mesh and the *global* row count;
+* ``"tiles"``: a ``Shard(0)`` DTensor over the ``ceil(rows / tile_rows)`` row tiles;
+* ``"replicate"``: a ``Replicate()`` DTensor (the whole tensor on every rank, saved once);
+* ``"scalar"``: a plain 0-d tensor, identical on every rank.
+
+``torch.distributed.checkpoint`` then saves each rank's rows under one key and reshards them on load
+(2 -> 1 or 1 -> 2 ranks) without requantizing. (Per-rank plain tensors saved under one key are
+deduplicated by DCP and all but one rank's copy is silently lost; that is why only 0-d tensors that
+are identical on every rank stay plain.)
+
+``torch.distributed`` is imported lazily: builds without it can import this module.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .formats.base import STEP, FormatOptions, Placement, StateFormat
+
+__all__ = [
+    "RowLayout",
+    "chunk_ranges",
+    "check_sharded_param",
+    "global_row_offset",
+    "is_sharded",
+    "local",
+    "local_state",
+    "localize_loaded_state",
+    "placement_of",
+    "process_group_of",
+    "row_layout",
+    "shard_state",
+]
+
+
+def _dtensor_cls() -> type | None:
+    if not torch.distributed.is_available():
+        return None
+    from torch.distributed.tensor import DTensor
+
+    return DTensor
+
+
+def is_sharded(t: Any) -> bool:
+    """Whether ``t`` is a DTensor (a parameter or gradient managed by FSDP2 / DTensor)."""
+    cls = _dtensor_cls()
+    return cls is not None and isinstance(t, cls)
+
+
+def local(t: Tensor) -> Tensor:
+    """The local shard of a DTensor (a view sharing its storage), or ``t`` itself."""
+    return t.to_local() if is_sharded(t) else t
+
+
+def chunk_ranges(rows: int, world: int) -> tuple[tuple[int, int], ...]:
+    """Row range ``[start, stop)`` of every rank under ``Shard(0)`` (``torch.chunk`` semantics)."""
+    chunk = -(-rows // world) if rows else 0
+    out = []
+    for r in range(world):
+        start = min(r * chunk, rows)
+        out.append((start, min(start + chunk, rows)))
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class RowLayout:
+    """Where the rows of one ``Shard(0)`` parameter live.
+
+    ``rows`` / ``cols``: the global matrix (``cols`` = product of the trailing dims);
+    ``ranges[r]``: rank ``r``'s global rows ``[start, stop)``; ``rank``: this process's mesh rank;
+    ``shape``: the parameter's global shape (``(rows, cols)`` when not given).
+    """
+
+    rows: int
+    cols: int
+    ranges: tuple[tuple[int, int], ...]
+    rank: int
+    shape: tuple[int, ...] | None = None
+
+    @property
+    def world(self) -> int:
+        return len(self.ranges)
+
+    @property
+    def start(self) -> int:
+        return self.ranges[self.rank][0]
+
+    @property
+    def local_rows(self) -> int:
+        a, b = self.ranges[self.rank]
+        return b - a
+
+    @property
+    def global_shape(self) -> tuple[int, ...]:
+        return tuple(self.shape) if self.shape is not None else (self.rows, self.cols)
+
+    def overlap(self, r: int, r0: int, r1: int) -> tuple[int, int]:
+        """Global rows of ``[r0, r1)`` that rank ``r`` holds (empty range -> ``(x, x)``)."""
+        a, b = self.ranges[r]
+        lo, hi = max(a, r0), min(b, r1)
+        return (lo, max(lo, hi))
+
+
+def check_sharded_param(p: Any, where: str = "parameter") -> None:
+    """Raise a clear error for DTensor layouts the sharded optimizer does not handle."""
+    from torch.distributed.tensor import Shard
+
+    mesh = p.device_mesh
+    if mesh.ndim != 1 or len(p.placements) != 1 or not isinstance(p.placements[0], Shard) or p.placements[0].dim != 0:
+        raise NotImplementedError(
+            f"QMuon: {where} is a DTensor with placements {tuple(p.placements)} on a {mesh.ndim}-D mesh; sharded QMuon "
+            "supports a 1-D device mesh with Shard(0) (what FSDP2 fully_shard produces). For HSDP or tensor "
+            "parallelism shard Muon parameters with fully_shard on a 1-D mesh, or use plain (replicated) parameters"
+        )
+
+
+def row_layout(p: Any) -> RowLayout:
+    """The :class:`RowLayout` of a ``Shard(0)`` DTensor (checked against its local shard)."""
+    check_sharded_param(p)
+    rows = int(p.shape[0])
+    cols = math.prod(int(s) for s in p.shape[1:])
+    mesh = p.device_mesh
+    world = mesh.size()
+    rank = mesh.get_local_rank()
+    ranges = chunk_ranges(rows, world)
+    n_local = int(p.to_local().shape[0])
+    if ranges[rank][1] - ranges[rank][0] != n_local:
+        raise RuntimeError(
+            f"QMuon: a Shard(0) parameter of shape {tuple(p.shape)} has {n_local} local rows on mesh rank {rank}, "
+            f"but torch.chunk-style sharding gives {ranges[rank]}; only even (torch.chunk) Shard(0) layouts are supported"
+        )
+    return RowLayout(rows, cols, ranges, rank, tuple(int(s) for s in p.shape))
+
+
+def global_row_offset(p: Tensor) -> int:
+    """Global index of the first local row: 0 for plain tensors, the shard's start for DTensors
+    (stochastic-rounding noise is keyed by the global element index, so a shard draws the same
+    noise as the unsharded matrix)."""
+    if not is_sharded(p):
+        return 0
+    return row_layout(p).start
+
+
+def process_group_of(p: Any) -> Any:
+    """The process group of a DTensor's (1-D) device mesh."""
+    return p.device_mesh.get_group()
+
+
+def _resolve(fmt: StateFormat | str | None, st: dict[str, Any] | None = None) -> StateFormat | None:
+    """A format object from an object, a registered name, or (``None``) detected from ``st``;
+    ``None`` when ``st`` holds no momentum (e.g. AdamW state: every tensor then splits by rows)."""
+    if isinstance(fmt, StateFormat):
+        return fmt
+    from .registry import detect_state_format, get_format
+    from .formats.base import StateFormatError
+
+    if fmt is not None:
+        return get_format(fmt)
+    if st is None:
+        return None
+    try:
+        return get_format(detect_state_format(st))
+    except StateFormatError:
+        return None
+
+
+def placement_of(fmt: StateFormat | None, key: str, value: Any) -> Placement:
+    """How state tensor ``key`` of ``fmt`` splits over row shards; 0-d tensors and tensors of
+    states without a format (``fmt=None``: AdamW's) follow their shape (``"scalar"`` / ``"rows"``)."""
+    if isinstance(value, Tensor) and value.ndim == 0:
+        return "scalar"
+    if fmt is None:
+        return "scalar" if key == STEP else "rows"
+    return fmt.placement(key)
+
+
+def _wrap_rows(t: Tensor, like: Any, global_rows: int) -> Any:
+    from torch.distributed.tensor import DTensor, Shard
+
+    shape = (global_rows, *t.shape[1:])
+    stride = torch.empty(shape, device="meta").stride()
+    return DTensor.from_local(t, like.device_mesh, [Shard(0)], run_check=False, shape=torch.Size(shape), stride=stride)
+
+
+def shard_state(p: Any, st: dict[str, Tensor], fmt: StateFormat | str | None = None,
+                opts: FormatOptions | None = None) -> None:
+    """Wrap the local state tensors of the ``Shard(0)`` parameter ``p`` as DTensors, in place, as
+    ``fmt``'s :meth:`~qmuon_lightning.quant.StateFormat.placement` says (module docstring).
+
+    ``fmt``: the state's format (object or name; ``None``: detected from ``st``, and states without
+    momentum tensors, AdamW's, split every ``ndim >= 1`` tensor by rows). ``opts``: the group's
+    :class:`FormatOptions`, needed for ``"tiles"`` tensors."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    f = _resolve(fmt, st)
+    rows = int(p.shape[0])
+    for k, v in list(st.items()):
+        if not isinstance(v, Tensor) or isinstance(v, DTensor):
+            continue
+        kind = placement_of(f, k, v)
+        if kind == "scalar":
+            continue
+        if kind == "replicate":
+            st[k] = DTensor.from_local(v, p.device_mesh, [Replicate()], run_check=False)
+        elif kind == "tiles":
+            if opts is None:
+                raise TypeError(f"shard_state: {f.name} state has row-tile tensors ({k}); pass the group's "
+                                "FormatOptions (qmuon_lightning.quant.format_options(group))")
+            st[k] = _wrap_rows(v, p, -(-rows // f.tile_rows(opts)))
+        else:
+            st[k] = _wrap_rows(v, p, rows)
+
+
+def local_state(st: dict[str, Tensor]) -> dict[str, Tensor]:
+    """A dict of local views of a sharded state (in-place updates reach the DTensors' storage)."""
+    return {k: local(v) for k, v in st.items()}
+
+
+def localize_loaded_state(st: dict[str, Any], p: Any, fmt: StateFormat | str | None = None,
+                          opts: FormatOptions | None = None, where: str = "state") -> dict[str, Any]:
+    """This rank's part of a loaded state entry for the sharded parameter ``p``.
+
+    ``fmt``: the format *of the loaded state* (``None``: detected from ``st``; states without
+    momentum tensors split by rows). DTensor entries (what ``torch.distributed.checkpoint`` /
+    ``set_optimizer_state_dict`` hand over) are redistributed to ``p``'s ``Shard(0)`` layout if
+    needed and their local shard taken; plain tensors are taken to be full (consolidated) tensors
+    and sliced: ``"rows"`` to this rank's rows, ``"tiles"`` to its row tiles (``torch.chunk`` of the
+    tiles, which equals the tiles of its rows when shards start on tile boundaries: the format's
+    ``check_sharded_layout``), ``"replicate"`` and ``"scalar"`` kept whole. Non-tensors pass through.
+    ``opts`` is accepted for symmetry with :func:`shard_state` (slicing needs no options).
+    """
+    from torch.distributed.tensor import DTensor, Shard
+
+    f = _resolve(fmt, st)
+    lay = row_layout(p)
+    out: dict[str, Any] = {}
+    for k, v in st.items():
+        if not isinstance(v, Tensor):
+            out[k] = v
+            continue
+        kind = placement_of(f, k, v)
+        if kind in ("replicate", "scalar"):
+            out[k] = v.full_tensor() if isinstance(v, DTensor) else v
+            continue
+        n = int(v.shape[0])
+        if kind == "rows" and n != lay.rows:
+            raise ValueError(
+                f"{where}: {k} has {n} rows but the parameter has {lay.rows}; the checkpoint belongs "
+                "to a different model or parameter order")
+        if isinstance(v, DTensor):
+            if v.device_mesh == p.device_mesh and tuple(v.placements) == (Shard(0),):
+                out[k] = v.to_local()
+                continue
+            if v.device_mesh == p.device_mesh:
+                out[k] = v.redistribute(p.device_mesh, [Shard(0)]).to_local()
+                continue
+            v = v.full_tensor()
+        a, b = chunk_ranges(n, lay.world)[lay.rank]
+        out[k] = v[a:b]
+    return out
