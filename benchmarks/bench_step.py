@@ -482,16 +482,16 @@ def targets(times: dict[str, list[float]], c: CpuInfo) -> list[dict]:
                     "ok_rounds": ok_rounds, "rounds": len(times[a]), "verdict": verdict, "note": note})
 
     if DEFAULT in times and BASELINE in times:
-        row(f"default QMuon int8 <= {T_VS_MUON:g}x torch.optim.Muon", DEFAULT, BASELINE, T_VS_MUON)
+        row(f"default QMuon int8 <= {T_VS_MUON:.1f}x torch.optim.Muon", DEFAULT, BASELINE, T_VS_MUON)
     if DEFAULT in times and BF16 in times and FP32 in times:
         faster = BF16 if med[BF16] <= med[FP32] else FP32
-        row(f"default within {T_VS_EXPLICIT:g}x of the faster explicit ns_dtype "
+        row(f"default within {T_VS_EXPLICIT:.2f}x of the faster explicit ns_dtype "
             f"(`{'bf16' if faster == BF16 else 'fp32'}`, lower median)", DEFAULT, faster, T_VS_EXPLICIT)
     if DEFAULT in times and BASELINE in times:
         if c.native_bf16 is False:
-            row(f"no native bf16 matmul: default <= {T_NO_BF16:g}x torch.optim.Muon", DEFAULT, BASELINE, T_NO_BF16)
+            row(f"no native bf16 matmul: default <= {T_NO_BF16:.1f}x torch.optim.Muon", DEFAULT, BASELINE, T_NO_BF16)
         else:
-            row(f"no native bf16 matmul: default <= {T_NO_BF16:g}x torch.optim.Muon", DEFAULT, BASELINE, T_NO_BF16,
+            row(f"no native bf16 matmul: default <= {T_NO_BF16:.1f}x torch.optim.Muon", DEFAULT, BASELINE, T_NO_BF16,
                 applicable=False, note="this CPU has native bf16 matmul; see the AVX2-capped run")
     if c.env.get(NS_DTYPE_ENV):
         for t in out:
@@ -688,7 +688,7 @@ def main() -> int:
             summary_rows.append([f"d={r['d_model']} x {r['layers']} ({r['elements'] / 1e6:.1f}M)", t["target"],
                                  f"`{t['a']}` / `{t['b']}`", fmt_ratio(t), f"{t['rom']:.3f}x",
                                  f"{t['ok_rounds']}/{t['rounds']}", f"**{t['verdict']}**"])
-    summary = md_table(["matrices", "target", "ratio", "median per-round ratio", "ratio of medians",
+    summary = md_table(["matrices", "target", "compared", "median per-round ratio", "ratio of medians",
                         "rounds within target", "verdict"], summary_rows, align=["l", "l", "l", "r", "r", "r", "l"])
     print("\n" + summary)
 

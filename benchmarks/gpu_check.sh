@@ -70,7 +70,7 @@ BUILD_OK=$rc
 summary_line() { grep -E '[0-9]+ (passed|failed|errors?|skipped|deselected)' "$1" | tail -n 1; }
 if [ "$BUILD_OK" -eq 0 ]; then
     run_step "cuda-marked tests" 130 "$OUT_DIR/pytest_cuda.log" \
-        "$PY" -m pytest -q -m cuda -p no:cacheprovider -rs tests/test_kernels.py tests/test_kernels_4bit.py
+        "$PY" -m pytest -q -m cuda -p no:cacheprovider -rs tests/test_kernels.py tests/test_kernels_4bit.py tests/test_kernels_sharded.py tests/test_newton_schulz.py
     rc=$STEP_RC
     # A run where every cuda test skipped (or any was skipped: the CUDA kernels must load) is not a pass.
     if [ "$rc" -eq 0 ] && ! grep -qE '[0-9]+ passed' "$OUT_DIR/pytest_cuda.log"; then rc=1; fi
@@ -78,7 +78,7 @@ if [ "$BUILD_OK" -eq 0 ]; then
     record "pytest -m cuda" "$rc" "$STEP_DT" "$(summary_line "$OUT_DIR/pytest_cuda.log")"
 
     run_step "other kernel tests" 140 "$OUT_DIR/pytest_all.log" \
-        "$PY" -m pytest -q -m "not cuda" -p no:cacheprovider -rs tests/test_kernels.py tests/test_kernels_4bit.py
+        "$PY" -m pytest -q -m "not cuda" -p no:cacheprovider -rs tests/test_kernels.py tests/test_kernels_4bit.py tests/test_kernels_sharded.py
     record "pytest -m 'not cuda' test_kernels*.py" "$STEP_RC" "$STEP_DT" "$(summary_line "$OUT_DIR/pytest_all.log")"
 else
     record "pytest -m cuda" 1 0 "skipped: build failed"

@@ -320,6 +320,10 @@ def _reference(steps: int, bf16: bool = False) -> dict:
         trace["state"].append(_ref_state(opt))
         trace["muon_bytes"].append(opt.state_nbytes())
     trace["parts"] = {i: len(g["parts"] or (1,)) for i, (g, _) in enumerate(trace["index"]) if g["use_muon"]}
+    # The yardstick itself must be Muon: were QMuon's core broken (SGD, NS skipped) in this process as
+    # well, every exact comparison with it would still hold.
+    errs = _ns_yardstick_errors(trace["init"], trace["params"][0], trace["grads"][0], trace["index"])
+    assert len(errs) == 21 and max(errs.values()) < NS_YARDSTICK_RTOL, f"the reference is not Muon: {errs}"
     return trace
 
 

@@ -325,6 +325,10 @@ DIRECT_CONFIGS = [
     {"name": "int8", "rounding": "stochastic"},  # the default carriers (int8 both ways)
     {"name": "int4", "state_format": "int4", "comm_carrier": "bf16", "comm_return": "bf16"},
     {"name": "mxfp8", "state_format": "fp32", "comm_carrier": "mxfp8", "comm_return": "bf16"},
+    # fp32 Newton-Schulz (what ns_dtype="auto" picks without native bf16 matmul) with fp32 carriers,
+    # and the per-iteration Polar Express schedule: every NS option is honoured by the sharded step.
+    {"name": "fp32ns", "ns_dtype": "fp32", "comm_carrier": "fp32", "comm_return": "fp32"},
+    {"name": "polar", "ns_coefficients": "polar_express", "ns_steps": 6, "comm_carrier": "bf16", "comm_return": "bf16"},
 ]
 TRAIN_COMM = {"comm_carrier": "bf16", "comm_return": "bf16"}
 
@@ -429,12 +433,13 @@ def test_plan_owners_balances_and_is_deterministic():
 
 
 def test_sharded_equals_single_process_bit_exact_with_bf16_carrier(runs):
-    """Fed the same gradients, sharded QMuon with the bf16 carrier both ways gives the bits of
-    single-process QMuon: the NS input is rounded to bf16 as the local path does, the block sums
-    are summed in the same order, and the bf16 NS output is added to the parameter rows.
-    Covers int8 and int4 state, uneven shards, an empty shard, fused parts, a 4-D weight, AdamW."""
+    """Fed the same gradients, sharded QMuon with carriers in the NS dtype both ways gives the
+    bits of single-process QMuon: the NS input is rounded to the NS dtype as the local path does,
+    the block sums are summed in the same order, and the NS output is added to the parameter rows.
+    Covers int8 and int4 state, bf16 and fp32 Newton-Schulz, uneven shards, an empty shard, fused
+    parts, a 4-D weight, AdamW."""
     for r in (0, 1):
-        for name in ("bf16", "int4"):
+        for name in ("bf16", "int4", "fp32ns", "polar"):
             res = runs["two"][r]["direct"][name]
             assert _maxdiff(res["params"], res["ref_params"]) == 0.0, name
             for n in ("a", "b", "c", "qkv"):
