@@ -41,7 +41,7 @@ Method
 
     python benchmarks/bench_step.py                       # d=256 x 4 and d=512 x 4 layers, writes results/step_time.md
     python benchmarks/bench_step.py --preset gpt-small    # d=768, 12 layers
-    python benchmarks/bench_step.py --configs 256x4:20,512x4:10   # DxLAYERS[:rounds], any number
+    python benchmarks/bench_step.py --configs 256x4:30,512x4:16   # DxLAYERS[:rounds], any number
     python benchmarks/bench_step.py --steps 5 --warmup 1 --profile-steps 1 --no-write   # quick look
     ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 python benchmarks/bench_step.py --configs 256x4 \\
         --steps 4 --warmup 1 --profile-steps 1 --out benchmarks/results/step_time_avx2.md   # no native bf16
@@ -518,7 +518,8 @@ def parse_configs(args) -> tuple[list[tuple[int, int, int]], str]:
                 out.append((int(d), int(layers), int(rounds) if rounds else args.steps))
             except ValueError:
                 raise SystemExit(f"--configs: expected DxLAYERS[:ROUNDS] entries like 256x4:20, got {spec!r}") from None
-        return out, "_".join(f"d{d}_l{l}" for d, l, _ in out)
+        shapes = tuple((d, l) for d, l, _ in out)
+        return out, "" if shapes == PRESETS["default"] else "_".join(f"d{d}_l{l}" for d, l in shapes)
     sets = PRESETS[args.preset]
     if args.d_model is not None or args.layers is not None:
         d = args.d_model or sets[-1][0]

@@ -128,13 +128,15 @@ def assert_same(a, b, where: str = "") -> None:
     differing entry by its path and, for tensors, the largest difference."""
     if isinstance(a, torch.Tensor):
         assert isinstance(b, torch.Tensor), f"{where}: tensor vs {type(b).__name__}"
-        assert a.dtype == b.dtype and a.shape == b.shape, f"{where}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
+        assert a.dtype == b.dtype and a.shape == b.shape, \
+            f"{where}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
         if not torch.equal(a, b):
             d = (a.double() - b.double()).abs()
             raise AssertionError(f"{where}: {int((d != 0).sum())} of {d.numel()} elements differ, max |diff| "
                                  f"{d.max().item():.3e}")
     elif isinstance(a, dict):
-        assert isinstance(b, dict) and set(a) == set(b), f"{where}: keys differ: {sorted(set(a) ^ set(b or {}), key=str)}"
+        assert isinstance(b, dict) and set(a) == set(b), \
+            f"{where}: keys differ: {sorted(set(a) ^ set(b if isinstance(b, dict) else {}), key=str)}"
         for k in a:
             assert_same(a[k], b[k], f"{where}.{k}")
     elif isinstance(a, (list, tuple)):
@@ -172,15 +174,17 @@ def subprocess_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def run_launcher(cmd: list[str], *, timeout: float, env: dict[str, str] | None = None, what: str = "") -> str:
-    """Run ``cmd`` (a launcher and its workers) in its own session and return stdout + stderr.
+def run_launcher(cmd: list[str], *, timeout: float, env: dict[str, str] | None = None, cwd: str | Path | None = None,
+                 what: str = "") -> str:
+    """Run ``cmd`` (a launcher and its workers; ``env`` defaults to :func:`subprocess_env`, ``cwd``
+    to the repository root) in its own session and return stdout + stderr together.
 
     Fails the test, with the log's tail, when it exits non-zero or runs past ``timeout`` seconds
     (then the whole session, launcher and workers, is killed, so no rank lingers)."""
     import pytest
 
     what = what or " ".join(cmd[:4])
-    proc = subprocess.Popen(cmd, cwd=str(REPO), env=env if env is not None else subprocess_env(),
+    proc = subprocess.Popen(cmd, cwd=str(cwd or REPO), env=env if env is not None else subprocess_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         log, _ = proc.communicate(timeout=timeout)
@@ -191,3 +195,33 @@ def run_launcher(cmd: list[str], *, timeout: float, env: dict[str, str] | None =
     if proc.returncode != 0:
         pytest.fail(f"{what}: exit status {proc.returncode}; log tail:\n{log[-8000:]}")
     return log
+
+
+# ----------------------------------------------------------------------------- kernel test inputs
+def make_grad(rows: int, cols: int, dtype: torch.dtype = torch.float32, *, seed: int = 1,
+              device: str | torch.device = "cpu") -> torch.Tensor:
+    """A standard-normal x 2 gradient of ``dtype`` (drawn in fp32 from ``seed``, then cast)."""
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(rows, cols, generator=gen) * 2).to(dtype).to(device)
+
+
+def momentum(rows: int, cols: int, seed: int = 0, device: str | torch.device = "cpu") -> torch.Tensor:
+    """An fp32 momentum with row-varying scale (1e-4 .. 3): block scales of very different sizes."""
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(rows, cols, generator=gen) * (torch.rand(rows, 1, generator=gen) * 3 + 1e-4)).to(device)
+
+
+def nan_sums(grads: list[torch.Tensor], block_size: int) -> list[torch.Tensor]:
+    """NaN-filled per-block sum-of-squares outputs for an update op (the op must overwrite every one)."""
+    from qmuon_lightning.ops import reference as ref
+
+    return [torch.full((g.shape[0], ref.num_blocks(g.shape[1], block_size)), float("nan"), device=g.device)
+            for g in grads]
+
+
+def noise_or_none(x: torch.Tensor, stream: int, offset: int) -> torch.Tensor | None:
+    """The reference uniform rounding noise for ``x`` (stream ``stream``, element offset ``offset``),
+    or None for round-to-nearest (``stream < 0``)."""
+    from qmuon_lightning.ops import reference as ref
+
+    return None if stream < 0 else ref.uniform_noise(*x.shape, stream, offset, x.device)

@@ -18,10 +18,10 @@ gradient DeepSpeed applies (the mean of the two ranks' micro-batch gradients); t
 computes a verdict.
 
 Tolerances. Exact (``torch.equal``) wherever the design makes the result exact (docs/deepspeed.md,
-"Tests"): DeepSpeed's 2-rank gradient average ``(g0 + g1) / 2`` is exact however it is formed (one
-rounding of the sum in bf16, then an exact halving), the owner runs QMuon's own update on the whole
-matrix with QMuon's stochastic-rounding keys, and the NS output is applied with the same elementwise
-operations. The one tolerance is the yardstick check that the applied update *is* Newton-Schulz of
+"Tests"): DeepSpeed's 2-rank gradient average is the reference's, whichever order it uses
+(``(g0 + g1) / 2`` and ``g0 / 2 + g1 / 2`` round to the same number: halving is exact), the owner
+runs QMuon's own update on the whole matrix with QMuon's stochastic-rounding keys, and the NS output
+is applied with the same elementwise operations. The one tolerance is the yardstick check that the applied update *is* Newton-Schulz of
 the gradient (so an optimizer that silently ran SGD or skipped NS in both paths cannot pass):
 :data:`NS_YARDSTICK_RTOL`.
 """
@@ -38,16 +38,8 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-deepspeed = pytest.importorskip("deepspeed") if __name__ != "__main__" else None
-
-import qmuon_lightning as ql  # noqa: E402
-from qmuon_lightning.integrations import deepspeed as qds  # noqa: E402
-from qmuon_lightning.models.decoder_lm import DecoderLM, DecoderLMConfig  # noqa: E402
-
-from _helpers import (  # noqa: E402  (tests/ is on sys.path: pytest's prepend mode, or this script's directory)
+from _helpers import (  # tests/ is on sys.path: pytest's prepend mode, or this script's own directory
+    REPO,
     assert_same,
     free_port,
     momentum_fp32,
@@ -56,6 +48,15 @@ from _helpers import (  # noqa: E402  (tests/ is on sys.path: pytest's prepend m
     subprocess_env,
     torch_adjusted_lr,
 )
+
+ROOT = REPO
+sys.path.insert(0, str(ROOT))
+
+deepspeed = pytest.importorskip("deepspeed") if __name__ != "__main__" else None
+
+import qmuon_lightning as ql  # noqa: E402
+from qmuon_lightning.integrations import deepspeed as qds  # noqa: E402
+from qmuon_lightning.models.decoder_lm import DecoderLM, DecoderLMConfig  # noqa: E402
 
 VOCAB = 64
 SEQ = 16
@@ -277,8 +278,8 @@ def _ref_state(opt) -> dict:
 
 def _reference(steps: int, bf16: bool = False) -> dict:
     """Single-process QMuon fed what DeepSpeed feeds: the mean of the two ranks' micro-batch
-    gradients, ``(g0 + g1) / 2`` (DeepSpeed divides by the world size and sums; both exact for 2
-    ranks up to one rounding of the sum). ``bf16``: DeepSpeed's bf16 ZeRO 2, emulated: the model
+    gradients, ``(g0 + g1) / 2`` (DeepSpeed divides by the world size, then sums: the same number
+    for 2 ranks, since halving is exact). ``bf16``: DeepSpeed's bf16 ZeRO 2, emulated: the model
     runs in bf16 (bf16 gradients, averaged in bf16), QMuon steps fp32 master weights that start as
     the bf16 weights, and the model gets the master weights rounded to bf16 after every step.
 
@@ -766,18 +767,20 @@ def test_example_under_deepspeed_launcher(tmp_path):
     shipped config). Run A: 6 steps, checkpoints at steps 2, 4 and 6. Run B: a copy of A's step-4
     checkpoint, ``--resume`` to step 6, saving every step. Compared as tensors: B's step-6
     checkpoint (weights, fp32 master partitions, quantized momentum, AdamW state) equals A's
-    exactly, and B wrote only step5 and step6 (a run that ignored the checkpoint and started over
-    would have written step1..step6 and ended at the same weights). Slow (two more launches); the
-    fast tests above compare the same engine path with a single-process reference."""
+    exactly. B must have written only step5 and step6: a run that ignored the checkpoint and
+    started over (same data, same initial weights) would have written step1..step6 and could end
+    at the same weights. Slow (two more launches); the fast tests above compare the same engine
+    path with a single-process reference."""
     launcher = shutil.which("deepspeed")
     if launcher is None:
         pytest.skip("the deepspeed launcher is not on PATH")
     a, b = tmp_path / "a", tmp_path / "b"
+    example = str(ROOT / "examples" / "deepspeed_train.py")
 
     def launch(save_dir: Path, *extra: str) -> None:
-        cmd = [launcher, "--num_gpus", "2", "--master_port", str(free_port()), str(ROOT / "examples" / "deepspeed_train.py"),
-               "--d-model", "64", "--seq-len", "64", "--corpus-bytes", str(1 << 20), "--log-every", "2",
-               "--steps", "6", "--save-dir", str(save_dir), *extra]
+        cmd = [launcher, "--num_gpus", "2", "--master_port", str(free_port()), example, "--d-model", "64",
+               "--seq-len", "64", "--corpus-bytes", str(1 << 20), "--log-every", "2", "--steps", "6",
+               "--save-dir", str(save_dir), *extra]
         run_launcher(cmd, timeout=600, what=f"examples/deepspeed_train.py {' '.join(extra)}")
 
     launch(a, "--save-every", "2")
@@ -793,7 +796,7 @@ def test_example_under_deepspeed_launcher(tmp_path):
     assert straight["step"] == resumed["step"] == 6
     assert_same(resumed["module"], straight["module"], "step-6 weights, resumed vs straight")
     for r in range(WORLD):
-        assert_same(resumed["optim"][r], straight["optim"][r], f"step-6 optimizer state of rank {r}, resumed vs straight")
+        assert_same(resumed["optim"][r], straight["optim"][r], f"step-6 optimizer state of rank {r}, resumed/straight")
     # The run trained: every weight changed from step 4 to step 6, and the momentum is int8, each
     # matrix's on exactly one rank.
     assert not any(torch.equal(straight["module"][k], at4["module"][k]) for k in straight["module"])

@@ -620,8 +620,9 @@ def test_resume_two_to_one_process(one_proc: tuple[Path, list[dict]]) -> None:
     out, ranks = one_proc
     assert len(ranks) == 1 and ranks[0]["world_size"] == 1 and ranks[0]["optimizer_type"] == "QMuon"
     assert ranks[0]["global_step"] == 4 + 4  # resumed at step 4, one more epoch of 4 batches on 1 process
-    assert "state_format ['int8'] but this run uses ['uint8']" in ranks[0]["mismatch_format"]
-    assert "optimizer_kwargs={'state_format': 'int8'}" in ranks[0]["mismatch_format"]
+    assert "saved with state_format='int8', block_size=256 (Muon group 0) but this run uses state_format='uint8'" \
+        in ranks[0]["mismatch_format"]
+    assert "optimizer_kwargs={'state_format': 'int8', 'block_size': 256}" in ranks[0]["mismatch_format"]
     assert "['QMuon']" in ranks[0]["mismatch_optimizer"] and "['AdamW']" in ranks[0]["mismatch_optimizer"]
     assert "holds no optimizer state (saved with save_weights_only=True?)" in ranks[0]["weights_only_error"]
     two = torch.load(out / "ref_2proc_epoch1.pt", weights_only=True)

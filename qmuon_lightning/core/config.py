@@ -36,6 +36,7 @@ __all__ = [
     "state_layout",
     "check_resume",
     "ResumeMismatch",
+    "describe_layout",
 ]
 
 ROUNDING_MODES = ("nearest", "stochastic")
@@ -288,7 +289,7 @@ def check_resume(saved: Mapping[str, Any], current: Mapping[str, Any], *, where:
             f"{', '.join(f'{k}={a[k]!r}' for k in diff)} to resume")
     msg = f"{where}: saved with {describe_layout(a)}, this optimizer uses {describe_layout(b)}"
     if allow_format_change:
-        return msg + "; the momentum is converted (dequantized and re-encoded; not bit-exact)"
+        return msg + "; QMuon.load_state_dict converts the momentum (dequantize and re-encode; not bit-exact)"
     raise ResumeMismatch(
         msg + f". Build the optimizer with {describe_layout(a)} to resume, or allow a format change (QMuon."
         "load_state_dict converts; QuantizedStateCheckpoint(allow_format_change=True))")

@@ -48,7 +48,9 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from ..core.config import QMuonConfig, ResumeMismatch, check_resume, config_fields_of, state_layout
+from ..core.config import (
+    QMuonConfig, ResumeMismatch, check_resume, config_fields_of, describe_layout, state_layout,
+)
 from ..optim.qmuon import QMuon
 from ..optim.routing import build_optimizer, format_routing_table
 from ..quant import state as qstate
@@ -480,8 +482,10 @@ class QMuonFSDPStrategy(ModelParallelStrategy):
                 continue
             try:
                 check_resume(a, b, where=f"{path}, Muon group {i}", allow_format_change=False)
-            except ResumeMismatch as e:
-                raise ValueError(f"{e}; pass the matching optimizer_kwargs. {hint}") from None
+            except ResumeMismatch:
+                raise ValueError(
+                    f"{path} holds Muon momentum saved with {describe_layout(a)} (Muon group {i}) but this run uses "
+                    f"{describe_layout(b)}; resume with optimizer_kwargs={dict(a)!r}. {hint}") from None
 
     # ------------------------------------------------------------------ metrics
     @override
