@@ -380,7 +380,8 @@ def main() -> int:
     ap.add_argument("--vocab", type=int, default=256)
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--seq", type=int, default=128)
-    ap.add_argument("--steps", type=int, default=3, help="training steps per child (default 3)")
+    ap.add_argument("--steps", type=int, default=2, help="training steps per child (default 2: the first "
+                    "allocates the optimizer state, the second is a steady-state step)")
     ap.add_argument("--optimizers", default=",".join(DEFAULT_OPTIMIZERS),
                     help=f"comma list from {','.join(ALL_OPTIMIZERS)} (default {','.join(DEFAULT_OPTIMIZERS)})")
     ap.add_argument("--qmuon-kwargs", default="{}", help="JSON object of extra build_optimizer keyword arguments "

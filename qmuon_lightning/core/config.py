@@ -100,6 +100,11 @@ class QMuonConfig:
     comm_carrier: str = "int8"
     comm_return: str = "int8"
 
+    def __post_init__(self) -> None:
+        # Hashable, canonical forms (YAML and JSON give lists).
+        object.__setattr__(self, "adamw_betas", tuple(self.adamw_betas))
+        object.__setattr__(self, "ns_coefficients", _freeze(self.ns_coefficients))
+
     @classmethod
     def field_names(cls) -> tuple[str, ...]:
         return tuple(f.name for f in dataclasses.fields(cls))
@@ -148,10 +153,6 @@ class QMuonConfig:
         return d
 
 
-#: The defaults, as one object (``QMuon``'s signature reads its defaults from it).
-DEFAULT_CONFIG = QMuonConfig()
-
-
 def _freeze(spec: Any) -> Any:
     """A hashable form of an ``ns_coefficients`` spec (tuples all the way down)."""
     if isinstance(spec, str):
@@ -167,6 +168,10 @@ def plain_coefficients(spec: Any) -> Any:
     if spec is None or isinstance(spec, str):
         return spec
     return [list(c) if isinstance(c, (list, tuple)) else c for c in spec]
+
+
+#: The defaults, as one object (``QMuon``'s signature reads its defaults from it).
+DEFAULT_CONFIG = QMuonConfig()
 
 
 #: Keys of a Muon group (QMuon fills missing ones from its defaults).

@@ -47,6 +47,7 @@ __all__ = [
     "ns_settings",
     "orthogonalize",
     "finite_flags",
+    "call_closure",
     "momentum_inputs",
     "update_momentum",
     "local_items",
@@ -179,6 +180,15 @@ def _orthogonalize_chunk(chunk: list[NSItem], rows: int, cols: int, s: NSSetting
     del batch
     for i, it in enumerate(chunk):
         it.apply(out[i])
+
+
+def call_closure(closure: Callable[[], Any] | None) -> Any:
+    """``torch.optim``'s closure protocol: re-evaluate the loss with autograd on (steps run
+    under ``no_grad``)."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
 
 
 # ------------------------------------------------------------------------------------ momentum

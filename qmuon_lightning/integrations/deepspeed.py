@@ -67,6 +67,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.optim import Optimizer
 
+from ..core import pipeline
 from ..core.plan import adjusted_lr
 from ..optim.qmuon import QMuon
 
@@ -466,10 +467,7 @@ class WholeMatrixZeroOptimizer(Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = pipeline.call_closure(closure)
         self._require_attached()
         active = self._active_groups()
         params = [p for p in self._params if p.group in active]
@@ -640,11 +638,7 @@ class WholeMatrixZeroOptimizer(Optimizer):
         bad = torch.zeros(len(self._params) + 1, dtype=torch.float32, device=self._device)
         present = torch.zeros_like(bad)
         if grads:
-            norms = torch.stack([n.float() for n in torch._foreach_norm(grads, 2.0)])
-            flags = (~norms.isfinite()).float()
-            # the L2 norm of huge finite values can overflow: re-check those exactly
-            for j in flags.nonzero().flatten().tolist():
-                flags[j] = float(not bool(grads[j].float().abs().max().isfinite()))
+            flags = torch.tensor([0.0 if ok else 1.0 for ok in pipeline.finite_flags(grads)], device=self._device)
             where = torch.tensor(idx, device=self._device)
             bad[where] = flags
             present[where] = 1.0

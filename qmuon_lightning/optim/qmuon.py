@@ -109,14 +109,8 @@ class QMuon(Optimizer):
         comm_return: str = _D.comm_return,
         batch_budget: float = pipeline.DEFAULT_BATCH_BUDGET,
     ) -> None:
-        config = QMuonConfig(
-            lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov, ns_coefficients=ns_coefficients,
-            eps=eps, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn, ns_dtype=ns_dtype, state_format=state_format,
-            block_size=block_size, rank=rank, grid_block=grid_block, rounding=rounding, seed=seed,
-            nonfinite=nonfinite, ns_input=ns_input, adamw_lr=adamw_lr, adamw_betas=tuple(adamw_betas),
-            adamw_eps=adamw_eps, adamw_weight_decay=adamw_weight_decay, comm_carrier=comm_carrier,
-            comm_return=comm_return,
-        ).validate()
+        args = locals()
+        config = QMuonConfig(**{k: args[k] for k in QMuonConfig.field_names()}).validate()
         if not (isinstance(batch_budget, (int, float)) and batch_budget > 0):
             raise ValueError(f"QMuon: batch_budget must be > 0 (a multiple of the largest matrix), got {batch_budget!r}")
         #: The constructor arguments (group defaults; groups may override them).
@@ -195,10 +189,7 @@ class QMuon(Optimizer):
     # ------------------------------------------------------------------ step
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = pipeline.call_closure(closure)
         sharded = self._sharded_step()  # None unless a parameter is a DTensor (FSDP2)
         if sharded is not None:
             sharded.begin()

@@ -6,6 +6,8 @@ validated and counted; GRASP's factor tracking (:mod:`.formats.grasp4`, also imp
 :mod:`.grasp`); the update-fidelity metric (:mod:`.fidelity`); and the MXFP8 codec / Newton-Schulz
 input carrier (:mod:`.mxfp8`)."""
 
+from . import mxfp8 as _mxfp8
+from . import state as _state
 from .mxfp8 import (
     MXFP8Carrier,
     mxfp8_decode,
@@ -14,61 +16,7 @@ from .mxfp8 import (
     mxfp8_nbytes,
     mxfp8_roundtrip_normalized,
 )
+from .state import *  # noqa: F401,F403  (formats, registry, helpers: see quant.state)
 
-from .state import (
-    COLLECTIVE_FORMATS,
-    DEFAULT_BLOCK_SIZE,
-    FORMATS,
-    PLACEMENTS,
-    STATE_FORMATS,
-    SUPPORTED_SHARDED_FORMATS,
-    FormatOptions,
-    FormatSpec,
-    StateFormat,
-    StateFormatError,
-    convert_state,
-    dequantize_momentum,
-    detect_state_format,
-    encode_momentum,
-    format_options,
-    format_spec,
-    get_format,
-    init_momentum_state,
-    momentum_nbytes,
-    register_format,
-    state_nbytes,
-    unregister_format,
-    validate_momentum_state,
-)
-
-__all__ = [
-    "COLLECTIVE_FORMATS",
-    "DEFAULT_BLOCK_SIZE",
-    "FORMATS",
-    "PLACEMENTS",
-    "STATE_FORMATS",
-    "SUPPORTED_SHARDED_FORMATS",
-    "FormatOptions",
-    "FormatSpec",
-    "MXFP8Carrier",
-    "StateFormat",
-    "StateFormatError",
-    "convert_state",
-    "dequantize_momentum",
-    "detect_state_format",
-    "encode_momentum",
-    "format_options",
-    "format_spec",
-    "get_format",
-    "init_momentum_state",
-    "momentum_nbytes",
-    "mxfp8_decode",
-    "mxfp8_encode",
-    "mxfp8_encode_normalized",
-    "mxfp8_nbytes",
-    "mxfp8_roundtrip_normalized",
-    "register_format",
-    "state_nbytes",
-    "unregister_format",
-    "validate_momentum_state",
-]
+__all__ = [*_state.__all__, "MXFP8Carrier", "mxfp8_decode", "mxfp8_encode", "mxfp8_encode_normalized", "mxfp8_nbytes",
+           "mxfp8_roundtrip_normalized"]

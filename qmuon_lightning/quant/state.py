@@ -28,80 +28,14 @@ to the registry; :func:`convert_state` holds the conversion and resume-compatibi
 
 from __future__ import annotations
 
-from .formats.base import (
-    ABSMAX,
-    BUFFER,
-    CODES,
-    PACKED,
-    PLACEMENTS,
-    STEP,
-    TSCALE,
-    UE4M3,
-    FormatOptions,
-    FormatSpec,
-    StateFormat,
-    StateFormatError,
-)
+from . import registry as _registry
+from .formats import base as _base
+from .formats.base import *  # noqa: F401,F403  (the interface and the state-key constants)
 from .formats.dense import DenseFormat
 from .formats.e0m3 import E0M3Format
 from .formats.grasp4 import Grasp4Format
 from .formats.int4 import Int4Format
 from .formats.int8 import Q8Format
-from .registry import (
-    COLLECTIVE_FORMATS,
-    DEFAULT_BLOCK_SIZE,
-    FORMATS,
-    STATE_FORMATS,
-    SUPPORTED_SHARDED_FORMATS,
-    convert_state,
-    dequantize_momentum,
-    detect_state_format,
-    encode_momentum,
-    format_options,
-    format_spec,
-    get_format,
-    init_momentum_state,
-    momentum_nbytes,
-    register_format,
-    state_nbytes,
-    unregister_format,
-    validate_momentum_state,
-)
+from .registry import *  # noqa: F401,F403  (the registry and the format-agnostic helpers)
 
-__all__ = [
-    "ABSMAX",
-    "BUFFER",
-    "CODES",
-    "COLLECTIVE_FORMATS",
-    "DEFAULT_BLOCK_SIZE",
-    "DenseFormat",
-    "E0M3Format",
-    "FORMATS",
-    "FormatOptions",
-    "FormatSpec",
-    "Grasp4Format",
-    "Int4Format",
-    "PACKED",
-    "PLACEMENTS",
-    "Q8Format",
-    "STATE_FORMATS",
-    "STEP",
-    "SUPPORTED_SHARDED_FORMATS",
-    "StateFormat",
-    "StateFormatError",
-    "TSCALE",
-    "UE4M3",
-    "convert_state",
-    "dequantize_momentum",
-    "detect_state_format",
-    "encode_momentum",
-    "format_options",
-    "format_spec",
-    "get_format",
-    "init_momentum_state",
-    "momentum_nbytes",
-    "register_format",
-    "state_nbytes",
-    "unregister_format",
-    "validate_momentum_state",
-]
+__all__ = [*_base.__all__, *_registry.__all__, "DenseFormat", "E0M3Format", "Grasp4Format", "Int4Format", "Q8Format"]
