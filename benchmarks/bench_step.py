@@ -44,7 +44,7 @@ Method
     python benchmarks/bench_step.py --configs 256x4:30,512x4:16   # DxLAYERS[:rounds], any number
     python benchmarks/bench_step.py --steps 5 --warmup 1 --profile-steps 1 --no-write   # quick look
     ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 python benchmarks/bench_step.py --configs 256x4 \\
-        --steps 4 --warmup 1 --profile-steps 1 --out benchmarks/results/step_time_avx2.md   # no native bf16
+        --steps 8 --warmup 1 --profile-steps 1 --out benchmarks/results/step_time_avx2.md   # no native bf16
 """
 
 from __future__ import annotations
@@ -666,10 +666,13 @@ def main() -> int:
     if BASELINE not in names:
         names.insert(0, BASELINE)
     for n in names:  # fail on a bad name before anything runs
-        if n.startswith("qmuon-"):
-            parse_qmuon_name(n)
-        elif n not in ("torch.Muon", "torch.AdamW"):
-            raise SystemExit(_unknown(n))
+        try:
+            if n.startswith("qmuon-"):
+                parse_qmuon_name(n)
+            elif n not in ("torch.Muon", "torch.AdamW"):
+                raise ValueError(_unknown(n))
+        except ValueError as e:
+            raise SystemExit(str(e)) from None
 
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)

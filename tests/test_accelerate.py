@@ -16,8 +16,6 @@ import importlib.util
 import json
 import math
 import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any, Callable
@@ -33,6 +31,7 @@ from accelerate.state import AcceleratorState, GradientState  # noqa: E402
 from accelerate.utils import DistributedType  # noqa: E402
 
 import qmuon_lightning as ql  # noqa: E402
+from _helpers import REPO, assert_same, free_port, run_launcher, subprocess_env  # noqa: E402
 from qmuon_lightning.integrations.accelerate import (  # noqa: E402
     UnsupportedAccelerateConfig,
     check_accelerator,
@@ -43,7 +42,6 @@ from qmuon_lightning.integrations.accelerate import (  # noqa: E402
 )
 from qmuon_lightning.models import DecoderLM  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
 VOCAB, SEQ, BATCH = 64, 16, 4
 SUBPROCESS_TIMEOUT_S = 300
 
@@ -90,9 +88,12 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 
 def mismatches(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:
-    if a.keys() != b.keys():
-        return [f"keys differ: {sorted(a.keys() ^ b.keys())[:5]}"]
-    return [k for k in a if a[k].dtype != b[k].dtype or not torch.equal(a[k], b[k])]
+    """:func:`assert_same`'s message as a list (empty when bit-identical), for a worker's JSON report."""
+    try:
+        assert_same(a, b, "snapshot")
+    except AssertionError as e:
+        return [str(e)]
+    return []
 
 
 def resume_scenario(
@@ -249,7 +250,7 @@ def test_save_load_state_continues_bit_exact(fresh_accelerate, tmp_path, state_f
     a, b, info = resume_scenario(str(tmp_path / "ckpt"), make, state_format=state_format, rounding=rounding)
     assert info["state_before_first_step"] == 0
     assert info["state_keys_are_live_params"]
-    assert not mismatches(a, b), f"resumed run differs from the uninterrupted one: {mismatches(a, b)[:5]}"
+    assert_same(a, b, "resumed vs uninterrupted")
     assert info["losses_a"] == info["losses_b"]
     # The checkpoint's optimizer file is plain tensors and primitives.
     sd = torch.load(tmp_path / "ckpt" / "optimizer.bin", weights_only=True)
@@ -320,30 +321,17 @@ def test_example_resume_latest_picks_the_newest_checkpoint(tmp_path) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- 2 processes
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _torchrun(mode: str, out_dir: Path, nproc: int, extra: list[str] | None = None) -> list[dict[str, Any]]:
     """Run this file's worker under torchrun; return each rank's JSON report."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    env["OMP_NUM_THREADS"] = "1"
     # Use the kernels this process already resolved: both ranks then load a built extension (or
     # the reference) instead of racing to build it.
-    env["QMUON_BACKEND"] = "reference" if ql.ops.backend() == "reference" else env.get("QMUON_BACKEND", "auto")
+    backend = "reference" if ql.ops.backend() == "reference" else os.environ.get("QMUON_BACKEND", "auto")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--nnodes", "1",
-           "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
+           "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
            str(Path(__file__).resolve()), "--worker", mode, "--out", str(out_dir), *(extra or [])]
-    try:
-        proc = subprocess.run(cmd, env=env, cwd=str(REPO), capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S)
-    except subprocess.TimeoutExpired as e:
-        pytest.fail(f"torchrun worker '{mode}' hung for {SUBPROCESS_TIMEOUT_S} s:\n{(e.stdout or '')[-3000:]}\n{(e.stderr or '')[-3000:]}")
-    assert proc.returncode == 0, f"torchrun worker '{mode}' failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
-    reports = [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(nproc)]
-    return reports
+    run_launcher(cmd, timeout=SUBPROCESS_TIMEOUT_S, env=subprocess_env(QMUON_BACKEND=backend),
+                 what=f"torchrun worker '{mode}'")
+    return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(nproc)]
 
 
 def _check_fsdp2_report(rep: dict[str, Any], rank: int) -> None:

@@ -21,6 +21,7 @@ import lightning as L
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 
+from _helpers import run_launcher, subprocess_env
 from qmuon_lightning import QMuon, build_optimizer
 from qmuon_lightning.callbacks import (
     MANIFEST_KEY,
@@ -520,27 +521,13 @@ def test_under_qmuon_fsdp_two_processes(tmp_path):
     """Sharded (DCP) saving works with the callback: manifest in the checkpoint metadata, no per-rank
     standalone file, fp32 export gathered on every rank and written by rank 0, resume validated.
     The profiler writes one trace per rank; the fidelity monitor disables itself (DTensor)."""
-    import signal
-    import subprocess
     import sys
 
-    root = Path(__file__).resolve().parent.parent
-    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "WORLD_SIZE", "NODE_RANK", "MASTER_PORT",
-                                                             "MASTER_ADDR")}
-    env.update(PYTHONPATH=os.pathsep.join([str(root), env.get("PYTHONPATH", "")]), OMP_NUM_THREADS="1",
-               PYTHONWARNINGS="ignore")
-    proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "fsdp", str(tmp_path)], cwd=str(tmp_path),
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        log, _ = proc.communicate(timeout=FSDP_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        log, _ = proc.communicate()
-        pytest.fail(f"fsdp scenario timed out after {FSDP_TIMEOUT_S}s; log tail:\n{log[-6000:]}")
+    log = run_launcher([sys.executable, str(Path(__file__).resolve()), "fsdp", str(tmp_path)], timeout=FSDP_TIMEOUT_S,
+                       env=subprocess_env(PYTHONWARNINGS="ignore"), cwd=tmp_path, what="fsdp scenario")
     results = sorted(tmp_path.glob("fsdp_rank*.json"))
-    if proc.returncode != 0 or len(results) != 2:
-        pytest.fail(f"fsdp scenario exited with {proc.returncode}; log tail:\n{log[-8000:]}")
+    if len(results) != 2:
+        pytest.fail(f"fsdp scenario wrote {len(results)} rank results, expected 2; log tail:\n{log[-8000:]}")
     r0, r1 = (json.loads(p.read_text()) for p in results)
     for r in (r0, r1):
         assert r["optimizer"] == "QMuon" and r["ckpt_is_dir"] and r["resumed_step"] == 3

@@ -25,6 +25,7 @@ from torch import nn
 
 import torch.multiprocessing as mp
 from _dist import full_copy, local_copy, run_workers, set_grads, step_side_by_side
+from _helpers import assert_same
 
 STEPS = 4
 
@@ -537,18 +538,11 @@ def test_dcp_resume_bit_exact_same_world_size(runs):
     assert t["fake_step_max_change"] == 0.0
 
 
-def _state_equal(a: dict, b: dict) -> bool:
-    diff = [(k, kk) for k in b for kk in b[k] if k not in a or kk not in a[k] or not torch.equal(a[k][kk], b[k][kk])]
-    assert a.keys() == b.keys() and not diff, (sorted(a), sorted(b), diff[:5],
-                                               [(a[k][kk].dtype, b[k][kk].dtype) for k, kk in diff[:2] if k in a and kk in a[k]])
-    return True
-
-
 def test_reshard_1_to_2(runs):
     """Single-process checkpoint (plain tensors) -> 2 ranks through DCP: every state tensor
     arrives unchanged (rows reshard exactly: codes and scales are per row), and training goes on."""
     t = runs["two"][0]["train"]
-    assert _state_equal(t["loaded_state"]["state"], runs["plain"]["saved_state"])
+    assert_same(t["loaded_state"]["state"], runs["plain"]["saved_state"], "state")
     init = runs["plain"]["saved_params"]
     rel = _displacement_rel(t["other_params"], runs["plain"]["cont_params"], init)
     assert max(rel.values()) < 0.25, rel  # same origin as test_fsdp_training_close_to_unsharded
@@ -571,7 +565,7 @@ def test_reshard_2_to_1_and_consolidated(runs):
     path = os.path.join(runs["root"], "w2")
     state_dcp, params_dcp = _plain_from(lambda m, o: _dcp_load(m, o, path, no_dist=True))
     full = t["saved_state"]
-    assert _state_equal(state_dcp, full["state"])
+    assert_same(state_dcp, full["state"], "state (DCP load)")
 
     def load_full(m, o):
         with torch.no_grad():
@@ -586,7 +580,7 @@ def test_reshard_2_to_1_and_consolidated(runs):
     torch_full = t["torch_full_state"]
     for pid, st in full["state"].items():
         assert all(torch.equal(torch_full[names[pid]][k], v) for k, v in st.items()), names[pid]
-    assert _state_equal(state_full, full["state"])
+    assert_same(state_full, full["state"], "state (consolidated load)")
     assert _maxdiff(params_dcp, params_full) == 0.0
     rel = _displacement_rel(params_dcp, t["cont_params"], t["saved_params"])
     assert max(rel.values()) < 0.25, rel  # same origin as test_fsdp_training_close_to_unsharded

@@ -22,11 +22,10 @@ import pytest
 import torch
 
 import qmuon_lightning.ops as qops
-from _helpers import assert_bits_equal, assert_sumsq_close
+from _helpers import REPO, assert_bits_equal, assert_sumsq_close, make_grad, noise_or_none
 from qmuon_lightning.ops import _extension
 from qmuon_lightning.ops import reference as ref
 
-REPO = Path(__file__).resolve().parents[1]
 SHAPES = [(1, 1), (3, 5), (37, 300), (129, 513)]
 GRAD_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 CODE_DTYPES = [torch.int8, torch.uint8]
@@ -42,11 +41,6 @@ def make_state(rows, cols, code_dtype, block_size, device="cpu", seed=0):
     m = torch.randn(rows, cols, generator=gen) * (torch.rand(rows, 1, generator=gen) * 3 + 1e-3)
     codes, absmax = ref.quantize_rows(m, block_size, signed=code_dtype == torch.int8)
     return codes.to(device), absmax.to(device)
-
-
-def make_grad(rows, cols, dtype, device="cpu", seed=1):
-    gen = torch.Generator().manual_seed(seed)
-    return (torch.randn(rows, cols, generator=gen) * 2).to(dtype).to(device)
 
 
 def reference_update(codes, absmax, grads, beta, nesterov, block_size, streams, offsets):
@@ -442,8 +436,7 @@ def test_quantize_dequantize_match_reference(ext, shape, signed, block_size, str
     rows, cols = shape
     x = make_grad(rows, cols, torch.float32) * torch.rand(rows, 1)
     codes, absmax = torch.ops.qmuon.quantize_rows(x, block_size, signed, stream, 11)
-    noise = None if stream < 0 else ref.uniform_noise(rows, cols, stream, 11, x.device)
-    r_codes, r_absmax = ref.quantize_rows(x, block_size, signed=signed, noise=noise)
+    r_codes, r_absmax = ref.quantize_rows(x, block_size, signed=signed, noise=noise_or_none(x, stream, 11))
     assert_bits_equal(codes, r_codes, "codes")
     assert_bits_equal(absmax, r_absmax, "absmax")
     assert_bits_equal(torch.ops.qmuon.dequantize_rows(codes, absmax, block_size),
@@ -534,8 +527,7 @@ def test_cuda_noncontiguous_multi_and_rows_ops(cuda_ext):
     x = make_grad(129, 513, torch.float32, device=dev)
     for stream in (-1, 8):
         c_k, a_k = torch.ops.qmuon.quantize_rows(x, 256, True, stream, 2)
-        noise = None if stream < 0 else ref.uniform_noise(129, 513, stream, 2, torch.device("cpu"))
-        c_r, a_r = ref.quantize_rows(x.cpu(), 256, signed=True, noise=noise)
+        c_r, a_r = ref.quantize_rows(x.cpu(), 256, signed=True, noise=noise_or_none(x.cpu(), stream, 2))
         assert_bits_equal(c_k.cpu(), c_r, "codes")
         assert_bits_equal(a_k.cpu(), a_r, "absmax")
         assert_bits_equal(torch.ops.qmuon.dequantize_rows(c_k, a_k, 256).cpu(), ref.dequantize_rows(c_r, a_r, 256),

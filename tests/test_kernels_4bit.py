@@ -20,7 +20,7 @@ import os
 import pytest
 import torch
 
-from _helpers import assert_bits_equal, assert_sumsq_close
+from _helpers import assert_bits_equal, assert_sumsq_close, make_grad, momentum, nan_sums, noise_or_none
 from qmuon_lightning.ops import _kernels
 from qmuon_lightning.ops import reference as ref
 from qmuon_lightning.ops import reference_4bit as ref4
@@ -33,23 +33,6 @@ STREAM = ref.noise_stream(1234, 7, 3)
 # ---------------------------------------------------------------------------------------------
 # helpers
 # ---------------------------------------------------------------------------------------------
-def momentum(rows, cols, seed=0, device="cpu"):
-    """A momentum with row-varying scale (1e-4 .. 3): block scales of very different sizes."""
-    gen = torch.Generator().manual_seed(seed)
-    m = torch.randn(rows, cols, generator=gen) * (torch.rand(rows, 1, generator=gen) * 3 + 1e-4)
-    return m.to(device)
-
-
-def make_grad(rows, cols, dtype, seed=1, device="cpu"):
-    gen = torch.Generator().manual_seed(seed)
-    return (torch.randn(rows, cols, generator=gen) * 2).to(dtype).to(device)
-
-
-def nan_sums(grads, block_size):
-    return [torch.full((g.shape[0], ref.num_blocks(g.shape[1], block_size)), float("nan"), device=g.device)
-            for g in grads]
-
-
 def _s(stream):
     return None if stream < 0 else stream
 
@@ -342,10 +325,6 @@ def test_bad_arguments_raise_before_writing(ext, bad):
 # ---------------------------------------------------------------------------------------------
 # standalone codecs == reference
 # ---------------------------------------------------------------------------------------------
-def _noise(x, stream, offset):
-    return None if stream < 0 else ref.uniform_noise(*x.shape, stream, offset, x.device)
-
-
 def test_ue4m3_all_patterns_and_special_values(ext):
     bits = torch.arange(256, dtype=torch.int32).to(torch.uint8)
     assert_bits_equal(torch.ops.qmuon.ue4m3_decode(bits), ref4.ue4m3_decode(bits), "decode, all 256 patterns")
@@ -397,14 +376,14 @@ def test_int4_and_e0m3_codecs(ext, shape, stream):
     x = momentum(rows, cols, seed=4)
     for bs in (2, 32, 128):
         k = torch.ops.qmuon.int4_quantize(x, bs, stream, 11)
-        r = ref4.int4_quantize(x, bs, noise=_noise(x, stream, 11))
+        r = ref4.int4_quantize(x, bs, noise=noise_or_none(x, stream, 11))
         for a, b, w in zip(k, r, ("packed", "absmax")):
             assert_bits_equal(a, b, f"int4_quantize {w} bs={bs}")
         assert_bits_equal(torch.ops.qmuon.int4_dequantize(*r, bs, cols), ref4.int4_dequantize(*r, bs, cols),
                           f"int4_dequantize bs={bs}")
     for two_level in (True, False):
         k = torch.ops.qmuon.e0m3_quantize(x, two_level, stream, 11)
-        r = ref4.e0m3_quantize(x, two_level=two_level, noise=_noise(x, stream, 11))
+        r = ref4.e0m3_quantize(x, two_level=two_level, noise=noise_or_none(x, stream, 11))
         for a, b, w in zip(k, r, ("packed", "scales", "tensor scale")):
             assert_bits_equal(a, b, f"e0m3_quantize {w} two_level={two_level}")
         assert_bits_equal(torch.ops.qmuon.e0m3_dequantize(*r, cols), ref4.e0m3_dequantize(*r, cols),
@@ -418,7 +397,7 @@ def test_grid_codecs(ext, shape, stream):
     x = momentum(rows, cols, seed=5) - momentum(rows, cols, seed=6) * 0.01
     for s in (32, 5, 1):
         k = torch.ops.qmuon.grid_quantize4(x, s, stream, 3)
-        r = ref4.grid_quantize4(x, s, noise=_noise(x, stream, 3))
+        r = ref4.grid_quantize4(x, s, noise=noise_or_none(x, stream, 3))
         for a, b, w in zip(k, r, ("packed", "row maxima", "column maxima", "scale")):
             assert_bits_equal(a, b, f"grid_quantize4 {w} s={s}")
         assert_bits_equal(torch.ops.qmuon.grid_dequantize4(*r, s, cols), ref4.grid_dequantize4(*r, s, cols),
@@ -428,7 +407,7 @@ def test_grid_codecs(ext, shape, stream):
 def test_codecs_noncontiguous_and_special_inputs(ext):
     x = momentum(300, 37).t()  # transposed view
     x[0, 0], x[3, 5] = 0.0, -0.0
-    for a, b in zip(torch.ops.qmuon.grid_quantize4(x, 32, 7, 0), ref4.grid_quantize4(x, 32, noise=_noise(x, 7, 0))):
+    for a, b in zip(torch.ops.qmuon.grid_quantize4(x, 32, 7, 0), ref4.grid_quantize4(x, 32, noise=noise_or_none(x, 7, 0))):
         assert_bits_equal(a, b, "grid_quantize4 (transposed input)")
     for a, b in zip(torch.ops.qmuon.e0m3_quantize(x, True, -1, 0), ref4.e0m3_quantize(x)):
         assert_bits_equal(a, b, "e0m3_quantize (transposed input)")
@@ -526,7 +505,7 @@ def test_cuda_codecs_match_reference(cuda_ext, stream):
     for rows, cols in SHAPES + [(300, 1000)]:
         x = momentum(rows, cols, seed=7)
         xc = x.cuda()
-        nz = _noise(x, stream, 2)
+        nz = noise_or_none(x, stream, 2)
         pairs = [
             (torch.ops.qmuon.int4_quantize(xc, 128, stream, 2), ref4.int4_quantize(x, 128, noise=nz)),
             (torch.ops.qmuon.e0m3_quantize(xc, True, stream, 2), ref4.e0m3_quantize(x, noise=nz)),

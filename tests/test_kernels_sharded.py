@@ -21,7 +21,7 @@ import pytest
 import torch
 from torch.library import opcheck
 
-from _helpers import assert_bits_equal, assert_sumsq_close
+from _helpers import assert_bits_equal, assert_sumsq_close, make_grad, momentum, nan_sums, noise_or_none
 from qmuon_lightning.ops import _kernels, _library
 from qmuon_lightning.ops import reference as ref
 from qmuon_lightning.ops import reference_4bit as ref4
@@ -36,28 +36,8 @@ UPDATE = torch.ops.qmuon.e0m3_momentum_update_multi_
 GRID = torch.ops.qmuon.grid_quantize4_with_scale
 
 
-def momentum(rows, cols, seed=0, device="cpu"):
-    """Row-varying scale (1e-4 .. 3): block scales of very different sizes."""
-    gen = torch.Generator().manual_seed(seed)
-    return (torch.randn(rows, cols, generator=gen) * (torch.rand(rows, 1, generator=gen) * 3 + 1e-4)).to(device)
-
-
-def make_grad(rows, cols, dtype=torch.float32, seed=1, device="cpu"):
-    gen = torch.Generator().manual_seed(seed)
-    return (torch.randn(rows, cols, generator=gen) * 2).to(dtype).to(device)
-
-
 def e0m3_state(rows, cols, seed=0, device="cpu"):
     return [t.to(device) for t in ref4.e0m3_quantize(momentum(rows, cols, seed))]
-
-
-def nan_sums(grads, block_size):
-    return [torch.full((g.shape[0], ref.num_blocks(g.shape[1], block_size)), float("nan"), device=g.device)
-            for g in grads]
-
-
-def _noise(x, stream, offset):
-    return None if stream < 0 else ref.uniform_noise(*x.shape, stream, offset, x.device)
 
 
 def _reference(name):
@@ -113,7 +93,7 @@ def test_e0m3_reference_matches_former_e0m3_sharded_python():
     x = momentum(37, 300)
     for t, stream in itertools.product((1e-4, 0.02), (-1, STREAM)):
         scale = torch.tensor(t)
-        mine = ref4.e0m3_quantize_with_scale(x, scale, noise=_noise(x, stream, 8))
+        mine = ref4.e0m3_quantize_with_scale(x, scale, noise=noise_or_none(x, stream, 8))
         theirs = _e0m3_sharded_quantize_with_scale(x, scale, stream, 8)
         for a, b in zip(mine, theirs):
             assert_bits_equal(a, b, f"e0m3 t={t}")
@@ -262,7 +242,7 @@ def test_grid_with_scale_matches_reference(ext, shape, stream):
         before = _kernels.served.copy()
         k = GRID(x, s, scale, stream, 3)
         assert _kernels.served - before == {("grid_quantize4_with_scale", "compiled"): 1}
-        r = ref4.grid_quantize4_with_scale(x, s, scale, noise=_noise(x, stream, 3))
+        r = ref4.grid_quantize4_with_scale(x, s, scale, noise=noise_or_none(x, stream, 3))
         for a, b, w in zip(k, r, ("packed", "row maxima", "column maxima")):
             assert_bits_equal(a, b, f"grid_quantize4_with_scale {w} s={s} t={t}")
         if t is None:  # the matrix's own scale: grid_quantize4's bytes
@@ -273,7 +253,7 @@ def test_grid_with_scale_matches_reference(ext, shape, stream):
 def test_grid_with_scale_noncontiguous_and_bf16(ext):
     x = momentum(300, 37).t()
     t = torch.tensor(0.004)
-    for a, b in zip(GRID(x, 16, t, 7, 0), ref4.grid_quantize4_with_scale(x, 16, t, noise=_noise(x, 7, 0))):
+    for a, b in zip(GRID(x, 16, t, 7, 0), ref4.grid_quantize4_with_scale(x, 16, t, noise=noise_or_none(x, 7, 0))):
         assert_bits_equal(a, b, "transposed input")
     xb = momentum(40, 64).bfloat16()
     for a, b in zip(GRID(xb, 8, t, -1, 0), ref4.grid_quantize4_with_scale(xb, 8, t)):
@@ -324,7 +304,7 @@ def test_grid_row_split_matches_whole_matrix(impl, stream):
     s, rows, cols = 8, 70, 33
     x = momentum(rows, cols, seed=5) - momentum(rows, cols, seed=6) * 0.01
     whole = torch.ops.qmuon.grid_quantize4(x, s, stream, 0) if impl == "op" else \
-        ref4.grid_quantize4(x, s, noise=_noise(x, stream, 0))
+        ref4.grid_quantize4(x, s, noise=noise_or_none(x, stream, 0))
     bounds = [(0, 24), (24, 32), (32, 64), (64, 70)]  # shards start on tile boundaries
     amax = torch.stack([x[a:b].abs().amax() for a, b in bounds]).max()
     t = ref4.grid_scale_from_amax(amax)
@@ -378,7 +358,7 @@ def test_cuda_sharded_ops_match_reference(cuda_ext, grad_dtype):
         x = momentum(rows, cols, seed=7)
         t = torch.tensor(0.01)
         for a, b in zip(GRID(x.cuda(), s, t.cuda(), stream, 2),
-                        ref4.grid_quantize4_with_scale(x, s, t, noise=_noise(x, stream, 2))):
+                        ref4.grid_quantize4_with_scale(x, s, t, noise=noise_or_none(x, stream, 2))):
             assert_bits_equal(a, b, f"cuda grid_quantize4_with_scale {rows}x{cols} s={s}")
 
 

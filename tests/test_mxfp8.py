@@ -13,12 +13,12 @@ import math
 import pytest
 import torch
 
+from _helpers import NS_COEFFICIENTS
 from qmuon_lightning import QMuon
 from qmuon_lightning.core.newton_schulz import newton_schulz_folded
 from qmuon_lightning.quant import mxfp8 as mx
 from qmuon_lightning.quant.fidelity import cosine, synthetic_gradients
 
-NS = (3.4445, -4.7750, 2.0315)
 
 # E4M3 (fn) grid: every code's value (decoding an 8-bit float is a table lookup); non-negative finite ones.
 _ALL = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).double()
@@ -242,7 +242,7 @@ def test_mxfp8_update_is_ns_of_the_decoded_carrier():
         x = p_m.grad
         y = mx.mxfp8_roundtrip_normalized(x, 1.0 / x.norm())
         lr = 0.02 * math.sqrt(max(1.0, shape[0] / shape[1]))
-        expected = p0 - lr * newton_schulz_folded(y.unsqueeze(0), torch.ones(1), NS, 5)[0].float()
+        expected = p0 - lr * newton_schulz_folded(y.unsqueeze(0), torch.ones(1), NS_COEFFICIENTS, 5)[0].float()
         upd_m, upd_b, upd_e = p0 - p_m.detach(), p0 - p_b.detach(), p0 - expected
         # tolerance: inv_norm from the op's blockwise fp32 sums vs x.norm() may flip a few E4M3 roundings
         assert (upd_m - upd_e).norm() / upd_e.norm() < 1e-2
@@ -293,8 +293,8 @@ def test_mxfp8_loses_the_small_singular_directions_of_a_near_rank1_input():
     x = ((u * s) @ v.T).float()
     exact = ns_float64(x)
     inv = 1.0 / x.norm()
-    bf = newton_schulz_folded(x.unsqueeze(0).bfloat16(), inv.reshape(1), NS, 5)[0]
-    mxo = newton_schulz_folded(mx.mxfp8_roundtrip_normalized(x, inv).unsqueeze(0), torch.ones(1), NS, 5)[0]
+    bf = newton_schulz_folded(x.unsqueeze(0).bfloat16(), inv.reshape(1), NS_COEFFICIENTS, 5)[0]
+    mxo = newton_schulz_folded(mx.mxfp8_roundtrip_normalized(x, inv).unsqueeze(0), torch.ones(1), NS_COEFFICIENTS, 5)[0]
     c_bf, c_mx = cosine(bf, exact), cosine(mxo, exact)
     assert c_bf > 0.98
     assert c_mx < c_bf - 0.05

@@ -22,6 +22,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from _helpers import float_bits
 import qmuon_lightning.core.newton_schulz as ns
 from qmuon_lightning.core.newton_schulz import (
     MUON_COEFFICIENTS,
@@ -38,12 +39,6 @@ from qmuon_lightning.core.newton_schulz import (
 
 MUON = resolve_schedule("muon", 5)
 PE5 = resolve_schedule("polar_express", 5)
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    """The raw bits of a float tensor (bit-identity, not numerical equality)."""
-    t = t.contiguous()
-    return t.view({torch.bfloat16: torch.int16, torch.float32: torch.int32, torch.float64: torch.int64}[t.dtype])
 
 
 def _gradient_like(rows: int, cols: int, seed: int) -> torch.Tensor:
@@ -107,8 +102,8 @@ def test_bf16_muon_is_bit_identical_to_todays_implementation(shape, src_dtype, l
         got = newton_schulz_folded(g, inv, resolve_schedule("muon", steps), steps, dtype=torch.bfloat16)
         assert got.dtype == torch.bfloat16 and got.shape == want.shape
         # Exact: same operations on the same values (only allocation and in-place placement differ).
-        assert torch.equal(_bits(got), _bits(want)), (shape, src_dtype, steps)
-    assert torch.equal(_bits(g), _bits(before)), "the NS input must never be written"
+        assert torch.equal(float_bits(got), float_bits(want)), (shape, src_dtype, steps)
+    assert torch.equal(float_bits(g), float_bits(before)), "the NS input must never be written"
 
 
 def test_bf16_reference_is_torch_optim_muons_iteration():
@@ -119,7 +114,7 @@ def test_bf16_reference_is_torch_optim_muons_iteration():
         g = torch.randn(shape, generator=gen)
         want = zeropower(g, MUON_COEFFICIENTS, 5, 1e-7)
         got = newton_schulz_reference(g, "muon", 5, eps=1e-7, dtype=torch.bfloat16)
-        assert torch.equal(_bits(got), _bits(want)), shape
+        assert torch.equal(float_bits(got), float_bits(want)), shape
 
 
 @pytest.mark.parametrize("schedule", ["muon", "polar_express"])

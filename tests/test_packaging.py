@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from _helpers import REPO
+
 PKG = "qmuon_lightning"
 SOURCE_SUFFIXES = {".h", ".cpp", ".cu"}
 

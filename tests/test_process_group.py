@@ -8,6 +8,7 @@ import torch.distributed as dist
 from qmuon_lightning.distributed import shut_down_process_group
 
 from _dist import run_workers
+from _helpers import free_port
 
 
 def test_no_group_is_a_no_op():
@@ -47,13 +48,10 @@ def test_exit_after_distributed_run_exits_zero_without_finalization(tmp_path):
     """Two gloo ranks: each prints, calls the helper, and leaves with status 0 right there (the
     code after it does not run; what was written to stdout before it is not lost)."""
     import os
-    import socket
     import subprocess
     import sys
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     script = tmp_path / "exit_script.py"
     script.write_text(_EXIT_SCRIPT)
     procs = []

@@ -16,13 +16,13 @@ import pytest
 import torch
 import yaml
 
+from _helpers import REPO
 from qmuon_lightning.callbacks.summary import optimizer_state_bytes
 from qmuon_lightning.cli import main
 from qmuon_lightning.models.lm_module import DecoderLMModule, OptimizerSpec, build_lm_optimizer, memory_budget
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*LeafSpec", "ignore:.*GPU available but not used")
 
-REPO = Path(__file__).resolve().parents[1]
 RECIPES = sorted(p for p in (REPO / "recipes").rglob("*.yaml") if p.name != "base.yaml")
 UNITS = {"MiB": 2**20, "GiB": 2**30}
 

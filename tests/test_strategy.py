@@ -12,9 +12,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import signal
-import subprocess
 import sys
 import warnings
 from datetime import timedelta
@@ -29,14 +26,12 @@ import lightning as L
 from lightning.pytorch.strategies import StrategyRegistry
 
 import qmuon_lightning  # noqa: F401  (registers the strategies)
+from _helpers import assert_same, run_launcher, subprocess_env
 from qmuon_lightning import QMuon
 from qmuon_lightning.models import DecoderLM
 from qmuon_lightning.strategies import PRESETS, QMuonFSDPStrategy, select_blocks, select_roots
 from qmuon_lightning.strategies import optimizer_swap as swap
 from qmuon_lightning.strategies.sharding import resolve_policy
-
-THIS = Path(__file__).resolve()
-ROOT = THIS.parent.parent
 
 # ---------------------------------------------------------------------------------------------
 # Shared model (also used by the worker scenarios)
@@ -523,42 +518,14 @@ def test_rebind_reduce_on_plateau() -> None:
 
 
 def _run_worker(scenario: str, out: Path, *extra: str, timeout: float = 300) -> list[dict]:
-    """Run ``python tests/test_strategy.py scenario out extra...``; returns each rank's JSON."""
-    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "WORLD_SIZE", "NODE_RANK", "MASTER_PORT", "MASTER_ADDR")}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    env["OMP_NUM_THREADS"] = "1"
-    env["PYTHONWARNINGS"] = "ignore"
-    proc = subprocess.Popen(
-        [sys.executable, str(THIS), scenario, str(out), *extra], cwd=str(out), env=env,
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-    )
-    try:
-        log, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # the worker and the rank it launched (same session)
-        log, _ = proc.communicate()
-        pytest.fail(f"scenario {scenario} timed out after {timeout}s; log tail:\n{log[-6000:]}")
+    """Run ``python tests/test_strategy.py scenario out extra...`` in ``out`` (Lightning starts rank 1
+    by re-running the command; on a timeout both ranks are killed); returns each rank's JSON."""
+    log = run_launcher([sys.executable, str(Path(__file__).resolve()), scenario, str(out), *extra], timeout=timeout,
+                       env=subprocess_env(PYTHONWARNINGS="ignore"), cwd=out, what=f"scenario {scenario}")
     results = sorted(out.glob(f"{scenario}_rank*.json"))
-    if proc.returncode != 0 or not results:
-        pytest.fail(f"scenario {scenario} exited with {proc.returncode}; log tail:\n{log[-8000:]}")
+    if not results:
+        pytest.fail(f"scenario {scenario} wrote no results; log tail:\n{log[-8000:]}")
     return [json.loads(p.read_text()) for p in results]
-
-
-def _assert_same(a: Any, b: Any, where: str = "") -> None:
-    """Bit-exact equality of nested state (tensors compared with torch.equal)."""
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape, where
-        assert torch.equal(a, b), f"{where}: max |diff| {(a.double() - b.double()).abs().max().item()}"
-    elif isinstance(a, dict):
-        assert set(a) == set(b), f"{where}: keys differ: {set(a) ^ set(b)}"
-        for k in a:
-            _assert_same(a[k], b[k], f"{where}.{k}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            _assert_same(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, f"{where}: {a!r} != {b!r}"
 
 
 @pytest.fixture(scope="module")
@@ -628,8 +595,8 @@ def test_resume_two_to_one_process(one_proc: tuple[Path, list[dict]]) -> None:
     two = torch.load(out / "ref_2proc_epoch1.pt", weights_only=True)
     one = torch.load(out / "loaded_1proc_epoch1.pt", weights_only=True)
     assert two["global_step"] == one["global_step"] == 4
-    _assert_same(two["model"], one["model"], "model")
-    _assert_same(two["optim_state"], one["optim_state"], "optimizer")
+    assert_same(two["model"], one["model"], "model")
+    assert_same(two["optim_state"], one["optim_state"], "optimizer")
     assert "model.unused.weight" not in one["optim_state"]
 
 
@@ -641,8 +608,8 @@ def test_resume_one_to_two_processes(one_proc: tuple[Path, list[dict]]) -> None:
     one = torch.load(out / "ref_1proc_epoch2.pt", weights_only=True)
     two = torch.load(out / "loaded_2proc_epoch2.pt", weights_only=True)
     assert one["global_step"] == two["global_step"] == 8
-    _assert_same(one["model"], two["model"], "model")
-    _assert_same(one["optim_state"], two["optim_state"], "optimizer")
+    assert_same(one["model"], two["model"], "model")
+    assert_same(one["optim_state"], two["optim_state"], "optimizer")
 
 
 @pytest.mark.cuda

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from _helpers import roundtrip_state_dict
+from _helpers import assert_same, roundtrip_state_dict
 from qmuon_lightning import QMuon
 from qmuon_lightning.optim import FORMAT_VERSION
 from qmuon_lightning.quant import StateFormatError
@@ -85,13 +85,6 @@ def _trained(fmt="int8", block_size=32, shapes=((16, 40), (8, 16)), groups=1, st
     return ps, opt
 
 
-def _assert_state_equal(a: dict, b: dict):
-    assert a["state"].keys() == b["state"].keys()
-    for pid in a["state"]:
-        for k, v in a["state"][pid].items():
-            assert torch.equal(v, b["state"][pid][k]), (pid, k)
-
-
 def test_load_wrong_block_size_names_both_sizes_and_changes_nothing():
     ps, opt = _trained(block_size=32, groups=2)
     sd = roundtrip_state_dict(opt.state_dict())
@@ -101,7 +94,7 @@ def test_load_wrong_block_size_names_both_sizes_and_changes_nothing():
         target.load_state_dict(sd)
     msg = str(exc.value)
     assert "block_size=32" in msg and "block_size=64" in msg
-    _assert_state_equal(before, target.state_dict())
+    assert_same(before["state"], target.state_dict()["state"], "state")
     assert all(g["block_size"] == 64 for g in target.param_groups)
 
 
@@ -115,7 +108,7 @@ def test_load_wrong_block_size_in_second_group_changes_nothing():
     before = copy.deepcopy(target.state_dict())
     with pytest.raises(StateFormatError, match="block_size=64.*block_size=32"):
         target.load_state_dict(sd)
-    _assert_state_equal(before, target.state_dict())
+    assert_same(before["state"], target.state_dict()["state"], "state")
 
 
 @pytest.mark.parametrize("fmt,key", [("int8", "momentum_codes"), ("fp32", "momentum_buffer")])
@@ -245,7 +238,7 @@ def test_nonfinite_raise_single_group_leaves_everything_unchanged():
     with pytest.raises(FloatingPointError, match=r"non-finite gradient in 'blocks.1.w'; no parameter or optimizer state was changed"):
         opt.step()
     assert torch.equal(a, a0) and torch.equal(b, b0)
-    _assert_state_equal({"state": state0}, {"state": opt.state_dict()["state"]})
+    assert_same(state0, opt.state_dict()["state"], "state")
     assert opt.nonfinite_skips == 0
 
 
@@ -269,7 +262,7 @@ def test_nonfinite_raise_multi_group_leaves_everything_unchanged():
         opt.step()
     for p, p0 in zip((w, u, bias), params0):
         assert torch.equal(p, p0)
-    _assert_state_equal({"state": state0}, {"state": opt.state_dict()["state"]})
+    assert_same(state0, opt.state_dict()["state"], "state")
 
 
 # --------------------------------------------------------------------------- 4-bit formats
@@ -282,7 +275,7 @@ def test_load_wrong_shape_4bit(fmt):
     with pytest.raises(StateFormatError,
                        match=r"momentum_packed has shape \(16, 20\), expected \(16, 24\) for a 16x48 parameter"):
         target.load_state_dict(sd)
-    _assert_state_equal(before, target.state_dict())
+    assert_same(before["state"], target.state_dict()["state"], "state")
 
 
 def test_load_int4_wrong_block_size_names_both_sizes_and_changes_nothing():
@@ -292,7 +285,7 @@ def test_load_int4_wrong_block_size_names_both_sizes_and_changes_nothing():
     before = copy.deepcopy(target.state_dict())
     with pytest.raises(StateFormatError, match=r"block_size=32 but this optimizer uses block_size=64"):
         target.load_state_dict(sd)
-    _assert_state_equal(before, target.state_dict())
+    assert_same(before["state"], target.state_dict()["state"], "state")
 
 
 def test_load_int4_absmax_of_wrong_shape():
@@ -317,7 +310,7 @@ def test_load_bad_e0m3_scales(key, value, pattern):
     before = copy.deepcopy(target.state_dict())
     with pytest.raises(StateFormatError, match=pattern):
         target.load_state_dict(sd)
-    _assert_state_equal(before, target.state_dict())
+    assert_same(before["state"], target.state_dict()["state"], "state")
 
 
 def test_load_incomplete_4bit_state():

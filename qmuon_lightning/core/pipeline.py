@@ -300,7 +300,11 @@ def apply_to(param_rows: Tensor, lr: float) -> Callable[[MatrixPart, Tensor], No
 
     def apply(part: MatrixPart, out: Tensor) -> None:
         rows = param_rows[part.r0: part.r1]
-        rows.add_(out.reshape(rows.shape), alpha=-lr * part.lr_scale)
+        if not out.is_contiguous():
+            # NS returns a transposed view for tall matrices; adding it strided into the parameter
+            # is several times slower than transposing it first (5x measured for 1024 x 256).
+            out = out.contiguous()
+        rows.add_(out.view(rows.shape), alpha=-lr * part.lr_scale)
 
     return apply
 
