@@ -253,7 +253,7 @@ def _real(x: Any) -> bool:
 
 
 # ------------------------------------------------------------------------------------ resume
-class ResumeMismatch(ValueError):
+class ResumeMismatch(qstate.StateFormatError):
     """Saved Muon state that cannot be resumed as it is by this optimizer."""
 
 
@@ -274,24 +274,22 @@ def describe_layout(layout: Mapping[str, Any]) -> str:
 
 def check_resume(saved: Mapping[str, Any], current: Mapping[str, Any], *, where: str,
                  allow_format_change: bool) -> str | None:
-    """Whether Muon state saved with group ``saved`` can be resumed by group ``current``.
+    """Whether Muon state saved with group ``saved`` can be resumed by group ``current`` (the one
+    check ``QMuon.load_state_dict``, ``QuantizedStateCheckpoint`` and the strategy make).
 
-    Same format and same layout options: fine (returns None). Another format: allowed only when
+    Same layout: fine (returns None). Options that must match for the codes to be kept (the rule
+    is :func:`qmuon_lightning.quant.registry.layout_conflicts`: e.g. int8 saved with
+    ``block_size=128``, resumed with 256) differ: always :class:`ResumeMismatch`, naming the
+    constructor argument that resumes it. Another format: allowed only when
     ``allow_format_change`` (the momentum is dequantized and re-encoded: returns a note saying
-    so), else :class:`ResumeMismatch`. Same format with other layout options (e.g. int8 saved with
-    ``block_size=128``, resumed with 256): always :class:`ResumeMismatch`, since a converted state
-    would silently differ from an uninterrupted run; the message names the constructor argument
-    that resumes it.
+    so), else :class:`ResumeMismatch`.
     """
+    conflicts = qstate.layout_conflicts(saved, current)
+    if conflicts:
+        raise ResumeMismatch(qstate.describe_conflicts(conflicts, where))
     a, b = state_layout(saved), state_layout(current)
-    if a == b:
-        return None
     if a["state_format"] == b["state_format"]:
-        diff = [k for k in a if a[k] != b.get(k)]
-        raise ResumeMismatch(
-            f"{where}: momentum was saved with {describe_layout({k: a[k] for k in diff})} but this optimizer uses "
-            f"{describe_layout({k: b[k] for k in diff})}; construct the optimizer with "
-            f"{', '.join(f'{k}={a[k]!r}' for k in diff)} to resume")
+        return None
     msg = f"{where}: saved with {describe_layout(a)}, this optimizer uses {describe_layout(b)}"
     if allow_format_change:
         return msg + "; QMuon.load_state_dict converts the momentum (dequantize and re-encode; not bit-exact)"

@@ -28,12 +28,14 @@ from ..core.config import (
     DEFAULT_CONFIG as _D,
     STRUCTURAL_KEYS,
     QMuonConfig,
+    check_resume,
     validate_adamw_group,
     validate_muon_group,
 )
 from ..core.pipeline import NSItem, is_dtensor, local
 from ..core.plan import MatrixPart, ParamPlan, adjusted_lr, plan_param
 from ..quant import state as qstate
+from ..quant.layout import localize_loaded_state, shard_state
 
 __all__ = ["QMuon", "GraspMuon", "FORMAT_VERSION", "DEFAULT_NS_COEFFICIENTS", "adjusted_lr", "UpdateSink"]
 
@@ -44,7 +46,6 @@ FORMAT_VERSION = 1
 #: torch.optim.Muon's quintic coefficients (the ``"muon"`` preset of ``ns_coefficients``).
 DEFAULT_NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 _STRUCTURAL_KEYS = STRUCTURAL_KEYS
-_is_dtensor, _local = is_dtensor, local
 
 #: ``QMuon.update_sink(param, part, out)``: receives a Muon update instead of it being applied.
 UpdateSink = Callable[[Tensor, MatrixPart, Tensor], None]
@@ -382,35 +383,26 @@ class QMuon(Optimizer):
             merged = {k: v for k, v in saved.items() if k != "qmuon_version"}
             for k in _STRUCTURAL_KEYS:
                 merged[k] = cur[k]
+            if cur["use_muon"] and "state_format" in saved:  # a QMuon checkpoint: the one resume check
+                check_resume({**cur, **saved}, cur, where=f"param group {gi}", allow_format_change=True)
             if cur["use_muon"]:
                 for pid, p in zip(saved["params"], cur["params"]):
                     if pid in saved_state:
                         where = f"param group {gi}, param id {pid}"
                         src, shape = saved_state[pid], p.shape
-                        if _is_dtensor(p):  # sharded: validate and convert this rank's rows only
-                            from ..quant.layout import localize_loaded_state
-
+                        if is_dtensor(p):  # sharded: validate and convert this rank's rows only
                             src = localize_loaded_state(src, p, None, None, where)  # None: the saved format
-                            shape = (_local(p).shape[0], *p.shape[1:])
+                            shape = (local(p).shape[0], *p.shape[1:])
                         muon_state.append((p, qstate.convert_state(src, saved, cur, shape, where,
-                                                                   sharded=_is_dtensor(p)), cur))
+                                                                   sharded=is_dtensor(p)), cur))
                         del new_state[pid]
             new_groups.append(merged)
         super().load_state_dict({"state": new_state, "param_groups": new_groups})
         for p, st, cur in muon_state:
             new = {k: v.to(device=p.device, copy=True) if k != "step" else v.clone() for k, v in st.items()}
-            if _is_dtensor(p):
-                from ..quant.layout import shard_state
-
+            if is_dtensor(p):
                 shard_state(p, new, qstate.get_format(cur["state_format"]), qstate.format_options(cur))
             self.state[p] = new
-
-    @staticmethod
-    def _convert_muon_state(
-        st: dict[str, Any], saved_group: dict[str, Any], cur: dict[str, Any], p: Tensor, where: str
-    ) -> dict[str, Any]:
-        """:func:`qmuon_lightning.quant.convert_state` for a tensor shaped like ``p``."""
-        return qstate.convert_state(st, saved_group, cur, p.shape, where)
 
     # ------------------------------------------------------------------ introspection
     def state_nbytes(self, muon_only: bool = True) -> int:

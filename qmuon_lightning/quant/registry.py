@@ -26,6 +26,8 @@ __all__ = [
     "STATE_FORMATS",
     "SUPPORTED_SHARDED_FORMATS",
     "convert_state",
+    "layout_conflicts",
+    "describe_conflicts",
     "dequantize_momentum",
     "detect_state_format",
     "encode_momentum",
@@ -213,6 +215,29 @@ def validate_momentum_state(
     fmt.validate(state, rows, cols, _opts(block_size, opts, state_format), where)
 
 
+def layout_conflicts(saved_group: Mapping[str, Any], group: Mapping[str, Any]) -> dict[str, tuple[Any, Any]]:
+    """The layout options that must match to resume state saved with ``saved_group`` under
+    ``group`` but differ: ``{option: (saved, current)}``.
+
+    Resuming the same kind of state (the same format, or ``int8`` <-> ``uint8``) keeps the codes
+    as they are, so the source format's ``layout_options`` (block size; GRASP rank and grid block)
+    must be equal; between kinds the momentum is dequantized and re-encoded, so nothing must match.
+    The one rule behind every resume check (``core.config.check_resume``, :func:`convert_state`).
+    """
+    source, target = get_format(saved_group["state_format"]), get_format(group["state_format"])
+    if source.spec.kind != target.spec.kind:
+        return {}
+    a, b = format_options(dict(saved_group)), format_options(dict(group))
+    return {k: (getattr(a, k), getattr(b, k)) for k in source.layout_options if getattr(a, k) != getattr(b, k)}
+
+
+def describe_conflicts(conflicts: Mapping[str, tuple[Any, Any]], where: str) -> str:
+    saved = ", ".join(f"{k}={a}" for k, (a, _) in conflicts.items())
+    now = ", ".join(f"{k}={b}" for k, (_, b) in conflicts.items())
+    return (f"{where}: momentum was saved with {saved} but this optimizer uses {now}; "
+            f"construct the optimizer with {saved} to resume")
+
+
 def convert_state(
     state: Mapping[str, Any], saved_group: Mapping[str, Any], group: Mapping[str, Any], shape: Sequence[int],
     where: str, *, sharded: bool = False,
@@ -250,14 +275,9 @@ def convert_state(
     saved_opts = format_options({**group, **saved_group, "state_format": found})
     validate_momentum_state(state, found, rows, cols, None, where, opts=saved_opts)
     opts = format_options(group)
-    if source.spec.kind == target.spec.kind:
-        for key in source.layout_options:
-            a, b = getattr(saved_opts, key), getattr(opts, key)
-            if a != b:
-                raise StateFormatError(
-                    f"{where}: momentum was saved with {key}={a} but this optimizer uses {key}={b}; "
-                    f"construct the optimizer with {key}={a} to resume"
-                )
+    conflicts = layout_conflicts({**group, **saved_group, "state_format": found}, group)
+    if conflicts:
+        raise StateFormatError(describe_conflicts(conflicts, where))
     keys = set().union(*(f.spec.keys for f in FORMATS.values()))
     out = {k: v for k, v in state.items() if k not in keys}
     out.setdefault(STEP, torch.zeros((), dtype=torch.float32))
