@@ -390,6 +390,8 @@ def main() -> int:
     ap.add_argument("--env", action="append", default=[], help="KEY=VALUE set in every child (repeatable)")
     ap.add_argument("--no-preload-extension", action="store_true",
                     help="do not load the compiled kernels at startup in every child (QMuon loads them on its first step)")
+    ap.add_argument("--repeats", type=int, default=1, help="fresh processes per run (interleaved); the table "
+                    "shows the repeat with the median peak (lower median for an even count) and the range")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--cpu", action="store_true", help="stay on the CPU even when CUDA is available")
@@ -458,22 +460,36 @@ def main() -> int:
     t_start = time.perf_counter()
     load_start = os.getloadavg()
     results: dict[int, dict[str, dict[str, Any]]] = {}
+    repeats: dict[int, dict[str, list[dict[str, Any]]]] = {}
     for n_layers in layers:
+        repeats[n_layers] = {r["name"]: [] for r in runs}
+        for rep in range(args.repeats):
+            for r in runs:  # interleaved: repeat k of every run before repeat k+1 of any
+                cfg = {"optimizer": r["optimizer"], "kwargs": r["kwargs"], "patch": r["patch"], "threads": args.threads,
+                       "seed": args.seed, "d_model": args.d_model, "layers": n_layers, "heads": args.heads,
+                       "vocab": args.vocab, "batch": args.batch, "seq": args.seq, "steps": args.steps, "cpu": args.cpu,
+                       "preload_extension": not args.no_preload_extension}
+                _log(f"[{time.perf_counter() - t_start:6.1f}s] {n_layers} layers, {r['name']}"
+                     + (f" (repeat {rep + 1}/{args.repeats})" if args.repeats > 1 else "") + " ...")
+                res = _run_child(cfg, {**env_all, **r["env"]}, args.timeout)
+                repeats[n_layers][r["name"]].append(res)
+                if "error" in res:
+                    _log(f"    ERROR {res['error']}")
+                else:
+                    _log(f"    peak {_mib(res['peak'])} MiB, step peak {_mib(res['step_peak'])} MiB "
+                         f"(+{_mib(res['step_transient'])} over the RSS before the step), state {_mib(res['state_bytes'])} MiB, "
+                         f"step {min(res['step_seconds']):.2f}s, child {res['wall_s']:.0f}s")
+        # per run: the repeat with the median process peak (any failure makes the run an error)
         results[n_layers] = {}
-        for r in runs:
-            cfg = {"optimizer": r["optimizer"], "kwargs": r["kwargs"], "patch": r["patch"], "threads": args.threads,
-                   "seed": args.seed, "d_model": args.d_model, "layers": n_layers, "heads": args.heads,
-                   "vocab": args.vocab, "batch": args.batch, "seq": args.seq, "steps": args.steps, "cpu": args.cpu,
-                   "preload_extension": not args.no_preload_extension}
-            _log(f"[{time.perf_counter() - t_start:6.1f}s] {n_layers} layers, {r['name']} ...")
-            res = _run_child(cfg, {**env_all, **r["env"]}, args.timeout)
-            results[n_layers][r["name"]] = res
-            if "error" in res:
-                _log(f"    ERROR {res['error']}")
-            else:
-                _log(f"    peak {_mib(res['peak'])} MiB, step peak {_mib(res['step_peak'])} MiB "
-                     f"(+{_mib(res['step_transient'])} over the RSS before the step), state {_mib(res['state_bytes'])} MiB, "
-                     f"step {min(res['step_seconds']):.2f}s, child {res['wall_s']:.0f}s")
+        for name, reps in repeats[n_layers].items():
+            bad = [x for x in reps if "error" in x]
+            if bad:
+                results[n_layers][name] = bad[0]
+                continue
+            ordered = sorted(reps, key=lambda x: x["peak"])
+            med = dict(ordered[(len(ordered) - 1) // 2])
+            med["peak_all"] = [x["peak"] for x in reps]
+            results[n_layers][name] = med
     elapsed = time.perf_counter() - t_start
     load_end = os.getloadavg()
 
@@ -539,7 +555,7 @@ def main() -> int:
             f"(largest Muon matrix / part {ref_res['largest_matrix']:,} elements)",
             "",
         ]
-        hdr = ["optimizer", "peak MiB", "vs torch.Muon MiB", "vs torch.Muon B / Muon param", "step peak MiB",
+        hdr = ["optimizer", "peak MiB"] + (["peak range MiB"] if args.repeats > 1 else []) + ["vs torch.Muon MiB", "vs torch.Muon B / Muon param", "step peak MiB",
                "step transient MiB", "fwd+bwd peak MiB", "RSS after imports + ext MiB", "RSS after model MiB",
                "RSS after step 1 MiB", "state MiB", "step s (min)"]
         if any_cuda:
@@ -554,7 +570,8 @@ def main() -> int:
                 dm, db = f"{d / MiB:+.1f}", f"{d / n_muon:+.2f}"
             else:
                 dm = db = "n/a"
-            row = [f"`{name}`", _mib(res["peak"]), dm, db, _mib(res["step_peak"]), _mib(res["step_transient"]),
+            rng = ([f"{min(res['peak_all']) / MiB:.1f} - {max(res['peak_all']) / MiB:.1f}"] if args.repeats > 1 else [])
+            row = [f"`{name}`", _mib(res["peak"]), *rng, dm, db, _mib(res["step_peak"]), _mib(res["step_transient"]),
                    _mib(res["fb_peak"]), _mib(res["rss_extension"]), _mib(res["rss_model"]),
                    _mib(res["steps"][0]["rss_after"]), _mib(res["state_bytes"]), f"{min(res['step_seconds']):.2f}"]
             if any_cuda:
@@ -592,6 +609,7 @@ def main() -> int:
         raw = {"header": header, "cpu_capability": cap, "args": {k: (str(v) if isinstance(v, Path) else v)
                                                                   for k, v in vars(args).items() if k != "child"},
                "runs": runs, "env": env_all, "results": {str(k): v for k, v in results.items()},
+               "repeats": {str(k): v for k, v in repeats.items()},
                "elapsed_s": elapsed, "loadavg": [load_start[0], load_end[0]]}
         out.with_suffix(".json").write_text(json.dumps(raw, indent=1))
         _log(f"wrote {out} and {out.with_suffix('.json').name}")

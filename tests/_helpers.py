@@ -19,16 +19,22 @@ NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 QMAX = 127.0
 
 
-def ns_float64(x: torch.Tensor, coefficients=NS_COEFFICIENTS, steps: int = 5, eps: float = 1e-7) -> torch.Tensor:
+def ns_float64(x: torch.Tensor, coefficients=NS_COEFFICIENTS, steps: int = 5, eps: float = 1e-7,
+               norm_safety: float = 1.0) -> torch.Tensor:
     """The quintic Newton-Schulz iteration of torch.optim.Muon, evaluated in float64 (the
-    "exact" target both bf16 implementations approximate)."""
-    a, b, c = coefficients
+    "exact" target both bf16 implementations approximate).
+
+    ``coefficients``: one ``(a, b, c)`` used at every iteration, or a per-iteration schedule
+    ``((a_0, b_0, c_0), ...)`` (iteration ``i`` uses entry ``min(i, len - 1)``, e.g. Polar
+    Express's); the input is divided by ``norm_safety * ||x||_F`` (1.01 for Polar Express)."""
+    schedule = [tuple(coefficients)] if not isinstance(coefficients[0], (tuple, list)) else list(coefficients)
     x = x.double()
     transposed = x.shape[0] > x.shape[1]
     if transposed:
         x = x.T
-    x = x / x.norm().clamp(min=eps)
-    for _ in range(steps):
+    x = x / (norm_safety * x.norm().clamp(min=eps))
+    for i in range(steps):
+        a, b, c = schedule[min(i, len(schedule) - 1)]
         gram = x @ x.T
         poly = b * gram + c * gram @ gram
         x = a * x + poly @ x

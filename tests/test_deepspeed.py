@@ -5,8 +5,9 @@ single-process path.
 
 One 2-process launch (``torch.distributed.run``, gloo, DeepSpeed's CPU accelerator) runs every
 multi-process scenario, because each process start imports DeepSpeed: ZeRO stages 0, 1 and 2,
-bf16 at ZeRO 2, checkpoint save / continue / load / continue at stages 0 and 2, and
-``Trainer(strategy=QMuonDeepSpeedStrategy)``. This file is also that worker
+the Newton-Schulz options (``ns_dtype="fp32"`` at ZeRO 1, ``ns_coefficients="polar_express"`` with
+``ns_steps=6`` at ZeRO 2), bf16 at ZeRO 2, checkpoint save / continue / load / continue at stages
+0 and 2, and ``Trainer(strategy=QMuonDeepSpeedStrategy)``. This file is also that worker
 (``python tests/test_deepspeed.py --worker OUT``). The worker only trains and saves what it holds
 with ``torch.save`` (``OUT/rank{r}.pt``): per rank and scenario, the parameters (after the first
 step and at the end), the optimizer state it keeps (the quantized momentum of the matrices it owns,
@@ -21,9 +22,10 @@ Tolerances. Exact (``torch.equal``) wherever the design makes the result exact (
 "Tests"): DeepSpeed's 2-rank gradient average is the reference's, whichever order it uses
 (``(g0 + g1) / 2`` and ``g0 / 2 + g1 / 2`` round to the same number: halving is exact), the owner
 runs QMuon's own update on the whole matrix with QMuon's stochastic-rounding keys, and the NS output
-is applied with the same elementwise operations. The one tolerance is the yardstick check that the applied update *is* Newton-Schulz of
-the gradient (so an optimizer that silently ran SGD or skipped NS in both paths cannot pass):
-:data:`NS_YARDSTICK_RTOL`.
+is applied with the same elementwise operations (in the NS dtype: fp32 NS outputs travel back as
+fp32). The one tolerance is the yardstick check that the applied update *is* Newton-Schulz of the
+gradient with the configured options (so an optimizer that silently ran SGD, skipped NS or ignored
+an NS option in both paths cannot pass): :func:`_assert_is_newton_schulz`.
 """
 
 from __future__ import annotations
@@ -49,12 +51,12 @@ from _helpers import (  # tests/ is on sys.path: pytest's prepend mode, or this 
     torch_adjusted_lr,
 )
 
-ROOT = REPO
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(REPO))
 
 deepspeed = pytest.importorskip("deepspeed") if __name__ != "__main__" else None
 
 import qmuon_lightning as ql  # noqa: E402
+from qmuon_lightning.core.newton_schulz import resolve_ns_dtype, resolve_schedule  # noqa: E402
 from qmuon_lightning.integrations import deepspeed as qds  # noqa: E402
 from qmuon_lightning.models.decoder_lm import DecoderLM, DecoderLMConfig  # noqa: E402
 
@@ -78,6 +80,22 @@ OPT_KW = dict(lr=0.02, weight_decay=0.1, state_format="int8", rounding="stochast
 #: rules out, measured on the same gradients: an SGD step (the gradient itself) is off by >= 99%,
 #: the normalized momentum (NS skipped) by >= 87%, 3 NS iterations instead of 5 by >= 24%.
 NS_YARDSTICK_RTOL = 0.1
+#: The same yardstick for ns_dtype="fp32": measured 1.1e-6 - 4.8e-6 (muon and polar_express; the int8
+#: momentum rounding does not reach the first update), where bf16 NS is >= 1.1e-2 off on every part.
+#: Bound 1e-4: it also proves the NS ran in fp32.
+NS_YARDSTICK_RTOL_FP32 = 1e-4
+#: Another schedule in bf16 (polar_express, 6 steps): the float64 yardstick of the same schedule is
+#: 1.1-10.0% off (Polar Express lifts the smallest singular directions of these near-rank-deficient
+#: matrices to ~1, so their bf16 rounding weighs more than with Muon's quintic), too close to 0.1 for
+#: a bound; float64 Muon NS (5 steps) is 19.6-32.1% off. Required: every part at least this many times
+#: closer to its own schedule than to Muon's (measured >= 2.9). SGD (>= 99% off both) or a skipped
+#: NS (>= 87%) gives a ratio near 1.
+NS_YARDSTICK_SCHEDULE_RATIO = 2.0
+#: The Newton-Schulz option runs: worker scenario -> (ZeRO stage, QMuon options).
+NS_OPTION_RUNS = {
+    "ns_fp32": (1, {"ns_dtype": "fp32"}),
+    "ns_polar": (2, {"ns_coefficients": "polar_express", "ns_steps": 6}),
+}
 
 
 def _model(seed: int = 0) -> DecoderLM:
@@ -140,7 +158,7 @@ def test_config_accepted_and_path(tmp_path):
     path = tmp_path / "ds.json"
     path.write_text(json.dumps(cfg))
     assert qds.check_config(path)["zero_optimization"]["stage"] == 2
-    shipped = ROOT / "examples" / "ds_config_zero2.json"
+    shipped = REPO / "examples" / "ds_config_zero2.json"
     if shipped.exists():
         assert qds.check_config(shipped)["zero_optimization"]["stage"] == 2
 
@@ -276,19 +294,20 @@ def _ref_state(opt) -> dict:
     return {"muon": muon, "adamw": adamw}
 
 
-def _reference(steps: int, bf16: bool = False) -> dict:
+def _reference(steps: int, bf16: bool = False, **ns) -> dict:
     """Single-process QMuon fed what DeepSpeed feeds: the mean of the two ranks' micro-batch
     gradients, ``(g0 + g1) / 2`` (DeepSpeed divides by the world size, then sums: the same number
     for 2 ranks, since halving is exact). ``bf16``: DeepSpeed's bf16 ZeRO 2, emulated: the model
     runs in bf16 (bf16 gradients, averaged in bf16), QMuon steps fp32 master weights that start as
     the bf16 weights, and the model gets the master weights rounded to bf16 after every step.
+    ``ns``: Newton-Schulz options of the QMuon (``ns_dtype``, ``ns_coefficients``, ``ns_steps``).
 
     Returns the initial weights, per step the averaged gradients, weights and optimizer state (all
     in ``model.parameters()`` order, state by QMuon index), the bf16 model weights (``bf16``), and
     per QMuon index its group and position in ``model.parameters()``.
     """
     model = _model()
-    opt = ql.build_optimizer(model, **OPT_KW)
+    opt = ql.build_optimizer(model, **OPT_KW, **ns)
     run = model
     if bf16:
         run = copy.deepcopy(model).bfloat16()
@@ -323,8 +342,8 @@ def _reference(steps: int, bf16: bool = False) -> dict:
     trace["parts"] = {i: len(g["parts"] or (1,)) for i, (g, _) in enumerate(trace["index"]) if g["use_muon"]}
     # The yardstick itself must be Muon: were QMuon's core broken (SGD, NS skipped) in this process as
     # well, every exact comparison with it would still hold.
-    errs = _ns_yardstick_errors(trace["init"], trace["params"][0], trace["grads"][0], trace["index"])
-    assert len(errs) == 21 and max(errs.values()) < NS_YARDSTICK_RTOL, f"the reference is not Muon: {errs}"
+    _assert_is_newton_schulz(trace["init"], trace["params"][0], trace["grads"][0], trace["index"],
+                             f"the reference (options {ns}) is not Muon")
     return trace
 
 
@@ -380,34 +399,69 @@ def _ns_yardstick_errors(init: list[torch.Tensor], first: list[torch.Tensor], gr
                          index: list) -> dict[str, float]:
     """Relative error of each Muon part's first-step update, recovered from the weights, against
     float64 Newton-Schulz of the averaged gradient (from zero momentum the Nesterov NS input is
-    (1 - beta^2) g, up to int8 rounding; NS normalizes the scale away)."""
+    (1 - beta^2) g, up to int8 rounding; NS normalizes the scale away), with the group's
+    ``ns_coefficients`` and ``ns_steps``."""
     errs = {}
     for i, (g, pos) in enumerate(index):
         if not g["use_muon"]:
             continue
         p0, p1, grad = init[pos].double(), first[pos].double(), grads[pos].double()
         lr, wd = g["lr"], g["weight_decay"]
+        schedule = resolve_schedule(g["ns_coefficients"], g["ns_steps"])  # the group's own NS options
         update = p0 * (1.0 - lr * wd) - p1
         cols = p0[0].numel()
         r0 = 0
         for k, rows in enumerate(g["parts"] or (p0.shape[0],)):
             rs = slice(r0, r0 + rows)
             r0 += rows
-            want = ns_float64(grad[rs].reshape(rows, cols))
+            want = ns_float64(grad[rs].reshape(rows, cols), schedule.coefficients, g["ns_steps"],
+                              norm_safety=schedule.norm_safety)
             got = update[rs].reshape(rows, cols) / torch_adjusted_lr(lr, g["adjust_lr_fn"], rows, cols)
             errs[f"{i}.{k}"] = ((got - want).norm() / want.norm()).item()
     return errs
 
 
+def _assert_is_newton_schulz(init: list[torch.Tensor], first: list[torch.Tensor], grads: list[torch.Tensor],
+                             index: list, what: str) -> None:
+    """The first update of every Muon part is Newton-Schulz of the averaged gradient with the
+    groups' options (all Muon groups share them here): within :data:`NS_YARDSTICK_RTOL_FP32` of
+    float64 NS for ``ns_dtype="fp32"``; for bf16, within :data:`NS_YARDSTICK_RTOL` with the
+    ``"muon"`` 5-step schedule, or :data:`NS_YARDSTICK_SCHEDULE_RATIO` times closer to another
+    schedule than to float64 Muon NS."""
+    errs = _ns_yardstick_errors(init, first, grads, index)
+    assert len(errs) == 21, f"{what}: {len(errs)} Muon parts, expected 21"
+    g = next(g for g, _ in index if g["use_muon"])
+    if resolve_ns_dtype(g["ns_dtype"]) == torch.float32:
+        assert max(errs.values()) < NS_YARDSTICK_RTOL_FP32, f"{what}: fp32 NS vs float64 NS: {errs}"
+    elif resolve_schedule(g["ns_coefficients"], g["ns_steps"]) == resolve_schedule("muon", 5):
+        assert max(errs.values()) < NS_YARDSTICK_RTOL, f"{what}: bf16 NS vs float64 NS: {errs}"
+    else:
+        as_muon = [({**grp, "ns_coefficients": "muon", "ns_steps": 5}, pos) for grp, pos in index]
+        muon = _ns_yardstick_errors(init, first, grads, as_muon)
+        ratio = {k: muon[k] / max(errs[k], 1e-30) for k in errs}
+        assert min(ratio.values()) > NS_YARDSTICK_SCHEDULE_RATIO, \
+            f"{what}: error vs float64 Muon NS / error vs float64 NS of the configured schedule: {ratio}"
+
+
 # ============================================================================ 2-process worker
-def _engine(stage: int, seed: int = 0, bf16: bool = False):
+def _engine(stage: int, seed: int = 0, bf16: bool = False, **ns):
     model = _model(seed)
     # gradient_clipping: DeepSpeed clips to norm 1.0 unless told otherwise; the reference does not clip.
     cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "steps_per_print": 10 ** 9,
            "gradient_clipping": 0.0, "bf16": {"enabled": bf16},
            "zero_optimization": {"stage": stage, "reduce_bucket_size": 500, "allgather_bucket_size": 500}}
-    engine, opt, _, _ = qds.initialize(model, ql.build_optimizer(model, **OPT_KW), cfg)
+    engine, opt, _, _ = qds.initialize(model, ql.build_optimizer(model, **OPT_KW, **ns), cfg)
     return engine, opt
+
+
+def _stage_run(engine, opt, rank: int) -> dict:
+    """STEPS steps; the weights before, after the first and after the last step, the state, the NS calls."""
+    init = _params(engine.module)
+    calls = _train(engine, opt, range(1), rank)
+    first = _params(engine.module)
+    calls += _train(engine, opt, range(1, STEPS), rank)
+    return {"init": init, "first": first, "params": _params(engine.module), "state": _state(opt),
+            "ns_items": calls, "zero_class": type(engine.optimizer).__name__, **_layout(opt)}
 
 
 def _train(engine, opt, steps, rank) -> list[dict[int, int]]:
@@ -468,12 +522,13 @@ def worker(out_dir: str) -> None:
             res["ops_at_init"] = {"backend": type(ds_comm.cdb).__name__,
                                   "shm_comm_op": repr(getattr(ds_comm.cdb, "shm_comm_op", "missing")),
                                   "compatible": sorted(k for k, v in ds_ops.__compatible_ops__.items() if v)}
-        init = _params(engine.module)
-        calls = _train(engine, opt, range(1), rank)
-        first = _params(engine.module)
-        calls += _train(engine, opt, range(1, STEPS), rank)
-        res[f"stage{stage}"] = {"init": init, "first": first, "params": _params(engine.module), "state": _state(opt),
-                                "ns_items": calls, "zero_class": type(engine.optimizer).__name__, **_layout(opt)}
+        res[f"stage{stage}"] = _stage_run(engine, opt, rank)
+        del engine, opt
+    # The Newton-Schulz options, with the NS options of the optimizer that runs NS (the inner QMuon).
+    for key, (stage, ns) in NS_OPTION_RUNS.items():
+        engine, opt = _engine(stage, **ns)
+        res[key] = {**_stage_run(engine, opt, rank),
+                    "ns_options": [{k: g[k] for k in ns} for g in opt.inner.param_groups if g["use_muon"]]}
         del engine, opt
     # bf16 parameters at ZeRO 2: fp32 master partitions, bf16 model weights.
     engine, opt = _engine(2, bf16=True)
@@ -610,8 +665,7 @@ def test_zero_stage_matches_single_process(two_process_run, reference, stage):
         _check_params(r["params"], reference["params"][-1], f"stage {stage} rank {rank}: weights after {STEPS} steps")
     _check_state([r["state"] for r in runs], r0["owner"], r0["holders"], reference["state"][-1], f"stage {stage}")
     _check_ns_items([r["ns_items"] for r in runs], r0["owner"], reference["parts"], f"stage {stage}")
-    errs = _ns_yardstick_errors(r0["init"], r0["first"], reference["grads"][0], reference["index"])
-    assert len(errs) == 21 and max(errs.values()) < NS_YARDSTICK_RTOL, errs
+    _assert_is_newton_schulz(r0["init"], r0["first"], reference["grads"][0], reference["index"], f"stage {stage}")
     # The work and the momentum are split, not replicated: both ranks own matrices, and their momentum
     # bytes add up to one QMuon's.
     assert set(r0["owner"].values()) == set(range(WORLD)), f"owners {r0['owner']}"
@@ -622,6 +676,34 @@ def test_zero_stage_matches_single_process(two_process_run, reference, stage):
         # one matrix of each of the 3 Muon groups (plain, fused qkv, fused gate_up) crosses the boundary
         split = [i for i in r0["owner"] if sum(h is not None for h in r0["holders"][i]) > 1]
         assert len(split) == 3, split
+
+
+@pytest.mark.parametrize("scenario", list(NS_OPTION_RUNS))
+def test_ns_options_match_single_process(two_process_run, reference, scenario):
+    """The Newton-Schulz options give the single-process update under DeepSpeed: ``ns_dtype="fp32"``
+    at ZeRO 1 (fp32 NS outputs go back to the slice holders as fp32) and ``ns_coefficients=
+    "polar_express"`` with ``ns_steps=6`` at ZeRO 2, each against a single-process QMuon with the same
+    options: weights after the first and the last of STEPS steps on both ranks and every matrix's
+    momentum and AdamW slice, exact; NS once per matrix part per step. The option is in effect: the
+    first update is NS with these options (:func:`_assert_is_newton_schulz`), not the default one."""
+    stage, ns = NS_OPTION_RUNS[scenario]
+    ref = _reference(STEPS, **ns)
+    runs = _scenario(two_process_run, scenario)
+    r0 = runs[0]
+    assert r0["mode"] == "partitioned" and r0["zero_class"] == "DeepSpeedZeroOptimizer"
+    assert all(opts == ns for r in runs for opts in r["ns_options"]), [r["ns_options"] for r in runs]
+    for rank, r in enumerate(runs):
+        where = f"{scenario} (ZeRO {stage}) rank {rank}"
+        _check_params(r["init"], ref["init"], f"{where}: initial weights")
+        _check_params(r["first"], ref["params"][0], f"{where}: weights after step 1")
+        _check_params(r["params"], ref["params"][-1], f"{where}: weights after {STEPS} steps")
+    _check_state([r["state"] for r in runs], r0["owner"], r0["holders"], ref["state"][-1], scenario)
+    _check_ns_items([r["ns_items"] for r in runs], r0["owner"], ref["parts"], scenario)
+    _assert_is_newton_schulz(r0["init"], r0["first"], ref["grads"][0], ref["index"], f"{scenario}: 2-process update")
+    # ... and changes the arithmetic: every Muon matrix's first update differs from the default options'.
+    muon = [pos for g, pos in ref["index"] if g["use_muon"]]
+    same = [pos for pos in muon if torch.equal(ref["params"][0][pos], reference["params"][0][pos])]
+    assert not same, f"{scenario}: parameters {same} took the default options' first step"
 
 
 def _optimizer_files(d: str, stage: int) -> list[dict]:
@@ -775,7 +857,7 @@ def test_example_under_deepspeed_launcher(tmp_path):
     if launcher is None:
         pytest.skip("the deepspeed launcher is not on PATH")
     a, b = tmp_path / "a", tmp_path / "b"
-    example = str(ROOT / "examples" / "deepspeed_train.py")
+    example = str(REPO / "examples" / "deepspeed_train.py")
 
     def launch(save_dir: Path, *extra: str) -> None:
         cmd = [launcher, "--num_gpus", "2", "--master_port", str(free_port()), example, "--d-model", "64",
