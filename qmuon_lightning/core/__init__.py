@@ -1,8 +1,18 @@
-"""Device- and driver-independent building blocks of QMuon.
+"""The Muon step, written once, for every driver (docs/core.md).
 
-:mod:`.newton_schulz`: the Newton-Schulz engine (coefficient schedules incl. Polar Express, the NS
-compute dtype with ``ns_dtype="auto"``, the folded batched iteration and its textbook reference).
+* :mod:`.config`: :class:`QMuonConfig` (every QMuon argument, one set of defaults, validation) and
+  :func:`check_resume` (the one compatibility check of saved Muon state);
+* :mod:`.plan`: the matrices and fused parts of a parameter and their learning-rate factors;
+* :mod:`.pipeline`: momentum through the state format, same-shape Newton-Schulz batching within a
+  memory budget, apply;
+* :mod:`.newton_schulz`: the Newton-Schulz engine (coefficient schedules incl. Polar Express, the NS
+  compute dtype with ``ns_dtype="auto"``, the folded batched iteration and its textbook reference).
+
+``QMuon`` (``optim``), the sharded step (``distributed``), the DeepSpeed optimizer
+(``integrations``) and the fidelity monitor (``callbacks``) call these functions.
 """
+
+from .config import DEFAULT_CONFIG, QMuonConfig, ResumeMismatch, check_resume
 
 from .newton_schulz import (
     MUON_COEFFICIENTS,
@@ -21,7 +31,21 @@ from .newton_schulz import (
     resolve_schedule,
 )
 
+from .pipeline import NSItem, NSSettings, orthogonalize
+from .plan import MatrixPart, ParamPlan, adjusted_lr, plan_param
+
 __all__ = [
+    "DEFAULT_CONFIG",
+    "QMuonConfig",
+    "ResumeMismatch",
+    "check_resume",
+    "NSItem",
+    "NSSettings",
+    "orthogonalize",
+    "MatrixPart",
+    "ParamPlan",
+    "adjusted_lr",
+    "plan_param",
     "MUON_COEFFICIENTS",
     "NS_DTYPE_ENV",
     "NS_DTYPES",
