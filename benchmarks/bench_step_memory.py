@@ -26,21 +26,35 @@ optimizer state; on CUDA ``torch.cuda.max_memory_allocated`` / ``max_memory_rese
 Judged: process peak minus ``torch.Muon``'s, in bytes per Muon-routed parameter element, against
 the targets int8 <= -2.5 B/param and grasp4 <= -3.0 B/param at every model size.
 
+Noise: with glibc's default (dynamic) mmap threshold, freed tensors below the threshold stay in the
+heap, so RSS is live bytes plus retained free memory, and the peak of one configuration varies from
+process to process (measured at 8 layers: torch.Muon 831-850 MiB over 3 processes). ``--repeats N``
+runs every configuration N times (interleaved) and reports the median; ``--env
+MALLOC_MMAP_THRESHOLD_=131072`` fixes the threshold, so large tensors are unmapped when freed and RSS
+tracks live tensor bytes (the same configuration then repeats to within ~1 MiB).
+
 Experiments without editing the library:
 
 * ``--env KEY=VAL`` (repeatable) sets an environment variable in every child, e.g.
   ``--env QMUON_BACKEND=reference``.
-* ``--variant JSON`` (repeatable) adds a run: ``{"name": "int8-cap", "optimizer": "qmuon-int8",
-  "kwargs": {...}, "env": {"KEY": "VAL"}, "patch": {"qmuon_lightning.optim.qmuon:NS_BATCH_MAX_ELEMENTS":
-  "largest"}}``. ``patch`` sets module attributes in the child before the optimizer is built (a
-  benchmark-side monkeypatch, reported as such); the value ``"largest"`` is the element count of the
-  largest Muon matrix (a fused matrix's largest part).
+* ``--variant JSON`` (repeatable) adds a run: ``{"name": "int8-b4", "optimizer": "qmuon-int8",
+  "kwargs": {"batch_budget": 4}, "env": {"KEY": "VAL"}, "patch": {"module.path:ATTR": value}}``.
+  ``patch`` sets module attributes in the child before the optimizer is built (a benchmark-side
+  monkeypatch, reported as such; a missing attribute is an error before any child starts); the
+  value ``"largest"`` stands for the element count of the largest Muon matrix (a fused matrix's
+  largest part). ``env`` can point ``PYTHONPATH`` at another source tree or at a directory with a
+  ``sitecustomize.py`` that installs a prototype.
 
     python benchmarks/bench_step_memory.py                      # 8 and 16 layers, writes results/step_memory.md
-    python benchmarks/bench_step_memory.py --layers 8 --steps 2 --no-write            # quick look
-    python benchmarks/bench_step_memory.py --qmuon-kwargs '{"ns_input": "mxfp8"}' --optimizers torch.Muon,qmuon-int8
-    python benchmarks/bench_step_memory.py --variant '{"name": "int8-cap", "optimizer": "qmuon-int8",
-        "patch": {"qmuon_lightning.optim.qmuon:NS_BATCH_MAX_ELEMENTS": "largest"}}'
+    python benchmarks/bench_step_memory.py --layers 8 --no-write                       # quick look
+    python benchmarks/bench_step_memory.py --repeats 3 --optimizers torch.Muon,qmuon-int8,qmuon-grasp4
+    python benchmarks/bench_step_memory.py --env MALLOC_MMAP_THRESHOLD_=131072 --out benchmarks/results/step_memory_mmap.md
+    python benchmarks/bench_step_memory.py --qmuon-kwargs '{"ns_dtype": "fp32"}' --optimizers torch.Muon,qmuon-int8
+    python benchmarks/bench_step_memory.py --optimizers torch.Muon \
+        --variant '{"name": "int8 budget 4", "optimizer": "qmuon-int8", "kwargs": {"batch_budget": 4}}'
+    # another commit's library, unchanged script:
+    git archive <commit> qmuon_lightning csrc | tar -x -C /tmp/snap && git rev-parse <commit> > /tmp/snap/.source_commit
+    PYTHONPATH=/tmp/snap python benchmarks/bench_step_memory.py --out benchmarks/results/step_memory_<commit>.md
 """
 
 from __future__ import annotations
@@ -455,8 +469,6 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     header = header_lines("Peak memory of a training step (DecoderLM, one process per optimizer)")
     cap = torch.backends.cpu.get_cpu_capability()
-    import platform as _pf
-
     t_start = time.perf_counter()
     load_start = os.getloadavg()
     results: dict[int, dict[str, dict[str, Any]]] = {}
@@ -496,7 +508,7 @@ def main() -> int:
     # ---- report
     any_cuda = any(res.get("device", "").startswith("cuda") for per in results.values() for res in per.values())
     lines = list(header)
-    lines.insert(-1, f"- CPU capability (`torch.backends.cpu.get_cpu_capability()`): {cap}; libc {' '.join(_pf.libc_ver())}; "
+    lines.insert(-1, f"- CPU capability (`torch.backends.cpu.get_cpu_capability()`): {cap}; libc {' '.join(platform.libc_ver())}; "
                      f"1-min load average at start / end {load_start[0]:.1f} / {load_end[0]:.1f}; total run time {elapsed:.0f}s")
     lines.insert(-1, "- library imported from: " + _library_source())
     if env_all:
@@ -517,7 +529,10 @@ def main() -> int:
         + f". Peak RSS per phase: {method}; *peak* is the maximum over all phases of the process "
         "(imports included), *step peak* that of the `optimizer.step()` calls, *step transient* the most any "
         "`optimizer.step()` rose above the RSS just before it. *state* counts the optimizer state tensors "
-        "(all parameters) after the last step.",
+        "(all parameters) after the last step. RSS includes memory glibc keeps after `free` (default dynamic mmap "
+        "threshold), so a single process's peak varies by about +-10 MiB at these sizes"
+        + (f"; each configuration ran {args.repeats} times (interleaved) and the table shows the run with the median peak."
+           if args.repeats > 1 else "; use `--repeats 3` when a verdict is within that."),
         "",
         "`torch.Muon`: `torch.optim.Muon` on the parameters `route_parameters` sends to Muon (it orthogonalizes "
         "the fused qkv / gate_up matrices whole) plus `torch.optim.AdamW` on the rest with build_optimizer's "

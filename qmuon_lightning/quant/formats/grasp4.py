@@ -173,14 +173,19 @@ def _low_rank(fq: dict[str, Tensor]) -> Tensor:
 
 
 def grasp_encode(m: Tensor, q: Tensor, opts: FormatOptions, *, stream: int = -1, row_offset: int = 0,
-                 iters: int = 1) -> dict[str, Tensor]:
-    """fp32 momentum -> grasp4 tensors, starting the power iteration from ``q`` (cols x k)."""
+                 iters: int = 1, consume: bool = False) -> dict[str, Tensor]:
+    """fp32 momentum -> grasp4 tensors, starting the power iteration from ``q`` (cols x k).
+
+    ``consume=True``: ``m`` (fp32, the caller's scratch) is overwritten with the residual instead
+    of a new full-size tensor being allocated for it (same values)."""
     m = m.float()
     p, r = power_iteration(m, q)
     for _ in range(iters - 1):
         p, r = power_iteration(m, r)
     out = _factors_q(p, r, stream, row_offset)
-    res = m - _low_rank(out)
+    low = _low_rank(out)
+    res = m.sub_(low) if consume else m - low
+    del low
     packed, row_max, col_max, t = torch.ops.qmuon.grid_quantize4(res, opts.grid_block, stream, row_offset)
     out.update({PACKED: packed, GRID_ROW: row_max, GRID_COL: col_max, GRID_SCALE: t})
     return out
@@ -196,7 +201,18 @@ def grasp_decode(state: dict[str, Tensor], opts: FormatOptions) -> Tensor:
     cols = r.shape[0]
     res = torch.ops.qmuon.grid_dequantize4(
         state[PACKED], state[GRID_ROW], state[GRID_COL], state[GRID_SCALE], opts.grid_block, cols)
-    return (p @ r.T + res).contiguous()
+    return res.add_(p @ r.T)  # = P R^T + res (fp32 addition commutes); no third full-size tensor
+
+
+def _lerp_into(start: Tensor, end: Tensor, dest: Tensor, weight: float, scratch: Tensor) -> None:
+    """``dest = ref._lerp_fp32(start, end, weight)`` with every fp32 operation rounded as there, using
+    ``scratch`` (same shape) instead of temporaries; ``dest`` may be ``start`` or ``end``."""
+    w = ref._fp32(weight)
+    torch.sub(end, start, out=scratch)  # diff
+    if abs(w) < 0.5:
+        torch.add(start, scratch.mul_(w), out=dest)
+    else:
+        torch.sub(end, scratch.mul_(ref._fp32(1.0 - w)), out=dest)
 
 
 def _r_prev(st: dict[str, Tensor], cols: int, seed: int, key: int, device: torch.device) -> Tensor:
@@ -238,16 +254,36 @@ class Grasp4Format(StateFormat):
     # ------------------------------------------------------------------ update
     @staticmethod
     def _momentum(st, g2, out, beta, nesterov, opts) -> Tensor:
-        """New fp32 momentum of ``st``'s rows; the NS input goes into ``g2``, its block sums into ``out``."""
-        m_new, ns_input = ref._q8_momentum_and_ns_input(grasp_decode(st, opts), g2.float(), beta, nesterov)
-        g2.copy_(ns_input)
-        out.copy_(ref.block_sumsq(ns_input, opts.block_size))
-        return m_new
+        """New fp32 momentum of ``st``'s rows; the NS input goes into ``g2``, its block sums into ``out``.
+
+        The arithmetic of :func:`~qmuon_lightning.ops.reference._q8_momentum_and_ns_input` and
+        :func:`~qmuon_lightning.ops.reference.block_sumsq`, op for op (the same bits), done in the
+        decoded momentum and one scratch buffer: two fp32 copies of the matrix at a time instead of
+        six, which is what keeps grasp4's step within a few MiB of its state."""
+        m = grasp_decode(st, opts)  # a fresh fp32 tensor: becomes m_new in place
+        g = g2 if g2.dtype == torch.float32 else g2.float()
+        scratch = torch.empty_like(m)
+        _lerp_into(m, g, m, 1.0 - beta, scratch)  # m_new = lerp(m_old, g, 1 - beta)
+        ns = g2 if g2.dtype == torch.float32 else torch.empty_like(m)
+        if nesterov:
+            _lerp_into(g, m, ns, beta, scratch)  # ns = lerp(g, m_new, beta)
+        else:
+            ns.copy_(m)
+        if ns is not g2:
+            g2.copy_(ns)
+        bs = opts.block_size
+        if ns.shape[1] % bs == 0 and ns.is_contiguous():  # square into the scratch (no padding needed)
+            xb = ns.view(ns.shape[0], -1, bs)
+            out.copy_(torch.mul(xb, xb, out=scratch.view(xb.shape)).sum(dim=-1))
+        else:
+            out.copy_(ref.block_sumsq(ns, bs))
+        return m
 
     def update(self, states, grads2d, block_sums, *, beta, nesterov, opts, streams, offsets, keys, seed):
         for st, g2, out, stream, off, key in zip(states, grads2d, block_sums, streams, offsets, keys, strict=True):
             m_new = self._momentum(st, g2, out, beta, nesterov, opts)
-            new = grasp_encode(m_new, _r_prev(st, g2.shape[1], seed, key, g2.device), opts, stream=stream, row_offset=off)
+            new = grasp_encode(m_new, _r_prev(st, g2.shape[1], seed, key, g2.device), opts, stream=stream, row_offset=off,
+                               consume=True)
             for k, v in new.items():
                 st[k].copy_(v)
 
