@@ -60,25 +60,9 @@ collectives in all, each over one flat buffer holding every parameter's piece):
    ``t`` (the compiled ``torch.ops.qmuon.grid_quantize4_with_scale``, which single-process
    ``grid_quantize4`` matches when ``t`` is the matrix's own).
 
-Defaults (``rank=4``, ``grid_block=32``) and why
-------------------------------------------------
-Measured with :func:`qmuon_lightning.optim.fidelity.per_layer_update_cosine` (update cosine vs the
-fp32-state Muon update, mean over steps 4..11, 256x256 / 768x256 matrices, synthetic low-rank +
-noise gradients with 1/16 outlier rows and columns x10, nearest rounding)::
-
-    int8 (block 256)             0.994 / 0.994      int4 (block 128)   0.553 / 0.553
-    e0m3                         0.809 / 0.824      int4 (block 32)    0.62 / 0.68 (stochastic)
-    grasp4 rank 1 / 4 / 8, s=128, bf16 maxima   0.650 / 0.695 / 0.774    0.733 / 0.758 / 0.805
-    grasp4 rank 1 / 4 / 8, s=64,  bf16 maxima   0.740 / 0.778 / 0.841    0.821 / 0.839 / 0.873
-    grasp4 rank 1 / 4 / 8, s=32,  bf16 maxima   0.858 / 0.884 / 0.915    0.912 / 0.921 / 0.936
-    grasp4 rank 2 / 4 / 8, s=32,  UE4M3 maxima  0.849 / 0.870 / 0.904    0.904 / 0.909 / 0.927
-
-The tile size matters most; rank helps steadily. Stochastic rounding lowers every 4-bit format's
-update cosine by 0.05..0.1 on this test (more variance), so nearest is the default. bf16 maxima at
-s=32 would cost 4/32 = 0.125 B/elem; UE4M3 maxima cost 2/32 = 0.0625 and lose ~0.01 cosine. With bf16
-per-row absmax for P and R, rank 4 fits the budget on every GPT-small shape (bytes per element,
-every stored tensor counted): 768x768 0.5782, 2304x768 0.5729, 3072x768 / 768x3072 0.5723
-(int4 0.5312, e0m3 0.5625, int8 1.0156). rank 8 would give 0.594 on 768x768 (over 0.58).
+Defaults: ``rank=4``, ``grid_block=32``: the tile size matters most for the update's fidelity and
+rank 4 keeps every GPT-small shape under 0.58 bytes per element (the measurements behind both are
+in docs/formats.md, "grasp4 defaults").
 """
 from __future__ import annotations
 
