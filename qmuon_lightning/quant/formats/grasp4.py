@@ -156,6 +156,29 @@ def _low_rank(fq: dict[str, Tensor]) -> Tensor:
     return dq8_rows(fq[P_CODES], fq[P_ABSMAX]) @ dq8_rows(fq[R_CODES], fq[R_ABSMAX]).T
 
 
+#: Elements per row chunk of the in-place update's scratch (256 KiB in fp32): the update's transient
+#: memory is one fp32 copy of the matrix (the momentum) plus a chunk, not several full copies.
+_CHUNK_ELEMENTS = 1 << 16
+
+
+def _row_chunks(rows: int, cols: int) -> list[tuple[int, int]]:
+    step = max(1, _CHUNK_ELEMENTS // max(cols, 1))
+    return [(r0, min(rows, r0 + step)) for r0 in range(0, rows, step)]
+
+
+def _add_low_rank_(m: Tensor, p: Tensor, r: Tensor, alpha: float) -> Tensor:
+    """``m += alpha * (p @ r.T)`` row chunk by row chunk (each chunk's product is exactly those rows
+    of the full product, and the addition is elementwise), without a full-size temporary."""
+    rt = r.T
+    for r0, r1 in _row_chunks(*m.shape):
+        low = p[r0:r1] @ rt
+        if alpha == 1.0:
+            m[r0:r1].add_(low)
+        else:
+            m[r0:r1].sub_(low)
+    return m
+
+
 def grasp_encode(m: Tensor, q: Tensor, opts: FormatOptions, *, stream: int = -1, row_offset: int = 0,
                  iters: int = 1, consume: bool = False) -> dict[str, Tensor]:
     """fp32 momentum -> grasp4 tensors, starting the power iteration from ``q`` (cols x k).
@@ -167,9 +190,8 @@ def grasp_encode(m: Tensor, q: Tensor, opts: FormatOptions, *, stream: int = -1,
     for _ in range(iters - 1):
         p, r = power_iteration(m, r)
     out = _factors_q(p, r, stream, row_offset)
-    low = _low_rank(out)
-    res = m.sub_(low) if consume else m - low
-    del low
+    pq, rq = dq8_rows(out[P_CODES], out[P_ABSMAX]), dq8_rows(out[R_CODES], out[R_ABSMAX])
+    res = _add_low_rank_(m if consume else m.clone(), pq, rq, -1.0)  # M - P^q (R^q)^T
     packed, row_max, col_max, t = torch.ops.qmuon.grid_quantize4(res, opts.grid_block, stream, row_offset)
     out.update({PACKED: packed, GRID_ROW: row_max, GRID_COL: col_max, GRID_SCALE: t})
     return out
@@ -185,7 +207,7 @@ def grasp_decode(state: dict[str, Tensor], opts: FormatOptions) -> Tensor:
     cols = r.shape[0]
     res = torch.ops.qmuon.grid_dequantize4(
         state[PACKED], state[GRID_ROW], state[GRID_COL], state[GRID_SCALE], opts.grid_block, cols)
-    return res.add_(p @ r.T)  # = P R^T + res (fp32 addition commutes); no third full-size tensor
+    return _add_low_rank_(res, p, r, 1.0)  # = P R^T + res (fp32 addition commutes), no full-size temporary
 
 
 def _lerp_into(start: Tensor, end: Tensor, dest: Tensor, weight: float, scratch: Tensor) -> None:
@@ -242,25 +264,31 @@ class Grasp4Format(StateFormat):
 
         The arithmetic of :func:`~qmuon_lightning.ops.reference._q8_momentum_and_ns_input` and
         :func:`~qmuon_lightning.ops.reference.block_sumsq`, op for op (the same bits), done in the
-        decoded momentum and one scratch buffer: two fp32 copies of the matrix at a time instead of
-        six, which is what keeps grasp4's step within a few MiB of its state."""
+        decoded momentum and a row-chunk scratch: one fp32 copy of the matrix at a time instead of six,
+        which is what keeps grasp4's step within a few MiB of its state."""
         m = grasp_decode(st, opts)  # a fresh fp32 tensor: becomes m_new in place
         g = g2 if g2.dtype == torch.float32 else g2.float()
-        scratch = torch.empty_like(m)
-        _lerp_into(m, g, m, 1.0 - beta, scratch)  # m_new = lerp(m_old, g, 1 - beta)
         ns = g2 if g2.dtype == torch.float32 else torch.empty_like(m)
-        if nesterov:
-            _lerp_into(g, m, ns, beta, scratch)  # ns = lerp(g, m_new, beta)
-        else:
-            ns.copy_(m)
+        rows, cols = m.shape
+        bs = opts.block_size
+        chunks = _row_chunks(rows, cols)
+        scratch = torch.empty((chunks[0][1] - chunks[0][0]) * cols if chunks else 0, dtype=torch.float32,
+                              device=m.device)
+        for r0, r1 in chunks:  # rows are independent: momentum, blend and row-block sums
+            sc = scratch[: (r1 - r0) * cols].view(r1 - r0, cols)
+            mc, gc, nc = m[r0:r1], g[r0:r1], ns[r0:r1]
+            _lerp_into(mc, gc, mc, 1.0 - beta, sc)  # m_new = lerp(m_old, g, 1 - beta)
+            if nesterov:
+                _lerp_into(gc, mc, nc, beta, sc)  # ns = lerp(g, m_new, beta)
+            else:
+                nc.copy_(mc)
+            if cols % bs == 0:  # square into the scratch (no padding needed)
+                xb = nc.view(r1 - r0, -1, bs)
+                out[r0:r1].copy_(torch.mul(xb, xb, out=sc.view(xb.shape)).sum(dim=-1))
+            else:
+                out[r0:r1].copy_(ref.block_sumsq(nc, bs))
         if ns is not g2:
             g2.copy_(ns)
-        bs = opts.block_size
-        if ns.shape[1] % bs == 0 and ns.is_contiguous():  # square into the scratch (no padding needed)
-            xb = ns.view(ns.shape[0], -1, bs)
-            out.copy_(torch.mul(xb, xb, out=scratch.view(xb.shape)).sum(dim=-1))
-        else:
-            out.copy_(ref.block_sumsq(ns, bs))
         return m
 
     def update(self, states, grads2d, block_sums, *, beta, nesterov, opts, streams, offsets, keys, seed):
