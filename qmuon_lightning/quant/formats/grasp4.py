@@ -221,6 +221,28 @@ def _lerp_into(start: Tensor, end: Tensor, dest: Tensor, weight: float, scratch:
         torch.sub(end, scratch.mul_(ref._fp32(1.0 - w)), out=dest)
 
 
+def _release_freed_heap() -> None:
+    """Hand heap memory freed by the update back to the OS (glibc ``malloc_trim``).
+
+    The update allocates and frees one fp32 matrix per parameter; glibc raises its mmap threshold
+    after the first such free and serves the next ones from the heap, where freed pages stay in
+    the process's RSS. Trimming after the update keeps grasp4's resident memory at what it uses
+    (measured in benchmarks/results/step_memory.md). A no-op where glibc is not the allocator."""
+    global _MALLOC_TRIM
+    if _MALLOC_TRIM is None:
+        try:
+            import ctypes
+
+            _MALLOC_TRIM = ctypes.CDLL("libc.so.6").malloc_trim
+        except (OSError, AttributeError):
+            _MALLOC_TRIM = False
+    if _MALLOC_TRIM:
+        _MALLOC_TRIM(0)
+
+
+_MALLOC_TRIM = None
+
+
 def _r_prev(st: dict[str, Tensor], cols: int, seed: int, key: int, device: torch.device) -> Tensor:
     """``R`` of the last step, or the seeded Gaussian on the first (R is replicated under sharding,
     so every rank decides alike)."""
@@ -298,6 +320,8 @@ class Grasp4Format(StateFormat):
                                consume=True)
             for k, v in new.items():
                 st[k].copy_(v)
+        if grads2d and grads2d[0].device.type == "cpu":
+            _release_freed_heap()
 
     def update_sharded(self, params, states, grads2d, block_sums, *, beta, nesterov, opts, streams, offsets, keys,
                        seed, process_group):
