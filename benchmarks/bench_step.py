@@ -397,17 +397,6 @@ def contention_note(load_start: float, load_end: float, threads: int) -> list[st
 
 
 # ---------------------------------------------------------------------------------------- the CPU
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
 @dataclass
 class CpuInfo:
     model: str
@@ -432,7 +421,7 @@ def cpu_info() -> CpuInfo:
         cap = torch.backends.cpu.get_cpu_capability()
     except Exception:  # pragma: no cover - very old torch
         cap = "unknown"
-    flags = _cpu_flags()
+    flags = ns_mod.cpu_flags() if ns_mod is not None and hasattr(ns_mod, "cpu_flags") else set()
     bf16 = sorted(f for f in flags if f in ("avx512_bf16", "amx_bf16", "amx_tile", "bf16"))
     env = {k: os.environ[k] for k in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", NS_DTYPE_ENV) if os.environ.get(k)}
     if ns_mod is None:

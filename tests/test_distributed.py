@@ -420,7 +420,7 @@ def test_carrier_is_row_local(name):
 
 def test_plan_owners_balances_and_is_deterministic():
     from qmuon_lightning.distributed.orthogonalize import _ShardItem, plan_owners
-    from qmuon_lightning.distributed.sharding import RowLayout, chunk_ranges
+    from qmuon_lightning.quant.layout import RowLayout, chunk_ranges
 
     items = []
     for rows in (64, 64, 64, 64, 3, 1):

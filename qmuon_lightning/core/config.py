@@ -28,8 +28,6 @@ __all__ = [
     "NS_INPUTS",
     "COMM_CARRIERS",
     "COMM_RETURNS",
-    "MUON_GROUP_KEYS",
-    "ADAMW_GROUP_KEYS",
     "STRUCTURAL_KEYS",
     "validate_muon_group",
     "validate_adamw_group",
@@ -174,9 +172,6 @@ def plain_coefficients(spec: Any) -> Any:
 DEFAULT_CONFIG = QMuonConfig()
 
 
-#: Keys of a Muon group (QMuon fills missing ones from its defaults).
-MUON_GROUP_KEYS = tuple(QMuonConfig().muon_group_defaults())
-ADAMW_GROUP_KEYS = ("lr", "betas", "eps", "weight_decay")
 #: Keys that describe how a group is built, not how it is tuned: on ``load_state_dict`` the
 #: constructed optimizer's values win over the checkpoint's (torch would silently take the saved
 #: ones, e.g. switch a run back to the state format or NS precision it was saved with).

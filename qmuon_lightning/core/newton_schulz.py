@@ -318,28 +318,8 @@ _PROBE_N = 256
 _PROBE_REPS = 5
 
 
-def _cpu_description() -> str:
-    model, flags = "unknown CPU", set()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name") and model == "unknown CPU":
-                    model = line.split(":", 1)[1].strip()
-                elif line.startswith("flags") and not flags:
-                    flags = set(line.split(":", 1)[1].split())
-                if flags and model != "unknown CPU":
-                    break
-    except OSError:
-        pass
-    bf16 = sorted(f for f in flags if f in ("avx512_bf16", "amx_bf16", "amx_tile"))
-    try:
-        cap = torch.backends.cpu.get_cpu_capability()
-    except Exception:  # pragma: no cover - very old torch
-        cap = "unknown"
-    return f"CPU {model!r}, ATen CPU capability {cap}, bf16 CPU flags: {', '.join(bf16) or 'none'}"
-
-
-def _cpu_flags() -> set[str]:
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags (``flags`` on x86, ``Features`` on Arm) from /proc/cpuinfo."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -348,6 +328,27 @@ def _cpu_flags() -> set[str]:
     except OSError:
         pass
     return set()
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown CPU"
+
+
+def _cpu_description() -> str:
+    model, flags = _cpu_model(), cpu_flags()
+    bf16 = sorted(f for f in flags if f in ("avx512_bf16", "amx_bf16", "amx_tile"))
+    try:
+        cap = torch.backends.cpu.get_cpu_capability()
+    except Exception:  # pragma: no cover - very old torch
+        cap = "unknown"
+    return f"CPU {model!r}, ATen CPU capability {cap}, bf16 CPU flags: {', '.join(bf16) or 'none'}"
 
 
 def _probe_cpu_bf16() -> tuple[bool, str]:
@@ -361,7 +362,7 @@ def _probe_cpu_bf16() -> tuple[bool, str]:
     Measured bf16 / fp32 time of a 256 x 256 matmul (:func:`measure_cpu_bf16_ratio`): 0.49-0.61 on
     an AVX512-BF16 EPYC, 17-52 with ATen / oneDNN capped at AVX2 (docs/newton_schulz.md).
     """
-    flags = _cpu_flags()
+    flags = cpu_flags()
     try:
         cap = torch.backends.cpu.get_cpu_capability()
     except Exception:  # pragma: no cover - very old torch

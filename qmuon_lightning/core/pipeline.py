@@ -27,7 +27,6 @@ own NS, as in ``torch.optim.Muon``, which orthogonalizes one matrix at a time.
 
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
@@ -307,7 +306,3 @@ def apply_to(param_rows: Tensor, lr: float) -> Callable[[MatrixPart, Tensor], No
         rows.add_(out.view(rows.shape), alpha=-lr * part.lr_scale)
 
     return apply
-
-
-def numel(shape: Sequence[int]) -> int:
-    return math.prod(int(s) for s in shape)

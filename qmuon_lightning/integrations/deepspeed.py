@@ -313,6 +313,7 @@ class WholeMatrixZeroOptimizer(Optimizer):
         self._inner.update_sink = self._capture
         self._proxy_index = {id(proxy): info.index for info, proxy in zip(self._params, self._proxies)}
         self._out: dict[int, Tensor] = {}
+        self._ret_dtype = torch.bfloat16
         #: NS items (matrices or fused parts) orthogonalized in the last call, per Muon parameter index.
         self._ns_items_call: dict[int, int] = defaultdict(int)
         # The QMuon's own group dicts (torch's add_param_group keeps the dict objects): DeepSpeed swaps
@@ -513,6 +514,7 @@ class WholeMatrixZeroOptimizer(Optimizer):
 
         # 2. the owner's QMuon update (momentum + whole-matrix NS), AdamW on this rank's slices.
         self._sync_inner_groups()
+        ret_dtype = self._ret_dtype = self._return_dtype()  # once per call: every capture and the all-to-all use it
         out = self._out = {}
         self._ns_items_call.clear()
         for info, proxy in zip(self._params, self._proxies):
@@ -560,7 +562,7 @@ class WholeMatrixZeroOptimizer(Optimizer):
             send_sizes.append(n)
         recv_sizes = [sum(p.holders[self._rank].length for p in by_owner[s] if p.holders[self._rank] is not None)
                       for s in range(self._world)]
-        recv = self._all_to_all(send, send_sizes, recv_sizes, self._return_dtype())
+        recv = self._all_to_all(send, send_sizes, recv_sizes, ret_dtype)
         at = 0
         for s in range(self._world):
             for p in by_owner[s]:
@@ -577,7 +579,7 @@ class WholeMatrixZeroOptimizer(Optimizer):
         info = self._params[index]
         buf = self._out.get(index)
         if buf is None:
-            buf = self._out[index] = torch.empty(info.shape, dtype=self._return_dtype(), device=o.device)
+            buf = self._out[index] = torch.empty(info.shape, dtype=self._ret_dtype, device=o.device)
         rows = buf[part.r0: part.r1]
         rows.copy_(o.reshape(rows.shape))
         self._ns_items_call[index] += 1

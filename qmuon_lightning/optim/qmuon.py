@@ -32,6 +32,7 @@ from ..core.config import (
     validate_adamw_group,
     validate_muon_group,
 )
+from ..core.newton_schulz import MUON_COEFFICIENTS
 from ..core.pipeline import NSItem, is_dtensor, local
 from ..core.plan import MatrixPart, ParamPlan, adjusted_lr, plan_param
 from ..quant import state as qstate
@@ -44,8 +45,7 @@ log = logging.getLogger(__name__)
 #: Version of the optimizer state layout written by ``state_dict()``.
 FORMAT_VERSION = 1
 #: torch.optim.Muon's quintic coefficients (the ``"muon"`` preset of ``ns_coefficients``).
-DEFAULT_NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
-_STRUCTURAL_KEYS = STRUCTURAL_KEYS
+DEFAULT_NS_COEFFICIENTS = MUON_COEFFICIENTS
 
 #: ``QMuon.update_sink(param, part, out)``: receives a Muon update instead of it being applied.
 UpdateSink = Callable[[Tensor, MatrixPart, Tensor], None]
@@ -300,12 +300,13 @@ class QMuon(Optimizer):
             for j, s in zip(sel, sums):
                 block_sums[j] = s
         lr, wd = float(group["lr"]), float(group["weight_decay"])
+        settings_on: dict[torch.device, pipeline.NSSettings] = {}
         for p, plan, g2, grad, sums in zip(params, plans, inputs.grads2d, grads, block_sums):
             if g2.data_ptr() != grad.data_ptr():
                 grad.copy_(g2.view(grad.shape))  # keep the contract: .grad holds the NS input
             p_local = local(p)
             p_local.mul_(1.0 - lr * wd)
-            settings = pipeline.ns_settings(group, g2.device)
+            settings = settings_on.get(g2.device) or settings_on.setdefault(g2.device, pipeline.ns_settings(group, g2.device))
             if is_dtensor(p):
                 sharded.add(p, plan, p_local, g2, sums, group, settings)  # whole-matrix NS across ranks
                 continue
@@ -381,7 +382,7 @@ class QMuon(Optimizer):
                     f"{len(cur['params'])}; build the optimizer the same way it was built when saved"
                 )
             merged = {k: v for k, v in saved.items() if k != "qmuon_version"}
-            for k in _STRUCTURAL_KEYS:
+            for k in STRUCTURAL_KEYS:
                 merged[k] = cur[k]
             if cur["use_muon"] and "state_format" in saved:  # a QMuon checkpoint: the one resume check
                 check_resume({**cur, **saved}, cur, where=f"param group {gi}", allow_format_change=True)
