@@ -4,6 +4,7 @@ Built on :class:`lightning.pytorch.cli.LightningCLI`::
 
     qmuon-train fit --config recipes/cpu/smoke.yaml                       # train
     qmuon-train fit --config recipes/cpu/smoke.yaml --ckpt_path last      # resume from last.ckpt
+    qmuon-train fit --config recipes/cpu/smoke.yaml --ckpt_path auto      # resume if there is a checkpoint
     qmuon-train fit --config base.yaml --config run.yaml --model.optimizer.state_format=grasp4
     qmuon-train fit --config recipes/cpu/smoke.yaml --print_config        # the merged config
     qmuon-train validate --config recipes/cpu/smoke.yaml --ckpt_path last
@@ -23,12 +24,19 @@ Built on :class:`lightning.pytorch.cli.LightningCLI`::
 * A :class:`~qmuon_lightning.callbacks.summary.TrainSummary` is always added (``summary.filename``).
 * A ``TensorBoardLogger`` in the config is skipped with a warning when tensorboard is not installed.
 * ``strategy: qmuon_fsdp`` is available because this module imports ``qmuon_lightning.strategies``.
+* ``fit --ckpt_path auto`` (the recipes set it): resume from the newest *complete* checkpoint in the
+  ``ModelCheckpoint`` folder (single file or sharded directory), or start a new run when there is
+  none; the same command restarts a killed run (by hand, ``torchrun --max-restarts``, a scheduler).
+  ``last`` also skips incomplete files, and an explicit path that is incomplete fails naming what
+  is missing (:mod:`qmuon_lightning.distributed.resume`, docs/reliability.md).
 """
 
 from __future__ import annotations
 
+import re
 import warnings
-from typing import Any
+from pathlib import Path
+from typing import Any, Optional
 
 from jsonargparse import set_parsing_settings
 
@@ -37,15 +45,20 @@ try:  # not part of jsonargparse's public names; only used to restore the settin
 except ImportError:  # pragma: no cover - depends on the jsonargparse version
     get_parsing_setting = None
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 
 from . import strategies as _strategies  # noqa: F401  (registers strategy names such as "qmuon_fsdp")
 from .callbacks.summary import TrainSummary
 from .data.datamodule import ByteLMDataModule
 from .distributed.process_group import exit_after_distributed_run
+from .distributed.resume import (
+    IncompleteCheckpointError, checkpoint_problem, checkpoint_step, find_resumable_checkpoint,
+    recover_interrupted_saves, require_complete, untracked_checkpoints,
+)
 from .models.lm_module import DecoderLMModule
 
-__all__ = ["QMuonCLI", "main"]
+__all__ = ["QMuonCLI", "main", "resolve_ckpt_path"]
 
 
 def _tensorboard_available() -> bool:
@@ -56,6 +69,78 @@ def _tensorboard_available() -> bool:
 
 def _vocab(v: int | None) -> int:
     return 256 if v is None else int(v)
+
+
+#: ``ckpt_path`` values Lightning resolves itself (``last`` is resolved here, skipping incomplete files).
+_LIGHTNING_CKPT_WORDS = ("best", "hpc", "registry")
+
+
+def _checkpoint_dir(trainer: Any, what: str) -> Path:
+    callbacks = [cb for cb in trainer.callbacks if isinstance(cb, ModelCheckpoint)]
+    if not callbacks or callbacks[0].dirpath is None:
+        raise ValueError(
+            f"ckpt_path={what!r} looks for checkpoints in the ModelCheckpoint's folder, but this run has "
+            f"{'no ModelCheckpoint' if not callbacks else 'a ModelCheckpoint without dirpath (its folder would depend on the logger version)'}"
+            "; add trainer.callbacks: ModelCheckpoint with init_args.dirpath (the recipes use "
+            "${trainer.default_root_dir}/checkpoints)")
+    return Path(callbacks[0].dirpath)
+
+
+def resolve_ckpt_path(trainer: Any, ckpt_path: Optional[str]) -> Optional[str]:
+    """``ckpt_path`` of ``qmuon-train fit`` as a path Lightning loads (or ``None``: a new run).
+
+    ``"auto"``: the newest complete checkpoint in the ModelCheckpoint folder, else ``None``; sharded
+    saves interrupted by a kill are finished or removed first (on global rank 0), incomplete and
+    untracked checkpoints are reported. ``"last"``: the newest complete ``last*.ckpt``. A path: it
+    must be complete (:class:`IncompleteCheckpointError` names what is missing).
+    """
+    if ckpt_path is None or ckpt_path in _LIGHTNING_CKPT_WORDS:
+        return ckpt_path
+    if ckpt_path not in ("auto", "last"):
+        return str(require_complete(ckpt_path))
+    folder = _checkpoint_dir(trainer, ckpt_path)
+    if rank_zero_only.rank == 0:
+        recover_interrupted_saves(folder, report=rank_zero_warn)
+    if ckpt_path == "last":
+        lasts = sorted((p for p in folder.glob("last*.ckpt") if re.fullmatch(r"last(-v\d+)?\.ckpt", p.name)),
+                       key=lambda p: p.stat().st_mtime, reverse=True) if folder.is_dir() else []
+        complete = [p for p in lasts if checkpoint_problem(p) is None]
+        for p in lasts:
+            if p not in complete:
+                rank_zero_warn(f"ckpt_path=last: skipping incomplete checkpoint: {checkpoint_problem(p)}")
+        if lasts and not complete:
+            raise IncompleteCheckpointError(
+                f"ckpt_path=last: every last checkpoint in {folder} is incomplete (see the warnings); use "
+                "--ckpt_path auto to resume from the newest complete checkpoint of any name")
+        return str(complete[0]) if complete else "last"  # Lightning warns and starts a new run
+    chosen = find_resumable_checkpoint(folder, report=rank_zero_warn)
+    if chosen is None:
+        rank_zero_info(f"ckpt_path=auto: no complete checkpoint in {folder}; starting a new run")
+        return None
+    rank_zero_info(f"ckpt_path=auto: resuming from {chosen} (global step {checkpoint_step(chosen)})")
+    stale = untracked_checkpoints(folder, chosen)
+    if stale:
+        rank_zero_warn(
+            f"ckpt_path=auto: {len(stale)} checkpoint(s) in {folder} are not tracked by the resumed ModelCheckpoint "
+            f"(left by the interrupted run), so it will not delete them: {', '.join(str(p) for p in stale)}. "
+            "Delete them when you no longer need them.")
+    return str(chosen)
+
+
+class _AdoptResumedCheckpoint(Callback):
+    """Lets ModelCheckpoint delete the checkpoint ``ckpt_path=auto`` resumed from once it is superseded.
+
+    ModelCheckpoint never deletes the checkpoint a run resumed from (a user's own file, in general).
+    One picked by ``auto`` is one of this run's own checkpoints, tracked by the restored callback
+    state, so it is handed back to the top-k bookkeeping; otherwise every restart would leave one.
+    """
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        if trainer.ckpt_path is not None and str(trainer.ckpt_path) == self.path:
+            trainer.ckpt_path = None  # read by ModelCheckpoint._should_remove_checkpoint only, after the restore
 
 
 class QMuonCLI(LightningCLI):
@@ -104,6 +189,15 @@ class QMuonCLI(LightningCLI):
             rank_zero_warn("tensorboard is not installed: the TensorBoardLogger of this config is skipped "
                            "(pip install tensorboard to get it); the other loggers run as configured")
             cfg["trainer.logger"] = kept or False
+
+    def before_fit(self) -> None:
+        # Resolve ckpt_path "auto" / "last" / an explicit path here, where the ModelCheckpoint's
+        # folder is known and before Lightning opens anything.
+        cfg = self.config_init[self.subcommand]
+        requested = cfg.get("ckpt_path")
+        cfg["ckpt_path"] = resolve_ckpt_path(self.trainer, requested)
+        if requested == "auto" and cfg["ckpt_path"] is not None:
+            self.trainer.callbacks.append(_AdoptResumedCheckpoint(cfg["ckpt_path"]))
 
     def instantiate_classes(self) -> None:
         # A value that parses but is inconsistent (d_model not divisible by n_heads, a missing

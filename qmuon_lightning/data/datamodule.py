@@ -22,9 +22,18 @@ goes to validation when a hash of ``(seed, chunk index)`` falls below ``val_frac
 chunk each way): a deterministic split that works for a single large file too.
 
 Training windows of ``seq_len + 1`` tokens are drawn at pseudo-random positions inside the training
-ranges: window ``i`` is a pure function of ``(seed, i)`` (SplitMix64), so the data order is the
-same with any number of workers, and a resumed run continues exactly where the interrupted one
-stopped (the datamodule skips the windows the restored ``global_step`` already consumed).
+ranges: window number ``j`` is a pure function of ``(seed, j)`` (SplitMix64), so the data order is
+the same with any number of workers. An epoch is ``train_samples`` consecutive window numbers
+(epoch ``e`` holds windows ``e * train_samples ...``), split between data-parallel replicas by a
+:class:`WindowSampler`; the epoch length depends on the corpus and ``train_samples`` only, never on
+``max_steps``.
+
+Resuming mid-epoch uses Lightning's own mechanism for resumable data loaders: the training loader
+(:class:`ResumableWindowLoader`) has ``state_dict`` / ``load_state_dict``, Lightning stores its
+state (epoch, batches served in that epoch) in the fit loop's part of every checkpoint and gives it
+back before the first batch of a restored run, and the sampler then continues at the next batch.
+Lightning counts the restored epoch's batches from the same position, so epoch boundaries,
+checkpoint names and the data stream of a restarted run are those of an uninterrupted one.
 Validation uses ``val_windows`` fixed windows from the validation ranges.
 """
 
@@ -34,18 +43,18 @@ import glob
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Sequence
+from typing import Any, Iterator, Literal, Sequence
 
 import numpy as np
 import torch
 from torch import Tensor
-from torch.utils.data import DataLoader, Dataset, TensorDataset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorDataset
 
 import lightning as L
 
 from .bytes_corpus import SEPARATOR, build_stdlib_corpus
 
-__all__ = ["ByteLMDataModule", "TokenWindowDataset", "split_ranges"]
+__all__ = ["ByteLMDataModule", "ResumableWindowLoader", "TokenWindowDataset", "WindowSampler", "split_ranges"]
 
 _MASK64 = (1 << 64) - 1
 
@@ -90,11 +99,13 @@ def split_ranges(n_tokens: int, chunk: int, val_fraction: float, seed: int) -> t
 
 
 class TokenWindowDataset(Dataset):
-    """``length`` windows of ``seq_len + 1`` tokens from ``ranges`` of a 1-D token array.
+    """Windows of ``seq_len + 1`` tokens from ``ranges`` of a 1-D token array; ``length`` per epoch.
 
     Item ``i`` is window number ``offset + i``: its start is drawn uniformly over every valid start
     in every range (a window never crosses a range end) from ``splitmix64(seed, offset + i)``.
-    Returns ``(input, target)`` int64 tensors of length ``seq_len``.
+    ``len()`` is ``length`` (one epoch); any ``i >= 0`` is a valid index, so a sampler can address
+    later epochs' windows as ``epoch * length + i``. Returns ``(input, target)`` int64 tensors of
+    length ``seq_len``.
     """
 
     def __init__(self, data: np.ndarray | Tensor, ranges: Sequence[tuple[int, int]], seq_len: int, length: int,
@@ -135,11 +146,115 @@ class TokenWindowDataset(Dataset):
         return int(self._starts[r]) + (u - before)
 
     def __getitem__(self, i: int) -> tuple[Tensor, Tensor]:
-        if not 0 <= i < self.length:
+        if i < 0:
             raise IndexError(i)
         s = self.window_start(self.offset + i)
         w = torch.as_tensor(np.asarray(self.data[s: s + self.seq_len + 1]).astype(np.int64))
         return w[:-1], w[1:]
+
+
+class WindowSampler(DistributedSampler):
+    """One data-parallel replica's window numbers for one epoch, resumable at a batch boundary.
+
+    Epoch ``e`` covers window numbers ``e * len(dataset) ... (e + 1) * len(dataset) - 1``; replica
+    ``rank`` of ``num_replicas`` takes every ``num_replicas``-th of them (as
+    ``DistributedSampler(shuffle=False)`` does), cut to whole batches of ``batch_size`` so every
+    replica runs the same number of batches. The window positions are already pseudo-random
+    (:class:`TokenWindowDataset`), so no shuffling is needed.
+
+    It is a ``DistributedSampler`` so that Lightning neither replaces nor wraps it under a
+    distributed strategy (it would otherwise inject its own sampler, which cannot resume), and
+    Lightning's ``set_epoch`` calls reach it. :meth:`resume_at` makes the next iteration start at a
+    given batch of a given epoch; :class:`ResumableWindowLoader` keeps the position.
+    """
+
+    def __init__(self, dataset: TokenWindowDataset, batch_size: int, num_replicas: int = 1, rank: int = 0,
+                 epoch: int = 0) -> None:
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=False, drop_last=True)
+        self.batch_size = int(batch_size)
+        #: batches per epoch and replica
+        self.num_batches = self.num_samples // self.batch_size
+        if self.num_batches < 1:
+            raise ValueError(
+                f"an epoch of {len(dataset)} windows gives each of the {num_replicas} data-parallel replica(s) fewer "
+                f"than one batch of {batch_size}; raise data.train_samples (or lower data.batch_size)")
+        self.num_samples = self.num_batches * self.batch_size
+        self.epoch = int(epoch)
+        self._start_batch = 0
+        #: (epoch, batch) of the iteration in progress: the next batch it yields is ``batch``
+        self.position = (self.epoch, 0)
+
+    def set_epoch(self, epoch: int) -> None:
+        if self._start_batch and epoch != self.epoch:
+            raise RuntimeError(
+                f"the data loader was restored at batch {self._start_batch} of epoch {self.epoch}, but the trainer "
+                f"starts epoch {epoch}: the checkpoint's loop state and data-loader state disagree")
+        super().set_epoch(epoch)
+
+    def resume_at(self, epoch: int, batch: int) -> None:
+        """Start the next iteration at batch ``batch`` of epoch ``epoch`` (a batch past the end
+        of an epoch is the start of the next one)."""
+        epoch, batch = int(epoch), int(batch)
+        if batch < 0 or epoch < 0:
+            raise ValueError(f"cannot resume at epoch {epoch}, batch {batch}")
+        epoch, batch = epoch + batch // self.num_batches, batch % self.num_batches
+        self.epoch, self._start_batch, self.position = epoch, batch, (epoch, batch)
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __iter__(self) -> Iterator[int]:
+        epoch, first = self.epoch, self._start_batch
+        self._start_batch = 0
+        self.position = (epoch, first)
+        base = epoch * len(self.dataset) + self.rank
+        for k in range(first * self.batch_size, self.num_samples):
+            yield base + k * self.num_replicas
+
+
+class ResumableWindowLoader(DataLoader):
+    """The training ``DataLoader`` of :class:`ByteLMDataModule`: a loader Lightning can resume.
+
+    Lightning saves the ``state_dict()`` of every training loader that has one in each checkpoint
+    (``loops.fit_loop.state_dict.combined_loader``) and calls ``load_state_dict`` on a restored
+    run before its first batch. The state is ``{"epoch", "batch"}``: the next batch this loader
+    yields. Counting happens here, on the batches handed to the training loop, not in the
+    sampler, whose indices worker processes fetch ahead of use.
+    """
+
+    sampler: WindowSampler
+
+    def __init__(self, dataset: TokenWindowDataset, sampler: WindowSampler, num_workers: int = 0) -> None:
+        if not isinstance(sampler, WindowSampler):
+            raise TypeError(f"ResumableWindowLoader needs a WindowSampler, got {type(sampler).__name__}")
+        super().__init__(dataset, batch_size=sampler.batch_size, sampler=sampler, shuffle=False, drop_last=True,
+                         num_workers=num_workers, persistent_workers=num_workers > 0)
+
+    def __iter__(self) -> Iterator[Any]:
+        return self._count(super().__iter__())
+
+    def _count(self, batches: Iterator[Any]) -> Iterator[Any]:
+        for batch in batches:
+            epoch, done = self.sampler.position
+            self.sampler.position = (epoch, done + 1)
+            yield batch
+
+    def state_dict(self) -> dict[str, int]:
+        epoch, batch = self.sampler.position
+        if self.sampler._start_batch:  # restored, not iterated yet
+            epoch, batch = self.sampler.epoch, self.sampler._start_batch
+        epoch, batch = epoch + batch // self.sampler.num_batches, batch % self.sampler.num_batches
+        return {"epoch": epoch, "batch": batch, "batches_per_epoch": self.sampler.num_batches}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        saved = int(state.get("batches_per_epoch", self.sampler.num_batches))
+        if saved != self.sampler.num_batches:
+            raise ValueError(
+                f"the checkpoint's training data had {saved} batches per epoch and replica, this run has "
+                f"{self.sampler.num_batches}: data.train_samples, data.batch_size, the corpus or the number of "
+                "data-parallel processes changed, so the data stream cannot continue where it stopped. Resume with "
+                "the settings of the interrupted run (or start a new run from the checkpoint's weights)")
+        self.sampler.resume_at(int(state["epoch"]), int(state["batch"]))
 
 
 @dataclass
@@ -188,9 +303,10 @@ class ByteLMDataModule(L.LightningDataModule):
         split_chunk: ``text`` / ``bin``: tokens per split chunk.
         val_windows: fixed validation windows (validation runs ``ceil(val_windows / batch_size)``
             batches).
-        train_samples: training windows per epoch. ``None``: enough for the whole run
-            (``max_steps x accumulate_grad_batches x batch_size x data-parallel world size``), or
-            100,000 when ``max_steps`` is not set.
+        train_samples: training windows per epoch, all data-parallel replicas together. ``None``:
+            ``train tokens // seq_len`` (an epoch predicts about as many tokens as the training
+            split holds), at least one batch per replica. Never derived from ``max_steps``, so
+            changing ``max_steps`` between an interrupted run and its resume keeps the data stream.
         num_workers: DataLoader worker processes.
     """
 
@@ -278,27 +394,34 @@ class ByteLMDataModule(L.LightningDataModule):
                 print(self.corpus.description)
 
     # ------------------------------------------------------------------ loaders
-    def _samples_per_step(self) -> int:
+    def _replicas(self) -> tuple[int, int]:
+        """(data-parallel replicas, this process's replica index) of the attached trainer."""
         t = self.trainer
-        if t is None:
-            return self.batch_size
-        world = t.strategy.distributed_sampler_kwargs.get("num_replicas", 1) if t.world_size > 1 else 1
-        return self.batch_size * t.accumulate_grad_batches * world
+        if t is None or t.world_size <= 1:
+            return 1, 0
+        kw = t.strategy.distributed_sampler_kwargs
+        return int(kw.get("num_replicas", 1)), int(kw.get("rank", 0))
 
-    def train_dataloader(self) -> DataLoader:
+    def windows_per_epoch(self) -> int:
+        """Training windows per epoch (all replicas): ``train_samples`` or the corpus default."""
         assert self.corpus is not None, "call setup() first"
-        per_step = self._samples_per_step()
-        done = int(self.trainer.global_step) * per_step if self.trainer is not None else 0
         if self.train_samples is not None:
-            length = self.train_samples
-        elif self.trainer is not None and self.trainer.max_steps > 0:
-            length = max(per_step, self.trainer.max_steps * per_step - done)
-        else:
-            length = 100_000
-        ds = TokenWindowDataset(self.corpus.data, self.corpus.train, self.seq_len, length, seed=self.seed, offset=done)
-        # Window positions are already random; a sequential order keeps item i = window (offset + i).
-        return DataLoader(ds, batch_size=self.batch_size, shuffle=False, drop_last=True,
-                          num_workers=self.num_workers, persistent_workers=self.num_workers > 0)
+            if self.train_samples < 1:
+                raise ValueError(f"data.train_samples must be positive, got {self.train_samples}")
+            return int(self.train_samples)
+        train_tokens = sum(hi - lo for lo, hi in self.corpus.train)
+        return max(train_tokens // self.seq_len, self.batch_size * self._replicas()[0])
+
+    def train_dataloader(self) -> ResumableWindowLoader:
+        assert self.corpus is not None, "call setup() first"
+        replicas, rank = self._replicas()
+        ds = TokenWindowDataset(self.corpus.data, self.corpus.train, self.seq_len, self.windows_per_epoch(),
+                                seed=self.seed)
+        # Start at the trainer's epoch (a run restored at an epoch end); a mid-epoch position comes
+        # from Lightning through ResumableWindowLoader.load_state_dict.
+        epoch = int(self.trainer.current_epoch) if self.trainer is not None else 0
+        sampler = WindowSampler(ds, self.batch_size, num_replicas=replicas, rank=rank, epoch=epoch)
+        return ResumableWindowLoader(ds, sampler, num_workers=self.num_workers)
 
     def val_dataloader(self) -> DataLoader:
         assert self._val is not None, "call setup() first"

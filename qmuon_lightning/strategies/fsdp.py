@@ -22,7 +22,10 @@ What it adds to :class:`lightning.pytorch.strategies.ModelParallelStrategy`:
 Checkpoints are saved by Lightning's ``ModelParallelStrategy`` hooks: with
 ``save_distributed_checkpoint=True`` (default) a directory written by
 ``torch.distributed.checkpoint`` (each rank writes its shards; loading reshards, so a run saved on
-2 processes resumes on 1 and vice versa), with ``False`` one consolidated file on rank 0. The
+2 processes resumes on 1 and vice versa), with ``False`` one consolidated file on rank 0. A sharded save is written into a hidden staging
+directory and renamed into place when every rank has finished
+(:mod:`qmuon_lightning.distributed.resume`), so a crash never leaves a half-written directory
+under a checkpoint's name, and loading an incomplete checkpoint fails naming what is missing. The
 metadata gains a ``"qmuon_fsdp"`` entry (optimizer types, state formats, world size).
 :meth:`QMuonFSDPStrategy.load_checkpoint` checks that entry and restores optimizer state for
 exactly the parameters that had state when saved (see there).
@@ -32,6 +35,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import shutil
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Literal, Mapping, Optional, Union
@@ -51,6 +55,7 @@ from typing_extensions import override
 from ..core.config import (
     QMuonConfig, ResumeMismatch, check_resume, config_fields_of, describe_layout, state_layout,
 )
+from ..distributed.resume import publish_directory, require_complete, staging_path
 from ..optim.qmuon import QMuon
 from ..optim.routing import build_optimizer, format_routing_table
 from ..quant import state as qstate
@@ -396,7 +401,22 @@ class QMuonFSDPStrategy(ModelParallelStrategy):
         plus a ``"qmuon_fsdp"`` entry in the metadata (optimizer types, state formats, world size)
         that :meth:`load_checkpoint` checks before loading."""
         checkpoint[_CKPT_KEY] = self._checkpoint_info()
-        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        if not self._save_distributed_checkpoint:
+            super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+            return
+        # Sharded: every rank writes into a hidden staging directory, then rank 0 renames it into
+        # place, so a directory under a checkpoint's name is always complete (a crash mid-save
+        # leaves only the staging directory, which recover_interrupted_saves clears up).
+        final = Path(self.broadcast(str(filepath)))
+        staging = staging_path(final)
+        if self.is_global_zero and staging.exists():
+            shutil.rmtree(staging)
+        self.barrier("qmuon_fsdp_save_staging")
+        super().save_checkpoint(checkpoint, staging, storage_options=storage_options)
+        self.barrier("qmuon_fsdp_save_written")
+        if self.is_global_zero:
+            publish_directory(staging, final)
+        self.barrier("qmuon_fsdp_save_published")
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
@@ -413,7 +433,7 @@ class QMuonFSDPStrategy(ModelParallelStrategy):
             set_optimizer_state_dict,
         )
 
-        path = Path(self.broadcast(str(checkpoint_path)))
+        path = require_complete(self.broadcast(str(checkpoint_path)))
         module = self.model
         assert module is not None and self.lightning_module is not None
         strict = self.lightning_module.strict_loading

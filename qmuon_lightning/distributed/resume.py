@@ -1,0 +1,339 @@
+"""Which checkpoints survived a crash, and which one to resume from.
+
+A checkpoint is either one file written by ``torch.save`` (a zip archive: Lightning's ``.ckpt``,
+``fabric.save`` on one device) or a directory written by ``torch.distributed.checkpoint`` (DCP;
+Lightning's and Fabric's sharded layout, where rank 0 adds the non-tensor state as ``meta.pt``).
+It is *complete* when
+
+* a file: the zip's central directory (written last) is readable and names the pickled object;
+* a directory: DCP's ``.metadata`` exists (DCP writes it last, through a temporary file and a
+  rename, after every rank's data), every shard file it refers to exists and is long enough, and,
+  for a directory named like a Lightning checkpoint (``*.ckpt``), ``meta.pt`` is a complete file.
+
+:func:`checkpoint_problem` says what is missing; :func:`find_resumable_checkpoint` picks the newest
+complete checkpoint of a folder (largest ``global_step``, then modification time). Sharded saves of
+:class:`~qmuon_lightning.strategies.QMuonFSDPStrategy` go to a hidden staging directory
+(:func:`staging_path`) that :func:`publish_directory` renames into place, so a reader never sees a
+half-written directory under a checkpoint's name; :func:`recover_interrupted_saves` finishes or
+removes what a killed save left behind.
+
+Plain functions of paths, so Fabric and Accelerate loops use them as well (docs/reliability.md).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import re
+import shutil
+import time
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional, Union
+
+__all__ = [
+    "CheckpointScan",
+    "IncompleteCheckpointError",
+    "checkpoint_problem",
+    "checkpoint_step",
+    "find_resumable_checkpoint",
+    "publish_directory",
+    "recover_interrupted_saves",
+    "require_complete",
+    "scan_checkpoints",
+    "staging_path",
+    "untracked_checkpoints",
+]
+
+log = logging.getLogger(__name__)
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+#: DCP's metadata file: written last, by the coordinator rank, through a rename.
+DCP_METADATA = ".metadata"
+#: Lightning's / Fabric's non-tensor state inside a sharded checkpoint directory (rank 0).
+LIGHTNING_META = "meta.pt"
+#: File names that count as single-file checkpoints.
+CHECKPOINT_SUFFIXES = (".ckpt", ".pt", ".pth")
+_STAGING_RE = re.compile(r"^\.(?P<name>.+)\.(?P<kind>partial|old)$")
+
+
+class IncompleteCheckpointError(FileNotFoundError):
+    """A checkpoint given explicitly is missing a part (a crash during its save, or a partial copy)."""
+
+
+# ----------------------------------------------------------------------------------------- checks
+def _zip_problem(path: Path) -> Optional[str]:
+    try:
+        with zipfile.ZipFile(path) as zf:
+            names = zf.namelist()
+    except (zipfile.BadZipFile, OSError) as err:
+        return (f"{path} is not a complete torch.save file: its zip directory, which is written last, cannot be read "
+                f"({err}); the save was cut short (a crash or a full disk) or the file was truncated when copied")
+    if not any(n.endswith("data.pkl") for n in names):
+        return f"{path} is a zip file without a pickled object (no data.pkl): not a torch.save checkpoint"
+    return None
+
+
+def _dcp_problem(path: Path) -> Optional[str]:
+    meta = path / DCP_METADATA
+    if not meta.is_file():
+        partial = [p.name for p in path.iterdir()] if path.is_dir() else []
+        return (f"{path} is a sharded checkpoint directory without {DCP_METADATA}: torch.distributed.checkpoint "
+                f"writes that file last, so the save did not finish (present: {sorted(partial)[:8] or 'nothing'})")
+    try:
+        with open(meta, "rb") as fh:
+            metadata = pickle.load(fh)  # DCP's own format: a pickled Metadata object
+    except Exception as err:  # noqa: BLE001 - any unpickling failure means the file is damaged
+        return f"{path / DCP_METADATA} cannot be read ({type(err).__name__}: {err}); the checkpoint is damaged"
+    needed: dict[str, int] = {}
+    for info in (getattr(metadata, "storage_data", None) or {}).values():
+        rel = getattr(info, "relative_path", None)
+        if rel is not None:
+            needed[rel] = max(needed.get(rel, 0), int(info.offset) + int(info.length))
+    for rel, size in sorted(needed.items()):
+        f = path / rel
+        if not f.is_file():
+            return f"{path} is missing the shard file {rel} that its {DCP_METADATA} refers to"
+        if f.stat().st_size < size:
+            return f"{path}: shard file {rel} has {f.stat().st_size} bytes, its {DCP_METADATA} needs {size} (truncated)"
+    lightning_meta = path / LIGHTNING_META
+    if lightning_meta.exists():
+        return _zip_problem(lightning_meta)
+    if path.suffix == ".ckpt":
+        return (f"{path} has the sharded tensors but no {LIGHTNING_META} (Lightning's loop, callback and "
+                "optimizer-hyperparameter state, written by rank 0 after the tensors): the save did not finish")
+    return None
+
+
+def checkpoint_problem(path: PathLike) -> Optional[str]:
+    """``None`` if ``path`` is a complete checkpoint (see the module docstring), else what is
+    missing, as a sentence naming the file."""
+    p = Path(path)
+    if p.is_file():
+        return _zip_problem(p)
+    if p.is_dir():
+        return _dcp_problem(p)
+    return f"{p} does not exist"
+
+
+def require_complete(path: PathLike) -> Path:
+    """``Path(path)``, or :class:`IncompleteCheckpointError` saying what is missing."""
+    problem = checkpoint_problem(path)
+    if problem is not None:
+        raise IncompleteCheckpointError(
+            f"cannot resume from {path}: {problem}. Pick an older checkpoint, or let qmuon-train choose the newest "
+            "complete one with --ckpt_path auto (qmuon_lightning.distributed.resume.find_resumable_checkpoint)")
+    return Path(path)
+
+
+def _non_tensor_state(path: PathLike) -> Optional[dict[str, Any]]:
+    """The checkpoint dict of a file (tensors memory-mapped, not read) or a directory's ``meta.pt``."""
+    import torch
+
+    p = Path(path)
+    target = p / LIGHTNING_META if p.is_dir() else p
+    if not target.is_file():
+        return None
+    try:
+        blob = torch.load(target, map_location="cpu", mmap=True, weights_only=False)
+    except Exception:  # noqa: BLE001 - an unreadable checkpoint has no state; checkpoint_problem reports why
+        return None
+    return blob if isinstance(blob, dict) else None
+
+
+def checkpoint_step(path: PathLike) -> Optional[int]:
+    """``global_step`` stored in a complete Lightning / Fabric checkpoint (``None`` if it has none).
+
+    Reads the small non-tensor part only: ``meta.pt`` of a directory; a file is opened with
+    ``mmap=True``, so its tensors are not read.
+    """
+    blob = _non_tensor_state(path)
+    step = blob.get("global_step") if blob else None
+    return int(step) if isinstance(step, int) else None
+
+
+# ------------------------------------------------------------------------------- staging / publish
+def staging_path(final: PathLike) -> Path:
+    """Hidden sibling directory a sharded save writes into before :func:`publish_directory`."""
+    f = Path(final)
+    return f.parent / f".{f.name}.partial"
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(path: Path) -> None:
+    for root, _, files in os.walk(path):
+        for name in files:
+            try:
+                fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            except OSError:
+                continue
+            try:
+                os.fsync(fd)
+            except OSError:
+                pass
+            finally:
+                os.close(fd)
+        _fsync_dir(Path(root))
+
+
+def publish_directory(staging: PathLike, final: PathLike) -> None:
+    """Make the complete directory ``staging`` visible as ``final``, replacing an existing one.
+
+    Its files are flushed to disk first. A new name is one ``rename``. An existing ``final`` (a
+    ``last.ckpt`` saved again) moves aside to ``.<name>.old`` first, so at every moment either the
+    old or the new complete checkpoint is under a name :func:`recover_interrupted_saves` restores.
+    """
+    staging, final = Path(staging), Path(final)
+    _fsync_tree(staging)
+    if final.exists() or final.is_symlink():
+        old = final.parent / f".{final.name}.old"
+        if old.exists():
+            _remove(old)
+        os.rename(final, old)
+        os.rename(staging, final)
+        _fsync_dir(final.parent)
+        _remove(old)
+    else:
+        os.rename(staging, final)
+        _fsync_dir(final.parent)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            pass
+
+
+def recover_interrupted_saves(dirpath: PathLike, *, report: Optional[Callable[[str], None]] = None) -> list[str]:
+    """Finish or undo sharded saves a killed run left in ``dirpath`` (call on one process only,
+    before any new save). Returns one sentence per action, also passed to ``report``.
+
+    ``.<name>.partial`` (a staging directory): renamed to ``<name>`` when that name is free and the
+    staging directory is complete (the kill came between the two renames of a replace), removed
+    otherwise. ``.<name>.old`` (the replaced checkpoint): removed when ``<name>`` exists, renamed
+    back when it does not and it is complete.
+    """
+    d = Path(dirpath)
+    actions: list[str] = []
+    if not d.is_dir():
+        return actions
+    hidden = [(m, e) for e in d.iterdir() if (m := _STAGING_RE.match(e.name))]
+    # staging directories first: a complete one is newer than the ".old" it was replacing
+    for m, entry in sorted(hidden, key=lambda me: (me[0].group("kind") != "partial", me[1].name)):
+        final = d / m.group("name")
+        problem = checkpoint_problem(entry)
+        if not final.exists() and problem is None:
+            os.rename(entry, final)
+            actions.append(f"adopted {entry} (a complete save interrupted before its rename) as {final}")
+        else:
+            _remove(entry)
+            why = "superseded" if problem is None else problem
+            actions.append(f"removed {entry} left by an interrupted save ({why})")
+    for a in actions:
+        (report or log.warning)(a)
+    return actions
+
+
+# ------------------------------------------------------------------------------------ discovery
+@dataclass
+class CheckpointScan:
+    """What :func:`scan_checkpoints` found in a folder."""
+
+    directory: Path
+    #: complete checkpoints as ``(path, global_step or None, mtime)``, newest first
+    complete: list[tuple[Path, Optional[int], float]] = field(default_factory=list)
+    #: checkpoint-like entries that are not complete, with what is missing
+    incomplete: list[tuple[Path, str]] = field(default_factory=list)
+
+    @property
+    def newest(self) -> Optional[Path]:
+        return self.complete[0][0] if self.complete else None
+
+
+def _looks_like_checkpoint(p: Path) -> bool:
+    if p.name.startswith("."):
+        return False  # staging / replaced directories: recover_interrupted_saves handles them
+    if p.is_file():
+        return p.suffix in CHECKPOINT_SUFFIXES
+    if p.is_dir():
+        return p.suffix in CHECKPOINT_SUFFIXES or (p / DCP_METADATA).exists() or (p / LIGHTNING_META).exists()
+    return False
+
+
+def scan_checkpoints(dirpath: PathLike) -> CheckpointScan:
+    """Every checkpoint directly under ``dirpath``: complete ones ordered newest first (largest
+    ``global_step``; then the most recent modification), incomplete ones with the reason."""
+    d = Path(dirpath)
+    scan = CheckpointScan(d)
+    if not d.is_dir():
+        return scan
+    for entry in sorted(d.iterdir(), key=lambda p: p.name):
+        if not _looks_like_checkpoint(entry):
+            continue
+        problem = checkpoint_problem(entry)
+        if problem is not None:
+            scan.incomplete.append((entry, problem))
+            continue
+        target = entry / DCP_METADATA if entry.is_dir() else entry
+        scan.complete.append((entry, checkpoint_step(entry), target.stat().st_mtime))
+    scan.complete.sort(key=lambda c: (-1 if c[1] is None else c[1], c[2]), reverse=True)
+    return scan
+
+
+def find_resumable_checkpoint(dirpath: PathLike, *, report: Optional[Callable[[str], None]] = None) -> Optional[Path]:
+    """The newest complete checkpoint directly under ``dirpath``, or ``None`` (start fresh).
+
+    Single files and sharded directories alike; incomplete ones (cut short by a crash) are never
+    returned and are named through ``report`` (default: a logging warning). Reads only; call
+    :func:`recover_interrupted_saves` first to adopt a sharded save that was killed between its
+    final renames.
+    """
+    start = time.perf_counter()
+    scan = scan_checkpoints(dirpath)
+    for path, problem in scan.incomplete:
+        (report or log.warning)(f"skipping incomplete checkpoint: {problem}")
+    log.debug("scanned %s in %.2f s", dirpath, time.perf_counter() - start)
+    return scan.newest
+
+
+def untracked_checkpoints(dirpath: PathLike, resumed_from: PathLike) -> list[Path]:
+    """Checkpoints in ``dirpath`` that the ``ModelCheckpoint`` state saved in ``resumed_from``
+    does not know (not a top-k, best or last path), other than ``resumed_from`` itself.
+
+    A run killed between writing a new top-k checkpoint and deleting the one it replaces leaves
+    such a file; the resumed callback will never delete it. Returned so the caller reports it.
+    """
+    state = _non_tensor_state(resumed_from) or {}
+    known: set[str] = set()
+    for key, cb in (state.get("callbacks") or {}).items():
+        if not str(key).startswith("ModelCheckpoint") or not isinstance(cb, dict):
+            continue
+        known.update(os.path.realpath(str(k)) for k in (cb.get("best_k_models") or {}))
+        for name in ("best_model_path", "last_model_path", "kth_best_model_path"):
+            if cb.get(name):
+                known.add(os.path.realpath(str(cb[name])))
+    here = os.path.realpath(resumed_from)
+    out = []
+    for entry in sorted(Path(dirpath).iterdir(), key=lambda p: p.name) if Path(dirpath).is_dir() else []:
+        if _looks_like_checkpoint(entry) and os.path.realpath(entry) not in known | {here}:
+            out.append(entry)
+    return out

@@ -1,0 +1,183 @@
+"""Kill ``qmuon-train`` runs with SIGKILL and restart them with the same command.
+
+Shared by tests/test_resume.py (a few kills per world size) and benchmarks/kill_resume.py (the
+20-kill run). A run is a tiny decoder LM checkpointing every step (``ModelCheckpoint`` top-1 plus
+``last``) with ``ckpt_path: auto`` in its config, so the restart command is the start command.
+``world_size=2`` trains under ``qmuon_fsdp`` on 2 CPU processes (gloo); Lightning starts the second
+process, and a kill takes the whole process group, as a lost node would.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+
+CONFIG = """
+seed_everything: 0
+ckpt_path: auto
+trainer:
+  accelerator: cpu
+  devices: {world}
+  {strategy}
+  max_steps: {max_steps}
+  max_epochs: -1
+  val_check_interval: 5
+  check_val_every_n_epoch: null
+  num_sanity_val_steps: 0
+  log_every_n_steps: 1
+  enable_progress_bar: false
+  enable_model_summary: false
+  default_root_dir: {root}
+  logger:
+    - class_path: lightning.pytorch.loggers.CSVLogger
+      init_args:
+        save_dir: {root}
+        name: csv
+  callbacks:
+    - class_path: lightning.pytorch.callbacks.ModelCheckpoint
+      init_args:
+        dirpath: {root}/checkpoints
+        save_last: true
+        every_n_train_steps: 1
+model:
+  d_model: 32
+  n_layers: 1
+  n_heads: 2
+  optimizer:
+    name: qmuon
+    state_format: int8
+    rounding: stochastic
+    warmup_steps: 2
+data:
+  seq_len: 16
+  batch_size: 2
+  max_bytes: 600000
+  val_windows: 4
+  train_samples: {train_samples}
+"""
+
+
+def write_config(root: Path, world_size: int, max_steps: int, batches_per_epoch: int = 7) -> Path:
+    """A tiny run under ``root``; an epoch is ``batches_per_epoch`` steps, so a run crosses epoch
+    boundaries and restarts land before, on and after them."""
+    root.mkdir(parents=True, exist_ok=True)
+    strategy = "strategy: qmuon_fsdp" if world_size > 1 else ""
+    path = root / "run.yaml"
+    path.write_text(CONFIG.format(world=world_size, strategy=strategy, max_steps=max_steps, root=root,
+                                  train_samples=batches_per_epoch * 2 * world_size))
+    return path
+
+
+def command(config: Path) -> list[str]:
+    return [sys.executable, "-m", "qmuon_lightning.cli", "fit", "--config", str(config)]
+
+
+def env() -> dict[str, str]:
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), PYTHONFAULTHANDLER="1",
+                PYTHONWARNINGS="ignore")
+
+
+def run(config: Path, timeout: float = 600) -> subprocess.CompletedProcess:
+    r = subprocess.run(command(config), capture_output=True, text=True, timeout=timeout, env=env())
+    if r.returncode != 0:
+        raise AssertionError(f"run failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-5000:]}")
+    return r
+
+
+def saved_steps(root: Path) -> int:
+    """Highest step of a checkpoint under ``root/checkpoints`` (by name), -1 if none."""
+    best = -1
+    for p in (root / "checkpoints").glob("*step=*"):
+        try:
+            best = max(best, int(p.name.split("step=")[1].split(".")[0].split("-")[0]))
+        except ValueError:
+            pass
+    return best
+
+
+def run_and_kill(config: Path, root: Path, after_step: int, rng: random.Random, timeout: float = 600) -> str:
+    """Start the run, wait until a checkpoint of step ``after_step`` or later exists, wait a random
+    0-0.5 s more (the kill lands mid-step or mid-save) and SIGKILL its whole process group.
+    Returns how the run ended (``killed`` or ``finished``: it completed before the kill)."""
+    proc = subprocess.Popen(command(config), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            env=env(), start_new_session=True)
+    deadline = time.monotonic() + timeout
+    try:
+        while saved_steps(root) < after_step:
+            if proc.poll() is not None:
+                if proc.returncode != 0:
+                    raise AssertionError(f"run failed ({proc.returncode}) before the kill:\n{proc.stderr.read()[-5000:]}")
+                return "finished"
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no checkpoint of step {after_step} after {timeout} s")
+            time.sleep(0.02)
+        time.sleep(rng.uniform(0.0, 0.5))
+        if proc.poll() is not None:
+            return "finished"
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(30)
+        return "killed"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(30)
+        if proc.stderr is not None:
+            proc.stderr.close()
+
+
+def load_checkpoint(path: Path) -> dict[str, Any]:
+    """A Lightning checkpoint of either layout as one dict of full tensors (no process group)."""
+    if path.is_dir():
+        from lightning.fabric.utilities.load import _load_distributed_checkpoint
+
+        blob = _load_distributed_checkpoint(path)
+        blob.update(torch.load(path / "meta.pt", weights_only=False))
+        return blob
+    return torch.load(path, map_location="cpu", weights_only=False)
+
+
+def tensors(obj: Any, prefix: str = "") -> dict[str, torch.Tensor]:
+    """Every tensor in a nested dict / list, by its path."""
+    out: dict[str, torch.Tensor] = {}
+    if isinstance(obj, torch.Tensor):
+        out[prefix] = obj
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            out.update(tensors(v, f"{prefix}.{k}" if prefix else str(k)))
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            out.update(tensors(v, f"{prefix}[{i}]"))
+    return out
+
+
+def _same_bits(x: torch.Tensor, y: torch.Tensor) -> bool:
+    if x.shape != y.shape or x.dtype != y.dtype:
+        return False
+    if x.is_floating_point():  # bitwise: NaN payloads and the sign of zero count
+        x, y = x.contiguous().view(-1).view(torch.uint8), y.contiguous().view(-1).view(torch.uint8)
+    return bool(torch.equal(x, y))
+
+
+def state_differences(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
+    """Names of weight and optimizer tensors that are not bit-identical between two checkpoints."""
+    ta = tensors({k: a[k] for k in a if k == "state_dict" or k.startswith("optimizer")})
+    tb = tensors({k: b[k] for k in b if k == "state_dict" or k.startswith("optimizer")})
+    diff = sorted(set(ta) ^ set(tb))
+    for k in sorted(set(ta) & set(tb)):
+        if not _same_bits(ta[k], tb[k]):
+            diff.append(k)
+    return diff
+
+
+def checkpoint_names(root: Path) -> list[str]:
+    return sorted(p.name for p in (root / "checkpoints").iterdir() if not p.name.startswith("."))

@@ -1,0 +1,301 @@
+"""A restarted run is the same run: the data stream, checkpoint discovery, crash-safe saves.
+
+* The training loader's state (epoch, batch) continues the window stream exactly, on every
+  replica, across epoch boundaries; the epoch length never depends on ``max_steps``.
+* Lightning restores that state itself: in-process fits stopped at steps before, on and after an
+  epoch boundary and resumed end bit-identical to an uninterrupted fit, with the same checkpoint
+  names (so the same epoch count).
+* :mod:`qmuon_lightning.distributed.resume`: incomplete files and sharded directories are named
+  as such, never chosen by ``auto`` / ``last``, and refused with the reason when given explicitly;
+  a killed sharded save is finished or removed.
+* End to end (slow): ``qmuon-train`` killed with SIGKILL at random moments while checkpointing
+  every step, restarted with the same command (``ckpt_path: auto``), on 1 process and on 2
+  processes under ``qmuon_fsdp``, ends with weights and optimizer state bit-identical to an
+  uninterrupted run and the same checkpoint names.
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+import lightning as L
+
+import _crash
+from qmuon_lightning.cli import QMuonCLI, resolve_ckpt_path
+from qmuon_lightning.data import ByteLMDataModule
+from qmuon_lightning.data.datamodule import ResumableWindowLoader, TokenWindowDataset, WindowSampler
+from qmuon_lightning.distributed.resume import (
+    IncompleteCheckpointError, checkpoint_problem, find_resumable_checkpoint, publish_directory,
+    recover_interrupted_saves, require_complete, scan_checkpoints, staging_path, untracked_checkpoints,
+)
+
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:.*LeafSpec", "ignore:.*does not have many workers", "ignore:.*GPU available but not used",
+    "ignore:.*Checkpoint directory .* exists and is not empty", "ignore:.*smaller than the logging interval",
+)
+
+
+# ------------------------------------------------------------------------------------ data stream
+def _windows(n: int = 64) -> TokenWindowDataset:
+    data = torch.arange(5000) % 251
+    return TokenWindowDataset(data.numpy(), [(0, 5000)], seq_len=8, length=n, seed=3)
+
+
+def _stream(loader: ResumableWindowLoader, epochs: range) -> list[torch.Tensor]:
+    out = []
+    for e in epochs:
+        loader.sampler.set_epoch(e)
+        out += [x for x, _ in loader]
+    return out
+
+
+@pytest.mark.parametrize("replicas", [1, 3])
+def test_loader_state_continues_the_stream(replicas):
+    """Stop after k batches (also k = a whole epoch), save state, build a fresh loader, load: the
+    rest of the stream is the uninterrupted one, on every replica; replicas read disjoint windows."""
+    ds = _windows()
+    per_epoch = WindowSampler(ds, 4, num_replicas=replicas).num_batches
+    for rank in range(replicas):
+        straight = _stream(ResumableWindowLoader(ds, WindowSampler(ds, 4, replicas, rank)), range(3))
+        for k in (1, per_epoch - 1, per_epoch, per_epoch + 2):
+            first = ResumableWindowLoader(ds, WindowSampler(ds, 4, replicas, rank))
+            seen, epoch = [], 0
+            while len(seen) < k:
+                first.sampler.set_epoch(epoch)
+                for x, _ in first:
+                    seen.append(x)
+                    if len(seen) == k:
+                        break
+                epoch += 1
+            state = first.state_dict()
+            assert (state["epoch"], state["batch"]) == divmod(k, per_epoch)
+            second = ResumableWindowLoader(ds, WindowSampler(ds, 4, replicas, rank))
+            second.load_state_dict(state)
+            rest = [x for x, _ in second]  # the restored epoch's remaining batches
+            rest += _stream(second, range(state["epoch"] + 1, 3))
+            assert len(seen) + len(rest) == len(straight)
+            for a, b in zip(seen + rest, straight):
+                assert torch.equal(a, b)
+    starts = [set(WindowSampler(ds, 4, replicas, r)) for r in range(replicas)]
+    assert sum(map(len, starts)) == len(set().union(*starts))
+
+
+def test_loader_state_from_another_epoch_length_is_refused():
+    ds = _windows()
+    state = ResumableWindowLoader(ds, WindowSampler(ds, 4)).state_dict()
+    other = ResumableWindowLoader(ds, WindowSampler(ds, 8))
+    with pytest.raises(ValueError, match="batches per epoch"):
+        other.load_state_dict(state)
+
+
+def test_epoch_length_does_not_depend_on_max_steps():
+    lengths = []
+    for max_steps in (10, 20):
+        dm = ByteLMDataModule(seq_len=16, batch_size=4, max_bytes=600_000, val_windows=4)
+        trainer = L.Trainer(max_steps=max_steps, accelerator="cpu", logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False)
+        dm.trainer = trainer
+        dm.setup("fit")
+        lengths.append(len(dm.train_dataloader()))
+    assert lengths[0] == lengths[1] > 20
+
+
+# ------------------------------------------------------------------- in-process Lightning restore
+TINY = """
+seed_everything: 0
+trainer:
+  accelerator: cpu
+  devices: 1
+  max_steps: {max_steps}
+  max_epochs: -1
+  val_check_interval: 4
+  check_val_every_n_epoch: null
+  num_sanity_val_steps: 0
+  log_every_n_steps: 1
+  enable_progress_bar: false
+  enable_model_summary: false
+  default_root_dir: {root}
+  logger: false
+  callbacks:
+    - class_path: lightning.pytorch.callbacks.ModelCheckpoint
+      init_args:
+        dirpath: {root}/checkpoints
+        save_last: true
+        every_n_train_steps: 1
+model:
+  d_model: 16
+  n_layers: 1
+  n_heads: 2
+  optimizer:
+    name: qmuon
+    state_format: int8
+    rounding: stochastic
+    warmup_steps: 2
+    schedule: constant  # a cosine schedule's length is max_steps, which one resume here changes
+data:
+  seq_len: 16
+  batch_size: 2
+  max_bytes: 600000
+  val_windows: 4
+  train_samples: 10
+"""
+
+
+class StopAtStep(L.Callback):
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step >= self.step:
+            trainer.should_stop = True  # after ModelCheckpoint saved this step, as a kill after the save
+
+
+def _fit(root: Path, max_steps: int, *extra: str) -> QMuonCLI:
+    cfg = root.parent / f"{root.name}.yaml"
+    cfg.write_text(TINY.format(root=root, max_steps=max_steps))
+    return QMuonCLI(args=["fit", "--config", str(cfg), *extra])
+
+
+def test_interrupted_fits_resume_bit_identical(tmp_path):
+    """Epochs of 5 batches; stops after steps 3, 5 (an epoch's last batch), 6 and 11, each resumed
+    with ``--ckpt_path auto``, one of the resumed runs with ``max_steps`` 9 instead of 14 (the data
+    stream must not depend on it; the LR schedule is constant, as a cosine one's length is
+    ``max_steps``): the final checkpoint equals an uninterrupted 14-step run bit for bit, and its
+    name (epoch number) too."""
+    import json
+
+    straight = tmp_path / "straight"
+    _fit(straight, 14)
+    resumed = tmp_path / "resumed"
+    stops = [3, 5, 6, 11]
+    for i, step in enumerate(stops):
+        stop = json.dumps({"class_path": f"{__name__}.StopAtStep", "init_args": {"step": step}})
+        cli = _fit(resumed, 9 if i == 1 else 14, "--ckpt_path", "auto", f"--trainer.callbacks+={stop}")
+        assert cli.trainer.global_step == step
+    cli = _fit(resumed, 14, "--ckpt_path", "auto")
+    assert cli.trainer.global_step == 14
+    assert _crash.checkpoint_names(resumed) == _crash.checkpoint_names(straight) == ["epoch=2-step=14.ckpt", "last.ckpt"]
+    a = _crash.load_checkpoint(straight / "checkpoints" / "last.ckpt")
+    b = _crash.load_checkpoint(resumed / "checkpoints" / "last.ckpt")
+    assert _crash.state_differences(a, b) == []
+    assert a["loops"]["fit_loop"]["state_dict"] == b["loops"]["fit_loop"]["state_dict"]
+
+
+# -------------------------------------------------------------------------- checkpoint discovery
+def _file_ckpt(path: Path, step: int) -> Path:
+    torch.save({"global_step": step, "state_dict": {"w": torch.full((64, 64), float(step))}}, path)
+    return path
+
+
+def _dcp_ckpt(path: Path, step: int) -> Path:
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"state_dict": {"w": torch.full((64, 64), float(step))}}, checkpoint_id=str(path), no_dist=True)
+    torch.save({"global_step": step}, path / "meta.pt")
+    return path
+
+
+def test_incomplete_checkpoints_are_named_and_skipped(tmp_path):
+    d = tmp_path / "checkpoints"
+    d.mkdir()
+    _file_ckpt(d / "epoch=0-step=3.ckpt", 3)
+    _dcp_ckpt(d / "epoch=0-step=4.ckpt", 4)
+    assert find_resumable_checkpoint(d) == d / "epoch=0-step=4.ckpt"
+
+    truncated = _file_ckpt(d / "epoch=0-step=9.ckpt", 9)
+    truncated.write_bytes(truncated.read_bytes()[: truncated.stat().st_size // 2])
+    no_metadata = _dcp_ckpt(d / "epoch=0-step=8.ckpt", 8)
+    (no_metadata / ".metadata").unlink()
+    lost_shard = _dcp_ckpt(d / "epoch=0-step=7.ckpt", 7)
+    next(lost_shard.glob("*.distcp")).unlink()
+    no_meta_pt = _dcp_ckpt(d / "epoch=0-step=6.ckpt", 6)
+    (no_meta_pt / "meta.pt").unlink()
+    cut_meta_pt = _dcp_ckpt(d / "epoch=0-step=5.ckpt", 5)
+    (cut_meta_pt / "meta.pt").write_bytes((cut_meta_pt / "meta.pt").read_bytes()[:40])
+
+    reports: list[str] = []
+    assert find_resumable_checkpoint(d, report=reports.append) == d / "epoch=0-step=4.ckpt"
+    assert len(reports) == 5
+    expected = {truncated: "zip directory", no_metadata: "without .metadata", lost_shard: "missing the shard file",
+                no_meta_pt: "no meta.pt", cut_meta_pt: "zip directory"}
+    for path, words in expected.items():
+        problem = checkpoint_problem(path)
+        assert problem is not None and words in problem and str(path) in problem
+        with pytest.raises(IncompleteCheckpointError, match=words):
+            require_complete(path)
+    assert scan_checkpoints(d).complete[1][0] == d / "epoch=0-step=3.ckpt"
+    assert find_resumable_checkpoint(tmp_path / "nothing-here") is None
+
+
+def test_publish_and_recover_interrupted_sharded_saves(tmp_path):
+    d = tmp_path / "checkpoints"
+    d.mkdir()
+    last = d / "last.ckpt"
+    # a replace: the new directory becomes last.ckpt, the old one is gone, nothing hidden is left
+    _dcp_ckpt(last, 1)
+    _dcp_ckpt(staging_path(last), 2)
+    publish_directory(staging_path(last), last)
+    assert find_resumable_checkpoint(d) == last and torch.load(last / "meta.pt")["global_step"] == 2
+    assert sorted(p.name for p in d.iterdir()) == ["last.ckpt"]
+
+    # killed between the two renames of a replace: last.ckpt missing, both complete copies hidden
+    shutil.move(str(last), str(d / ".last.ckpt.old"))
+    _dcp_ckpt(staging_path(last), 3)
+    assert find_resumable_checkpoint(d) is None
+    actions = recover_interrupted_saves(d, report=lambda s: None)
+    assert len(actions) == 2 and "adopted" in actions[0] and "removed" in actions[1]
+    assert torch.load(last / "meta.pt")["global_step"] == 3
+    assert sorted(p.name for p in d.iterdir()) == ["last.ckpt"]
+
+    # killed mid-write: an incomplete staging directory is removed, the published one kept
+    staging = staging_path(d / "epoch=0-step=4.ckpt")
+    staging.mkdir()
+    (staging / "__0_0.distcp").write_bytes(b"x" * 10)
+    assert "removed" in recover_interrupted_saves(d, report=lambda s: None)[0]
+    assert sorted(p.name for p in d.iterdir()) == ["last.ckpt"]
+
+
+def test_cli_resolution_of_auto_last_and_explicit_paths(tmp_path):
+    root = tmp_path / "run"
+    cli = _fit(root, 3)
+    trainer, d = cli.trainer, root / "checkpoints"
+    assert resolve_ckpt_path(trainer, "auto") in (str(d / "last.ckpt"), str(d / "epoch=0-step=3.ckpt"))
+    assert untracked_checkpoints(d, d / "last.ckpt") == []
+    (d / "last.ckpt").write_bytes((d / "last.ckpt").read_bytes()[:100])
+    assert resolve_ckpt_path(trainer, "auto") == str(d / "epoch=0-step=3.ckpt")
+    with pytest.raises(IncompleteCheckpointError, match="every last checkpoint"):
+        resolve_ckpt_path(trainer, "last")
+    with pytest.raises(IncompleteCheckpointError, match="zip directory"):
+        resolve_ckpt_path(trainer, str(d / "last.ckpt"))
+    stray = _file_ckpt(d / "epoch=0-step=1.ckpt", 1)
+    assert untracked_checkpoints(d, d / "epoch=0-step=3.ckpt") == [stray]
+    shutil.rmtree(d)
+    assert resolve_ckpt_path(trainer, "auto") is None
+
+
+# ------------------------------------------------------------------------------ SIGKILL, end to end
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_sigkill_and_auto_restart_is_bit_identical(tmp_path, world_size):
+    """Kill ``qmuon-train`` (SIGKILL, whole process group) twice at random moments of a run that
+    checkpoints every step, restart with the same command each time; the run completes, with the
+    uninterrupted run's weights, optimizer state and checkpoint names."""
+    steps = 12
+    straight = tmp_path / "straight"
+    _crash.run(_crash.write_config(straight, world_size, steps))
+    killed = tmp_path / "killed"
+    cfg = _crash.write_config(killed, world_size, steps)
+    rng = random.Random(1000 + world_size)
+    outcomes = [_crash.run_and_kill(cfg, killed, after, rng) for after in sorted(rng.sample(range(1, steps - 2), 2))]
+    assert "killed" in outcomes
+    _crash.run(cfg)
+    assert _crash.checkpoint_names(killed) == _crash.checkpoint_names(straight)
+    a = _crash.load_checkpoint(straight / "checkpoints" / "last.ckpt")
+    b = _crash.load_checkpoint(killed / "checkpoints" / "last.ckpt")
+    assert a["global_step"] == b["global_step"] == steps
+    assert _crash.state_differences(a, b) == []
