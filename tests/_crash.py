@@ -105,34 +105,41 @@ def saved_steps(root: Path) -> int:
     return best
 
 
-def run_and_kill(config: Path, root: Path, after_step: int, rng: random.Random, timeout: float = 600) -> str:
+def run_and_kill(config: Path, root: Path, after_step: int, rng: random.Random, timeout: float = 600,
+                 max_delay: float = 0.5) -> tuple[str, str]:
     """Start the run, wait until a checkpoint of step ``after_step`` or later exists, wait a random
-    0-0.5 s more (the kill lands mid-step or mid-save) and SIGKILL its whole process group.
-    Returns how the run ended (``killed`` or ``finished``: it completed before the kill)."""
-    proc = subprocess.Popen(command(config), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            env=env(), start_new_session=True)
-    deadline = time.monotonic() + timeout
-    try:
-        while saved_steps(root) < after_step:
+    0-``max_delay`` s more (the kill lands mid-step or mid-save) and SIGKILL its whole process
+    group. Returns how the run ended (``killed``, or ``finished`` when it completed first) and its
+    output (kept in a file: a pipe nobody reads would block the run once full)."""
+    logs = root / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    log_path = logs / f"start{len(list(logs.iterdir()))}.log"
+    with open(log_path, "w") as out:
+        proc = subprocess.Popen(command(config), stdout=out, stderr=subprocess.STDOUT, text=True, env=env(),
+                                start_new_session=True)
+        deadline = time.monotonic() + timeout
+        outcome = "killed"
+        try:
+            while saved_steps(root) < after_step:
+                if proc.poll() is not None:
+                    break
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"no checkpoint of step {after_step} after {timeout} s; see {log_path}")
+                time.sleep(0.02)
+            else:
+                time.sleep(rng.uniform(0.0, max_delay))
             if proc.poll() is not None:
                 if proc.returncode != 0:
-                    raise AssertionError(f"run failed ({proc.returncode}) before the kill:\n{proc.stderr.read()[-5000:]}")
-                return "finished"
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"no checkpoint of step {after_step} after {timeout} s")
-            time.sleep(0.02)
-        time.sleep(rng.uniform(0.0, 0.5))
-        if proc.poll() is not None:
-            return "finished"
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(30)
-        return "killed"
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(30)
-        if proc.stderr is not None:
-            proc.stderr.close()
+                    raise AssertionError(f"run failed ({proc.returncode}) before the kill:\n{log_path.read_text()[-5000:]}")
+                outcome = "finished"
+            else:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(30)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(30)
+    return outcome, log_path.read_text()
 
 
 def load_checkpoint(path: Path) -> dict[str, Any]:

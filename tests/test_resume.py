@@ -291,7 +291,7 @@ def test_sigkill_and_auto_restart_is_bit_identical(tmp_path, world_size):
     killed = tmp_path / "killed"
     cfg = _crash.write_config(killed, world_size, steps)
     rng = random.Random(1000 + world_size)
-    outcomes = [_crash.run_and_kill(cfg, killed, after, rng) for after in sorted(rng.sample(range(1, steps - 2), 2))]
+    outcomes = [_crash.run_and_kill(cfg, killed, after, rng)[0] for after in sorted(rng.sample(range(1, steps - 2), 2))]
     assert "killed" in outcomes
     _crash.run(cfg)
     assert _crash.checkpoint_names(killed) == _crash.checkpoint_names(straight)

@@ -1,0 +1,121 @@
+"""Kill a ``qmuon-train`` run with SIGKILL at random moments, restart it with the same command.
+
+For each world size (1: one process; 2: ``qmuon_fsdp`` on 2 CPU processes, gloo): an
+uninterrupted run, then the same run started, killed (SIGKILL to the whole process group) at a
+random moment after a random number of new every-step checkpoints, and restarted with the same
+command (``ckpt_path: auto`` in its config), ``--kills`` times, then run to completion. PASS when
+every world size completes with weights and optimizer state bit-identical to its uninterrupted
+run and the same checkpoint names, and nothing is left in the checkpoint folder but those.
+
+    python benchmarks/kill_resume.py                       # 20 kills per world size (1 and 2)
+    python benchmarks/kill_resume.py --kills 3 --world-sizes 1 --no-write   # quick look
+
+Writes ``benchmarks/results/kill_resume.md``. The run setup is tests/_crash.py's (also used by
+tests/test_resume.py, which kills twice per world size).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import re
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "tests"))
+sys.path.insert(0, str(HERE))
+
+import _crash  # noqa: E402
+from _common import RESULTS_DIR, header_lines  # noqa: E402
+
+_RESUMED = re.compile(r"ckpt_path=auto: (resuming from (\S+) \(global step (\d+)\)|no complete checkpoint)")
+
+
+def trial(world_size: int, kills: int, steps: int, seed: int, work: Path) -> dict:
+    straight, killed = work / f"w{world_size}_straight", work / f"w{world_size}_killed"
+    t0 = time.perf_counter()
+    _crash.run(_crash.write_config(straight, world_size, steps))
+    cfg = _crash.write_config(killed, world_size, steps)
+    rng = random.Random(seed)
+    rows = []
+    for i in range(kills):
+        before = _crash.saved_steps(killed)
+        after = min(steps, before + rng.randint(1, 2))
+        outcome, log = _crash.run_and_kill(cfg, killed, after, rng, max_delay=1.0)
+        m = _RESUMED.search(log)
+        resumed = "-" if m is None else ("fresh" if m.group(2) is None else f"step {m.group(3)} ({Path(m.group(2)).name})")
+        reports = [line.strip() for line in log.splitlines()
+                   if "skipping incomplete" in line or "interrupted save" in line or "not tracked" in line]
+        rows.append({"kill": i + 1, "outcome": outcome, "resumed": resumed, "steps_on_disk": _crash.saved_steps(killed),
+                     "reports": reports})
+        print(f"world {world_size} kill {i + 1}: {outcome}, started from {resumed}, "
+              f"checkpoint step after: {rows[-1]['steps_on_disk']}" + (f"; {len(reports)} report(s)" if reports else ""),
+              flush=True)
+        if outcome == "finished":
+            break
+    final = _crash.run(cfg)
+    a = _crash.load_checkpoint(straight / "checkpoints" / "last.ckpt")
+    b = _crash.load_checkpoint(killed / "checkpoints" / "last.ckpt")
+    diff = _crash.state_differences(a, b)
+    names = (_crash.checkpoint_names(straight), _crash.checkpoint_names(killed))
+    leftovers = sorted(p.name for p in (killed / "checkpoints").iterdir() if p.name.startswith("."))
+    return {"world_size": world_size, "rows": rows, "kills": sum(r["outcome"] == "killed" for r in rows),
+            "diff": diff, "n_tensors": len(_crash.tensors({k: a[k] for k in a if k == "state_dict" or k.startswith("optimizer")})),
+            "names": names, "leftovers": leftovers, "final_step": b["global_step"], "seconds": time.perf_counter() - t0,
+            "final_log": final.stdout + final.stderr}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--kills", type=int, default=20)
+    ap.add_argument("--world-sizes", default="1,2")
+    ap.add_argument("--steps", type=int, default=60, help="max_steps of the run (must exceed 2 x kills)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-write", action="store_true")
+    ap.add_argument("--out", type=Path, default=RESULTS_DIR / "kill_resume.md")
+    args = ap.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="qmuon_kill_resume_"))
+    results = []
+    try:
+        for w in [int(x) for x in args.world_sizes.split(",")]:
+            results.append(trial(w, args.kills, args.steps, args.seed + w, work))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    ok = all(not r["diff"] and r["names"][0] == r["names"][1] and not r["leftovers"] and r["kills"] >= min(args.kills, 1)
+             for r in results)
+    lines = [*header_lines("SIGKILL and `--ckpt_path auto` restart"), ""]
+    lines.append(f"Tiny decoder LM (tests/_crash.py: d_model 32, 1 layer, int8 QMuon, stochastic rounding), "
+                 f"max_steps {args.steps}, an epoch every 7 steps, a checkpoint every step (top-1 + last), "
+                 f"`ckpt_path: auto` in the config. Each start is killed (SIGKILL, whole process group) 0-1 s after "
+                 f"1-2 new checkpoints appear, then restarted with the same command; after {args.kills} kills the run "
+                 "completes. Compared with an uninterrupted run of the same world size: every weight and optimizer "
+                 "tensor bit for bit, and the checkpoint names.")
+    lines.append("")
+    lines.append("| world size | kills | final step | tensors differing | checkpoint names equal | hidden leftovers | wall time |")
+    lines.append("| --- | --- | --- | --- | --- | --- | --- |")
+    for r in results:
+        lines.append(f"| {r['world_size']} | {r['kills']} | {r['final_step']} | {len(r['diff'])} of {r['n_tensors']} | "
+                     f"{r['names'][0] == r['names'][1]} ({', '.join(r['names'][1])}) | {len(r['leftovers'])} | {r['seconds']:.0f} s |")
+    for r in results:
+        lines += ["", f"### world size {r['world_size']}: each start", "",
+                  "| start | outcome | resumed from | newest checkpoint step after | reports (incomplete / interrupted / untracked) |",
+                  "| --- | --- | --- | --- | --- |"]
+        for row in r["rows"]:
+            rep = "<br>".join(x.replace("|", "/")[:200] for x in row["reports"]) or "-"
+            lines.append(f"| {row['kill']} | {row['outcome']} | {row['resumed']} | {row['steps_on_disk']} | {rep} |")
+    lines += ["", f"**{'PASS' if ok else 'FAIL'}**: " + ("every world size completed, bit-identical to its uninterrupted run, "
+              "same checkpoint names, no leftovers" if ok else "see the table")]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if not args.no_write:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
