@@ -45,7 +45,7 @@ def trial(world_size: int, kills: int, steps: int, seed: int, work: Path) -> dic
     for i in range(kills):
         before = _crash.saved_steps(killed)
         after = min(steps, before + rng.randint(1, 2))
-        outcome, log = _crash.run_and_kill(cfg, killed, after, rng, max_delay=1.0)
+        outcome, log = _crash.run_and_kill(cfg, killed, after, rng, max_delay=0.3)
         m = _RESUMED.search(log)
         resumed = "-" if m is None else ("fresh" if m.group(2) is None else f"step {m.group(3)} ({Path(m.group(2)).name})")
         reports = [line.strip() for line in log.splitlines()
@@ -73,7 +73,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--kills", type=int, default=20)
     ap.add_argument("--world-sizes", default="1,2")
-    ap.add_argument("--steps", type=int, default=60, help="max_steps of the run (must exceed 2 x kills)")
+    ap.add_argument("--steps", type=int, default=300, help="max_steps of the run (a tiny model runs ~10 steps/s)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-write", action="store_true")
     ap.add_argument("--out", type=Path, default=RESULTS_DIR / "kill_resume.md")
@@ -90,7 +90,7 @@ def main() -> int:
     lines = [*header_lines("SIGKILL and `--ckpt_path auto` restart"), ""]
     lines.append(f"Tiny decoder LM (tests/_crash.py: d_model 32, 1 layer, int8 QMuon, stochastic rounding), "
                  f"max_steps {args.steps}, an epoch every 7 steps, a checkpoint every step (top-1 + last), "
-                 f"`ckpt_path: auto` in the config. Each start is killed (SIGKILL, whole process group) 0-1 s after "
+                 f"`ckpt_path: auto` in the config. Each start is killed (SIGKILL, whole process group) 0-0.3 s after "
                  f"1-2 new checkpoints appear, then restarted with the same command; after {args.kills} kills the run "
                  "completes. Compared with an uninterrupted run of the same world size: every weight and optimizer "
                  "tensor bit for bit, and the checkpoint names.")

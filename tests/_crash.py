@@ -105,12 +105,21 @@ def saved_steps(root: Path) -> int:
     return best
 
 
+def _children(pid: int) -> list[int]:
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
+    return [int(x) for x in out.split()]
+
+
 def run_and_kill(config: Path, root: Path, after_step: int, rng: random.Random, timeout: float = 600,
-                 max_delay: float = 0.5) -> tuple[str, str]:
+                 max_delay: float = 0.5, only_rank1: bool = False) -> tuple[str, str]:
     """Start the run, wait until a checkpoint of step ``after_step`` or later exists, wait a random
     0-``max_delay`` s more (the kill lands mid-step or mid-save) and SIGKILL its whole process
     group. Returns how the run ended (``killed``, or ``finished`` when it completed first) and its
-    output (kept in a file: a pipe nobody reads would block the run once full)."""
+    output (kept in a file: a pipe nobody reads would block the run once full).
+
+    ``only_rank1``: SIGKILL only the second rank (the process Lightning started for it, a child of
+    the first), as a lost node; the outcome is then ``rank 1 lost, rank 0 exited after X s`` once
+    the first rank has ended on its own (it must, within 120 s), or ``rank 0 hung``."""
     logs = root / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     log_path = logs / f"start{len(list(logs.iterdir()))}.log"
@@ -132,6 +141,18 @@ def run_and_kill(config: Path, root: Path, after_step: int, rng: random.Random, 
                 if proc.returncode != 0:
                     raise AssertionError(f"run failed ({proc.returncode}) before the kill:\n{log_path.read_text()[-5000:]}")
                 outcome = "finished"
+            elif only_rank1:
+                ranks = _children(proc.pid)
+                if not ranks:
+                    raise AssertionError("no child process to kill: is this a 2-process run?")
+                for pid in ranks:
+                    os.kill(pid, signal.SIGKILL)
+                t0 = time.monotonic()
+                try:
+                    proc.wait(120)
+                    outcome = f"rank 1 lost, rank 0 exited after {time.monotonic() - t0:.1f} s"
+                except subprocess.TimeoutExpired:
+                    outcome = "rank 0 hung"
             else:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(30)
