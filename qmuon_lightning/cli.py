@@ -33,7 +33,9 @@ Built on :class:`lightning.pytorch.cli.LightningCLI`::
 
 from __future__ import annotations
 
+import os
 import re
+import shutil
 import warnings
 from pathlib import Path
 from typing import Any, Optional
@@ -54,7 +56,7 @@ from .data.datamodule import ByteLMDataModule
 from .distributed.process_group import exit_after_distributed_run
 from .distributed.resume import (
     IncompleteCheckpointError, checkpoint_problem, checkpoint_step, find_resumable_checkpoint,
-    recover_interrupted_saves, require_complete, untracked_checkpoints,
+    checkpoint_metadata, recover_interrupted_saves, require_complete, untracked_checkpoints,
 )
 from .models.lm_module import DecoderLMModule
 
@@ -86,12 +88,51 @@ def _checkpoint_dir(trainer: Any, what: str) -> Path:
     return Path(callbacks[0].dirpath)
 
 
+def _is_own_replaced_top1(callback: ModelCheckpoint, path: Path) -> bool:
+    """Whether ``path`` is a checkpoint this ``ModelCheckpoint(monitor=None, save_top_k=1)`` wrote
+    (its name is the callback's name for the epoch and step stored in it): one the interrupted run
+    had already replaced, killed before deleting it."""
+    state = checkpoint_metadata(path) or {}
+    epoch, step = state.get("epoch"), state.get("global_step")
+    if not isinstance(epoch, int) or not isinstance(step, int):
+        return False
+    try:
+        names = {os.path.realpath(callback.format_checkpoint_name({"epoch": epoch, "step": step}, ver=v))
+                 for v in (None, 1, 2, 3)}
+    except Exception:  # noqa: BLE001 - a filename needing other metrics: not provably ours
+        return False
+    return os.path.realpath(path) in names
+
+
+def _adopt_or_report_untracked(trainer: Any, folder: Path, chosen: Path) -> None:
+    """Checkpoints of the interrupted run that the restored ModelCheckpoint does not track: with
+    ``monitor=None, save_top_k=1`` (keep the newest) one it wrote is deleted, as the interrupted
+    run was about to; anything else is reported with its path."""
+    callback = next(cb for cb in trainer.callbacks if isinstance(cb, ModelCheckpoint))
+    if callback.save_top_k == -1:
+        return  # keeps every checkpoint: none is stale
+    untracked = [p for p in untracked_checkpoints(folder, chosen) if checkpoint_problem(p) is None]
+    adopt = [p for p in untracked if callback.monitor is None and callback.save_top_k == 1
+             and _is_own_replaced_top1(callback, p)]
+    if rank_zero_only.rank == 0:
+        for p in adopt:
+            shutil.rmtree(p) if p.is_dir() else p.unlink()
+            rank_zero_warn(f"ckpt_path=auto: removed {p}: ModelCheckpoint(save_top_k=1) of the interrupted run had "
+                           f"replaced it by a newer checkpoint and was killed before deleting it")
+    rest = [p for p in untracked if p not in adopt]
+    if rest:
+        rank_zero_warn(
+            f"ckpt_path=auto: {len(rest)} checkpoint(s) in {folder} are not tracked by the resumed ModelCheckpoint, "
+            f"so it will not delete them: {', '.join(str(p) for p in rest)}. Delete them when you no longer need them.")
+
+
 def resolve_ckpt_path(trainer: Any, ckpt_path: Optional[str]) -> Optional[str]:
     """``ckpt_path`` of ``qmuon-train fit`` as a path Lightning loads (or ``None``: a new run).
 
     ``"auto"``: the newest complete checkpoint in the ModelCheckpoint folder, else ``None``; sharded
     saves interrupted by a kill are finished or removed first (on global rank 0), incomplete and
-    untracked checkpoints are reported. ``"last"``: the newest complete ``last*.ckpt``. A path: it
+    untracked checkpoints are adopted (deleted where ModelCheckpoint(save_top_k=1) had replaced them)
+    or reported. ``"last"``: the newest complete ``last*.ckpt``. A path: it
     must be complete (:class:`IncompleteCheckpointError` names what is missing).
     """
     if ckpt_path is None or ckpt_path in _LIGHTNING_CKPT_WORDS:
@@ -118,12 +159,7 @@ def resolve_ckpt_path(trainer: Any, ckpt_path: Optional[str]) -> Optional[str]:
         rank_zero_info(f"ckpt_path=auto: no complete checkpoint in {folder}; starting a new run")
         return None
     rank_zero_info(f"ckpt_path=auto: resuming from {chosen} (global step {checkpoint_step(chosen)})")
-    stale = untracked_checkpoints(folder, chosen)
-    if stale:
-        rank_zero_warn(
-            f"ckpt_path=auto: {len(stale)} checkpoint(s) in {folder} are not tracked by the resumed ModelCheckpoint "
-            f"(left by the interrupted run), so it will not delete them: {', '.join(str(p) for p in stale)}. "
-            "Delete them when you no longer need them.")
+    _adopt_or_report_untracked(trainer, folder, chosen)
     return str(chosen)
 
 

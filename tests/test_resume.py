@@ -266,6 +266,16 @@ def test_cli_resolution_of_auto_last_and_explicit_paths(tmp_path):
     trainer, d = cli.trainer, root / "checkpoints"
     assert resolve_ckpt_path(trainer, "auto") in (str(d / "last.ckpt"), str(d / "epoch=0-step=3.ckpt"))
     assert untracked_checkpoints(d, d / "last.ckpt") == []
+    # a kill between ModelCheckpoint(save_top_k=1) writing step 3 and deleting step 2 leaves step 2:
+    # auto deletes it (the callback's own name for its epoch and step); a file of another name is reported
+    blob = torch.load(d / "epoch=0-step=3.ckpt", weights_only=False)
+    blob["global_step"] = 2
+    torch.save(blob, d / "epoch=0-step=2.ckpt")
+    _file_ckpt(d / "mine.ckpt", 1)
+    with pytest.warns(UserWarning, match=r"not tracked .*mine\.ckpt"):
+        resolve_ckpt_path(trainer, "auto")
+    assert not (d / "epoch=0-step=2.ckpt").exists() and (d / "mine.ckpt").exists()
+    (d / "mine.ckpt").unlink()
     (d / "last.ckpt").write_bytes((d / "last.ckpt").read_bytes()[:100])
     assert resolve_ckpt_path(trainer, "auto") == str(d / "epoch=0-step=3.ckpt")
     with pytest.raises(IncompleteCheckpointError, match="every last checkpoint"):

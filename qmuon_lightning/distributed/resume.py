@@ -36,6 +36,7 @@ from typing import Any, Callable, Optional, Union
 __all__ = [
     "CheckpointScan",
     "IncompleteCheckpointError",
+    "checkpoint_metadata",
     "checkpoint_problem",
     "checkpoint_step",
     "find_resumable_checkpoint",
@@ -129,7 +130,7 @@ def require_complete(path: PathLike) -> Path:
     return Path(path)
 
 
-def _non_tensor_state(path: PathLike) -> Optional[dict[str, Any]]:
+def checkpoint_metadata(path: PathLike) -> Optional[dict[str, Any]]:
     """The checkpoint dict of a file (tensors memory-mapped, not read) or a directory's ``meta.pt``."""
     import torch
 
@@ -150,7 +151,7 @@ def checkpoint_step(path: PathLike) -> Optional[int]:
     Reads the small non-tensor part only: ``meta.pt`` of a directory; a file is opened with
     ``mmap=True``, so its tensors are not read.
     """
-    blob = _non_tensor_state(path)
+    blob = checkpoint_metadata(path)
     step = blob.get("global_step") if blob else None
     return int(step) if isinstance(step, int) else None
 
@@ -322,7 +323,7 @@ def untracked_checkpoints(dirpath: PathLike, resumed_from: PathLike) -> list[Pat
     A run killed between writing a new top-k checkpoint and deleting the one it replaces leaves
     such a file; the resumed callback will never delete it. Returned so the caller reports it.
     """
-    state = _non_tensor_state(resumed_from) or {}
+    state = checkpoint_metadata(resumed_from) or {}
     known: set[str] = set()
     for key, cb in (state.get("callbacks") or {}).items():
         if not str(key).startswith("ModelCheckpoint") or not isinstance(cb, dict):
