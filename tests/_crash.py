@@ -95,9 +95,12 @@ def run(config: Path, timeout: float = 600) -> subprocess.CompletedProcess:
 
 
 def saved_steps(root: Path) -> int:
-    """Highest step of a checkpoint under ``root/checkpoints`` (by name), -1 if none."""
+    """Highest step of a published checkpoint under ``root/checkpoints`` (by name; hidden staging
+    directories of a save in progress do not count), -1 if none."""
     best = -1
     for p in (root / "checkpoints").glob("*step=*"):
+        if p.name.startswith("."):
+            continue
         try:
             best = max(best, int(p.name.split("step=")[1].split(".")[0].split("-")[0]))
         except ValueError:
