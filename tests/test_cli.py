@@ -118,6 +118,12 @@ def test_fit_logs_checkpoints_and_summarizes(tmp_path, tiny_cfg):
     # int8 momentum: 1 B + 4 B / 256 per Muon element (+ a 4 B step per matrix) vs fp32's 4 B.
     assert 0.25 < summary["muon_state_vs_fp32"] < 0.30
     assert summary["state_bytes"] < summary["fp32_muon_reference_bytes"]
+    # Telemetry: a grad norm per optimizer step, logged as well; MFU n/a on CPU.
+    assert summary["grad_norm_steps"] == 6 and summary["mfu"] is None and summary["tokens_per_s"] > 0
+    with open(next(root.glob("csv/version_*/metrics.csv")), newline="") as fh:
+        rows = list(csv.DictReader(fh))
+    assert sum(1 for r in rows if r.get("grad_norm")) == 6
+    assert all(float(r["perf/tokens_per_s"]) > 0 for r in rows if r.get("perf/tokens_per_s"))
     # The model's max_seq_len comes from data.seq_len (link).
     assert cli.model.config.max_seq_len == 32
 

@@ -267,3 +267,13 @@ def test_smoke_recipe_trains_on_a_prepared_corpus_with_its_vocabulary(corpus_src
     assert cli.model.model.embed.num_embeddings == vocab and cli.model.model.lm_head.out_features == vocab
     assert torch.isfinite(cli.trainer.callback_metrics["val_loss"])
     assert cli.model.hparams["vocab_size"] == vocab  # a checkpoint rebuilds the same model
+
+    # The smoke summary (printed and written) carries the run telemetry: tokens/s, MFU (n/a on
+    # CPU), peak memory, grad norm; the same numbers are in summary.json.
+    table = next((tmp_path / "run").glob("csv/version_*/summary.md")).read_text()
+    summary = json.loads(next((tmp_path / "run").glob("csv/version_*/summary.json")).read_text())
+    assert f"{summary['tokens_per_s']:,.0f} tokens/s" in table
+    assert "MFU                n/a (cpu" in table and summary["mfu"] is None
+    assert "peak memory" in table and summary["peak_memory_rss_bytes"] > 0
+    assert summary["grad_norm_steps"] == 3 and f"{summary['grad_norm_final']:.4g} final" in table
+    assert summary["flops_per_token"] > 6 * (summary["parameters"] - vocab * 128)  # attention term included
