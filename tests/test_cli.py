@@ -351,4 +351,6 @@ def test_fit_and_resume_under_qmuon_fsdp_two_processes(tmp_path, tiny_cfg):
     first, second = (json.loads(p.read_text()) for p in runs)
     assert (first["steps"], second["steps"], second["steps_this_run"]) == (6, 9, 3)
     assert first["tokens"] == 6 * 4 * 32 * 2  # two data-parallel replicas
+    # The grad norm over the FSDP2 shards (an all-reduce in on_before_optimizer_step) every step.
+    assert first["grad_norm_steps"] == 6 and math.isfinite(first["grad_norm_final"]) and first["grad_norm_final"] > 0
     assert second["val_final"][1] < first["val_first"][1]
