@@ -160,7 +160,8 @@ def test_interrupted_prepare_never_looks_complete(corpus_src, tmp_path, monkeypa
 
 def test_prepare_from_a_local_dataset_with_a_text_field_and_a_slice(corpus_src, tmp_path):
     """``--dataset`` goes through ``datasets.load_dataset`` (here a local JSON-lines directory, as the
-    Hub path would for a hub id), reads ``--text-field`` and keeps the first ``--max-documents``."""
+    Hub path would for a hub id), reads ``--text-field`` and keeps the first ``--max-documents``,
+    also when streamed."""
     data_dir = tmp_path / "jsonl"
     data_dir.mkdir()
     docs = [f.read_text() for f in sorted(corpus_src.glob("doc*.txt"))]
@@ -180,6 +181,14 @@ def test_prepare_from_a_local_dataset_with_a_text_field_and_a_slice(corpus_src, 
     with pytest.raises(ValueError, match="--text-field"):
         prepare_corpus(tokenizer=str(corpus_src / "tok"), out=tmp_path / "other", dataset=str(data_dir),
                        cache_dir=str(tmp_path / "hf-cache"), progress=False)
+
+    # --streaming reads the same first documents through an IterableDataset: the same bytes.
+    streamed = tmp_path / "streamed"
+    prepare_corpus(tokenizer=str(corpus_src / "tok"), out=streamed, dataset=str(data_dir), text_field="content",
+                   max_documents=5, streaming=True, val_fraction=0.25, cache_dir=str(tmp_path / "hf-cache"),
+                   progress=False)
+    for name in ("train.bin", "val.bin"):
+        assert (streamed / name).read_bytes() == (out / name).read_bytes()
 
 
 def test_missing_data_extra_names_the_install_command(monkeypatch, tmp_path, capsys):

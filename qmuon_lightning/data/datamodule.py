@@ -1,6 +1,6 @@
 """A LightningDataModule of next-token windows over byte-level or pre-tokenized corpora.
 
-Three sources, one sampling scheme:
+Four sources, one sampling scheme:
 
 ``source="stdlib"`` (default)
     The Python standard library's own ``*.py`` sources as bytes
@@ -193,7 +193,8 @@ class ByteLMDataModule(L.LightningDataModule):
         seq_len: tokens per training window (the model sees ``seq_len`` inputs, predicts
             ``seq_len`` targets).
         batch_size: windows per batch and device.
-        val_fraction: share of files (``stdlib``) or chunks (``text``/``bin``) held out.
+        val_fraction: share of files (``stdlib``) or chunks (``text``/``bin``) held out (``tokens``: the
+            split qmuon-prepare wrote is used; this, ``max_bytes`` and ``split_chunk`` do not apply).
         seed: seeds the split of ``text``/``bin`` and the window positions.
         max_bytes: ``stdlib`` / ``text``: read at most this many bytes (``None``: no limit for text,
             16 MiB for stdlib).
