@@ -111,7 +111,8 @@ def _tokenizer_identity(tokenizer: Any, name: str) -> dict[str, Any]:
 def _describe_request(request: dict[str, Any]) -> str:
     src = request["source"]
     if src["kind"] == "text":
-        what = f"{len(src['files'])} local text file(s), one document per {src['sample_by']}"
+        unit = {"document": "file", "paragraph": "paragraph", "line": "line"}[src["sample_by"]]
+        what = f"{len(src['files'])} local text file(s), one document per {unit}"
     else:
         what = f"dataset {src['name']}" + (f" ({src['config']})" if src.get("config") else "") + f", split {src['split']}"
         what += f", field {src['text_field']!r}"
@@ -142,7 +143,11 @@ def _check_out_dir(out: Path, request: dict[str, Any], fingerprint: str) -> dict
         except json.JSONDecodeError:
             old = {}
         if old.get("request_fingerprint") == fingerprint:
-            return read_token_corpus_meta(out)  # also checks that the .bin files are whole
+            try:
+                return read_token_corpus_meta(out)  # also checks that the .bin files are whole
+            except (ValueError, FileNotFoundError) as err:
+                raise CorpusExistsError(f"{out} holds this corpus' meta.json but its files are damaged ({err}). "
+                                        "Delete the directory and run qmuon-prepare again.") from err
         diff = _differences(old.get("request", {}), request)
         raise CorpusExistsError(
             f"{out} already holds a different corpus ({'; '.join(diff) or 'unreadable meta.json'}). "
