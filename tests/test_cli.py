@@ -240,8 +240,10 @@ def test_several_configs_and_dotted_overrides(tmp_path, tiny_cfg, capsys):
         (["--model.optimizer.name=grasp", "--model.optimizer.state_format=int8"], ["invalid configuration", "grasp4"]),
         (["--data.source=text"], ["invalid configuration", "data.paths"]),
         (["--model.dmodel=64"], ["dmodel"]),
+        (["--data.source=tokens", "--data.paths=[/nonexistent/corpus]"], ["invalid configuration", "qmuon-prepare"]),
     ],
-    ids=["unknown-format", "heads-do-not-divide", "grasp-with-int8", "text-without-paths", "typo-key"],
+    ids=["unknown-format", "heads-do-not-divide", "grasp-with-int8", "text-without-paths", "typo-key",
+         "tokens-dir-missing"],
 )
 def test_bad_config_gives_clear_error(tmp_path, tiny_cfg, capsys, override, expect):
     cfg = str(tiny_cfg(tmp_path / "run"))
