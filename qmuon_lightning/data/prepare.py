@@ -284,8 +284,11 @@ def prepare_corpus(
     if len(ds) < 2:
         raise ValueError(f"the source has {len(ds)} non-empty document(s); at least 2 are needed (one for training, "
                          "one for validation). For one large file use --sample-by paragraph or line.")
+    # The tokenized ids go to the datasets cache in the output dtype (GPT-2: 2 bytes per token, so the
+    # cache holds about as much as train.bin + val.bin), not as Python's int64.
     list_feature = getattr(datasets, "List", None) or datasets.Sequence  # List: datasets >= 4
-    features = datasets.Features({"ids": list_feature(datasets.Value("uint32")), "val": datasets.Value("bool")})
+    features = datasets.Features({"ids": list_feature(datasets.Value(token_dtype(vocab_size))),
+                                  "val": datasets.Value("bool")})
     ds = ds.map(_tokenize_batch, batched=True, batch_size=batch_size, num_proc=num_proc, remove_columns=ds.column_names,
                 features=features, desc=f"tokenizing with {tokenizer}",
                 fn_kwargs={"tokenizer": tok, "text_field": field, "eos_id": eos_id, "val_fraction": val_fraction,
