@@ -181,7 +181,9 @@ def _load_documents(datasets: Any, args: dict[str, Any]) -> Any:
                 stream = stream.take(src["max_documents"])
             field = src["text_field"]
 
-            def gen(): yield from ({field: ex[field]} for ex in stream)
+            def gen():
+                for ex in stream:
+                    yield {field: ex[field]}
 
             ds = datasets.Dataset.from_generator(
                 gen, features=datasets.Features({field: datasets.Value("string")}), cache_dir=args["cache_dir"],
