@@ -69,16 +69,53 @@ def trial(world_size: int, kills: int, steps: int, seed: int, work: Path) -> dic
             "final_log": final.stdout + final.stderr}
 
 
+def torchrun_trial(kills: int, steps: int, seed: int, work: Path) -> dict:
+    """The 2-process run under ``torchrun --max-restarts``: torchrun, not this script, restarts it."""
+    straight, killed = work / "tr_straight", work / "tr_killed"
+    t0 = time.perf_counter()
+    _crash.run(_crash.write_config(straight, 2, steps))
+    code, events, log = _crash.run_under_torchrun(_crash.write_config(killed, 2, steps), killed, kills, random.Random(seed))
+    a = _crash.load_checkpoint(straight / "checkpoints" / "last.ckpt")
+    b = _crash.load_checkpoint(killed / "checkpoints" / "last.ckpt")
+    resumes = [m.group(0) for m in _RESUMED.finditer(log)]
+    return {"code": code, "events": events, "resumes": resumes, "diff": _crash.state_differences(a, b),
+            "names": (_crash.checkpoint_names(straight), _crash.checkpoint_names(killed)),
+            "final_step": b["global_step"], "seconds": time.perf_counter() - t0}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--kills", type=int, default=20)
     ap.add_argument("--world-sizes", default="1,2")
     ap.add_argument("--steps", type=int, default=300, help="max_steps of the run (a tiny model runs ~10 steps/s)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--torchrun", action="store_true",
+                    help="instead: one 2-process run under torchrun --max-restarts=KILLS, a worker killed KILLS times")
     ap.add_argument("--no-write", action="store_true")
     ap.add_argument("--out", type=Path, default=RESULTS_DIR / "kill_resume.md")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="qmuon_kill_resume_"))
+    if args.torchrun:
+        try:
+            r = torchrun_trial(args.kills, args.steps, args.seed, work)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        ok = r["code"] == 0 and not r["diff"] and r["names"][0] == r["names"][1] and r["final_step"] == args.steps
+        lines = [*header_lines("Worker SIGKILLs under `torchrun --max-restarts`"), "",
+                 f"`torchrun --standalone --nproc_per_node 2 --max-restarts {args.kills} -m qmuon_lightning.cli fit "
+                 "--config run.yaml` (tests/_crash.py's tiny run under `qmuon_fsdp`, a checkpoint every step, "
+                 f"`ckpt_path: auto`, max_steps {args.steps}). Each time a new checkpoint appears one worker (picked at "
+                 "random) gets SIGKILL; torchrun stops the other and restarts both with the same command.", "",
+                 *[f"- {e}" for e in r["events"]], "", "Starts, as logged by rank 0:", "",
+                 *[f"- `{x}`" for x in r["resumes"]], "",
+                 f"torchrun exit code {r['code']}; final step {r['final_step']}; tensors differing from the uninterrupted "
+                 f"2-process run: {len(r['diff'])}; checkpoint names equal: {r['names'][0] == r['names'][1]}; "
+                 f"{r['seconds']:.0f} s.", "", f"**{'PASS' if ok else 'FAIL'}**"]
+        text = "\n".join(lines) + "\n"
+        print(text)
+        if not args.no_write:
+            (RESULTS_DIR / "kill_resume_torchrun.md").write_text(text)
+        return 0 if ok else 1
     results = []
     try:
         for w in [int(x) for x in args.world_sizes.split(",")]:

@@ -212,3 +212,59 @@ def state_differences(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
 
 def checkpoint_names(root: Path) -> list[str]:
     return sorted(p.name for p in (root / "checkpoints").iterdir() if not p.name.startswith("."))
+
+
+def _descendants(pid: int) -> list[int]:
+    out, todo = [], [pid]
+    while todo:
+        kids = _children(todo.pop())
+        out += kids
+        todo += kids
+    return out
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def run_under_torchrun(config: Path, root: Path, kills: int, rng: random.Random, nproc: int = 2,
+                       timeout: float = 1200, max_delay: float = 0.3) -> tuple[int, list[str], str]:
+    """``torchrun --standalone --nproc_per_node N --max-restarts K -m qmuon_lightning.cli fit``:
+    each time a new checkpoint appears, SIGKILL one worker (a random one) and let torchrun restart
+    all of them with the same command, ``kills`` times. Returns torchrun's exit code, a line per
+    kill and the output."""
+    logs = root / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    log_path = logs / "torchrun.log"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+           "--max-restarts", str(kills), "-m", "qmuon_lightning.cli", "fit", "--config", str(config)]
+    events: list[str] = []
+    with open(log_path, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, text=True, env=env(), start_new_session=True)
+        deadline = time.monotonic() + timeout
+        try:
+            for k in range(kills):
+                target = saved_steps(root) + 1
+                while saved_steps(root) < target and proc.poll() is None and time.monotonic() < deadline:
+                    time.sleep(0.02)
+                time.sleep(rng.uniform(0.0, max_delay))
+                workers = [p for p in _descendants(proc.pid) if "qmuon_lightning.cli" in _cmdline(p)]
+                if proc.poll() is not None or not workers:
+                    events.append(f"kill {k + 1}: no worker to kill (run ended)")
+                    break
+                victim = rng.choice(workers)
+                os.kill(victim, signal.SIGKILL)
+                events.append(f"kill {k + 1}: SIGKILL to one of {len(workers)} workers after checkpoint step "
+                              f"{saved_steps(root)}")
+                t0 = time.monotonic()  # wait for torchrun to replace the workers before the next kill
+                while proc.poll() is None and victim in _descendants(proc.pid) and time.monotonic() - t0 < 120:
+                    time.sleep(0.05)
+            proc.wait(max(1.0, deadline - time.monotonic()))
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(30)
+    return proc.returncode, events, log_path.read_text()
