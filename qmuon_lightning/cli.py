@@ -23,7 +23,8 @@ Built on :class:`lightning.pytorch.cli.LightningCLI`::
 * ``data.seq_len`` sets ``model.max_seq_len``; the datamodule's resolved vocabulary (256 for bytes,
   ``meta.json``'s for ``data.source=tokens``, ``data.vocab_size`` for a ``.bin``) sets
   ``model.vocab_size`` when the classes are instantiated.
-* A :class:`~qmuon_lightning.callbacks.summary.TrainSummary` is always added (``summary.filename``).
+* A :class:`~qmuon_lightning.callbacks.summary.TrainSummary` is always added (``summary.filename``),
+  and for ``fit`` :class:`~qmuon_lightning.callbacks.resume.EpochBoundaryResume`.
 * A ``TensorBoardLogger`` in the config is skipped with a warning when tensorboard is not installed.
 * ``strategy: qmuon_fsdp`` is available because this module imports ``qmuon_lightning.strategies``.
 * ``fit --ckpt_path auto`` (the recipes set it): resume from the newest *complete* checkpoint in the
@@ -53,6 +54,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 
 from . import strategies as _strategies  # noqa: F401  (registers strategy names such as "qmuon_fsdp")
+from .callbacks.resume import EpochBoundaryResume
 from .callbacks.summary import TrainSummary
 from .data.datamodule import ByteLMDataModule
 from .distributed.process_group import exit_after_distributed_run
@@ -230,6 +232,8 @@ class QMuonCLI(LightningCLI):
     def before_fit(self) -> None:
         # Resolve ckpt_path "auto" / "last" / an explicit path here, where the ModelCheckpoint's
         # folder is known and before Lightning opens anything.
+        if not any(isinstance(cb, EpochBoundaryResume) for cb in self.trainer.callbacks):
+            self.trainer.callbacks.append(EpochBoundaryResume())
         cfg = self.config_init[self.subcommand]
         requested = cfg.get("ckpt_path")
         cfg["ckpt_path"] = resolve_ckpt_path(self.trainer, requested)

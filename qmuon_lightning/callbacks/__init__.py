@@ -24,6 +24,7 @@ from .checkpoint import (
 )
 from .fidelity import DEFAULT_COSINE_THRESHOLD, QuantFidelityMonitor, UpdateFidelityTracker
 from .profiler import OptimizerStepProfiler, peak_allocated_from_trace
+from .resume import EpochBoundaryResume
 
 __all__ = [
     "QuantizedStateCheckpoint",
@@ -40,4 +41,5 @@ __all__ = [
     "load_quantized_state",
     "standalone_files",
     "peak_allocated_from_trace",
+    "EpochBoundaryResume",
 ]

@@ -187,14 +187,19 @@ class WindowSampler(DistributedSampler):
         self.num_samples = self.num_batches * self.batch_size
         self.epoch = int(epoch)
         self._start_batch = 0
+        self._restored_epoch: int | None = None  # checked against the trainer's next set_epoch
         #: (epoch, batch) of the iteration in progress: the next batch it yields is ``batch``
         self.position = (self.epoch, 0)
 
     def set_epoch(self, epoch: int) -> None:
-        if self._start_batch and epoch != self.epoch:
+        restored, self._restored_epoch = self._restored_epoch, None
+        if restored is not None and epoch != restored:
             raise RuntimeError(
-                f"the data loader was restored at batch {self._start_batch} of epoch {self.epoch}, but the trainer "
-                f"starts epoch {epoch}: the checkpoint's loop state and data-loader state disagree")
+                f"the training data loader was restored at epoch {restored} (batch {self._start_batch}), but the trainer "
+                f"continues with epoch {epoch}: the checkpoint's loop state and data position disagree, so the data "
+                "stream would not continue where it stopped. Train with the qmuon_lightning.callbacks.EpochBoundaryResume "
+                "callback (qmuon-train adds it), which keeps Lightning's epoch count right after a restart at an "
+                "epoch's end, and resume from a checkpoint written with it")
         super().set_epoch(epoch)
 
     def resume_at(self, epoch: int, batch: int) -> None:
@@ -205,6 +210,7 @@ class WindowSampler(DistributedSampler):
             raise ValueError(f"cannot resume at epoch {epoch}, batch {batch}")
         epoch, batch = epoch + batch // self.num_batches, batch % self.num_batches
         self.epoch, self._start_batch, self.position = epoch, batch, (epoch, batch)
+        self._restored_epoch = epoch
 
     def __len__(self) -> int:
         return self.num_samples
