@@ -48,8 +48,8 @@ def trial(world_size: int, kills: int, steps: int, seed: int, work: Path) -> dic
         outcome, log = _crash.run_and_kill(cfg, killed, after, rng, max_delay=0.3)
         m = _RESUMED.search(log)
         resumed = "-" if m is None else ("fresh" if m.group(2) is None else f"step {m.group(3)} ({Path(m.group(2)).name})")
-        reports = [line.strip() for line in log.splitlines()
-                   if "skipping incomplete" in line or "interrupted save" in line or "not tracked" in line]
+        reports = [line.strip() for line in log.splitlines() if "ckpt_path=auto: removed" in line
+                   or "skipping incomplete" in line or "interrupted save" in line or "not tracked" in line]
         rows.append({"kill": i + 1, "outcome": outcome, "resumed": resumed, "steps_on_disk": _crash.saved_steps(killed),
                      "reports": reports})
         print(f"world {world_size} kill {i + 1}: {outcome}, started from {resumed}, "
@@ -139,7 +139,7 @@ def main() -> int:
                      f"{r['names'][0] == r['names'][1]} ({', '.join(r['names'][1])}) | {len(r['leftovers'])} | {r['seconds']:.0f} s |")
     for r in results:
         lines += ["", f"### world size {r['world_size']}: each start", "",
-                  "| start | outcome | resumed from | newest checkpoint step after | reports (incomplete / interrupted / untracked) |",
+                  "| start | outcome | resumed from | newest checkpoint step after | reports (removed / incomplete / interrupted / untracked) |",
                   "| --- | --- | --- | --- | --- |"]
         for row in r["rows"]:
             rep = "<br>".join(x.replace("|", "/")[:200] for x in row["reports"]) or "-"

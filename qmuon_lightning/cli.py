@@ -59,7 +59,7 @@ from .callbacks.summary import TrainSummary
 from .data.datamodule import ByteLMDataModule
 from .distributed.process_group import exit_after_distributed_run
 from .distributed.resume import (
-    IncompleteCheckpointError, checkpoint_problem, checkpoint_step, find_resumable_checkpoint,
+    IncompleteCheckpointError, checkpoint_problem, checkpoint_step, scan_checkpoints,
     checkpoint_metadata, recover_interrupted_saves, require_complete, untracked_checkpoints,
 )
 from .models.lm_module import DecoderLMModule
@@ -102,6 +102,35 @@ def _is_own_replaced_top1(callback: ModelCheckpoint, path: Path) -> bool:
     except Exception:  # noqa: BLE001 - a filename needing other metrics: not provably ours
         return False
     return os.path.realpath(path) in names
+
+
+def _named_by(callback: ModelCheckpoint, path: Path) -> bool:
+    """Whether ``path`` carries a name this ModelCheckpoint gives its checkpoints (``last``, or its
+    ``filename`` for the epoch and step in the name), so it was written by the interrupted run."""
+    if path.name == f"{callback.CHECKPOINT_NAME_LAST}{callback.FILE_EXTENSION}":
+        return True
+    m = re.search(r"epoch=(\d+)-step=(\d+)", path.name)
+    if m is None:
+        return False
+    try:
+        names = {os.path.realpath(callback.format_checkpoint_name({"epoch": int(m[1]), "step": int(m[2])}, ver=v))
+                 for v in (None, 1, 2, 3)}
+    except Exception:  # noqa: BLE001 - a filename needing other metrics: not provably ours
+        return False
+    return os.path.realpath(path) in names
+
+
+def _remove_or_report_incomplete(trainer: Any, incomplete: list[tuple[Path, str]]) -> None:
+    """Incomplete checkpoints (a save, or ModelCheckpoint's deletion of a replaced one, cut short by
+    the kill) can never be resumed from: those named like this run's ModelCheckpoint names its own are
+    removed, any other is reported; each with what is missing."""
+    callback = next(cb for cb in trainer.callbacks if isinstance(cb, ModelCheckpoint))
+    for path, problem in incomplete:
+        if rank_zero_only.rank == 0 and _named_by(callback, path):
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+            rank_zero_warn(f"ckpt_path=auto: removed an incomplete checkpoint left by the interrupted run: {problem}")
+        else:
+            rank_zero_warn(f"ckpt_path=auto: skipping incomplete checkpoint: {problem}")
 
 
 def _adopt_or_report_untracked(trainer: Any, folder: Path, chosen: Path) -> None:
@@ -154,7 +183,9 @@ def resolve_ckpt_path(trainer: Any, ckpt_path: Optional[str]) -> Optional[str]:
                 f"ckpt_path=last: every last checkpoint in {folder} is incomplete (see the warnings); use "
                 "--ckpt_path auto to resume from the newest complete checkpoint of any name")
         return str(complete[0]) if complete else "last"  # Lightning warns and starts a new run
-    chosen = find_resumable_checkpoint(folder, report=rank_zero_warn)
+    scan = scan_checkpoints(folder)
+    _remove_or_report_incomplete(trainer, scan.incomplete)
+    chosen = scan.newest
     if chosen is None:
         rank_zero_info(f"ckpt_path=auto: no complete checkpoint in {folder}; starting a new run")
         return None

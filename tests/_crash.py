@@ -83,8 +83,8 @@ def command(config: Path) -> list[str]:
 
 
 def env() -> dict[str, str]:
-    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), PYTHONFAULTHANDLER="1",
-                PYTHONWARNINGS="ignore")
+    # warnings stay on: the restarts' reports (incomplete / untracked checkpoints) are warnings
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), PYTHONFAULTHANDLER="1")
 
 
 def run(config: Path, timeout: float = 600) -> subprocess.CompletedProcess:

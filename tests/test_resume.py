@@ -282,8 +282,17 @@ def test_cli_resolution_of_auto_last_and_explicit_paths(tmp_path):
         resolve_ckpt_path(trainer, "auto")
     assert not (d / "epoch=0-step=2.ckpt").exists() and (d / "mine.ckpt").exists()
     (d / "mine.ckpt").unlink()
-    (d / "last.ckpt").write_bytes((d / "last.ckpt").read_bytes()[:100])
-    assert resolve_ckpt_path(trainer, "auto") == str(d / "epoch=0-step=3.ckpt")
+    whole = (d / "last.ckpt").read_bytes()
+    (d / "last.ckpt").write_bytes(whole[:100])
+    # an incomplete checkpoint under one of this run's names is removed (and reported), another reported
+    (d / "other.ckpt").write_bytes(whole[:100])
+    with pytest.warns(UserWarning) as record:
+        assert resolve_ckpt_path(trainer, "auto") == str(d / "epoch=0-step=3.ckpt")
+    messages = " ".join(str(w.message) for w in record)
+    assert "removed an incomplete checkpoint" in messages and "skipping incomplete checkpoint" in messages
+    assert not (d / "last.ckpt").exists() and (d / "other.ckpt").exists()
+    (d / "other.ckpt").unlink()
+    (d / "last.ckpt").write_bytes(whole[:100])
     with pytest.raises(IncompleteCheckpointError, match="every last checkpoint"):
         resolve_ckpt_path(trainer, "last")
     with pytest.raises(IncompleteCheckpointError, match="zip directory"):
