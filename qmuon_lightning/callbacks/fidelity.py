@@ -204,7 +204,7 @@ def _update(ns_input: Tensor, sums: Tensor, group: dict[str, Any], *, carrier: s
         settings = dataclasses.replace(settings, carrier=carrier)
 
     def write(part: MatrixPart, o: Tensor) -> None:
-        out[part.r0: part.r1] = o.float() * part.lr_scale
+        part.block(out).copy_(o.float() * part.lr_scale)
 
     plan = plan_param(ns_input, group, 0, "")
     pipeline.orthogonalize(pipeline.local_items(plan, ns_input, sums, group, settings, write))

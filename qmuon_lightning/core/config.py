@@ -18,7 +18,7 @@ from typing import Any, Mapping
 
 from ..quant import state as qstate
 from .newton_schulz import NS_DTYPES, resolve_schedule
-from .plan import ADJUST_LR_FNS
+from .plan import ADJUST_LR_FNS, ORIENTATIONS
 
 __all__ = [
     "QMuonConfig",
@@ -137,6 +137,7 @@ class QMuonConfig:
             "state_format": self.state_format, "block_size": self.block_size, "rank": self.rank,
             "grid_block": self.grid_block, "rounding": self.rounding, "seed": self.seed,
             "nonfinite": self.nonfinite, "ns_input": self.ns_input, "use_muon": True, "parts": None,
+            "parts_axis": 0, "orientation": "out_in",
         }
 
     def adamw_group_defaults(self) -> dict[str, Any]:
@@ -176,7 +177,7 @@ DEFAULT_CONFIG = QMuonConfig()
 #: constructed optimizer's values win over the checkpoint's (torch would silently take the saved
 #: ones, e.g. switch a run back to the state format or NS precision it was saved with).
 STRUCTURAL_KEYS = ("use_muon", "state_format", "block_size", "rank", "grid_block", "rounding", "seed", "parts",
-                   "nonfinite", "ns_input", "ns_dtype", "ns_coefficients")
+                   "parts_axis", "orientation", "nonfinite", "ns_input", "ns_dtype", "ns_coefficients")
 
 
 def validate_muon_group(group: dict[str, Any], where: str) -> None:
@@ -232,6 +233,12 @@ def validate_muon_group(group: dict[str, Any], where: str) -> None:
         if not parts or min(parts) <= 0:
             raise bad(f"parts must be positive row counts, got {group['parts']!r}")
         group["parts"] = parts
+    axis = group.setdefault("parts_axis", 0)
+    if axis not in (0, 1) or isinstance(axis, bool):
+        raise bad(f"parts_axis must be 0 (parts are row blocks) or 1 (column blocks of a 2-D weight), got {axis!r}")
+    if group.setdefault("orientation", "out_in") not in ORIENTATIONS:
+        raise bad(f"orientation must be one of {ORIENTATIONS} (how a 2-D weight stores its layer: nn.Linear is "
+                  f"'out_in', Hugging Face Conv1D 'in_out'), got {group['orientation']!r}")
 
 
 def validate_adamw_group(group: dict[str, Any], where: str) -> None:

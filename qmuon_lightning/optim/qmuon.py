@@ -64,9 +64,12 @@ class QMuon(Optimizer):
         params: parameters or parameter groups. A group with ``use_muon=False`` is updated by
             AdamW (keys ``lr``, ``betas``, ``eps``, ``weight_decay``; unset keys take the
             ``adamw_*`` defaults). A Muon group may set ``parts=(n0, n1, ...)``: each of its
-            parameters is a stack of matrices along dim 0 (for example fused q, k, v) whose parts
-            are normalized and orthogonalized separately. Any QMuon argument below can be set per
-            group too (``state_format``, ``ns_dtype``, ...).
+            parameters is a stack of matrices along dim ``parts_axis`` (0, the default, or 1 for
+            the columns of a 2-D weight; for example fused q, k, v) whose parts are normalized and
+            orthogonalized separately; and ``orientation="in_out"`` for 2-D weights stored
+            ``(in, out)`` (Hugging Face ``Conv1D``): Newton-Schulz and the lr adjustment then use
+            the layer's ``(out, in)`` matrix (see :mod:`qmuon_lightning.core.plan`). Any QMuon
+            argument below can be set per group too (``state_format``, ``ns_dtype``, ...).
         lr, weight_decay, momentum, nesterov, ns_coefficients, eps, ns_steps, adjust_lr_fn: Muon.
         ns_dtype: Newton-Schulz precision: ``"auto"``, ``"bf16"``, ``"fp32"``.
         state_format, block_size, rank, grid_block, rounding, seed: momentum storage.
@@ -171,15 +174,22 @@ class QMuon(Optimizer):
                 )
             if torch.is_complex(p):
                 raise ValueError(f"{where}: {label} is complex; QMuon supports real parameters only")
-            if parts is not None and sum(parts) != p.shape[0]:
-                raise ValueError(f"{where}: parts {parts} sum to {sum(parts)} rows but {label} has {p.shape[0]} rows")
+            axis, orientation = group["parts_axis"], group["orientation"]
+            if (axis == 1 or orientation != "out_in") and p.ndim != 2:
+                raise ValueError(
+                    f"{where}: {label} has shape {tuple(p.shape)}; orientation={orientation!r} and parts_axis={axis} "
+                    "apply to 2-D weights only. Put it in a group with the defaults (orientation='out_in', parts_axis=0)")
+            if parts is not None and sum(parts) != p.shape[axis]:
+                unit = "rows" if axis == 0 else "columns (parts_axis=1)"
+                raise ValueError(f"{where}: parts {parts} sum to {sum(parts)} {unit} but {label} has {p.shape[axis]} {unit}")
 
     def _group_plans(self, gi: int) -> list[ParamPlan]:
         """The plans of group ``gi``'s parameters, recomputed only when the parameters (FSDP2 and
         Accelerate replace them in place), their shapes or the group's layout keys change."""
         group = self.param_groups[gi]
         key0 = sum(len(g["params"]) for g in self.param_groups[:gi])
-        sig = (key0, tuple((id(p), tuple(p.shape)) for p in group["params"]), group["parts"], group["adjust_lr_fn"])
+        sig = (key0, tuple((id(p), tuple(p.shape)) for p in group["params"]), group["parts"], group["parts_axis"],
+               group["orientation"], group["adjust_lr_fn"])
         cached = self._plans.get(gi)
         if cached is None or cached[0] != sig:
             names = group.get("param_names") or [f"param group {gi} parameter #{i}" for i in range(len(group["params"]))]

@@ -94,7 +94,7 @@ _NO_OPTIMIZER_STATE = (
 # What each optimizer mode fixes in build_optimizer's arguments.
 _MODE_KWARGS: dict[str, dict[str, Any]] = {"qmuon": {}, "grasp": {"state_format": "grasp4"}, "keep": {}}
 # build_optimizer arguments besides QMuon's (QMuonConfig's fields); "verbose" is the strategy's own.
-_ROUTING_KWARGS = ("rules", "fused_parts", "batch_budget")
+_ROUTING_KWARGS = ("rules", "fused_parts", "orientations", "batch_budget")
 
 
 def _validate_optimizer_kwargs(mode: str, kwargs: Mapping[str, Any]) -> dict[str, Any]:
