@@ -46,14 +46,15 @@ FAMILIES = ("gpt2", "llama", "qwen3")
 
 
 # ------------------------------------------------------------------------------------------ models
-def make_model(family: str, seed: int = 0, tie: bool = True) -> torch.nn.Module:
-    """A tiny causal LM of ``family`` built from a config (random weights, no download)."""
+def make_model(family: str, seed: int = 0, tie: bool = True, *, d: int = D, heads: int = HEADS,
+               layers: int = LAYERS) -> torch.nn.Module:
+    """A tiny causal LM of ``family`` built from a config (random weights, no download, no dropout)."""
     import transformers as tf
 
     torch.manual_seed(seed)
     common = dict(vocab_size=VOCAB, tie_word_embeddings=tie)
     if family == "gpt2":
-        cfg = tf.GPT2Config(n_embd=D, n_layer=LAYERS, n_head=HEADS, n_positions=SEQ, bos_token_id=0, eos_token_id=0,
+        cfg = tf.GPT2Config(n_embd=d, n_layer=layers, n_head=heads, n_positions=SEQ, bos_token_id=0, eos_token_id=0,
                             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                             **common)
         model = tf.GPT2LMHeadModel(cfg)
@@ -351,3 +352,287 @@ def test_sharded_update_is_single_process_bit_for_bit(family: str) -> None:
             [n for n, ok in res[f"{label}_params_equal"].items() if not ok]
         assert res[f"{label}_state_equal"] and all(res[f"{label}_state_equal"].values()), res[f"{label}_state_equal"]
     assert_targets(res["fp32_state_report"], f"{family} sharded")
+
+
+# ------------------------------------------------- DeepSpeed, Accelerate, Trainer: one 2-process launch
+#: GPT-2 shape for the DeepSpeed runs: odd widths, so ZeRO's partition boundary falls inside a row
+#: of a column-fused c_attn (the test checks it does).
+DS_GPT2 = dict(d=33, heads=3, layers=3)
+DS_KW = dict(lr=LR, weight_decay=0.1, state_format="int8", rounding="stochastic", adamw_lr=3e-3, verbose=False)
+DS_STEPS = 2
+TRAINER_FAMILIES = FAMILIES
+#: QMuon arguments of the Trainer runs. GPT-2 runs QMuon's defaults (int8 momentum, int8 carriers).
+#: Llama and Qwen3 run fp32 momentum with bf16 carriers: with 2 key/value heads for 4 query heads
+#: at initialization, o_proj's input (the attention output) spans about half its 64 dims, so its
+#: gradient is nearly rank-deficient and Newton-Schulz amplifies any rounding in the near-null
+#: directions; int8 momentum and carriers there measured cosine 0.97 against torch.optim.Muon
+#: (every other layer >= 0.99). Their layers are plain (out, in): the run checks that they stay so.
+TRAINER_KW = {"gpt2": dict(lr=LR, weight_decay=0.0),
+              "llama": dict(lr=LR, weight_decay=0.0, state_format="fp32", comm_carrier="bf16", comm_return="bf16"),
+              "qwen3": dict(lr=LR, weight_decay=0.0, state_format="fp32", comm_carrier="bf16", comm_return="bf16")}
+
+
+def _ds_model(seed: int = 0) -> torch.nn.Module:
+    return make_model("gpt2", seed, **DS_GPT2)
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _worker_deepspeed(rank: int) -> dict[str, Any]:
+    from qmuon_lightning.integrations import deepspeed as qds
+
+    res: dict[str, Any] = {}
+    for stage in (0, 2):
+        model = _ds_model()
+        cfg = {"train_micro_batch_size_per_gpu": BATCH, "gradient_accumulation_steps": 1, "steps_per_print": 10 ** 9,
+               "gradient_clipping": 0.0, "zero_optimization": {"stage": stage, "reduce_bucket_size": 500,
+                                                               "allgather_bucket_size": 500}}
+        engine, opt, _, _ = qds.initialize(model, ql.build_optimizer(model, **DS_KW), cfg)
+        for step in range(DS_STEPS):
+            x = tokens(step, rank)
+            engine.backward(lm_loss(engine, x))
+            engine.step()
+        res[f"stage{stage}"] = {
+            "params": {n: p.detach().clone() for n, p in engine.module.named_parameters()},
+            "holders": {opt._all_groups[p.group]["param_names"][p.pos]:
+                        [None if s is None else (s.start, s.length) for s in p.holders] for p in opt._params},
+        }
+        del engine, opt
+    return res
+
+
+def _worker_accelerate(out: Path) -> dict[str, Any]:
+    from accelerate import Accelerator
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    from qmuon_lightning.integrations.accelerate import prepare_qmuon
+
+    def make() -> Accelerator:
+        # Accelerate's FSDP2 code forced on CPU (gloo), as tests/test_accelerate.py does.
+        plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
+                                                transformer_cls_names_to_wrap=["GPT2Block"],
+                                                state_dict_type="SHARDED_STATE_DICT")
+        acc = Accelerator(cpu=True)
+        acc.state.fsdp_plugin = plugin
+        acc.state.distributed_type = DistributedType.FSDP
+        PartialState().distributed_type = DistributedType.FSDP
+        return acc
+
+    def run(acc: Any, model: Any, opt: Any, steps: range, first: dict | None = None) -> None:
+        for s in steps:
+            acc.backward(lm_loss(model, tokens(s, acc.process_index)))
+            if first is not None and s == 0:
+                first["before"] = {n: _full(p.detach()).clone() for n, p in model.named_parameters()}
+                first["grads"] = {n: _full(p.grad).clone() for n, p in model.named_parameters() if p.grad is not None}
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if first is not None and s == 0:
+                first["after"] = {n: _full(p.detach()).clone() for n, p in model.named_parameters()}
+
+    def snap(model: Any, opt: Any) -> dict[str, torch.Tensor]:
+        from qmuon_lightning.integrations.accelerate import unwrap_qmuon
+
+        qm = unwrap_qmuon(opt)
+        snap = {f"param/{n}": _full(p.detach()).clone() for n, p in model.named_parameters()}
+        for gi, g in enumerate(qm.param_groups):
+            for i, p in enumerate(g["params"]):
+                for k, v in qm.state.get(p, {}).items():
+                    snap[f"state/{gi}/{i}/{k}"] = _full(v).clone()
+        return snap
+
+    acc = make()
+    model, opt = prepare_qmuon(acc, make_model("gpt2"), lr=LR, weight_decay=0.0, verbose=False)
+    first: dict[str, Any] = {}
+    run(acc, model, opt, range(2), first)
+    acc.save_state(str(out / "acc_ckpt"))
+    acc.wait_for_everyone()
+    run(acc, model, opt, range(2, 4))
+    a = snap(model, opt)
+    acc2 = make()
+    model2, opt2 = prepare_qmuon(acc2, make_model("gpt2", seed=5), lr=LR, weight_decay=0.0, verbose=False)
+    acc2.load_state(str(out / "acc_ckpt"))
+    run(acc2, model2, opt2, range(2, 4))
+    b = snap(model2, opt2)
+    try:
+        assert_same(a, b, "accelerate resume")
+        mismatch: list[str] = []
+    except AssertionError as e:
+        mismatch = [str(e)]
+    report = {}
+    for layer, (pname, view) in logical_layers("gpt2", model).items():
+        ours = view(first["after"][pname] - first["before"][pname])
+        report[layer] = compare(ours, torch_muon_update(view(first["before"][pname]), view(first["grads"][pname])))
+    return {"report": report, "mismatches": mismatch, "n_snap": len(a)}
+
+
+def _worker_trainer(out: Path, family: str) -> dict[str, Any]:
+    """Trainer(strategy="qmuon_fsdp") (automatic sharding, AdamW swapped for QMuon): the first
+    step's per-layer update against torch.optim.Muon on the gradient FSDP averaged, the optimizer's
+    layout groups, and resume from a sharded checkpoint at step 2 == the uninterrupted run."""
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from qmuon_lightning.strategies import QMuonFSDPStrategy
+
+    class Lit(L.LightningModule):
+        def __init__(self, seed: int = 0) -> None:
+            super().__init__()
+            self.model = make_model(family, seed)
+
+        def training_step(self, batch: Any, _: int) -> torch.Tensor:
+            return lm_loss(self.model, batch[0])
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.AdamW(self.parameters(), lr=3e-3)
+
+    class FirstStep(L.Callback):
+        def __init__(self) -> None:
+            self.before: dict = {}
+            self.grads: dict = {}
+            self.after: dict = {}
+
+        def on_before_optimizer_step(self, trainer: Any, module: Any, optimizer: Any) -> None:
+            if trainer.global_step == 0:
+                self.before = {n: _full(p.detach()).clone() for n, p in module.model.named_parameters()}
+                self.grads = {n: _full(p.grad).clone() for n, p in module.model.named_parameters() if p.grad is not None}
+
+        def on_train_batch_end(self, trainer: Any, module: Any, *args: Any) -> None:
+            if trainer.global_step == 1:
+                self.after = {n: _full(p.detach()).clone() for n, p in module.model.named_parameters()}
+
+    def data() -> Any:
+        # 16 sequences: 2 steps of BATCH per rank per epoch (a global batch of 256 tokens: full-rank gradients)
+        x = torch.cat([tokens(s) for s in range(4)])
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x), batch_size=BATCH, shuffle=False)
+
+    def local(trainer: Any) -> dict[str, Any]:
+        m, o = trainer.lightning_module, trainer.optimizers[0]
+        names = {id(p): n for n, p in m.named_parameters()}
+        loc = lambda t: (t.to_local() if hasattr(t, "to_local") else t).detach().clone()  # noqa: E731
+        return {"params": {n: loc(p) for n, p in m.named_parameters()},
+                "state": {names[id(p)]: {k: loc(v) for k, v in st.items()} for p, st in o.state.items()}}
+
+    def fit(epochs: int, seed: int, resume: Path | None, callbacks: list) -> Any:
+        L.seed_everything(0, verbose=False)
+        trainer = L.Trainer(accelerator="cpu", devices=2, strategy=QMuonFSDPStrategy(optimizer_kwargs=TRAINER_KW[family]),
+                            max_epochs=epochs, callbacks=callbacks, logger=False, enable_progress_bar=False,
+                            enable_model_summary=False, enable_checkpointing=bool(callbacks), num_sanity_val_steps=0)
+        trainer.fit(Lit(seed), data(), ckpt_path=str(resume) if resume else None)
+        return trainer
+
+    first = FirstStep()
+    ckpt = ModelCheckpoint(dirpath=out / f"trainer_{family}", filename="{epoch}", every_n_epochs=1, save_top_k=-1)
+    t1 = fit(2, 0, None, [first, ckpt])
+    straight = local(t1)
+    groups = [{"names": g["param_names"], "parts": g["parts"], "parts_axis": g["parts_axis"],
+               "orientation": g["orientation"]} for g in t1.optimizers[0].param_groups if g.get("use_muon")]
+    t2 = fit(2, 3, out / f"trainer_{family}" / "epoch=0.ckpt", [])
+    resumed = local(t2)
+    try:
+        assert_same(resumed, straight, f"{family} resume")
+        mismatch: list[str] = []
+    except AssertionError as e:
+        mismatch = [str(e)]
+    report = {}
+    for layer, (pname, view) in logical_layers(family, t1.lightning_module.model).items():
+        ours = view(first.after[pname] - first.before[pname])
+        report[layer] = compare(ours, torch_muon_update(view(first.before[pname]), view(first.grads[pname])))
+    return {"report": report, "mismatches": mismatch, "groups": groups, "steps": t1.global_step,
+            "sharded_ckpt": (out / f"trainer_{family}" / "epoch=0.ckpt").is_dir()}
+
+
+def _worker_main(out: Path) -> None:
+    import os
+
+    torch.set_num_threads(1)
+    rank = int(os.environ["RANK"])
+    res: dict[str, Any] = {"rank": rank, "deepspeed": _worker_deepspeed(rank), "accelerate": _worker_accelerate(out)}
+    for family in TRAINER_FAMILIES:
+        res[f"trainer_{family}"] = _worker_trainer(out, family)
+    torch.save(res, out / f"rank{rank}.pt")
+    from qmuon_lightning.distributed import exit_after_distributed_run
+
+    exit_after_distributed_run()
+
+
+@pytest.fixture(scope="module")
+def two_process_run(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    from _helpers import free_port
+
+    pytest.importorskip("deepspeed")
+    pytest.importorskip("accelerate")
+    out = tmp_path_factory.mktemp("hf_layers")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+           "--master_port", str(free_port()), str(Path(__file__).resolve()), "--worker", str(out)]
+    run_launcher(cmd, timeout=900, env=subprocess_env(DS_ACCELERATOR="cpu", PYTHONWARNINGS="ignore"),
+                 what="2-process HF worker (DeepSpeed, Accelerate, Trainer)")
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+
+
+def _ds_reference() -> dict[str, torch.Tensor]:
+    """Single-process QMuon on DeepSpeed's gradient (the mean of both ranks' micro-batch gradients)."""
+    model = _ds_model()
+    opt = ql.build_optimizer(model, **DS_KW)
+    for step in range(DS_STEPS):
+        grads = []
+        for r in range(2):
+            model.zero_grad(set_to_none=True)
+            lm_loss(model, tokens(step, r)).backward()
+            grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+        for n, p in model.named_parameters():
+            p.grad = (grads[0][n] + grads[1][n]) / 2 if n in grads[0] else None
+        opt.step()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_deepspeed_gpt2_matches_single_process(two_process_run: list[dict], stage: int) -> None:
+    """ZeRO 0 / 2 on 2 processes: GPT-2's (in, out) weights and column-fused c_attn get the
+    single-process QMuon update bit for bit (int8 momentum, stochastic rounding), also where the
+    ZeRO partition boundary cuts a c_attn row."""
+    want = _ds_reference()
+    for r, res in enumerate(two_process_run):
+        run = res["deepspeed"][f"stage{stage}"]
+        assert_same(run["params"], want, f"rank {r} ZeRO {stage}")
+    if stage == 2:
+        holders = two_process_run[0]["deepspeed"]["stage2"]["holders"]
+        cut = [n for n, segs in holders.items() if "c_attn.weight" in n
+               and segs[1] is not None and segs[1][0] % (3 * DS_GPT2["d"]) != 0 and segs[1][0] > 0]
+        assert cut, f"no c_attn row is cut by the partition boundary: {holders}"
+
+
+def test_accelerate_fsdp2_gpt2_update_and_resume(two_process_run: list[dict]) -> None:
+    """Accelerate's FSDP2 (forced on CPU) with QMuon's defaults (int8 momentum and carriers):
+    per-layer targets against torch.optim.Muon, and save_state / load_state bit-exact."""
+    for r, res in enumerate(two_process_run):
+        acc = res["accelerate"]
+        assert acc["mismatches"] == [], f"rank {r}: {acc['mismatches']}"
+        assert acc["n_snap"] > 0
+        assert_targets(acc["report"], f"accelerate rank {r}")
+
+
+@pytest.mark.parametrize("family", TRAINER_FAMILIES)
+def test_trainer_qmuon_fsdp_hf_models(two_process_run: list[dict], family: str) -> None:
+    """Trainer(strategy="qmuon_fsdp"), 2 processes: the layouts reach the optimizer, the per-layer
+    update meets the targets (arguments: TRAINER_KW), and a sharded-checkpoint resume is bit-exact."""
+    for r, res in enumerate(two_process_run):
+        run = res[f"trainer_{family}"]
+        assert run["steps"] == 4 and run["sharded_ckpt"]
+        assert run["mismatches"] == [], f"rank {r}: {run['mismatches']}"
+        assert_targets(run["report"], f"{family} Trainer rank {r}")
+        layouts = {(tuple(g["parts"]) if g["parts"] else None, g["parts_axis"], g["orientation"]) for g in run["groups"]}
+        if family == "gpt2":
+            assert layouts == {((D, D, D), 1, "in_out"), (None, 0, "in_out")}
+            assert any(n.endswith("attn.c_attn.weight") for g in run["groups"] if g["parts"] for n in g["names"])
+        else:
+            assert layouts == {(None, 0, "out_in")}
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--worker":
+        _worker_main(Path(sys.argv[2]))
+    else:
+        sys.exit(f"usage: {sys.argv[0]} --worker OUT")
