@@ -237,6 +237,28 @@ def test_single_process_checkpoint_resume_is_bit_exact_and_old_groups_load() -> 
                     [dict(o1.state[p]) for p in m1.parameters() if p in o1.state], "optimizer state")
 
 
+def test_checkpoint_from_before_layout_routing_gets_a_clear_error_and_loads_with_the_hint() -> None:
+    """Before layouts were read, GPT-2's Conv1D weights sat in the one plain Muon group. The arguments
+    the error names rebuild exactly that grouping (one Muon group, out_in, unfused), so such a
+    checkpoint loads."""
+    old_routing = dict(orientations={r"\.c_\w+\.weight$": "out_in"}, fused_parts={r"c_attn\.weight$": None})
+    model = make_model("gpt2")
+    old = ql.build_optimizer(model, verbose=False, **old_routing)
+    muon = [g for g in old.param_groups if g["use_muon"]]
+    assert len(muon) == 1 and (muon[0]["parts"], muon[0]["orientation"]) == (None, "out_in")
+    assert len(muon[0]["params"]) == 4 * LAYERS  # c_attn, attn.c_proj, c_fc, mlp.c_proj
+    lm_loss(model, tokens()).backward()
+    old.step()
+    sd = copy.deepcopy(old.state_dict())
+    for g in sd["param_groups"]:  # as written before the layout keys existed
+        g.pop("parts_axis")
+        g.pop("orientation")
+    with pytest.raises(ValueError, match="parameter groups") as e:
+        ql.build_optimizer(make_model("gpt2"), verbose=False).load_state_dict(copy.deepcopy(sd))
+    assert "fused_parts={r'c_attn\\.weight$': None}" in str(e.value)
+    ql.build_optimizer(make_model("gpt2"), verbose=False, **old_routing).load_state_dict(sd)
+
+
 # ----------------------------------------------------------------------------- declarations
 def test_declared_orientation_and_axis_parts_on_a_plain_module() -> None:
     """A user layer stored (in, out) with two fused outputs declares both with module attributes;

@@ -47,7 +47,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from ..core.config import ResumeMismatch, check_resume, plain_coefficients
 from ..core.newton_schulz import MUON_COEFFICIENTS, resolve_schedule
-from ..optim.qmuon import FORMAT_VERSION, QMuon
+from ..optim.qmuon import FORMAT_VERSION, LAYOUT_HINT, QMuon
 from ..quant import state as qstate
 from ._common import is_dtensor, param_names, qmuon_optimizers
 
@@ -92,6 +92,7 @@ def _group_entry(gi: int, group: dict[str, Any], names: Mapping[int, str]) -> di
             "state_format": group["state_format"], "block_size": opts.block_size, "rank": opts.rank,
             "grid_block": opts.grid_block, "rounding": group["rounding"], "seed": int(group["seed"]),
             "momentum": float(group["momentum"]), "parts": list(group["parts"]) if group["parts"] else None,
+            "parts_axis": int(group.get("parts_axis", 0)), "orientation": group.get("orientation", "out_in"),
             "ns_input": group.get("ns_input", "bf16"), "ns_dtype": group.get("ns_dtype", "auto"),
             "ns_coefficients": plain_coefficients(group.get("ns_coefficients")), "ns_steps": int(group["ns_steps"]),
         })
@@ -159,7 +160,8 @@ def validate_manifest(manifest: Mapping[str, Any], optimizers: Sequence[tuple[in
         cur_groups = [_group_entry(gi, g, names) for gi, g in enumerate(opt.param_groups)]
         if len(cur_groups) != len(saved_opt["groups"]):
             problems.append(f"{where} has {len(saved_opt['groups'])} parameter groups in the checkpoint and "
-                            f"{len(cur_groups)} now; build the optimizer the same way (same routing rules)")
+                            f"{len(cur_groups)} now; build the optimizer the same way (same routing rules). "
+                            f"{LAYOUT_HINT}")
             continue
         for saved, cur in zip(saved_opt["groups"], cur_groups):
             gw = f"{where}, param group {saved['index']}"

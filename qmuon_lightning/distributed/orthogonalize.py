@@ -72,9 +72,6 @@ class _ShardItem:
     layout: RowLayout
     r0: int  # global stored rows [r0, r1) of the part
     r1: int
-    c0: int  # stored columns [c0, c1) of the part
-    c1: int
-    transposed: bool
     param_rows: Tensor  # this rank's rows of the part in the local parameter shard (a view, any ndim)
     ns_input: Tensor  # this rank's rows of the NS input (2-D view of the local grad)
     sums: Tensor  # this rank's per-row-block sums of squares (n, nb) fp32 (nb = 1: per-row sums of a column block)
@@ -83,6 +80,9 @@ class _ShardItem:
     eps: float
     settings: NSSettings
     forward: str  # forward carrier name
+    c0: int = 0  # stored columns [c0, c1) of the part (c1 None: every column)
+    c1: int | None = None
+    transposed: bool = False
 
     @property
     def rows(self) -> int:
@@ -90,7 +90,7 @@ class _ShardItem:
 
     @property
     def cols(self) -> int:
-        return self.c1 - self.c0
+        return (self.layout.cols if self.c1 is None else self.c1) - self.c0
 
     def rows_of(self, r: int) -> tuple[int, int]:
         """Global rows of this part held by rank ``r``."""

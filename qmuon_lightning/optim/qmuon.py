@@ -47,6 +47,14 @@ FORMAT_VERSION = 1
 #: torch.optim.Muon's quintic coefficients (the ``"muon"`` preset of ``ns_coefficients``).
 DEFAULT_NS_COEFFICIENTS = MUON_COEFFICIENTS
 
+#: What a parameter-group mismatch on load may come from since build_optimizer groups Muon matrices
+#: by layer layout, and how to load such a checkpoint.
+LAYOUT_HINT = (
+    "Since build_optimizer reads layer layouts, Hugging Face Conv1D weights (GPT-2) get their own groups "
+    "(orientation 'in_out', c_attn split into q, k, v); a checkpoint saved before that loads into "
+    r"build_optimizer(model, orientations={r'\.c_\w+\.weight$': 'out_in'}, fused_parts={r'c_attn\.weight$': None})"
+)
+
 #: ``QMuon.update_sink(param, part, out)``: receives a Muon update instead of it being applied.
 UpdateSink = Callable[[Tensor, MatrixPart, Tensor], None]
 
@@ -371,7 +379,7 @@ class QMuon(Optimizer):
         if len(saved_groups) != len(self.param_groups):
             raise ValueError(
                 f"checkpoint has {len(saved_groups)} parameter groups but this optimizer has "
-                f"{len(self.param_groups)}; build the optimizer the same way it was built when saved"
+                f"{len(self.param_groups)}; build the optimizer the same way it was built when saved. {LAYOUT_HINT}"
             )
         saved_state = state_dict["state"]
         # Muon state is converted and placed here, not by torch: torch casts every state tensor of a
@@ -389,7 +397,7 @@ class QMuon(Optimizer):
             if len(saved["params"]) != len(cur["params"]):
                 raise ValueError(
                     f"param group {gi}: checkpoint has {len(saved['params'])} parameters, optimizer has "
-                    f"{len(cur['params'])}; build the optimizer the same way it was built when saved"
+                    f"{len(cur['params'])}; build the optimizer the same way it was built when saved. {LAYOUT_HINT}"
                 )
             merged = {k: v for k, v in saved.items() if k != "qmuon_version"}
             for k in STRUCTURAL_KEYS:

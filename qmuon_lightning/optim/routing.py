@@ -17,7 +17,8 @@ Layer meaning (Muon parameters only):
   (``{name_regex: spec}``), by a module attribute ``qmuon_fused_parts = {"weight": spec}``, or found
   automatically for ``nn.MultiheadAttention.in_proj_weight`` (q, k, v along dim 0) and GPT-2's
   ``c_attn`` (q, k, v along dim 1). ``spec``: ``(n0, n1, ...)`` (parts along dim 0),
-  ``{"sizes": [n0, ...], "axis": 1}`` or a :class:`~qmuon_lightning.core.plan.FusedParts`.
+  ``{"sizes": [n0, ...], "axis": 1}``, a :class:`~qmuon_lightning.core.plan.FusedParts`, or
+  ``None`` in ``fused_parts`` (not fused: turns the automatic detection off for that name).
 - *Orientation*: a 2-D weight stored ``(in, out)`` is declared with ``orientations``
   (``{name_regex: "in_out"}``) or a module attribute ``qmuon_orientation = {"weight": "in_out"}``;
   Hugging Face ``Conv1D`` (matched by class name, transformers is never imported) is ``(in, out)``
@@ -172,8 +173,8 @@ def _hf_fused(model: nn.Module) -> dict[int, FusedParts]:
 def _declared_parts(name: str, module: nn.Module, attr: str, fused_parts: Mapping[str, Any],
                     auto: Mapping[int, FusedParts]) -> FusedParts | None:
     for pattern, spec in fused_parts.items():
-        if re.search(pattern, name):
-            return _parse_parts(spec, f"fused_parts[{pattern!r}] (matched {name!r})")
+        if re.search(pattern, name):  # None: declared unfused (turns automatic detection off)
+            return None if spec is None else _parse_parts(spec, f"fused_parts[{pattern!r}] (matched {name!r})")
     declared = getattr(module, "qmuon_fused_parts", None)
     if isinstance(declared, Mapping) and attr in declared:
         return _parse_parts(declared[attr], f"{type(module).__name__}.qmuon_fused_parts[{attr!r}] of {name!r}")
