@@ -259,6 +259,30 @@ def test_checkpoint_from_before_layout_routing_gets_a_clear_error_and_loads_with
     ql.build_optimizer(make_model("gpt2"), verbose=False, **old_routing).load_state_dict(sd)
 
 
+def test_mxfp8_input_encodes_the_stored_block_and_runs_ns_on_the_layer() -> None:
+    """ns_input="mxfp8" on a column part of an (in, out) weight (GPT-2's q): the MXFP8 carrier of
+    the stored block (blocks along stored rows, what a sharded rank can encode alone), Newton-Schulz
+    on its transpose, the lr factor of the (out, in) shape: rebuilt by hand, bit for bit."""
+    from qmuon_lightning.core.newton_schulz import newton_schulz_folded
+    from qmuon_lightning.core.plan import lr_scale
+    from qmuon_lightning.quant.mxfp8 import mxfp8_roundtrip_normalized
+
+    model = make_model("gpt2")
+    opt = ql.build_optimizer(model, lr=LR, weight_decay=0.0, state_format="fp32", ns_dtype="bf16", ns_input="mxfp8",
+                             verbose=False)
+    lm_loss(model, tokens()).backward()
+    w = model.transformer.h[0].attn.c_attn.weight
+    w0 = w.detach().clone()
+    opt.step()
+    g = w.grad[:, :D]  # after step(), .grad holds the NS input (docs/core.md)
+    inv = 1.0 / torch.clamp(g.float().square().sum(dim=1, keepdim=True).sum().sqrt(), min=1e-7)
+    x = mxfp8_roundtrip_normalized(g.contiguous(), inv)  # stored (in, out) block
+    o = newton_schulz_folded(x.mT.unsqueeze(0), torch.ones(1), "muon", 5, dtype=torch.bfloat16)[0].mT
+    want = w0[:, :D].clone()
+    want.add_(o.contiguous(), alpha=-LR * lr_scale(None, D, D))
+    assert torch.equal(w.detach()[:, :D], want)
+
+
 # ----------------------------------------------------------------------------- declarations
 def test_declared_orientation_and_axis_parts_on_a_plain_module() -> None:
     """A user layer stored (in, out) with two fused outputs declares both with module attributes;
@@ -275,17 +299,22 @@ def test_declared_orientation_and_axis_parts_on_a_plain_module() -> None:
             return x @ self.weight
 
     torch.manual_seed(0)
-    model = torch.nn.Sequential(InOut(), torch.nn.Tanh(), torch.nn.Linear(48, 8))
+    # model[2] is a (16, 48) nn.Linear: the layer shape of part a, so NS batches the two together.
+    model = torch.nn.Sequential(InOut(), torch.nn.Tanh(), torch.nn.Linear(48, 16), torch.nn.Tanh(),
+                                torch.nn.Linear(16, 8))
     (d,) = [d for d in route_parameters(model) if d.name == "0.weight"]
     assert (d.parts, d.parts_axis, d.orientation) == ((16, 32), 1, "in_out")
     opt = ql.build_optimizer(model, lr=LR, weight_decay=0.0, state_format="fp32", ns_dtype="bf16", verbose=False)
     model(torch.randn(256, 48)).square().mean().backward()
     w0, g = model[0].weight.detach().clone(), model[0].weight.grad.clone()
+    lin0, lin_g = model[2].weight.detach().clone(), model[2].weight.grad.clone()
     opt.step()
     upd = model[0].weight.detach() - w0
     for c0, c1 in ((0, 16), (16, 48)):
         cos, ratio = compare(upd[:, c0:c1].T, torch_muon_update(w0[:, c0:c1].T, g[:, c0:c1].T))
         assert cos >= 0.999 and abs(ratio - 1) < 0.01, (c0, cos, ratio)
+    cos, ratio = compare(model[2].weight.detach() - lin0, torch_muon_update(lin0, lin_g))
+    assert cos >= 0.999 and abs(ratio - 1) < 0.01, ("linear", cos, ratio)
 
 
 @pytest.mark.parametrize("spec, match", [

@@ -154,18 +154,19 @@ def orthogonalize(items: Iterable[NSItem], batch_budget: float = DEFAULT_BATCH_B
     budget = max(1, int(batch_budget * max(it.numel for it in items)))
     queues: dict[tuple, list[NSItem]] = defaultdict(list)
     for it in items:
-        queues[(it.rows, it.cols, it.transpose, it.settings, str(it.device))].append(it)
-    for (rows, cols, transpose, settings, _), queue in queues.items():
+        # Keyed by the shape NS sees: an (in, out) layer batches with (out, in) layers of its shape.
+        ns_shape = (it.cols, it.rows) if it.transpose else (it.rows, it.cols)
+        queues[(*ns_shape, it.settings, str(it.device))].append(it)
+    for (rows, cols, settings, _), queue in queues.items():
         per_batch = max(1, budget // (rows * cols))
         for start in range(0, len(queue), per_batch):
             chunk = queue[start: start + per_batch]
-            _orthogonalize_chunk(chunk, rows, cols, transpose, settings)
+            _orthogonalize_chunk(chunk, rows, cols, settings)
 
 
-def _orthogonalize_chunk(chunk: list[NSItem], rows: int, cols: int, transpose: bool, s: NSSettings) -> None:
-    """NS of one batch; ``rows x cols`` is the stored shape, the batch holds the NS orientation."""
+def _orthogonalize_chunk(chunk: list[NSItem], ns_rows: int, ns_cols: int, s: NSSettings) -> None:
+    """NS of one batch of ``ns_rows x ns_cols`` matrices (each item's stored block, or its transpose)."""
     first = chunk[0]
-    ns_rows, ns_cols = (cols, rows) if transpose else (rows, cols)
     sumsq = torch.stack([it.sumsq.reshape(()) for it in chunk])
     eps = torch.tensor([it.eps for it in chunk], dtype=torch.float32, device=sumsq.device)
     inv_norm = torch.maximum(sumsq.sqrt(), eps).reciprocal()
@@ -180,11 +181,11 @@ def _orthogonalize_chunk(chunk: list[NSItem], rows: int, cols: int, transpose: b
                 x = it.source.contiguous()
             else:
                 assert it.load is not None
-                x = torch.empty((rows, cols), dtype=torch.float32, device=first.device)
+                x = torch.empty((it.rows, it.cols), dtype=torch.float32, device=first.device)
                 it.load(x)
-            _stored(batch[i], transpose).copy_(mxfp8_roundtrip_normalized(x, inv_norm[i]))
+            _stored(batch[i], it.transpose).copy_(mxfp8_roundtrip_normalized(x, inv_norm[i]))
         inv_norm = torch.ones_like(inv_norm)
-    elif len(chunk) == 1 and not transpose and first.source is not None and first.source.dtype == s.dtype:
+    elif len(chunk) == 1 and not first.transpose and first.source is not None and first.source.dtype == s.dtype:
         batch = first.source.unsqueeze(0)  # no copy; NS does not write its input
     else:
         batch = torch.empty((len(chunk), ns_rows, ns_cols), dtype=s.dtype, device=first.device)
@@ -192,7 +193,7 @@ def _orthogonalize_chunk(chunk: list[NSItem], rows: int, cols: int, transpose: b
     out = newton_schulz_folded(batch, inv_norm, s.schedule, s.steps, dtype=s.dtype)
     del batch
     for i, it in enumerate(chunk):
-        it.apply(_stored(out[i], transpose))
+        it.apply(_stored(out[i], it.transpose))
 
 
 def call_closure(closure: Callable[[], Any] | None) -> Any:
