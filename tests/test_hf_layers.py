@@ -13,6 +13,13 @@ norm ratio of 0.50 (c_fc), so it fails the targets (``test_stored_layout_misses_
 Sharded runs (2 processes, gloo, ``fully_shard``): with bf16 carriers both ways and bf16 NS the
 sharded update is single-process QMuon's bit for bit (docs/core.md), for ``(in, out)`` weights and
 column parts too, with int8 momentum.
+
+One 2-process launch (``torch.distributed.run``; this file is also that worker:
+``python tests/test_hf_layers.py --worker OUT``) runs GPT-2 under DeepSpeed ZeRO 0 and 2 (compared
+here, bit for bit, with single-process QMuon on the averaged gradient), and GPT-2, Llama and Qwen3
+under Accelerate's FSDP2 (forced on CPU, as tests/test_accelerate.py does) and under
+``Trainer(strategy="qmuon_fsdp")``: per-layer targets on the first step, and resume from a sharded
+checkpoint bit-exact. Lightning Fabric is covered where its strategy is tested.
 """
 
 from __future__ import annotations
@@ -412,7 +419,9 @@ DS_GPT2 = dict(d=33, heads=3, layers=3)
 DS_KW = dict(lr=LR, weight_decay=0.1, state_format="int8", rounding="stochastic", adamw_lr=3e-3, verbose=False)
 DS_STEPS = 2
 TRAINER_FAMILIES = FAMILIES
-#: QMuon arguments of the Trainer runs. GPT-2 runs QMuon's defaults (int8 momentum, int8 carriers).
+#: Decoder block classes (FSDP units of the Accelerate runs).
+BLOCK_CLASS = {"gpt2": "GPT2Block", "llama": "LlamaDecoderLayer", "qwen3": "Qwen3DecoderLayer"}
+#: QMuon arguments of the Trainer and Accelerate runs. GPT-2 runs QMuon's defaults (int8 momentum, int8 carriers).
 #: Llama and Qwen3 run fp32 momentum with bf16 carriers: with 2 key/value heads for 4 query heads
 #: at initialization, o_proj's input (the attention output) spans about half its 64 dims, so its
 #: gradient is nearly rank-deficient and Newton-Schulz amplifies any rounding in the near-null
@@ -454,7 +463,7 @@ def _worker_deepspeed(rank: int) -> dict[str, Any]:
     return res
 
 
-def _worker_accelerate(out: Path) -> dict[str, Any]:
+def _worker_accelerate(out: Path, family: str) -> dict[str, Any]:
     from accelerate import Accelerator
     from accelerate.state import PartialState
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
@@ -464,7 +473,7 @@ def _worker_accelerate(out: Path) -> dict[str, Any]:
     def make() -> Accelerator:
         # Accelerate's FSDP2 code forced on CPU (gloo), as tests/test_accelerate.py does.
         plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
-                                                transformer_cls_names_to_wrap=["GPT2Block"],
+                                                transformer_cls_names_to_wrap=[BLOCK_CLASS[family]],
                                                 state_dict_type="SHARDED_STATE_DICT")
         acc = Accelerator(cpu=True)
         acc.state.fsdp_plugin = plugin
@@ -495,25 +504,26 @@ def _worker_accelerate(out: Path) -> dict[str, Any]:
         return snap
 
     acc = make()
-    model, opt = prepare_qmuon(acc, make_model("gpt2"), lr=LR, weight_decay=0.0, verbose=False)
+    model, opt = prepare_qmuon(acc, make_model(family), **TRAINER_KW[family], verbose=False)
     first: dict[str, Any] = {}
     run(acc, model, opt, range(2), first)
-    acc.save_state(str(out / "acc_ckpt"))
+    ckpt = str(out / f"acc_ckpt_{family}")
+    acc.save_state(ckpt)
     acc.wait_for_everyone()
     run(acc, model, opt, range(2, 4))
     a = snap(model, opt)
     acc2 = make()
-    model2, opt2 = prepare_qmuon(acc2, make_model("gpt2", seed=5), lr=LR, weight_decay=0.0, verbose=False)
-    acc2.load_state(str(out / "acc_ckpt"))
+    model2, opt2 = prepare_qmuon(acc2, make_model(family, seed=5), **TRAINER_KW[family], verbose=False)
+    acc2.load_state(ckpt)
     run(acc2, model2, opt2, range(2, 4))
     b = snap(model2, opt2)
     try:
-        assert_same(a, b, "accelerate resume")
+        assert_same(a, b, f"{family} accelerate resume")
         mismatch: list[str] = []
     except AssertionError as e:
         mismatch = [str(e)]
     report = {}
-    for layer, (pname, view) in logical_layers("gpt2", model).items():
+    for layer, (pname, view) in logical_layers(family, model).items():
         ours = view(first["after"][pname] - first["before"][pname])
         report[layer] = compare(ours, torch_muon_update(view(first["before"][pname]), view(first["grads"][pname])))
     return {"report": report, "mismatches": mismatch, "n_snap": len(a)}
@@ -600,8 +610,10 @@ def _worker_main(out: Path) -> None:
 
     torch.set_num_threads(1)
     rank = int(os.environ["RANK"])
-    res: dict[str, Any] = {"rank": rank, "deepspeed": _worker_deepspeed(rank), "accelerate": _worker_accelerate(out)}
-    for family in TRAINER_FAMILIES:
+    res: dict[str, Any] = {"rank": rank, "deepspeed": _worker_deepspeed(rank)}
+    for family in FAMILIES:
+        res[f"accelerate_{family}"] = _worker_accelerate(out, family)
+    for family in FAMILIES:
         res[f"trainer_{family}"] = _worker_trainer(out, family)
     torch.save(res, out / f"rank{rank}.pt")
     from qmuon_lightning.distributed import exit_after_distributed_run
@@ -655,14 +667,15 @@ def test_deepspeed_gpt2_matches_single_process(two_process_run: list[dict], stag
         assert cut, f"no c_attn row is cut by the partition boundary: {holders}"
 
 
-def test_accelerate_fsdp2_gpt2_update_and_resume(two_process_run: list[dict]) -> None:
-    """Accelerate's FSDP2 (forced on CPU) with QMuon's defaults (int8 momentum and carriers):
-    per-layer targets against torch.optim.Muon, and save_state / load_state bit-exact."""
+@pytest.mark.parametrize("family", FAMILIES)
+def test_accelerate_fsdp2_update_and_resume(two_process_run: list[dict], family: str) -> None:
+    """Accelerate's FSDP2 (forced on CPU; arguments: TRAINER_KW): per-layer targets against
+    torch.optim.Muon, and save_state / load_state (sharded) bit-exact."""
     for r, res in enumerate(two_process_run):
-        acc = res["accelerate"]
+        acc = res[f"accelerate_{family}"]
         assert acc["mismatches"] == [], f"rank {r}: {acc['mismatches']}"
         assert acc["n_snap"] > 0
-        assert_targets(acc["report"], f"accelerate rank {r}")
+        assert_targets(acc["report"], f"{family} accelerate rank {r}")
 
 
 @pytest.mark.parametrize("family", TRAINER_FAMILIES)
