@@ -357,7 +357,8 @@ def _sharded_worker(rank: int, world: int, family: str) -> dict[str, Any]:
     from torch.distributed.tensor import distribute_tensor
 
     out: dict[str, Any] = {}
-    for label, kw in (("fp32_state", dict(state_format="fp32")), ("int8_state", dict(state_format="int8"))):
+    for label, kw in (("fp32_state", dict(state_format="fp32")), ("int8_state", dict(state_format="int8")),
+                      ("grasp4_state", dict(state_format="grasp4"))):
         kw = dict(kw, lr=LR, weight_decay=0.0, ns_dtype="bf16", comm_carrier="bf16", comm_return="bf16", verbose=False)
         whole, sharded = make_model(family), make_model(family)
         layers = sharded.transformer.h if family == "gpt2" else sharded.model.layers
@@ -366,6 +367,7 @@ def _sharded_worker(rank: int, world: int, family: str) -> dict[str, Any]:
         fully_shard(sharded)
         o_whole, o_sharded = ql.build_optimizer(whole, **kw), ql.build_optimizer(sharded, **kw)
         sp = dict(sharded.named_parameters())
+        init = {n: p.detach().clone() for n, p in whole.named_parameters()}
         first: dict[str, torch.Tensor] = {}
         for step in range(2):
             lm_loss(whole, tokens(step)).backward()
@@ -387,6 +389,9 @@ def _sharded_worker(rank: int, world: int, family: str) -> dict[str, Any]:
                                                                                   view(grads[pname])))
                 out[f"{label}_report"] = report
         out[f"{label}_params_equal"] = {n: torch.equal(full[n], p.detach()) for n, p in whole.named_parameters()}
+        out[f"{label}_displacement_rel_diff"] = {
+            n: ((full[n] - p.detach()).norm() / (p.detach() - init[n]).norm()).item()
+            for n, p in whole.named_parameters() if (p.detach() - init[n]).norm() > 0}
         st_equal = {}
         for n, p in whole.named_parameters():
             if p in o_whole.state:
@@ -400,8 +405,9 @@ def _sharded_worker(rank: int, world: int, family: str) -> dict[str, Any]:
 @pytest.mark.parametrize("family", ["gpt2"])
 def test_sharded_update_is_single_process_bit_for_bit(family: str) -> None:
     """FSDP2 Shard(0) of (in, out) weights and of column-fused c_attn, 2 processes: parameters and
-    quantized (int8) or fp32 state equal single-process QMuon's after 2 steps, and the per-layer
-    update meets the targets against torch.optim.Muon."""
+    quantized (int8) or fp32 state equal single-process QMuon's after 2 steps, grasp4 (4-bit, low-rank
+    factor over the stored rows) follows it within its own sharded bound, and the per-layer update
+    meets the targets against torch.optim.Muon."""
     (res, _) = run_workers(_sharded_worker, 2, timeout=300, family=family)
     n_params = len(dict(make_model(family).named_parameters()))
     for label in ("fp32_state", "int8_state"):
@@ -410,6 +416,11 @@ def test_sharded_update_is_single_process_bit_for_bit(family: str) -> None:
             [n for n, ok in res[f"{label}_params_equal"].items() if not ok]
         assert res[f"{label}_state_equal"] and all(res[f"{label}_state_equal"].values()), res[f"{label}_state_equal"]
     assert_targets(res["fp32_state_report"], f"{family} sharded")
+    # grasp4: the sharded power iteration sums its factor in another fp32 order, which can flip a
+    # few codes (tests/test_distributed_4bit.py: bound 1 % on the displacement); the layouts must
+    # not add to that (measured here: identical).
+    worst = max(res["grasp4_state_displacement_rel_diff"].values())
+    assert worst < 1e-2, res["grasp4_state_displacement_rel_diff"]
 
 
 # ------------------------------------------------- DeepSpeed, Accelerate, Trainer: one 2-process launch
