@@ -9,7 +9,7 @@ config) -> ``optim`` (QMuon, routing) / ``distributed`` / ``integrations`` -> ``
 
 from importlib.metadata import PackageNotFoundError, version
 
-from .optim import GraspMuon, QMuon, QMuonConfig, RoutingRule, build_optimizer, route_parameters
+from .optim import GraspMuon, NonFiniteGradientError, QMuon, QMuonConfig, RoutingRule, build_optimizer, route_parameters
 
 # Registers Trainer(strategy="qmuon_fsdp") and its presets in Lightning's StrategyRegistry (Lightning
 # has no entry points for strategies). Without Lightning installed the optimizers still import.
@@ -25,5 +25,5 @@ except PackageNotFoundError:  # running from a source tree without install
     __version__ = "0.0.0+source"
 
 __all__ = [
-    "QMuon", "QMuonConfig", "GraspMuon", "RoutingRule", "build_optimizer", "route_parameters", "QMuonFSDPStrategy", "__version__",
+    "QMuon", "QMuonConfig", "GraspMuon", "NonFiniteGradientError", "RoutingRule", "build_optimizer", "route_parameters", "QMuonFSDPStrategy", "__version__",
 ]

@@ -15,6 +15,11 @@ What it measures and how:
   summed over ranks), split into the Muon part (groups with ``use_muon``) and the rest, against
   the same model's state under fp32 Muon (``torch.optim.Muon``: 4 bytes per Muon element; AdamW
   for the other parameters: 8 bytes per element).
+* **promotions**: Muon parameters stepped in a safer momentum format than their group's (moved by
+  ``QuantFidelityMonitor(action="promote")``, in this run or before a resume: read from the
+  optimizer's parameter groups, with the step from the monitor when it made the move).
+* **non-finite skips**: parameter updates QMuon skipped for a NaN/Inf gradient, the steps that
+  had any, and the longest run of consecutive skips of one parameter (this run's counts).
 
 Use it in YAML as ``class_path: qmuon_lightning.callbacks.summary.TrainSummary``.
 """
@@ -33,6 +38,7 @@ from torch import Tensor
 import lightning as L
 from lightning.pytorch.utilities import rank_zero_only
 
+from ..optim.qmuon import QMuon
 from ..optim.routing import route_parameters
 
 __all__ = ["TrainSummary", "optimizer_state_bytes"]
@@ -60,6 +66,26 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> tuple[int, int]:
                     else:
                         other += n
     return muon, other
+
+
+def _guard_figures(trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, Any]:
+    """Promotions and non-finite-gradient counts of the run's QMuon optimizers (empty without QMuon)."""
+    qms = [o for o in trainer.optimizers if isinstance(o, QMuon)]
+    if not qms:
+        return {}
+    names = {id(p): n for n, p in pl_module.named_parameters()}
+    steps: dict[str, int] = {}
+    for cb in trainer.callbacks:
+        for rec in getattr(cb, "promotions", None) or []:
+            if isinstance(rec, dict) and "param" in rec:
+                steps[rec["param"]] = int(rec["step"])  # the last move of each parameter
+    promotions = [{**pr, "step": steps.get(pr["param"])} for o in qms for pr in o.promotions(names)]
+    return {
+        "promotions": promotions,
+        "nonfinite_skips": sum(o.nonfinite_skips for o in qms),
+        "nonfinite_skipped_steps": max(o.nonfinite_skipped_steps for o in qms),
+        "nonfinite_max_consecutive": max(o.nonfinite_max_consecutive for o in qms),
+    }
 
 
 def _fmt_bytes(n: float) -> str:
@@ -190,6 +216,7 @@ class TrainSummary(L.Callback):
             "optimizer_step_ms_first": 1e3 * self.step_times[0] if self.step_times else float("nan"),
             "optimizer_step_ms_mean": 1e3 * sum(steps_timed) / len(steps_timed) if steps_timed else float("nan"),
             "optimizer_steps_timed": len(steps_timed),
+            **_guard_figures(trainer, pl_module),
         }
         self.summary = s
         self._report(s, trainer.log_dir)  # log_dir broadcasts: every rank must ask
@@ -214,6 +241,15 @@ class TrainSummary(L.Callback):
                                f"(first step {s['optimizer_step_ms_first']:.1f} ms)"),
             ("wall time", f"{s['fit_seconds']:.1f} s in fit"),
         ]
+        if "nonfinite_skips" in s:
+            rows.append(("non-finite skips", f"{s['nonfinite_skips']} parameter updates in {s['nonfinite_skipped_steps']} "
+                                             f"steps (longest run of one parameter: {s['nonfinite_max_consecutive']})"))
+        promos = s.get("promotions") or []
+        for i, pr in enumerate(promos):
+            when = f" at step {pr['step']}" if pr.get("step") is not None else " (before a resume)"
+            rows.append(("promotions" if i == 0 else "", f"{pr['param']}: {pr['group_format']} -> {pr['state_format']}{when}"))
+        if "promotions" in s and not promos:
+            rows.append(("promotions", "none"))
         w = max(len(k) for k, _ in rows)
         line = "-" * (w + 2 + max(len(v) for _, v in rows))
         return "\n".join(["qmuon-train summary", line, *(f"{k.ljust(w)}  {v}" for k, v in rows), line])

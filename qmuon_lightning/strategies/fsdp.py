@@ -49,7 +49,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from ..core.config import (
-    QMuonConfig, ResumeMismatch, check_resume, config_fields_of, describe_layout, state_layout,
+    FORMAT_OVERRIDES, QMuonConfig, ResumeMismatch, check_resume, config_fields_of, describe_layout, state_layout,
 )
 from ..optim.qmuon import QMuon
 from ..optim.routing import build_optimizer, format_routing_table
@@ -386,7 +386,46 @@ class QMuonFSDPStrategy(ModelParallelStrategy):
             "state_formats": sorted({str(g["state_format"]) for g in muon_groups}),
             "muon_layouts": [state_layout(g) for g in muon_groups],
             "world_size": self.world_size,
+            "format_overrides": self._format_overrides(),
         }
+
+    def _format_overrides(self) -> list[dict[str, dict[str, Any]]]:
+        """Per optimizer, ``{parameter name: layout}`` of the parameters stepped in another format
+        than their group's (promoted by the fidelity guard)."""
+        module = self.lightning_module
+        names = {id(p): n.replace("._orig_mod", "").replace("_orig_mod.", "")
+                 for n, p in module.named_parameters()} if module is not None else {}
+        out = []
+        for opt in self.optimizers:
+            found: dict[str, dict[str, Any]] = {}
+            for g in opt.param_groups:
+                for i, layout in (g.get(FORMAT_OVERRIDES) or {}).items():
+                    found[names.get(id(g["params"][i]), f"#{i}")] = dict(layout)
+            out.append(found)
+        return out
+
+    def _apply_format_overrides(self, saved: Optional[Mapping[str, Any]]) -> None:
+        """Give the optimizers the per-parameter formats the checkpoint was saved with, before its
+        state is loaded: torch's loaders read saved tensors into the current state's layout, so a
+        promoted parameter must already be in its promoted format."""
+        module = self.lightning_module
+        if not saved or module is None:
+            return
+        by_name = {n.replace("._orig_mod", "").replace("_orig_mod.", ""): p for n, p in module.named_parameters()}
+        for opt, overrides in zip(self.optimizers, saved.get("format_overrides") or []):
+            if not overrides:
+                continue
+            if not isinstance(opt, QMuon):
+                raise ValueError("the checkpoint holds per-parameter state formats (fidelity-guard promotions) but this "
+                                 f"run's optimizer is {type(opt).__name__}; resume with QMuon")
+            for name, layout in overrides.items():
+                if name not in by_name:
+                    raise ValueError(f"the checkpoint promoted parameter {name!r} to {layout}, but this model has no "
+                                     "parameter of that name; resume with the model it was saved with")
+                if opt.param_layout(by_name[name]).get("state_format") != layout["state_format"]:
+                    opt.promote_param(by_name[name], dict(layout))
+                    rank_zero_info(f"{type(self).__name__}: {name!r} resumes in {layout['state_format']} momentum "
+                                   "(promoted by the fidelity guard before the checkpoint was saved)")
 
     @override
     def save_checkpoint(
@@ -420,6 +459,7 @@ class QMuonFSDPStrategy(ModelParallelStrategy):
         if path.is_dir() and (path / ".metadata").is_file():
             metadata = torch.load(path / _METADATA_FILENAME, weights_only=weights_only)
             self._check_compatible(metadata.get(_CKPT_KEY), path)
+            self._apply_format_overrides(metadata.get(_CKPT_KEY))
             model_state = {"state_dict": get_model_state_dict(module)}
             dcp.load(model_state, checkpoint_id=path)
             module.load_state_dict(model_state["state_dict"], strict=strict)
@@ -439,6 +479,7 @@ class QMuonFSDPStrategy(ModelParallelStrategy):
         if path.is_file():
             checkpoint = torch.load(path, mmap=True, map_location="cpu", weights_only=weights_only)
             self._check_compatible(checkpoint.get(_CKPT_KEY), path)
+            self._apply_format_overrides(checkpoint.get(_CKPT_KEY))
             set_model_state_dict(module, checkpoint.pop("state_dict"), options=StateDictOptions(
                 full_state_dict=True, broadcast_from_rank0=True, strict=strict))
             if self.optimizers and "optimizer_states" not in checkpoint:
