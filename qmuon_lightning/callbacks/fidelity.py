@@ -146,13 +146,14 @@ class UpdateFidelityTracker:
         self.optimizer = optimizer
         self.names = dict(names) if names is not None else param_names(None, optimizer)
         pattern = re.compile(params) if params is not None else None
-        #: ``(group, index in group, param, key, name)`` of every monitored parameter.
-        self.entries: list[tuple[dict[str, Any], int, Tensor, int, str]] = []
-        for _, group, i, p, key in muon_params(optimizer):
+        #: ``(group index, index in group, param, key, name)`` of every monitored parameter. Groups
+        #: are looked up when used: ``load_state_dict`` replaces the group dicts.
+        self.entries: list[tuple[int, int, Tensor, int, str]] = []
+        for gi, _, i, p, key in muon_params(optimizer):
             name = self.names.get(id(p), f"param{key}")
             if pattern is not None and not pattern.search(name):
                 continue
-            self.entries.append((group, i, p, key, name))
+            self.entries.append((gi, i, p, key, name))
         self.shadow_device = torch.device(shadow_device) if shadow_device is not None else None
         self._shadow: dict[int, Tensor] = {}
         self.keep_updates = keep_updates
@@ -175,10 +176,13 @@ class UpdateFidelityTracker:
 
     def format_of(self, name: str) -> str | None:
         """The state format the named parameter is stepped with now (its promotion, if any)."""
-        for group, i, _, _, n in self.entries:
+        for gi, i, _, _, n in self.entries:
             if n == name:
-                return str(param_group_view(group, i)["state_format"])
+                return str(self._view(gi, i)["state_format"])
         return None
+
+    def _view(self, gi: int, i: int) -> dict[str, Any]:
+        return param_group_view(self.optimizer.param_groups[gi], i)
 
     @staticmethod
     def _local_shape(p: Tensor) -> tuple[int, int]:
@@ -198,12 +202,20 @@ class UpdateFidelityTracker:
     def start(self) -> None:
         """Seed the fp32 shadow of every monitored parameter with its dequantized stored momentum."""
         with torch.no_grad():
-            for group, i, p, key, _ in self.entries:
-                m = self._stored_momentum(param_group_view(group, i), p)
+            for gi, i, p, key, _ in self.entries:
+                m = self._stored_momentum(self._view(gi, i), p)
                 self._shadow[key] = m.to(self.shadow_device or _local(p).device, dtype=torch.float32, copy=True)
 
     def stop(self) -> None:
         self._shadow.clear()
+
+    def restart(self, name: str) -> None:
+        """Re-seed one parameter's shadow from its stored momentum (after its format changed, so
+        later measurements see the new format's error, not the old one's)."""
+        for gi, i, p, key, n in self.entries:
+            if n == name and key in self._shadow:
+                m = self._stored_momentum(self._view(gi, i), p)
+                self._shadow[key] = m.to(self._shadow[key].device, dtype=torch.float32, copy=True)
 
     def _usable(self, grads: list[Tensor | None]) -> list[bool]:
         """Per entry: a gradient is present and finite. Agreed over ranks (all-reduce MIN) when
@@ -230,10 +242,10 @@ class UpdateFidelityTracker:
         grads = [None if p.grad is None else grad_transform(_local(p.grad.detach())) for _, _, p, _, _ in self.entries]
         usable = self._usable(grads)
         out: dict[str, float] = {}
-        for j, ((group, i, p, key, name), grad, ok) in enumerate(zip(self.entries, grads, usable)):
+        for j, ((gi, i, p, key, name), grad, ok) in enumerate(zip(self.entries, grads, usable)):
             if not ok:
                 continue
-            view = param_group_view(group, i)
+            view = self._view(gi, i)
             rows, cols = self._local_shape(p)
             g = grad.reshape(rows, cols)
             opts = qstate.format_options(view)
@@ -492,6 +504,7 @@ class QuantFidelityMonitor(Callback):
                     "excluding the layer from Muon. (Warned once per layer.)")
             return
         old, new = moved
+        tracker.restart(name)  # window=None keeps the shadow: measure the new format from here on
         self.promotions.append({"step": int(step), "param": name, "from": old, "to": new, "cosines": list(cosines)})
         metrics[f"fidelity/promoted/{name}"] = 1.0
         msg = (f"QuantFidelityMonitor: promoted {name!r} from {old} to {new} momentum at step {step}: its update "
