@@ -535,7 +535,8 @@ def test_under_qmuon_fsdp_two_processes(tmp_path):
         assert r["optimizer"] == "QMuon" and r["ckpt_is_dir"] and r["resumed_step"] == 3
         assert r["export_matches_gathered_state"] and r["exported"] > 0
         assert r["monitor_trackers"] == 1 and [h["step"] for h in r["monitor_history"]] == [1]
-        assert len(r["monitor_history"][0]["cos"]) == 4 and min(r["monitor_history"][0]["cos"].values()) > 0.5
+        # 2 blocks x (qkv, proj, gate_up, down); int8 with a 1-step window: measured 0.999-1.000
+        assert len(r["monitor_history"][0]["cos"]) == 8 and min(r["monitor_history"][0]["cos"].values()) > 0.95
         (step, trace, ops), = r["profiled"]
         assert step == 1 and trace == f"optimizer_step_000001-rank{r['rank']}.trace.json"
         assert "qmuon::q8_momentum_update_multi_" in ops

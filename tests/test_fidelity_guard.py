@@ -246,6 +246,17 @@ def test_promote_param_round_trips_and_ends_at_bf16():
     assert torch.equal(p, p2) and torch.equal(q, q2)
 
 
+def test_promote_param_rejects_a_bad_layout_before_changing_anything():
+    p = torch.nn.Parameter(torch.randn(64, 64))
+    opt = QMuon([p], state_format="grasp4")
+    p.grad = torch.randn_like(p)
+    opt.step()
+    before = {k: v.clone() for k, v in opt.state[p].items()}
+    with pytest.raises(ValueError, match="only layout keys"):
+        opt.promote_param(p, {"state_format": "int8", "lr": 1.0})
+    assert opt.promotions() == [] and all(torch.equal(opt.state[p][k], before[k]) for k in before)
+
+
 # ============================================================================ 2 processes (qmuon_fsdp)
 FSDP_TIMEOUT_S = 420
 

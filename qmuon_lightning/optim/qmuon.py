@@ -507,6 +507,10 @@ class QMuon(Optimizer):
             return None
         new = {**old, **target}
         label = self._param_label(gi, i)
+        overrides = dict(group.get(FORMAT_OVERRIDES) or {})
+        overrides[i] = target
+        checked = {**group, FORMAT_OVERRIDES: overrides}
+        validate_format_overrides(checked, f"QMuon.promote_param({label})")  # raises before anything changes
         st = self.state.get(p)
         if st:
             shape = (local(p).shape[0], *p.shape[1:]) if is_dtensor(p) else tuple(p.shape)
@@ -517,10 +521,7 @@ class QMuon(Optimizer):
             if is_dtensor(p):
                 shard_state(p, converted, qstate.get_format(new["state_format"]), qstate.format_options(new))
             self.state[p] = converted
-        overrides = dict(group.get(FORMAT_OVERRIDES) or {})
-        overrides[i] = target
-        group[FORMAT_OVERRIDES] = overrides
-        validate_format_overrides(group, f"QMuon.promote_param({label})")
+        group[FORMAT_OVERRIDES] = checked[FORMAT_OVERRIDES]
         self._sharded = None
         return str(old["state_format"]), str(new["state_format"])
 
