@@ -14,7 +14,6 @@ from __future__ import annotations
 import math
 import os
 import sys
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -324,16 +323,33 @@ def test_refusals_name_the_problem_and_the_fix(runs: dict[str, Any]) -> None:
         assert "LR scheduler is attached" in r["scheduler_error"]
 
 
-def test_example_script_on_two_processes(tmp_path: Path) -> None:
+def test_example_script_on_two_processes_resumes_bit_exactly(tmp_path: Path) -> None:
     """examples/fabric_train.py under Lightning's own launcher (Fabric(devices=2) starts rank 1 by
-    re-running the script): trains, saves a sharded checkpoint, resumes from it."""
+    re-running the script). Run A trains 6 steps, saving every 2; run B starts from a copy of A's
+    step-4 checkpoint with ``--resume auto`` (and a leftover ``.partial`` save it must ignore) and
+    trains to step 6: its step-6 checkpoint equals A's, model and quantized optimizer state."""
+    import shutil
+
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
     script = str(REPO / "examples" / "fabric_train.py")
-    args = ["--devices", "2", "--max_steps", "4", "--save_every", "2", "--d_model", "32", "--n_layers", "2",
-            "--seq_len", "32", "--batch_size", "2", "--out", str(tmp_path / "run")]
-    log = run_launcher([sys.executable, script, *args], timeout=300, env=subprocess_env(), cwd=tmp_path,
-                       what="fabric_train.py")
-    assert (tmp_path / "run" / "checkpoints" / "step-000004" / ".metadata").is_file(), log[-3000:]
-    log2 = run_launcher([sys.executable, script, *args, "--max_steps", "6", "--resume", "auto"], timeout=300,
-                        env=subprocess_env(), cwd=tmp_path, what="fabric_train.py --resume auto")
-    assert "resumed from" in log2 and "step-000004" in log2, log2[-3000:]
-    assert (tmp_path / "run" / "checkpoints" / "step-000006" / ".metadata").is_file()
+    args = ["--devices", "2", "--max-steps", "6", "--save-every", "2", "--d-model", "32", "--n-layers", "2",
+            "--n-heads", "2", "--seq-len", "32", "--batch-size", "2", "--corpus-mb", "0.5", "--val-windows", "4",
+            "--log-every", "1"]
+    a, b = tmp_path / "a", tmp_path / "b"
+    run_launcher([sys.executable, script, *args, "--out", str(a)], timeout=300, env=subprocess_env(), cwd=tmp_path,
+                 what="fabric_train.py")
+    assert sorted(p.name for p in (a / "checkpoints").iterdir()) == ["step-000002", "step-000004", "step-000006"]
+    (b / "checkpoints").mkdir(parents=True)
+    shutil.copytree(a / "checkpoints" / "step-000004", b / "checkpoints" / "step-000004")
+    (b / "checkpoints" / "step-000005.partial").mkdir()  # a save killed half-way
+    log = run_launcher([sys.executable, script, *args, "--out", str(b), "--resume", "auto"], timeout=300,
+                       env=subprocess_env(), cwd=tmp_path, what="fabric_train.py --resume auto")
+    assert f"resumed from {b / 'checkpoints' / 'step-000004'} at step 4" in log, log[-3000:]
+    full = {}
+    for run in (a, b):
+        dcp_to_torch_save(run / "checkpoints" / "step-000006", tmp_path / f"{run.name}.pt")
+        full[run.name] = torch.load(tmp_path / f"{run.name}.pt", weights_only=True)
+    assert set(full["a"]) >= {"model", "optimizer"}
+    assert_same(full["a"]["model"], full["b"]["model"], "model")
+    assert_same(full["a"]["optimizer"], full["b"]["optimizer"], "optimizer")

@@ -246,6 +246,9 @@ class QMuonFabricStrategy(ModelParallelStrategy):
             raise ValueError(f"the state key {_CKPT_KEY!r} is reserved for the strategy's checkpoint metadata; rename it")
         info = {key: checkpoint_info(self._optimizer_mode, [opt], self.world_size)
                 for key, opt in state.items() if isinstance(opt, Optimizer)}
+        path = Path(self.broadcast(path))
+        if self.global_rank == 0:  # Lightning creates a sharded directory's parents but not a file's
+            path.parent.mkdir(parents=True, exist_ok=True)
         super().save_checkpoint(path, {**state, _CKPT_KEY: info}, storage_options=storage_options, filter=filter)
 
     @override
