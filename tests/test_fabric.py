@@ -42,12 +42,12 @@ class TinyNet(nn.Module):
     """A 2-block DecoderLM plus a frozen matrix used in forward and a trainable matrix never used
     (no gradient, so no optimizer state: the checkpoint code must cope with both)."""
 
-    def __init__(self) -> None:
+    def __init__(self, d_model: int = D) -> None:
         super().__init__()
-        self.lm = DecoderLM(vocab_size=VOCAB, d_model=D, n_layers=2, n_heads=2, max_seq_len=SEQ, mlp_hidden=64)
+        self.lm = DecoderLM(vocab_size=VOCAB, d_model=d_model, n_layers=2, n_heads=2, max_seq_len=SEQ, mlp_hidden=64)
         self.frozen = nn.Linear(VOCAB, VOCAB, bias=False)
         self.frozen.weight.requires_grad_(False)
-        self.unused = nn.Linear(D, D, bias=False)
+        self.unused = nn.Linear(d_model, d_model, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.frozen(self.lm(x))
@@ -113,9 +113,9 @@ def _fabric(rank: int, world: int, strategy: Any = "qmuon_fsdp") -> L.Fabric:
     return fabric
 
 
-def _setup(fabric: L.Fabric, seed: int, **kw: Any) -> tuple[Any, Any]:
+def _setup(fabric: L.Fabric, seed: int, d_model: int = D, **kw: Any) -> tuple[Any, Any]:
     torch.manual_seed(seed)
-    model = fabric.setup_module(TinyNet())
+    model = fabric.setup_module(TinyNet(d_model))
     opt = fabric.setup_optimizers(ql.build_optimizer(model, verbose=False, **{**OPT_KW, **kw}))
     return model, opt
 
@@ -188,6 +188,23 @@ def _two(rank: int, world: int, root: str) -> dict[str, Any]:
         res[f"loss{label}"] = _train(fab, model, opt, range(state["step"], TOTAL))
         res[label] = _local(model, opt)
 
+    # GRASP 4-bit momentum (per-matrix pieces besides the row shards): sharded and consolidated resume.
+    # d_model 64: every Muon matrix splits into whole 32-row tiles on 2 processes.
+    grasp, grasp_full = _fabric(rank, world, "qmuon_fsdp_grasp4"), _full_fabric(rank, world)
+    model, opt = _setup(grasp, seed=0, d_model=64, state_format="grasp4")
+    _train(grasp, model, opt, range(2))
+    grasp.save(out / "grasp_sharded_2", {"model": model, "optimizer": opt, "step": 2})
+    grasp_full.save(out / "grasp_full_2.pt", {"model": model, "optimizer": opt, "step": 2})
+    _train(grasp, model, opt, range(2, 4))
+    res["G"] = _local(model, opt)
+    res["grasp_formats"] = sorted({str(g["state_format"]) for g in opt.param_groups if g["use_muon"]})
+    for label, fab, path in (("GB", grasp, out / "grasp_sharded_2"), ("GC", grasp_full, out / "grasp_full_2.pt")):
+        model, opt = _setup(fab, seed=1, d_model=64, state_format="grasp4")
+        state = {"model": model, "optimizer": opt, "step": 0}
+        fab.load(path, state)
+        _train(fab, model, opt, range(state["step"], 4))
+        res[label] = _local(model, opt)
+
     # 1 -> 2: the 1-process checkpoint, loaded here, then consolidated for comparison; training continues.
     model, opt = _setup(fabric, seed=1)
     fabric.load(out / "one_sharded_2", {"model": model, "optimizer": opt})
@@ -208,6 +225,22 @@ def _two(rank: int, world: int, root: str) -> dict[str, Any]:
         res["stale_error"] = None
     except ValueError as e:
         res["stale_error"] = str(e)
+    # The preset replaces a plain AdamW by QMuon, whose AdamW groups keep the AdamW's settings.
+    import warnings
+
+    model = fabric.setup_module(TinyNet())
+    swapped = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.8, 0.9), eps=1e-7,
+                                                        weight_decay=0.05))
+    res["swapped_type"] = type(swapped.optimizer).__name__
+    res["swapped_adamw"] = [(g["lr"], tuple(g["betas"]), g["eps"], g["weight_decay"])
+                            for g in swapped.param_groups if not g["use_muon"]]
+    res["swapped_losses"] = _train(fabric, model, swapped, range(2))
+    # A QMuon whose format differs from the preset's is kept, with a warning naming both.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        kept = grasp.setup_optimizers(ql.build_optimizer(grasp.setup_module(TinyNet(64)), verbose=False))
+    res["kept_format"] = sorted({str(g["state_format"]) for g in kept.param_groups if g["use_muon"]})
+    res["preset_warning"] = [str(w.message) for w in caught if "configured with state_format" in str(w.message)]
     # An AdamW with a scheduler attached cannot be replaced silently.
     model = fabric.setup_module(TinyNet())
     adamw = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -290,6 +323,13 @@ def test_consolidated_resume_is_bit_exact(runs: dict[str, Any]) -> None:
     assert any(v.dtype == torch.int8 and v.shape[0] == 3 * D for v in state.values() if isinstance(v, torch.Tensor))
 
 
+def test_grasp4_momentum_resumes_bit_exactly(runs: dict[str, Any]) -> None:
+    for r in runs["two"]:
+        assert r["grasp_formats"] == ["grasp4"]
+        assert_same(r["G"], r["GB"], "grasp4 sharded resume")
+        assert_same(r["G"], r["GC"], "grasp4 consolidated resume")
+
+
 def test_two_to_one_process_reshards(runs: dict[str, Any]) -> None:
     """The 2-process sharded checkpoint loaded on 1 process holds exactly the saved weights and
     quantized momentum (compared with the consolidated file the 2-process run wrote at the same
@@ -313,6 +353,18 @@ def test_one_to_two_processes_reshards(runs: dict[str, Any]) -> None:
     assert_same(saved["model"], loaded["model"], "model")
     assert_same(saved["optimizer"]["state"], loaded["optimizer"]["state"], "optimizer state")
     assert runs["two"][0]["loss_after_1to2"][0] == pytest.approx(runs["two"][0]["lossA"][2], rel=1e-5)
+
+
+def test_preset_replaces_adamw_and_keeps_a_qmuon(runs: dict[str, Any]) -> None:
+    for r in runs["two"]:
+        assert r["swapped_type"] == "QMuon"
+        # two AdamW groups (with and without weight decay), both with the AdamW's lr, betas and eps
+        assert [a[:3] for a in r["swapped_adamw"]] == [(3e-3, (0.8, 0.9), 1e-7)] * 2
+        assert sorted(a[3] for a in r["swapped_adamw"]) == [0.0, 0.05]
+        assert all(math.isfinite(v) for v in r["swapped_losses"])
+        assert r["kept_format"] == ["int8"]
+    # rank_zero_warn: the warning is shown once, on rank 0
+    assert "state_format='grasp4'" in runs["two"][0]["preset_warning"][0] and "['int8']" in runs["two"][0]["preset_warning"][0]
 
 
 def test_refusals_name_the_problem_and_the_fix(runs: dict[str, Any]) -> None:
