@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import re
 import sys
 import time
@@ -78,9 +77,10 @@ def build_parser() -> argparse.ArgumentParser:
 def checkpoint_step(path: Path) -> Optional[int]:
     """The step of a checkpoint this script wrote, or None if ``path`` is not a complete one.
 
-    A sharded directory is complete once Fabric has written its ``meta.pt`` (rank 0 writes it after
-    every rank's shards and ``.metadata``); a file, once it has its final name (written under a
-    ``.partial`` name first, see :func:`save`)."""
+    ``QMuonFabricStrategy`` gives a checkpoint its name only once every rank has written it (see
+    :func:`save`); a directory is also checked for the files Lightning writes last (``.metadata`` by
+    ``torch.distributed.checkpoint``, then ``meta.pt`` by rank 0), for checkpoints copied in from
+    elsewhere."""
     m = _STEP_NAME.match(path.name)
     if m is None:
         return None
@@ -96,15 +96,11 @@ def newest_checkpoint(directory: Path) -> Optional[Path]:
 
 
 def save(fabric: L.Fabric, directory: Path, step: int, state: dict[str, Any], consolidated: bool) -> Path:
-    """``fabric.save`` under a ``.partial`` name, renamed by rank 0 once every rank is done: a run
-    killed while saving leaves a ``.partial`` that :func:`newest_checkpoint` ignores, never a
-    half-written checkpoint under a real name."""
+    """``fabric.save`` to ``directory/step-NNNNNN`` (``.ckpt`` when consolidated). The strategy writes
+    under a ``.partial`` name and renames once every rank is done, so a run killed while saving
+    leaves a ``.partial`` that :func:`newest_checkpoint` ignores, never a half-written checkpoint."""
     final = directory / (f"step-{step:06d}" + (".ckpt" if consolidated else ""))
-    partial = final.with_name(final.name + ".partial")
-    fabric.save(partial, state)  # every rank; returns after a barrier
-    if fabric.global_rank == 0:
-        os.replace(partial, final)
-    fabric.barrier()
+    fabric.save(final, state)  # every rank
     return final
 
 

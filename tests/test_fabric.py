@@ -225,6 +225,46 @@ def _two(rank: int, world: int, root: str) -> dict[str, Any]:
         res["stale_error"] = None
     except ValueError as e:
         res["stale_error"] = str(e)
+    # Saves are atomic: one that dies half-way (injected: after the shards are written) leaves the
+    # checkpoint already at the path as it was; the next save replaces it and the leftover.
+    import lightning.fabric.strategies.model_parallel as lightning_mp
+
+    target = out / "atomic"
+    model, opt = _setup(fabric, seed=0)
+    _train(fabric, model, opt, range(1))
+    fabric.save(target, {"model": model, "optimizer": opt, "step": 1})
+    at_step1 = _local(model, opt)
+    _train(fabric, model, opt, range(1, 2))
+    real_save = lightning_mp._distributed_checkpoint_save
+
+    def dying_save(*args: Any, **kwargs: Any) -> None:
+        real_save(*args, **kwargs)
+        raise OSError("injected: disk full")
+
+    lightning_mp._distributed_checkpoint_save = dying_save
+    try:
+        fabric.save(target, {"model": model, "optimizer": opt, "step": 2})
+        res["injected"] = None
+    except OSError as e:
+        res["injected"] = str(e)
+    finally:
+        lightning_mp._distributed_checkpoint_save = real_save
+    res["after_failed_save"] = sorted(p.name for p in out.glob("atomic*"))
+    at_step2 = _local(model, opt)
+    fresh, fresh_opt = _setup(fabric, seed=1)
+    state = {"model": fresh, "optimizer": fresh_opt, "step": 0}
+    fabric.load(target, state)
+    res["old_intact"] = state["step"] == 1 and _same(at_step1, _local(fresh, fresh_opt))
+    fabric.save(target, {"model": model, "optimizer": opt, "step": 2})
+    res["after_good_save"] = sorted(p.name for p in out.glob("atomic*"))
+    fabric.load(target, state)
+    res["new_loaded"] = state["step"] == 2 and _same(at_step2, _local(fresh, fresh_opt))
+    try:
+        fabric.save(out, {"model": model, "optimizer": opt})
+        res["not_a_checkpoint_dir"] = None
+    except IsADirectoryError as e:
+        res["not_a_checkpoint_dir"] = str(e)
+
     # The preset replaces a plain AdamW by QMuon, whose AdamW groups keep the AdamW's settings.
     import warnings
 
@@ -365,6 +405,15 @@ def test_preset_replaces_adamw_and_keeps_a_qmuon(runs: dict[str, Any]) -> None:
         assert r["kept_format"] == ["int8"]
     # rank_zero_warn: the warning is shown once, on rank 0
     assert "state_format='grasp4'" in runs["two"][0]["preset_warning"][0] and "['int8']" in runs["two"][0]["preset_warning"][0]
+
+
+def test_save_is_atomic(runs: dict[str, Any]) -> None:
+    for r in runs["two"]:
+        assert r["injected"] == "injected: disk full"
+        assert r["after_failed_save"] == ["atomic", "atomic.partial"]
+        assert r["old_intact"]
+        assert r["after_good_save"] == ["atomic"] and r["new_loaded"]
+        assert "is a directory but not a checkpoint" in r["not_a_checkpoint_dir"]
 
 
 def test_refusals_name_the_problem_and_the_fix(runs: dict[str, Any]) -> None:

@@ -19,7 +19,8 @@ A subclass of :class:`lightning.fabric.strategies.ModelParallelStrategy` (FSDP2)
    layouts, world size). ``fabric.load`` checks that entry before loading anything, reshards to the
    current number of processes, and restores optimizer state for exactly the parameters that had
    state when saved. Loading is the Trainer strategy's code (:func:`.fsdp.load_sharded_state`,
-   :func:`.fsdp.load_full_state`).
+   :func:`.fsdp.load_full_state`). Saves are atomic (written under ``<path>.partial``, renamed
+   when every rank is done).
 
 Registered in Fabric's ``STRATEGY_REGISTRY`` on ``import qmuon_lightning`` under the Trainer
 registry's names (:data:`.fsdp.PRESETS`). See docs/fabric.md.
@@ -27,6 +28,8 @@ registry's names (:data:`.fsdp.PRESETS`). See docs/fabric.md.
 
 from __future__ import annotations
 
+import os
+import shutil
 import weakref
 from datetime import timedelta
 from pathlib import Path
@@ -63,6 +66,31 @@ _NO_OPTIMIZER_STATE = (
     "{path} holds no state for the optimizer saved under {key!r}, so training cannot resume from it with "
     "fabric.load(..., strict=True). Pass strict=False to load what it holds, or leave the optimizer out of the state"
 )
+
+
+_PARTIAL_SUFFIX = ".partial"
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
+
+
+def _replace(src: Path, dst: Path) -> None:
+    """Give ``src`` the name ``dst``. A file replaces a file atomically (``os.replace``); otherwise the
+    old ``dst`` is first renamed aside and removed after ``src`` took its name, so at every moment
+    either a complete checkpoint has the name or none has (the old one then waits under ``.old``)."""
+    if src.is_file() and (dst.is_file() or not dst.exists()):
+        os.replace(src, dst)
+        return
+    old = dst.with_name(dst.name + ".old")
+    _remove(old)
+    if dst.exists() or dst.is_symlink():
+        os.replace(dst, old)
+    os.replace(src, dst)
+    _remove(old)
 
 
 class QMuonFabricStrategy(ModelParallelStrategy):
@@ -241,15 +269,30 @@ class QMuonFabricStrategy(ModelParallelStrategy):
         filter: Optional[dict[str, Callable[[str, Any], bool]]] = None,
     ) -> None:
         """Lightning's sharded directory or consolidated file, plus a ``"qmuon_fsdp"`` metadata entry
-        (per optimizer key: type, Muon state layouts, world size) that :meth:`load_checkpoint` checks."""
+        (per optimizer key: type, Muon state layouts, world size) that :meth:`load_checkpoint` checks.
+
+        Written under ``<path>.partial`` and renamed to ``path`` by rank 0 once every rank has
+        finished, so a save that dies half-way never leaves a broken checkpoint under ``path``, nor
+        replaces the one already there (which is removed only after the new one took its name)."""
         if _CKPT_KEY in state:
             raise ValueError(f"the state key {_CKPT_KEY!r} is reserved for the strategy's checkpoint metadata; rename it")
         info = {key: checkpoint_info(self._optimizer_mode, [opt], self.world_size)
                 for key, opt in state.items() if isinstance(opt, Optimizer)}
         path = Path(self.broadcast(path))
-        if self.global_rank == 0:  # Lightning creates a sharded directory's parents but not a file's
-            path.parent.mkdir(parents=True, exist_ok=True)
-        super().save_checkpoint(path, {**state, _CKPT_KEY: info}, storage_options=storage_options, filter=filter)
+        partial = path.with_name(path.name + _PARTIAL_SUFFIX)
+        if path.is_dir() and not _is_sharded_checkpoint(path):  # every rank raises, none waits in a barrier
+            raise IsADirectoryError(
+                f"{path} is a directory but not a checkpoint; fabric.save replaces what is at the path it is given. "
+                "Give the checkpoint its own path, e.g. fabric.save(directory / 'step-100', state)"
+            )
+        if self.global_rank == 0:
+            _remove(partial)  # left by a save that died
+            path.parent.mkdir(parents=True, exist_ok=True)  # Lightning creates a directory's parents, not a file's
+        self.barrier()
+        super().save_checkpoint(partial, {**state, _CKPT_KEY: info}, storage_options=storage_options, filter=filter)
+        self.barrier()  # every rank's shards are written
+        if self.global_rank == 0:
+            _replace(partial, path)
 
     @override
     def load_checkpoint(
