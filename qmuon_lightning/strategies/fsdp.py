@@ -285,13 +285,14 @@ def load_sharded_state(
         StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_optimizer_state_dict,
     )
 
+    saved_keys = set(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
+    for key in optimizers:  # checked before anything is loaded
+        if not any(k.startswith(f"{key}.") for k in saved_keys):
+            raise KeyError(missing_optimizer.format(path=path, key=key))
     model_state = {model_key: get_model_state_dict(module)}
     dcp.load(model_state, checkpoint_id=path)
     module.load_state_dict(model_state[model_key], strict=strict)
-    saved_keys = set(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
     for key, opt in optimizers.items():
-        if not any(k.startswith(f"{key}.") for k in saved_keys):
-            raise KeyError(missing_optimizer.format(path=path, key=key))
         osd = get_optimizer_state_dict(module, opt)  # a dry-run step creates every state tensor
         saved = {fqn for fqn in osd["state"] if any(k.startswith(f"{key}.state.{fqn}.") for k in saved_keys)}
         osd["state"] = {fqn: v for fqn, v in osd["state"].items() if fqn in saved}
