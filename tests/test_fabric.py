@@ -6,7 +6,8 @@ The multi-process runs use tests/_dist.py: the workers join a gloo process group
 finds it, as it does under ``torchrun`` (``LOCAL_RANK`` set: Fabric starts no processes itself).
 Lightning's own launcher (``Fabric(devices=2)`` re-running the script) is exercised by the
 examples/fabric_train.py test at the end. Three runs, in order: 1 process (writes a checkpoint for
-1 -> 2), 2 processes (bit-exact resume, 1 -> 2, refusals), 1 process (2 -> 1).
+1 -> 2), 2 processes (bit-exact resume with int8 and grasp4 momentum, 1 -> 2, atomic saves, the
+optimizer swap, refusals), 1 process (2 -> 1).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import math
 import os
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +26,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import lightning as L
+import lightning.fabric.strategies.model_parallel as lightning_mp
 from lightning.fabric.strategies import STRATEGY_REGISTRY
 
 import qmuon_lightning as ql
@@ -227,8 +230,6 @@ def _two(rank: int, world: int, root: str) -> dict[str, Any]:
         res["stale_error"] = str(e)
     # Saves are atomic: one that dies half-way (injected: after the shards are written) leaves the
     # checkpoint already at the path as it was; the next save replaces it and the leftover.
-    import lightning.fabric.strategies.model_parallel as lightning_mp
-
     target = out / "atomic"
     model, opt = _setup(fabric, seed=0)
     _train(fabric, model, opt, range(1))
@@ -266,8 +267,6 @@ def _two(rank: int, world: int, root: str) -> dict[str, Any]:
         res["not_a_checkpoint_dir"] = str(e)
 
     # The preset replaces a plain AdamW by QMuon, whose AdamW groups keep the AdamW's settings.
-    import warnings
-
     model = fabric.setup_module(TinyNet())
     swapped = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.8, 0.9), eps=1e-7,
                                                         weight_decay=0.05))
