@@ -35,6 +35,7 @@ from ..core.config import (
 from ..core.newton_schulz import MUON_COEFFICIENTS
 from ..core.pipeline import NSItem, is_dtensor, local
 from ..core.plan import MatrixPart, ParamPlan, adjusted_lr, plan_param
+from ..ops.heap import release_freed_heap
 from ..quant import state as qstate
 from ..quant.layout import localize_loaded_state, shard_state
 
@@ -206,7 +207,14 @@ class QMuon(Optimizer):
             # distributed Newton-Schulz (collective: every rank, same items)
             self.comm_stats = sharded.finish(self.batch_budget)
             self.comm_bytes_last_step = int(self.comm_stats["ns_bytes_sent"] + self.comm_stats["flags_bytes"])
+        if self._on_cpu():
+            # the step's fp32 temporaries are freed; their heap pages would stay resident through the
+            # next forward and backward (ops/heap.py)
+            release_freed_heap()
         return loss
+
+    def _on_cpu(self) -> bool:
+        return any(p.device.type == "cpu" for g in self.param_groups if g["use_muon"] for p in g["params"][:1])
 
     def _sharded_step(self) -> Any:
         """The distributed driver when some parameter is a DTensor, else ``None``; built (and its

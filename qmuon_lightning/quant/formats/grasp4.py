@@ -71,6 +71,7 @@ from torch import Tensor
 
 from ...ops import reference as ref
 from ...ops import reference_4bit as ref4
+from ...ops.heap import release_freed_heap
 from ..layout import RowLayout, chunk_ranges, row_layout
 from .base import PACKED, FormatOptions, FormatSpec, StateFormat
 
@@ -221,26 +222,6 @@ def _lerp_into(start: Tensor, end: Tensor, dest: Tensor, weight: float, scratch:
         torch.sub(end, scratch.mul_(ref._fp32(1.0 - w)), out=dest)
 
 
-def _release_freed_heap() -> None:
-    """Hand heap memory freed by the update back to the OS (glibc ``malloc_trim``).
-
-    The update allocates and frees one fp32 matrix per parameter; glibc raises its mmap threshold
-    after the first such free and serves the next ones from the heap, where freed pages stay in
-    the process's RSS. Trimming after the update keeps grasp4's resident memory at what it uses
-    (measured in benchmarks/results/step_memory.md). A no-op where glibc is not the allocator."""
-    global _MALLOC_TRIM
-    if _MALLOC_TRIM is None:
-        try:
-            import ctypes
-
-            _MALLOC_TRIM = ctypes.CDLL("libc.so.6").malloc_trim
-        except (OSError, AttributeError):
-            _MALLOC_TRIM = False
-    if _MALLOC_TRIM:
-        _MALLOC_TRIM(0)
-
-
-_MALLOC_TRIM = None
 
 
 def _r_prev(st: dict[str, Tensor], cols: int, seed: int, key: int, device: torch.device) -> Tensor:
@@ -321,7 +302,7 @@ class Grasp4Format(StateFormat):
             for k, v in new.items():
                 st[k].copy_(v)
         if grads2d and grads2d[0].device.type == "cpu":
-            _release_freed_heap()
+            release_freed_heap()  # the update's fp32 temporaries
 
     def update_sharded(self, params, states, grads2d, block_sums, *, beta, nesterov, opts, streams, offsets, keys,
                        seed, process_group):
