@@ -19,7 +19,9 @@ Built on :class:`lightning.pytorch.cli.LightningCLI`::
   ``configure_optimizers``, after ``configure_model`` has sharded the model; LightningCLI's automatic
   ``optimizer:`` / ``lr_scheduler:`` sections are switched off because they would build the optimizer
   from unsharded parameters.
-* ``data.seq_len`` sets ``model.max_seq_len`` and ``data.vocab_size`` sets ``model.vocab_size``.
+* ``data.seq_len`` sets ``model.max_seq_len``; the datamodule's resolved vocabulary (256 for bytes,
+  ``meta.json``'s for ``data.source=tokens``, ``data.vocab_size`` for a ``.bin``) sets
+  ``model.vocab_size`` when the classes are instantiated.
 * A :class:`~qmuon_lightning.callbacks.summary.TrainSummary` is always added (``summary.filename``).
 * A ``TensorBoardLogger`` in the config is skipped with a warning when tensorboard is not installed.
 * ``strategy: qmuon_fsdp`` is available because this module imports ``qmuon_lightning.strategies``.
@@ -54,10 +56,6 @@ def _tensorboard_available() -> bool:
     return bool(_TENSORBOARD_AVAILABLE or _TENSORBOARDX_AVAILABLE)
 
 
-def _vocab(v: int | None) -> int:
-    return 256 if v is None else int(v)
-
-
 class QMuonCLI(LightningCLI):
     """LightningCLI for :class:`DecoderLMModule` + :class:`ByteLMDataModule` (see the module docstring)."""
 
@@ -88,7 +86,10 @@ class QMuonCLI(LightningCLI):
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_lightning_class_args(TrainSummary, "summary")
         parser.link_arguments("data.seq_len", "model.max_seq_len")
-        parser.link_arguments("data.vocab_size", "model.vocab_size", compute_fn=_vocab)
+        # One mechanism for every source: the datamodule resolves its vocabulary when it is built
+        # (256 for bytes, meta.json's for a qmuon-prepare corpus, data.vocab_size for a .bin) and
+        # the model is built after it with that value.
+        parser.link_arguments("data.vocab_size", "model.vocab_size", apply_on="instantiate")
 
     def before_instantiate_classes(self) -> None:
         # Recipes list a TensorBoardLogger beside the CSV one; it is optional: without tensorboard

@@ -118,6 +118,12 @@ def test_fit_logs_checkpoints_and_summarizes(tmp_path, tiny_cfg):
     # int8 momentum: 1 B + 4 B / 256 per Muon element (+ a 4 B step per matrix) vs fp32's 4 B.
     assert 0.25 < summary["muon_state_vs_fp32"] < 0.30
     assert summary["state_bytes"] < summary["fp32_muon_reference_bytes"]
+    # Telemetry: a grad norm per optimizer step, logged as well; MFU n/a on CPU.
+    assert summary["grad_norm_steps"] == 6 and summary["mfu"] is None and summary["tokens_per_s"] > 0
+    with open(next(root.glob("csv/version_*/metrics.csv")), newline="") as fh:
+        rows = list(csv.DictReader(fh))
+    assert sum(1 for r in rows if r.get("grad_norm")) == 6
+    assert all(float(r["perf/tokens_per_s"]) > 0 for r in rows if r.get("perf/tokens_per_s"))
     # The model's max_seq_len comes from data.seq_len (link).
     assert cli.model.config.max_seq_len == 32
 
@@ -234,8 +240,10 @@ def test_several_configs_and_dotted_overrides(tmp_path, tiny_cfg, capsys):
         (["--model.optimizer.name=grasp", "--model.optimizer.state_format=int8"], ["invalid configuration", "grasp4"]),
         (["--data.source=text"], ["invalid configuration", "data.paths"]),
         (["--model.dmodel=64"], ["dmodel"]),
+        (["--data.source=tokens", "--data.paths=[/nonexistent/corpus]"], ["invalid configuration", "qmuon-prepare"]),
     ],
-    ids=["unknown-format", "heads-do-not-divide", "grasp-with-int8", "text-without-paths", "typo-key"],
+    ids=["unknown-format", "heads-do-not-divide", "grasp-with-int8", "text-without-paths", "typo-key",
+         "tokens-dir-missing"],
 )
 def test_bad_config_gives_clear_error(tmp_path, tiny_cfg, capsys, override, expect):
     cfg = str(tiny_cfg(tmp_path / "run"))
@@ -345,4 +353,6 @@ def test_fit_and_resume_under_qmuon_fsdp_two_processes(tmp_path, tiny_cfg):
     first, second = (json.loads(p.read_text()) for p in runs)
     assert (first["steps"], second["steps"], second["steps_this_run"]) == (6, 9, 3)
     assert first["tokens"] == 6 * 4 * 32 * 2  # two data-parallel replicas
+    # The grad norm over the FSDP2 shards (an all-reduce in on_before_optimizer_step) every step.
+    assert first["grad_norm_steps"] == 6 and math.isfinite(first["grad_norm_final"]) and first["grad_norm_final"] > 0
     assert second["val_final"][1] < first["val_first"][1]

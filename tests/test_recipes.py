@@ -1,5 +1,7 @@
 """Every recipe under ``recipes/``: its documented command parses (``--print_config``), the model
-builds on the meta device with the parameter count and size class its header states, the memory
+builds on the meta device (its vocabulary resolved by the datamodule, as ``qmuon-train``'s link does;
+a ``data.source=tokens`` recipe gets a stand-in meta.json with the vocabulary its header states)
+with the parameter count and size class its header states, the memory
 budget in its header matches :func:`memory_budget` recomputed from the merged config, the
 optimizer builds, and an FSDP strategy name resolves to the registered strategy.
 
@@ -8,6 +10,7 @@ Nothing here allocates a real 124M / 350M model: parameters live on the meta dev
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
 from pathlib import Path
@@ -19,6 +22,8 @@ import yaml
 from _helpers import REPO
 from qmuon_lightning.callbacks.summary import optimizer_state_bytes
 from qmuon_lightning.cli import main
+from qmuon_lightning.data import ByteLMDataModule
+from qmuon_lightning.data.token_corpus import CORPUS_FORMAT, CORPUS_VERSION, token_dtype
 from qmuon_lightning.models.lm_module import DecoderLMModule, OptimizerSpec, build_lm_optimizer, memory_budget
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*LeafSpec", "ignore:.*GPU available but not used")
@@ -48,11 +53,32 @@ def _merged(path: Path, capsys) -> dict:
     return yaml.safe_load(capsys.readouterr().out)
 
 
-def _module(cfg: dict) -> DecoderLMModule:
+def _data_vocab(cfg: dict, header: str, tmp_path: Path) -> int:
+    """The vocabulary the datamodule resolves (the source of qmuon-train's link to model.vocab_size).
+
+    A ``tokens`` recipe points at a corpus prepared on the user's machine; here a stand-in corpus
+    directory carries a meta.json with the vocabulary the header states ("vocabulary 50,257").
+    """
+    data = dict(cfg["data"])
+    if data["source"] == "tokens":
+        m = re.search(r"vocabulary ([\d,]+)", header)
+        assert m, "a data.source=tokens recipe's header must state the tokenizer's vocabulary"
+        vocab = int(m.group(1).replace(",", ""))
+        dtype = token_dtype(vocab)
+        for name in ("train.bin", "val.bin"):
+            (tmp_path / name).write_bytes(b"")
+        (tmp_path / "meta.json").write_text(json.dumps({
+            "format": CORPUS_FORMAT, "version": CORPUS_VERSION, "dtype": dtype, "vocab_size": vocab,
+            "tokens": {"train": 0, "val": 0}, "tokenizer": {"name_or_path": "stand-in"}}))
+        data["paths"] = [str(tmp_path)]
+    return ByteLMDataModule(**data).vocab_size
+
+
+def _module(cfg: dict, vocab_size: int) -> DecoderLMModule:
     kw = dict(cfg["model"])
     # --print_config leaves out link targets; qmuon-train sets these two from data (test_cli checks the links).
     kw["max_seq_len"] = cfg["data"]["seq_len"]
-    kw["vocab_size"] = cfg["data"]["vocab_size"] or 256
+    kw["vocab_size"] = vocab_size
     kw["optimizer"] = OptimizerSpec(**{k: tuple(v) if isinstance(v, list) else v for k, v in kw["optimizer"].items()})
     return DecoderLMModule(**kw)
 
@@ -64,14 +90,17 @@ def test_recipes_exist():
         for opt in ("adamw", "torch_muon", "bf16", "int8", "grasp4"):
             assert f"gb10/{size}_{opt}.yaml" in names
     assert any("fsdp" in n for n in names)
+    for size in ("gpt124m", "gpt350m"):  # FineWeb-Edu / GPT-2 tokenizer family (data.source=tokens)
+        for opt in ("adamw", "int8", "grasp4"):
+            assert f"gb10/fineweb_{size}_{opt}.yaml" in names
 
 
 @pytest.mark.parametrize("path", RECIPES, ids=[str(p.relative_to(REPO / "recipes")) for p in RECIPES])
-def test_recipe(path, capsys):
+def test_recipe(path, capsys, tmp_path):
     cfg = _merged(path, capsys)
     header = _header(path)
 
-    module = _module(cfg)
+    module = _module(cfg, _data_vocab(cfg, header, tmp_path))
     with torch.device("meta"):
         module.configure_model()
     assert all(p.is_meta for p in module.parameters())
@@ -81,7 +110,7 @@ def test_recipe(path, capsys):
     assert n == int(stated.group(1).replace(",", "")), (n, stated.group(0))
     size = re.search(r"size class: ([\d.]+)M parameters", header)
     assert size, f"{path}: the header must state 'size class: <N>M parameters'"
-    # "124M-class" etc.: within 15% of the nominal size (the byte vocabulary moves the count a little).
+    # "124M-class" etc.: within 15% of the nominal size (the vocabulary moves the count a little).
     assert abs(n / (float(size.group(1)) * 1e6) - 1) < 0.15, (n, size.group(0))
 
     # The header's budget line == memory_budget recomputed from the merged config.

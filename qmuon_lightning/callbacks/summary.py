@@ -14,7 +14,21 @@ What it measures and how:
 * **optimizer state bytes**: every tensor in ``optimizer.state`` (local shards under FSDP,
   summed over ranks), split into the Muon part (groups with ``use_muon``) and the rest, against
   the same model's state under fp32 Muon (``torch.optim.Muon``: 4 bytes per Muon element; AdamW
-  for the other parameters: 8 bytes per element).
+  for the other parameters: 8 bytes per element); the Muon part also per Muon parameter.
+* **model TFLOP/s and MFU**: :func:`~qmuon_lightning.callbacks.telemetry.model_flops_per_token`
+  (``6 N + 12 L d_attn T``) x tokens/s / devices, against the device's dense bf16 peak
+  (:data:`~qmuon_lightning.callbacks.telemetry.PEAK_BF16_TFLOPS`, or ``peak_tflops``); MFU is
+  "n/a" on CPU and on devices without a known peak.
+* **peak memory**: CUDA max allocated / reserved since ``fit`` started, or the process' peak RSS
+  on CPU; the largest over ranks.
+* **grad norm**: L2 norm of all gradients in ``on_before_optimizer_step`` (after AMP unscaling,
+  before clipping; the full norm across FSDP2 shards), and the optimizer step's share of the
+  training-batch time.
+
+Every training batch it also logs (``pl_module.log``, so the CSV / TensorBoard loggers get them
+every ``log_every_n_steps``): ``perf/tokens_per_s``, ``perf/model_tflops`` (per device),
+``perf/mfu_percent`` (known peaks only), ``perf/optimizer_step_share``, ``memory/peak_allocated_gib``
+and ``memory/peak_reserved_gib`` (CUDA) or ``memory/peak_rss_gib`` (CPU), and ``grad_norm``.
 
 Use it in YAML as ``class_path: qmuon_lightning.callbacks.summary.TrainSummary``.
 """
@@ -34,6 +48,7 @@ import lightning as L
 from lightning.pytorch.utilities import rank_zero_only
 
 from ..optim.routing import route_parameters
+from .telemetry import model_flops_per_token, peak_bf16_flops, peak_memory, total_grad_norm
 
 __all__ = ["TrainSummary", "optimizer_state_bytes"]
 
@@ -70,16 +85,55 @@ def _fmt_bytes(n: float) -> str:
     return f"{n:.2f} GiB"
 
 
+def _flops_row(s: dict[str, Any]) -> str:
+    if s.get("flops_per_token") is None:
+        return "n/a (the model's layer count and width are unknown)"
+    return (f"{s['model_tflops_per_device']:.4g} TFLOP/s per device ({s['flops_per_token'] / 1e6:,.1f} MFLOP/token = "
+            f"6 N + 12 L d_attn T at T={s['flops_seq_len']}, {s['devices']} device(s))")
+
+
+def _mfu_row(s: dict[str, Any]) -> str:
+    if s.get("mfu") is None:
+        return f"n/a ({s.get('device')}: no dense bf16 peak known; set summary.peak_tflops)"
+    source = "summary.peak_tflops" if s.get("peak_tflops_given") else "dense bf16"
+    return f"{100 * s['mfu']:.3g}% of {s['peak_tflops']:,.4g} TFLOP/s {source} ({s['device']})"
+
+
+def _memory_row(s: dict[str, Any]) -> str:
+    if s.get("peak_memory_kind") == "cuda":
+        return (f"{_fmt_bytes(s['peak_memory_allocated_bytes'])} allocated, {_fmt_bytes(s['peak_memory_reserved_bytes'])} "
+                "reserved (CUDA max since fit started, largest rank)")
+    return f"{_fmt_bytes(s['peak_memory_rss_bytes'])} RSS (process peak, largest rank)"
+
+
+def _grad_norm_row(s: dict[str, Any]) -> str:
+    if not s.get("grad_norm_steps"):
+        return "not measured (no gradients in param.grad, e.g. DeepSpeed ZeRO)"
+    return (f"{s['grad_norm_final']:.4g} final, {s['grad_norm_mean']:.4g} mean, {s['grad_norm_max']:.4g} max over "
+            f"{s['grad_norm_steps']} steps (before clipping)")
+
+
 class TrainSummary(L.Callback):
     """Measures a ``fit`` run and prints (rank 0) and saves a summary table.
 
     Args:
         filename: stem of ``<log_dir>/<filename>.json`` / ``.md`` written at the end of ``fit``
             (``None``: print only).
+        peak_tflops: the device's peak in TFLOP/s for MFU; ``None``: the dense bf16 table
+            (GB10, H100, H200), MFU "n/a" elsewhere.
+        log_metrics: log the per-batch metrics listed in the module docstring to the loggers.
+        log_grad_norm: compute the gradient norm every optimizer step (a reduction over all
+            gradients, plus an all-reduce under FSDP).
     """
 
-    def __init__(self, filename: str | None = "summary") -> None:
+    def __init__(self, filename: str | None = "summary", peak_tflops: float | None = None, log_metrics: bool = True,
+                 log_grad_norm: bool = True) -> None:
+        if peak_tflops is not None and peak_tflops <= 0:
+            raise ValueError(f"summary.peak_tflops must be positive, got {peak_tflops}")
         self.filename = filename
+        self.peak_tflops = peak_tflops
+        self.log_metrics = log_metrics
+        self.log_grad_norm = log_grad_norm
         self.summary: dict[str, Any] = {}
         self._reset()
 
@@ -95,6 +149,13 @@ class TrainSummary(L.Callback):
         self._cuda = False
         self._start_step = 0
         self._t_fit = time.perf_counter()
+        self.grad_norms: list[float] = []
+        self._step_in_batch: float | None = None
+        self._flops_per_token: int | None = None
+        self._flops_seq_len = 0
+        self._devices = 1
+        self._device = torch.device("cpu")
+        self._device_name, self._peak_flops = "cpu", None
 
     # ------------------------------------------------------------------ timing
     def _sync(self) -> None:
@@ -103,7 +164,14 @@ class TrainSummary(L.Callback):
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._reset()
-        self._cuda = trainer.strategy.root_device.type == "cuda"
+        self._device = trainer.strategy.root_device
+        self._cuda = self._device.type == "cuda"
+        if self._cuda:
+            torch.cuda.reset_peak_memory_stats(self._device)
+        self._device_name, self._peak_flops = peak_bf16_flops(self._device)
+        if self.peak_tflops is not None:
+            self._peak_flops = self.peak_tflops * 1e12
+        self._devices = max(1, trainer.world_size)
         self._replicas = max(1, trainer.world_size)
         mesh = getattr(pl_module, "_device_mesh", None)
         if mesh is not None and mesh.mesh_dim_names and "data_parallel" in mesh.mesh_dim_names:
@@ -122,6 +190,14 @@ class TrainSummary(L.Callback):
         self._t_batch = time.perf_counter()
 
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
+        # Lightning calls this after backward and AMP unscaling, before gradient clipping. The
+        # norm is computed before the step timer starts, so it does not count as optimizer time.
+        if self.log_grad_norm:
+            norm = total_grad_norm(p for g in optimizer.param_groups for p in g["params"])
+            if norm is not None:
+                self.grad_norms.append(norm)
+                if self.log_metrics:
+                    pl_module.log("grad_norm", norm, on_step=True, on_epoch=False)
         self._sync()
         self._t_step = time.perf_counter()
 
@@ -129,15 +205,34 @@ class TrainSummary(L.Callback):
         if self._t_step:
             self._sync()
             self.step_times.append(time.perf_counter() - self._t_step)
+            self._step_in_batch = (self._step_in_batch or 0.0) + self.step_times[-1]
             self._t_step = 0.0
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         self._sync()
-        self.train_seconds += time.perf_counter() - self._t_batch
+        seconds = time.perf_counter() - self._t_batch
+        self.train_seconds += seconds
         self.batches += 1
         x = batch[0] if isinstance(batch, (tuple, list)) else batch
-        self.tokens += int(x.numel()) * self._replicas
+        tokens = int(x.numel()) * self._replicas
+        self.tokens += tokens
+        if self._flops_per_token is None or self._flops_seq_len != x.shape[-1]:
+            self._flops_seq_len = int(x.shape[-1])
+            self._flops_per_token = model_flops_per_token(pl_module, self._flops_seq_len)
+        if self.log_metrics and seconds > 0:
+            metrics = {"perf/tokens_per_s": tokens / seconds}
+            if self._flops_per_token is not None:
+                flops = self._flops_per_token * tokens / seconds / self._devices
+                metrics["perf/model_tflops"] = flops / 1e12
+                if self._peak_flops:
+                    metrics["perf/mfu_percent"] = 100.0 * flops / self._peak_flops
+            if self._step_in_batch is not None:
+                metrics["perf/optimizer_step_share"] = self._step_in_batch / seconds
+            for k, v in peak_memory(self._device).items():
+                metrics[f"memory/peak_{k}_gib"] = v / 2**30
+            pl_module.log_dict(metrics, on_step=True, on_epoch=False)
+        self._step_in_batch = None
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         v = trainer.callback_metrics.get("val_loss")
@@ -157,6 +252,11 @@ class TrainSummary(L.Callback):
         if trainer.world_size > 1:
             sums = trainer.strategy.reduce(sums, reduce_op="sum")
         muon_b, other_b = (int(v) for v in sums.tolist())
+        mem = peak_memory(self._device)
+        peaks = torch.tensor(list(mem.values()), dtype=torch.float64, device=trainer.strategy.root_device)
+        if trainer.world_size > 1:
+            peaks = trainer.strategy.reduce(peaks, reduce_op="max")
+        mem = {k: int(v) for k, v in zip(mem, peaks.tolist())}
         model = getattr(pl_module, "model", None) or pl_module
         muon_n = other_n = 0
         for d in route_parameters(model):
@@ -168,6 +268,9 @@ class TrainSummary(L.Callback):
         fp32_ref = 4 * muon_n + 8 * other_n
         spec = getattr(pl_module, "optimizer_spec", None)
         steps_timed = self.step_times[1:] if len(self.step_times) > 1 else self.step_times
+        tokens_per_s = self.tokens / self.train_seconds if self.train_seconds > 0 else float("nan")
+        model_flops = (self._flops_per_token * tokens_per_s / self._devices
+                       if self._flops_per_token is not None else float("nan"))
         s: dict[str, Any] = {
             "optimizer": getattr(spec, "name", type(opt).__name__ if opt is not None else "none"),
             "state_format": getattr(spec, "resolved_state_format", None),
@@ -178,7 +281,7 @@ class TrainSummary(L.Callback):
             "tokens": self.tokens,
             "train_seconds": self.train_seconds,
             "fit_seconds": time.perf_counter() - self._t_fit,
-            "tokens_per_s": self.tokens / self.train_seconds if self.train_seconds > 0 else float("nan"),
+            "tokens_per_s": tokens_per_s,
             "val_first": self.val_history[0] if self.val_history else None,
             "val_final": self.val_history[-1] if self.val_history else None,
             "state_bytes": muon_b + other_b,
@@ -190,6 +293,22 @@ class TrainSummary(L.Callback):
             "optimizer_step_ms_first": 1e3 * self.step_times[0] if self.step_times else float("nan"),
             "optimizer_step_ms_mean": 1e3 * sum(steps_timed) / len(steps_timed) if steps_timed else float("nan"),
             "optimizer_steps_timed": len(steps_timed),
+            "optimizer_step_share": sum(self.step_times) / self.train_seconds if self.train_seconds > 0 else float("nan"),
+            "muon_state_bytes_per_param": muon_b / muon_n if muon_n else float("nan"),
+            "flops_per_token": self._flops_per_token,
+            "flops_seq_len": self._flops_seq_len,
+            "devices": self._devices,
+            "model_tflops_per_device": model_flops / 1e12,
+            "device": self._device_name,
+            "peak_tflops": self._peak_flops / 1e12 if self._peak_flops else None,
+            "mfu": model_flops / self._peak_flops if self._peak_flops else None,
+            "peak_tflops_given": self.peak_tflops is not None,
+            "peak_memory_kind": "cuda" if self._cuda else "rss",
+            **{f"peak_memory_{k}_bytes": v for k, v in mem.items()},
+            "grad_norm_final": self.grad_norms[-1] if self.grad_norms else None,
+            "grad_norm_mean": sum(self.grad_norms) / len(self.grad_norms) if self.grad_norms else None,
+            "grad_norm_max": max(self.grad_norms) if self.grad_norms else None,
+            "grad_norm_steps": len(self.grad_norms),
         }
         self.summary = s
         self._report(s, trainer.log_dir)  # log_dir broadcasts: every rank must ask
@@ -211,7 +330,13 @@ class TrainSummary(L.Callback):
             ("fp32 Muon state", f"{_fmt_bytes(s['fp32_muon_reference_bytes'])} (4 B/Muon element + 8 B/AdamW element)"),
             ("state / fp32 Muon", f"{s['state_vs_fp32_muon']:.3f} (Muon momentum alone: {s['muon_state_vs_fp32']:.3f})"),
             ("optimizer step", f"{s['optimizer_step_ms_mean']:.2f} ms mean over {s['optimizer_steps_timed']} steps "
-                               f"(first step {s['optimizer_step_ms_first']:.1f} ms)"),
+                               f"(first step {s['optimizer_step_ms_first']:.1f} ms); "
+                               f"{100 * s['optimizer_step_share']:.1f}% of training-batch time"),
+            ("Muon state", f"{s['muon_state_bytes_per_param']:.3f} B per Muon parameter"),
+            ("model FLOPs", _flops_row(s)),
+            ("MFU", _mfu_row(s)),
+            ("peak memory", _memory_row(s)),
+            ("grad norm", _grad_norm_row(s)),
             ("wall time", f"{s['fit_seconds']:.1f} s in fit"),
         ]
         w = max(len(k) for k, _ in rows)

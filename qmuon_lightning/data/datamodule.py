@@ -1,6 +1,6 @@
 """A LightningDataModule of next-token windows over byte-level or pre-tokenized corpora.
 
-Three sources, one sampling scheme:
+Four sources, one sampling scheme:
 
 ``source="stdlib"`` (default)
     The Python standard library's own ``*.py`` sources as bytes
@@ -13,9 +13,14 @@ Three sources, one sampling scheme:
     byte-level "tokenizer": token = byte value, vocabulary 256), sorted by path and concatenated with
     a NUL byte after each file.
 ``source="bin"``
-    A pre-tokenized flat array of ``uint8`` or ``uint16`` token ids (``paths``: one ``.bin`` file,
-    e.g. written by ``np.array(ids, np.uint16).tofile(path)``), opened as a read-only
+    A pre-tokenized flat array of ``uint8``, ``uint16`` or ``uint32`` token ids (``paths``: one
+    ``.bin`` file, e.g. written by ``np.array(ids, np.uint16).tofile(path)``), opened as a read-only
     ``numpy.memmap`` so it is never loaded whole.
+``source="tokens"``
+    A corpus directory written by ``qmuon-prepare`` (``paths``: that one directory): ``train.bin``
+    and ``val.bin`` memory-mapped with the dtype, and the vocabulary taken from its ``meta.json``
+    (:mod:`~qmuon_lightning.data.token_corpus`). The split is the one ``qmuon-prepare`` made (by
+    document), so ``val_fraction``, ``split_chunk`` and ``max_bytes`` do not apply.
 
 For ``text`` and ``bin`` the token stream is cut into chunks of ``split_chunk`` tokens and a chunk
 goes to validation when a hash of ``(seed, chunk index)`` falls below ``val_fraction`` (at least one
@@ -44,6 +49,7 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 import lightning as L
 
 from .bytes_corpus import SEPARATOR, build_stdlib_corpus
+from .token_corpus import open_token_split, read_token_corpus_meta
 
 __all__ = ["ByteLMDataModule", "TokenWindowDataset", "split_ranges"]
 
@@ -148,6 +154,7 @@ class _Corpus:
     train: list[tuple[int, int]]
     val: list[tuple[int, int]]
     description: str
+    val_data: np.ndarray | None = None  # validation ranges index this array instead of ``data``
 
 
 def _expand_paths(paths: Sequence[str]) -> list[Path]:
@@ -169,19 +176,25 @@ def _expand_paths(paths: Sequence[str]) -> list[Path]:
 
 
 class ByteLMDataModule(L.LightningDataModule):
-    """Next-token windows over the stdlib's sources, local text files or a ``.bin`` token array.
+    """Next-token windows over the stdlib's sources, local text files, a ``.bin`` token array or a
+    ``qmuon-prepare`` corpus.
 
     Args:
-        source: ``"stdlib"``, ``"text"`` or ``"bin"`` (see the module docstring).
-        paths: ``text``: files, directories or glob patterns; ``bin``: exactly one ``.bin`` file.
-        dtype: token dtype of a ``bin`` file: ``"uint8"`` or ``"uint16"``.
-        vocab_size: vocabulary of the token ids. ``None``: 256 for byte sources and ``uint8`` bins;
-            required for ``uint16`` bins (e.g. 50304 for GPT-2 ids). Linked to the model's
-            ``vocab_size`` by ``qmuon-train``.
+        source: ``"stdlib"``, ``"text"``, ``"bin"`` or ``"tokens"`` (see the module docstring).
+        paths: ``text``: files, directories or glob patterns; ``bin``: exactly one ``.bin`` file;
+            ``tokens``: exactly one directory written by ``qmuon-prepare``.
+        dtype: token dtype of a ``bin`` file: ``"uint8"`` (``None``), ``"uint16"`` or ``"uint32"``.
+            ``tokens``: read from meta.json (a value given here must agree).
+        vocab_size: vocabulary of the token ids; after construction the attribute holds the
+            resolved value, which ``qmuon-train`` links to the model's ``vocab_size``. ``None``: 256
+            for byte sources and ``uint8`` bins, meta.json's for ``tokens``; required for wider bins
+            (e.g. 50257 for GPT-2 ids). For ``tokens`` a larger value pads the model's vocabulary
+            (e.g. 50304, a multiple of 64); a smaller one is an error.
         seq_len: tokens per training window (the model sees ``seq_len`` inputs, predicts
             ``seq_len`` targets).
         batch_size: windows per batch and device.
-        val_fraction: share of files (``stdlib``) or chunks (``text``/``bin``) held out.
+        val_fraction: share of files (``stdlib``) or chunks (``text``/``bin``) held out (``tokens``: the
+            split qmuon-prepare wrote is used; this, ``max_bytes`` and ``split_chunk`` do not apply).
         seed: seeds the split of ``text``/``bin`` and the window positions.
         max_bytes: ``stdlib`` / ``text``: read at most this many bytes (``None``: no limit for text,
             16 MiB for stdlib).
@@ -196,9 +209,9 @@ class ByteLMDataModule(L.LightningDataModule):
 
     def __init__(
         self,
-        source: Literal["stdlib", "text", "bin"] = "stdlib",
+        source: Literal["stdlib", "text", "bin", "tokens"] = "stdlib",
         paths: list[str] | None = None,
-        dtype: Literal["uint8", "uint16"] = "uint8",
+        dtype: Literal["uint8", "uint16", "uint32"] | None = None,
         vocab_size: int | None = None,
         seq_len: int = 256,
         batch_size: int = 16,
@@ -211,19 +224,37 @@ class ByteLMDataModule(L.LightningDataModule):
         num_workers: int = 0,
     ) -> None:
         super().__init__()
-        if source not in ("stdlib", "text", "bin"):
-            raise ValueError(f"data.source must be 'stdlib', 'text' or 'bin', got {source!r}")
-        if source in ("text", "bin") and not paths:
-            raise ValueError(f"data.source={source!r} needs data.paths (files or glob patterns)")
+        if source not in ("stdlib", "text", "bin", "tokens"):
+            raise ValueError(f"data.source must be 'stdlib', 'text', 'bin' or 'tokens', got {source!r}")
+        if source in ("text", "bin", "tokens") and not paths:
+            raise ValueError(f"data.source={source!r} needs data.paths (files or glob patterns; for 'tokens' the "
+                             "directory qmuon-prepare wrote)")
         if source == "bin" and len(paths or []) != 1:
             raise ValueError(f"data.source='bin' reads exactly one .bin file; got paths={paths}")
-        if dtype not in ("uint8", "uint16"):
-            raise ValueError(f"data.dtype must be 'uint8' or 'uint16', got {dtype!r}")
+        if source == "tokens" and len(paths or []) != 1:
+            raise ValueError(f"data.source='tokens' reads exactly one qmuon-prepare directory; got paths={paths}")
+        if dtype not in (None, "uint8", "uint16", "uint32"):
+            raise ValueError(f"data.dtype must be 'uint8', 'uint16' or 'uint32', got {dtype!r}")
+        self.meta: dict | None = None  # meta.json of a ``tokens`` corpus
+        if source == "tokens":
+            # Read here, not in setup(): the model's vocabulary is linked to this attribute and is
+            # needed before the model is built.
+            self.meta = read_token_corpus_meta(paths[0])  # type: ignore[index]
+            if dtype is not None and dtype != self.meta["dtype"]:
+                raise ValueError(f"data.dtype={dtype!r} but {paths[0]}/meta.json says {self.meta['dtype']!r}; "
+                                 "leave data.dtype unset for data.source='tokens'")
+            dtype = self.meta["dtype"]
+            corpus_vocab = int(self.meta["vocab_size"])
+            if vocab_size is not None and vocab_size < corpus_vocab:
+                raise ValueError(f"data.vocab_size={vocab_size} is smaller than the corpus' vocabulary {corpus_vocab} "
+                                 f"({paths[0]}/meta.json); leave data.vocab_size unset to use it")
+            vocab_size = corpus_vocab if vocab_size is None else vocab_size
+        dtype = dtype or "uint8"
         if vocab_size is None:
-            if source == "bin" and dtype == "uint16":
-                raise ValueError("data.vocab_size is required for a uint16 .bin (the tokenizer's vocabulary, e.g. 50304)")
+            if source == "bin" and dtype != "uint8":
+                raise ValueError(f"data.vocab_size is required for a {dtype} .bin (the tokenizer's vocabulary, e.g. 50257)")
             vocab_size = 256
-        if source != "bin" and vocab_size != 256:
+        if source in ("stdlib", "text") and vocab_size != 256:
             raise ValueError(f"data.source={source!r} is byte-level: vocab_size must be 256, got {vocab_size}")
         if seq_len < 1 or batch_size < 1 or val_windows < 1:
             raise ValueError("data.seq_len, data.batch_size and data.val_windows must be positive")
@@ -243,6 +274,13 @@ class ByteLMDataModule(L.LightningDataModule):
             data = np.concatenate([c.train.numpy(), c.val.numpy()])
             n = c.train.numel()
             return _Corpus(data, [(0, n)], [(n, data.size)], c.describe())
+        if self.source == "tokens":
+            assert self.meta is not None
+            train = open_token_split(self.paths[0], "train", self.meta)
+            val = open_token_split(self.paths[0], "val", self.meta)
+            desc = (f"tokens corpus {self.paths[0]} ({self.meta['tokenizer']['name_or_path']}, vocabulary "
+                    f"{self.meta['vocab_size']:,}, {self.dtype}): train {train.size:,} / val {val.size:,} tokens")
+            return _Corpus(train, [(0, int(train.size))], [(0, int(val.size))], desc, val_data=val)
         if self.source == "text":
             files = _expand_paths(self.paths)
             buf = bytearray()
@@ -270,7 +308,8 @@ class ByteLMDataModule(L.LightningDataModule):
     def setup(self, stage: str | None = None) -> None:
         if self.corpus is None:
             self.corpus = self._load()
-            val = TokenWindowDataset(self.corpus.data, self.corpus.val, self.seq_len, self.val_windows,
+            val_data = self.corpus.val_data if self.corpus.val_data is not None else self.corpus.data
+            val = TokenWindowDataset(val_data, self.corpus.val, self.seq_len, self.val_windows,
                                      seed=10_000 + self.seed)
             xs, ys = zip(*(val[i] for i in range(self.val_windows)))
             self._val = torch.stack(xs), torch.stack(ys)
