@@ -11,10 +11,11 @@ from importlib.metadata import PackageNotFoundError, version
 
 from .optim import GraspMuon, NonFiniteGradientError, QMuon, QMuonConfig, RoutingRule, build_optimizer, route_parameters
 
-# Registers Trainer(strategy="qmuon_fsdp") and its presets in Lightning's StrategyRegistry (Lightning
-# has no entry points for strategies). Without Lightning installed the optimizers still import.
+# Registers Trainer(strategy="qmuon_fsdp"), L.Fabric(strategy="qmuon_fsdp") and their presets in Lightning's
+# strategy registries (Lightning has no entry points for strategies). Without Lightning installed the
+# optimizers still import.
 try:
-    from .strategies import QMuonFSDPStrategy
+    from .strategies import QMuonFabricStrategy, QMuonFSDPStrategy
 except ModuleNotFoundError as _e:  # pragma: no cover - lightning is a declared dependency
     if not (_e.name or "").startswith("lightning"):
         raise
@@ -25,5 +26,6 @@ except PackageNotFoundError:  # running from a source tree without install
     __version__ = "0.0.0+source"
 
 __all__ = [
-    "QMuon", "QMuonConfig", "GraspMuon", "NonFiniteGradientError", "RoutingRule", "build_optimizer", "route_parameters", "QMuonFSDPStrategy", "__version__",
+    "QMuon", "QMuonConfig", "GraspMuon", "NonFiniteGradientError", "RoutingRule", "build_optimizer", "route_parameters",
+    "QMuonFSDPStrategy", "QMuonFabricStrategy", "__version__",
 ]
