@@ -53,6 +53,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
+from ..core.config import param_group_view
 from ..core.pipeline import NSItem, NSSettings, orthogonalize, row_sumsq
 from ..core.plan import ParamPlan
 from ..quant import state as qstate
@@ -148,8 +149,9 @@ class ShardedStep:
                         "QMuon needs every DTensor parameter on one 1-D mesh (fully_shard with one mesh)")
                 lay = row_layout(p)
                 if group["use_muon"]:
-                    fmt = qstate.get_format(group["state_format"])
-                    fmt.check_sharded_layout(lay, qstate.format_options(group), where)  # before any state changes
+                    view = param_group_view(group, i)  # a promoted parameter's own layout
+                    fmt = qstate.get_format(view["state_format"])
+                    fmt.check_sharded_layout(lay, qstate.format_options(view), where)  # before any state changes
                 self._layouts[id(p)] = lay
                 self._group_of[id(p)] = group
                 self._sharded_keys.append((gi, i))
@@ -211,9 +213,10 @@ class ShardedStep:
         return out_where, out_finite
 
     # ------------------------------------------------------------------ 2. momentum (called per parameter)
-    def init_state(self, p: DTensor, st: dict[str, Tensor]) -> None:
-        """Wrap a new local state of ``p`` as DTensors with the global shape (so DCP reshards it)."""
-        group = self._group_of[id(p)]
+    def init_state(self, p: DTensor, st: dict[str, Tensor], group: dict[str, Any] | None = None) -> None:
+        """Wrap a new local state of ``p`` as DTensors with the global shape (so DCP reshards it);
+        ``group``: the group as ``p`` is stepped (with its layout override), default its group."""
+        group = group if group is not None else self._group_of[id(p)]
         shard_state(p, st, qstate.get_format(group["state_format"]), qstate.format_options(group))
 
     def add(self, p: DTensor, plan: ParamPlan, param_local: Tensor, g2: Tensor, sums: Tensor,

@@ -311,6 +311,10 @@ class WholeMatrixZeroOptimizer(Optimizer):
                 "the QMuon already has optimizer state (it has stepped or loaded a checkpoint): wrap a fresh QMuon "
                 "and restore state through engine.load_checkpoint"
             )
+        if qmuon.max_nonfinite_skips is not None:
+            raise NotImplementedError(
+                f"max_nonfinite_skips={qmuon.max_nonfinite_skips} is not enforced under DeepSpeed (this wrapper skips "
+                "non-finite updates itself and counts them in nonfinite_skips); build the QMuon without it")
         groups = [g for g in qmuon.param_groups if len(g["params"])]  # DeepSpeed drops empty groups
         self._params: list[_Param] = []
         inner_groups = []

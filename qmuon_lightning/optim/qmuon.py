@@ -26,10 +26,13 @@ from .. import ops  # noqa: F401  (registers torch.ops.qmuon)
 from ..core import pipeline
 from ..core.config import (
     DEFAULT_CONFIG as _D,
+    FORMAT_OVERRIDES,
     STRUCTURAL_KEYS,
     QMuonConfig,
     check_resume,
+    param_group_view,
     validate_adamw_group,
+    validate_format_overrides,
     validate_muon_group,
 )
 from ..core.newton_schulz import MUON_COEFFICIENTS
@@ -39,7 +42,8 @@ from ..ops.heap import release_freed_heap
 from ..quant import state as qstate
 from ..quant.layout import localize_loaded_state, shard_state
 
-__all__ = ["QMuon", "GraspMuon", "FORMAT_VERSION", "DEFAULT_NS_COEFFICIENTS", "adjusted_lr", "UpdateSink"]
+__all__ = ["QMuon", "GraspMuon", "FORMAT_VERSION", "DEFAULT_NS_COEFFICIENTS", "adjusted_lr", "UpdateSink",
+           "NonFiniteGradientError"]
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +62,18 @@ LAYOUT_HINT = (
 
 #: ``QMuon.update_sink(param, part, out)``: receives a Muon update instead of it being applied.
 UpdateSink = Callable[[Tensor, MatrixPart, Tensor], None]
+
+
+class NonFiniteGradientError(FloatingPointError):
+    """Parameters whose gradient stayed non-finite for more optimizer steps in a row than
+    ``max_nonfinite_skips`` allows (their updates were skipped each time)."""
+
+    def __init__(self, message: str, params: list[str], streak: int) -> None:
+        super().__init__(message)
+        #: Names (or group / index labels) of the parameters over the limit.
+        self.params = params
+        #: Their number of skipped steps in a row, this one included.
+        self.streak = streak
 
 
 class QMuon(Optimizer):
@@ -84,6 +100,9 @@ class QMuon(Optimizer):
         state_format, block_size, rank, grid_block, rounding, seed: momentum storage.
         nonfinite: ``"skip"`` leaves a parameter and its state untouched for a step whose gradient
             holds NaN/Inf (counted in :attr:`nonfinite_skips`); ``"raise"`` raises instead.
+        max_nonfinite_skips: ``None`` (unlimited) or the most steps in a row one parameter's update
+            may be skipped; one more raises :class:`NonFiniteGradientError` naming the parameters
+            before anything changes. A finite update resets a parameter's count.
         ns_input: ``"bf16"`` or ``"mxfp8"`` (NS reads the decoded MXFP8 carrier of ``G / ||G||``).
         adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: defaults for AdamW groups.
         comm_carrier, comm_return: sharded (FSDP2 ``Shard(0)``) parameters only: how the
@@ -114,6 +133,7 @@ class QMuon(Optimizer):
         seed: int = _D.seed,
         nonfinite: str = _D.nonfinite,
         ns_input: str = _D.ns_input,
+        max_nonfinite_skips: int | None = _D.max_nonfinite_skips,
         adamw_lr: float = _D.adamw_lr,
         adamw_betas: tuple[float, float] = _D.adamw_betas,
         adamw_eps: float = _D.adamw_eps,
@@ -137,6 +157,12 @@ class QMuon(Optimizer):
         self.comm_stats: dict[str, float] = {}
         #: Parameter updates skipped because their gradient was not finite (``nonfinite="skip"``).
         self.nonfinite_skips = 0
+        #: Optimizer steps in which at least one parameter update was skipped (non-finite gradient).
+        self.nonfinite_skipped_steps = 0
+        #: The longest run of consecutive skipped steps of any one parameter so far.
+        self.nonfinite_max_consecutive = 0
+        self.max_nonfinite_skips = config.max_nonfinite_skips
+        self._nonfinite_streak: dict[tuple[int, int], int] = {}
         #: When set, Muon updates of plain (non-sharded) parameters are handed to it instead of
         #: being applied (weight decay is still applied): a driver that applies them elsewhere (the
         #: DeepSpeed integration sends them to the ranks holding the parameter's slices).
@@ -246,7 +272,8 @@ class QMuon(Optimizer):
             self._sharded = None
             return None
         sig = tuple(id(p) for p in params) + tuple(
-            (g["use_muon"], g.get("state_format"), g.get("grid_block"), g.get("rank")) for g in self.param_groups)
+            (g["use_muon"], g.get("state_format"), g.get("grid_block"), g.get("rank"), repr(g.get(FORMAT_OVERRIDES)))
+            for g in self.param_groups)
         if self._sharded is None or self._sharded[0] != sig:
             from ..distributed.orthogonalize import ShardedStep
 
@@ -272,30 +299,61 @@ class QMuon(Optimizer):
         if sharded is not None:  # one all-reduce: every rank skips / updates the same sharded parameters
             where, finite = sharded.agree_on_updates(where, finite)
         bad_by_policy: dict[str, list[str]] = defaultdict(list)
+        streaks = self._nonfinite_streak
+        over: list[str] = []
         for (gi, i), ok in zip(where, finite):
             if ok:
                 out[gi].append(i)
+                streaks.pop((gi, i), None)  # a finite update ends the parameter's run of skips
                 continue
             group = self.param_groups[gi]
-            names = group.get("param_names")
-            shape = tuple(group["params"][i].shape)
-            label = repr(names[i]) if names else f"param group {gi} parameter #{i} (shape {shape})"
-            bad_by_policy[group.get("nonfinite", "skip")].append(label)
+            label = self._param_label(gi, i)
+            policy = group.get("nonfinite", "skip")
+            bad_by_policy[policy].append(label)
+            if policy == "skip":
+                streaks[(gi, i)] = n = streaks.get((gi, i), 0) + 1
+                self.nonfinite_max_consecutive = max(self.nonfinite_max_consecutive, n)
+                if self.max_nonfinite_skips is not None and n > self.max_nonfinite_skips:
+                    over.append(label)
         if bad_by_policy.get("raise"):
             raise FloatingPointError(
                 f"QMuon: non-finite gradient in {', '.join(bad_by_policy['raise'] + bad_by_policy['skip'])}; "
                 "no parameter or optimizer state was changed. Use nonfinite='skip' to skip such updates, "
                 "or check the loss scale / learning rate"
             )
+        if over:
+            n = max(streaks.values())
+            raise NonFiniteGradientError(
+                f"QMuon: the gradient of {', '.join(over)} was non-finite (NaN/Inf) for {n} optimizer steps in a row, "
+                f"more than max_nonfinite_skips={self.max_nonfinite_skips}; training stops here (this step changed no "
+                "parameter or optimizer state). Fix: lower the learning rate, enable or tighten gradient clipping, "
+                "check the loss scale (fp16) and the data of the last steps for NaN/Inf; raise max_nonfinite_skips "
+                "(or set it to None) only if such runs recover", over, n)
         if bad_by_policy.get("skip"):
             self.nonfinite_skips += len(bad_by_policy["skip"])
+            self.nonfinite_skipped_steps += 1
             log.warning("QMuon: skipped update of %s (non-finite gradient)", ", ".join(bad_by_policy["skip"]))
         return out
 
+    def _param_label(self, gi: int, i: int) -> str:
+        group = self.param_groups[gi]
+        names = group.get("param_names")
+        return repr(names[i]) if names else f"param group {gi} parameter #{i} (shape {tuple(group['params'][i].shape)})"
+
     def _muon_group_step(self, gi: int, idx: list[int], items: list[NSItem], sharded: Any) -> None:
+        """Step group ``gi``'s parameters ``idx``: those without a layout override together, each
+        promoted one (:meth:`promote_param`) with its own view of the group."""
+        group = self.param_groups[gi]
+        overrides = group.get(FORMAT_OVERRIDES) or {}
+        self._muon_subset_step(gi, group, [i for i in idx if i not in overrides], items, sharded)
+        for i in idx:
+            if i in overrides:
+                self._muon_subset_step(gi, param_group_view(group, i), [i], items, sharded)
+
+    def _muon_subset_step(self, gi: int, group: dict[str, Any], idx: list[int], items: list[NSItem],
+                          sharded: Any) -> None:
         if not idx:
             return
-        group = self.param_groups[gi]
         plans_all = self._group_plans(gi)
         params = [group["params"][i] for i in idx]
         plans = [plans_all[i] for i in idx]
@@ -308,7 +366,7 @@ class QMuon(Optimizer):
                 st.update(qstate.init_momentum_state(fmt.name, local(p.grad).shape[0], math.prod(p.shape[1:]),
                                                      opts=opts, device=local(p.grad).device))
                 if is_dtensor(p):
-                    sharded.init_state(p, st)  # Shard(0) DTensors with the global shape (for DCP)
+                    sharded.init_state(p, st, group)  # Shard(0) DTensors with the global shape (for DCP)
             states.append({k: local(v) for k, v in st.items()} if is_dtensor(p) else st)
             offsets.append(sharded.row_offset(p) if is_dtensor(p) else 0)
         grads = [local(p.grad) for p in params]
@@ -413,23 +471,98 @@ class QMuon(Optimizer):
             if cur["use_muon"] and "state_format" in saved:  # a QMuon checkpoint: the one resume check
                 check_resume({**cur, **saved}, cur, where=f"param group {gi}", allow_format_change=True)
             if cur["use_muon"]:
-                for pid, p in zip(saved["params"], cur["params"]):
+                # Per-parameter layout overrides (promotions by the fidelity guard) are part of the
+                # saved run: they are kept, and each promoted parameter resumes in its own format.
+                merged["params"] = cur["params"]  # for the index check; the saved ids go back below
+                validate_format_overrides(merged, f"param group {gi} (checkpoint)")
+                merged["params"] = saved["params"]
+                overrides = merged.get(FORMAT_OVERRIDES) or {}
+                for i, (pid, p) in enumerate(zip(saved["params"], cur["params"])):
                     if pid in saved_state:
                         where = f"param group {gi}, param id {pid}"
                         src, shape = saved_state[pid], p.shape
+                        saved_view = {**saved, **overrides[i]} if i in overrides else saved
+                        cur_view = {**cur, **overrides[i]} if i in overrides else cur
                         if is_dtensor(p):  # sharded: validate and convert this rank's rows only
                             src = localize_loaded_state(src, p, None, None, where)  # None: the saved format
                             shape = (local(p).shape[0], *p.shape[1:])
-                        muon_state.append((p, qstate.convert_state(src, saved, cur, shape, where,
-                                                                   sharded=is_dtensor(p)), cur))
+                        muon_state.append((p, qstate.convert_state(src, saved_view, cur_view, shape, where,
+                                                                   sharded=is_dtensor(p)), cur_view))
                         del new_state[pid]
             new_groups.append(merged)
         super().load_state_dict({"state": new_state, "param_groups": new_groups})
+        self._plans.clear()
+        self._sharded = None
         for p, st, cur in muon_state:
             new = {k: v.to(device=p.device, copy=True) if k != "step" else v.clone() for k, v in st.items()}
             if is_dtensor(p):
                 shard_state(p, new, qstate.get_format(cur["state_format"]), qstate.format_options(cur))
             self.state[p] = new
+
+    # ------------------------------------------------------------------ per-parameter formats
+    def _locate(self, p: Tensor) -> tuple[int, int]:
+        for gi, group in enumerate(self.param_groups):
+            for i, q in enumerate(group["params"]):
+                if q is p:
+                    return gi, i
+        raise KeyError("QMuon: this parameter is not in any of the optimizer's parameter groups")
+
+    def param_layout(self, p: Tensor) -> dict[str, Any]:
+        """The state layout parameter ``p`` is stepped with (its group's, or its override's)."""
+        gi, i = self._locate(p)
+        return param_group_view(self.param_groups[gi], i)
+
+    def promote_param(self, p: Tensor, layout: dict[str, Any] | None = None) -> tuple[str, str] | None:
+        """Move Muon parameter ``p``'s momentum to a safer format: ``layout`` (layout keys such as
+        ``{"state_format": "int8", "block_size": 256}``) or, by default, the next format of the
+        promotion chain (:func:`qmuon_lightning.quant.safer_format`: grasp4 / int4 / e0m3 -> int8
+        -> bf16). The stored momentum is converted with :func:`qmuon_lightning.quant.convert_state`
+        (dequantize, re-encode); a sharded parameter converts its own rows, with no communication,
+        so every rank must promote the same parameters. The override is saved with the parameter
+        group (``state_dict`` / DCP), so a resumed run keeps it.
+
+        Returns ``(old format, new format)``, or ``None`` when the format ends the chain.
+        """
+        gi, i = self._locate(p)
+        group = self.param_groups[gi]
+        if not group["use_muon"]:
+            raise ValueError("QMuon.promote_param: the parameter is in an AdamW group; only Muon momentum has formats")
+        old = param_group_view(group, i)
+        target = dict(layout) if layout is not None else qstate.promoted_layout(old)
+        if target is None:
+            return None
+        new = {**old, **target}
+        label = self._param_label(gi, i)
+        overrides = dict(group.get(FORMAT_OVERRIDES) or {})
+        overrides[i] = target
+        checked = {**group, FORMAT_OVERRIDES: overrides}
+        validate_format_overrides(checked, f"QMuon.promote_param({label})")  # raises before anything changes
+        st = self.state.get(p)
+        if st:
+            shape = (local(p).shape[0], *p.shape[1:]) if is_dtensor(p) else tuple(p.shape)
+            src = {k: local(v) if is_dtensor(v) else v for k, v in st.items()}
+            converted = qstate.convert_state(src, old, new, shape, f"QMuon.promote_param({label})", sharded=is_dtensor(p))
+            dev = local(p).device
+            converted = {k: v.to(dev) if k != "step" else v for k, v in converted.items()}
+            if is_dtensor(p):
+                shard_state(p, converted, qstate.get_format(new["state_format"]), qstate.format_options(new))
+            self.state[p] = converted
+        group[FORMAT_OVERRIDES] = checked[FORMAT_OVERRIDES]
+        self._sharded = None
+        return str(old["state_format"]), str(new["state_format"])
+
+    def promotions(self, names: dict[int, str] | None = None) -> list[dict[str, Any]]:
+        """Every parameter stepped in another format than its group's:
+        ``[{"param": name, "group_format": ..., "state_format": ...}]`` (names from ``names``,
+        ``id(param) -> name``, else the group's ``param_names``)."""
+        out = []
+        for gi, group in enumerate(self.param_groups):
+            for i, layout in sorted((group.get(FORMAT_OVERRIDES) or {}).items()):
+                p = group["params"][i]
+                name = (names or {}).get(id(p)) or self._param_label(gi, i).strip("'")
+                out.append({"param": name, "group_format": str(group["state_format"]),
+                            "state_format": str(layout["state_format"])})
+        return out
 
     # ------------------------------------------------------------------ introspection
     def state_nbytes(self, muon_only: bool = True) -> int:

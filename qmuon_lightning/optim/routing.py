@@ -130,6 +130,15 @@ class RouteDecision:
         return self.parts, (self.parts_axis if self.parts else 0), self.orientation
 
 
+def _unwrapped(model: nn.Module) -> nn.Module:
+    """The user's model inside Lightning Fabric's ``_FabricModule`` (matched by class name: this
+    layer does not import Lightning), so routing names are the model's own (no ``_forward_module.``
+    prefix), as in the state dicts ``fabric.save`` writes."""
+    while type(model).__name__ == "_FabricModule" and isinstance(getattr(model, "module", None), nn.Module):
+        model = model.module
+    return model
+
+
 def _owners(model: nn.Module) -> dict[int, tuple[str, nn.Module, str]]:
     """id(param) -> (qualified name, owning module, attribute name); first owner wins for tied weights."""
     out: dict[int, tuple[str, nn.Module, str]] = {}
@@ -232,7 +241,7 @@ def route_parameters(
     orientations = orientations or {}
     auto = _hf_fused(model)
     decisions = []
-    for _, (name, module, attr) in _owners(model).items():
+    for _, (name, module, attr) in _owners(_unwrapped(model)).items():
         p = getattr(module, attr)
         if not p.requires_grad:
             decisions.append(RouteDecision(name, tuple(p.shape), "frozen", "requires_grad=False", param=p))
