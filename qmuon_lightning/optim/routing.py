@@ -239,9 +239,10 @@ def route_parameters(
     rules = DEFAULT_RULES if rules is None else tuple(rules)
     fused_parts = fused_parts or {}
     orientations = orientations or {}
+    model = _unwrapped(model)
     auto = _hf_fused(model)
     decisions = []
-    for _, (name, module, attr) in _owners(_unwrapped(model)).items():
+    for _, (name, module, attr) in _owners(model).items():
         p = getattr(module, attr)
         if not p.requires_grad:
             decisions.append(RouteDecision(name, tuple(p.shape), "frozen", "requires_grad=False", param=p))
