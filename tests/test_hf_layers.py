@@ -423,7 +423,7 @@ def test_sharded_update_is_single_process_bit_for_bit(family: str) -> None:
     assert worst < 1e-2, res["grasp4_state_displacement_rel_diff"]
 
 
-# ------------------------------------------------- DeepSpeed, Accelerate, Trainer: one 2-process launch
+# ----------------------------------------- DeepSpeed, Accelerate, Trainer, Fabric: one 2-process launch
 #: GPT-2 shape for the DeepSpeed runs: odd widths, so ZeRO's partition boundary falls inside a row
 #: of a column-fused c_attn (the test checks it does).
 DS_GPT2 = dict(d=33, heads=3, layers=3)
@@ -616,6 +616,66 @@ def _worker_trainer(out: Path, family: str) -> dict[str, Any]:
             "sharded_ckpt": (out / f"trainer_{family}" / "epoch=0.ckpt").is_dir()}
 
 
+def _worker_fabric(out: Path, family: str) -> dict[str, Any]:
+    """A plain Fabric loop with ``strategy="qmuon_fsdp"`` (automatic sharding policy,
+    ``setup_optimizers(build_optimizer(...))``): the first step's per-layer update against
+    torch.optim.Muon, and fabric.save / fabric.load (sharded) at step 2 == the uninterrupted run."""
+    import lightning as L
+
+    from qmuon_lightning.strategies import QMuonFabricStrategy
+
+    def make(seed: int) -> tuple[Any, Any, Any]:
+        fabric = L.Fabric(accelerator="cpu", devices=2, strategy=QMuonFabricStrategy())
+        fabric.launch()
+        model = fabric.setup_module(make_model(family, seed))
+        opt = fabric.setup_optimizers(ql.build_optimizer(model, **TRAINER_KW[family], verbose=False))
+        return fabric, model, opt
+
+    def run(fabric: Any, model: Any, opt: Any, steps: range, first: dict | None = None) -> None:
+        for s in steps:
+            fabric.backward(lm_loss(model, tokens(s, fabric.global_rank)))
+            if first is not None and s == 0:
+                first["before"] = {n: _full(p.detach()).clone() for n, p in model.module.named_parameters()}
+                first["grads"] = {n: _full(p.grad).clone() for n, p in model.module.named_parameters()
+                                  if p.grad is not None}
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if first is not None and s == 0:
+                first["after"] = {n: _full(p.detach()).clone() for n, p in model.module.named_parameters()}
+
+    def snap(model: Any, opt: Any) -> dict[str, torch.Tensor]:
+        out_ = {f"param/{n}": _full(p.detach()).clone() for n, p in model.module.named_parameters()}
+        for gi, g in enumerate(opt.param_groups):
+            for i, p in enumerate(g["params"]):
+                for k, v in opt.state.get(p, {}).items():
+                    out_[f"state/{gi}/{i}/{k}"] = _full(v).clone()
+        return out_
+
+    fabric, model, opt = make(0)
+    first: dict[str, Any] = {}
+    run(fabric, model, opt, range(2), first)
+    ckpt = out / f"fabric_{family}"
+    fabric.save(ckpt, {"model": model, "optimizer": opt, "step": 2})
+    run(fabric, model, opt, range(2, 4))
+    a = snap(model, opt)
+    fabric2, model2, opt2 = make(5)
+    state = {"model": model2, "optimizer": opt2, "step": 0}
+    fabric2.load(ckpt, state)
+    run(fabric2, model2, opt2, range(state["step"], 4))
+    b = snap(model2, opt2)
+    try:
+        assert_same(a, b, f"{family} fabric resume")
+        mismatch: list[str] = []
+    except AssertionError as e:
+        mismatch = [str(e)]
+    report = {}
+    for layer, (pname, view) in logical_layers(family, model.module).items():
+        ours = view(first["after"][pname] - first["before"][pname])
+        report[layer] = compare(ours, torch_muon_update(view(first["before"][pname]), view(first["grads"][pname])))
+    return {"report": report, "mismatches": mismatch, "n_snap": len(a), "sharded_ckpt": (ckpt / ".metadata").is_file(),
+            "resumed_at": state["step"]}
+
+
 def _worker_main(out: Path) -> None:
     import os
 
@@ -626,6 +686,8 @@ def _worker_main(out: Path) -> None:
         res[f"accelerate_{family}"] = _worker_accelerate(out, family)
     for family in FAMILIES:
         res[f"trainer_{family}"] = _worker_trainer(out, family)
+    for family in FAMILIES:
+        res[f"fabric_{family}"] = _worker_fabric(out, family)
     torch.save(res, out / f"rank{rank}.pt")
     from qmuon_lightning.distributed import exit_after_distributed_run
 
@@ -642,7 +704,7 @@ def two_process_run(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
            "--master_port", str(free_port()), str(Path(__file__).resolve()), "--worker", str(out)]
     run_launcher(cmd, timeout=900, env=subprocess_env(DS_ACCELERATOR="cpu", PYTHONWARNINGS="ignore"),
-                 what="2-process HF worker (DeepSpeed, Accelerate, Trainer)")
+                 what="2-process HF worker (DeepSpeed, Accelerate, Trainer, Fabric)")
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
 
 
@@ -704,6 +766,18 @@ def test_trainer_qmuon_fsdp_hf_models(two_process_run: list[dict], family: str) 
             assert any(n.endswith("attn.c_attn.weight") for g in run["groups"] if g["parts"] for n in g["names"])
         else:
             assert layouts == {(None, 0, "out_in")}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_fabric_qmuon_fsdp_hf_models(two_process_run: list[dict], family: str) -> None:
+    """L.Fabric(strategy="qmuon_fsdp"), 2 processes, plain loop: the per-layer update meets the
+    targets (arguments: TRAINER_KW) and fabric.save / fabric.load of a sharded checkpoint continue
+    bit-exactly."""
+    for r, res in enumerate(two_process_run):
+        run = res[f"fabric_{family}"]
+        assert run["sharded_ckpt"] and run["resumed_at"] == 2 and run["n_snap"] > 0
+        assert run["mismatches"] == [], f"rank {r}: {run['mismatches']}"
+        assert_targets(run["report"], f"{family} Fabric rank {r}")
 
 
 if __name__ == "__main__":

@@ -236,6 +236,11 @@ class QMuon(Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         loss = pipeline.call_closure(closure)
+        on_cpu = self._on_cpu()
+        if on_cpu:
+            # backward freed the activations; hand their heap pages back before the step allocates
+            # (resident memory would otherwise be live bytes plus that retained heap; ops/heap.py)
+            release_freed_heap()
         sharded = self._sharded_step()  # None unless a parameter is a DTensor (FSDP2)
         if sharded is not None:
             sharded.begin()
@@ -251,10 +256,8 @@ class QMuon(Optimizer):
             # distributed Newton-Schulz (collective: every rank, same items)
             self.comm_stats = sharded.finish(self.batch_budget)
             self.comm_bytes_last_step = int(self.comm_stats["ns_bytes_sent"] + self.comm_stats["flags_bytes"])
-        if self._on_cpu():
-            # the step's fp32 temporaries are freed; their heap pages would stay resident through the
-            # next forward and backward (ops/heap.py)
-            release_freed_heap()
+        if on_cpu:
+            release_freed_heap()  # and the step's own fp32 temporaries
         return loss
 
     def _on_cpu(self) -> bool:
