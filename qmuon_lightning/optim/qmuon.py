@@ -38,7 +38,6 @@ from ..core.config import (
 from ..core.newton_schulz import MUON_COEFFICIENTS
 from ..core.pipeline import NSItem, is_dtensor, local
 from ..core.plan import MatrixPart, ParamPlan, adjusted_lr, plan_param
-from ..ops.heap import release_freed_heap
 from ..quant import state as qstate
 from ..quant.layout import localize_loaded_state, shard_state
 
@@ -236,11 +235,6 @@ class QMuon(Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         loss = pipeline.call_closure(closure)
-        on_cpu = self._on_cpu()
-        if on_cpu:
-            # backward freed the activations; hand their heap pages back before the step allocates
-            # (resident memory would otherwise be live bytes plus that retained heap; ops/heap.py)
-            release_freed_heap()
         sharded = self._sharded_step()  # None unless a parameter is a DTensor (FSDP2)
         if sharded is not None:
             sharded.begin()
@@ -256,12 +250,7 @@ class QMuon(Optimizer):
             # distributed Newton-Schulz (collective: every rank, same items)
             self.comm_stats = sharded.finish(self.batch_budget)
             self.comm_bytes_last_step = int(self.comm_stats["ns_bytes_sent"] + self.comm_stats["flags_bytes"])
-        if on_cpu:
-            release_freed_heap()  # and the step's own fp32 temporaries
         return loss
-
-    def _on_cpu(self) -> bool:
-        return any(p.device.type == "cpu" for g in self.param_groups if g["use_muon"] for p in g["params"][:1])
 
     def _sharded_step(self) -> Any:
         """The distributed driver when some parameter is a DTensor, else ``None``; built (and its
