@@ -9,12 +9,22 @@ config) -> ``optim`` (QMuon, routing) / ``distributed`` / ``integrations`` -> ``
 
 from importlib.metadata import PackageNotFoundError, version
 
-from .optim import GraspMuon, QMuon, QMuonConfig, RoutingRule, build_optimizer, route_parameters
+from .optim import (
+    FusedParts,
+    GraspMuon,
+    NonFiniteGradientError,
+    QMuon,
+    QMuonConfig,
+    RoutingRule,
+    build_optimizer,
+    route_parameters,
+)
 
-# Registers Trainer(strategy="qmuon_fsdp") and its presets in Lightning's StrategyRegistry (Lightning
-# has no entry points for strategies). Without Lightning installed the optimizers still import.
+# Registers Trainer(strategy="qmuon_fsdp"), L.Fabric(strategy="qmuon_fsdp") and their presets in Lightning's
+# strategy registries (Lightning has no entry points for strategies). Without Lightning installed the
+# optimizers still import.
 try:
-    from .strategies import QMuonFSDPStrategy
+    from .strategies import QMuonFabricStrategy, QMuonFSDPStrategy
 except ModuleNotFoundError as _e:  # pragma: no cover - lightning is a declared dependency
     if not (_e.name or "").startswith("lightning"):
         raise
@@ -25,5 +35,6 @@ except PackageNotFoundError:  # running from a source tree without install
     __version__ = "0.0.0+source"
 
 __all__ = [
-    "QMuon", "QMuonConfig", "GraspMuon", "RoutingRule", "build_optimizer", "route_parameters", "QMuonFSDPStrategy", "__version__",
+    "QMuon", "QMuonConfig", "GraspMuon", "NonFiniteGradientError", "RoutingRule", "FusedParts", "build_optimizer",
+    "route_parameters", "QMuonFSDPStrategy", "QMuonFabricStrategy", "__version__",
 ]

@@ -489,7 +489,8 @@ def _fsdp_scenario(out: Path) -> dict:
     opt = tr.optimizers[0]
     res: dict = {"rank": dist.get_rank(), "optimizer": type(opt).__name__}
     res["profiled"] = [(r["step"], os.path.basename(r["trace"]), r["qmuon_ops"]) for r in prof.records]
-    res["monitor_trackers"] = len(mon._trackers)  # DTensor parameters: disabled with a warning
+    res["monitor_trackers"] = len(mon._trackers)
+    res["monitor_history"] = mon.history  # sharded: measured, cosines all-reduced (the same on every rank)
     blob = qc.export_fp32_momentum(out / "fp32.pt")  # collective: every rank
     full = full_state_dict(opt)  # collective
     exact = True
@@ -520,7 +521,8 @@ def _fsdp_scenario(out: Path) -> dict:
 def test_under_qmuon_fsdp_two_processes(tmp_path):
     """Sharded (DCP) saving works with the callback: manifest in the checkpoint metadata, no per-rank
     standalone file, fp32 export gathered on every rank and written by rank 0, resume validated.
-    The profiler writes one trace per rank; the fidelity monitor disables itself (DTensor)."""
+    The profiler writes one trace per rank; the fidelity monitor measures the sharded layers and
+    every rank sees the same cosines."""
     import sys
 
     log = run_launcher([sys.executable, str(Path(__file__).resolve()), "fsdp", str(tmp_path)], timeout=FSDP_TIMEOUT_S,
@@ -532,12 +534,15 @@ def test_under_qmuon_fsdp_two_processes(tmp_path):
     for r in (r0, r1):
         assert r["optimizer"] == "QMuon" and r["ckpt_is_dir"] and r["resumed_step"] == 3
         assert r["export_matches_gathered_state"] and r["exported"] > 0
-        assert r["monitor_trackers"] == 0
+        assert r["monitor_trackers"] == 1 and [h["step"] for h in r["monitor_history"]] == [1]
+        # 2 blocks x (qkv, proj, gate_up, down); int8 with a 1-step window: measured 0.999-1.000
+        assert len(r["monitor_history"][0]["cos"]) == 8 and min(r["monitor_history"][0]["cos"].values()) > 0.95
         (step, trace, ops), = r["profiled"]
         assert step == 1 and trace == f"optimizer_step_000001-rank{r['rank']}.trace.json"
         assert "qmuon::q8_momentum_update_multi_" in ops
     assert r0["manifest_sharded"] is True and r0["manifest_formats"] == ["int8"]
     assert r0["standalone_files"] == [] and r0["fp32_file"]
+    assert r0["monitor_history"] == r1["monitor_history"]
 
 
 if __name__ == "__main__":

@@ -258,6 +258,13 @@ def test_publish_and_recover_interrupted_sharded_saves(tmp_path):
     assert torch.load(last / "meta.pt")["global_step"] == 3
     assert sorted(p.name for p in d.iterdir()) == ["last.ckpt"]
 
+    # the Fabric strategy's staging name "<name>.partial": never a candidate, adopted when complete
+    _dcp_ckpt(d / "step=5.ckpt.partial", 5)
+    assert find_resumable_checkpoint(d) == last
+    assert "adopted" in recover_interrupted_saves(d, report=lambda s: None)[0]
+    assert find_resumable_checkpoint(d) == d / "step=5.ckpt"
+    shutil.rmtree(d / "step=5.ckpt")
+
     # killed mid-write: an incomplete staging directory is removed, the published one kept
     staging = staging_path(d / "epoch=0-step=4.ckpt")
     staging.mkdir()

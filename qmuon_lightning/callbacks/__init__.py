@@ -6,7 +6,8 @@
 * :class:`OptimizerStepProfiler`: ``torch.profiler`` windows around ``optimizer.step`` only, on a
   schedule; Chrome trace, key-averages table (``qmuon::`` ops), peak memory, ``optimizer_step_ms``.
 * :class:`QuantFidelityMonitor`: every N steps, per-layer cosine of the quantized-state Muon update
-  against the fp32-state update on the run's own gradients; warns below a threshold.
+  against the fp32-state update on the run's own gradients; warns, promotes the layer to a safer
+  momentum format, or stops the run below a per-format threshold.
 
 See ``docs/callbacks.md``.
 """
@@ -22,7 +23,7 @@ from .checkpoint import (
     standalone_files,
     validate_manifest,
 )
-from .fidelity import DEFAULT_COSINE_THRESHOLD, QuantFidelityMonitor, UpdateFidelityTracker
+from .fidelity import DEFAULT_COSINE_THRESHOLD, QuantFidelityError, QuantFidelityMonitor, UpdateFidelityTracker
 from .profiler import OptimizerStepProfiler, peak_allocated_from_trace
 from .resume import EpochBoundaryResume
 
@@ -32,6 +33,7 @@ __all__ = [
     "OptimizerStepProfiler",
     "QuantFidelityMonitor",
     "UpdateFidelityTracker",
+    "QuantFidelityError",
     "DEFAULT_COSINE_THRESHOLD",
     "MANIFEST_KEY",
     "atomic_torch_save",

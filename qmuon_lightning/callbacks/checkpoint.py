@@ -45,9 +45,9 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
-from ..core.config import ResumeMismatch, check_resume, plain_coefficients
+from ..core.config import FORMAT_OVERRIDES, ResumeMismatch, check_resume, param_group_view, plain_coefficients
 from ..core.newton_schulz import MUON_COEFFICIENTS, resolve_schedule
-from ..optim.qmuon import FORMAT_VERSION, QMuon
+from ..optim.qmuon import FORMAT_VERSION, LAYOUT_HINT, QMuon
 from ..quant import state as qstate
 from ._common import is_dtensor, param_names, qmuon_optimizers
 
@@ -92,8 +92,13 @@ def _group_entry(gi: int, group: dict[str, Any], names: Mapping[int, str]) -> di
             "state_format": group["state_format"], "block_size": opts.block_size, "rank": opts.rank,
             "grid_block": opts.grid_block, "rounding": group["rounding"], "seed": int(group["seed"]),
             "momentum": float(group["momentum"]), "parts": list(group["parts"]) if group["parts"] else None,
+            "parts_axis": int(group.get("parts_axis", 0)), "orientation": group.get("orientation", "out_in"),
             "ns_input": group.get("ns_input", "bf16"), "ns_dtype": group.get("ns_dtype", "auto"),
             "ns_coefficients": plain_coefficients(group.get("ns_coefficients")), "ns_steps": int(group["ns_steps"]),
+            # Parameters promoted to a safer format (the fidelity guard): informational; the
+            # optimizer state carries them and QMuon.load_state_dict restores them.
+            "format_overrides": {params[i]["name"]: dict(layout)
+                                 for i, layout in sorted((group.get(FORMAT_OVERRIDES) or {}).items())},
         })
     return entry
 
@@ -159,7 +164,8 @@ def validate_manifest(manifest: Mapping[str, Any], optimizers: Sequence[tuple[in
         cur_groups = [_group_entry(gi, g, names) for gi, g in enumerate(opt.param_groups)]
         if len(cur_groups) != len(saved_opt["groups"]):
             problems.append(f"{where} has {len(saved_opt['groups'])} parameter groups in the checkpoint and "
-                            f"{len(cur_groups)} now; build the optimizer the same way (same routing rules)")
+                            f"{len(cur_groups)} now; build the optimizer the same way (same routing rules). "
+                            f"{LAYOUT_HINT}")
             continue
         for saved, cur in zip(saved_opt["groups"], cur_groups):
             gw = f"{where}, param group {saved['index']}"
@@ -313,9 +319,9 @@ def export_fp32_momentum(optimizer: QMuon, path: str | os.PathLike | None, modul
         if not group["use_muon"]:
             continue
         ids: list[int] = []
-        fmt = qstate.get_format(group["state_format"])
-        opts = qstate.format_options(group)
-        for p, pid in zip(group["params"], saved["params"]):
+        for i, (p, pid) in enumerate(zip(group["params"], saved["params"])):
+            view = param_group_view(group, i)  # a promoted parameter's own format
+            fmt, opts = qstate.get_format(view["state_format"]), qstate.format_options(view)
             name = names.get(id(p), f"group{gi}.param{pid}")
             order.append(name)
             ids.append(index)

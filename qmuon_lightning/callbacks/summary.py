@@ -24,6 +24,11 @@ What it measures and how:
 * **grad norm**: L2 norm of all gradients in ``on_before_optimizer_step`` (after AMP unscaling,
   before clipping; the full norm across FSDP2 shards), and the optimizer step's share of the
   training-batch time.
+* **promotions**: Muon parameters stepped in a safer momentum format than their group's (moved by
+  ``QuantFidelityMonitor(action="promote")``, in this run or before a resume: read from the
+  optimizer's parameter groups, with the step from the monitor when it made the move).
+* **non-finite skips**: parameter updates QMuon skipped for a NaN/Inf gradient, the steps that
+  had any, and the longest run of consecutive skips of one parameter (this run's counts).
 
 Every training batch it also logs (``pl_module.log``, so the CSV / TensorBoard loggers get them
 every ``log_every_n_steps``): ``perf/tokens_per_s``, ``perf/model_tflops`` (per device),
@@ -47,6 +52,7 @@ from torch import Tensor
 import lightning as L
 from lightning.pytorch.utilities import rank_zero_only
 
+from ..optim.qmuon import QMuon
 from ..optim.routing import route_parameters
 from .telemetry import model_flops_per_token, peak_bf16_flops, peak_memory, total_grad_norm
 
@@ -75,6 +81,26 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> tuple[int, int]:
                     else:
                         other += n
     return muon, other
+
+
+def _guard_figures(trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, Any]:
+    """Promotions and non-finite-gradient counts of the run's QMuon optimizers (empty without QMuon)."""
+    qms = [o for o in trainer.optimizers if isinstance(o, QMuon)]
+    if not qms:
+        return {}
+    names = {id(p): n for n, p in pl_module.named_parameters()}
+    steps: dict[str, int] = {}
+    for cb in trainer.callbacks:
+        for rec in getattr(cb, "promotions", None) or []:
+            if isinstance(rec, dict) and "param" in rec:
+                steps[rec["param"]] = int(rec["step"])  # the last move of each parameter
+    promotions = [{**pr, "step": steps.get(pr["param"])} for o in qms for pr in o.promotions(names)]
+    return {
+        "promotions": promotions,
+        "nonfinite_skips": sum(o.nonfinite_skips for o in qms),
+        "nonfinite_skipped_steps": max(o.nonfinite_skipped_steps for o in qms),
+        "nonfinite_max_consecutive": max(o.nonfinite_max_consecutive for o in qms),
+    }
 
 
 def _fmt_bytes(n: float) -> str:
@@ -309,6 +335,7 @@ class TrainSummary(L.Callback):
             "grad_norm_mean": sum(self.grad_norms) / len(self.grad_norms) if self.grad_norms else None,
             "grad_norm_max": max(self.grad_norms) if self.grad_norms else None,
             "grad_norm_steps": len(self.grad_norms),
+            **_guard_figures(trainer, pl_module),
         }
         self.summary = s
         self._report(s, trainer.log_dir)  # log_dir broadcasts: every rank must ask
@@ -339,6 +366,15 @@ class TrainSummary(L.Callback):
             ("grad norm", _grad_norm_row(s)),
             ("wall time", f"{s['fit_seconds']:.1f} s in fit"),
         ]
+        if "nonfinite_skips" in s:
+            rows.append(("non-finite skips", f"{s['nonfinite_skips']} parameter updates in {s['nonfinite_skipped_steps']} "
+                                             f"steps (longest run of one parameter: {s['nonfinite_max_consecutive']})"))
+        promos = s.get("promotions") or []
+        for i, pr in enumerate(promos):
+            when = f" at step {pr['step']}" if pr.get("step") is not None else " (before a resume)"
+            rows.append(("promotions" if i == 0 else "", f"{pr['param']}: {pr['group_format']} -> {pr['state_format']}{when}"))
+        if "promotions" in s and not promos:
+            rows.append(("promotions", "none"))
         w = max(len(k) for k, _ in rows)
         line = "-" * (w + 2 + max(len(v) for _, v in rows))
         return "\n".join(["qmuon-train summary", line, *(f"{k.ljust(w)}  {v}" for k, v in rows), line])

@@ -32,7 +32,7 @@ from .newton_schulz import (
 )
 
 from .pipeline import NSItem, NSSettings, orthogonalize
-from .plan import MatrixPart, ParamPlan, adjusted_lr, plan_param
+from .plan import ORIENTATIONS, FusedParts, MatrixPart, ParamPlan, adjusted_lr, plan_param
 
 __all__ = [
     "DEFAULT_CONFIG",
@@ -42,7 +42,9 @@ __all__ = [
     "NSItem",
     "NSSettings",
     "orthogonalize",
+    "FusedParts",
     "MatrixPart",
+    "ORIENTATIONS",
     "ParamPlan",
     "adjusted_lr",
     "plan_param",

@@ -18,7 +18,7 @@ from typing import Any, Mapping
 
 from ..quant import state as qstate
 from .newton_schulz import NS_DTYPES, resolve_schedule
-from .plan import ADJUST_LR_FNS
+from .plan import ADJUST_LR_FNS, ORIENTATIONS
 
 __all__ = [
     "QMuonConfig",
@@ -35,6 +35,9 @@ __all__ = [
     "check_resume",
     "ResumeMismatch",
     "describe_layout",
+    "FORMAT_OVERRIDES",
+    "param_group_view",
+    "validate_format_overrides",
 ]
 
 ROUNDING_MODES = ("nearest", "stochastic")
@@ -69,6 +72,10 @@ class QMuonConfig:
         nonfinite: ``"skip"`` (leave a parameter and its state untouched for a step with a
             NaN/Inf gradient) or ``"raise"``.
         ns_input: ``"bf16"`` or ``"mxfp8"`` (NS reads the decoded MXFP8 carrier).
+        max_nonfinite_skips: with ``nonfinite="skip"``, the most optimizer steps in a row that one
+            parameter's update may be skipped for a non-finite gradient; one more raises
+            :class:`~qmuon_lightning.NonFiniteGradientError` naming the parameters. A finite
+            update resets the parameter's count. ``None`` (default): unlimited, as before.
     AdamW (embeddings, head, 1-D tensors): adamw_lr 3e-4, adamw_betas (0.9, 0.95),
         adamw_eps 1e-8, adamw_weight_decay 0.1 (the usual GPT pretraining values).
     Sharded parameters: comm_carrier / comm_return: encodings of the distributed NS exchange.
@@ -91,6 +98,7 @@ class QMuonConfig:
     seed: int = 0
     nonfinite: str = "skip"
     ns_input: str = "bf16"
+    max_nonfinite_skips: int | None = None
     adamw_lr: float = 3e-4
     adamw_betas: tuple[float, float] = (0.9, 0.95)
     adamw_eps: float = 1e-8
@@ -124,6 +132,11 @@ class QMuonConfig:
             raise ValueError(
                 f"QMuon: comm_carrier must be one of {COMM_CARRIERS} and comm_return one of {COMM_RETURNS}, "
                 f"got comm_carrier={self.comm_carrier!r}, comm_return={self.comm_return!r}")
+        m = self.max_nonfinite_skips
+        if m is not None and (not isinstance(m, int) or isinstance(m, bool) or m < 1):
+            raise ValueError(
+                f"QMuon: max_nonfinite_skips must be None (unlimited) or an int >= 1 (steps in a row one parameter may "
+                f"be skipped for a non-finite gradient), got {m!r}")
         validate_muon_group(self.muon_group_defaults(), "QMuon")
         validate_adamw_group(self.adamw_group_defaults(), "QMuon (AdamW defaults)")
         return self
@@ -137,6 +150,7 @@ class QMuonConfig:
             "state_format": self.state_format, "block_size": self.block_size, "rank": self.rank,
             "grid_block": self.grid_block, "rounding": self.rounding, "seed": self.seed,
             "nonfinite": self.nonfinite, "ns_input": self.ns_input, "use_muon": True, "parts": None,
+            "parts_axis": 0, "orientation": "out_in",
         }
 
     def adamw_group_defaults(self) -> dict[str, Any]:
@@ -176,7 +190,7 @@ DEFAULT_CONFIG = QMuonConfig()
 #: constructed optimizer's values win over the checkpoint's (torch would silently take the saved
 #: ones, e.g. switch a run back to the state format or NS precision it was saved with).
 STRUCTURAL_KEYS = ("use_muon", "state_format", "block_size", "rank", "grid_block", "rounding", "seed", "parts",
-                   "nonfinite", "ns_input", "ns_dtype", "ns_coefficients")
+                   "parts_axis", "orientation", "nonfinite", "ns_input", "ns_dtype", "ns_coefficients")
 
 
 def validate_muon_group(group: dict[str, Any], where: str) -> None:
@@ -223,6 +237,7 @@ def validate_muon_group(group: dict[str, Any], where: str) -> None:
         raise bad(f"nonfinite must be 'skip' or 'raise', got {group['nonfinite']!r}")
     if group.setdefault("ns_input", "bf16") not in NS_INPUTS:
         raise bad(f"ns_input must be 'bf16' (the NS input as it is) or 'mxfp8' (MXFP8 carrier), got {group['ns_input']!r}")
+    validate_format_overrides(group, where)
     parts = group.get("parts")
     if parts is not None:
         try:
@@ -232,6 +247,56 @@ def validate_muon_group(group: dict[str, Any], where: str) -> None:
         if not parts or min(parts) <= 0:
             raise bad(f"parts must be positive row counts, got {group['parts']!r}")
         group["parts"] = parts
+    axis = group.setdefault("parts_axis", 0)
+    if axis not in (0, 1) or isinstance(axis, bool):
+        raise bad(f"parts_axis must be 0 (parts are row blocks) or 1 (column blocks of a 2-D weight), got {axis!r}")
+    if group.setdefault("orientation", "out_in") not in ORIENTATIONS:
+        raise bad(f"orientation must be one of {ORIENTATIONS} (how a 2-D weight stores its layer: nn.Linear is "
+                  f"'out_in', Hugging Face Conv1D 'in_out'), got {group['orientation']!r}")
+
+
+#: Group key of per-parameter layout overrides: ``{index in group: {"state_format": ..., <layout
+#: options>}}``, written by :meth:`QMuon.promote_param` (the fidelity guard) and saved with the
+#: group, so a resumed run keeps a promoted parameter's format.
+FORMAT_OVERRIDES = "format_overrides"
+
+
+def param_group_view(group: Mapping[str, Any], index: int) -> dict[str, Any]:
+    """The group as parameter ``index`` of it is stepped: the group itself, or a shallow copy with
+    the parameter's layout override (:data:`FORMAT_OVERRIDES`) applied."""
+    override = (group.get(FORMAT_OVERRIDES) or {}).get(index)
+    return {**group, **override} if override else group  # type: ignore[return-value]
+
+
+def validate_format_overrides(group: dict[str, Any], where: str) -> None:
+    """Check the per-parameter layout overrides of a Muon group (formats and options valid,
+    indices in range); normalizes the keys to ``int``."""
+    overrides = group.get(FORMAT_OVERRIDES)
+    if not overrides:
+        group.pop(FORMAT_OVERRIDES, None)
+        return
+    if not isinstance(overrides, Mapping):
+        raise ValueError(f"{where}: {FORMAT_OVERRIDES} must map a parameter index to layout keys, got {overrides!r}")
+    clean: dict[int, dict[str, Any]] = {}
+    n = len(group["params"]) if "params" in group else None
+    for idx, layout in overrides.items():
+        i = int(idx)
+        if n is not None and not 0 <= i < n:
+            raise ValueError(f"{where}: {FORMAT_OVERRIDES} names parameter #{i} but the group has {n} parameters")
+        if not isinstance(layout, Mapping) or "state_format" not in layout:
+            raise ValueError(f"{where}: {FORMAT_OVERRIDES}[{i}] must hold a state_format, got {layout!r}")
+        unknown = set(layout) - {"state_format", "block_size", "rank", "grid_block"}
+        if unknown:
+            raise ValueError(f"{where}: {FORMAT_OVERRIDES}[{i}] has keys {sorted(unknown)}; only layout keys "
+                             "(state_format, block_size, rank, grid_block) can be overridden per parameter")
+        view = {**group, **layout}
+        fmt = qstate.get_format(view["state_format"])
+        try:
+            fmt.validate_options(qstate.format_options(view))
+        except ValueError as e:
+            raise ValueError(f"{where}: {FORMAT_OVERRIDES}[{i}]: {e}") from None
+        clean[i] = dict(layout)
+    group[FORMAT_OVERRIDES] = clean
 
 
 def validate_adamw_group(group: dict[str, Any], where: str) -> None:

@@ -50,6 +50,7 @@ __all__ = [
     "momentum_inputs",
     "update_momentum",
     "local_items",
+    "row_sumsq",
     "is_dtensor",
     "local",
 ]
@@ -98,11 +99,14 @@ def ns_settings(group: dict[str, Any], device: torch.device) -> NSSettings:
 class NSItem:
     """One matrix waiting for Newton-Schulz.
 
-    The NS input comes from ``source`` (a 2-D ``rows x cols`` tensor, any float dtype) or, when
-    ``source`` is None, from ``load(dest)``, which writes it into a ``rows x cols`` slot of the batch
-    (a sharded owner decodes the rows received from every rank straight into the batch).
-    ``apply(out)`` receives the ``rows x cols`` NS output (in the NS dtype) and must not keep it:
-    the batch is freed after the call.
+    ``rows x cols`` is the *stored* block (see :mod:`.plan`); with ``transpose`` Newton-Schulz
+    runs on its transpose (the layer's ``(out, in)`` matrix of an ``(in, out)`` weight), and
+    sources, loads and outputs stay in the stored orientation (views of the transposed batch slot).
+    The NS input comes from ``source`` (a 2-D ``rows x cols`` tensor, any float dtype, any strides)
+    or, when ``source`` is None, from ``load(dest)``, which writes it into a ``rows x cols`` view of
+    a batch slot (a sharded owner decodes the rows received from every rank straight into the
+    batch). ``apply(out)`` receives the ``rows x cols`` NS output (in the NS dtype; possibly a
+    strided view) and must not keep it: the batch is freed after the call.
     """
 
     rows: int
@@ -114,19 +118,26 @@ class NSItem:
     source: Tensor | None = None
     load: Callable[[Tensor], None] | None = None
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    transpose: bool = False
 
     @property
     def numel(self) -> int:
         return self.rows * self.cols
 
 
+def _stored(slot: Tensor, transpose: bool) -> Tensor:
+    """The stored-orientation view of a batch slot (or of an NS output)."""
+    return slot.mT if transpose else slot
+
+
 def _fill(batch: Tensor, chunk: Sequence[NSItem]) -> None:
     for i, it in enumerate(chunk):
+        dest = _stored(batch[i], it.transpose)
         if it.source is not None:
-            batch[i].copy_(it.source)
+            dest.copy_(it.source)
         else:
             assert it.load is not None
-            it.load(batch[i])
+            it.load(dest)
 
 
 def orthogonalize(items: Iterable[NSItem], batch_budget: float = DEFAULT_BATCH_BUDGET) -> None:
@@ -143,7 +154,9 @@ def orthogonalize(items: Iterable[NSItem], batch_budget: float = DEFAULT_BATCH_B
     budget = max(1, int(batch_budget * max(it.numel for it in items)))
     queues: dict[tuple, list[NSItem]] = defaultdict(list)
     for it in items:
-        queues[(it.rows, it.cols, it.settings, str(it.device))].append(it)
+        # Keyed by the shape NS sees: an (in, out) layer batches with (out, in) layers of its shape.
+        ns_shape = (it.cols, it.rows) if it.transpose else (it.rows, it.cols)
+        queues[(*ns_shape, it.settings, str(it.device))].append(it)
     for (rows, cols, settings, _), queue in queues.items():
         per_batch = max(1, budget // (rows * cols))
         for start in range(0, len(queue), per_batch):
@@ -151,7 +164,8 @@ def orthogonalize(items: Iterable[NSItem], batch_budget: float = DEFAULT_BATCH_B
             _orthogonalize_chunk(chunk, rows, cols, settings)
 
 
-def _orthogonalize_chunk(chunk: list[NSItem], rows: int, cols: int, s: NSSettings) -> None:
+def _orthogonalize_chunk(chunk: list[NSItem], ns_rows: int, ns_cols: int, s: NSSettings) -> None:
+    """NS of one batch of ``ns_rows x ns_cols`` matrices (each item's stored block, or its transpose)."""
     first = chunk[0]
     sumsq = torch.stack([it.sumsq.reshape(()) for it in chunk])
     eps = torch.tensor([it.eps for it in chunk], dtype=torch.float32, device=sumsq.device)
@@ -160,25 +174,26 @@ def _orthogonalize_chunk(chunk: list[NSItem], rows: int, cols: int, s: NSSetting
         # NS sees exactly what a receiver of the MXFP8 carrier of G / ||G|| decodes (encoded from
         # the full-precision NS input); that input is normalized already, so its inverse norm
         # becomes 1. The gradient buffer is never written.
-        batch = torch.empty((len(chunk), rows, cols), dtype=s.dtype, device=first.device)
+        # The carrier's blocks run along stored rows (what a sharded rank can encode on its own).
+        batch = torch.empty((len(chunk), ns_rows, ns_cols), dtype=s.dtype, device=first.device)
         for i, it in enumerate(chunk):
             if it.source is not None:
-                x = it.source
+                x = it.source.contiguous()
             else:
                 assert it.load is not None
-                x = torch.empty((rows, cols), dtype=torch.float32, device=first.device)
+                x = torch.empty((it.rows, it.cols), dtype=torch.float32, device=first.device)
                 it.load(x)
-            batch[i].copy_(mxfp8_roundtrip_normalized(x, inv_norm[i]))
+            _stored(batch[i], it.transpose).copy_(mxfp8_roundtrip_normalized(x, inv_norm[i]))
         inv_norm = torch.ones_like(inv_norm)
-    elif len(chunk) == 1 and first.source is not None and first.source.dtype == s.dtype:
+    elif len(chunk) == 1 and not first.transpose and first.source is not None and first.source.dtype == s.dtype:
         batch = first.source.unsqueeze(0)  # no copy; NS does not write its input
     else:
-        batch = torch.empty((len(chunk), rows, cols), dtype=s.dtype, device=first.device)
+        batch = torch.empty((len(chunk), ns_rows, ns_cols), dtype=s.dtype, device=first.device)
         _fill(batch, chunk)
     out = newton_schulz_folded(batch, inv_norm, s.schedule, s.steps, dtype=s.dtype)
     del batch
     for i, it in enumerate(chunk):
-        it.apply(out[i])
+        it.apply(_stored(out[i], it.transpose))
 
 
 def call_closure(closure: Callable[[], Any] | None) -> Any:
@@ -277,16 +292,26 @@ def local_items(plan: ParamPlan, ns_input: Tensor, block_sums: Tensor, group: di
                 settings: NSSettings, apply: Callable[[MatrixPart, Tensor], None]) -> list[NSItem]:
     """The NS items of a parameter held whole by this process (one per matrix / fused part).
 
-    ``apply(part, out)`` receives each part's NS output.
+    ``ns_input``: the 2-D stored NS input; ``apply(part, out)`` receives each part's NS output in
+    the stored orientation (``part.rows x part.cols``).
     """
     eps = float(group["eps"])
     items = []
     for part in plan.parts:
+        source = part.block(ns_input)
+        sumsq = block_sums[part.r0: part.r1].sum() if part.whole_rows else row_sumsq(source).sum()
         items.append(NSItem(
-            rows=part.rows, cols=part.cols, sumsq=block_sums[part.r0: part.r1].sum(), eps=eps, settings=settings,
-            apply=_bind(apply, part), source=ns_input[part.r0: part.r1], device=ns_input.device,
+            rows=part.rows, cols=part.cols, sumsq=sumsq, eps=eps, settings=settings,
+            apply=_bind(apply, part), source=source, device=ns_input.device, transpose=part.transposed,
         ))
     return items
+
+
+def row_sumsq(block: Tensor) -> Tensor:
+    """Per-row sums of squares ``(rows, 1)`` fp32 of a block of columns (a part that splits the
+    columns cannot use the momentum kernel's per-row-block sums). A sharded rank computes the same
+    rows bit for bit, and the owner sums them in the same order, so ``1 / ||G||`` matches."""
+    return block.float().square().sum(dim=1, keepdim=True)
 
 
 def _bind(apply: Callable[[MatrixPart, Tensor], None], part: MatrixPart) -> Callable[[Tensor], None]:
@@ -294,14 +319,15 @@ def _bind(apply: Callable[[MatrixPart, Tensor], None], part: MatrixPart) -> Call
 
 
 def apply_to(param_rows: Tensor, lr: float) -> Callable[[MatrixPart, Tensor], None]:
-    """The default ``apply`` of :func:`local_items`: ``p[r0:r1] -= lr * lr_scale * O`` on the
-    parameter rows ``param_rows`` (a dim-0 view, any ndim)."""
+    """The default ``apply`` of :func:`local_items`: ``p[block] -= lr * lr_scale * O`` on the
+    parameter ``param_rows`` (any ndim; 2-D when parts split the columns)."""
 
     def apply(part: MatrixPart, out: Tensor) -> None:
-        rows = param_rows[part.r0: part.r1]
+        rows = part.block(param_rows)
         if not out.is_contiguous():
-            # NS returns a transposed view for tall matrices; adding it strided into the parameter
-            # is several times slower than transposing it first (5x measured for 1024 x 256).
+            # NS returns a transposed view for tall matrices (and for (in, out) weights); adding it
+            # strided into the parameter is several times slower than transposing it first (5x
+            # measured for 1024 x 256).
             out = out.contiguous()
         rows.add_(out.view(rows.shape), alpha=-lr * part.lr_scale)
 

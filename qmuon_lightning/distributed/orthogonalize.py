@@ -3,6 +3,11 @@
 Newton-Schulz must see each whole matrix (running it per shard is a different, blockwise
 algorithm). With ``N`` ranks each holding some rows of every matrix, one optimizer step does:
 
+Rows are *stored* rows: for an ``(in, out)`` weight (Hugging Face ``Conv1D``) ``Shard(0)`` splits the
+layer's input features, and for fused parts along dim 1 every rank holds rows of every part. The
+momentum and its quantized blocks stay in that stored layout (momentum is elementwise); only the
+owner transposes, when it runs Newton-Schulz on the layer's ``(out, in)`` matrix.
+
 1. **Agree** (one all-reduce MAX of two flags per sharded parameter): which parameters have a
    gradient on some rank and whether any rank's gradient is non-finite, so every rank skips or
    updates the same parameters and no rank waits for a peer that skipped. A rank without a
@@ -48,7 +53,8 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from ..core.pipeline import NSItem, NSSettings, orthogonalize
+from ..core.config import param_group_view
+from ..core.pipeline import NSItem, NSSettings, orthogonalize, row_sumsq
 from ..core.plan import ParamPlan
 from ..quant import state as qstate
 from ..quant.layout import RowLayout, check_sharded_param, row_layout, shard_state
@@ -59,19 +65,25 @@ __all__ = ["ShardedStep", "plan_owners"]
 
 @dataclass
 class _ShardItem:
-    """One matrix (or fused part) of a sharded parameter, seen from this rank."""
+    """One matrix (or fused part) of a sharded parameter, seen from this rank: the stored block
+    rows ``[r0, r1)``, columns ``[c0, c1)`` (rows are what ``Shard(0)`` splits; for an ``(in, out)``
+    weight they are the layer's input features, and ``transposed`` runs NS on the block's
+    transpose, on the owner, after the rows are assembled)."""
 
     layout: RowLayout
-    r0: int  # global rows [r0, r1) of the part
+    r0: int  # global stored rows [r0, r1) of the part
     r1: int
     param_rows: Tensor  # this rank's rows of the part in the local parameter shard (a view, any ndim)
     ns_input: Tensor  # this rank's rows of the NS input (2-D view of the local grad)
-    sums: Tensor  # this rank's per-row-block sums of squares (n, nb) fp32
+    sums: Tensor  # this rank's per-row-block sums of squares (n, nb) fp32 (nb = 1: per-row sums of a column block)
     nb: int
     lr: float
     eps: float
     settings: NSSettings
     forward: str  # forward carrier name
+    c0: int = 0  # stored columns [c0, c1) of the part (c1 None: every column)
+    c1: int | None = None
+    transposed: bool = False
 
     @property
     def rows(self) -> int:
@@ -79,7 +91,7 @@ class _ShardItem:
 
     @property
     def cols(self) -> int:
-        return self.layout.cols
+        return (self.layout.cols if self.c1 is None else self.c1) - self.c0
 
     def rows_of(self, r: int) -> tuple[int, int]:
         """Global rows of this part held by rank ``r``."""
@@ -137,8 +149,9 @@ class ShardedStep:
                         "QMuon needs every DTensor parameter on one 1-D mesh (fully_shard with one mesh)")
                 lay = row_layout(p)
                 if group["use_muon"]:
-                    fmt = qstate.get_format(group["state_format"])
-                    fmt.check_sharded_layout(lay, qstate.format_options(group), where)  # before any state changes
+                    view = param_group_view(group, i)  # a promoted parameter's own layout
+                    fmt = qstate.get_format(view["state_format"])
+                    fmt.check_sharded_layout(lay, qstate.format_options(view), where)  # before any state changes
                 self._layouts[id(p)] = lay
                 self._group_of[id(p)] = group
                 self._sharded_keys.append((gi, i))
@@ -200,9 +213,10 @@ class ShardedStep:
         return out_where, out_finite
 
     # ------------------------------------------------------------------ 2. momentum (called per parameter)
-    def init_state(self, p: DTensor, st: dict[str, Tensor]) -> None:
-        """Wrap a new local state of ``p`` as DTensors with the global shape (so DCP reshards it)."""
-        group = self._group_of[id(p)]
+    def init_state(self, p: DTensor, st: dict[str, Tensor], group: dict[str, Any] | None = None) -> None:
+        """Wrap a new local state of ``p`` as DTensors with the global shape (so DCP reshards it);
+        ``group``: the group as ``p`` is stepped (with its layout override), default its group."""
+        group = group if group is not None else self._group_of[id(p)]
         shard_state(p, st, qstate.get_format(group["state_format"]), qstate.format_options(group))
 
     def add(self, p: DTensor, plan: ParamPlan, param_local: Tensor, g2: Tensor, sums: Tensor,
@@ -218,10 +232,15 @@ class ShardedStep:
         for part in plan.parts:
             lo, hi = lay.overlap(lay.rank, part.r0, part.r1)
             a, b = lo - lay.start, hi - lay.start
+            if part.whole_rows:
+                rows, ns_in, part_sums = param_local[a:b], g2[a:b], sums[a:b]
+            else:  # a column block (fused parts along dim 1): per-row sums, as single-process QMuon
+                rows, ns_in = param_local[a:b, part.c0: part.c1], g2[a:b, part.c0: part.c1]
+                part_sums = row_sumsq(ns_in)
             self.items.append(_ShardItem(
-                layout=lay, r0=part.r0, r1=part.r1, param_rows=param_local[a:b], ns_input=g2[a:b], sums=sums[a:b],
-                nb=sums.shape[1], lr=lr * part.lr_scale, eps=float(group["eps"]), settings=owner_settings,
-                forward=fwd,
+                layout=lay, r0=part.r0, r1=part.r1, c0=part.c0, c1=part.c1, transposed=part.transposed,
+                param_rows=rows, ns_input=ns_in, sums=part_sums, nb=part_sums.shape[1], lr=lr * part.lr_scale,
+                eps=float(group["eps"]), settings=owner_settings, forward=fwd,
             ))
 
     # ------------------------------------------------------------------ 3-6. exchange and NS
@@ -271,7 +290,8 @@ class ShardedStep:
                 n = it.ns_input.shape[0]
                 carrier = get_carrier(it.forward)
                 nb_c = carrier.nbytes(n, it.cols)
-                carrier.encode_into(it.ns_input, send[off: off + nb_c])
+                carrier.encode_into(it.ns_input if it.ns_input.is_contiguous() else it.ns_input.contiguous(),
+                                    send[off: off + nb_c])
                 off += nb_c
                 send[off: off + 4 * n * it.nb].view(torch.float32).view(n, it.nb).copy_(it.sums)
                 off += 4 * n * it.nb
@@ -305,7 +325,8 @@ class ShardedStep:
                 full_sums[lo - it.r0: hi - it.r0].copy_(recv[at: at + 4 * n * it.nb].view(torch.float32).view(n, it.nb))
             ns_items.append(NSItem(
                 rows=it.rows, cols=it.cols, sumsq=full_sums.sum(), eps=it.eps, settings=it.settings,
-                apply=self._returner(j, ret_send, ret_at), load=self._loader(j, recv, recv_at), device=device))
+                apply=self._returner(j, ret_send, ret_at), load=self._loader(j, recv, recv_at), device=device,
+                transpose=it.transposed))
         orthogonalize(ns_items, batch_budget)
         del recv
 
@@ -350,7 +371,9 @@ class ShardedStep:
             for s in range(self.world):
                 lo, hi = it.rows_of(s)
                 at = ret_at[(j, s)]
-                self.ret.encode_into(out[lo - it.r0: hi - it.r0], buf[at: at + self.ret.nbytes(hi - lo, it.cols)])
+                rows = out[lo - it.r0: hi - it.r0]  # a strided view for transposed parts
+                self.ret.encode_into(rows if rows.is_contiguous() else rows.contiguous(),
+                                     buf[at: at + self.ret.nbytes(hi - lo, it.cols)])
 
         return apply
 

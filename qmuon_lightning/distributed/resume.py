@@ -58,7 +58,8 @@ DCP_METADATA = ".metadata"
 LIGHTNING_META = "meta.pt"
 #: File names that count as single-file checkpoints.
 CHECKPOINT_SUFFIXES = (".ckpt", ".pt", ".pth")
-_STAGING_RE = re.compile(r"^\.(?P<name>.+)\.(?P<kind>partial|old)$")
+# ".<name>.partial" / ".<name>.old": QMuonFSDPStrategy (Trainer); "<name>.partial": its Fabric twin.
+_STAGING_RE = re.compile(r"^\.(?P<name>.+)\.(?P<kind>partial|old)$|^(?P<fname>[^.].*)\.(?P<fkind>partial)$")
 
 
 class IncompleteCheckpointError(FileNotFoundError):
@@ -237,10 +238,11 @@ def recover_interrupted_saves(dirpath: PathLike, *, report: Optional[Callable[[s
     actions: list[str] = []
     if not d.is_dir():
         return actions
-    hidden = [(m, e) for e in d.iterdir() if (m := _STAGING_RE.match(e.name))]
+    found = [(m.group("name") or m.group("fname"), m.group("kind") or m.group("fkind"), e)
+             for e in d.iterdir() if (m := _STAGING_RE.match(e.name))]
     # staging directories first: a complete one is newer than the ".old" it was replacing
-    for m, entry in sorted(hidden, key=lambda me: (me[0].group("kind") != "partial", me[1].name)):
-        final = d / m.group("name")
+    for name, kind, entry in sorted(found, key=lambda f: (f[1] != "partial", f[2].name)):
+        final = d / name
         problem = checkpoint_problem(entry)
         if not final.exists() and problem is None:
             os.rename(entry, final)
@@ -271,7 +273,7 @@ class CheckpointScan:
 
 
 def _looks_like_checkpoint(p: Path) -> bool:
-    if p.name.startswith("."):
+    if p.name.startswith(".") or _STAGING_RE.match(p.name):
         return False  # staging / replaced directories: recover_interrupted_saves handles them
     if p.is_file():
         return p.suffix in CHECKPOINT_SUFFIXES

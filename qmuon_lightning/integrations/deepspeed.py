@@ -68,7 +68,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from ..core import pipeline
-from ..core.plan import adjusted_lr
+from ..core.plan import MatrixPart, plan_param
 from ..optim.qmuon import QMuon
 
 __all__ = [
@@ -211,7 +211,7 @@ class _Param:
     shape: torch.Size
     numel: int
     muon: bool
-    parts: tuple[int, ...] = ()
+    parts: tuple[MatrixPart, ...] = ()  # the matrices of a Muon parameter (QMuon's plan)
     owner: int = 0
     holders: list[_Segment | None] = dataclasses.field(default_factory=list)  # per rank
 
@@ -252,6 +252,32 @@ def partition_segments(offset: int, numel: int, partition_size: int, world_size:
     return out
 
 
+def _part_runs(part: MatrixPart, cols: int, start: int, length: int) -> list[tuple[int, int, int, int, int]]:
+    """The elements of ``part`` in the flat slice ``[start, start + length)`` of its row-major
+    ``(rows, cols)`` parameter, as runs ``(offset, n, width, c0, c1)``: the slice's elements
+    ``[offset, offset + n * width)`` seen as ``n x width`` hold the part in columns ``[c0, c1)``.
+    At most three runs: a partial first row, whole rows, a partial last row (ZeRO partitions cut
+    parameters anywhere)."""
+    lo, hi = max(part.r0 * cols, start), min(part.r1 * cols, start + length)
+    pieces = []  # (first row, rows, first column, last column + 1) of the parameter
+    while lo < hi:
+        row, col = divmod(lo, cols)
+        if col or hi - lo < cols:  # a partial row
+            end = min(hi, (row + 1) * cols)
+            pieces.append((row, 1, col, end - row * cols))
+            lo = end
+        else:
+            n = (hi - lo) // cols
+            pieces.append((row, n, 0, cols))
+            lo += n * cols
+    out = []
+    for row, n, a, b in pieces:
+        c0, c1 = max(a, part.c0), min(b, part.c1)
+        if c1 > c0:
+            out.append((row * cols + a - start, n, b - a, c0 - a, c1 - a))
+    return out
+
+
 def _placeholder(shape: torch.Size, device: torch.device) -> Tensor:
     """A tensor of ``shape`` backed by one element: what an idle proxy looks like (never written)."""
     return torch.zeros(1, dtype=torch.float32, device=device).expand(shape)
@@ -285,6 +311,10 @@ class WholeMatrixZeroOptimizer(Optimizer):
                 "the QMuon already has optimizer state (it has stepped or loaded a checkpoint): wrap a fresh QMuon "
                 "and restore state through engine.load_checkpoint"
             )
+        if qmuon.max_nonfinite_skips is not None:
+            raise NotImplementedError(
+                f"max_nonfinite_skips={qmuon.max_nonfinite_skips} is not enforced under DeepSpeed (this wrapper skips "
+                "non-finite updates itself and counts them in nonfinite_skips); build the QMuon without it")
         groups = [g for g in qmuon.param_groups if len(g["params"])]  # DeepSpeed drops empty groups
         self._params: list[_Param] = []
         inner_groups = []
@@ -298,7 +328,7 @@ class WholeMatrixZeroOptimizer(Optimizer):
                 if p.dtype not in (torch.float32, torch.float16, torch.bfloat16):
                     raise ValueError(f"parameter {where!r} has dtype {p.dtype}; DeepSpeed trains float parameters")
                 info = _Param(len(self._params), gi, pos, p.shape, p.numel(), bool(g["use_muon"]),
-                              tuple(g["parts"]) if g["use_muon"] and g["parts"] else ((p.shape[0],) if g["use_muon"] else ()))
+                              plan_param(p, g, 0, where).parts if g["use_muon"] else ())
                 self._params.append(info)
                 proxies.append(_placeholder(p.shape, p.device) if info.muon else torch.zeros(0, device=p.device))
             ig = {k: v for k, v in g.items() if k != "params"}
@@ -580,8 +610,8 @@ class WholeMatrixZeroOptimizer(Optimizer):
         buf = self._out.get(index)
         if buf is None:
             buf = self._out[index] = torch.empty(info.shape, dtype=self._ret_dtype, device=o.device)
-        rows = buf[part.r0: part.r1]
-        rows.copy_(o.reshape(rows.shape))
+        block = part.block(buf)
+        block.copy_(o.reshape(block.shape))
         self._ns_items_call[index] += 1
 
     def _return_dtype(self) -> torch.dtype:
@@ -601,21 +631,16 @@ class WholeMatrixZeroOptimizer(Optimizer):
                 ig["weight_decay"] = 0.0  # applied to the slices by _apply_update
 
     def _apply_update(self, p: _Param, data: Tensor, seg: _Segment, o: Tensor) -> None:
-        """``p *= 1 - lr wd`` then ``p -= lr_adj(part) * O`` on this rank's slice, as QMuon does on
-        the whole matrix (``lr_adj`` is torch.optim.Muon's shape adjustment of each fused part)."""
+        """``p *= 1 - lr wd`` then ``p -= lr lr_scale(part) * O`` on this rank's slice, as QMuon does on
+        the whole matrix (``lr_scale`` is torch.optim.Muon's shape adjustment of each fused part, on
+        the layer's ``(out, in)`` shape)."""
         group = self._all_groups[p.group]
         lr, wd = float(group["lr"]), float(group["weight_decay"])
         data.mul_(1.0 - lr * wd)
-        cols = p.cols
-        row0 = 0
-        for rows in p.parts:
-            a, b = row0 * cols, (row0 + rows) * cols
-            row0 += rows
-            lo, hi = max(a, seg.start), min(b, seg.start + seg.length)
-            if hi <= lo:
-                continue
-            step = adjusted_lr(lr, group["adjust_lr_fn"], rows, cols)
-            data.narrow(0, lo - seg.start, hi - lo).add_(o.narrow(0, lo - seg.start, hi - lo), alpha=-step)
+        for part in p.parts:
+            for at, n, width, c0, c1 in _part_runs(part, p.cols, seg.start, seg.length):
+                d = data.narrow(0, at, n * width).view(n, width)[:, c0:c1]
+                d.add_(o.narrow(0, at, n * width).view(n, width)[:, c0:c1], alpha=-lr * part.lr_scale)
 
     def _active_groups(self) -> set[int]:
         """Which of this optimizer's groups the current ``step()`` call updates: all of them, except

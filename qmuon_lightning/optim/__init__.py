@@ -2,8 +2,8 @@
 
 from ..core.config import QMuonConfig
 from . import routing as _routing
-from .qmuon import DEFAULT_NS_COEFFICIENTS, FORMAT_VERSION, GraspMuon, QMuon, adjusted_lr
+from .qmuon import DEFAULT_NS_COEFFICIENTS, FORMAT_VERSION, GraspMuon, NonFiniteGradientError, QMuon, adjusted_lr
 from .routing import *  # noqa: F401,F403  (RoutingRule, build_optimizer, ...: see optim.routing)
 
-__all__ = ["QMuon", "QMuonConfig", "GraspMuon", "FORMAT_VERSION", "DEFAULT_NS_COEFFICIENTS", "adjusted_lr",
+__all__ = ["QMuon", "QMuonConfig", "GraspMuon", "NonFiniteGradientError", "FORMAT_VERSION", "DEFAULT_NS_COEFFICIENTS", "adjusted_lr",
            *_routing.__all__]

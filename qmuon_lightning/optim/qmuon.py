@@ -26,20 +26,23 @@ from .. import ops  # noqa: F401  (registers torch.ops.qmuon)
 from ..core import pipeline
 from ..core.config import (
     DEFAULT_CONFIG as _D,
+    FORMAT_OVERRIDES,
     STRUCTURAL_KEYS,
     QMuonConfig,
     check_resume,
+    param_group_view,
     validate_adamw_group,
+    validate_format_overrides,
     validate_muon_group,
 )
 from ..core.newton_schulz import MUON_COEFFICIENTS
 from ..core.pipeline import NSItem, is_dtensor, local
 from ..core.plan import MatrixPart, ParamPlan, adjusted_lr, plan_param
-from ..ops.heap import release_freed_heap
 from ..quant import state as qstate
 from ..quant.layout import localize_loaded_state, shard_state
 
-__all__ = ["QMuon", "GraspMuon", "FORMAT_VERSION", "DEFAULT_NS_COEFFICIENTS", "adjusted_lr", "UpdateSink"]
+__all__ = ["QMuon", "GraspMuon", "FORMAT_VERSION", "DEFAULT_NS_COEFFICIENTS", "adjusted_lr", "UpdateSink",
+           "NonFiniteGradientError"]
 
 log = logging.getLogger(__name__)
 
@@ -48,8 +51,28 @@ FORMAT_VERSION = 1
 #: torch.optim.Muon's quintic coefficients (the ``"muon"`` preset of ``ns_coefficients``).
 DEFAULT_NS_COEFFICIENTS = MUON_COEFFICIENTS
 
+#: What a parameter-group mismatch on load may come from since build_optimizer groups Muon matrices
+#: by layer layout, and how to load such a checkpoint.
+LAYOUT_HINT = (
+    "Since build_optimizer reads layer layouts, Hugging Face Conv1D weights (GPT-2) get their own groups "
+    "(orientation 'in_out', c_attn split into q, k, v); a checkpoint saved before that loads into "
+    r"build_optimizer(model, orientations={r'\.c_\w+\.weight$': 'out_in'}, fused_parts={r'c_attn\.weight$': None})"
+)
+
 #: ``QMuon.update_sink(param, part, out)``: receives a Muon update instead of it being applied.
 UpdateSink = Callable[[Tensor, MatrixPart, Tensor], None]
+
+
+class NonFiniteGradientError(FloatingPointError):
+    """Parameters whose gradient stayed non-finite for more optimizer steps in a row than
+    ``max_nonfinite_skips`` allows (their updates were skipped each time)."""
+
+    def __init__(self, message: str, params: list[str], streak: int) -> None:
+        super().__init__(message)
+        #: Names (or group / index labels) of the parameters over the limit.
+        self.params = params
+        #: Their number of skipped steps in a row, this one included.
+        self.streak = streak
 
 
 class QMuon(Optimizer):
@@ -65,14 +88,20 @@ class QMuon(Optimizer):
         params: parameters or parameter groups. A group with ``use_muon=False`` is updated by
             AdamW (keys ``lr``, ``betas``, ``eps``, ``weight_decay``; unset keys take the
             ``adamw_*`` defaults). A Muon group may set ``parts=(n0, n1, ...)``: each of its
-            parameters is a stack of matrices along dim 0 (for example fused q, k, v) whose parts
-            are normalized and orthogonalized separately. Any QMuon argument below can be set per
-            group too (``state_format``, ``ns_dtype``, ...).
+            parameters is a stack of matrices along dim ``parts_axis`` (0, the default, or 1 for
+            the columns of a 2-D weight; for example fused q, k, v) whose parts are normalized and
+            orthogonalized separately; and ``orientation="in_out"`` for 2-D weights stored
+            ``(in, out)`` (Hugging Face ``Conv1D``): Newton-Schulz and the lr adjustment then use
+            the layer's ``(out, in)`` matrix (see :mod:`qmuon_lightning.core.plan`). Any QMuon
+            argument below can be set per group too (``state_format``, ``ns_dtype``, ...).
         lr, weight_decay, momentum, nesterov, ns_coefficients, eps, ns_steps, adjust_lr_fn: Muon.
         ns_dtype: Newton-Schulz precision: ``"auto"``, ``"bf16"``, ``"fp32"``.
         state_format, block_size, rank, grid_block, rounding, seed: momentum storage.
         nonfinite: ``"skip"`` leaves a parameter and its state untouched for a step whose gradient
             holds NaN/Inf (counted in :attr:`nonfinite_skips`); ``"raise"`` raises instead.
+        max_nonfinite_skips: ``None`` (unlimited) or the most steps in a row one parameter's update
+            may be skipped; one more raises :class:`NonFiniteGradientError` naming the parameters
+            before anything changes. A finite update resets a parameter's count.
         ns_input: ``"bf16"`` or ``"mxfp8"`` (NS reads the decoded MXFP8 carrier of ``G / ||G||``).
         adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: defaults for AdamW groups.
         comm_carrier, comm_return: sharded (FSDP2 ``Shard(0)``) parameters only: how the
@@ -103,6 +132,7 @@ class QMuon(Optimizer):
         seed: int = _D.seed,
         nonfinite: str = _D.nonfinite,
         ns_input: str = _D.ns_input,
+        max_nonfinite_skips: int | None = _D.max_nonfinite_skips,
         adamw_lr: float = _D.adamw_lr,
         adamw_betas: tuple[float, float] = _D.adamw_betas,
         adamw_eps: float = _D.adamw_eps,
@@ -126,6 +156,12 @@ class QMuon(Optimizer):
         self.comm_stats: dict[str, float] = {}
         #: Parameter updates skipped because their gradient was not finite (``nonfinite="skip"``).
         self.nonfinite_skips = 0
+        #: Optimizer steps in which at least one parameter update was skipped (non-finite gradient).
+        self.nonfinite_skipped_steps = 0
+        #: The longest run of consecutive skipped steps of any one parameter so far.
+        self.nonfinite_max_consecutive = 0
+        self.max_nonfinite_skips = config.max_nonfinite_skips
+        self._nonfinite_streak: dict[tuple[int, int], int] = {}
         #: When set, Muon updates of plain (non-sharded) parameters are handed to it instead of
         #: being applied (weight decay is still applied): a driver that applies them elsewhere (the
         #: DeepSpeed integration sends them to the ranks holding the parameter's slices).
@@ -172,15 +208,22 @@ class QMuon(Optimizer):
                 )
             if torch.is_complex(p):
                 raise ValueError(f"{where}: {label} is complex; QMuon supports real parameters only")
-            if parts is not None and sum(parts) != p.shape[0]:
-                raise ValueError(f"{where}: parts {parts} sum to {sum(parts)} rows but {label} has {p.shape[0]} rows")
+            axis, orientation = group["parts_axis"], group["orientation"]
+            if (axis == 1 or orientation != "out_in") and p.ndim != 2:
+                raise ValueError(
+                    f"{where}: {label} has shape {tuple(p.shape)}; orientation={orientation!r} and parts_axis={axis} "
+                    "apply to 2-D weights only. Put it in a group with the defaults (orientation='out_in', parts_axis=0)")
+            if parts is not None and sum(parts) != p.shape[axis]:
+                unit = "rows" if axis == 0 else "columns (parts_axis=1)"
+                raise ValueError(f"{where}: parts {parts} sum to {sum(parts)} {unit} but {label} has {p.shape[axis]} {unit}")
 
     def _group_plans(self, gi: int) -> list[ParamPlan]:
         """The plans of group ``gi``'s parameters, recomputed only when the parameters (FSDP2 and
         Accelerate replace them in place), their shapes or the group's layout keys change."""
         group = self.param_groups[gi]
         key0 = sum(len(g["params"]) for g in self.param_groups[:gi])
-        sig = (key0, tuple((id(p), tuple(p.shape)) for p in group["params"]), group["parts"], group["adjust_lr_fn"])
+        sig = (key0, tuple((id(p), tuple(p.shape)) for p in group["params"]), group["parts"], group["parts_axis"],
+               group["orientation"], group["adjust_lr_fn"])
         cached = self._plans.get(gi)
         if cached is None or cached[0] != sig:
             names = group.get("param_names") or [f"param group {gi} parameter #{i}" for i in range(len(group["params"]))]
@@ -207,14 +250,7 @@ class QMuon(Optimizer):
             # distributed Newton-Schulz (collective: every rank, same items)
             self.comm_stats = sharded.finish(self.batch_budget)
             self.comm_bytes_last_step = int(self.comm_stats["ns_bytes_sent"] + self.comm_stats["flags_bytes"])
-        if self._on_cpu():
-            # the step's fp32 temporaries are freed; their heap pages would stay resident through the
-            # next forward and backward (ops/heap.py)
-            release_freed_heap()
         return loss
-
-    def _on_cpu(self) -> bool:
-        return any(p.device.type == "cpu" for g in self.param_groups if g["use_muon"] for p in g["params"][:1])
 
     def _sharded_step(self) -> Any:
         """The distributed driver when some parameter is a DTensor, else ``None``; built (and its
@@ -228,7 +264,8 @@ class QMuon(Optimizer):
             self._sharded = None
             return None
         sig = tuple(id(p) for p in params) + tuple(
-            (g["use_muon"], g.get("state_format"), g.get("grid_block"), g.get("rank")) for g in self.param_groups)
+            (g["use_muon"], g.get("state_format"), g.get("grid_block"), g.get("rank"), repr(g.get(FORMAT_OVERRIDES)))
+            for g in self.param_groups)
         if self._sharded is None or self._sharded[0] != sig:
             from ..distributed.orthogonalize import ShardedStep
 
@@ -254,30 +291,61 @@ class QMuon(Optimizer):
         if sharded is not None:  # one all-reduce: every rank skips / updates the same sharded parameters
             where, finite = sharded.agree_on_updates(where, finite)
         bad_by_policy: dict[str, list[str]] = defaultdict(list)
+        streaks = self._nonfinite_streak
+        over: list[str] = []
         for (gi, i), ok in zip(where, finite):
             if ok:
                 out[gi].append(i)
+                streaks.pop((gi, i), None)  # a finite update ends the parameter's run of skips
                 continue
             group = self.param_groups[gi]
-            names = group.get("param_names")
-            shape = tuple(group["params"][i].shape)
-            label = repr(names[i]) if names else f"param group {gi} parameter #{i} (shape {shape})"
-            bad_by_policy[group.get("nonfinite", "skip")].append(label)
+            label = self._param_label(gi, i)
+            policy = group.get("nonfinite", "skip")
+            bad_by_policy[policy].append(label)
+            if policy == "skip":
+                streaks[(gi, i)] = n = streaks.get((gi, i), 0) + 1
+                self.nonfinite_max_consecutive = max(self.nonfinite_max_consecutive, n)
+                if self.max_nonfinite_skips is not None and n > self.max_nonfinite_skips:
+                    over.append(label)
         if bad_by_policy.get("raise"):
             raise FloatingPointError(
                 f"QMuon: non-finite gradient in {', '.join(bad_by_policy['raise'] + bad_by_policy['skip'])}; "
                 "no parameter or optimizer state was changed. Use nonfinite='skip' to skip such updates, "
                 "or check the loss scale / learning rate"
             )
+        if over:
+            n = max(streaks.values())
+            raise NonFiniteGradientError(
+                f"QMuon: the gradient of {', '.join(over)} was non-finite (NaN/Inf) for {n} optimizer steps in a row, "
+                f"more than max_nonfinite_skips={self.max_nonfinite_skips}; training stops here (this step changed no "
+                "parameter or optimizer state). Fix: lower the learning rate, enable or tighten gradient clipping, "
+                "check the loss scale (fp16) and the data of the last steps for NaN/Inf; raise max_nonfinite_skips "
+                "(or set it to None) only if such runs recover", over, n)
         if bad_by_policy.get("skip"):
             self.nonfinite_skips += len(bad_by_policy["skip"])
+            self.nonfinite_skipped_steps += 1
             log.warning("QMuon: skipped update of %s (non-finite gradient)", ", ".join(bad_by_policy["skip"]))
         return out
 
+    def _param_label(self, gi: int, i: int) -> str:
+        group = self.param_groups[gi]
+        names = group.get("param_names")
+        return repr(names[i]) if names else f"param group {gi} parameter #{i} (shape {tuple(group['params'][i].shape)})"
+
     def _muon_group_step(self, gi: int, idx: list[int], items: list[NSItem], sharded: Any) -> None:
+        """Step group ``gi``'s parameters ``idx``: those without a layout override together, each
+        promoted one (:meth:`promote_param`) with its own view of the group."""
+        group = self.param_groups[gi]
+        overrides = group.get(FORMAT_OVERRIDES) or {}
+        self._muon_subset_step(gi, group, [i for i in idx if i not in overrides], items, sharded)
+        for i in idx:
+            if i in overrides:
+                self._muon_subset_step(gi, param_group_view(group, i), [i], items, sharded)
+
+    def _muon_subset_step(self, gi: int, group: dict[str, Any], idx: list[int], items: list[NSItem],
+                          sharded: Any) -> None:
         if not idx:
             return
-        group = self.param_groups[gi]
         plans_all = self._group_plans(gi)
         params = [group["params"][i] for i in idx]
         plans = [plans_all[i] for i in idx]
@@ -290,7 +358,7 @@ class QMuon(Optimizer):
                 st.update(qstate.init_momentum_state(fmt.name, local(p.grad).shape[0], math.prod(p.shape[1:]),
                                                      opts=opts, device=local(p.grad).device))
                 if is_dtensor(p):
-                    sharded.init_state(p, st)  # Shard(0) DTensors with the global shape (for DCP)
+                    sharded.init_state(p, st, group)  # Shard(0) DTensors with the global shape (for DCP)
             states.append({k: local(v) for k, v in st.items()} if is_dtensor(p) else st)
             offsets.append(sharded.row_offset(p) if is_dtensor(p) else 0)
         grads = [local(p.grad) for p in params]
@@ -369,7 +437,7 @@ class QMuon(Optimizer):
         if len(saved_groups) != len(self.param_groups):
             raise ValueError(
                 f"checkpoint has {len(saved_groups)} parameter groups but this optimizer has "
-                f"{len(self.param_groups)}; build the optimizer the same way it was built when saved"
+                f"{len(self.param_groups)}; build the optimizer the same way it was built when saved. {LAYOUT_HINT}"
             )
         saved_state = state_dict["state"]
         # Muon state is converted and placed here, not by torch: torch casts every state tensor of a
@@ -387,7 +455,7 @@ class QMuon(Optimizer):
             if len(saved["params"]) != len(cur["params"]):
                 raise ValueError(
                     f"param group {gi}: checkpoint has {len(saved['params'])} parameters, optimizer has "
-                    f"{len(cur['params'])}; build the optimizer the same way it was built when saved"
+                    f"{len(cur['params'])}; build the optimizer the same way it was built when saved. {LAYOUT_HINT}"
                 )
             merged = {k: v for k, v in saved.items() if k != "qmuon_version"}
             for k in STRUCTURAL_KEYS:
@@ -395,23 +463,98 @@ class QMuon(Optimizer):
             if cur["use_muon"] and "state_format" in saved:  # a QMuon checkpoint: the one resume check
                 check_resume({**cur, **saved}, cur, where=f"param group {gi}", allow_format_change=True)
             if cur["use_muon"]:
-                for pid, p in zip(saved["params"], cur["params"]):
+                # Per-parameter layout overrides (promotions by the fidelity guard) are part of the
+                # saved run: they are kept, and each promoted parameter resumes in its own format.
+                merged["params"] = cur["params"]  # for the index check; the saved ids go back below
+                validate_format_overrides(merged, f"param group {gi} (checkpoint)")
+                merged["params"] = saved["params"]
+                overrides = merged.get(FORMAT_OVERRIDES) or {}
+                for i, (pid, p) in enumerate(zip(saved["params"], cur["params"])):
                     if pid in saved_state:
                         where = f"param group {gi}, param id {pid}"
                         src, shape = saved_state[pid], p.shape
+                        saved_view = {**saved, **overrides[i]} if i in overrides else saved
+                        cur_view = {**cur, **overrides[i]} if i in overrides else cur
                         if is_dtensor(p):  # sharded: validate and convert this rank's rows only
                             src = localize_loaded_state(src, p, None, None, where)  # None: the saved format
                             shape = (local(p).shape[0], *p.shape[1:])
-                        muon_state.append((p, qstate.convert_state(src, saved, cur, shape, where,
-                                                                   sharded=is_dtensor(p)), cur))
+                        muon_state.append((p, qstate.convert_state(src, saved_view, cur_view, shape, where,
+                                                                   sharded=is_dtensor(p)), cur_view))
                         del new_state[pid]
             new_groups.append(merged)
         super().load_state_dict({"state": new_state, "param_groups": new_groups})
+        self._plans.clear()
+        self._sharded = None
         for p, st, cur in muon_state:
             new = {k: v.to(device=p.device, copy=True) if k != "step" else v.clone() for k, v in st.items()}
             if is_dtensor(p):
                 shard_state(p, new, qstate.get_format(cur["state_format"]), qstate.format_options(cur))
             self.state[p] = new
+
+    # ------------------------------------------------------------------ per-parameter formats
+    def _locate(self, p: Tensor) -> tuple[int, int]:
+        for gi, group in enumerate(self.param_groups):
+            for i, q in enumerate(group["params"]):
+                if q is p:
+                    return gi, i
+        raise KeyError("QMuon: this parameter is not in any of the optimizer's parameter groups")
+
+    def param_layout(self, p: Tensor) -> dict[str, Any]:
+        """The state layout parameter ``p`` is stepped with (its group's, or its override's)."""
+        gi, i = self._locate(p)
+        return param_group_view(self.param_groups[gi], i)
+
+    def promote_param(self, p: Tensor, layout: dict[str, Any] | None = None) -> tuple[str, str] | None:
+        """Move Muon parameter ``p``'s momentum to a safer format: ``layout`` (layout keys such as
+        ``{"state_format": "int8", "block_size": 256}``) or, by default, the next format of the
+        promotion chain (:func:`qmuon_lightning.quant.safer_format`: grasp4 / int4 / e0m3 -> int8
+        -> bf16). The stored momentum is converted with :func:`qmuon_lightning.quant.convert_state`
+        (dequantize, re-encode); a sharded parameter converts its own rows, with no communication,
+        so every rank must promote the same parameters. The override is saved with the parameter
+        group (``state_dict`` / DCP), so a resumed run keeps it.
+
+        Returns ``(old format, new format)``, or ``None`` when the format ends the chain.
+        """
+        gi, i = self._locate(p)
+        group = self.param_groups[gi]
+        if not group["use_muon"]:
+            raise ValueError("QMuon.promote_param: the parameter is in an AdamW group; only Muon momentum has formats")
+        old = param_group_view(group, i)
+        target = dict(layout) if layout is not None else qstate.promoted_layout(old)
+        if target is None:
+            return None
+        new = {**old, **target}
+        label = self._param_label(gi, i)
+        overrides = dict(group.get(FORMAT_OVERRIDES) or {})
+        overrides[i] = target
+        checked = {**group, FORMAT_OVERRIDES: overrides}
+        validate_format_overrides(checked, f"QMuon.promote_param({label})")  # raises before anything changes
+        st = self.state.get(p)
+        if st:
+            shape = (local(p).shape[0], *p.shape[1:]) if is_dtensor(p) else tuple(p.shape)
+            src = {k: local(v) if is_dtensor(v) else v for k, v in st.items()}
+            converted = qstate.convert_state(src, old, new, shape, f"QMuon.promote_param({label})", sharded=is_dtensor(p))
+            dev = local(p).device
+            converted = {k: v.to(dev) if k != "step" else v for k, v in converted.items()}
+            if is_dtensor(p):
+                shard_state(p, converted, qstate.get_format(new["state_format"]), qstate.format_options(new))
+            self.state[p] = converted
+        group[FORMAT_OVERRIDES] = checked[FORMAT_OVERRIDES]
+        self._sharded = None
+        return str(old["state_format"]), str(new["state_format"])
+
+    def promotions(self, names: dict[int, str] | None = None) -> list[dict[str, Any]]:
+        """Every parameter stepped in another format than its group's:
+        ``[{"param": name, "group_format": ..., "state_format": ...}]`` (names from ``names``,
+        ``id(param) -> name``, else the group's ``param_names``)."""
+        out = []
+        for gi, group in enumerate(self.param_groups):
+            for i, layout in sorted((group.get(FORMAT_OVERRIDES) or {}).items()):
+                p = group["params"][i]
+                name = (names or {}).get(id(p)) or self._param_label(gi, i).strip("'")
+                out.append({"param": name, "group_format": str(group["state_format"]),
+                            "state_format": str(layout["state_format"])})
+        return out
 
     # ------------------------------------------------------------------ introspection
     def state_nbytes(self, muon_only: bool = True) -> int:

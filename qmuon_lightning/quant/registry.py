@@ -34,6 +34,10 @@ __all__ = [
     "format_options",
     "format_spec",
     "get_format",
+    "guard_threshold",
+    "promotion_chain",
+    "safer_format",
+    "promoted_layout",
     "init_momentum_state",
     "momentum_nbytes",
     "register_format",
@@ -136,6 +140,46 @@ def get_format(name: str) -> StateFormat:
         raise StateFormatError(
             f"unknown state_format {name!r}; choose one of {', '.join(FORMATS)}"
         ) from None
+
+
+def safer_format(name: str) -> str | None:
+    """The fidelity guard's next safer format after ``name`` (``None`` at the end of the chain):
+    ``grasp4`` / ``int4`` / ``e0m3`` -> ``int8`` -> ``bf16``. Each format declares its successor
+    (:attr:`StateFormat.promotes_to`), so a registered format joins the chain by setting it."""
+    nxt = get_format(name).promotes_to
+    if nxt is not None:
+        get_format(nxt)  # a chain must name registered formats
+    return nxt
+
+
+def promotion_chain(name: str) -> tuple[str, ...]:
+    """``name`` and every safer format after it, in promotion order (e.g. ``grasp4, int8, bf16``)."""
+    chain = [get_format(name).name]
+    while (nxt := safer_format(chain[-1])) is not None:
+        if nxt in chain:
+            raise StateFormatError(f"the promotion chain of {name!r} loops: {' -> '.join(chain + [nxt])}")
+        chain.append(nxt)
+    return tuple(chain)
+
+
+def guard_threshold(name: str) -> float | None:
+    """The update cosine below which the fidelity guard counts a layer in format ``name`` as
+    drifting (:attr:`StateFormat.guard_threshold`; ``None``: the format is not guarded)."""
+    return get_format(name).guard_threshold
+
+
+def promoted_layout(group: Mapping[str, Any], target: str | None = None) -> dict[str, Any] | None:
+    """The layout keys (``state_format`` and its layout options, the target format's defaults)
+    that move a parameter of ``group`` to ``target`` (default: the next safer format); ``None``
+    when the group's format ends the chain."""
+    target = target if target is not None else safer_format(group["state_format"])
+    if target is None:
+        return None
+    fmt = get_format(target)
+    opts = FormatOptions(block_size=fmt.default_block_size,
+                         rank=group["rank"] if group.get("rank") is not None else FormatOptions.rank,
+                         grid_block=group["grid_block"] if group.get("grid_block") is not None else FormatOptions.grid_block)
+    return {"block_size": fmt.default_block_size, **fmt.layout_kwargs(opts)}
 
 
 def format_spec(name: str) -> FormatSpec:

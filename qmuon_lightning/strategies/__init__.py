@@ -1,9 +1,11 @@
-"""Lightning strategies: ``Trainer(strategy="qmuon_fsdp")`` and its presets.
+"""Lightning strategies: ``Trainer(strategy="qmuon_fsdp")``, ``L.Fabric(strategy="qmuon_fsdp")`` and presets.
 
-Importing this package (``import qmuon_lightning`` does) registers every strategy class defined here
-in Lightning's ``StrategyRegistry``: Lightning has no entry points for strategies, so a name is
-usable as ``Trainer(strategy=...)`` only after this import. Each class registers its names through
-Lightning's ``register_strategies(registry)`` class-method convention.
+Importing this package (``import qmuon_lightning`` does) registers every Trainer strategy class
+defined here in Lightning's ``StrategyRegistry`` and the Fabric strategy
+(:class:`~.fabric.QMuonFabricStrategy`) under the same names in Fabric's ``STRATEGY_REGISTRY``:
+Lightning has no entry points for strategies, so a name is usable as ``strategy=...`` only after
+this import. Each class registers its names through Lightning's ``register_strategies(registry)``
+class-method convention.
 """
 
 from __future__ import annotations
@@ -12,13 +14,16 @@ import importlib
 import logging
 from typing import Any
 
+from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGY_REGISTRY
 from lightning.pytorch.strategies import Strategy, StrategyRegistry
 
+from .fabric import QMuonFabricStrategy
 from .fsdp import OPTIMIZER_MODES, PRESETS, QMuonFSDPStrategy
 from .sharding import ShardPolicy, apply_sharding, select_blocks, select_roots
 
 __all__ = [
     "QMuonFSDPStrategy",
+    "QMuonFabricStrategy",
     "OPTIMIZER_MODES",
     "PRESETS",
     "ShardPolicy",
@@ -26,6 +31,7 @@ __all__ = [
     "select_blocks",
     "select_roots",
     "register_strategies",
+    "register_fabric_strategies",
 ]
 
 log = logging.getLogger(__name__)
@@ -69,4 +75,14 @@ def register_strategies(registry: Any = StrategyRegistry) -> list[str]:
     return names
 
 
+def register_fabric_strategies(registry: Any = FABRIC_STRATEGY_REGISTRY) -> list[str]:
+    """Register the Fabric strategy in ``registry`` (Fabric's ``STRATEGY_REGISTRY`` by default;
+    already done on import) under the Trainer registry's names. Returns the names registered."""
+    QMuonFabricStrategy.register_strategies(registry)
+    names = sorted(n for n, d in registry.items() if d["strategy"] is QMuonFabricStrategy)
+    log.debug("registered Fabric strategies: %s", names)
+    return names
+
+
 register_strategies()
+register_fabric_strategies()

@@ -38,7 +38,7 @@ import logging
 import shutil
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Literal, Mapping, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Literal, Mapping, Optional, Sequence, Union
 
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
@@ -53,14 +53,14 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from ..core.config import (
-    QMuonConfig, ResumeMismatch, check_resume, config_fields_of, describe_layout, state_layout,
+    FORMAT_OVERRIDES, QMuonConfig, ResumeMismatch, check_resume, config_fields_of, describe_layout, state_layout,
 )
 from ..distributed.resume import publish_directory, require_complete, staging_path
 from ..optim.qmuon import QMuon
 from ..optim.routing import build_optimizer, format_routing_table
 from ..quant import state as qstate
 from . import optimizer_swap as swap
-from .sharding import ShardPolicy, apply_sharding, is_sharded, resolve_policy
+from .sharding import ShardPolicy, describe_sharding, resolve_policy, shard_unless_sharded
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -99,7 +99,7 @@ _NO_OPTIMIZER_STATE = (
 # What each optimizer mode fixes in build_optimizer's arguments.
 _MODE_KWARGS: dict[str, dict[str, Any]] = {"qmuon": {}, "grasp": {"state_format": "grasp4"}, "keep": {}}
 # build_optimizer arguments besides QMuon's (QMuonConfig's fields); "verbose" is the strategy's own.
-_ROUTING_KWARGS = ("rules", "fused_parts", "batch_budget")
+_ROUTING_KWARGS = ("rules", "fused_parts", "orientations", "batch_budget")
 
 
 def _validate_optimizer_kwargs(mode: str, kwargs: Mapping[str, Any]) -> dict[str, Any]:
@@ -174,6 +174,204 @@ def _check_sharded_formats(opt: QMuon) -> None:
             f"cannot be split with the weight rows. Use optimizer_kwargs={{'state_format': ...}} "
             f"with one of {', '.join(qstate.SUPPORTED_SHARDED_FORMATS)}"
         )
+
+
+def resolve_mesh_sizes(
+    data_parallel_size: Union[Literal["auto"], int], tensor_parallel_size: Union[Literal["auto"], int], world_size: int,
+) -> tuple[int, int]:
+    """The device-mesh shape ``(data parallel, tensor parallel)``. ``tensor_parallel_size="auto"``
+    means 1 here (Lightning's "all devices of a node" only makes sense with a tensor-parallel
+    ``configure_model`` / ``parallelize_fn``); ``data_parallel_size="auto"`` spans the rest."""
+    tp = 1 if tensor_parallel_size == "auto" else tensor_parallel_size
+    if data_parallel_size != "auto":
+        return data_parallel_size, tp
+    if world_size % tp:
+        raise ValueError(f"tensor_parallel_size={tp} does not divide the world size {world_size}")
+    return world_size // tp, tp
+
+
+def build_replacement(
+    module: torch.nn.Module, user: Optional[Optimizer], optimizer_kwargs: Mapping[str, Any], warn: Callable[[str], None],
+) -> QMuon:
+    """The QMuon that replaces ``user`` (a ``torch.optim.AdamW`` / ``Adam``, or None): built by
+    :func:`build_optimizer` on the sharded ``module`` with ``optimizer_kwargs``, the user's AdamW
+    settings filling the ``adamw_*`` arguments that ``optimizer_kwargs`` leaves unset. ``warn``
+    receives the settings that cannot carry over."""
+    kwargs = dict(optimizer_kwargs)
+    if user is not None:
+        swap.check_coverage(module, user)
+        settings, notes = swap.adamw_settings(user)
+        for note in notes:
+            warn(note)
+        for key, value in settings.items():
+            kwargs.setdefault(key, value)  # explicit optimizer_kwargs win
+    new = build_optimizer(module, verbose=False, **kwargs)
+    _check_sharded_formats(new)
+    return new
+
+
+def no_muon_warning(owner: str, decisions: Sequence[Any]) -> Optional[str]:
+    """The warning to show when routing sent no parameter to Muon (None otherwise)."""
+    if any(d.target == "muon" for d in decisions):
+        return None
+    return (
+        f"{owner}: no parameter was routed to Muon, so QMuon runs AdamW only. Muon takes "
+        "2-D hidden weights; the rule table sends embeddings, the output head (by name) and 1-D tensors "
+        "to AdamW. Check the routing table, pass optimizer_kwargs={'rules': [...]}, or use optimizer='keep'"
+    )
+
+
+# ---------------------------------------------------------------------------------------------- checkpoints
+# Shared by the Trainer strategy (below) and the Fabric strategy (.fabric): the metadata entry, its
+# compatibility check, and loading model and optimizer state in either layout.
+
+def _param_names(module: Optional[torch.nn.Module]) -> dict[int, str]:
+    if module is None:
+        return {}
+    return {id(p): n.replace("._orig_mod", "").replace("_orig_mod.", "") for n, p in module.named_parameters()}
+
+
+def format_overrides(module: Optional[torch.nn.Module], optimizers: Sequence[Optimizer]) -> list[dict[str, dict[str, Any]]]:
+    """Per optimizer, ``{parameter name: layout}`` of the parameters stepped in another format than
+    their group's (promoted by the fidelity guard); names make them portable across world sizes."""
+    names = _param_names(module)
+    out = []
+    for opt in optimizers:
+        found: dict[str, dict[str, Any]] = {}
+        for g in opt.param_groups:
+            for i, layout in (g.get(FORMAT_OVERRIDES) or {}).items():
+                found[names.get(id(g["params"][i]), f"#{i}")] = dict(layout)
+        out.append(found)
+    return out
+
+
+def apply_format_overrides(module: Optional[torch.nn.Module], optimizers: Sequence[Optimizer],
+                           saved: Optional[Mapping[str, Any]], owner: str) -> None:
+    """Give the optimizers the per-parameter formats the checkpoint was saved with, before its state
+    is loaded: torch's loaders read saved tensors into the current state's layout, so a promoted
+    parameter must already be in its promoted format."""
+    if not saved or module is None:
+        return
+    by_name = {n.replace("._orig_mod", "").replace("_orig_mod.", ""): p for n, p in module.named_parameters()}
+    for opt, overrides in zip(optimizers, saved.get("format_overrides") or []):
+        if not overrides:
+            continue
+        if not isinstance(opt, QMuon):
+            raise ValueError("the checkpoint holds per-parameter state formats (fidelity-guard promotions) but this "
+                             f"run's optimizer is {type(opt).__name__}; resume with QMuon")
+        for name, layout in overrides.items():
+            if name not in by_name:
+                raise ValueError(f"the checkpoint promoted parameter {name!r} to {layout}, but this model has no "
+                                 "parameter of that name; resume with the model it was saved with")
+            if opt.param_layout(by_name[name]).get("state_format") != layout["state_format"]:
+                opt.promote_param(by_name[name], dict(layout))
+                rank_zero_info(f"{owner}: {name!r} resumes in {layout['state_format']} momentum "
+                               "(promoted by the fidelity guard before the checkpoint was saved)")
+
+
+def checkpoint_info(optimizer_mode: str, optimizers: Sequence[Optimizer], world_size: int,
+                    module: Optional[torch.nn.Module] = None) -> dict[str, Any]:
+    """The checkpoint metadata entry: optimizer types, Muon state layouts, world size and the
+    per-parameter formats the fidelity guard promoted (names from ``module``)."""
+    muon_groups = [g for opt in optimizers for g in opt.param_groups
+                   if g.get("use_muon", False) and "state_format" in g]
+    return {
+        "optimizer": optimizer_mode,
+        "optimizer_types": [type(opt).__name__ for opt in optimizers],
+        "state_formats": sorted({str(g["state_format"]) for g in muon_groups}),
+        "muon_layouts": [state_layout(g) for g in muon_groups],
+        "world_size": world_size,
+        "format_overrides": format_overrides(module, optimizers),
+    }
+
+
+def check_compatible(saved: Optional[Mapping[str, Any]], now: Mapping[str, Any], path: Any) -> None:
+    """Refuse to load optimizer state saved with another optimizer or Muon state layout
+    (``saved`` / ``now``: :func:`checkpoint_info` entries) before anything is loaded."""
+    if not saved:
+        return
+    if saved["optimizer_types"] != now["optimizer_types"]:
+        raise ValueError(
+            f"{path} holds optimizer state of {saved['optimizer_types']} (saved with optimizer="
+            f"{saved['optimizer']!r}) but this run trains with {now['optimizer_types']} (optimizer="
+            f"{now['optimizer']!r}); resume with the same optimizer setting"
+        )
+    # torch's loaders place saved tensors into the current optimizer's state layout (same keys,
+    # dtypes and sharding), so a checkpoint loads into the layout it was saved with only.
+    saved_layouts = saved.get("muon_layouts")
+    if saved_layouts is None:  # written before layouts were recorded: the formats must agree
+        saved_layouts = [{"state_format": f} for f in saved["state_formats"]]
+        now_layouts = [{"state_format": f} for f in now["state_formats"]]
+    else:
+        now_layouts = now["muon_layouts"]
+    hint = ("(To change format, load the checkpoint without this strategy and use QMuon.load_state_dict, "
+            "which converts between formats.)")
+    if len(saved_layouts) != len(now_layouts):
+        raise ValueError(f"{path} holds {len(saved_layouts)} Muon parameter groups but this run has "
+                         f"{len(now_layouts)}; build the optimizer with the same routing. {hint}")
+    for i, (a, b) in enumerate(zip(saved_layouts, now_layouts)):
+        if a == b:
+            continue
+        try:
+            check_resume(a, b, where=f"{path}, Muon group {i}", allow_format_change=False)
+        except ResumeMismatch:
+            raise ValueError(
+                f"{path} holds Muon momentum saved with {describe_layout(a)} (Muon group {i}) but this run uses "
+                f"{describe_layout(b)}; resume with optimizer_kwargs={dict(a)!r}. {hint}") from None
+
+
+def load_sharded_state(
+    module: torch.nn.Module, path: Path, model_key: str, optimizers: Mapping[str, Optimizer], *, strict: bool,
+    missing_optimizer: str,
+) -> None:
+    """Load the model (saved under ``model_key``) and each optimizer (under its key) from the
+    ``torch.distributed.checkpoint`` directory ``path``, resharding to the current mesh.
+
+    Optimizer state is restored for exactly the parameters that had state when saved. Parameters
+    that never received a gradient (unused in forward) have no state; torch's loader would otherwise
+    require it (strict) or keep the zero state its initializing dry-run ``step()`` created.
+    ``missing_optimizer`` (formatted with ``path`` and ``key``) is the error when an optimizer's
+    state is not in the checkpoint."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_optimizer_state_dict,
+    )
+
+    saved_keys = set(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
+    for key in optimizers:  # checked before anything is loaded
+        if not any(k.startswith(f"{key}.") for k in saved_keys):
+            raise KeyError(missing_optimizer.format(path=path, key=key))
+    model_state = {model_key: get_model_state_dict(module)}
+    dcp.load(model_state, checkpoint_id=path)
+    module.load_state_dict(model_state[model_key], strict=strict)
+    for key, opt in optimizers.items():
+        osd = get_optimizer_state_dict(module, opt)  # a dry-run step creates every state tensor
+        saved = {fqn for fqn in osd["state"] if any(k.startswith(f"{key}.state.{fqn}.") for k in saved_keys)}
+        osd["state"] = {fqn: v for fqn, v in osd["state"].items() if fqn in saved}
+        dcp.load({key: osd}, checkpoint_id=path)
+        set_optimizer_state_dict(module, opt, optim_state_dict=osd,
+                                 options=StateDictOptions(cpu_offload=True, strict=False))
+        _drop_state_except(module, opt, saved)
+
+
+def load_full_state(
+    module: torch.nn.Module, model_state: Mapping[str, Any], optimizer_states: Sequence[tuple[Optimizer, Any]], *,
+    strict: bool,
+) -> None:
+    """Load a consolidated (single file) model state dict and optimizer state dicts (keyed by
+    parameter name or, as Lightning's Trainer saves them, by index) into the sharded ``module`` and
+    its optimizers; each rank keeps its own rows. Optimizer state is restored for exactly the
+    parameters that had state when saved (see :func:`load_sharded_state`)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
+
+    set_model_state_dict(module, dict(model_state), options=StateDictOptions(
+        full_state_dict=True, broadcast_from_rank0=True, strict=strict))
+    for opt, osd in optimizer_states:
+        osd = _fqn_keyed(osd, module)
+        saved = set(osd["state"])
+        set_optimizer_state_dict(module, opt, optim_state_dict=osd, options=StateDictOptions(
+            full_state_dict=True, broadcast_from_rank0=True, strict=False))
+        _drop_state_except(module, opt, saved)
 
 
 class QMuonFSDPStrategy(ModelParallelStrategy):
@@ -265,17 +463,8 @@ class QMuonFSDPStrategy(ModelParallelStrategy):
     # ------------------------------------------------------------------ environment
     @override
     def setup_environment(self) -> None:
-        tp = self._tensor_parallel_size
-        if tp == "auto":  # Lightning's meaning would be "all devices of a node"; here: no tensor parallelism
-            tp = self._tensor_parallel_size = 1
-        if self._data_parallel_size == "auto":
-            world = self.num_nodes * self.num_processes
-            if world % tp:
-                raise ValueError(
-                    f"tensor_parallel_size={tp} does not divide the world size {world} "
-                    f"({self.num_nodes} node(s) x {self.num_processes} process(es))"
-                )
-            self._data_parallel_size = world // tp
+        self._data_parallel_size, self._tensor_parallel_size = resolve_mesh_sizes(
+            self._data_parallel_size, self._tensor_parallel_size, self.num_nodes * self.num_processes)
         super().setup_environment()
 
     # ------------------------------------------------------------------ setup
@@ -307,25 +496,16 @@ class QMuonFSDPStrategy(ModelParallelStrategy):
 
     def _shard_if_needed(self) -> None:
         assert self.model is not None
-        if is_sharded(self.model):
+        done = shard_unless_sharded(
+            self.model, self.device_mesh["data_parallel"], self._shard_policy,
+            tensor_parallel_size=int(self._tensor_parallel_size), reshard_after_forward=self._reshard_after_forward,
+        )
+        if done is None:
             if not self.sharded_blocks and not self.sharded_roots:
                 rank_zero_info(f"{type(self).__name__}: the model is already sharded (configure_model); policy not applied")
             return
-        if self._tensor_parallel_size != 1:
-            raise ValueError(
-                f"tensor_parallel_size={self._tensor_parallel_size} needs a configure_model that applies tensor "
-                "parallelism (and fully_shard); the automatic policy only shards along the data-parallel dimension"
-            )
-        blocks, roots = apply_sharding(
-            self.model, self.device_mesh["data_parallel"], self._shard_policy,
-            reshard_after_forward=self._reshard_after_forward,
-        )
-        self.sharded_blocks, self.sharded_roots = blocks, roots
-        shown = ", ".join(blocks[:4]) + (f", ... ({len(blocks)} blocks)" if len(blocks) > 4 else "")
-        rank_zero_info(
-            f"{type(self).__name__}: fully_shard applied to {len(blocks)} block(s) [{shown}] and root(s) "
-            f"{[r or '<LightningModule>' for r in roots]} (shard_policy={self._shard_policy!r})"
-        )
+        self.sharded_blocks, self.sharded_roots = done
+        rank_zero_info(describe_sharding(type(self).__name__, *done, self._shard_policy))
 
     # ------------------------------------------------------------------ optimizer swap
     @override
@@ -349,18 +529,10 @@ class QMuonFSDPStrategy(ModelParallelStrategy):
             rank_zero_info(f"{type(self).__name__}: configure_optimizers returned a QMuon; kept as it is")
             _check_sharded_formats(user)
             return
-        kwargs = dict(self._optimizer_kwargs)
-        if user is not None and not isinstance(user, _MockOptimizer):
-            swap.check_coverage(module, user)
-            settings, notes = swap.adamw_settings(user)
-            for note in notes:
-                rank_zero_warn(f"{type(self).__name__}: {note}")
-            for key, value in settings.items():
-                kwargs.setdefault(key, value)  # explicit optimizer_kwargs win
-        else:
+        if isinstance(user, _MockOptimizer):
             user = None
-        new = build_optimizer(module, verbose=False, **kwargs)
-        _check_sharded_formats(new)
+        new = build_replacement(module, user, self._optimizer_kwargs,
+                                lambda note: rank_zero_warn(f"{type(self).__name__}: {note}"))
         for config in self.lr_scheduler_configs:
             if user is None:
                 raise swap.SwapError("an LR scheduler was configured without an optimizer")
@@ -371,27 +543,16 @@ class QMuonFSDPStrategy(ModelParallelStrategy):
     def _report_routing(self, opt: QMuon) -> None:
         decisions = getattr(opt, "routing", [])
         self.routing = decisions
-        if not any(d.target == "muon" for d in decisions):
-            rank_zero_warn(
-                f"{type(self).__name__}: no parameter was routed to Muon, so QMuon runs AdamW only. Muon takes "
-                "2-D hidden weights; the rule table sends embeddings, the output head (by name) and 1-D tensors "
-                "to AdamW. Check the routing table, pass optimizer_kwargs={'rules': [...]}, or use optimizer='keep'"
-            )
+        warning = no_muon_warning(type(self).__name__, decisions)
+        if warning:
+            rank_zero_warn(warning)
         if not self._routing_logged:
             self._routing_logged = True
             rank_zero_info(f"{type(self).__name__}: QMuon parameter routing\n{format_routing_table(decisions)}")
 
     # ------------------------------------------------------------------ checkpoints
     def _checkpoint_info(self) -> dict[str, Any]:
-        muon_groups = [g for opt in self.optimizers for g in opt.param_groups
-                       if g.get("use_muon", False) and "state_format" in g]
-        return {
-            "optimizer": self._optimizer_mode,
-            "optimizer_types": [type(opt).__name__ for opt in self.optimizers],
-            "state_formats": sorted({str(g["state_format"]) for g in muon_groups}),
-            "muon_layouts": [state_layout(g) for g in muon_groups],
-            "world_size": self.world_size,
-        }
+        return checkpoint_info(self._optimizer_mode, self.optimizers, self.world_size, module=self.lightning_module)
 
     @override
     def save_checkpoint(
@@ -427,85 +588,34 @@ class QMuonFSDPStrategy(ModelParallelStrategy):
         received a gradient (unused in forward) have no state; torch's loader would otherwise
         require it (strict) or keep the zero state its initializing dry-run ``step()`` created.
         """
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_model_state_dict,
-            set_optimizer_state_dict,
-        )
-
         path = require_complete(self.broadcast(str(checkpoint_path)))
         module = self.model
         assert module is not None and self.lightning_module is not None
         strict = self.lightning_module.strict_loading
+        optimizers = {f"optimizer_{idx}": opt for idx, opt in enumerate(self.optimizers)}
         if path.is_dir() and (path / ".metadata").is_file():
             metadata = torch.load(path / _METADATA_FILENAME, weights_only=weights_only)
             self._check_compatible(metadata.get(_CKPT_KEY), path)
-            model_state = {"state_dict": get_model_state_dict(module)}
-            dcp.load(model_state, checkpoint_id=path)
-            module.load_state_dict(model_state["state_dict"], strict=strict)
-            saved_keys = set(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
-            for idx, opt in enumerate(self.optimizers):
-                key = f"optimizer_{idx}"
-                if not any(k.startswith(f"{key}.") for k in saved_keys):
-                    raise KeyError(_NO_OPTIMIZER_STATE.format(path=path))
-                osd = get_optimizer_state_dict(module, opt)  # a dry-run step creates every state tensor
-                saved = {fqn for fqn in osd["state"] if any(k.startswith(f"{key}.state.{fqn}.") for k in saved_keys)}
-                osd["state"] = {fqn: v for fqn, v in osd["state"].items() if fqn in saved}
-                dcp.load({key: osd}, checkpoint_id=path)
-                set_optimizer_state_dict(module, opt, optim_state_dict=osd,
-                                         options=StateDictOptions(cpu_offload=True, strict=False))
-                _drop_state_except(module, opt, saved)
+            apply_format_overrides(self.lightning_module, self.optimizers, metadata.get(_CKPT_KEY), type(self).__name__)
+            load_sharded_state(module, path, "state_dict", optimizers, strict=strict,
+                               missing_optimizer=_NO_OPTIMIZER_STATE)
             return metadata
         if path.is_file():
             checkpoint = torch.load(path, mmap=True, map_location="cpu", weights_only=weights_only)
             self._check_compatible(checkpoint.get(_CKPT_KEY), path)
-            set_model_state_dict(module, checkpoint.pop("state_dict"), options=StateDictOptions(
-                full_state_dict=True, broadcast_from_rank0=True, strict=strict))
+            apply_format_overrides(self.lightning_module, self.optimizers, checkpoint.get(_CKPT_KEY), type(self).__name__)
             if self.optimizers and "optimizer_states" not in checkpoint:
                 raise KeyError(_NO_OPTIMIZER_STATE.format(path=path))
-            for idx, opt in enumerate(self.optimizers):
-                osd = _fqn_keyed(checkpoint["optimizer_states"][idx], module)
-                saved = set(osd["state"])
-                set_optimizer_state_dict(module, opt, optim_state_dict=osd, options=StateDictOptions(
-                    full_state_dict=True, broadcast_from_rank0=True, strict=False))
-                _drop_state_except(module, opt, saved)
+            load_full_state(module, checkpoint.pop("state_dict"),
+                            list(zip(self.optimizers, checkpoint.get("optimizer_states", []))), strict=strict)
             return checkpoint
         raise FileNotFoundError(
             f"{path} is neither a sharded checkpoint directory (with a .metadata file) nor a checkpoint file"
         )
 
     def _check_compatible(self, saved: Optional[Mapping[str, Any]], path: Path) -> None:
-        if not saved or not self.optimizers:
-            return
-        now = self._checkpoint_info()
-        if saved["optimizer_types"] != now["optimizer_types"]:
-            raise ValueError(
-                f"{path} holds optimizer state of {saved['optimizer_types']} (saved with optimizer="
-                f"{saved['optimizer']!r}) but this run trains with {now['optimizer_types']} (optimizer="
-                f"{now['optimizer']!r}); resume with the same optimizer setting"
-            )
-        # torch's loaders place saved tensors into the current optimizer's state layout (same keys,
-        # dtypes and sharding), so a checkpoint loads into the layout it was saved with only.
-        saved_layouts = saved.get("muon_layouts")
-        if saved_layouts is None:  # written before layouts were recorded: the formats must agree
-            saved_layouts = [{"state_format": f} for f in saved["state_formats"]]
-            now_layouts = [{"state_format": f} for f in now["state_formats"]]
-        else:
-            now_layouts = now["muon_layouts"]
-        hint = ("(To change format, load the checkpoint without this strategy and use QMuon.load_state_dict, "
-                "which converts between formats.)")
-        if len(saved_layouts) != len(now_layouts):
-            raise ValueError(f"{path} holds {len(saved_layouts)} Muon parameter groups but this run has "
-                             f"{len(now_layouts)}; build the optimizer with the same routing. {hint}")
-        for i, (a, b) in enumerate(zip(saved_layouts, now_layouts)):
-            if a == b:
-                continue
-            try:
-                check_resume(a, b, where=f"{path}, Muon group {i}", allow_format_change=False)
-            except ResumeMismatch:
-                raise ValueError(
-                    f"{path} holds Muon momentum saved with {describe_layout(a)} (Muon group {i}) but this run uses "
-                    f"{describe_layout(b)}; resume with optimizer_kwargs={dict(a)!r}. {hint}") from None
+        if self.optimizers:
+            check_compatible(saved, self._checkpoint_info(), path)
 
     # ------------------------------------------------------------------ metrics
     @override

@@ -36,7 +36,10 @@ from torch import nn
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["ShardPolicy", "resolve_policy", "select_blocks", "select_roots", "apply_sharding", "is_sharded"]
+__all__ = [
+    "ShardPolicy", "resolve_policy", "select_blocks", "select_roots", "apply_sharding", "is_sharded",
+    "shard_unless_sharded", "describe_sharding",
+]
 
 #: ``"auto"``, ``"root"``, a sequence of classes / class names, or ``(name, module) -> bool``.
 ShardPolicy = Union[str, Sequence[Union[str, type]], Callable[[str, nn.Module], bool]]
@@ -183,17 +186,49 @@ def is_sharded(module: nn.Module) -> bool:
 
 
 def apply_sharding(
-    root: nn.Module, mesh: DeviceMesh, policy: ShardPolicy = "auto", **fully_shard_kwargs: Any
+    root: nn.Module, mesh: DeviceMesh, policy: ShardPolicy = "auto", *, root_unit: bool = False,
+    **fully_shard_kwargs: Any,
 ) -> tuple[list[str], list[str]]:
     """``fully_shard`` the blocks chosen by ``policy``, then the roots. Returns the qualified names
-    of both (``""`` is ``root`` itself)."""
+    of both (``""`` is ``root`` itself).
+
+    ``root_unit=True`` makes ``root`` itself the one root unit (the usual FSDP2 layout: blocks,
+    then the whole model), for a ``root`` that is called through its ``forward``, as the model
+    given to ``fabric.setup_module`` is. The Trainer's LightningModule usually is not (its
+    ``training_step`` calls ``self.model(...)``), so there its children are the roots
+    (:func:`select_roots`)."""
     from torch.distributed.fsdp import fully_shard
 
     blocks = select_blocks(root, policy)
-    roots = select_roots(root, blocks)
+    roots = [("", root)] if root_unit else select_roots(root, blocks)
     # Innermost first: fully_shard of an outer module skips parameters already owned by inner units.
     for _, module in sorted(blocks, key=lambda nm: -nm[0].count(".")):
         fully_shard(module, mesh=mesh, **fully_shard_kwargs)
     for _, module in roots:
         fully_shard(module, mesh=mesh, **fully_shard_kwargs)
     return [n for n, _ in blocks], [n for n, _ in roots]
+
+
+def shard_unless_sharded(
+    root: nn.Module, mesh: DeviceMesh, policy: ShardPolicy = "auto", *, tensor_parallel_size: int = 1,
+    root_unit: bool = False, **fully_shard_kwargs: Any,
+) -> tuple[list[str], list[str]] | None:
+    """:func:`apply_sharding` unless the user's code already sharded ``root`` (then ``None``: a
+    ``configure_model`` / ``parallelize_fn`` that shards is respected as it is). Used by the Trainer
+    and the Fabric strategy alike."""
+    if is_sharded(root):
+        return None
+    if tensor_parallel_size != 1:
+        raise ValueError(
+            f"tensor_parallel_size={tensor_parallel_size} needs your own code to apply tensor parallelism (and "
+            "fully_shard): configure_model with the Trainer, parallelize_fn with Fabric; the automatic policy only "
+            "shards along the data-parallel dimension"
+        )
+    return apply_sharding(root, mesh, policy, root_unit=root_unit, **fully_shard_kwargs)
+
+
+def describe_sharding(owner: str, blocks: Sequence[str], roots: Sequence[str], policy: ShardPolicy) -> str:
+    """One log line: which units :func:`shard_unless_sharded` created."""
+    shown = ", ".join(blocks[:4]) + (f", ... ({len(blocks)} blocks)" if len(blocks) > 4 else "")
+    return (f"{owner}: fully_shard applied to {len(blocks)} block(s) [{shown}] and root(s) "
+            f"{[r or '<root module>' for r in roots]} (shard_policy={policy!r})")

@@ -16,6 +16,8 @@ What a format declares
 * ``default_block_size`` and ``layout_options``: the :class:`FormatOptions` fields that are part of
   the stored layout (a checkpoint resumes in the same format only with the same values);
 * ``order``: position in the registry (listing order, detection order);
+* ``promotes_to`` and ``guard_threshold``: the fidelity guard's next safer format and the update
+  cosine below which a layer in this format counts as drifting;
 * the codec: ``init``, ``encode``, ``dequantize``, ``owns``, ``validate``, ``validate_options``,
   ``nbytes``, ``describe``;
 * the update: ``update`` (single process, or row-local shards) and ``update_sharded`` (the local
@@ -110,6 +112,12 @@ class StateFormat:
     row_local: bool = True
     #: registry position (listing and detection order); ties keep registration order
     order: int = 100
+    #: the next safer format of the fidelity guard's promotion chain (``None``: end of the chain)
+    promotes_to: str | None = None
+    #: per-layer update cosine (against the fp32-state update) below which the fidelity guard
+    #: counts a check as unhealthy; ``None``: not guarded. Set clearly below the lowest healthy
+    #: reading measured for the format (figures and source: docs/fidelity.md, "Fidelity guard").
+    guard_threshold: float | None = None
 
     @property
     def name(self) -> str:

@@ -14,8 +14,9 @@ __all__ = ["DenseFormat", "FORMATS"]
 class DenseFormat(StateFormat):
     order = 0
 
-    def __init__(self, name: str, dtype: torch.dtype) -> None:
+    def __init__(self, name: str, dtype: torch.dtype, *, guard_threshold: float | None = None) -> None:
         self.spec = FormatSpec(name, "dense", dtype, (BUFFER,))
+        self.guard_threshold = guard_threshold  # end of the promotion chain: promotes_to stays None
 
     def init(self, rows, cols, opts, device):
         return {BUFFER: torch.zeros((rows, cols), dtype=self.spec.dtype, device=device)}
@@ -47,4 +48,5 @@ class DenseFormat(StateFormat):
             )
 
 
-FORMATS = (DenseFormat("fp32", torch.float32), DenseFormat("bf16", torch.bfloat16))
+# fp32 is the guard's reference (cosine 1 by construction); bf16 healthy layers read >= 0.994.
+FORMATS = (DenseFormat("fp32", torch.float32), DenseFormat("bf16", torch.bfloat16, guard_threshold=0.85))

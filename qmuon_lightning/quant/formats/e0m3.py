@@ -31,6 +31,8 @@ class E0M3Format(StateFormat):
 
     row_local = False  # the tensor scale is a per-matrix max
     order = 30
+    promotes_to = "int8"
+    guard_threshold = 0.2
     spec = FormatSpec("e0m3", "e0m3", torch.uint8, (PACKED, UE4M3, TSCALE))
 
     def init(self, rows, cols, opts, device):

@@ -238,6 +238,8 @@ class Grasp4Format(StateFormat):
     layout_options = ("rank", "grid_block")
     row_local = False
     order = 40
+    promotes_to = "int8"
+    guard_threshold = 0.4
     spec = FormatSpec("grasp4", "grasp4", torch.uint8, (P_CODES, P_ABSMAX, R_CODES, R_ABSMAX, PACKED, GRID_ROW,
                                                       GRID_COL, GRID_SCALE))
 

@@ -19,6 +19,8 @@ class Int4Format(StateFormat):
     default_block_size = 128
     layout_options = ("block_size",)
     order = 20
+    promotes_to = "int8"
+    guard_threshold = 0.2
     spec = FormatSpec("int4", "q4", torch.uint8, (PACKED, ABSMAX))
 
     def init(self, rows, cols, opts, device):

@@ -19,6 +19,8 @@ class Q8Format(StateFormat):
     default_block_size = 256
     layout_options = ("block_size",)
     order = 10
+    promotes_to = "bf16"
+    guard_threshold = 0.7
 
     def __init__(self, name: str, dtype: torch.dtype) -> None:
         self.spec = FormatSpec(name, "q8", dtype, (CODES, ABSMAX))
