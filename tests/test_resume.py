@@ -265,6 +265,11 @@ def test_publish_and_recover_interrupted_sharded_saves(tmp_path):
     assert find_resumable_checkpoint(d) == d / "step=5.ckpt"
     shutil.rmtree(d / "step=5.ckpt")
 
+    # killed after the write, before the rename: the complete staging copy is newer, it replaces last.ckpt
+    _dcp_ckpt(staging_path(last), 4)
+    assert "replacing the older one" in recover_interrupted_saves(d, report=lambda s: None)[0]
+    assert torch.load(last / "meta.pt")["global_step"] == 4 and sorted(p.name for p in d.iterdir()) == ["last.ckpt"]
+
     # killed mid-write: an incomplete staging directory is removed, the published one kept
     staging = staging_path(d / "epoch=0-step=4.ckpt")
     staging.mkdir()

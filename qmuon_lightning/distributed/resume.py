@@ -229,8 +229,8 @@ def recover_interrupted_saves(dirpath: PathLike, *, report: Optional[Callable[[s
     """Finish or undo sharded saves a killed run left in ``dirpath`` (call on one process only,
     before any new save). Returns one sentence per action, also passed to ``report``.
 
-    ``.<name>.partial`` (a staging directory): renamed to ``<name>`` when that name is free and the
-    staging directory is complete (the kill came between the two renames of a replace), removed
+    ``.<name>.partial`` (a staging directory): published as ``<name>`` when it is complete (killed
+    after the write, before or between the renames: it is newer than what holds the name), removed
     otherwise. ``.<name>.old`` (the replaced checkpoint): removed when ``<name>`` exists, renamed
     back when it does not and it is complete.
     """
@@ -244,9 +244,15 @@ def recover_interrupted_saves(dirpath: PathLike, *, report: Optional[Callable[[s
     for name, kind, entry in sorted(found, key=lambda f: (f[1] != "partial", f[2].name)):
         final = d / name
         problem = checkpoint_problem(entry)
-        if not final.exists() and problem is None:
+        if kind == "partial" and problem is None:
+            # written completely, killed before its rename: newer than whatever holds the name
+            replaced = final.exists()
+            publish_directory(entry, final)
+            actions.append(f"adopted {entry} (a complete save interrupted before its rename) as {final}"
+                           + (", replacing the older one" if replaced else ""))
+        elif kind == "old" and not final.exists() and problem is None:
             os.rename(entry, final)
-            actions.append(f"adopted {entry} (a complete save interrupted before its rename) as {final}")
+            actions.append(f"restored {entry} (replaced by a save that did not finish) as {final}")
         else:
             _remove(entry)
             why = "superseded" if problem is None else problem
