@@ -50,9 +50,21 @@ BASELINE = "torch.Muon"
 ADAMW = dict(lr=3e-4, betas=(0.9, 0.95), eps=1e-8)
 ADAMW_WD = 0.1
 MUON = dict(lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True)
-#: MemTracker's categories, in the order of the table, with the column names used here
-CATEGORIES = (("Parameter", "weights"), ("Buffer", "buffers"), ("Gradient", "grads"), ("Optstate", "opt state"),
-              ("Activation", "activations"), ("Temp", "temporaries"), ("Other", "other"))
+#: MemTracker's categories, in the order of the table, with the column names used here. MemTracker files
+#: every tensor created inside ``optimizer.step()`` as optimizer state; the table splits that into the
+#: persistent state (counted after the run) and the step's temporaries (the rest, plus "Temp").
+CATEGORIES = (("Parameter", "weights"), ("Buffer", "buffers"), ("Gradient", "grads"), ("Activation", "activations"),
+              ("Other", "other"))
+
+
+def split_of(res: dict[str, Any]) -> dict[str, int]:
+    """The peak split with the optimizer category divided into persistent state and step temporaries."""
+    split = dict(res["peak_split"])
+    opt_cat = split.pop("Optstate", 0)
+    state = min(res["state_bytes"], opt_cat)
+    split["state"] = state
+    split["step temporaries"] = opt_cat - state + split.pop("Temp", 0)
+    return split
 
 
 # ---------------------------------------------------------------------------------------------- child
@@ -132,6 +144,14 @@ def child(cfg: dict[str, Any]) -> dict[str, Any]:
             for o in opts:
                 o.zero_grad(set_to_none=True)
     out["seconds"] = time.perf_counter() - t0
+    seen: set[int] = set()
+    out["state_bytes"] = 0
+    for o in opts:
+        for st in o.state.values():
+            for v in st.values():
+                if isinstance(v, torch.Tensor) and v.untyped_storage().data_ptr() not in seen:
+                    seen.add(v.untyped_storage().data_ptr())
+                    out["state_bytes"] += v.untyped_storage().nbytes()
     out["losses"] = losses
     out["rss_peak"] = _vm_kib("VmHWM") * 1024
     snap = tracker.get_tracker_snapshot("peak")[dev]
@@ -271,7 +291,9 @@ def main() -> int:
         "`torch.optim.Muon` on the matrices `route_parameters` sends to Muon plus `torch.optim.AdamW` on the rest; "
         "`qmuon-*`: `build_optimizer(model, state_format=...)` (the same split).",
         "",
-        "Split of the peak: PyTorch's `MemTracker` (live tensor bytes by category at the moment of the peak). "
+        "Split of the peak: PyTorch's `MemTracker` (live tensor bytes by category at the moment of the peak; "
+        "*opt state* is the optimizer state that persists between steps, *step temporaries* what `optimizer.step()` "
+        "allocates and frees, e.g. Newton-Schulz working sets and foreach AdamW buffers). "
         "*peak live* is what an accelerator must hold; *RSS peak* is the process's high-water mark (runtime, "
         "imports and glibc's retained heap included; it varies by tens of MiB between processes).",
         "",
@@ -280,16 +302,18 @@ def main() -> int:
         base = cache.get((BASELINE, L))
         r0 = cache[(names[0], L)]
         lines += [f"## {L} layers: {r0['n_params'] / 1e6:.1f}M parameters, {r0['n_muon'] / 1e6:.1f}M routed to Muon", ""]
-        hdr = ["optimizer", "peak live MiB", *[f"{c} MiB" for _, c in CATEGORIES], "vs torch.Muon MiB",
+        hdr = ["optimizer", "peak live MiB", *[f"{c} MiB" for _, c in CATEGORIES], "opt state MiB",
+               "step temporaries MiB", "vs torch.Muon MiB",
                "vs torch.Muon B / Muon param", "RSS peak MiB"]
         if on_cuda:
             hdr += ["CUDA max allocated MiB", "CUDA max reserved MiB"]
         rows = []
         for n in names:
             res = cache[(n, L)]
-            split = res["peak_split"]
+            split = split_of(res)
             d = judged(res) - judged(base) if base else None
             row = [f"`{n}`", f"{res['peak_live'] / MiB:.1f}", *[f"{split.get(k, 0) / MiB:.1f}" for k, _ in CATEGORIES],
+                   f"{split['state'] / MiB:.1f}", f"{split['step temporaries'] / MiB:.1f}",
                    "n/a" if d is None else f"{d / MiB:+.1f}", "n/a" if d is None else f"{d / res['n_muon']:+.2f}",
                    f"{res['rss_peak'] / MiB:.1f}"]
             if on_cuda:
