@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import re
 import sys
 import time
 from pathlib import Path
@@ -37,10 +36,10 @@ from lightning.fabric.strategies import STRATEGY_REGISTRY
 import qmuon_lightning as ql
 from qmuon_lightning.data.bytes_corpus import RandomWindowDataset, build_stdlib_corpus, fixed_windows
 from qmuon_lightning.demo import evaluate
+from qmuon_lightning.distributed.resume import find_resumable_checkpoint
 from qmuon_lightning.models import DecoderLM
 
 VOCAB = 256
-_STEP_NAME = re.compile(r"^step-(\d+)(\.ckpt)?$")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -74,31 +73,10 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def checkpoint_step(path: Path) -> Optional[int]:
-    """The step of a checkpoint this script wrote, or None if ``path`` is not a complete one.
-
-    ``QMuonFabricStrategy`` gives a checkpoint its name only once every rank has written it (see
-    :func:`save`); a directory is also checked for the files Lightning writes last (``.metadata`` by
-    ``torch.distributed.checkpoint``, then ``meta.pt`` by rank 0), for checkpoints copied in from
-    elsewhere."""
-    m = _STEP_NAME.match(path.name)
-    if m is None:
-        return None
-    if path.is_dir():
-        return int(m.group(1)) if (path / ".metadata").is_file() and (path / "meta.pt").is_file() else None
-    return int(m.group(1)) if path.is_file() and m.group(2) else None
-
-
-def newest_checkpoint(directory: Path) -> Optional[Path]:
-    """The complete checkpoint with the highest step under ``directory`` (None if there is none)."""
-    found = [(step, p) for p in directory.glob("step-*") if (step := checkpoint_step(p)) is not None]
-    return max(found)[1] if found else None
-
-
 def save(fabric: L.Fabric, directory: Path, step: int, state: dict[str, Any], consolidated: bool) -> Path:
     """``fabric.save`` to ``directory/step-NNNNNN`` (``.ckpt`` when consolidated). The strategy writes
     under a ``.partial`` name and renames once every rank is done, so a run killed while saving
-    leaves a ``.partial`` that :func:`newest_checkpoint` ignores, never a half-written checkpoint."""
+    leaves a ``.partial`` that ``find_resumable_checkpoint`` ignores, never a half-written checkpoint."""
     final = directory / (f"step-{step:06d}" + (".ckpt" if consolidated else ""))
     fabric.save(final, state)  # every rank
     return final
@@ -128,18 +106,19 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
         model, lr=args.lr, weight_decay=args.weight_decay, state_format=state_format,
         adamw_lr=args.adamw_lr, adamw_weight_decay=args.weight_decay, verbose=fabric.global_rank == 0,
     ))
-    state: dict[str, Any] = {"model": model, "optimizer": optimizer, "step": 0}
+    # "global_step" is what find_resumable_checkpoint orders checkpoints by (as in Lightning's own)
+    state: dict[str, Any] = {"model": model, "optimizer": optimizer, "global_step": 0}
 
     resume = None
     if args.resume == "auto":
-        resume = newest_checkpoint(ckpt_dir)
+        resume = find_resumable_checkpoint(ckpt_dir)
         fabric.print(f"--resume auto: {'resuming from ' + str(resume) if resume else 'no checkpoint yet, starting fresh'}")
     elif args.resume:
         resume = Path(args.resume)
     if resume is not None:
-        fabric.load(resume, state)  # model, optimizer (resharded to this run's processes) and "step"
-        fabric.print(f"resumed from {resume} at step {state['step']}")
-    start = int(state["step"])
+        fabric.load(resume, state)  # model, optimizer (resharded to this run's processes) and "global_step"
+        fabric.print(f"resumed from {resume} at step {state['global_step']}")
+    start = int(state["global_step"])
     if start >= args.max_steps:
         raise SystemExit(f"the checkpoint is at step {start}, not before --max-steps {args.max_steps}; raise --max-steps")
 
@@ -167,7 +146,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
         optimizer.zero_grad(set_to_none=True)
         seconds += time.perf_counter() - t0
         step += 1
-        state["step"] = step
+        state["global_step"] = step
         if step % args.log_every == 0 or step == args.max_steps:
             last_loss = float(fabric.all_reduce(loss.detach(), reduce_op="mean"))
             fabric.print(f"step {step:5d}  loss {last_loss:.4f}")

@@ -58,8 +58,8 @@ DCP_METADATA = ".metadata"
 LIGHTNING_META = "meta.pt"
 #: File names that count as single-file checkpoints.
 CHECKPOINT_SUFFIXES = (".ckpt", ".pt", ".pth")
-# ".<name>.partial" / ".<name>.old": QMuonFSDPStrategy (Trainer); "<name>.partial": its Fabric twin.
-_STAGING_RE = re.compile(r"^\.(?P<name>.+)\.(?P<kind>partial|old)$|^(?P<fname>[^.].*)\.(?P<fkind>partial)$")
+# ".<name>.partial" / ".<name>.old": QMuonFSDPStrategy (Trainer); "<name>.partial" / "<name>.old": its Fabric twin.
+_STAGING_RE = re.compile(r"^\.(?P<name>.+)\.(?P<kind>partial|old)$|^(?P<fname>[^.].*)\.(?P<fkind>partial|old)$")
 
 
 class IncompleteCheckpointError(FileNotFoundError):
