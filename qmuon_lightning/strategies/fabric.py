@@ -52,9 +52,8 @@ from ..optim.qmuon import QMuon
 from ..optim.routing import format_routing_table
 from . import optimizer_swap as swap
 from .fsdp import (
-    _CKPT_KEY, OPTIMIZER_MODES, PRESETS, OptimizerMode, _check_sharded_formats, _validate_optimizer_kwargs,
+    _CKPT_KEY, OPTIMIZER_MODES, OptimizerMode, QMuonStrategyMixin, _check_sharded_formats, _validate_optimizer_kwargs,
     apply_format_overrides, build_replacement, check_compatible, checkpoint_info, load_full_state, load_sharded_state, no_muon_warning,
-    resolve_mesh_sizes,
 )
 from .sharding import ShardPolicy, describe_sharding, resolve_policy, shard_unless_sharded
 
@@ -94,7 +93,7 @@ def _replace(src: Path, dst: Path) -> None:
     _remove(old)
 
 
-class QMuonFabricStrategy(ModelParallelStrategy):
+class QMuonFabricStrategy(QMuonStrategyMixin, ModelParallelStrategy):
     """FSDP2 strategy for Lightning Fabric that shards the model by a policy when no
     ``parallelize_fn`` is given and trains it with :class:`~qmuon_lightning.QMuon`.
 
@@ -163,27 +162,7 @@ class QMuonFabricStrategy(ModelParallelStrategy):
         self.routing: list[Any] = []
         self._modules: list[weakref.ref[nn.Module]] = []
 
-    @classmethod
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        """Register ``"qmuon_fsdp"`` and its presets (:data:`PRESETS`) in Fabric's strategy registry."""
-        for name, (description, init_params) in PRESETS.items():
-            strategy_registry.register(name, cls, description=description, override=True, **init_params)
-
-    @property
-    def optimizer_mode(self) -> str:
-        return self._optimizer_mode
-
-    @property
-    def optimizer_kwargs(self) -> dict[str, Any]:
-        return dict(self._optimizer_kwargs)
-
     # ------------------------------------------------------------------ setup
-    @override
-    def setup_environment(self) -> None:
-        self._data_parallel_size, self._tensor_parallel_size = resolve_mesh_sizes(
-            self._data_parallel_size, self._tensor_parallel_size, self.num_nodes * self.num_processes)
-        super().setup_environment()
-
     def _parallelize_by_policy(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
         done = shard_unless_sharded(
             module, mesh["data_parallel"], self._shard_policy, tensor_parallel_size=int(self._tensor_parallel_size),

@@ -33,7 +33,6 @@ exactly the parameters that had state when saved (see there).
 
 from __future__ import annotations
 
-import inspect
 import logging
 import shutil
 from datetime import timedelta
@@ -374,7 +373,38 @@ def load_full_state(
         _drop_state_except(module, opt, saved)
 
 
-class QMuonFSDPStrategy(ModelParallelStrategy):
+class QMuonStrategyMixin:
+    """What the Trainer and Fabric strategies share on top of their (different) Lightning bases:
+    registration of ``"qmuon_fsdp"`` and its presets, the optimizer settings, and the mesh sizes
+    resolved before the base class builds the device mesh."""
+
+    _optimizer_mode: str
+    _optimizer_kwargs: dict[str, Any]
+    _data_parallel_size: Any
+    _tensor_parallel_size: Any
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        """Register ``"qmuon_fsdp"`` and its presets (:data:`PRESETS`) in a Lightning strategy registry."""
+        for name, (description, init_params) in PRESETS.items():
+            strategy_registry.register(name, cls, description=description, override=True, **init_params)
+
+    @property
+    def optimizer_mode(self) -> str:
+        return self._optimizer_mode
+
+    @property
+    def optimizer_kwargs(self) -> dict[str, Any]:
+        return dict(self._optimizer_kwargs)
+
+    def setup_environment(self) -> None:
+        self._data_parallel_size, self._tensor_parallel_size = resolve_mesh_sizes(
+            self._data_parallel_size, self._tensor_parallel_size,
+            self.num_nodes * self.num_processes)  # type: ignore[attr-defined]
+        super().setup_environment()  # type: ignore[misc]
+
+
+class QMuonFSDPStrategy(QMuonStrategyMixin, ModelParallelStrategy):
     """FSDP2 (``fully_shard``) strategy that shards the model by a policy when ``configure_model``
     does not, and trains it with :class:`~qmuon_lightning.QMuon`.
 
@@ -444,28 +474,6 @@ class QMuonFSDPStrategy(ModelParallelStrategy):
         #: Routing decisions of the swapped-in QMuon (name, shape, target, rule); set in ``setup``.
         self.routing: list[Any] = []
         self._routing_logged = False
-
-    # ------------------------------------------------------------------ registration
-    @classmethod
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        """Register ``"qmuon_fsdp"`` and its presets (:data:`PRESETS`) in a Lightning strategy registry."""
-        for name, (description, init_params) in PRESETS.items():
-            strategy_registry.register(name, cls, description=description, override=True, **init_params)
-
-    @property
-    def optimizer_mode(self) -> str:
-        return self._optimizer_mode
-
-    @property
-    def optimizer_kwargs(self) -> dict[str, Any]:
-        return dict(self._optimizer_kwargs)
-
-    # ------------------------------------------------------------------ environment
-    @override
-    def setup_environment(self) -> None:
-        self._data_parallel_size, self._tensor_parallel_size = resolve_mesh_sizes(
-            self._data_parallel_size, self._tensor_parallel_size, self.num_nodes * self.num_processes)
-        super().setup_environment()
 
     # ------------------------------------------------------------------ setup
     @override
