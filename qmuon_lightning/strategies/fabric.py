@@ -52,10 +52,10 @@ from ..optim.qmuon import QMuon
 from ..optim.routing import format_routing_table
 from . import optimizer_swap as swap
 from .fsdp import (
-    _CKPT_KEY, OPTIMIZER_MODES, OptimizerMode, QMuonStrategyMixin, _check_sharded_formats, _validate_optimizer_kwargs,
+    _CKPT_KEY, OptimizerMode, QMuonStrategyMixin, _check_sharded_formats,
     apply_format_overrides, build_replacement, check_compatible, checkpoint_info, load_full_state, load_sharded_state, no_muon_warning,
 )
-from .sharding import ShardPolicy, describe_sharding, resolve_policy, shard_unless_sharded
+from .sharding import ShardPolicy, describe_sharding, shard_unless_sharded
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -136,11 +136,7 @@ class QMuonFabricStrategy(QMuonStrategyMixin, ModelParallelStrategy):
     ) -> None:
         if parallelize_fn is not None and not callable(parallelize_fn):
             raise TypeError(f"parallelize_fn must be a callable (module, device_mesh) -> module, got {parallelize_fn!r}")
-        if optimizer not in OPTIMIZER_MODES:
-            raise ValueError(f"optimizer={optimizer!r} is not one of {OPTIMIZER_MODES}")
-        for name, size in (("data_parallel_size", data_parallel_size), ("tensor_parallel_size", tensor_parallel_size)):
-            if size != "auto" and (not isinstance(size, int) or isinstance(size, bool) or size < 1):
-                raise ValueError(f"{name} must be 'auto' or a positive int, got {size!r}")
+        self._check_init_args(optimizer, data_parallel_size, tensor_parallel_size)
         super().__init__(
             parallelize_fn=parallelize_fn or self._parallelize_by_policy,
             data_parallel_size=data_parallel_size,
@@ -149,11 +145,7 @@ class QMuonFabricStrategy(QMuonStrategyMixin, ModelParallelStrategy):
             process_group_backend=process_group_backend,
             timeout=timeout,
         )
-        self._optimizer_mode: str = optimizer
-        self._optimizer_kwargs = _validate_optimizer_kwargs(optimizer, optimizer_kwargs or {})
-        self._shard_policy: ShardPolicy = shard_policy
-        resolve_policy(shard_policy)  # raises on a bad policy now, before any process starts
-        self._reshard_after_forward = bool(reshard_after_forward)
+        self._init_qmuon_settings(optimizer, optimizer_kwargs, shard_policy, reshard_after_forward)
         #: Qualified names of the FSDP units the policy created in the last ``setup_module``
         #: (blocks, roots); empty when the model was sharded by other code.
         self.sharded_blocks: list[str] = []

@@ -383,6 +383,23 @@ class QMuonStrategyMixin:
     _data_parallel_size: Any
     _tensor_parallel_size: Any
 
+    @staticmethod
+    def _check_init_args(optimizer: str, data_parallel_size: Any, tensor_parallel_size: Any) -> None:
+        """Refuse bad constructor arguments before the Lightning base class sees them."""
+        if optimizer not in OPTIMIZER_MODES:
+            raise ValueError(f"optimizer={optimizer!r} is not one of {OPTIMIZER_MODES}")
+        for name, size in (("data_parallel_size", data_parallel_size), ("tensor_parallel_size", tensor_parallel_size)):
+            if size != "auto" and (not isinstance(size, int) or isinstance(size, bool) or size < 1):
+                raise ValueError(f"{name} must be 'auto' or a positive int, got {size!r}")
+
+    def _init_qmuon_settings(self, optimizer: str, optimizer_kwargs: Optional[dict[str, Any]],
+                             shard_policy: ShardPolicy, reshard_after_forward: bool) -> None:
+        self._optimizer_mode = optimizer
+        self._optimizer_kwargs = _validate_optimizer_kwargs(optimizer, optimizer_kwargs or {})
+        self._shard_policy: ShardPolicy = shard_policy
+        resolve_policy(shard_policy)  # raises on a bad policy now, before any process starts
+        self._reshard_after_forward = bool(reshard_after_forward)
+
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
         """Register ``"qmuon_fsdp"`` and its presets (:data:`PRESETS`) in a Lightning strategy registry."""
@@ -449,11 +466,7 @@ class QMuonFSDPStrategy(QMuonStrategyMixin, ModelParallelStrategy):
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
     ) -> None:
-        if optimizer not in OPTIMIZER_MODES:
-            raise ValueError(f"optimizer={optimizer!r} is not one of {OPTIMIZER_MODES}")
-        for name, size in (("data_parallel_size", data_parallel_size), ("tensor_parallel_size", tensor_parallel_size)):
-            if size != "auto" and (not isinstance(size, int) or isinstance(size, bool) or size < 1):
-                raise ValueError(f"{name} must be 'auto' or a positive int, got {size!r}")
+        self._check_init_args(optimizer, data_parallel_size, tensor_parallel_size)
         super().__init__(
             data_parallel_size=data_parallel_size,
             tensor_parallel_size=tensor_parallel_size,
@@ -461,11 +474,7 @@ class QMuonFSDPStrategy(QMuonStrategyMixin, ModelParallelStrategy):
             process_group_backend=process_group_backend,
             timeout=timeout,
         )
-        self._optimizer_mode: str = optimizer
-        self._optimizer_kwargs = _validate_optimizer_kwargs(optimizer, optimizer_kwargs or {})
-        self._shard_policy: ShardPolicy = shard_policy
-        resolve_policy(shard_policy)  # raises on a bad policy now
-        self._reshard_after_forward = bool(reshard_after_forward)
+        self._init_qmuon_settings(optimizer, optimizer_kwargs, shard_policy, reshard_after_forward)
         self._log_comm_bytes = bool(log_comm_bytes)
         #: Qualified names of the FSDP units this strategy created (blocks, roots); empty if
         #: ``configure_model`` sharded the model itself. Set in ``setup``.
