@@ -231,3 +231,22 @@ def noise_or_none(x: torch.Tensor, stream: int, offset: int) -> torch.Tensor | N
     from qmuon_lightning.ops import reference as ref
 
     return None if stream < 0 else ref.uniform_noise(*x.shape, stream, offset, x.device)
+
+
+def fsdp_scenario_main(scenario_fn, prefix: str) -> None:
+    """Entry point of a test file run as a torchrun worker: ``python test_x.py fsdp OUT_DIR`` runs
+    ``scenario_fn(OUT_DIR)`` and writes its result to ``OUT_DIR/<prefix>_rank<R>.json``."""
+    import json
+    import sys
+    import warnings
+
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore")
+    scenario, out_dir = sys.argv[1], Path(sys.argv[2])
+    if scenario != "fsdp":
+        raise SystemExit(f"unknown scenario {scenario!r}; the only one is 'fsdp'")
+    result = scenario_fn(out_dir)
+    (out_dir / f"{prefix}_rank{result['rank']}.json").write_text(json.dumps(result, indent=1, default=str))
+    from qmuon_lightning.distributed import exit_after_distributed_run
+
+    exit_after_distributed_run()  # see its docstring

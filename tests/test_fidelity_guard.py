@@ -29,7 +29,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import lightning as L
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from _helpers import run_launcher, subprocess_env
+from _helpers import fsdp_scenario_main, run_launcher, subprocess_env
 from qmuon_lightning import QMuon, build_optimizer
 from qmuon_lightning.callbacks import QuantFidelityError, QuantFidelityMonitor, QuantizedStateCheckpoint
 from qmuon_lightning.callbacks.summary import TrainSummary
@@ -330,15 +330,4 @@ def test_guard_under_qmuon_fsdp_two_processes(tmp_path):
 
 
 if __name__ == "__main__":
-    import sys
-
-    torch.set_num_threads(1)
-    warnings.filterwarnings("ignore")
-    scenario, out_dir = sys.argv[1], Path(sys.argv[2])
-    if scenario != "fsdp":
-        raise SystemExit(f"unknown scenario {scenario!r}; the only one is 'fsdp'")
-    result = _fsdp_scenario(out_dir)
-    (out_dir / f"guard_rank{result['rank']}.json").write_text(json.dumps(result, indent=1, default=str))
-    from qmuon_lightning.distributed import exit_after_distributed_run
-
-    exit_after_distributed_run()
+    fsdp_scenario_main(_fsdp_scenario, "guard")
