@@ -59,6 +59,38 @@ def qmuon_param_groups(specs: list[MatrixSpec], params: list[torch.Tensor]) -> l
     return groups
 
 
+#: build_optimizer's AdamW settings, used for torch.optim.Muon's auxiliary AdamW and for plain AdamW
+ADAMW = dict(lr=3e-4, betas=(0.9, 0.95), eps=1e-8)
+ADAMW_WD = 0.1
+MUON = dict(lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True)
+
+
+def build_compared_optimizers(name: str, model: torch.nn.Module, decisions=None, **qmuon_kwargs) -> list:
+    """The optimizers the memory benchmarks compare, on ``model``:
+
+    ``torch.AdamW`` AdamW on every parameter (weight decay 0.1 on matrices, 0 on 1-D tensors);
+    ``torch.Muon`` ``torch.optim.Muon`` on what ``route_parameters`` sends to Muon plus AdamW on the
+    rest (the split build_optimizer makes); ``qmuon-FORMAT`` ``build_optimizer(model, state_format=FORMAT)``.
+    ``decisions``: the routing of ``model`` when the caller has it already."""
+    import qmuon_lightning
+
+    if name == "torch.AdamW":
+        decay = [p for p in model.parameters() if p.ndim >= 2]
+        no_decay = [p for p in model.parameters() if p.ndim < 2]
+        return [torch.optim.AdamW([{"params": decay, "weight_decay": ADAMW_WD},
+                                   {"params": no_decay, "weight_decay": 0.0}], **ADAMW)]
+    if name == "torch.Muon":
+        decisions = decisions if decisions is not None else qmuon_lightning.route_parameters(model)
+        muon = [d.param for d in decisions if d.target == "muon"]
+        adamw = [{"params": [d.param for d in decisions if d.target == t], "weight_decay": wd}
+                 for t, wd in (("adamw", ADAMW_WD), ("adamw_no_decay", 0.0))]
+        return [torch.optim.Muon(muon, **MUON), torch.optim.AdamW([g for g in adamw if g["params"]], **ADAMW)]
+    if name.startswith("qmuon-"):
+        return [qmuon_lightning.build_optimizer(model, state_format=name[len("qmuon-"):], verbose=False,
+                                                **qmuon_kwargs)]
+    raise ValueError(f"unknown optimizer {name!r}")
+
+
 def default_threads() -> int:
     try:
         return len(os.sched_getaffinity(0))

@@ -81,10 +81,6 @@ DEFAULT_OPTIMIZERS = ("torch.AdamW", "torch.Muon", "qmuon-fp32", "qmuon-int8", "
 TARGETS = {"qmuon-int8": -2.5, "qmuon-grasp4": -3.0}
 #: keyword arguments of build_optimizer the script sets itself
 RESERVED_KWARGS = ("state_format", "verbose")
-# build_optimizer's AdamW settings, used for torch.Muon's auxiliary AdamW and for torch.AdamW
-ADAMW = dict(lr=3e-4, betas=(0.9, 0.95), eps=1e-8)
-ADAMW_WD = 0.1
-MUON = dict(lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True)
 
 
 # ---------------------------------------------------------------------------------------------- child
@@ -229,22 +225,10 @@ def child(cfg: dict[str, Any]) -> dict[str, Any]:
 
     meter.start()
     cuda_mark()
-    name = cfg["optimizer"]
-    if name == "torch.AdamW":
-        decay = [p for p in model.parameters() if p.ndim >= 2]
-        no_decay = [p for p in model.parameters() if p.ndim < 2]
-        opts = [torch.optim.AdamW([{"params": decay, "weight_decay": ADAMW_WD},
-                                   {"params": no_decay, "weight_decay": 0.0}], **ADAMW)]
-    elif name == "torch.Muon":
-        muon = [d.param for d in muon_dec]
-        adamw = [{"params": [d.param for d in decisions if d.target == t], "weight_decay": wd}
-                 for t, wd in (("adamw", ADAMW_WD), ("adamw_no_decay", 0.0))]
-        opts = [torch.optim.Muon(muon, **MUON), torch.optim.AdamW([g_ for g_ in adamw if g_["params"]], **ADAMW)]
-    elif name.startswith("qmuon-"):
-        opts = [qmuon_lightning.build_optimizer(model, state_format=name[len("qmuon-"):], verbose=False,
-                                                **cfg.get("kwargs", {}))]
-    else:
-        raise ValueError(f"unknown optimizer {name!r}")
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from _common import build_compared_optimizers
+
+    opts = build_compared_optimizers(cfg["optimizer"], model, decisions, **cfg.get("kwargs", {}))
     for d in decisions:
         d.param = None
     del decisions, muon_dec

@@ -46,10 +46,6 @@ GiB = 2**30
 MARKER = "@@TRAIN_MEMORY_RESULT@@ "
 OPTIMIZERS = ("torch.AdamW", "torch.Muon", "qmuon-int8", "qmuon-grasp4")
 BASELINE = "torch.Muon"
-# build_optimizer's AdamW settings, used for torch.Muon's auxiliary AdamW and for torch.AdamW
-ADAMW = dict(lr=3e-4, betas=(0.9, 0.95), eps=1e-8)
-ADAMW_WD = 0.1
-MUON = dict(lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True)
 #: MemTracker's categories, in the order of the table, with the column names used here. MemTracker files
 #: every tensor created inside ``optimizer.step()`` as optimizer state; the table splits that into the
 #: persistent state (counted after the run) and the step's temporaries (the rest, plus "Temp").
@@ -76,27 +72,6 @@ def _vm_kib(field: str) -> int:
     raise RuntimeError(f"{field} not in /proc/self/status")
 
 
-def _build_optimizers(name: str, model: Any) -> list[Any]:
-    import torch
-
-    import qmuon_lightning
-
-    if name == "torch.AdamW":
-        decay = [p for p in model.parameters() if p.ndim >= 2]
-        no_decay = [p for p in model.parameters() if p.ndim < 2]
-        return [torch.optim.AdamW([{"params": decay, "weight_decay": ADAMW_WD},
-                                   {"params": no_decay, "weight_decay": 0.0}], **ADAMW)]
-    if name == "torch.Muon":  # the same split build_optimizer makes, with torch's optimizers
-        decisions = qmuon_lightning.route_parameters(model)
-        muon = [d.param for d in decisions if d.target == "muon"]
-        adamw = [{"params": [d.param for d in decisions if d.target == t], "weight_decay": wd}
-                 for t, wd in (("adamw", ADAMW_WD), ("adamw_no_decay", 0.0))]
-        return [torch.optim.Muon(muon, **MUON), torch.optim.AdamW([g for g in adamw if g["params"]], **ADAMW)]
-    if name.startswith("qmuon-"):
-        return [qmuon_lightning.build_optimizer(model, state_format=name[len("qmuon-"):], verbose=False)]
-    raise ValueError(f"unknown optimizer {name!r}")
-
-
 def child(cfg: dict[str, Any]) -> dict[str, Any]:
     import torch
     from torch.distributed._tools.mem_tracker import MemTracker
@@ -118,7 +93,10 @@ def child(cfg: dict[str, Any]) -> dict[str, Any]:
         "n_muon": sum(d.param.numel() for d in decisions if d.target == "muon"),
     }
     del decisions
-    opts = _build_optimizers(cfg["optimizer"], model)
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from _common import build_compared_optimizers
+
+    opts = build_compared_optimizers(cfg["optimizer"], model)
     g = torch.Generator().manual_seed(cfg["seed"] + 1)
     tokens = torch.randint(0, cfg["vocab"], (cfg["batch"], cfg["seq"] + 1), generator=g).to(dev)
     x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()

@@ -164,7 +164,8 @@ def staging_path(final: PathLike) -> Path:
     return f.parent / f".{f.name}.partial"
 
 
-def _fsync_dir(path: Path) -> None:
+def _fsync(path: PathLike) -> None:
+    """Flush one file or directory entry to disk; best effort (some filesystems refuse)."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
@@ -180,17 +181,8 @@ def _fsync_dir(path: Path) -> None:
 def _fsync_tree(path: Path) -> None:
     for root, _, files in os.walk(path):
         for name in files:
-            try:
-                fd = os.open(os.path.join(root, name), os.O_RDONLY)
-            except OSError:
-                continue
-            try:
-                os.fsync(fd)
-            except OSError:
-                pass
-            finally:
-                os.close(fd)
-        _fsync_dir(Path(root))
+            _fsync(os.path.join(root, name))
+        _fsync(root)
 
 
 def publish_directory(staging: PathLike, final: PathLike) -> None:
@@ -208,11 +200,11 @@ def publish_directory(staging: PathLike, final: PathLike) -> None:
             _remove(old)
         os.rename(final, old)
         os.rename(staging, final)
-        _fsync_dir(final.parent)
+        _fsync(final.parent)
         _remove(old)
     else:
         os.rename(staging, final)
-        _fsync_dir(final.parent)
+        _fsync(final.parent)
 
 
 def _remove(path: Path) -> None:
