@@ -46,6 +46,13 @@ inline void check_2d(const at::Tensor& t, c10::ScalarType dtype, int64_t rows, i
               " has shape ", t.sizes(), " but needs (", rows, ", ", cols, ")", hint);
 }
 
+// Every input of a codec must be on the device of its first one: the kernel of that device reads them
+// all (a host pointer handed to a CUDA kernel is an illegal address that kills the CUDA context).
+inline void check_same_device(const at::Tensor& t, const char* what, const at::Tensor& first, const char* op) {
+  TORCH_CHECK(t.device() == first.device(), "qmuon: ", op, " ", what, " is on ", t.device(), " but packed is on ",
+              first.device(), "; move every argument to one device");
+}
+
 // A one-element fp32 tensor on `device` (the e0m3 tensor scales, the grid scale).
 inline void check_scalar(const at::Tensor& t, const char* what, size_t i, c10::Device device, const char* op) {
   TORCH_CHECK(t.scalar_type() == c10::kFloat && t.numel() == 1 && t.device() == device, "qmuon: ", op, " ", what,
@@ -390,6 +397,7 @@ at::Tensor int4_dequantize_impl(const at::Tensor& packed_in, const at::Tensor& a
   check_2d(packed_in, c10::kByte, rows, packed_cols(cols), "packed", 0, "int4_dequantize", "");
   check_2d(absmax_in, c10::kFloat, rows, num_blocks(cols, block_size), "absmax", 0, "int4_dequantize",
            " (rows, ceil(cols / block_size))");
+  check_same_device(absmax_in, "absmax", packed_in, "int4_dequantize");
   const at::Tensor packed = packed_in.contiguous(), absmax = absmax_in.contiguous();
   at::Tensor out = at::empty({rows, cols}, absmax.options());
   qmuon_codec_args a = codec_args(QMUON_CODEC_INT4_DEQUANTIZE, rows, cols);
@@ -435,6 +443,8 @@ at::Tensor e0m3_dequantize_impl(const at::Tensor& packed_in, const at::Tensor& s
   check_2d(scales_in, c10::kByte, rows, num_blocks(cols, kE0M3Block), "scales", 0, "e0m3_dequantize",
            " (one UE4M3 scale per 16 elements)");
   TORCH_CHECK(t_in.numel() == 1, "qmuon: e0m3_dequantize tensor_scale must have one element, got ", t_in.sizes());
+  check_same_device(scales_in, "scales", packed_in, "e0m3_dequantize");
+  check_same_device(t_in, "tensor_scale", packed_in, "e0m3_dequantize");
   const at::Tensor packed = packed_in.contiguous(), scales = scales_in.contiguous();
   const at::Tensor t = contiguous_as(t_in, c10::kFloat);
   at::Tensor out = at::empty({rows, cols}, packed.options().dtype(c10::kFloat));
@@ -499,6 +509,9 @@ at::Tensor grid_dequantize4_impl(const at::Tensor& packed_in, const at::Tensor& 
   check_2d(row_in, c10::kByte, rows, num_blocks(cols, grid_block), "row maxima", 0, op, " (rows, ceil(cols / s))");
   check_2d(col_in, c10::kByte, num_blocks(rows, grid_block), cols, "column maxima", 0, op, " (ceil(rows / s), cols)");
   TORCH_CHECK(t_in.numel() == 1, "qmuon: grid_dequantize4 scale must have one element, got ", t_in.sizes());
+  check_same_device(row_in, "row maxima", packed_in, op);
+  check_same_device(col_in, "column maxima", packed_in, op);
+  check_same_device(t_in, "scale", packed_in, op);
   const at::Tensor packed = packed_in.contiguous(), rb = row_in.contiguous(), cb = col_in.contiguous();
   const at::Tensor t = contiguous_as(t_in, c10::kFloat);
   at::Tensor out = at::empty({rows, cols}, packed.options().dtype(c10::kFloat));

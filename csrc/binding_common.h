@@ -14,6 +14,7 @@
 
 #include "qmuon/block_math.h"
 #include "qmuon/kernels.h"
+#include "qmuon/validate.h"
 
 namespace qmuon {
 
@@ -185,11 +186,8 @@ at::Tensor dequantize_rows_impl(const at::Tensor& codes_in, const at::Tensor& ab
 }
 
 inline const char* cpu_error_string(int code) {
-  switch (code) {
-    case QMUON_ERR_BAD_DTYPE: return "unsupported dtype";
-    case QMUON_ERR_BAD_BLOCK_SIZE: return "unsupported block_size";
-    default: return "unknown error";
-  }
+  const char* text = qmuon_error_text(code);  // qmuon/validate.h, the table the CUDA one extends
+  return text != nullptr ? text : "unknown error";
 }
 
 }  // namespace qmuon

@@ -18,6 +18,7 @@
 #include "cpu/block_reduce_cpu.h"
 #include "qmuon/block_math_4bit.h"
 #include "qmuon/kernels.h"
+#include "qmuon/validate.h"
 
 namespace qmuon {
 namespace {
@@ -632,7 +633,7 @@ extern "C" int qmuon_cpu_int4_momentum_update(const qmuon_q4_tensor* tensors, in
                                               qmuon_q4_params params) {
   using namespace qmuon;
   const int64_t bs = params.block_size;
-  if (bs < 2 || bs > kMaxBlockSize || bs % 2 != 0) return QMUON_ERR_BAD_BLOCK_SIZE;
+  if (const int err = check_int4_update(params)) return err;
   const MomentumWeights mw = make_momentum_weights(params.beta);
   for (int64_t i = 0; i < num_tensors; ++i) {
     const qmuon_q4_tensor& t = tensors[i];
@@ -647,7 +648,7 @@ extern "C" int qmuon_cpu_e0m3_momentum_update(const qmuon_q4_tensor* tensors, in
                                               qmuon_q4_params params) {
   using namespace qmuon;
   const int64_t bs = params.block_size;
-  if (bs < 1 || bs > kMaxBlockSize || (bs % kE0M3Block != 0 && kE0M3Block % bs != 0)) return QMUON_ERR_BAD_BLOCK_SIZE;
+  if (const int err = check_e0m3_update(params)) return err;
   const MomentumWeights mw = make_momentum_weights(params.beta);
   for (int64_t i = 0; i < num_tensors; ++i) {
     const qmuon_q4_tensor& t = tensors[i];
@@ -666,6 +667,7 @@ extern "C" int qmuon_cpu_e0m3_momentum_amax(const qmuon_q4_tensor* tensors, int6
                                             qmuon_q4_params params) {
   using namespace qmuon;
   constexpr int64_t kUnit = 256;  // any multiple of 16 gives the same max; this one is the default block
+  if (const int err = check_e0m3_amax(params)) return err;
   const MomentumWeights mw = make_momentum_weights(params.beta);
   for (int64_t i = 0; i < num_tensors; ++i) {
     const qmuon_q4_tensor& t = tensors[i];
@@ -688,7 +690,7 @@ extern "C" int qmuon_cpu_dense_momentum_update(const qmuon_dense_tensor* tensors
                                                qmuon_dense_params params) {
   using namespace qmuon;
   const int64_t bs = params.block_size;
-  if (bs < 1 || bs > kMaxBlockSize) return QMUON_ERR_BAD_BLOCK_SIZE;
+  if (const int err = check_dense_update(params)) return err;
   const MomentumWeights mw = make_momentum_weights(params.beta);
   for (int64_t i = 0; i < num_tensors; ++i) {
     const qmuon_dense_tensor& t = tensors[i];
@@ -708,15 +710,6 @@ extern "C" int qmuon_cpu_dense_momentum_update(const qmuon_dense_tensor* tensors
 extern "C" int qmuon_cpu_codec(const qmuon_codec_args* args) {
   if (args == nullptr) return QMUON_ERR_BAD_OP;
   const qmuon_codec_args& a = *args;
-  // int4_quantize packs a block's codes into whole bytes: an even block size (dequantize takes any).
-  if (a.op == QMUON_CODEC_INT4_QUANTIZE &&
-      (a.block_size < 2 || a.block_size > qmuon::kMaxBlockSize || a.block_size % 2 != 0)) {
-    return QMUON_ERR_BAD_BLOCK_SIZE;
-  }
-  if (a.op == QMUON_CODEC_INT4_DEQUANTIZE && a.block_size < 1) return QMUON_ERR_BAD_BLOCK_SIZE;
-  if ((a.op == QMUON_CODEC_GRID_QUANTIZE || a.op == QMUON_CODEC_GRID_QUANTIZE_WITH_SCALE ||
-       a.op == QMUON_CODEC_GRID_DEQUANTIZE) && a.block_size < 1) {
-    return QMUON_ERR_BAD_BLOCK_SIZE;
-  }
+  if (const int err = qmuon::check_codec(a)) return err;  // the same checks as qmuon_cuda_codec
   return qmuon::codec_cpu(a);
 }

@@ -12,6 +12,7 @@
 #include "cpu/block_reduce_cpu.h"
 #include "qmuon/block_math.h"
 #include "qmuon/kernels.h"
+#include "qmuon/validate.h"
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -246,7 +247,7 @@ extern "C" const char* qmuon_cpu_vector_isa(void) {
 extern "C" int qmuon_cpu_q8_momentum_update(const qmuon_q8_tensor* tensors, int64_t num_tensors,
                                             qmuon_q8_params params) {
   using namespace qmuon;
-  if (params.block_size < 1 || params.block_size > kMaxBlockSize) return QMUON_ERR_BAD_BLOCK_SIZE;
+  if (const int err = check_q8_update(params)) return err;
   const MomentumWeights mw = make_momentum_weights(params.beta);
   for (int64_t i = 0; i < num_tensors; ++i) {
     const qmuon_q8_tensor& t = tensors[i];
@@ -266,7 +267,7 @@ extern "C" int qmuon_cpu_quantize_rows(const float* x, int64_t x_rs, void* codes
                                        int64_t rows, int64_t cols, int64_t block_size, int64_t stream,
                                        int64_t row_offset) {
   using namespace qmuon;
-  if (block_size < 1 || block_size > kMaxBlockSize) return QMUON_ERR_BAD_BLOCK_SIZE;
+  if (const int err = check_rows_op(code_dtype, block_size)) return err;
   if (rows <= 0 || cols <= 0) return 0;
   switch (code_dtype) {
     case QMUON_INT8:
@@ -283,7 +284,7 @@ extern "C" int qmuon_cpu_dequantize_rows(const void* codes, int64_t codes_rs, in
                                          int64_t absmax_rs, float* out, int64_t rows, int64_t cols,
                                          int64_t block_size) {
   using namespace qmuon;
-  if (block_size < 1 || block_size > kMaxBlockSize) return QMUON_ERR_BAD_BLOCK_SIZE;
+  if (const int err = check_rows_op(code_dtype, block_size)) return err;
   if (rows <= 0 || cols <= 0) return 0;
   switch (code_dtype) {
     case QMUON_INT8:

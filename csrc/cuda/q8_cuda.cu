@@ -12,6 +12,7 @@
 
 #include "qmuon/block_math.h"
 #include "qmuon/kernels.h"
+#include "qmuon/validate.h"
 
 namespace qmuon {
 namespace cuda_kernels {
@@ -139,14 +140,24 @@ __global__ void q8_momentum_update_kernel(const __grid_constant__ Q8Batch batch,
   const uint64_t first_index =
       static_cast<uint64_t>(t.row_offset + r) * static_cast<uint64_t>(t.cols) + static_cast<uint64_t>(c0);
 
-  const float scale = dequant_scale(*absmax);
+  // The first data loads are issued before the absmax load and the division (two dependent DRAM round
+  // trips otherwise come first); each iteration then prefetches the next one's codes and grads.
   uint32_t amax_bits = 0;
   float ss = 0.0f;
   if (batch.vec[ti]) {
+    float c[4] = {0.0f, 0.0f, 0.0f, 0.0f}, gv[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    if (lane * 4 < n) {
+      load_codes4(codes + lane * 4, c);
+      Vec4<G>::load(grad + lane * 4, gv);
+    }
+    const float scale = dequant_scale(*absmax);
     for (int i = lane * 4; i < n; i += kWarp * 4) {
-      float c[4], gv[4], v[4], m[4];
-      load_codes4(codes + i, c);
-      Vec4<G>::load(grad + i, gv);
+      float v[4], m[4], c_next[4], g_next[4];
+      const bool more = i + kWarp * 4 < n;
+      if (more) {
+        load_codes4(codes + i + kWarp * 4, c_next);
+        Vec4<G>::load(grad + i + kWarp * 4, g_next);
+      }
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
         m[k] = lerp(fmul(c[k], scale), gv[k], mw.to_grad);
@@ -157,11 +168,25 @@ __global__ void q8_momentum_update_kernel(const __grid_constant__ Q8Batch batch,
       }
       Vec4<G>::store(grad + i, v);
       *reinterpret_cast<float4*>(m_new + i) = make_float4(m[0], m[1], m[2], m[3]);
+      if (more) {
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          c[k] = c_next[k];
+          gv[k] = g_next[k];
+        }
+      }
     }
   } else {
+    float c_first = 0.0f, g_first = 0.0f;
+    if (lane < n) {
+      c_first = CodeIO<CodeT>::load(codes[lane]);
+      g_first = G::load(grad[lane]);
+    }
+    const float scale = dequant_scale(*absmax);
     for (int i = lane; i < n; i += kWarp) {
-      const float gv = G::load(grad[i]);
-      const float m = lerp(fmul(CodeIO<CodeT>::load(codes[i]), scale), gv, mw.to_grad);
+      const float gv = i == lane ? g_first : G::load(grad[i]);
+      const float code = i == lane ? c_first : CodeIO<CodeT>::load(codes[i]);
+      const float m = lerp(fmul(code, scale), gv, mw.to_grad);
       const float v = nesterov ? lerp(gv, m, mw.to_mom) : m;
       grad[i] = G::store(v);
       m_new[i] = m;
@@ -311,7 +336,7 @@ using namespace qmuon::cuda_kernels;
 
 extern "C" int qmuon_cuda_q8_momentum_update(const qmuon_q8_tensor* tensors, int64_t num_tensors,
                                              qmuon_q8_params params, void* cuda_stream) {
-  if (params.block_size < 1 || params.block_size > qmuon::kMaxBlockSize) return QMUON_ERR_BAD_BLOCK_SIZE;
+  if (const int err = qmuon::check_q8_update(params)) return err;
   const cudaStream_t s = static_cast<cudaStream_t>(cuda_stream);
   switch (params.code_dtype) {
     case QMUON_INT8: return dispatch_grad<int8_t>(tensors, num_tensors, params, s);
@@ -323,7 +348,7 @@ extern "C" int qmuon_cuda_q8_momentum_update(const qmuon_q8_tensor* tensors, int
 extern "C" int qmuon_cuda_quantize_rows(const float* x, int64_t x_rs, void* codes, int32_t code_dtype, float* absmax,
                                         int64_t rows, int64_t cols, int64_t block_size, int64_t stream,
                                         int64_t row_offset, void* cuda_stream) {
-  if (block_size < 1 || block_size > qmuon::kMaxBlockSize) return QMUON_ERR_BAD_BLOCK_SIZE;
+  if (const int err = qmuon::check_rows_op(code_dtype, block_size)) return err;
   if (rows <= 0 || cols <= 0) return cudaSuccess;
   const int64_t grid = row_kernel_grid(rows, cols, block_size);
   if (grid > 0x7FFFFFFFLL) return cudaErrorInvalidConfiguration;
@@ -345,7 +370,7 @@ extern "C" int qmuon_cuda_quantize_rows(const float* x, int64_t x_rs, void* code
 extern "C" int qmuon_cuda_dequantize_rows(const void* codes, int64_t codes_rs, int32_t code_dtype,
                                           const float* absmax, int64_t absmax_rs, float* out, int64_t rows,
                                           int64_t cols, int64_t block_size, void* cuda_stream) {
-  if (block_size < 1 || block_size > qmuon::kMaxBlockSize) return QMUON_ERR_BAD_BLOCK_SIZE;
+  if (const int err = qmuon::check_rows_op(code_dtype, block_size)) return err;
   if (rows <= 0 || cols <= 0) return cudaSuccess;
   const int64_t grid = row_kernel_grid(rows, cols, block_size);
   if (grid > 0x7FFFFFFFLL) return cudaErrorInvalidConfiguration;
@@ -365,9 +390,6 @@ extern "C" int qmuon_cuda_dequantize_rows(const void* codes, int64_t codes_rs, i
 }
 
 extern "C" const char* qmuon_cuda_error_string(int code) {
-  switch (code) {
-    case QMUON_ERR_BAD_DTYPE: return "unsupported dtype";
-    case QMUON_ERR_BAD_BLOCK_SIZE: return "unsupported block_size";
-    default: return cudaGetErrorString(static_cast<cudaError_t>(code));
-  }
+  const char* text = qmuon::qmuon_error_text(code);  // QMUON_ERR_* (qmuon/validate.h), else a CUDA error
+  return text != nullptr ? text : cudaGetErrorString(static_cast<cudaError_t>(code));
 }

@@ -232,7 +232,10 @@ struct BF16 {
   QMUON_HD static float load(uint16_t v) { return bits_f32(static_cast<uint32_t>(v) << 16); }
   QMUON_HD static uint16_t store(float v) {
 #if defined(__CUDA_ARCH__)
-    return __bfloat16_as_ushort(__float2bfloat16_rn(v));
+    // cvt.rn.bf16.f32 turns every NaN into 0x7FFF; the CPU (and torch's CPU conversion) writes the one
+    // quiet NaN 0x7FC0, so NaNs are canonicalized to that pattern on both sides.
+    const uint32_t u = __float_as_uint(v);
+    return (u & 0x7FFFFFFFu) > 0x7F800000u ? static_cast<uint16_t>(0x7FC0u) : __bfloat16_as_ushort(__float2bfloat16_rn(v));
 #else
     // c10::BFloat16's round_to_nearest_even.
     const uint32_t u = f32_bits(v);
@@ -260,7 +263,9 @@ struct F16 {
   }
   QMUON_HD static uint16_t store(float v) {
 #if defined(__CUDA_ARCH__)
-    return __half_as_ushort(__float2half_rn(v));
+    // NaN -> 0x7E00 as on the CPU (cvt.rn.f16.f32 writes 0x7FFF).
+    const uint32_t u = __float_as_uint(v);
+    return (u & 0x7FFFFFFFu) > 0x7F800000u ? static_cast<uint16_t>(0x7E00u) : __half_as_ushort(__float2half_rn(v));
 #else
     // fp16_ieee_from_fp32_value: round to nearest even, overflow to inf, NaN -> 0x7E00.
     float base = fmul(fmul(bits_f32(f32_bits(v) & 0x7FFFFFFFu), 0x1.0p+112f), 0x1.0p-110f);

@@ -33,6 +33,7 @@ Environment
                        ``native``; empty for the compiler's default.
 ``QMUON_BUILD_CUDA``   ``0`` to build the CPU kernels only even when torch has CUDA.
 ``QMUON_BUILD_VERBOSE`` ``1`` to show the compiler commands.
+``QMUON_CSRC_DIR``     build from this copy of ``csrc/`` instead of the package's.
 ``TORCH_EXTENSIONS_DIR``, ``MAX_JOBS``, ``TORCH_CUDA_ARCH_LIST``, ``CUDA_HOME``: as for
 ``torch.utils.cpp_extension``.
 """
@@ -59,7 +60,7 @@ _LIB = "qmuon_C"
 _CPU_SOURCES = ("binding.cpp", "cpu/q8_cpu.cpp", "cpu/q4_cpu.cpp")
 _CUDA_SOURCES = ("binding_cuda.cpp", "cuda/q8_cuda.cu", "cuda/q4_cuda.cu")
 _HEADERS = ("binding_common.h", "binding_4bit.h", "cpu/block_reduce_cpu.h", "qmuon/block_math.h",
-            "qmuon/block_math_4bit.h", "qmuon/kernels.h")
+            "qmuon/block_math_4bit.h", "qmuon/kernels.h", "qmuon/validate.h")
 
 
 @dataclass(frozen=True)
@@ -85,10 +86,14 @@ _lock = threading.RLock()
 _status: ExtensionStatus | None = None
 
 
-def _source_dirs() -> tuple[Path, Path]:
-    """Where the kernel sources may be: ``qmuon_lightning/_csrc`` of an installed wheel (the
+def _source_dirs() -> tuple[Path, ...]:
+    """Where the kernel sources may be: ``$QMUON_CSRC_DIR`` when set (a patched copy; qmuon-doctor's
+    tests point it at a broken one), else ``qmuon_lightning/_csrc`` of an installed wheel (the
     repository's ``csrc/`` mapped into the package, see pyproject.toml), then ``csrc/`` next to the
     package in a source checkout / editable install."""
+    override = os.environ.get("QMUON_CSRC_DIR", "").strip()
+    if override:
+        return (Path(override).resolve(),)
     pkg = Path(__file__).resolve().parents[1]
     return pkg / "_csrc", pkg.parent / "csrc"
 

@@ -99,6 +99,13 @@ def dense_matches_torch(device: torch.device) -> bool:
     """
     key = device.type
     if key not in _lerp_fused:
+        if key == "cuda" and torch.cuda.is_current_stream_capturing():
+            # The probe copies host -> device and compares on the host: impossible inside a capture.
+            raise RuntimeError(
+                "qmuon_lightning: the dense momentum kernel is probed on its first CUDA call, which cannot happen "
+                "inside a CUDA graph capture. Run one optimizer step eagerly before capturing (the warm-up that "
+                "torch.cuda.graph needs anyway), or call qmuon_lightning.ops._kernels.dense_matches_torch(device) "
+                "first.")
         from . import reference as ref
 
         gen = torch.Generator().manual_seed(1234)

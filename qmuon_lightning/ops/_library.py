@@ -54,6 +54,8 @@ class QmuonOp:
         if self.name in OPS:
             raise ValueError(f"qmuon::{self.name} is declared twice")
         self.mutated = tuple(params.index(a) for a in mutates_args)
+        #: Index of the stochastic-rounding ``streams`` (list) / ``stream`` (int) argument, if any.
+        self.stream_arg = next((params.index(a) for a in ("streams", "stream") if a in params), None)
         schema = torch.library.infer_schema(fn, mutates_args=mutates_args)
         _lib.define(self.name + schema)
         self.register_kernel("CompositeExplicitAutograd", fn)
@@ -76,9 +78,32 @@ class QmuonOp:
         kernel.__name__ = getattr(fn, "__name__", self.name)
         return kernel
 
+    def _refusing_capture(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """``fn``, refused inside a CUDA graph capture when it rounds stochastically: the noise streams are
+        host integers, which a captured graph would freeze, so every replay would repeat one step's noise
+        (docs/kernels.md, "CUDA graphs"). Nearest rounding (every stream -1) captures and replays."""
+        i = self.stream_arg
+        if i is None or torch.version.cuda is None:  # no CUDA build: nothing can be captured
+            return fn
+        name = self.name
+
+        def kernel(*args: Any) -> Any:
+            s = args[i]
+            # CUDA not initialized: nothing is being captured (and nothing is initialized here).
+            if (any(x >= 0 for x in s) if isinstance(s, (list, tuple)) else s >= 0) and \
+                    torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(
+                    f"qmuon::{name}: stochastic rounding cannot be captured in a CUDA graph: its noise stream "
+                    "is a host integer that a replay would repeat. Capture with rounding='nearest' (streams of "
+                    "-1), or run the optimizer step outside the graph.")
+            return fn(*args)
+
+        kernel.__name__ = getattr(fn, "__name__", self.name)
+        return kernel
+
     def register_kernel(self, dispatch_key: str, fn: Callable[..., Any]) -> None:
         """Implementation for ``dispatch_key`` (``"CPU"``, ``"CUDA"``, ``"CompositeExplicitAutograd"``)."""
-        _lib.impl(self.name, self._bumping(fn), dispatch_key)
+        _lib.impl(self.name, self._bumping(self._refusing_capture(fn)), dispatch_key)
 
     def register_fake(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         torch.library.register_fake(f"{_NS}::{self.name}", fn, lib=_lib)

@@ -1,0 +1,539 @@
+"""``qmuon-doctor``: what a user runs first on a new machine (about a minute).
+
+    qmuon-doctor                      # the first CUDA device if there is one, else the CPU
+    qmuon-doctor --device cpu         # the CPU path only
+    python -m qmuon_lightning.doctor --numel 67108864 --json report.json
+
+It prints one table and exits 0 when every check passed, 1 otherwise; each failure it knows comes with
+its fix. The checks, in order:
+
+* **versions**: torch, its CUDA, ``nvcc`` (the toolkit the kernels build with), Python, the CPU;
+* **build**: which backend serves ``torch.ops.qmuon`` (``cpu+cuda-extension``, ``cpu-extension`` or
+  ``reference``) and why: loaded from the cache, built now (with the time), or fell back (the error);
+* **device**: the GPU's compute capability and whether the build targets it (an ``sm_XY`` image or PTX
+  that the driver can JIT; ``TORCH_CUDA_ARCH_LIST`` sets the targets), and the ``ns_dtype="auto"``
+  choice there;
+* **ops**: every ``torch.ops.qmuon`` op with a compiled twin, run once on the device through the
+  dispatcher (the guarded kernel, which counts whether the compiled kernel or the reference served it)
+  and compared with its pure-PyTorch reference on the same device: bit for bit, the per-block sums of
+  squares within fp32 summation-order tolerance (``2 * block_size * 2**-24`` relative);
+* **bandwidth**: the fused momentum update of every format against ``copy_`` of the same bytes, in the
+  same run (a ratio, so a loaded machine still gives a meaningful number; reported, not a pass/fail);
+* **nccl**: with two or more GPUs, an all-to-all of the uint8 carrier the sharded optimizer sends
+  (one process per GPU), checked element for element.
+
+The CPU path skips what needs a GPU and still finishes in well under a minute once the kernels are
+built (the first build takes a minute or more and is reported as such).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import time
+import warnings
+from dataclasses import asdict, dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import Tensor
+
+__all__ = ["Check", "main", "run_checks", "format_table", "arch_targets_device"]
+
+PASS, FAIL, WARN, SKIP, INFO = "PASS", "FAIL", "WARN", "SKIP", "info"
+
+
+@dataclass
+class Check:
+    """One row of the doctor's table."""
+
+    name: str
+    result: str  # PASS / FAIL / WARN / SKIP / info
+    detail: str = ""
+    fix: str = ""
+
+
+# ---------------------------------------------------------------------------------------------
+# versions, build, device
+# ---------------------------------------------------------------------------------------------
+def _nvcc_version() -> str | None:
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    nvcc = os.path.join(CUDA_HOME, "bin", "nvcc") if CUDA_HOME else shutil.which("nvcc")
+    if not nvcc or not os.path.exists(nvcc):
+        return None
+    try:
+        out = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    m = re.search(r"release ([0-9.]+)", out)
+    return m.group(1) if m else out.strip().splitlines()[-1] if out.strip() else None
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def version_checks() -> list[Check]:
+    nvcc = _nvcc_version()
+    rows = [Check("python", INFO, sys.version.split()[0]),
+            Check("torch", INFO, f"{torch.__version__} (CUDA {torch.version.cuda or 'none'})"),
+            Check("cpu", INFO, f"{_cpu_model()}, {os.cpu_count()} logical cores")]
+    if torch.version.cuda is None:
+        rows.append(Check("nvcc", INFO, nvcc or "not found (CPU-only torch: not needed)"))
+    elif nvcc is None:
+        rows.append(Check("nvcc", WARN, "not found: the CUDA kernels cannot be built",
+                          "install the CUDA toolkit matching torch's CUDA and set CUDA_HOME"))
+    else:
+        major = lambda v: v.split(".")[0]  # noqa: E731
+        same = major(nvcc) == major(torch.version.cuda)
+        rows.append(Check("nvcc", INFO if same else WARN, f"{nvcc} (torch built with {torch.version.cuda})",
+                          "" if same else "use a toolkit with the same major version as torch's CUDA "
+                          "(CUDA_HOME), or install the torch build for this toolkit"))
+    return rows
+
+
+def build_check() -> tuple[Check, Any]:
+    """Load (or build) the extension; say which backend serves the ops and why."""
+    from qmuon_lightning.ops import _extension
+
+    cached = None
+    try:
+        want_cuda, _ = _extension._cuda_wanted()
+        spec = _extension._build_spec(want_cuda)
+        cached = os.path.exists(os.path.join(spec["build_directory"], spec["name"] + ".so"))
+    except Exception:  # noqa: BLE001 - only the "cached" wording depends on it
+        pass
+    t0 = time.perf_counter()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            st = _extension.status()
+    except (RuntimeError, ValueError) as err:  # QMUON_BACKEND=extension and no build, or a bad value
+        return Check("build", FAIL, str(err), _build_fix(str(err))), None
+    dt = time.perf_counter() - t0
+    how = "loaded from the cache" if cached else f"built now in {dt:.0f} s"
+    if st.backend == "reference":
+        if st.reason == "QMUON_BACKEND=reference":
+            return Check("build", WARN, "reference: QMUON_BACKEND=reference (no compiled kernels)",
+                         "unset QMUON_BACKEND to use the compiled kernels"), st
+        return Check("build", FAIL, f"reference (fell back): {st.reason}", _build_fix(st.reason or "")), st
+    detail = f"{st.backend}, {how} ({st.library})"
+    if torch.cuda.is_available() and not st.cuda:
+        return Check("build", FAIL, f"{detail}; no CUDA kernels: {st.reason}", _build_fix(st.reason or "")), st
+    if st.reason:
+        detail += f"; note: {st.reason}"
+    return Check("build", PASS, detail), st
+
+
+def _build_fix(reason: str) -> str:
+    r = reason.lower()
+    if "not found" in r and "source" in r:
+        return "reinstall qmuon-lightning (the wheel ships csrc/ as qmuon_lightning/_csrc) or use a source checkout"
+    if "nvcc" in r or "cuda_home" in r or "toolkit" in r:
+        return "install the CUDA toolkit matching torch.version.cuda and set CUDA_HOME"
+    if "ninja" in r:
+        return "pip install ninja"
+    return ("see the compiler error above; `python -m qmuon_lightning.ops.build --verbose` shows the commands "
+            "(QMUON_BACKEND=reference runs the pure-PyTorch kernels meanwhile)")
+
+
+def _parse_arch_list(text: str) -> list[tuple[int, int, bool]]:
+    """``"9.0 10.0;12.1+PTX"`` -> [(9, 0, False), (10, 0, False), (12, 1, True)]."""
+    out = []
+    for item in re.split(r"[;\s,]+", text.strip()):
+        m = re.fullmatch(r"(\d+)\.(\d+)([a-z]?)(\+PTX)?", item.strip(), flags=re.I)
+        if m:
+            out.append((int(m.group(1)), int(m.group(2)), m.group(4) is not None))
+    return out
+
+
+def arch_targets_device(arch_list: str | None, capability: tuple[int, int]) -> tuple[bool, str]:
+    """Whether a build for ``TORCH_CUDA_ARCH_LIST=arch_list`` runs on a device of ``capability``:
+    an ``sm_XY`` image of the same major version and a minor <= the device's (binary compatibility
+    within a major version), or PTX of a lower or equal version (JIT-compiled by the driver). An unset
+    list builds for the visible devices (torch's default), which targets them."""
+    if not arch_list:
+        return True, "TORCH_CUDA_ARCH_LIST unset: built for the visible devices"
+    major, minor = capability
+    for a_major, a_minor, ptx in _parse_arch_list(arch_list):
+        if a_major == major and a_minor <= minor:
+            return True, f"sm_{a_major}{a_minor} image in TORCH_CUDA_ARCH_LIST={arch_list!r}"
+        if ptx and (a_major, a_minor) <= (major, minor):
+            return True, f"PTX {a_major}.{a_minor} (JIT) in TORCH_CUDA_ARCH_LIST={arch_list!r}"
+    return False, f"TORCH_CUDA_ARCH_LIST={arch_list!r} has no image or PTX for {major}.{minor}"
+
+
+def device_checks(device: torch.device) -> list[Check]:
+    rows = []
+    if device.type == "cuda":
+        idx = device.index or 0
+        cap = torch.cuda.get_device_capability(idx)
+        name = torch.cuda.get_device_name(idx)
+        ok, why = arch_targets_device(os.environ.get("TORCH_CUDA_ARCH_LIST"), cap)
+        rows.append(Check("device", PASS if ok else FAIL,
+                          f"{device}: {name}, compute capability {cap[0]}.{cap[1]}, "
+                          f"{torch.cuda.device_count()} GPU(s); {why}",
+                          "" if ok else f"export TORCH_CUDA_ARCH_LIST='{cap[0]}.{cap[1]}+PTX' and rebuild "
+                          "(python -m qmuon_lightning.ops.build)"))
+    else:
+        rows.append(Check("device", INFO, "cpu (no CUDA device visible)" if not torch.cuda.is_available()
+                          else "cpu (asked for with --device cpu)"))
+    try:
+        from qmuon_lightning.core.newton_schulz import resolve_ns_dtype
+
+        dt = resolve_ns_dtype("auto", device)
+        env = os.environ.get("QMUON_NS_DTYPE")
+        rows.append(Check("ns_dtype='auto'", INFO, f"{str(dt).replace('torch.', '')} on {device}"
+                          + (f" (QMUON_NS_DTYPE={env} overrides)" if env else "")))
+    except Exception as err:  # noqa: BLE001
+        rows.append(Check("ns_dtype='auto'", FAIL, f"{type(err).__name__}: {err}",
+                          "set QMUON_NS_DTYPE=bf16 or fp32"))
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------
+# ops: every compiled op once against its reference
+# ---------------------------------------------------------------------------------------------
+def _samples(device: torch.device) -> dict[str, Callable[[], tuple]]:
+    """Arguments of one call of each op (built fresh per call: the updates mutate them)."""
+    from qmuon_lightning.ops import reference as ref
+    from qmuon_lightning.ops import reference_4bit as ref4
+
+    gen = torch.Generator().manual_seed(20260)
+    rows, cols, bs = 37, 300, 64  # a partial last block, an odd number of rows
+
+    def randn(*shape: int, scale: float = 1.0) -> Tensor:
+        return (torch.randn(*shape, generator=gen) * scale).to(device)
+
+    m = randn(rows, cols, scale=0.02)
+    g = randn(rows, cols, scale=0.1)
+    # state built once on the CPU by the reference (the same bits on every device)
+    q8 = ref.quantize_rows(m.cpu(), bs, signed=True)
+    i4 = ref4.int4_quantize(m.cpu(), bs)
+    e3 = ref4.e0m3_quantize(m.cpu())
+    gq = ref4.grid_quantize4(m.cpu(), 32)
+    d = lambda t: t.to(device).clone()  # noqa: E731
+    stream = ref.noise_stream(7, 3, 1)
+
+    def sums(block: int) -> list[Tensor]:
+        return [torch.full((rows, ref.num_blocks(cols, block)), float("nan"), device=device)]
+
+    return {
+        "q8_momentum_update_multi_": lambda: ([d(q8[0])], [d(q8[1])], [g.to(torch.bfloat16)], sums(bs), 0.95, True,
+                                              bs, [stream], [5]),
+        "dense_momentum_update_multi_": lambda: ([d(m)], [g.clone()], sums(bs), 0.95, True, bs, [-1], [0]),
+        "quantize_rows": lambda: (m.clone(), bs, True, stream, 3),
+        "dequantize_rows": lambda: (d(q8[0]), d(q8[1]), bs),
+        "pack_int4": lambda: (torch.randint(-7, 8, (rows, cols), generator=gen, dtype=torch.int8).to(device),),
+        "unpack_int4": lambda: (d(i4[0]), cols),
+        "ue4m3_encode": lambda: (m.abs() * 1000, True),
+        "ue4m3_decode": lambda: (torch.arange(256, dtype=torch.int32).to(torch.uint8).to(device),),
+        "int4_quantize": lambda: (m.clone(), bs, stream, 2),
+        "int4_dequantize": lambda: (d(i4[0]), d(i4[1]), bs, cols),
+        "e0m3_quantize": lambda: (m.clone(), True, stream, 1),
+        "e0m3_dequantize": lambda: (d(e3[0]), d(e3[1]), d(e3[2]), cols),
+        "grid_quantize4": lambda: (m.clone(), 32, stream, 0),
+        "grid_quantize4_with_scale": lambda: (m.clone(), 32, d(gq[3]).reshape(1), -1, 0),
+        "grid_dequantize4": lambda: (d(gq[0]), d(gq[1]), d(gq[2]), d(gq[3]), 32, cols),
+        "int4_momentum_update_multi_": lambda: ([d(i4[0])], [d(i4[1])], [g.clone()], sums(bs), 0.95, True, bs,
+                                                [stream], [0]),
+        "e0m3_momentum_update_multi_": lambda: ([d(e3[0])], [d(e3[1])], [d(e3[2]).reshape(1)],
+                                                [g.to(torch.float16)], sums(bs), 0.95, False, bs, [-1], [0]),
+        "e0m3_momentum_amax_multi": lambda: ([d(e3[0])], [d(e3[1])], [d(e3[2]).reshape(1)], [g.clone()], 0.9),
+        "e0m3_momentum_update_with_scale_multi_": lambda: (
+            [d(e3[0])], [d(e3[1])], [d(e3[2]).reshape(1)], [torch.full((1,), 3e-4, device=device)], [g.clone()],
+            sums(16), 0.9, True, 16, [stream], [11]),
+    }
+
+
+def _tensors(x: Any) -> list[Tensor]:
+    if isinstance(x, Tensor):
+        return [x]
+    if isinstance(x, (list, tuple)):
+        return [t for item in x for t in _tensors(item)]
+    return []
+
+
+def _bits(t: Tensor) -> Tensor:
+    t = t.detach().cpu().contiguous()
+    if t.dtype in (torch.float32,):
+        return t.view(torch.int32)
+    if t.dtype in (torch.bfloat16, torch.float16):
+        return t.view(torch.int16)
+    return t
+
+
+def _compare_call(op: Any, args_a: tuple, args_b: tuple) -> str | None:
+    """Run the dispatcher (compiled kernel where supported) on ``args_a`` and the reference on
+    ``args_b``; None when outputs and mutated arguments agree, else what differs."""
+    import inspect
+
+    out_a = getattr(torch.ops.qmuon, op.name)(*args_a)
+    out_b = op.reference(*args_b)
+    params = list(inspect.signature(op.reference).parameters)
+    sums_at = params.index("block_sumsq") if "block_sumsq" in params else None
+    bs_at = params.index("block_size") if "block_size" in params else None
+    pairs: list[tuple[str, Tensor, Tensor, bool]] = []
+    for k, (a, b) in enumerate(zip(_tensors(out_a), _tensors(out_b))):
+        pairs.append((f"output {k}", a, b, False))
+    for i in op.mutated:
+        for k, (a, b) in enumerate(zip(_tensors(args_a[i]), _tensors(args_b[i]))):
+            pairs.append((f"{params[i]}[{k}]", a, b, i == sums_at))
+    for what, a, b, is_sum in pairs:
+        if a.shape != b.shape or a.dtype != b.dtype:
+            return f"{what}: {a.dtype}{tuple(a.shape)} vs reference {b.dtype}{tuple(b.shape)}"
+        if is_sum:  # fp32 sums of <= block_size squares, different summation order
+            rtol = 2 * (args_a[bs_at] if bs_at is not None else 1) * 2.0 ** -24
+            if not torch.allclose(a.cpu(), b.cpu(), rtol=rtol, atol=1e-30, equal_nan=True):
+                return f"{what}: sums of squares differ beyond fp32 order tolerance {rtol:.1e}"
+        elif not torch.equal(_bits(a), _bits(b)):
+            n = int((_bits(a) != _bits(b)).sum())
+            return f"{what}: {n} of {a.numel()} elements differ from the reference"
+    return None
+
+
+def op_checks(device: torch.device, status: Any) -> list[Check]:
+    from qmuon_lightning.ops import _kernels
+    from qmuon_lightning.ops._library import OPS
+
+    compiled = status is not None and (status.cuda if device.type == "cuda" else status.cpu)
+    samples = _samples(device)
+    rows: list[Check] = []
+    for name, op in OPS.items():
+        if op.supported is None:
+            continue  # reference-only op: nothing to compare
+        make = samples.get(name)
+        if make is None:
+            rows.append(Check(f"op {name}", WARN, "no sample call in qmuon_lightning/doctor.py; not checked",
+                              "add one to _samples()"))
+            continue
+        before = _kernels.served[(name, "compiled")]
+        try:
+            args_a = make()
+            args_b = tuple([t.clone() for t in a] if isinstance(a, list) and a and isinstance(a[0], Tensor)
+                           else a.clone() if isinstance(a, Tensor) else a for a in args_a)
+            problem = _compare_call(op, args_a, args_b)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+        except Exception as err:  # noqa: BLE001 - every failure is a row, with its fix
+            text = f"{type(err).__name__}: {str(err).splitlines()[0][:300]}"
+            rows.append(Check(f"op {name}", FAIL, text, _op_fix(text)))
+            continue
+        served = "compiled" if _kernels.served[(name, "compiled")] > before else "reference"
+        if problem:
+            rows.append(Check(f"op {name}", FAIL, f"{served} kernel: {problem}",
+                              "a kernel bug: report this table; QMUON_BACKEND=reference is the workaround"))
+        elif compiled and served != "compiled":
+            rows.append(Check(f"op {name}", FAIL, "the reference served this call although the kernels loaded",
+                              "the op's compiled_when predicate rejected the sample; report this table"))
+        else:
+            rows.append(Check(f"op {name}", PASS, f"{served} == reference on {device}"))
+    return rows
+
+
+def _op_fix(text: str) -> str:
+    if "no kernel image" in text:
+        cap = torch.cuda.get_device_capability() if torch.cuda.is_available() else ("X", "Y")
+        return f"export TORCH_CUDA_ARCH_LIST='{cap[0]}.{cap[1]}+PTX' and rebuild (python -m qmuon_lightning.ops.build)"
+    if "out of memory" in text:
+        return "free GPU memory (another process holds it) and rerun"
+    return "a kernel error: report this table; QMUON_BACKEND=reference is the workaround"
+
+
+# ---------------------------------------------------------------------------------------------
+# bandwidth: the fused update vs copy_ of the same bytes
+# ---------------------------------------------------------------------------------------------
+def _timer(device: torch.device, fn: Callable[[], Any], reps: int, warmup: int = 2) -> float:
+    """Median seconds of one call."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def bandwidth_checks(device: torch.device, numel: int, reps: int) -> list[Check]:
+    """Each format's fused update (bf16 grad, nearest rounding, sums of squares) on one matrix of
+    ``numel`` elements, in GB/s of the bytes it must move, and as a fraction of ``copy_`` moving the
+    same number of bytes in the same run."""
+    from qmuon_lightning.ops import reference as ref
+    from qmuon_lightning.ops import reference_4bit as ref4
+    from qmuon_lightning.ops._library import empty_block_sumsq
+
+    cols = 4096
+    rows = max(1, numel // cols)
+    bs = 256
+    gen = torch.Generator().manual_seed(1)
+    m = (torch.randn(rows, cols, generator=gen) * 0.02).to(device)
+    grad = (torch.randn(rows, cols, generator=gen) * 0.1).to(device, torch.bfloat16)
+    n = rows * cols
+    nb = ref.num_blocks(cols, bs)
+    g_bytes = 2 * 2 * n  # bf16 read + write
+    sums_bytes = 4 * rows * nb
+    q8 = [t.to(device) for t in ref.quantize_rows(m.cpu(), bs, signed=True)]
+    i4 = [t.to(device) for t in ref4.int4_quantize(m.cpu(), bs)]
+    e3 = [t.to(device) for t in ref4.e0m3_quantize(m.cpu())]
+    e3[2] = e3[2].reshape(1)
+    buf = m.clone()
+    sums = empty_block_sumsq([grad], bs)
+    q = torch.ops.qmuon
+    cases: dict[str, tuple[Callable[[], Any], int]] = {
+        "q8": (lambda: q.q8_momentum_update_multi_([q8[0]], [q8[1]], [grad], sums, 0.95, True, bs, [-1], [0]),
+               g_bytes + 2 * n + 2 * 4 * rows * nb + sums_bytes),
+        "int4": (lambda: q.int4_momentum_update_multi_([i4[0]], [i4[1]], [grad], sums, 0.95, True, bs, [-1], [0]),
+                 g_bytes + 2 * (n // 2) + 2 * 4 * rows * nb + sums_bytes),
+        # e0m3 reads the state and the grad twice (pass 1 finds the new tensor scale)
+        "e0m3": (lambda: q.e0m3_momentum_update_multi_([e3[0]], [e3[1]], [e3[2]], [grad], sums, 0.95, True, bs,
+                                                       [-1], [0]),
+                 g_bytes + 2 * n + 3 * (n // 2) + 3 * (n // 16) + sums_bytes),
+        "dense fp32": (lambda: q.dense_momentum_update_multi_([buf], [grad], sums, 0.95, True, bs, [-1], [0]),
+                       g_bytes + 2 * 4 * n + sums_bytes),
+    }
+    rows_out = []
+    src = torch.empty(max(cases[k][1] for k in cases) // 2, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    for name, (fn, nbytes) in cases.items():
+        half = nbytes // 2
+        s, d = src[:half], dst[:half]
+        try:
+            t_op = _timer(device, fn, reps)
+            t_copy = _timer(device, lambda: d.copy_(s), reps)
+        except Exception as err:  # noqa: BLE001
+            rows_out.append(Check(f"bandwidth {name}", FAIL, f"{type(err).__name__}: {err}", _op_fix(str(err))))
+            continue
+        gbs, copy_gbs = nbytes / t_op / 1e9, nbytes / t_copy / 1e9
+        rows_out.append(Check(f"bandwidth {name}", INFO,
+                              f"{gbs:.1f} GB/s = {gbs / copy_gbs:.2f}x copy_ ({copy_gbs:.1f} GB/s), "
+                              f"{rows}x{cols} bf16 grad, median of {reps}"))
+    return rows_out
+
+
+# ---------------------------------------------------------------------------------------------
+# NCCL all-to-all of the carrier (several GPUs)
+# ---------------------------------------------------------------------------------------------
+def _all_to_all_worker(rank: int, world: int, init_file: str, numel: int) -> None:
+    import torch.distributed as dist
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        # the carrier: uint8 bytes, rank r sends chunk j filled with (r * 16 + j) % 251 to rank j
+        send = torch.cat([torch.full((numel,), (rank * 16 + j) % 251, dtype=torch.uint8, device="cuda")
+                          for j in range(world)])
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send)
+        torch.cuda.synchronize()
+        want = torch.cat([torch.full((numel,), (j * 16 + rank) % 251, dtype=torch.uint8, device="cuda")
+                          for j in range(world)])
+        if not torch.equal(recv, want):
+            raise RuntimeError(f"rank {rank}: all-to-all delivered wrong bytes")
+    finally:
+        dist.destroy_process_group()
+
+
+def nccl_check(timeout_s: float = 120.0) -> Check:
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if n < 2:
+        return Check("nccl all-to-all", SKIP, f"{n} GPU(s): needs two or more")
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        t0 = time.perf_counter()
+        try:
+            ctx = mp.start_processes(_all_to_all_worker, args=(n, os.path.join(tmp, "init"), 1 << 20), nprocs=n,
+                                     join=False, start_method="spawn")
+            while not ctx.join(timeout=timeout_s):
+                if time.perf_counter() - t0 > timeout_s:
+                    for p in ctx.processes:
+                        p.kill()
+                    return Check("nccl all-to-all", FAIL, f"timed out after {timeout_s:.0f} s",
+                                 "check NCCL_DEBUG=INFO output; P2P / network settings (NCCL_P2P_DISABLE=1)")
+        except Exception as err:  # noqa: BLE001
+            return Check("nccl all-to-all", FAIL, f"{type(err).__name__}: {str(err).splitlines()[0][:300]}",
+                         "run with NCCL_DEBUG=INFO; check the driver / NCCL install and P2P (NCCL_P2P_DISABLE=1)")
+        return Check("nccl all-to-all", PASS, f"{n} GPUs, 1 MiB uint8 carrier per pair, {time.perf_counter() - t0:.1f} s")
+
+
+# ---------------------------------------------------------------------------------------------
+# table, entry point
+# ---------------------------------------------------------------------------------------------
+def run_checks(device: str | None = None, numel: int | None = None, reps: int = 5,
+               bandwidth: bool = True) -> list[Check]:
+    """Every check above, in order (stops after the build when nothing can run)."""
+    dev = torch.device(device) if device else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    rows = version_checks()
+    build, st = build_check()
+    rows.append(build)
+    rows.extend(device_checks(dev))
+    rows.extend(op_checks(dev, st))
+    if bandwidth:
+        n = numel or ((1 << 26) if dev.type == "cuda" else (1 << 21))
+        rows.extend(bandwidth_checks(dev, n, reps))
+    if dev.type == "cuda":
+        rows.append(nccl_check())
+    return rows
+
+
+def format_table(rows: Sequence[Check]) -> str:
+    lines = ["| check | result | detail | fix |", "| --- | --- | --- | --- |"]
+    for r in rows:
+        cells = [c.replace("|", "/").replace("\n", " ") for c in (r.name, r.result, r.detail, r.fix)]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="qmuon-doctor",
+        description="Check this machine for qmuon_lightning: versions, kernel build, device, every op against "
+                    "its reference, update bandwidth, NCCL. Exit status 0 when every check passed.")
+    parser.add_argument("--device", default=None, help="cuda, cuda:1 or cpu (default: cuda if available)")
+    parser.add_argument("--numel", type=int, default=None,
+                        help="elements of the bandwidth matrix (default 2**26 on CUDA, 2**21 on CPU)")
+    parser.add_argument("--reps", type=int, default=5, help="timed repetitions per bandwidth case")
+    parser.add_argument("--no-bandwidth", action="store_true", help="skip the bandwidth rows")
+    parser.add_argument("--json", default=None, help="also write the rows to this JSON file")
+    args = parser.parse_args(argv)
+    t0 = time.perf_counter()
+    rows = run_checks(args.device, args.numel, args.reps, not args.no_bandwidth)
+    failed = [r for r in rows if r.result == FAIL]
+    print(f"## qmuon-doctor ({time.perf_counter() - t0:.0f} s)\n")
+    print(format_table(rows))
+    print()
+    print(f"{len(failed)} failure(s)" + (": " + ", ".join(r.name for r in failed) if failed else "; all good"))
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump([asdict(r) for r in rows], f, indent=1)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
