@@ -357,25 +357,33 @@ def _op_fix(text: str) -> str:
 # ---------------------------------------------------------------------------------------------
 # bandwidth: the fused update vs copy_ of the same bytes
 # ---------------------------------------------------------------------------------------------
-def _timer(device: torch.device, fn: Callable[[], Any], reps: int, warmup: int = 2) -> float:
-    """Median seconds of one call."""
+def _time_once(device: torch.device, fn: Callable[[], Any]) -> float:
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def _timed_pair(device: torch.device, fn: Callable[[], Any], other: Callable[[], Any], reps: int,
+                warmup: int = 2) -> tuple[float, float]:
+    """Median seconds of ``fn`` and of ``other``, timed alternately (so a machine whose load changes
+    during the run slows both alike and their ratio stays meaningful)."""
     for _ in range(warmup):
         fn()
-    times = []
+        other()
+    a, b = [], []
     for _ in range(reps):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-    times.sort()
-    return times[len(times) // 2]
+        a.append(_time_once(device, fn))
+        b.append(_time_once(device, other))
+    a.sort()
+    b.sort()
+    return a[len(a) // 2], b[len(b) // 2]
 
 
 def bandwidth_checks(device: torch.device, numel: int, reps: int) -> list[Check]:
@@ -422,15 +430,14 @@ def bandwidth_checks(device: torch.device, numel: int, reps: int) -> list[Check]
         half = nbytes // 2
         s, d = src[:half], dst[:half]
         try:
-            t_op = _timer(device, fn, reps)
-            t_copy = _timer(device, lambda: d.copy_(s), reps)
+            t_op, t_copy = _timed_pair(device, fn, lambda: d.copy_(s), reps)
         except Exception as err:  # noqa: BLE001
             rows_out.append(Check(f"bandwidth {name}", FAIL, f"{type(err).__name__}: {err}", _op_fix(str(err))))
             continue
         gbs, copy_gbs = nbytes / t_op / 1e9, nbytes / t_copy / 1e9
         rows_out.append(Check(f"bandwidth {name}", INFO,
                               f"{gbs:.1f} GB/s = {gbs / copy_gbs:.2f}x copy_ ({copy_gbs:.1f} GB/s), "
-                              f"{rows}x{cols} bf16 grad, median of {reps}"))
+                              f"{rows}x{cols} bf16 grad, medians of {reps} alternating runs"))
     return rows_out
 
 
@@ -485,7 +492,7 @@ def nccl_check(timeout_s: float = 120.0) -> Check:
 # ---------------------------------------------------------------------------------------------
 # table, entry point
 # ---------------------------------------------------------------------------------------------
-def run_checks(device: str | None = None, numel: int | None = None, reps: int = 5,
+def run_checks(device: str | None = None, numel: int | None = None, reps: int = 7,
                bandwidth: bool = True) -> list[Check]:
     """Every check above, in order (stops after the build when nothing can run)."""
     dev = torch.device(device) if device else torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -518,7 +525,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default=None, help="cuda, cuda:1 or cpu (default: cuda if available)")
     parser.add_argument("--numel", type=int, default=None,
                         help="elements of the bandwidth matrix (default 2**26 on CUDA, 2**21 on CPU)")
-    parser.add_argument("--reps", type=int, default=5, help="timed repetitions per bandwidth case")
+    parser.add_argument("--reps", type=int, default=7, help="timed repetitions per bandwidth case")
     parser.add_argument("--no-bandwidth", action="store_true", help="skip the bandwidth rows")
     parser.add_argument("--json", default=None, help="also write the rows to this JSON file")
     args = parser.parse_args(argv)
