@@ -186,6 +186,9 @@ __global__ void int4_update_kernel(const __grid_constant__ Batch<qmuon_q4_tensor
 // Every warp runs the same number of iterations (lanes past the row end hold 0), so the shuffles and
 // the barrier are reached by all threads.
 constexpr int kE0M3Pass1ChunksPerWarp = 4;  // pass 1: fewer CTAs, so fewer atomics (one per CTA)
+// Pass 1 only needs the maximum, so its chunks need not follow block_size: 256 elements whatever the
+// block (8 warps x 4 chunks x 256 = 8192 elements, one atomic, per CTA).
+constexpr int64_t kE0M3Pass1Chunk = 256;
 
 inline int64_t e0m3_chunk(int64_t bs) { return bs > kWarp ? bs : kWarp; }
 
@@ -643,7 +646,7 @@ struct E0M3Launch {
       }
     }
     // Matrices whose new scale is computed: pass 1, then pass 2 reading it from scratch.
-    int err = e0m3_pass1<G>(ts, num, false, mw, chunk, s, false);
+    int err = e0m3_pass1<G>(ts, num, false, mw, kE0M3Pass1Chunk, s, false);
     if (err) return err;
     for (const bool given : {false, true}) {
       err = for_each_batch(
@@ -674,7 +677,7 @@ struct E0M3AmaxLaunch {
       if (ts[i].scratch == nullptr || ts[i].amax_out == nullptr) return QMUON_ERR_BAD_OP;
     }
     // amax_out of an empty matrix stays as the caller zeroed it; the max does not depend on the chunk.
-    return e0m3_pass1<G>(ts, num, false, mw, e0m3_chunk(kE0M3Block), s, true);
+    return e0m3_pass1<G>(ts, num, false, mw, kE0M3Pass1Chunk, s, true);
   }
 };
 
