@@ -285,7 +285,6 @@ def test_cpu_tensor_beside_cuda_raises(cuda_ext):
     calls = {
         "int4_dequantize absmax": lambda: torch.ops.qmuon.int4_dequantize(pk.cuda(), am, 32, 64),
         "e0m3_dequantize scales": lambda: torch.ops.qmuon.e0m3_dequantize(pe.cuda(), sc, t.cuda(), 64),
-        "e0m3_dequantize tensor scale": lambda: torch.ops.qmuon.e0m3_dequantize(pe.cuda(), sc.cuda(), t, 64),
         "grid_dequantize4 row maxima": lambda: torch.ops.qmuon.grid_dequantize4(pg.cuda(), rb, cb.cuda(), gt.cuda(),
                                                                                32, 64),
         "grid_dequantize4 column maxima": lambda: torch.ops.qmuon.grid_dequantize4(pg.cuda(), rb.cuda(), cb,
@@ -301,6 +300,10 @@ def test_cpu_tensor_beside_cuda_raises(cuda_ext):
             call()
         assert "device" in str(info.value).lower() or "cuda" in str(info.value).lower(), (what, str(info.value))
     torch.cuda.synchronize()  # the context survived: no illegal address
+    # A 0-d CPU tensor scale is a scalar to torch (as in `cuda_tensor * cpu_scalar`): the op runs the
+    # reference instead of handing the kernel a host pointer, and the result is the all-CUDA one.
+    assert_bits_equal(torch.ops.qmuon.e0m3_dequantize(pe.cuda(), sc.cuda(), t, 64),
+                      torch.ops.qmuon.e0m3_dequantize(pe.cuda(), sc.cuda(), t.cuda(), 64), "CPU 0-d tensor scale")
     assert torch.ops.qmuon.int4_dequantize(pk.cuda(), am.cuda(), 32, 64).is_cuda
 
 
@@ -390,3 +393,28 @@ def test_cuda_entry_points_validate_like_cpu(cuda_ext):
     for kind, what, arg, want in _validation_cases(buf):
         assert _call(lib, "cuda", kind, arg) == want, f"qmuon_cuda {kind}: {what}"
         assert _call(lib, "cpu", kind, arg) == want, f"qmuon_cpu {kind}: {what}"
+
+
+def test_capture_refusal_logic(monkeypatch):
+    """The refusal every op with a stream argument gets on CUDA builds of torch (CPU-only torch has
+    nothing to capture, so the wrapper is not installed there): simulated capture, stochastic streams
+    refused with the policy's message, nearest rounding passed through."""
+    op = OPS["q8_momentum_update_multi_"]
+    calls = []
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    capturing = {"now": True}
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing["now"])
+    kernel = op._refusing_capture(lambda *args: calls.append(args))
+    args = ([], [], [], [], 0.9, False, 32, [-1, 3], [0, 0])
+    with pytest.raises(RuntimeError, match="stochastic rounding cannot be captured in a CUDA graph"):
+        kernel(*args)
+    kernel(*args[:7], [-1, -1], [0, 0])  # nearest rounding: captured like any kernel
+    capturing["now"] = False
+    kernel(*args)  # not capturing: stochastic rounding runs
+    assert len(calls) == 2
+    single = OPS["quantize_rows"]._refusing_capture(lambda *a: "ran")
+    capturing["now"] = True
+    with pytest.raises(RuntimeError, match="stochastic rounding"):
+        single(torch.zeros(2, 2), 32, True, 7, 0)
+    assert single(torch.zeros(2, 2), 32, True, -1, 0) == "ran"
