@@ -141,13 +141,18 @@ class QMuonLitGPTStrategy(QMuonFabricStrategy):
         if not isinstance(state, dict):
             return super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
         kept = {k: v for k, v in state.items() if not _is_plain_loader(v)}
-        out = super().load_checkpoint(path, kept, strict=strict, weights_only=weights_only)
+        self._loading = True  # torch's state-dict loading runs one lr=0 step to create the state: not logged
+        try:
+            out = super().load_checkpoint(path, kept, strict=strict, weights_only=weights_only)
+        finally:
+            self._loading = False
         state.update(kept)  # the loaded plain values (iter_num, step_count, ...)
         return out
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._fabric_ref: weakref.ref[Any] | None = None
+        self._loading = False
 
     def setup_optimizer(self, optimizer: Any) -> Any:
         new = super().setup_optimizer(optimizer)
@@ -157,7 +162,7 @@ class QMuonLitGPTStrategy(QMuonFabricStrategy):
 
     def _log_group_lrs(self, optimizer: QMuon, *_: Any) -> None:
         fabric = self._fabric_ref() if self._fabric_ref is not None else None
-        if fabric is None or not fabric.loggers:
+        if fabric is None or not fabric.loggers or self._loading:
             return
         step = _optimizer_steps(optimizer)
         metrics = {f"qmuon/lr_g{gi}_{'muon' if g['use_muon'] else 'adamw'}": float(g["lr"])

@@ -16,7 +16,7 @@ from __future__ import annotations
 import csv
 import importlib.util
 import json
-import math
+import re
 import sys
 import warnings
 from pathlib import Path
@@ -330,8 +330,7 @@ def test_launcher_trains_resumes_and_litgpt_generate_reads_it(tmp_path):
     assert first == 4
 
     log = _launch(config, "--resume", "true", "--train.max_tokens", "1024")
-    assert f"Resuming training from {out / 'step-00000004' / 'lit_model.pth'}" in log or \
-        "Resuming training from out/step-00000004/lit_model.pth" in log or "step-00000004" in log
+    assert re.search(r"Resuming training from \S*step-00000004/lit_model\.pth", log)
     assert "iter 10 step 5" in log  # LitGPT's counters continue
     rows = _metrics(out)
     steps = sorted({int(r["step"]) for r in rows if r.get("qmuon/lr_g0_muon")})
