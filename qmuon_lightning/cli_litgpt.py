@@ -29,9 +29,10 @@ field (``state_format``, ``lr``, ``weight_decay``, ``block_size``, ...), ``lr_ra
 (``hold`` / ``warn`` / ``off``), ``shard_policy``, ``sharded_checkpoint``. Values are read as YAML
 scalars (``0.02``, ``true``, ``null``).
 
-How LitGPT is reached (one patch, here only): for the duration of the command, the command module's
+How LitGPT is reached (patches, here only, for the duration of the command): the command module's
 ``L`` (``import lightning as L``) is replaced by a proxy of ``lightning`` whose ``Fabric`` builds
-the Fabric with the QMuon strategy; nothing else of LitGPT is changed. Tested with LitGPT
+the Fabric with the QMuon strategy; ``finetune_full``'s ``load_checkpoint`` becomes
+``fabric.load_raw`` (LitGPT's own loader assumes LoRA names under a ModelParallelStrategy). Tested with LitGPT
 :data:`TESTED_LITGPT_VERSIONS`; another version runs with a warning.
 """
 
@@ -70,6 +71,10 @@ COMMANDS = {
     "finetune_lora": "litgpt.finetune.lora",
     "finetune": "litgpt.finetune.lora",
 }
+
+#: Command modules whose ``load_checkpoint`` loads a full model (replaced while the command runs;
+#: see :func:`patched_fabric`). LoRA's keeps LitGPT's, written for ModelParallelStrategy.
+FULL_MODEL_LOADERS = ("litgpt.finetune.full",)
 
 #: ``--qmuon.*`` keys that are the launcher's own (the rest are build_optimizer arguments).
 LAUNCHER_KEYS = ("shard_policy", "sharded_checkpoint")
@@ -223,10 +228,24 @@ def patched_fabric(module: types.ModuleType, strategy_kwargs: dict[str, Any]) ->
             f"qmuon-litgpt: {module.__name__} does not use `import lightning as L` (found {before!r}); this LitGPT "
             f"version is not one the launcher knows (tested: {', '.join(TESTED_LITGPT_VERSIONS)})")
     module.L = proxy  # type: ignore[attr-defined]
+    loader = module.__dict__.get("load_checkpoint")
+    if module.__name__ in FULL_MODEL_LOADERS:
+        # litgpt.utils.load_checkpoint's ModelParallelStrategy branch renames every weight to
+        # `.linear.weight` (LoRA's names), so it cannot load a full model into a ModelParallelStrategy
+        # (ours); Fabric's load_raw does what its FSDPStrategy branch does.
+        module.load_checkpoint = _load_full_model  # type: ignore[attr-defined]
     try:
         yield
     finally:
         module.L = before  # type: ignore[attr-defined]
+        if module.__name__ in FULL_MODEL_LOADERS:
+            module.load_checkpoint = loader  # type: ignore[attr-defined]
+
+
+def _load_full_model(fabric: Any, model: Any, checkpoint_path: Any, strict: bool = True) -> None:
+    """``litgpt.utils.load_checkpoint`` for a full (non-LoRA) model under the QMuon strategy:
+    ``fabric.load_raw`` (a consolidated ``lit_model.pth`` into the sharded model)."""
+    fabric.load_raw(checkpoint_path, model, strict=strict)
 
 
 def _litgpt_version() -> str:

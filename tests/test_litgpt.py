@@ -356,3 +356,56 @@ def test_launcher_two_processes_trains_and_resumes(tmp_path):
     log = _launch(config, "--resume", "true", "--train.max_tokens", "2048")
     assert "iter 10 step 5" in log
     assert _check_lr_log(_metrics(out), accum=2) == 8
+
+
+@needs_litgpt
+@pytest.mark.slow
+@pytest.mark.parametrize("command", ["finetune_full", "finetune_lora"])
+def test_finetune_starts_from_the_checkpoint_and_keeps_the_lr_ratio(tmp_path, command):
+    """``qmuon-litgpt finetune_full`` / ``finetune_lora`` load the given checkpoint into the sharded
+    model (for full models LitGPT's own ModelParallelStrategy loader assumes LoRA names: the launcher
+    loads with ``fabric.load_raw``), and LitGPT's scheduler drives every group from its own base lr.
+    LoRA: only the adapters train, and ``lora_A`` / ``lora_B`` of ``attn.qkv`` are split per matrix."""
+    from litgpt.utils import save_config
+
+    from _litgpt_support import train_tokenizer, write_corpus
+
+    ckpt = tmp_path / "base"
+    model = _tiny_gpt(seed=3)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or "ln_f" in name:
+                p.fill_(2.0)  # a random init (LitGPT's, 1.0) cannot produce these
+    ckpt.mkdir()
+    torch.save(model.state_dict(), ckpt / "lit_model.pth")
+    save_config(model.config, ckpt)
+    write_corpus(tmp_path / "corpus.txt")
+    train_tokenizer(tmp_path / "corpus.txt", ckpt)
+    rows = [{"instruction": f"repeat {w}", "input": "", "output": f"{w} {w}"} for w in ["cat", "dog", "boat"] * 20]
+    (tmp_path / "train.json").write_text(json.dumps(rows))
+    lora = ["--lora_r", "4", "--lora_query", "true", "--lora_value", "true"] if command == "finetune_lora" else []
+    cmd = [sys.executable, "-m", "qmuon_lightning.cli_litgpt", command, str(ckpt), *lora, "--data", "JSON",
+           "--data.json_path", str(tmp_path / "train.json"), "--data.val_split_fraction", "0.1",
+           "--train.epochs", "1", "--train.max_steps", "4", "--train.global_batch_size", "4",
+           "--train.micro_batch_size", "2", "--train.save_interval", "2", "--train.lr_warmup_steps", "1",
+           "--train.max_seq_length", "32", "--eval.interval", "100", "--eval.initial_validation", "false",
+           "--eval.final_validation", "false", "--precision", "32-true", "--devices", "1", "--logger_name", "csv",
+           "--out_dir", str(tmp_path / "ft"), "--optimizer",
+           json.dumps({"class_path": "torch.optim.AdamW", "init_args": {"lr": ADAMW_LR}}), "--qmuon.lr", str(LR)]
+    log = run_launcher(cmd, timeout=300, env=subprocess_env(PYTHONPATH=str(REPO)), cwd=tmp_path,
+                       what=f"qmuon-litgpt {command}")
+    if command == "finetune_lora":
+        assert re.search(r"attn\.qkv\.lora_B\s+96x4\s+muon parts=\[64, 32\]", log)
+    final = torch.load(tmp_path / "ft" / "final" / "lit_model.pth", map_location="cpu", weights_only=False)
+    final = final.get("model", final)
+    norms = [v for k, v in final.items() if "norm" in k or "ln_f" in k]
+    assert norms and all(float((v - 2.0).abs().max()) < 0.05 for v in norms)  # trained from the checkpoint
+    rows = _metrics(tmp_path / "ft")
+    logged = [r for r in rows if r.get("qmuon/lr_g0_muon")]
+    assert len(logged) == 4
+    for r in logged:
+        muon = float(r["qmuon/lr_g0_muon"])
+        for k in r:
+            if k.endswith("_adamw") and r[k]:
+                assert float(r[k]) == pytest.approx(muon * ADAMW_LR / LR, rel=1e-9, abs=1e-15)
+    assert any(float(r["qmuon/lr_g0_muon"]) > 0 for r in logged)
