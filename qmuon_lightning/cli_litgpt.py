@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
+import importlib.util
 import json
 import os
 import sys
@@ -275,6 +276,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     version = _litgpt_version()
     if version not in TESTED_LITGPT_VERSIONS:
         warnings.warn(f"qmuon-litgpt was tested with litgpt {', '.join(TESTED_LITGPT_VERSIONS)}; found {version}")
+    if importlib.util.find_spec("requests") is None:
+        # litgpt.__main__.main calls jsonargparse's set_config_read_mode(urls_enabled=True), which
+        # imports requests; litgpt 0.5.13 lists it only in its `extra` extra, so `litgpt` fails too.
+        raise SystemExit("qmuon-litgpt: LitGPT's CLI needs `requests` (litgpt 0.5.13 lists it only in litgpt[extra]): "
+                         "pip install requests (or pip install 'qmuon-lightning[litgpt]')")
     litgpt_args, opts = split_qmuon_args(args[1:])
     inherited = json.loads(os.environ.get(OPTIONS_ENV) or "{}")
     opts = {**inherited, **opts}
