@@ -43,7 +43,11 @@ import warnings
 from pathlib import Path
 from typing import Any, Optional
 
-from jsonargparse import set_parsing_settings
+try:  # the `cli` extra (not a core dependency: LitGPT 0.5.x caps jsonargparse at 4.41; see pyproject.toml)
+    from jsonargparse import set_parsing_settings
+except ImportError as _err:  # pragma: no cover - depends on the environment
+    raise ImportError("qmuon-train needs jsonargparse >= 4.53: pip install 'qmuon-lightning[cli]' "
+                      f"(or pip install -U 'jsonargparse[signatures]>=4.53') ({_err})") from _err
 
 try:  # not part of jsonargparse's public names; only used to restore the setting after parsing
     from jsonargparse._common import get_parsing_setting
@@ -64,7 +68,7 @@ from .distributed.resume import (
 )
 from .models.lm_module import DecoderLMModule
 
-__all__ = ["QMuonCLI", "main", "resolve_ckpt_path"]
+__all__ = ["QMuonCLI", "main", "resolve_ckpt_path", "cli_dependency_problem"]
 
 
 def _tensorboard_available() -> bool:
@@ -210,6 +214,25 @@ class _AdoptResumedCheckpoint(Callback):
             trainer.ckpt_path = None  # read by ModelCheckpoint._should_remove_checkpoint only, after the restore
 
 
+def cli_dependency_problem() -> Optional[str]:
+    """Why ``qmuon-train`` cannot parse its configs in this environment (``None`` when it can): it
+    needs jsonargparse's ``omegaconf_absolute_to_relative_paths`` setting (jsonargparse >= 4.53),
+    which the ``cli`` extra installs. LitGPT 0.5.x pins jsonargparse <= 4.41."""
+    import inspect
+
+    if "omegaconf_absolute_to_relative_paths" in inspect.signature(set_parsing_settings).parameters:
+        return None
+    import importlib.metadata
+
+    try:
+        version = importlib.metadata.version("jsonargparse")
+    except importlib.metadata.PackageNotFoundError:  # pragma: no cover
+        version = "unknown"
+    return (f"qmuon-train needs jsonargparse >= 4.53 (omegaconf+ mode with absolute interpolation paths); this "
+            f"environment has jsonargparse {version}: pip install 'qmuon-lightning[cli]'. LitGPT 0.5.x caps "
+            "jsonargparse at 4.41, so qmuon-train and LitGPT need separate environments")
+
+
 class QMuonCLI(LightningCLI):
     """LightningCLI for :class:`DecoderLMModule` + :class:`ByteLMDataModule` (see the module docstring)."""
 
@@ -225,13 +248,11 @@ class QMuonCLI(LightningCLI):
         # override. That config is nested under the subcommand ("fit.trainer..."), so absolute paths
         # written in a recipe ("${trainer.default_root_dir}") are rewritten relative to where they
         # appear when each file loads (a global jsonargparse setting: restored afterwards).
+        problem = cli_dependency_problem()
+        if problem:
+            raise ImportError(problem)
         before = get_parsing_setting("omegaconf_absolute_to_relative_paths") if get_parsing_setting else False
-        try:
-            set_parsing_settings(omegaconf_absolute_to_relative_paths=True)
-        except TypeError as err:
-            raise ImportError(
-                "qmuon-train needs jsonargparse's omegaconf+ mode with absolute interpolation paths "
-                f"(tested with jsonargparse 4.53): pip install -U 'jsonargparse[signatures]' ({err})") from err
+        set_parsing_settings(omegaconf_absolute_to_relative_paths=True)
         try:
             super().parse_arguments(parser, args)
         finally:

@@ -97,6 +97,7 @@ def _print_config(capsys, *args: str) -> dict:
     return yaml.safe_load(capsys.readouterr().out)
 
 
+@pytest.mark.qmuon_train
 def test_fit_logs_checkpoints_and_summarizes(tmp_path, tiny_cfg):
     root = tmp_path / "run"
     cli = QMuonCLI(args=["fit", "--config", str(tiny_cfg(root))])
@@ -151,6 +152,7 @@ class StopAtStep(L.Callback):
             trainer.should_stop = True
 
 
+@pytest.mark.qmuon_train
 def test_resume_from_last_matches_uninterrupted_run(tmp_path, tiny_cfg):
     """fit 6 steps straight vs the same run interrupted after 3 and resumed with ``--ckpt_path
     last``: same losses at every step (weights, int8 state with stochastic rounding, LR schedule
@@ -174,6 +176,7 @@ def test_resume_from_last_matches_uninterrupted_run(tmp_path, tiny_cfg):
         assert b[step] == pytest.approx(a[step], rel=1e-5, abs=1e-5), (step, a, b)
 
 
+@pytest.mark.qmuon_train
 def test_tensorboard_logger_is_optional(tmp_path, tiny_cfg, monkeypatch):
     """A recipe's TensorBoardLogger is dropped (with a warning) when tensorboard is not installed;
     with it installed, both loggers are built."""
@@ -194,6 +197,7 @@ def test_tensorboard_logger_is_optional(tmp_path, tiny_cfg, monkeypatch):
     assert [type(lg).__name__ for lg in cli.trainer.loggers] == ["CSVLogger"]
 
 
+@pytest.mark.qmuon_train
 def test_validate_subcommand_loads_checkpoint(tmp_path, tiny_cfg):
     root = tmp_path / "run"
     cfg = str(tiny_cfg(root))
@@ -206,6 +210,7 @@ def test_validate_subcommand_loads_checkpoint(tmp_path, tiny_cfg):
     assert trained < untrained - 0.05
 
 
+@pytest.mark.qmuon_train
 def test_print_config_interpolation_and_links(tmp_path, tiny_cfg, capsys):
     cfg = str(tiny_cfg(tmp_path / "run"))
     out = _print_config(capsys, "--config", cfg)
@@ -219,6 +224,7 @@ def test_print_config_interpolation_and_links(tmp_path, tiny_cfg, capsys):
     assert out["trainer"]["callbacks"][0]["init_args"]["dirpath"] == f"{other}/checkpoints"
 
 
+@pytest.mark.qmuon_train
 def test_several_configs_and_dotted_overrides(tmp_path, tiny_cfg, capsys):
     base = str(tiny_cfg(tmp_path / "run"))
     over = tmp_path / "over.yaml"
@@ -232,6 +238,7 @@ def test_several_configs_and_dotted_overrides(tmp_path, tiny_cfg, capsys):
     assert out["data"]["seq_len"] == 48
 
 
+@pytest.mark.qmuon_train
 @pytest.mark.parametrize(
     "override, expect",
     [
@@ -316,6 +323,7 @@ def test_torch_muon_baseline_state_dict_roundtrip():
             assert torch.equal(v, opt2.state[p][k])
 
 
+@pytest.mark.qmuon_train
 def test_module_runs_as_console_program(monkeypatch, capsys):
     """``python -m qmuon_lightning.cli`` (the console script's program, run as ``__main__``)
     parses ``sys.argv``; --help lists the subcommands."""
@@ -329,6 +337,7 @@ def test_module_runs_as_console_program(monkeypatch, capsys):
     assert "qmuon-train" in out and "fit" in out and "validate" in out
 
 
+@pytest.mark.qmuon_train
 @pytest.mark.slow
 def test_fit_and_resume_under_qmuon_fsdp_two_processes(tmp_path, tiny_cfg):
     """``strategy: qmuon_fsdp`` on 2 CPU processes (gloo): DecoderLMModule.configure_model shards

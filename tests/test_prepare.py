@@ -255,6 +255,7 @@ def test_token_dtype_and_a_uint32_corpus(tmp_path):
     assert ByteLMDataModule(source="tokens", paths=[str(tmp_path)], vocab_size=100_032).vocab_size == 100_032
 
 
+@pytest.mark.qmuon_train
 def test_smoke_recipe_trains_on_a_prepared_corpus_with_its_vocabulary(corpus_src, tmp_path):
     """The issue's target: qmuon-prepare, then the smoke recipe with --data.source=tokens
     --data.paths=[DIR]; the model's vocabulary is meta.json's (linked, not configured)."""

@@ -95,6 +95,7 @@ def test_recipes_exist():
             assert f"gb10/fineweb_{size}_{opt}.yaml" in names
 
 
+@pytest.mark.qmuon_train
 @pytest.mark.parametrize("path", RECIPES, ids=[str(p.relative_to(REPO / "recipes")) for p in RECIPES])
 def test_recipe(path, capsys, tmp_path):
     cfg = _merged(path, capsys)

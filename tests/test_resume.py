@@ -166,6 +166,7 @@ def _fit(root: Path, max_steps: int, *extra: str) -> QMuonCLI:
     return QMuonCLI(args=["fit", "--config", str(cfg), *extra])
 
 
+@pytest.mark.qmuon_train
 def test_interrupted_fits_resume_bit_identical(tmp_path):
     """Epochs of 5 batches; stops after steps 3, 5 and 10 (the last batches of two consecutive epochs:
     Lightning alone then loses an epoch, EpochBoundaryResume keeps it) and 11, each resumed
@@ -278,6 +279,7 @@ def test_publish_and_recover_interrupted_sharded_saves(tmp_path):
     assert sorted(p.name for p in d.iterdir()) == ["last.ckpt"]
 
 
+@pytest.mark.qmuon_train
 def test_cli_resolution_of_auto_last_and_explicit_paths(tmp_path):
     root = tmp_path / "run"
     cli = _fit(root, 3)
@@ -316,6 +318,7 @@ def test_cli_resolution_of_auto_last_and_explicit_paths(tmp_path):
 
 
 # ------------------------------------------------------------------------------ SIGKILL, end to end
+@pytest.mark.qmuon_train
 @pytest.mark.slow
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_sigkill_and_auto_restart_is_bit_identical(tmp_path, world_size):

@@ -194,6 +194,7 @@ def test_yaml_class_path_through_lightning_cli(tmp_path: Path) -> None:
         ({"optimizer_kwargs": {"block_size": 100}}, r"block_size must be a multiple of 32"),
         ({"optimizer_kwargs": {"rounding": "up"}}, r"rounding must be"),
         ({"optimizer_kwargs": {"verbose": True}}, r"unknown key 'verbose'"),
+        ({"optimizer_kwargs": {"lr_ratios": "always"}}, r"lr_ratios must be one of \('warn', 'hold', 'off'\)"),
         ({"optimizer": "grasp", "optimizer_kwargs": {"state_format": "int8"}}, r"optimizer='grasp' uses state_format='grasp4'"),
         ({"optimizer": "keep", "optimizer_kwargs": {"lr": 0.1}}, r"optimizer='keep'.*would be ignored"),
         ({"shard_policy": "blocks"}, r"shard_policy='blocks' is not a policy"),

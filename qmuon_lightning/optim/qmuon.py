@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import math
+import warnings
 from collections import defaultdict
 from typing import Any, Callable, Iterable
 
@@ -191,6 +192,7 @@ class QMuon(Optimizer):
             self._validate_muon_params(group, where)
         else:
             validate_adamw_group(group, where)
+        self._note_configured_lr(group)
         self._plans.clear()
         self._sharded = None
 
@@ -235,6 +237,7 @@ class QMuon(Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         loss = pipeline.call_closure(closure)
+        self._check_group_lrs()
         sharded = self._sharded_step()  # None unless a parameter is a DTensor (FSDP2)
         if sharded is not None:
             sharded.begin()
@@ -418,6 +421,54 @@ class QMuon(Optimizer):
             amsgrad=False, beta1=b1, beta2=b2, lr=group["lr"], weight_decay=group["weight_decay"],
             eps=group["eps"], maximize=False,
         )
+
+    # ------------------------------------------------------------------ learning rates from foreign loops
+    #: What ``step()`` does when every group holds the same lr although the groups were configured
+    #: with different ones (a training loop that writes one lr into every group, as LitGPT's
+    #: pretrain loop does with ``optimizer.defaults["lr"]``): ``"warn"`` (default) warns once,
+    #: naming the groups; ``"hold"`` reads that lr as the Muon lr ``L`` and gives each group
+    #: ``L * ratio``, its configured ratio to ``defaults["lr"]`` (the AdamW groups keep ``adamw_lr /
+    #: lr``); ``"off"``: neither. Schedulers that scale every group's own lr (LambdaLR, CosineAnnealing,
+    #: the strategies' rebinding) keep the ratios by themselves and never trigger it.
+    #: Set by ``build_optimizer(..., lr_ratios=...)`` or assigned.
+    lr_ratios: str = "warn"
+    LR_RATIO_MODES = ("warn", "hold", "off")
+
+    def _note_configured_lr(self, group: dict[str, Any]) -> None:
+        """Remember ``group``'s lr as a ratio to ``defaults["lr"]`` (what ``lr_ratios`` restores)."""
+        base = float(self.defaults["lr"])
+        ratios = self.__dict__.setdefault("_configured_lr_ratios", [])
+        ratios.append(float(group["lr"]) / base if base > 0 else None)
+
+    def _check_group_lrs(self) -> None:
+        """Apply :attr:`lr_ratios` (see there) before a step."""
+        mode = self.lr_ratios
+        if mode not in self.LR_RATIO_MODES:
+            raise ValueError(f"QMuon.lr_ratios must be one of {self.LR_RATIO_MODES}, got {mode!r}")
+        ratios = self.__dict__.get("_configured_lr_ratios", [])
+        if mode == "off" or None in ratios or len(ratios) != len(self.param_groups) or len(set(ratios)) <= 1:
+            return
+        lrs = {float(g["lr"]) for g in self.param_groups}
+        if len(lrs) != 1:  # the groups differ: no loop wrote one value into all of them
+            return
+        (lr,) = lrs
+        if mode == "hold":
+            for g, r in zip(self.param_groups, ratios):
+                g["lr"] = lr * r
+            return
+        if lr <= 0.0 or self.__dict__.get("_lr_ratio_warned"):
+            return
+        self._lr_ratio_warned = True
+        base = float(self.defaults["lr"])
+        off = [f"group {gi} ({'Muon' if g['use_muon'] else 'AdamW'}: {', '.join((g.get('param_names') or ['?'])[:3])}"
+               f"{', ...' if len(g.get('param_names') or []) > 3 else ''}) configured lr {r * base:g}"
+               for gi, (g, r) in enumerate(zip(self.param_groups, ratios)) if r != 1.0]
+        msg = (f"QMuon: every parameter group has lr {lr:g}, but they were configured with different learning rates: "
+               f"{'; '.join(off)}. A training loop probably wrote one lr into every group (e.g. LitGPT's pretrain loop), "
+               "so these groups now train at the Muon lr. Set optimizer.lr_ratios = 'hold' (build_optimizer(..., "
+               "lr_ratios='hold')) to keep each group's configured ratio to the Muon lr, or 'off' if this is intended")
+        log.warning(msg)
+        warnings.warn(msg, UserWarning, stacklevel=3)
 
     # ------------------------------------------------------------------ state dict
     def state_dict(self) -> dict[str, Any]:

@@ -15,8 +15,10 @@ Layer meaning (Muon parameters only):
 
 - *Fused matrices* (several layers stored in one parameter) are declared with ``fused_parts``
   (``{name_regex: spec}``), by a module attribute ``qmuon_fused_parts = {"weight": spec}``, or found
-  automatically for ``nn.MultiheadAttention.in_proj_weight`` (q, k, v along dim 0) and GPT-2's
-  ``c_attn`` (q, k, v along dim 1). ``spec``: ``(n0, n1, ...)`` (parts along dim 0),
+  automatically for ``nn.MultiheadAttention.in_proj_weight`` (q, k, v along dim 0), GPT-2's
+  ``c_attn`` (q, k, v along dim 1) and LitGPT's ``CausalSelfAttention.qkv`` (q, k, v along dim 0,
+  GQA sizes from its config; LoRA and adapter wrappers too; legacy interleaved layouts refused:
+  :mod:`.litgpt_layouts`). ``spec``: ``(n0, n1, ...)`` (parts along dim 0),
   ``{"sizes": [n0, ...], "axis": 1}``, a :class:`~qmuon_lightning.core.plan.FusedParts`, or
   ``None`` in ``fused_parts`` (not fused: turns the automatic detection off for that name).
 - *Orientation*: a 2-D weight stored ``(in, out)`` is declared with ``orientations``
@@ -41,6 +43,7 @@ from torch import nn
 from ..core.config import DEFAULT_CONFIG, QMuonConfig
 from ..core.pipeline import DEFAULT_BATCH_BUDGET
 from ..core.plan import ORIENTATIONS, FusedParts
+from .litgpt_layouts import LayoutRefusal, litgpt_fused_parts
 from .qmuon import QMuon
 
 __all__ = [
@@ -180,7 +183,7 @@ def _hf_fused(model: nn.Module) -> dict[int, FusedParts]:
 
 
 def _declared_parts(name: str, module: nn.Module, attr: str, fused_parts: Mapping[str, Any],
-                    auto: Mapping[int, FusedParts]) -> FusedParts | None:
+                    auto: Mapping[Any, Any]) -> FusedParts | None:
     for pattern, spec in fused_parts.items():
         if re.search(pattern, name):  # None: declared unfused (turns automatic detection off)
             return None if spec is None else _parse_parts(spec, f"fused_parts[{pattern!r}] (matched {name!r})")
@@ -192,7 +195,10 @@ def _declared_parts(name: str, module: nn.Module, attr: str, fused_parts: Mappin
         return FusedParts((e, e, e), 0)
     if attr == "weight" and id(module) in auto:
         return auto[id(module)]
-    return None
+    found = auto.get((id(module), attr))  # LitGPT layers (.litgpt_layouts), keyed by (module, attribute)
+    if isinstance(found, LayoutRefusal):
+        raise ValueError(f"cannot read the layout of {name!r}: {found}")
+    return found
 
 
 def _parse_parts(spec: Any, where: str) -> FusedParts:
@@ -240,7 +246,7 @@ def route_parameters(
     fused_parts = fused_parts or {}
     orientations = orientations or {}
     model = _unwrapped(model)
-    auto = _hf_fused(model)
+    auto: dict[Any, Any] = {**_hf_fused(model), **litgpt_fused_parts(model)}
     decisions = []
     for _, (name, module, attr) in _owners(model).items():
         p = getattr(module, attr)
@@ -306,6 +312,7 @@ def build_optimizer(
     orientations: Mapping[str, str] | None = None,
     verbose: bool = True,
     batch_budget: float = DEFAULT_BATCH_BUDGET,
+    lr_ratios: str = "warn",
     **qmuon_kwargs: Any,
 ) -> QMuon:
     """Route ``model``'s parameters with the rule table and build one :class:`QMuon`.
@@ -318,6 +325,8 @@ def build_optimizer(
     The optimizer's arguments are those of :class:`~qmuon_lightning.core.config.QMuonConfig`
     (one set of defaults, shared with ``QMuon``): pass a ``config``, keyword arguments
     (``lr=0.02, state_format="grasp4", ...``), or both (keywords override the config's fields).
+    ``lr_ratios``: :attr:`QMuon.lr_ratios` (``"hold"`` for training loops that write one lr into
+    every group, such as LitGPT's).
     An unknown keyword raises ``TypeError`` listing the accepted ones.
     """
     cfg = config or DEFAULT_CONFIG
@@ -325,7 +334,7 @@ def build_optimizer(
         unknown = sorted(set(qmuon_kwargs) - set(QMuonConfig.field_names()))
         if unknown:
             raise TypeError(f"build_optimizer: unknown argument(s) {unknown}; accepted: routing (rules, fused_parts, "
-                            f"orientations, verbose, batch_budget, config) and QMuon's: "
+                            f"orientations, verbose, batch_budget, lr_ratios, config) and QMuon's: "
                             f"{', '.join(QMuonConfig.field_names())}")
         cfg = cfg.replace(**qmuon_kwargs)
     decisions = route_parameters(model, rules, fused_parts, orientations)
@@ -350,9 +359,12 @@ def build_optimizer(
             })
     if not groups:
         raise ValueError("the model has no trainable parameters")
+    if lr_ratios not in QMuon.LR_RATIO_MODES:
+        raise ValueError(f"build_optimizer: lr_ratios must be one of {QMuon.LR_RATIO_MODES}, got {lr_ratios!r}")
     if not muon and not by_layout:
         log.warning("build_optimizer: no parameter was routed to Muon; QMuon will run AdamW only")
     opt = QMuon.from_config(groups, cfg, batch_budget=batch_budget)
+    opt.lr_ratios = lr_ratios
     for d in decisions:
         d.param = None
     opt.routing = decisions  # type: ignore[attr-defined]

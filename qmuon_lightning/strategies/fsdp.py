@@ -98,7 +98,7 @@ _NO_OPTIMIZER_STATE = (
 # What each optimizer mode fixes in build_optimizer's arguments.
 _MODE_KWARGS: dict[str, dict[str, Any]] = {"qmuon": {}, "grasp": {"state_format": "grasp4"}, "keep": {}}
 # build_optimizer arguments besides QMuon's (QMuonConfig's fields); "verbose" is the strategy's own.
-_ROUTING_KWARGS = ("rules", "fused_parts", "orientations", "batch_budget")
+_ROUTING_KWARGS = ("rules", "fused_parts", "orientations", "batch_budget", "lr_ratios")
 
 
 def _validate_optimizer_kwargs(mode: str, kwargs: Mapping[str, Any]) -> dict[str, Any]:
@@ -135,6 +135,8 @@ def _validate_optimizer_kwargs(mode: str, kwargs: Mapping[str, Any]) -> dict[str
     budget = kwargs.get("batch_budget", 1.0)
     if not (isinstance(budget, (int, float)) and budget > 0):
         raise ValueError(f"optimizer_kwargs: batch_budget must be > 0, got {budget!r}")
+    if kwargs.get("lr_ratios", "warn") not in QMuon.LR_RATIO_MODES:
+        raise ValueError(f"optimizer_kwargs: lr_ratios must be one of {QMuon.LR_RATIO_MODES}, got {kwargs['lr_ratios']!r}")
     return kwargs
 
 
