@@ -23,6 +23,7 @@ from torch.optim import Optimizer
 from torch.optim.adam import adam as _functional_adam
 
 from .. import ops  # noqa: F401  (registers torch.ops.qmuon)
+from ..core import apply as weight_apply
 from ..core import pipeline
 from ..core.config import (
     DEFAULT_CONFIG as _D,
@@ -359,6 +360,7 @@ class QMuon(Optimizer):
                                                      opts=opts, device=local(p.grad).device))
                 if is_dtensor(p):
                     sharded.init_state(p, st, group)  # Shard(0) DTensors with the global shape (for DCP)
+            self._sync_weight_state(p, st, group)
             states.append({k: local(v) for k, v in st.items()} if is_dtensor(p) else st)
             offsets.append(sharded.row_offset(p) if is_dtensor(p) else 0)
         grads = [local(p.grad) for p in params]
@@ -376,18 +378,48 @@ class QMuon(Optimizer):
             for j, s in zip(sel, sums):
                 block_sums[j] = s
         lr, wd = float(group["lr"]), float(group["weight_decay"])
+        decay = 1.0 - lr * wd  # decoupled weight decay, folded into the one write of each weight (core.apply)
         settings_on: dict[torch.device, pipeline.NSSettings] = {}
-        for p, plan, g2, grad, sums in zip(params, plans, inputs.grads2d, grads, block_sums):
+        for p, plan, g2, grad, sums, st, row0 in zip(params, plans, inputs.grads2d, grads, block_sums, states, offsets):
             if g2.data_ptr() != grad.data_ptr():
                 grad.copy_(g2.view(grad.shape))  # keep the contract: .grad holds the NS input
             p_local = local(p)
-            p_local.mul_(1.0 - lr * wd)
             settings = settings_on.get(g2.device) or settings_on.setdefault(g2.device, pipeline.ns_settings(group, g2.device))
+            write = self._weight_write(p_local, st, group, plan.key, row0 * plan.cols, decay)
             if is_dtensor(p):
-                sharded.add(p, plan, p_local, g2, sums, group, settings)  # whole-matrix NS across ranks
+                sharded.add(p, plan, p_local, g2, sums, group, settings, write)  # whole-matrix NS across ranks
                 continue
-            apply = self._sink_for(p) if self.update_sink is not None else pipeline.apply_to(p, lr)
+            if self.update_sink is not None:
+                # The driver applies the update elsewhere (DeepSpeed: to its fp32 master slices,
+                # through core.apply there, and it zeroes this group's weight_decay to decay them itself).
+                if decay != 1.0:
+                    p_local.mul_(decay)
+                items.extend(pipeline.local_items(plan, g2, sums, group, settings, self._sink_for(p)))
+                continue
+            apply = pipeline.apply_to(p, lr, decay=decay, **write.rounding)
             items.extend(pipeline.local_items(plan, g2, sums, group, settings, apply))
+
+    # ------------------------------------------------------------------ weight writes
+    def _sync_weight_state(self, p: Tensor, st: dict[str, Any], group: dict[str, Any]) -> None:
+        """Create (or drop) ``p``'s weight-correction state for the group's ``bf16_update``
+        (``Shard(0)`` DTensors for a sharded parameter, so DCP saves and reshards them)."""
+        new = weight_apply.sync_weight_state(local(p), st, group["bf16_update"])
+        if new and is_dtensor(p):
+            shard_state(p, st, None)  # every new tensor is one code per element: rows
+
+    @staticmethod
+    def _weight_write(p_local: Tensor, st: dict[str, Any], group: dict[str, Any], key: int, first: int,
+                      decay: float = 1.0) -> weight_apply.WeightWrite:
+        """How this step's update reaches ``p_local``: the group's rule, the local views of the
+        correction state and, for stochastic rounding of bf16 weights, the noise counter
+        ``(seed, key, step, first)`` (``first``: global index of ``p_local``'s first element)."""
+        rule = group["bf16_update"]
+        keys = weight_apply.weight_state_keys(p_local, rule)
+        state = {k: local(st[k]) for k in keys} if keys else None
+        rng = None
+        if rule == "stochastic" and weight_apply.writes_rounded(p_local):
+            rng = (int(group["seed"]), int(key), int(local(st["step"]).item()), int(first))
+        return weight_apply.WeightWrite(rule, state, rng)
 
     def _sink_for(self, p: Tensor) -> Callable[[MatrixPart, Tensor], None]:
         sink = self.update_sink
