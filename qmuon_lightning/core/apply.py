@@ -37,8 +37,10 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
-from typing import Any
+from collections import defaultdict
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Iterator
 
 import torch
 from torch import Tensor
@@ -47,7 +49,7 @@ from .. import ops  # noqa: F401  (registers torch.ops.qmuon)
 from ..ops import reference_weight as refw
 from ..quant import state as qstate
 
-__all__ = ["WeightWrite", "BF16_UPDATES", "DEFAULT_BF16_UPDATE", "apply_update_", "weight_state_init", "weight_state_keys",
+__all__ = ["WeightWrite", "StallCounts", "record_stalls", "BF16_UPDATES", "DEFAULT_BF16_UPDATE", "apply_update_", "weight_state_init", "weight_state_keys",
            "writes_rounded", "block_rng", "check_weight_state", "sync_weight_state"]
 
 log = logging.getLogger(__name__)
@@ -73,6 +75,43 @@ class WeightWrite:
     @property
     def rounding(self) -> dict[str, Any]:
         return {"bf16_update": self.bf16_update, "state": self.state, "rng": self.rng}
+
+
+@dataclass
+class StallCounts:
+    """Per parameter storage (``untyped_storage().data_ptr()`` of the local tensor): how many of its
+    elements received an update this step, and how many of those nearest rounding would have left
+    unchanged (``bf16(x) == w`` although ``x != w``: the update is below half a bf16 gap)."""
+
+    moved: dict[int, int] = field(default_factory=lambda: defaultdict(int))
+    stalled: dict[int, int] = field(default_factory=lambda: defaultdict(int))
+    numel: dict[int, int] = field(default_factory=lambda: defaultdict(int))
+
+    def add(self, param: Tensor, x: Tensor) -> None:
+        w = param.float().reshape(x.shape)
+        wanted = x != w
+        stall = wanted & (x.to(param.dtype).float() == w)
+        ptr = param.untyped_storage().data_ptr()
+        self.moved[ptr] += int(wanted.sum())
+        self.stalled[ptr] += int(stall.sum())
+        self.numel[ptr] += x.numel()
+
+
+_recorder: StallCounts | None = None
+
+
+@contextmanager
+def record_stalls() -> Iterator[StallCounts]:
+    """Within the block, every write to a low-precision (bf16 / fp16) weight also counts the elements
+    whose update nearest rounding would lose (:class:`StallCounts`), whatever the rule in use. Costs
+    one fp32 copy of each written block; meant for a periodic numerics check
+    (:func:`qmuon_lightning.optim.bf16_stall_report`), not every step."""
+    global _recorder
+    prev, _recorder = _recorder, StallCounts()
+    try:
+        yield _recorder
+    finally:
+        _recorder = prev
 
 
 def _check_rule(bf16_update: str) -> None:
@@ -174,6 +213,13 @@ def apply_update_(param: Tensor, update: Tensor, *, alpha: float, decay: float =
             param.mul_(decay)
         param.add_(update.view(param.shape), alpha=alpha)
         return
+    if _recorder is not None:
+        master = param.float()
+        if state:
+            fmt = qstate.weight_format(bf16_update)
+            if fmt is not None:
+                master = fmt.master_weight(param, state)
+        _recorder.add(param, master * decay + update.reshape(param.shape).float() * alpha)
     if not writes_rounded(param):
         if bf16_update != "nearest":
             raise ValueError(f"bf16_update={bf16_update!r} applies to bf16 parameters; a {param.dtype} parameter "

@@ -40,6 +40,7 @@ from ..core.newton_schulz import MUON_COEFFICIENTS
 from ..core.pipeline import NSItem, is_dtensor, local
 from ..core.plan import MatrixPart, ParamPlan, adjusted_lr, plan_param
 from ..quant import state as qstate
+from ..quant.layout import global_row_offset as _global_row_offset
 from ..quant.layout import localize_loaded_state, shard_state
 
 __all__ = ["QMuon", "GraspMuon", "FORMAT_VERSION", "DEFAULT_NS_COEFFICIENTS", "adjusted_lr", "UpdateSink",
@@ -108,6 +109,10 @@ class QMuon(Optimizer):
         comm_carrier, comm_return: sharded (FSDP2 ``Shard(0)``) parameters only: how the
             distributed Newton-Schulz moves rows to the rank that orthogonalizes a matrix and back;
             see :mod:`qmuon_lightning.distributed`. Bytes per step: :attr:`comm_stats`.
+        bf16_update: how an update reaches a bf16 parameter (stored without an fp32 master copy),
+            in Muon and AdamW groups: ``"stochastic"`` (default), ``"ecc8"`` (+1 B/param of int8
+            error correction, ``weight_ecc`` in the state) or ``"nearest"``; see
+            :mod:`qmuon_lightning.core.apply`. Per group too.
         batch_budget: Newton-Schulz batches hold at most this many times the largest matrix's
             elements (1.0: the step's transient memory is the largest matrix's own NS working set).
     """
@@ -141,6 +146,7 @@ class QMuon(Optimizer):
         comm_carrier: str = _D.comm_carrier,
         comm_return: str = _D.comm_return,
         batch_budget: float = pipeline.DEFAULT_BATCH_BUDGET,
+        bf16_update: str = _D.bf16_update,
     ) -> None:
         args = locals()
         config = QMuonConfig(**{k: args[k] for k in QMuonConfig.field_names()}).validate()
@@ -245,7 +251,7 @@ class QMuon(Optimizer):
             if group["use_muon"]:
                 self._muon_group_step(gi, idx, items, sharded)
             else:
-                self._adamw_step(group, idx)
+                self._adamw_step(group, idx, gi)
         pipeline.orthogonalize(items, self.batch_budget)
         if sharded is not None:
             # distributed Newton-Schulz (collective: every rank, same items)
@@ -426,7 +432,11 @@ class QMuon(Optimizer):
         assert sink is not None
         return lambda part, out: sink(p, part, out)
 
-    def _adamw_step(self, group: dict[str, Any], idx: list[int]) -> None:
+    def _adamw_step(self, group: dict[str, Any], idx: list[int], gi: int = 0) -> None:
+        low = [i for i in idx if weight_apply.writes_rounded(group["params"][i])]
+        if low:  # bf16 weights: written through core.apply (see _adamw_bf16_step)
+            self._adamw_bf16_step(group, low, gi)
+            idx = [i for i in idx if i not in set(low)]
         params = [group["params"][i] for i in idx]
         grads = [p.grad for p in params]
         exp_avgs, exp_avg_sqs, steps = [], [], []
@@ -450,6 +460,43 @@ class QMuon(Optimizer):
             amsgrad=False, beta1=b1, beta2=b2, lr=group["lr"], weight_decay=group["weight_decay"],
             eps=group["eps"], maximize=False,
         )
+
+    # -------------------------------------------------- AdamW of bf16 weights (until the fused AdamW step lands)
+    def _adamw_bf16_step(self, group: dict[str, Any], idx: list[int], gi: int) -> None:
+        """torch.optim.AdamW's update for bf16 parameters, one tensor at a time, computed in fp32 from
+        the stored (bf16, torch's layout) moments and written through
+        :func:`~qmuon_lightning.core.apply.apply_update_` (the group's ``bf16_update``, decay folded in).
+
+        A stop-gap kept apart from the fp32 path so the fused per-tensor AdamW step (issue 19, item 1)
+        replaces it whole; it exists so that bf16 weights in AdamW groups get the same rounding rules
+        as the Muon groups now."""
+        b1, b2 = group["betas"]
+        lr, wd, eps = float(group["lr"]), float(group["weight_decay"]), float(group["eps"])
+        key0 = sum(len(g["params"]) for g in self.param_groups[:gi])
+        for i in idx:
+            p = group["params"][i]
+            st = self.state[p]
+            if not st:
+                st["step"] = torch.tensor(0.0, dtype=torch.float32)
+                st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            self._sync_weight_state(p, st, group)
+            st["step"] += 1
+            step = float(local(st["step"]).item())
+            g = local(p.grad).float()
+            m, v = local(st["exp_avg"]), local(st["exp_avg_sq"])
+            mf = m.float().lerp_(g, 1.0 - b1)
+            vf = v.float().mul_(b2).addcmul_(g, g, value=1.0 - b2)
+            m.copy_(mf)
+            v.copy_(vf)
+            denom = (vf.sqrt_() / math.sqrt(1.0 - b2 ** step)).add_(eps)
+            update = mf.div_(denom)
+            del vf, denom
+            p_local = local(p)
+            first = _global_row_offset(p) * math.prod(p.shape[1:])
+            write = self._weight_write(p_local, st, group, key0 + i, first)
+            weight_apply.apply_update_(p_local, update, alpha=-lr / (1.0 - b1 ** step), decay=1.0 - lr * wd,
+                                       **write.rounding)
 
     # ------------------------------------------------------------------ state dict
     def state_dict(self) -> dict[str, Any]:
@@ -477,6 +524,7 @@ class QMuon(Optimizer):
         # and bf16 momentum into the parameter's dtype.
         new_groups, new_state = [], dict(saved_state)
         muon_state: list[tuple[Tensor, dict[str, Any], dict[str, Any]]] = []
+        aux_state: list[tuple[Tensor, dict[str, Tensor]]] = []  # AdamW parameters' weight-correction state
         for gi, (saved, cur) in enumerate(zip(saved_groups, self.param_groups)):
             version = saved.get("qmuon_version", 0)
             if version > FORMAT_VERSION:
@@ -510,13 +558,34 @@ class QMuon(Optimizer):
                         if is_dtensor(p):  # sharded: validate and convert this rank's rows only
                             src = localize_loaded_state(src, p, None, None, where)  # None: the saved format
                             shape = (local(p).shape[0], *p.shape[1:])
-                        muon_state.append((p, qstate.convert_state(src, saved_view, cur_view, shape, where,
-                                                                   sharded=is_dtensor(p)), cur_view))
+                        converted = qstate.convert_state(src, saved_view, cur_view, shape, where, sharded=is_dtensor(p))
+                        _check_loaded_weight_state(p, converted, saved, cur, where)
+                        muon_state.append((p, converted, cur_view))
                         del new_state[pid]
+            else:
+                # Weight-correction codes (int8) would be cast to the parameter's dtype by torch's
+                # loader: taken out here, validated, and put back after it.
+                for pid, p in zip(saved["params"], cur["params"]):
+                    entry = new_state.get(pid)
+                    if entry is None or not any(k in entry for k in qstate.weight_state_keys()):
+                        continue
+                    where = f"param group {gi}, param id {pid}"
+                    entry = dict(entry)
+                    w = {k: entry.pop(k) for k in qstate.weight_state_keys() if k in entry}
+                    if is_dtensor(p):
+                        w = localize_loaded_state(w, p, None, None, where)
+                    _check_loaded_weight_state(p, w, saved, cur, where)
+                    aux_state.append((p, w))
+                    new_state[pid] = entry
             new_groups.append(merged)
         super().load_state_dict({"state": new_state, "param_groups": new_groups})
         self._plans.clear()
         self._sharded = None
+        for p, w in aux_state:
+            w = {k: v.to(device=p.device, copy=True) for k, v in w.items()}
+            if is_dtensor(p):
+                shard_state(p, w, None)
+            self.state[p].update(w)
         for p, st, cur in muon_state:
             new = {k: v.to(device=p.device, copy=True) if k != "step" else v.clone() for k, v in st.items()}
             if is_dtensor(p):
@@ -598,6 +667,21 @@ class QMuon(Optimizer):
             for p in group["params"]:
                 total += qstate.state_nbytes(self.state.get(p, {}))
         return total
+
+
+def _check_loaded_weight_state(p: Tensor, st: dict[str, Any], saved: dict[str, Any], cur: dict[str, Any],
+                               where: str) -> None:
+    """Validate the weight-correction tensors of a loaded state entry (``st``: this rank's tensors).
+
+    Saved and resumed with the same ``bf16_update``: what the rule needs must be there, int8 and
+    shaped like the parameter (a missing ``weight_ecc`` is an incomplete checkpoint). A changed rule
+    is allowed: codes it does not use are dropped at the next step, codes it needs start at zero."""
+    rule, saved_rule = cur["bf16_update"], saved.get("bf16_update")
+    wkeys = qstate.weight_state_keys()
+    present = any(k in st for k in wkeys)
+    p_local = local(p)
+    if saved_rule == rule or (present and weight_apply.weight_state_keys(p_local, rule)):
+        weight_apply.check_weight_state(p_local, {k: local(v) for k, v in st.items() if k in wkeys}, rule, where)
 
 
 class GraspMuon(QMuon):
