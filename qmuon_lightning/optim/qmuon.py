@@ -567,15 +567,16 @@ class QMuon(Optimizer):
                 # loader: taken out here, validated, and put back after it.
                 for pid, p in zip(saved["params"], cur["params"]):
                     entry = new_state.get(pid)
-                    if entry is None or not any(k in entry for k in qstate.weight_state_keys()):
+                    if entry is None:
                         continue
                     where = f"param group {gi}, param id {pid}"
                     entry = dict(entry)
                     w = {k: entry.pop(k) for k in qstate.weight_state_keys() if k in entry}
-                    if is_dtensor(p):
+                    if w and is_dtensor(p):
                         w = localize_loaded_state(w, p, None, None, where)
                     _check_loaded_weight_state(p, w, saved, cur, where)
-                    aux_state.append((p, w))
+                    if w:
+                        aux_state.append((p, w))
                     new_state[pid] = entry
             new_groups.append(merged)
         super().load_state_dict({"state": new_state, "param_groups": new_groups})
@@ -658,6 +659,18 @@ class QMuon(Optimizer):
         return out
 
     # ------------------------------------------------------------------ introspection
+    def master_weight(self, p: Tensor) -> Tensor:
+        """The fp32 weight parameter ``p`` stands for (this rank's rows when sharded): the bf16 value
+        corrected by its ``weight_ecc`` codes under ``bf16_update="ecc8"``, else ``p`` itself in fp32
+        (export a bf16 + ecc8 model at its full precision with this)."""
+        gi, _ = self._locate(p)
+        fmt = qstate.weight_format(self.param_groups[gi]["bf16_update"])
+        st = self.state.get(p, {})
+        p_local = local(p).detach()
+        if fmt is not None and all(k in st for k in fmt.spec.keys):
+            return fmt.master_weight(p_local, {k: local(st[k]) for k in fmt.spec.keys})
+        return p_local.float()
+
     def state_nbytes(self, muon_only: bool = True) -> int:
         """Bytes of optimizer state tensors (Muon parameters only by default)."""
         total = 0

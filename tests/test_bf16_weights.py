@@ -1,0 +1,468 @@
+"""bf16 weights without an fp32 master copy: ``bf16_update="nearest" | "stochastic" | "ecc8"``.
+
+The write rules against their definitions (float64 / fp32 arithmetic, FlashOptim's ECC invariants),
+the fused kernels against the pure-PyTorch reference (bit for bit), QMuon with bf16 models (both
+groups), resume bit for bit, checkpoint validation, NaN gradients, the numerics check. The sharded
+runs (FSDP2 + DCP + reshard) and the Lightning / Accelerate runs are at the end (slow).
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import math
+import os
+
+import pytest
+import torch
+from torch import nn
+
+import qmuon_lightning as ql
+from qmuon_lightning.core import apply as wa
+from qmuon_lightning.ops import _kernels as K
+from qmuon_lightning.ops import reference_weight as refw
+from qmuon_lightning.quant import state as qstate
+
+RULES = ("nearest", "stochastic", "ecc8")
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16) if t.element_size() == 2 else t.view(torch.int32) if t.element_size() == 4 else t
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(_bits(a.contiguous()), _bits(b.contiguous()))
+
+
+def _weights(rows: int, cols: int, seed: int) -> torch.Tensor:
+    """bf16 weights over many binades (1e-30 .. 1e3), with zeros, a subnormal, inf and the largest values."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(rows, cols, generator=g) * torch.logspace(-30, 3, cols)[None, :]
+    w = w.to(torch.bfloat16)
+    w.view(-1)[:6] = torch.tensor([0.0, -0.0, float("inf"), 1e-40, 3.3e38, -3.3e38]).to(torch.bfloat16)
+    return w
+
+
+def _compiled() -> bool:
+    from qmuon_lightning.ops import _extension
+
+    return _extension.status().cpu
+
+
+# --------------------------------------------------------------------------- the rules, by definition
+def test_new_weight_is_three_separately_rounded_fp32_operations():
+    g = torch.Generator().manual_seed(1)
+    w, u = torch.randn(1000, generator=g), torch.randn(1000, generator=g)
+    alpha, decay = -0.01234, 0.99876
+    want = (w.double() * torch.tensor(decay, dtype=torch.float32).double()).float().double()
+    want = (want + (u.double() * torch.tensor(alpha, dtype=torch.float32).double()).float().double()).float()
+    assert _same(refw.new_weight_fp32(w, u, alpha, decay), want)
+
+
+def test_stochastic_rounding_brackets_and_is_unbiased():
+    """Every draw is x truncated toward zero or the next bf16 away from zero, and the mean over many
+    independent streams converges to x (tolerance: 5 standard errors of a two-point distribution)."""
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(64, generator=g) * 3
+    lo_bits = x.view(torch.int32) & ~0xFFFF
+    lo, hi = lo_bits.view(torch.float32), (lo_bits + 0x10000).view(torch.float32)
+    n = 4000
+    acc = torch.zeros(64, dtype=torch.float64)
+    idx = torch.arange(64, dtype=torch.int64)
+    for s in range(n):
+        rf = refw.stochastic_round_bf16(x, refw._noise_bits16(idx, refw.weight_noise_stream(7, 3, s))).float()
+        assert torch.all((rf == lo) | (rf == hi)), s
+        acc += rf.double()
+    gap = (hi - lo).double().abs()
+    assert torch.all((acc / n - x.double()).abs() <= 5 * gap / (2 * math.sqrt(n)))
+
+
+def test_stochastic_noise_differs_from_momentum_noise():
+    from qmuon_lightning.ops import reference as ref
+
+    assert refw.weight_noise_stream(0, 5, 1) != ref.noise_stream(0, 1, 5)
+    assert len({refw.weight_noise_stream(0, k, s) for k in range(20) for s in range(20)}) == 400
+
+
+def test_ecc8_invariants_over_every_bf16_mantissa():
+    """FlashOptim's ECC invariants (their test_ecc_invariants.py), for fp32 values spread over every
+    bf16 mantissa of 40 binades: (1) exact downcasts stay exact; (2) the corrected error is never larger
+    than nearest rounding's, and smaller once that exceeds one code step (h / 127, h = ulp / 2);
+    (3) it is at most half a code step (h / 254) plus the fp32 rounding of the decode."""
+    g = torch.Generator().manual_seed(3)
+    exps = torch.arange(-20, 20).repeat_interleave(128 * 16)
+    mant = torch.arange(128).repeat_interleave(16).repeat(40)
+    low = torch.randint(0, 1 << 16, (exps.numel(),), generator=g)
+    low[::16] = 0  # exactly representable in bf16
+    bits = ((exps + 127) << 23) | (mant << 16) | low
+    x = bits.to(torch.int32).view(torch.float32)
+    x = torch.cat([x, -x])
+    wb = x.to(torch.bfloat16)
+    code = refw.ecc8_encode(x, wb)
+    back = refw.ecc8_decode(wb, code).double()
+    e0 = (wb.double() - x.double()).abs()
+    e8 = (back - x.double()).abs()
+    h = refw.ecc8_half_ulp(wb).double()
+    assert torch.all(e8[e0 == 0] == 0)
+    assert torch.all(e8 <= e0)
+    big = e0 > h / 127
+    assert big.float().mean() > 0.9 and torch.all(e8[big] < e0[big])
+    assert torch.all(e8 <= h / 254 + x.double().abs() * 2 ** -24)
+
+
+def test_ecc8_half_ulp_is_half_the_bf16_gap():
+    w = torch.tensor([1.0, 1.5, -3.0, 1e-3, 0.0, 1e-40, 2.0 ** -126, 3e38]).to(torch.bfloat16)
+    nxt = (w.view(torch.int16) + 1).view(torch.bfloat16)  # one step away from zero (sign-magnitude)
+    gap = (nxt.double() - w.double()).abs()
+    assert torch.equal(refw.ecc8_half_ulp(w).double(), gap / 2)
+
+
+def test_nearest_loses_small_updates_stochastic_and_ecc8_keep_them():
+    """1000 updates of +1e-4 to weights of 1.0 (ulp 2**-7): nearest never moves; ecc8 rounds its
+    ~16-bit master each step (code step h / 127 = 2**-8 / 127 = 3.1e-5 here), so it is off by at most
+    n * h / 254 (and by far less than nearest's 0.1); stochastic within 5 standard deviations of its
+    random walk."""
+    n = 1000
+    p = {r: torch.ones(256, 4, dtype=torch.bfloat16) for r in RULES}
+    st = {r: wa.weight_state_init(p[r], r) for r in RULES}
+    u = torch.full((256, 4), 1e-4)
+    for s in range(n):
+        for r in RULES:
+            wa.apply_update_(p[r], u, alpha=1.0, bf16_update=r, state=st[r], rng=(0, 1, s + 1, 0))
+    assert torch.all(p["nearest"] == 1.0)
+    master = refw.ecc8_decode(p["ecc8"], st["ecc8"]["weight_ecc"])
+    assert (master - 1.1).abs().max() <= n * 2 ** -8 / 254
+    assert torch.all(p["ecc8"] > 1.0)
+    sd = math.sqrt(n) * 2 ** -7 / 2  # each step moves by 0 or one ulp: sd <= ulp / 2 per step
+    assert (p["stochastic"].float().mean() - 1.1).abs() < 5 * sd / math.sqrt(1024)
+    assert p["stochastic"].float().std() < 5 * sd
+
+
+def test_decay_is_folded_into_the_one_rounding():
+    """lr * wd = 1e-3 < 2**-9: a separate bf16 multiply by (1 - 1e-3) rounds back to w; folded into the
+    update (nearest rounding of decay * w + alpha * u) it is not lost."""
+    w = torch.full((8, 8), 1.0, dtype=torch.bfloat16) * torch.linspace(1, 2, 8).to(torch.bfloat16)
+    separate = w.clone().mul_(1 - 1e-3)
+    assert torch.equal(separate, w)
+    folded = w.clone()
+    u = torch.full((8, 8), 2e-3)
+    wa.apply_update_(folded, u, alpha=-1.0, decay=1 - 1e-3, bf16_update="nearest")
+    want = (w.float() * (1 - 1e-3) - 2e-3).to(torch.bfloat16)
+    assert torch.equal(folded, want) and not torch.equal(folded, (w - 2e-3).to(torch.bfloat16))
+
+
+def test_fp32_params_keep_torch_arithmetic():
+    g = torch.Generator().manual_seed(4)
+    w, u = torch.randn(17, 9, generator=g), torch.randn(17, 9, generator=g).to(torch.bfloat16)
+    for r in RULES:
+        a = w.clone()
+        wa.apply_update_(a, u, alpha=-0.02, decay=0.999, bf16_update=r, state={}, rng=None)
+        assert _same(a, w.clone().mul_(0.999).add_(u, alpha=-0.02))
+        assert wa.weight_state_init(a, r) == {}
+
+
+def test_blocks_draw_the_noise_of_the_whole_parameter():
+    """Row chunks, a column block of a fused weight and a 3-D parameter: writing block by block with
+    block_rng gives the bits of one write of the whole parameter (stochastic), and ecc8 views work."""
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(12, 40, generator=g).to(torch.bfloat16)
+    u = torch.randn(12, 40, generator=g) * 1e-3
+    rng = (3, 11, 7, 1000)
+    whole = w.clone()
+    wa.apply_update_(whole, u, alpha=-1.0, decay=0.99, bf16_update="stochastic", rng=rng)
+    rows = w.clone()
+    for a, b in ((0, 5), (5, 12)):
+        wa.apply_update_(rows[a:b], u[a:b], alpha=-1.0, decay=0.99, bf16_update="stochastic",
+                         rng=wa.block_rng(rng, rows, rows[a:b]))
+    assert torch.equal(_bits(rows), _bits(whole))
+    cols = w.clone()
+    for a, b in ((0, 16), (16, 40)):
+        blk = cols[:, a:b]
+        wa.apply_update_(blk, u[:, a:b].contiguous(), alpha=-1.0, decay=0.99, bf16_update="stochastic",
+                         rng=wa.block_rng(rng, cols, blk))
+    assert torch.equal(_bits(cols), _bits(whole))
+    w3 = w.clone().view(12, 5, 8)
+    wa.apply_update_(w3, u.view(12, 5, 8), alpha=-1.0, decay=0.99, bf16_update="stochastic", rng=rng)
+    assert torch.equal(_bits(w3.view(12, 40)), _bits(whole))
+    e_whole, e_cols = wa.weight_state_init(w, "ecc8"), wa.weight_state_init(w, "ecc8")
+    a1, a2 = w.clone(), w.clone()
+    wa.apply_update_(a1, u, alpha=-1.0, decay=0.99, bf16_update="ecc8", state=e_whole)
+    for a, b in ((0, 16), (16, 40)):
+        wa.apply_update_(a2[:, a:b], u[:, a:b], alpha=-1.0, decay=0.99, bf16_update="ecc8",
+                         state={k: v[:, a:b] for k, v in e_cols.items()})
+    assert torch.equal(_bits(a1), _bits(a2)) and torch.equal(e_whole["weight_ecc"], e_cols["weight_ecc"])
+
+
+def test_bad_arguments_are_named():
+    w = torch.zeros(4, 4, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="bf16_update must be one of"):
+        wa.apply_update_(w, torch.zeros(4, 4), alpha=1.0, bf16_update="fp8")
+    with pytest.raises(ValueError, match="needs the parameter's weight_ecc"):
+        wa.apply_update_(w, torch.zeros(4, 4), alpha=1.0, bf16_update="ecc8", state={})
+    with pytest.raises(ValueError, match="needs rng"):
+        wa.apply_update_(w, torch.zeros(4, 4), alpha=1.0, bf16_update="stochastic")
+    with pytest.raises(ValueError, match="supports 'nearest' only"):
+        wa.apply_update_(w.half(), torch.zeros(4, 4), alpha=1.0, bf16_update="ecc8", state={})
+    with pytest.raises(ValueError, match="bf16_update must be one of"):
+        ql.QMuon([nn.Parameter(torch.zeros(4, 4))], bf16_update="round")
+    with pytest.raises(ValueError, match="bf16_update must be one of"):
+        ql.QMuon([{"params": [nn.Parameter(torch.zeros(4))], "use_muon": False, "bf16_update": "x"}])
+
+
+# --------------------------------------------------------------------------- kernels vs reference
+@pytest.mark.parametrize("update_dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_cpu_kernels_equal_reference_bit_for_bit(update_dtype):
+    if not _compiled():
+        pytest.skip("the compiled CPU kernels did not build here")
+    g = torch.Generator().manual_seed(6)
+    big = _weights(23, 700, seed=6)
+    w = big[:, 50:650]  # padded rows (row stride 700): the kernels' strided layout
+    u = (torch.randn(23, 600, generator=g) * 1e-2).to(update_dtype)
+    before = dict(K.served)
+    for stream in (-1, 0, 0xDEADBEEF):
+        for index0, index_rs in ((0, 600), (2**33 - 5000, 700)):  # a high word in the index
+            a, b = w.clone(), w.clone()
+            a2 = big.clone()[:, 50:650]
+            a2.copy_(w)
+            torch.ops.qmuon.bf16_weight_update_(a2, u, -0.3, 0.999, stream, index0, index_rs)
+            refw.bf16_weight_update_(b, u, -0.3, 0.999, stream, index0, index_rs)
+            assert _same(a2, b), (stream, index0)
+            del a
+    e = torch.randint(-127, 128, (23, 700), generator=g, dtype=torch.int8)[:, 50:650]
+    a, b, ea, eb = w.clone(), w.clone(), e.clone(), e.clone()
+    ea_strided = torch.zeros(23, 700, dtype=torch.int8)[:, 50:650]
+    ea_strided.copy_(e)
+    torch.ops.qmuon.bf16_ecc8_weight_update_(a, ea_strided, u, -0.3, 0.999)
+    refw.bf16_ecc8_weight_update_(b, eb, u, -0.3, 0.999)
+    assert _same(a, b) and torch.equal(ea_strided, eb)
+    after = K.served
+    assert after[("bf16_weight_update_", "compiled")] - before.get(("bf16_weight_update_", "compiled"), 0) == 6
+    assert after[("bf16_ecc8_weight_update_", "compiled")] - before.get(("bf16_ecc8_weight_update_", "compiled"), 0) == 1
+
+
+def test_ops_run_the_reference_on_layouts_the_kernels_lack():
+    w = torch.randn(8, 6).to(torch.bfloat16).t()  # column stride 8
+    u = torch.randn(6, 8)
+    before = K.served[("bf16_weight_update_", "reference")]
+    a, b = w.clone(), w.clone()
+    torch.ops.qmuon.bf16_weight_update_(w, u, -0.1, 1.0, 5, 0, 8)
+    refw.bf16_weight_update_(b, u, -0.1, 1.0, 5, 0, 8)
+    assert _same(w, b) and K.served[("bf16_weight_update_", "reference")] == before + (1 if _compiled() else 0)
+    del a
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("update_dtype", [torch.float32, torch.bfloat16])
+def test_cuda_kernels_equal_reference_bit_for_bit(update_dtype):
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    from qmuon_lightning.ops import _extension
+
+    if not _extension.status().cuda:
+        pytest.skip(f"no CUDA kernels: {_extension.status().reason}")
+    g = torch.Generator().manual_seed(7)
+    w = _weights(64, 1000, seed=7)
+    u = (torch.randn(64, 1000, generator=g) * 1e-2).to(update_dtype)
+    e = torch.randint(-127, 128, (64, 1000), generator=g, dtype=torch.int8)
+    for stream in (-1, 12345):
+        a = w.cuda()
+        torch.ops.qmuon.bf16_weight_update_(a, u.cuda(), -0.3, 0.999, stream, 2**32 - 100, 1000)
+        b = w.clone()
+        refw.bf16_weight_update_(b, u, -0.3, 0.999, stream, 2**32 - 100, 1000)
+        assert _same(a.cpu(), b)
+    a, ea = w.cuda(), e.cuda()
+    torch.ops.qmuon.bf16_ecc8_weight_update_(a, ea, u.cuda(), -0.3, 0.999)
+    b, eb = w.clone(), e.clone()
+    refw.bf16_ecc8_weight_update_(b, eb, u, -0.3, 0.999)
+    assert _same(a.cpu(), b) and torch.equal(ea.cpu(), eb)
+    # and the CUDA reference (torch ops on the device) gives the same bits
+    c, ec = w.cuda(), e.cuda()
+    refw.bf16_ecc8_weight_update_(c, ec, u.cuda(), -0.3, 0.999)
+    assert _same(c.cpu(), b) and torch.equal(ec.cpu(), eb)
+
+
+# --------------------------------------------------------------------------- QMuon with bf16 models
+class _Tiny(nn.Module):
+    def __init__(self, dtype=torch.bfloat16) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.emb = nn.Embedding(50, 32)
+        self.l1 = nn.Linear(32, 64, bias=True)
+        self.qkv = nn.Linear(32, 96, bias=False)  # fused parts (32, 32, 32)
+        self.l2 = nn.Linear(64, 32, bias=False)
+        self.head = nn.Linear(32, 50, bias=False)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+        self.to(dtype)
+
+    def forward(self, x):
+        h = self.emb(x)
+        h = h + self.qkv(h)[..., :32]
+        return self.head(self.l2(torch.relu(self.l1(h))))
+
+
+def _opt(model, **kw):
+    return ql.build_optimizer(model, lr=0.02, adamw_lr=3e-3, verbose=False, fused_parts={r"qkv\.weight$": (32, 32, 32)},
+                              **kw)
+
+
+def _batch(s: int):
+    g = torch.Generator().manual_seed(100 + s)
+    x = torch.randint(0, 50, (8, 12), generator=g)
+    return x, (7 * x + 3) % 50  # a per-token map this model (no attention) can learn
+
+
+def _train(model, opt, steps, nan_at=()):
+    losses = []
+    for s in steps:
+        x, y = _batch(s)
+        loss = nn.functional.cross_entropy(model(x).float().flatten(0, 1), y.flatten())
+        loss.backward()
+        if s in nan_at:
+            model.l1.weight.grad[0, 0] = float("nan")
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses
+
+
+def _state_copy(opt):
+    return {id(p): {k: v.clone() for k, v in st.items()} for p, st in opt.state.items()}
+
+
+@pytest.mark.parametrize("rule", RULES)
+def test_qmuon_trains_bf16_models_with_each_rule(rule):
+    model = _Tiny()
+    opt = _opt(model, bf16_update=rule)
+    losses = _train(model, opt, range(30))
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    assert sum(losses[-5:]) < sum(losses[:5]) * 0.9
+    ecc = {n: opt.state[p].get("weight_ecc") for n, p in model.named_parameters()}
+    if rule == "ecc8":
+        assert all(e is not None and e.dtype == torch.int8 and e.shape == p.shape
+                   for (n, p), e in zip(model.named_parameters(), ecc.values()))
+        assert all(e.abs().sum() > 0 for e in ecc.values())  # both groups write their codes
+        assert {g["bf16_update"] for g in opt.param_groups} == {"ecc8"}
+    else:
+        assert all(e is None for e in ecc.values())
+
+
+def test_bf16_rules_track_the_fp32_master_run():
+    """Same init (bf16-representable), same batches: after 40 steps the ecc8 weights are closer to
+    the fp32-master run's than stochastic's, and those closer than nearest's (relative L2 over all
+    parameters); nearest stalls the AdamW parameters at lr 3e-3 on weights ~0.1."""
+    ref = _Tiny(torch.float32)
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.copy_(p.to(torch.bfloat16).float())
+    opt = _opt(ref)
+    _train(ref, opt, range(40))
+    target = torch.cat([p.detach().flatten() for p in ref.parameters()])
+    err = {}
+    for rule in RULES:
+        m = _Tiny()
+        o = _opt(m, bf16_update=rule)
+        _train(m, o, range(40))
+        w = torch.cat([o.master_weight(p).flatten() for p in m.parameters()])
+        err[rule] = ((w - target).norm() / target.norm()).item()
+    assert err["ecc8"] < err["stochastic"] < err["nearest"], err
+
+
+@pytest.mark.parametrize("rule", ["stochastic", "ecc8"])
+def test_resume_is_bit_exact(rule):
+    model = _Tiny()
+    opt = _opt(model, bf16_update=rule)
+    _train(model, opt, range(5))
+    buf = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
+    _train(model, opt, range(5, 10))
+    buf.seek(0)
+    ck = torch.load(buf, weights_only=True)
+    again = _Tiny()
+    again.load_state_dict(ck["model"])
+    opt2 = _opt(again, bf16_update=rule)
+    opt2.load_state_dict(ck["opt"])
+    if rule == "ecc8":
+        assert all(st["weight_ecc"].dtype == torch.int8 for st in opt2.state.values())
+    _train(again, opt2, range(5, 10))
+    for (n, p), q in zip(model.named_parameters(), again.parameters()):
+        assert torch.equal(_bits(p.detach()), _bits(q.detach())), n
+    for p, q in zip(model.parameters(), again.parameters()):
+        for k, v in opt.state[p].items():
+            assert torch.equal(v, opt2.state[q][k]), k
+
+
+def test_checkpoint_validation_names_the_problem():
+    model = _Tiny()
+    opt = _opt(model, bf16_update="ecc8")
+    _train(model, opt, range(2))
+    sd = opt.state_dict()
+
+    def load(mutate):
+        bad = copy.deepcopy(sd)
+        mutate(bad["state"])
+        o = _opt(_Tiny(), bf16_update="ecc8")
+        o.load_state_dict(bad)
+        return o
+
+    ids = list(sd["state"])
+    for pid in (ids[0], ids[-1]):  # a Muon parameter and an AdamW one
+        with pytest.raises(qstate.StateFormatError, match="no weight_ecc; the checkpoint is incomplete"):
+            load(lambda st: st[pid].pop("weight_ecc"))
+        with pytest.raises(qstate.StateFormatError, match="weight_ecc must be int8"):
+            load(lambda st: st[pid].__setitem__("weight_ecc", st[pid]["weight_ecc"].to(torch.int16)))
+        with pytest.raises(qstate.StateFormatError, match="weight_ecc has shape"):
+            load(lambda st: st[pid].__setitem__("weight_ecc", st[pid]["weight_ecc"][:1]))
+    # a changed rule is allowed: codes dropped (ecc8 -> stochastic) or started at zero (stochastic -> ecc8)
+    st_opt = _opt(model, bf16_update="stochastic")
+    st_opt.load_state_dict(copy.deepcopy(sd))
+    _train(model, st_opt, range(2, 3))
+    assert all("weight_ecc" not in st for st in st_opt.state.values())
+    back = _opt(model, bf16_update="ecc8")
+    back.load_state_dict(st_opt.state_dict())
+    _train(model, back, range(3, 4))
+    assert all(st["weight_ecc"].dtype == torch.int8 for st in back.state.values())
+
+
+@pytest.mark.parametrize("rule", ["stochastic", "ecc8"])
+def test_nan_gradient_leaves_weight_and_codes_untouched(rule):
+    model = _Tiny()
+    opt = _opt(model, bf16_update=rule)
+    _train(model, opt, range(3))
+    w0 = model.l1.weight.detach().clone()
+    st0 = {k: v.clone() for k, v in opt.state[model.l1.weight].items()}
+    _train(model, opt, [3], nan_at={3})
+    assert opt.nonfinite_skips == 1
+    assert torch.equal(_bits(model.l1.weight.detach()), _bits(w0))
+    for k, v in st0.items():
+        assert torch.equal(opt.state[model.l1.weight][k], v), k
+
+
+def test_stall_report_names_the_frozen_parameters():
+    """Weights ~0.1 and AdamW steps of ~3e-5 (< ulp/2 = 2**-12 for |w| in [1/16, 1/8)): the AdamW
+    parameters are reported as stalled; with Muon's larger steps the Muon matrices much less."""
+    model = _Tiny()
+    opt = ql.build_optimizer(model, lr=0.02, adamw_lr=3e-5, verbose=False, bf16_update="stochastic")
+    x, y = _batch(0)
+    nn.functional.cross_entropy(model(x).float().flatten(0, 1), y.flatten()).backward()
+    rows = ql.optim.bf16_stall_report(opt, model.named_parameters())
+    share = {r["param"]: r["share"] for r in rows}
+    assert set(share) == {n for n, _ in model.named_parameters()}
+    assert share["emb.weight"] > 0.5 and share["head.weight"] > 0.5
+    assert share["l2.weight"] < share["head.weight"]
+    fp32 = _Tiny(torch.float32)
+    o32 = ql.build_optimizer(fp32, verbose=False)
+    nn.functional.cross_entropy(fp32(x).flatten(0, 1), y.flatten()).backward()
+    assert ql.optim.bf16_stall_report(o32, fp32.named_parameters()) == []
+
+
+def test_weight_state_bytes_are_one_per_parameter():
+    model = _Tiny()
+    for rule, per in (("stochastic", 0), ("ecc8", 1)):
+        opt = _opt(model, bf16_update=rule)
+        _train(model, opt, range(1))
+        n = sum(p.numel() for p in model.parameters())
+        ecc = sum(st["weight_ecc"].numel() * st["weight_ecc"].element_size() for st in opt.state.values()
+                  if "weight_ecc" in st)
+        assert ecc == per * n
