@@ -466,3 +466,163 @@ def test_weight_state_bytes_are_one_per_parameter():
         ecc = sum(st["weight_ecc"].numel() * st["weight_ecc"].element_size() for st in opt.state.values()
                   if "weight_ecc" in st)
         assert ecc == per * n
+
+
+# --------------------------------------------------------------------------- sharded: FSDP2 + DCP + reshard
+class _ShardNet(nn.Module):
+    """bf16 parameters with awkward shapes for 2 ranks: uneven rows, a rank without rows, fused
+    parts cut by the shard boundary, a 4-D weight, an AdamW embedding and gain."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+
+        def w(*shape):
+            return nn.Parameter((torch.randn(*shape, generator=g) / math.sqrt(shape[-1])).to(torch.bfloat16))
+
+        self.a = w(3, 40)
+        self.b = w(5, 300)
+        self.c = w(1, 40)  # rank 1 owns nothing
+        self.qkv = w(8, 40)  # parts (3, 3, 2)
+        self.conv = w(6, 2, 2, 3)
+        self.emb = w(10, 40)  # AdamW
+        self.gain = nn.Parameter(torch.ones(40, dtype=torch.bfloat16))  # AdamW, 1-D
+
+
+def _shard_groups(net: nn.Module) -> list[dict]:
+    return [{"params": [net.a, net.b, net.c, net.conv], "param_names": ["a", "b", "c", "conv"]},
+            {"params": [net.qkv], "parts": (3, 3, 2), "param_names": ["qkv"]},
+            {"params": [net.emb, net.gain], "use_muon": False, "param_names": ["emb", "gain"]}]
+
+
+def _shard_grads(net: nn.Module, step: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)
+    return {n: (torch.randn(p.shape, generator=g) * 1e-2).to(torch.bfloat16) for n, p in net.named_parameters()}
+
+
+SHARD_STEPS, SHARD_CONT = 3, 2
+SHARD_KW = dict(lr=0.02, weight_decay=0.1, adamw_lr=1e-2, comm_carrier="bf16", comm_return="bf16")
+
+
+def _shard_opt(net, rule):
+    return ql.QMuon(_shard_groups(net), bf16_update=rule, **SHARD_KW)
+
+
+def _worker_bf16(rank: int, world: int, root: str) -> dict:
+    import torch.distributed.checkpoint as dcp
+    from _dist import local_copy, step_side_by_side
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    out = {}
+    for rule in ("stochastic", "ecc8"):
+        ref, net = _ShardNet(), _ShardNet()
+        fully_shard(net, mesh=mesh)
+        opt_ref, opt = _shard_opt(ref, rule), _shard_opt(net, rule)
+        step_side_by_side(ref, opt_ref, net, opt, _shard_grads, SHARD_STEPS)
+        res = {"params": {n: local_copy(p) for n, p in net.named_parameters()},
+               "ref_params": {n: p.detach().clone() for n, p in ref.named_parameters()},
+               "state": {n: {k: local_copy(v) for k, v in opt.state[p].items()} for n, p in net.named_parameters()},
+               "ref_state": {n: {k: v.clone() for k, v in opt_ref.state[p].items()} for n, p in ref.named_parameters()},
+               "ecc_is_dtensor": [type(opt.state[p].get("weight_ecc")).__name__ for p in net.parameters()]}
+        msd, osd = get_state_dict(net, opt)
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=os.path.join(root, rule))
+        for s in range(SHARD_STEPS, SHARD_STEPS + SHARD_CONT):  # continue
+            from _dist import set_grads
+
+            set_grads(net, _shard_grads(ref, s), True)
+            opt.step()
+        res["cont"] = {n: local_copy(p) for n, p in net.named_parameters()}
+        # same-world resume from DCP
+        net2 = _ShardNet()
+        fully_shard(net2, mesh=mesh)
+        opt2 = _shard_opt(net2, rule)
+        msd, osd = get_state_dict(net2, opt2)
+        sd = {"model": msd, "optim": osd}
+        dcp.load(sd, checkpoint_id=os.path.join(root, rule))
+        set_state_dict(net2, opt2, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+        for s in range(SHARD_STEPS, SHARD_STEPS + SHARD_CONT):
+            from _dist import set_grads
+
+            set_grads(net2, _shard_grads(ref, s), True)
+            opt2.step()
+        res["resumed"] = {n: local_copy(p) for n, p in net2.named_parameters()}
+        out[rule] = res
+    return out
+
+
+def _merge(per_rank: list):
+    first = per_rank[0]
+    if isinstance(first, dict):
+        return {k: _merge([r[k] for r in per_rank]) for k in first}
+    if isinstance(first, torch.Tensor) and first.ndim >= 1:
+        return torch.cat(per_rank)
+    return first
+
+
+@pytest.fixture(scope="module")
+def sharded_runs(tmp_path_factory):
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+    from _dist import run_workers
+
+    root = str(tmp_path_factory.mktemp("bf16dcp"))
+    forkable = torch.get_num_threads() == 1 and not dist.is_initialized() and "fork" in mp.get_all_start_methods()
+    two = run_workers(_worker_bf16, 2, timeout=300, start_method="fork" if forkable else "spawn", root=root)
+    merged = {}
+    for rule in two[0]:
+        per = [t[rule] for t in two]
+        merged[rule] = {k: (_merge([p[k] for p in per]) if k not in ("ref_params", "ref_state") else per[0][k])
+                        for k in per[0]}
+    return root, merged
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rule", ["stochastic", "ecc8"])
+def test_sharded_equals_single_process_bit_exact(sharded_runs, rule):
+    """FSDP2 Shard(0) on 2 ranks (bf16 carriers) vs one process on the same gradients: the same bf16
+    weights and the same state bit for bit (the stochastic bits are keyed by the global element, the
+    ecc8 codes are rows of the weight and live as Shard(0) DTensors)."""
+    _, runs = sharded_runs
+    r = runs[rule]
+    for n, p in r["ref_params"].items():
+        assert torch.equal(_bits(r["params"][n]), _bits(p)), n
+    for n, st in r["ref_state"].items():
+        for k, v in st.items():
+            assert torch.equal(r["state"][n][k], v), (n, k)
+    if rule == "ecc8":
+        assert set(r["ecc_is_dtensor"]) == {"DTensor"}
+        assert all("weight_ecc" in st for st in r["state"].values())
+    else:
+        assert all("weight_ecc" not in st for st in r["state"].values())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rule", ["stochastic", "ecc8"])
+def test_dcp_resume_same_world_and_reshard_2_to_1(sharded_runs, rule):
+    """The 2-rank DCP checkpoint resumes on 2 ranks bit for bit, and on 1 process (DCP reshards the
+    weights and the ecc8 codes) with the same continuation bit for bit."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    root, runs = sharded_runs
+    r = runs[rule]
+    for n, p in r["cont"].items():
+        assert torch.equal(_bits(r["resumed"][n]), _bits(p)), n
+    net = _ShardNet()
+    opt = _shard_opt(net, rule)
+    msd, osd = get_state_dict(net, opt)
+    sd = {"model": msd, "optim": osd}
+    dcp.load(sd, checkpoint_id=os.path.join(root, rule), no_dist=True)
+    set_state_dict(net, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    if rule == "ecc8":
+        for n, p in net.named_parameters():
+            assert torch.equal(opt.state[p]["weight_ecc"], r["state"][n]["weight_ecc"]), n
+    for s in range(SHARD_STEPS, SHARD_STEPS + SHARD_CONT):
+        for n, p in net.named_parameters():
+            p.grad = _shard_grads(net, s)[n]
+        opt.step()
+    for n, p in net.named_parameters():
+        assert torch.equal(_bits(p.detach()), _bits(r["cont"][n])), n
