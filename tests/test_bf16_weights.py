@@ -626,3 +626,133 @@ def test_dcp_resume_same_world_and_reshard_2_to_1(sharded_runs, rule):
         opt.step()
     for n, p in net.named_parameters():
         assert torch.equal(_bits(p.detach()), _bits(r["cont"][n])), n
+
+
+# --------------------------------------------------------------------------- Accelerate
+@pytest.mark.parametrize("rule", ["stochastic", "ecc8"])
+def test_accelerate_bf16_model_resumes_bit_exact(tmp_path, rule):
+    """``prepare_qmuon`` on a model cast to bf16 (no mixed precision: the weights are the only copy),
+    ``save_state`` / ``load_state`` mid-run: the resumed run equals the uninterrupted one bit for bit,
+    and optimizer.bin keeps the ecc8 codes as int8."""
+    pytest.importorskip("accelerate")
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+    from test_accelerate import snapshot, tiny_model, train
+
+    from qmuon_lightning.integrations.accelerate import prepare_qmuon
+
+    def run(seed, load=None, save=None):
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+        acc = Accelerator(cpu=True)
+        model, opt = prepare_qmuon(acc, tiny_model(seed).to(torch.bfloat16), bf16_update=rule, verbose=False)
+        if load:
+            acc.load_state(load)
+        else:
+            train(acc, model, opt, range(3))
+            acc.save_state(save)
+        losses = train(acc, model, opt, range(3, 6))
+        return snapshot(model, opt), losses
+
+    ck = str(tmp_path / "ck")
+    a, la = run(0, save=ck)
+    b, lb = run(1, load=ck)
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    assert la == lb
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(_bits(a[k]), _bits(b[k])), k
+    assert all(v.dtype == torch.bfloat16 for k, v in a.items() if k.startswith("param/"))
+    sd = torch.load(tmp_path / "ck" / "optimizer.bin", weights_only=True)
+    ecc = [st["weight_ecc"] for st in sd["state"].values() if "weight_ecc" in st]
+    assert (len(ecc) == len(sd["state"]) and all(e.dtype == torch.int8 for e in ecc)) if rule == "ecc8" else not ecc
+
+
+# --------------------------------------------------------------------------- Trainer(strategy="qmuon_fsdp", precision="bf16-true")
+def _lightning_scenario(out):
+    """2 CPU processes: 4 steps and a sharded checkpoint; an uninterrupted 6-step run; a third Trainer
+    resumes the checkpoint to step 6. Reports dtypes, the ecc8 state and both 6-step results."""
+    from datetime import timedelta
+
+    import lightning as L
+    import torch.distributed as dist
+
+    from qmuon_lightning.models import DecoderLM
+    from qmuon_lightning.strategies import QMuonFSDPStrategy
+
+    class LM(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.model = DecoderLM(vocab_size=32, d_model=32, n_layers=2, n_heads=2, max_seq_len=16, mlp_hidden=64)
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return self.model.loss(x, y)
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=3e-3)
+
+    g = torch.Generator().manual_seed(5)
+    tok = torch.randint(0, 32, (48, 17), generator=g)
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(tok[:, :-1], tok[:, 1:]), batch_size=4)
+
+    def trainer(steps):
+        strategy = QMuonFSDPStrategy(optimizer_kwargs={"bf16_update": "ecc8"}, timeout=timedelta(seconds=120))
+        return L.Trainer(accelerator="cpu", devices=2, strategy=strategy, precision="bf16-true", max_steps=steps,
+                         logger=False, enable_progress_bar=False, enable_model_summary=False,
+                         enable_checkpointing=False, num_sanity_val_steps=0, default_root_dir=str(out))
+
+    res: dict = {}
+    tr = trainer(4)
+    m = LM()
+    tr.fit(m, data)
+    tr.save_checkpoint(str(out / "ck"))
+    opt = tr.optimizers[0]
+    res["rank"] = dist.get_rank()
+    res["optimizer"] = type(opt).__name__
+    res["param_dtypes"] = sorted({str(p.dtype) for p in m.parameters()})
+    res["all_dtensor"] = all(type(p).__name__ == "DTensor" for p in m.parameters())
+    res["ecc"] = sorted({(type(st["weight_ecc"]).__name__, str(st["weight_ecc"].dtype))
+                         for st in opt.state.values() if "weight_ecc" in st})
+    res["ecc_entries"] = sum("weight_ecc" in st for st in opt.state.values())
+    res["state_entries"] = len(opt.state)
+    res["rules"] = sorted({g_["bf16_update"] for g_ in opt.param_groups})
+    m2 = LM()
+    tr2 = trainer(6)
+    tr2.fit(m2, data)  # uninterrupted
+    res["cont"] = {n: p.to_local().float().tolist() for n, p in m2.named_parameters()}
+    m3 = LM()
+    tr3 = trainer(6)
+    tr3.fit(m3, data, ckpt_path=str(out / "ck"))
+    res["resumed"] = {n: p.to_local().float().tolist() for n, p in m3.named_parameters()}
+    res["global_steps"] = [tr.global_step, tr2.global_step, tr3.global_step]
+    return res
+
+
+@pytest.mark.slow
+def test_qmuon_fsdp_strategy_with_bf16_true(tmp_path):
+    import json
+    import sys
+    from pathlib import Path
+
+    from _helpers import run_launcher, subprocess_env
+
+    log = run_launcher([sys.executable, str(Path(__file__).resolve()), "fsdp", str(tmp_path)], timeout=400,
+                       env=subprocess_env(PYTHONWARNINGS="ignore"), cwd=tmp_path, what="bf16-true qmuon_fsdp scenario")
+    results = sorted(tmp_path.glob("bf16w_rank*.json"))
+    if len(results) != 2:
+        pytest.fail(f"scenario wrote {len(results)} rank results, expected 2; log tail:\n{log[-8000:]}")
+    for r in (json.loads(p.read_text()) for p in results):
+        assert r["optimizer"] == "QMuon" and r["rules"] == ["ecc8"]
+        assert r["param_dtypes"] == ["torch.bfloat16"] and r["all_dtensor"]
+        assert r["ecc"] == [["DTensor", "torch.int8"]] and r["ecc_entries"] == r["state_entries"] > 0
+        assert r["global_steps"] == [4, 6, 6]
+        assert r["cont"] == r["resumed"]  # resumed from the sharded checkpoint: bit for bit (bf16 -> fp32 is exact)
+
+
+if __name__ == "__main__":
+    from _helpers import fsdp_scenario_main
+
+    fsdp_scenario_main(_lightning_scenario, "bf16w")
