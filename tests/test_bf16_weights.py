@@ -468,6 +468,44 @@ def test_weight_state_bytes_are_one_per_parameter():
         assert ecc == per * n
 
 
+def test_strategy_and_config_check_bf16_update():
+    from qmuon_lightning.strategies import QMuonFSDPStrategy
+
+    with pytest.raises(ValueError, match="bf16_update must be one of"):
+        QMuonFSDPStrategy(optimizer_kwargs={"bf16_update": "stochastic-ish"})
+    QMuonFSDPStrategy(optimizer_kwargs={"bf16_update": "ecc8"})
+    assert ql.QMuonConfig().bf16_update == "stochastic"
+    assert ql.QMuonConfig.from_kwargs(bf16_update="ecc8").adamw_group_defaults()["bf16_update"] == "ecc8"
+
+
+def test_stall_monitor_in_a_trainer():
+    import lightning as L
+
+    from qmuon_lightning.callbacks import BF16StallMonitor
+
+    class M(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = _Tiny()
+
+        def training_step(self, batch, i):
+            x, y = batch
+            return nn.functional.cross_entropy(self.net(x).float().flatten(0, 1), y.flatten())
+
+        def configure_optimizers(self):
+            return ql.build_optimizer(self.net, lr=0.02, adamw_lr=3e-5, verbose=False)
+
+    xs = torch.stack([_batch(s)[0] for s in range(4)]).flatten(0, 1)
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(xs, (7 * xs + 3) % 50), batch_size=8)
+    mon = BF16StallMonitor(every_n_steps=2, warn_above=0.5)
+    tr = L.Trainer(accelerator="cpu", max_steps=3, logger=False, enable_progress_bar=False,
+                   enable_model_summary=False, enable_checkpointing=False, callbacks=[mon])
+    with pytest.warns(UserWarning, match="BF16StallMonitor: under nearest rounding these bf16 weights"):
+        tr.fit(M(), data)
+    shares = {r["param"]: r["share"] for r in mon.last_report}
+    assert shares["net.emb.weight"] > 0.5 and len(shares) == 6
+
+
 # --------------------------------------------------------------------------- sharded: FSDP2 + DCP + reshard
 class _ShardNet(nn.Module):
     """bf16 parameters with awkward shapes for 2 ranks: uneven rows, a rank without rows, fused
