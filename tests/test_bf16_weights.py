@@ -709,8 +709,9 @@ def test_accelerate_bf16_model_resumes_bit_exact(tmp_path, rule):
 
 # --------------------------------------------------------------------------- Trainer(strategy="qmuon_fsdp", precision="bf16-true")
 def _lightning_scenario(out):
-    """2 CPU processes: 4 steps and a sharded checkpoint; an uninterrupted 6-step run; a third Trainer
-    resumes the checkpoint to step 6. Reports dtypes, the ecc8 state and both 6-step results."""
+    """2 CPU processes: one epoch (3 steps per rank) and a sharded checkpoint; an uninterrupted 2-epoch
+    run; a third Trainer resumes the checkpoint for the second epoch (Lightning resumes exactly at
+    epoch boundaries). Reports dtypes, the ecc8 state and both 2-epoch results."""
     from datetime import timedelta
 
     import lightning as L
@@ -733,17 +734,17 @@ def _lightning_scenario(out):
             return torch.optim.AdamW(self.parameters(), lr=3e-3)
 
     g = torch.Generator().manual_seed(5)
-    tok = torch.randint(0, 32, (48, 17), generator=g)
+    tok = torch.randint(0, 32, (24, 17), generator=g)  # 3 batches of 4 per rank and epoch
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(tok[:, :-1], tok[:, 1:]), batch_size=4)
 
-    def trainer(steps):
+    def trainer(epochs):
         strategy = QMuonFSDPStrategy(optimizer_kwargs={"bf16_update": "ecc8"}, timeout=timedelta(seconds=120))
-        return L.Trainer(accelerator="cpu", devices=2, strategy=strategy, precision="bf16-true", max_steps=steps,
+        return L.Trainer(accelerator="cpu", devices=2, strategy=strategy, precision="bf16-true", max_epochs=epochs,
                          logger=False, enable_progress_bar=False, enable_model_summary=False,
                          enable_checkpointing=False, num_sanity_val_steps=0, default_root_dir=str(out))
 
     res: dict = {}
-    tr = trainer(4)
+    tr = trainer(1)
     m = LM()
     tr.fit(m, data)
     tr.save_checkpoint(str(out / "ck"))
@@ -758,11 +759,11 @@ def _lightning_scenario(out):
     res["state_entries"] = len(opt.state)
     res["rules"] = sorted({g_["bf16_update"] for g_ in opt.param_groups})
     m2 = LM()
-    tr2 = trainer(6)
+    tr2 = trainer(2)
     tr2.fit(m2, data)  # uninterrupted
     res["cont"] = {n: p.to_local().float().tolist() for n, p in m2.named_parameters()}
     m3 = LM()
-    tr3 = trainer(6)
+    tr3 = trainer(2)
     tr3.fit(m3, data, ckpt_path=str(out / "ck"))
     res["resumed"] = {n: p.to_local().float().tolist() for n, p in m3.named_parameters()}
     res["global_steps"] = [tr.global_step, tr2.global_step, tr3.global_step]
@@ -786,7 +787,7 @@ def test_qmuon_fsdp_strategy_with_bf16_true(tmp_path):
         assert r["optimizer"] == "QMuon" and r["rules"] == ["ecc8"]
         assert r["param_dtypes"] == ["torch.bfloat16"] and r["all_dtensor"]
         assert r["ecc"] == [["DTensor", "torch.int8"]] and r["ecc_entries"] == r["state_entries"] > 0
-        assert r["global_steps"] == [4, 6, 6]
+        assert r["global_steps"] == [3, 6, 6]
         assert r["cont"] == r["resumed"]  # resumed from the sharded checkpoint: bit for bit (bf16 -> fp32 is exact)
 
 

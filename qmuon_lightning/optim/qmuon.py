@@ -24,6 +24,7 @@ from torch.optim.adam import adam as _functional_adam
 
 from .. import ops  # noqa: F401  (registers torch.ops.qmuon)
 from ..core import apply as weight_apply
+from . import bf16_weights as bf16w
 from ..core import pipeline
 from ..core.config import (
     DEFAULT_CONFIG as _D,
@@ -40,7 +41,6 @@ from ..core.newton_schulz import MUON_COEFFICIENTS
 from ..core.pipeline import NSItem, is_dtensor, local
 from ..core.plan import MatrixPart, ParamPlan, adjusted_lr, plan_param
 from ..quant import state as qstate
-from ..quant.layout import global_row_offset as _global_row_offset
 from ..quant.layout import localize_loaded_state, shard_state
 
 __all__ = ["QMuon", "GraspMuon", "FORMAT_VERSION", "DEFAULT_NS_COEFFICIENTS", "adjusted_lr", "UpdateSink",
@@ -366,7 +366,7 @@ class QMuon(Optimizer):
                                                      opts=opts, device=local(p.grad).device))
                 if is_dtensor(p):
                     sharded.init_state(p, st, group)  # Shard(0) DTensors with the global shape (for DCP)
-            self._sync_weight_state(p, st, group)
+            bf16w.sync_param_weight_state(p, st, group)
             states.append({k: local(v) for k, v in st.items()} if is_dtensor(p) else st)
             offsets.append(sharded.row_offset(p) if is_dtensor(p) else 0)
         grads = [local(p.grad) for p in params]
@@ -391,7 +391,7 @@ class QMuon(Optimizer):
                 grad.copy_(g2.view(grad.shape))  # keep the contract: .grad holds the NS input
             p_local = local(p)
             settings = settings_on.get(g2.device) or settings_on.setdefault(g2.device, pipeline.ns_settings(group, g2.device))
-            write = self._weight_write(p_local, st, group, plan.key, row0 * plan.cols, decay)
+            write = bf16w.weight_write(p_local, st, group, plan.key, row0 * plan.cols)
             if is_dtensor(p):
                 sharded.add(p, plan, p_local, g2, sums, group, settings, write)  # whole-matrix NS across ranks
                 continue
@@ -405,28 +405,6 @@ class QMuon(Optimizer):
             apply = pipeline.apply_to(p, lr, decay=decay, **write.rounding)
             items.extend(pipeline.local_items(plan, g2, sums, group, settings, apply))
 
-    # ------------------------------------------------------------------ weight writes
-    def _sync_weight_state(self, p: Tensor, st: dict[str, Any], group: dict[str, Any]) -> None:
-        """Create (or drop) ``p``'s weight-correction state for the group's ``bf16_update``
-        (``Shard(0)`` DTensors for a sharded parameter, so DCP saves and reshards them)."""
-        new = weight_apply.sync_weight_state(local(p), st, group["bf16_update"])
-        if new and is_dtensor(p):
-            shard_state(p, st, None)  # every new tensor is one code per element: rows
-
-    @staticmethod
-    def _weight_write(p_local: Tensor, st: dict[str, Any], group: dict[str, Any], key: int, first: int,
-                      decay: float = 1.0) -> weight_apply.WeightWrite:
-        """How this step's update reaches ``p_local``: the group's rule, the local views of the
-        correction state and, for stochastic rounding of bf16 weights, the noise counter
-        ``(seed, key, step, first)`` (``first``: global index of ``p_local``'s first element)."""
-        rule = group["bf16_update"]
-        keys = weight_apply.weight_state_keys(p_local, rule)
-        state = {k: local(st[k]) for k in keys} if keys else None
-        rng = None
-        if rule == "stochastic" and weight_apply.writes_rounded(p_local):
-            rng = (int(group["seed"]), int(key), int(local(st["step"]).item()), int(first))
-        return weight_apply.WeightWrite(rule, state, rng)
-
     def _sink_for(self, p: Tensor) -> Callable[[MatrixPart, Tensor], None]:
         sink = self.update_sink
         assert sink is not None
@@ -434,8 +412,8 @@ class QMuon(Optimizer):
 
     def _adamw_step(self, group: dict[str, Any], idx: list[int], gi: int = 0) -> None:
         low = [i for i in idx if weight_apply.writes_rounded(group["params"][i])]
-        if low:  # bf16 weights: written through core.apply (see _adamw_bf16_step)
-            self._adamw_bf16_step(group, low, gi)
+        if low:  # bf16 weights: written through core.apply (optim.bf16_weights.adamw_bf16_step)
+            bf16w.adamw_bf16_step(self, group, low, gi)
             idx = [i for i in idx if i not in set(low)]
         params = [group["params"][i] for i in idx]
         grads = [p.grad for p in params]
@@ -460,43 +438,6 @@ class QMuon(Optimizer):
             amsgrad=False, beta1=b1, beta2=b2, lr=group["lr"], weight_decay=group["weight_decay"],
             eps=group["eps"], maximize=False,
         )
-
-    # -------------------------------------------------- AdamW of bf16 weights (until the fused AdamW step lands)
-    def _adamw_bf16_step(self, group: dict[str, Any], idx: list[int], gi: int) -> None:
-        """torch.optim.AdamW's update for bf16 parameters, one tensor at a time, computed in fp32 from
-        the stored (bf16, torch's layout) moments and written through
-        :func:`~qmuon_lightning.core.apply.apply_update_` (the group's ``bf16_update``, decay folded in).
-
-        A stop-gap kept apart from the fp32 path so the fused per-tensor AdamW step (issue 19, item 1)
-        replaces it whole; it exists so that bf16 weights in AdamW groups get the same rounding rules
-        as the Muon groups now."""
-        b1, b2 = group["betas"]
-        lr, wd, eps = float(group["lr"]), float(group["weight_decay"]), float(group["eps"])
-        key0 = sum(len(g["params"]) for g in self.param_groups[:gi])
-        for i in idx:
-            p = group["params"][i]
-            st = self.state[p]
-            if not st:
-                st["step"] = torch.tensor(0.0, dtype=torch.float32)
-                st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            self._sync_weight_state(p, st, group)
-            st["step"] += 1
-            step = float(local(st["step"]).item())
-            g = local(p.grad).float()
-            m, v = local(st["exp_avg"]), local(st["exp_avg_sq"])
-            mf = m.float().lerp_(g, 1.0 - b1)
-            vf = v.float().mul_(b2).addcmul_(g, g, value=1.0 - b2)
-            m.copy_(mf)
-            v.copy_(vf)
-            denom = (vf.sqrt_() / math.sqrt(1.0 - b2 ** step)).add_(eps)
-            update = mf.div_(denom)
-            del vf, denom
-            p_local = local(p)
-            first = _global_row_offset(p) * math.prod(p.shape[1:])
-            write = self._weight_write(p_local, st, group, key0 + i, first)
-            weight_apply.apply_update_(p_local, update, alpha=-lr / (1.0 - b1 ** step), decay=1.0 - lr * wd,
-                                       **write.rounding)
 
     # ------------------------------------------------------------------ state dict
     def state_dict(self) -> dict[str, Any]:
@@ -559,7 +500,7 @@ class QMuon(Optimizer):
                             src = localize_loaded_state(src, p, None, None, where)  # None: the saved format
                             shape = (local(p).shape[0], *p.shape[1:])
                         converted = qstate.convert_state(src, saved_view, cur_view, shape, where, sharded=is_dtensor(p))
-                        _check_loaded_weight_state(p, converted, saved, cur, where)
+                        bf16w.check_loaded_weight_state(p, converted, saved, cur, where)
                         muon_state.append((p, converted, cur_view))
                         del new_state[pid]
             else:
@@ -574,7 +515,7 @@ class QMuon(Optimizer):
                     w = {k: entry.pop(k) for k in qstate.weight_state_keys() if k in entry}
                     if w and is_dtensor(p):
                         w = localize_loaded_state(w, p, None, None, where)
-                    _check_loaded_weight_state(p, w, saved, cur, where)
+                    bf16w.check_loaded_weight_state(p, w, saved, cur, where)
                     if w:
                         aux_state.append((p, w))
                     new_state[pid] = entry
@@ -680,21 +621,6 @@ class QMuon(Optimizer):
             for p in group["params"]:
                 total += qstate.state_nbytes(self.state.get(p, {}))
         return total
-
-
-def _check_loaded_weight_state(p: Tensor, st: dict[str, Any], saved: dict[str, Any], cur: dict[str, Any],
-                               where: str) -> None:
-    """Validate the weight-correction tensors of a loaded state entry (``st``: this rank's tensors).
-
-    Saved and resumed with the same ``bf16_update``: what the rule needs must be there, int8 and
-    shaped like the parameter (a missing ``weight_ecc`` is an incomplete checkpoint). A changed rule
-    is allowed: codes it does not use are dropped at the next step, codes it needs start at zero."""
-    rule, saved_rule = cur["bf16_update"], saved.get("bf16_update")
-    wkeys = qstate.weight_state_keys()
-    present = any(k in st for k in wkeys)
-    p_local = local(p)
-    if saved_rule == rule or (present and weight_apply.weight_state_keys(p_local, rule)):
-        weight_apply.check_weight_state(p_local, {k: local(v) for k, v in st.items() if k in wkeys}, rule, where)
 
 
 class GraspMuon(QMuon):
