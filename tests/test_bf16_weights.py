@@ -587,6 +587,20 @@ def _worker_bf16(rank: int, world: int, root: str) -> dict:
             set_grads(net2, _shard_grads(ref, s), True)
             opt2.step()
         res["resumed"] = {n: local_copy(p) for n, p in net2.named_parameters()}
+        # 1 -> 2: the single-process checkpoint (saved by the pytest process) resumed on 2 ranks
+        net3 = _ShardNet()
+        fully_shard(net3, mesh=mesh)
+        opt3 = _shard_opt(net3, rule)
+        msd, osd = get_state_dict(net3, opt3)
+        sd = {"model": msd, "optim": osd}
+        dcp.load(sd, checkpoint_id=os.path.join(root, "single_" + rule))
+        set_state_dict(net3, opt3, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+        for s in range(SHARD_STEPS, SHARD_STEPS + SHARD_CONT):
+            from _dist import set_grads
+
+            set_grads(net3, _shard_grads(ref, s), True)
+            opt3.step()
+        res["from_single"] = {n: local_copy(p) for n, p in net3.named_parameters()}
         out[rule] = res
     return out
 
@@ -606,7 +620,22 @@ def sharded_runs(tmp_path_factory):
     import torch.multiprocessing as mp
     from _dist import run_workers
 
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
     root = str(tmp_path_factory.mktemp("bf16dcp"))
+    single = {}
+    for rule in ("stochastic", "ecc8"):  # the single-process side of the 1 -> 2 reshard
+        net = _ShardNet()
+        opt = _shard_opt(net, rule)
+        for s in range(SHARD_STEPS + SHARD_CONT):
+            if s == SHARD_STEPS:
+                msd, osd = get_state_dict(net, opt)
+                dcp.save({"model": msd, "optim": osd}, checkpoint_id=os.path.join(root, "single_" + rule), no_dist=True)
+            for n, p in net.named_parameters():
+                p.grad = _shard_grads(net, s)[n]
+            opt.step()
+        single[rule] = {n: p.detach().clone() for n, p in net.named_parameters()}
     forkable = torch.get_num_threads() == 1 and not dist.is_initialized() and "fork" in mp.get_all_start_methods()
     two = run_workers(_worker_bf16, 2, timeout=300, start_method="fork" if forkable else "spawn", root=root)
     merged = {}
@@ -614,6 +643,8 @@ def sharded_runs(tmp_path_factory):
         per = [t[rule] for t in two]
         merged[rule] = {k: (_merge([p[k] for p in per]) if k not in ("ref_params", "ref_state") else per[0][k])
                         for k in per[0]}
+    for rule in merged:
+        merged[rule]["single_cont"] = single[rule]
     return root, merged
 
 
@@ -639,9 +670,10 @@ def test_sharded_equals_single_process_bit_exact(sharded_runs, rule):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("rule", ["stochastic", "ecc8"])
-def test_dcp_resume_same_world_and_reshard_2_to_1(sharded_runs, rule):
+def test_dcp_resume_same_world_and_reshard_2_to_1_and_1_to_2(sharded_runs, rule):
     """The 2-rank DCP checkpoint resumes on 2 ranks bit for bit, and on 1 process (DCP reshards the
-    weights and the ecc8 codes) with the same continuation bit for bit."""
+    weights and the ecc8 codes) with the same continuation bit for bit; a 1-process checkpoint
+    resumes on 2 ranks with the 1-process continuation bit for bit."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -649,6 +681,8 @@ def test_dcp_resume_same_world_and_reshard_2_to_1(sharded_runs, rule):
     r = runs[rule]
     for n, p in r["cont"].items():
         assert torch.equal(_bits(r["resumed"][n]), _bits(p)), n
+        # 1 -> 2: the single-process checkpoint continued on 2 ranks == continued on 1
+        assert torch.equal(_bits(r["from_single"][n]), _bits(r["single_cont"][n])), n
     net = _ShardNet()
     opt = _shard_opt(net, rule)
     msd, osd = get_state_dict(net, opt)
