@@ -25,9 +25,12 @@ QMUON_HD uint32_t weight_noise_bits16(uint64_t index, uint32_t stream) {
 
 // fp32 -> bf16 bits, rounding away from zero with probability (discarded bits) / 2^16; non-finite
 // values round to nearest (reference_weight.stochastic_round_bf16).
+// Branch-free (an integer select), so the CPU loop vectorizes.
 QMUON_HD uint16_t stochastic_bf16(float x, uint32_t bits16) {
-  if (!finite_f32(x)) return BF16::store(x);
-  return static_cast<uint16_t>((f32_bits(x) + bits16) >> 16);
+  const uint32_t sr = (f32_bits(x) + bits16) >> 16;
+  const uint32_t nearest = BF16::store(x);
+  const uint32_t finite = 0u - static_cast<uint32_t>(finite_f32(x));  // all ones when finite
+  return static_cast<uint16_t>((sr & finite) | (nearest & ~finite));
 }
 
 // h = 2^(e(w) - 8), half the bf16 gap at w (reference_weight.ecc8_half_ulp); exact, from bits.
@@ -46,12 +49,22 @@ QMUON_HD float ecc8_decode(uint16_t wb, int8_t code) {
 
 // round_half_even(clamp(fp32(fp32(x - w') / h) * 127, -127, 127)); 0 for non-finite x or w'
 // (reference_weight.ecc8_encode).
+// The division by the power of two h is done as two exact multiplications by 2^a and 2^b with
+// a + b = -log2(h) and both within [-60, 67] (1/h alone overflows fp32 for the smallest h): the same
+// bits as the reference's division (every step is exact), and no divider in the loop.
 QMUON_HD int8_t ecc8_encode(float x, uint16_t wb) {
   const float w = BF16::load(wb);
-  if (!finite_f32(x) || !finite_f32(w)) return 0;
-  float q = fmul(fdiv(fsub(x, w), ecc8_half_ulp(wb)), kEccQMax);
+  int32_t e = static_cast<int32_t>((wb >> 7) & 0xFFu);
+  e = e < 1 ? 1 : e;
+  const int32_t k = 135 - e;  // -log2(h), in [-120, 134]
+  const int32_t a = k >> 1, b = k - a;  // arithmetic shift: floor(k / 2)
+  const float err = fmul(fmul(fsub(x, w), bits_f32(static_cast<uint32_t>(a + 127) << 23)),
+                         bits_f32(static_cast<uint32_t>(b + 127) << 23));
+  float q = fmul(err, kEccQMax);
   q = q < -kEccQMax ? -kEccQMax : (q > kEccQMax ? kEccQMax : q);
-  return static_cast<int8_t>(static_cast<int32_t>(round_half_even(q)));
+  const int32_t code = static_cast<int32_t>(round_half_even(q));
+  const uint32_t ok = 0u - static_cast<uint32_t>(finite_f32(x) & finite_f32(w) & (q == q));  // NaN-free codes
+  return static_cast<int8_t>(static_cast<uint32_t>(code) & ok);
 }
 
 // One element of each op, the update `u` already widened to fp32.
