@@ -56,15 +56,24 @@ SCALES: dict[str, dict] = {
 }
 
 
+#: ``@w=<rule>``: the model's weights are bf16 (``model.to(torch.bfloat16)``, no fp32 master copy) and
+#: QMuon writes them with ``bf16_update=<rule>``.
+BF16_RULES = ("nearest", "stochastic", "ecc8")
+
+
 def parse_kind(kind: str) -> tuple[str, str | None, str, dict]:
-    """``"adamw"`` / ``"torch-muon"`` / ``"qmuon:<format>[:mxfp8][@rank=R][@grid=G][@lr=X]"`` ->
-    (family, format, ns_input, overrides). The ``@`` overrides are for sweeps of grasp4's knobs."""
+    """``"adamw"`` / ``"torch-muon"`` / ``"qmuon:<format>[:mxfp8][@rank=R][@grid=G][@lr=X][@w=RULE]"`` ->
+    (family, format, ns_input, overrides). The ``@`` overrides are for sweeps of grasp4's knobs and
+    for bf16 weights (``@w=nearest|stochastic|ecc8``: the model in bf16, written with that rule)."""
     base, *opts = kind.split("@")
     over: dict = {}
     for o in opts:
         k, _, v = o.partition("=")
+        if k == "w" and v in BF16_RULES:
+            over["bf16_update"] = v
+            continue
         if k not in ("rank", "grid", "lr") or not v:
-            raise SystemExit(f"bad option {o!r} in {kind!r}: use @rank=R, @grid=G or @lr=X")
+            raise SystemExit(f"bad option {o!r} in {kind!r}: use @rank=R, @grid=G, @lr=X or @w={'|'.join(BF16_RULES)}")
         over[{"grid": "grid_block"}.get(k, k)] = float(v) if k == "lr" else int(v)
     if base in ("adamw", "torch-muon"):
         if over:
@@ -76,9 +85,11 @@ def parse_kind(kind: str) -> tuple[str, str | None, str, dict]:
     return "qmuon", parts[1], parts[2] if len(parts) == 3 else "bf16", over
 
 
-def make_model(args) -> DecoderLM:
+def make_model(args, kind: str = "") -> DecoderLM:
     torch.manual_seed(args.seed)
     model = DecoderLM(d_model=args.d_model, n_layers=args.layers, n_heads=args.heads, max_seq_len=args.seq_len)
+    if kind and "bf16_update" in parse_kind(kind)[3]:
+        model = model.to(torch.bfloat16)  # bf16 weights, no fp32 master copy
     return model.to(args.device)
 
 
@@ -95,7 +106,7 @@ def make_optimizers(kind: str, model: nn.Module, args) -> list[torch.optim.Optim
     return [build_optimizer(model, lr=over.get("lr", args.lr), weight_decay=0.1, state_format=fmt,
                             adamw_lr=args.adamw_lr, seed=args.seed, ns_input=ns_input,
                             rank=over.get("rank", args.rank), grid_block=over.get("grid_block", args.grid_block),
-                            verbose=False)]
+                            verbose=False, **({"bf16_update": over["bf16_update"]} if "bf16_update" in over else {}))]
 
 
 def muon_state_bytes_per_param(opts: list[torch.optim.Optimizer]) -> float | None:
@@ -150,7 +161,7 @@ def train_interleaved(kinds: list[str], args, train_ds, val) -> list[Run]:
     """Train every optimizer on the same batches, interleaved step by step (see module docstring)."""
     runs = []
     for kind in kinds:
-        model = make_model(args)
+        model = make_model(args, kind)
         runs.append(Run(kind, model, make_optimizers(kind, model, args)))
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
     t_start = time.perf_counter()

@@ -23,7 +23,8 @@ from qmuon_lightning.quant import fidelity
 from qmuon_lightning.quant import state as qstate
 from qmuon_lightning.quant.formats.base import PLACEMENTS, STEP, FormatOptions, FormatSpec, StateFormat
 
-BUILTIN = tuple(qstate.FORMATS)
+BUILTIN = tuple(qstate.STATE_FORMATS)  # the momentum formats (FORMATS also holds the ecc8 weight correction)
+MOMENTUM = {n: f for n, f in qstate.FORMATS.items() if f.role == qstate.MOMENTUM}
 OPTS = FormatOptions(block_size=32, rank=3, grid_block=16)
 #: relative Frobenius error of one encode of the test matrices, per format (4-bit: 0.5)
 TOL = {"fp32": 1e-6, "bf16": 5e-3, "int8": 0.05, "uint8": 0.05}
@@ -52,9 +53,10 @@ def test_registry_derived_tables():
     assert tuple(qstate.STATE_FORMATS) == BUILTIN
     assert dict(qstate.DEFAULT_BLOCK_SIZE) == {n: f.default_block_size for n, f in qstate.FORMATS.items()}
     assert qstate.DEFAULT_BLOCK_SIZE["int4"] == 128 and qstate.DEFAULT_BLOCK_SIZE["int8"] == 256
-    assert tuple(qstate.SUPPORTED_SHARDED_FORMATS) == tuple(n for n, f in qstate.FORMATS.items() if f.shardable)
-    assert set(qstate.COLLECTIVE_FORMATS) == {n for n, f in qstate.FORMATS.items() if not f.row_local}
-    assert {n: f.layout_options for n, f in qstate.FORMATS.items()} == {
+    assert tuple(qstate.SUPPORTED_SHARDED_FORMATS) == tuple(n for n, f in MOMENTUM.items() if f.shardable)
+    assert set(qstate.COLLECTIVE_FORMATS) == {n for n, f in MOMENTUM.items() if not f.row_local}
+    assert [n for n, f in qstate.FORMATS.items() if f.role == qstate.WEIGHT_CORRECTION] == ["ecc8"]
+    assert {n: f.layout_options for n, f in MOMENTUM.items()} == {
         "fp32": (), "bf16": (), "int8": ("block_size",), "uint8": ("block_size",), "int4": ("block_size",),
         "e0m3": (), "grasp4": ("rank", "grid_block")}
     with pytest.raises(qstate.StateFormatError, match="unknown state_format 'fp8'; choose one of fp32, bf16"):
@@ -309,7 +311,7 @@ def test_registered_format_trains_and_converts_through_qmuon(toy):
 _PKG = pathlib.Path(__file__).resolve().parents[1] / "qmuon_lightning"
 #: format names that are nothing else in this package (bf16 / fp32 / int8 / uint8 also name NS dtypes,
 #: carriers and token dtypes, so comparisons against them cannot be told apart syntactically)
-_UNAMBIGUOUS = {"grasp4", "e0m3", "int4"}
+_UNAMBIGUOUS = {"grasp4", "e0m3", "int4", "ecc8"}
 
 
 def _literal_names(node: ast.AST) -> set[str]:

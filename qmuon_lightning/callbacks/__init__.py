@@ -8,6 +8,7 @@
 * :class:`QuantFidelityMonitor`: every N steps, per-layer cosine of the quantized-state Muon update
   against the fp32-state update on the run's own gradients; warns, promotes the layer to a safer
   momentum format, or stops the run below a per-format threshold.
+* :class:`BF16StallMonitor`: every N steps, the bf16 weights whose updates nearest rounding would lose.
 
 See ``docs/callbacks.md``.
 """
@@ -26,8 +27,10 @@ from .checkpoint import (
 from .fidelity import DEFAULT_COSINE_THRESHOLD, QuantFidelityError, QuantFidelityMonitor, UpdateFidelityTracker
 from .profiler import OptimizerStepProfiler, peak_allocated_from_trace
 from .resume import EpochBoundaryResume
+from .weight_numerics import BF16StallMonitor
 
 __all__ = [
+    "BF16StallMonitor",
     "QuantizedStateCheckpoint",
     "QuantizedStateMismatchError",
     "OptimizerStepProfiler",

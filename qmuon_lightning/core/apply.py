@@ -1,9 +1,33 @@
 """How an fp32 update reaches a parameter: the one place where both groups (Muon and AdamW) write weights.
 
 ``param <- decay * param + alpha * update``, computed in fp32 and written once in the parameter's
-own dtype. For fp32 parameters this is exact. For bf16 (or fp16) parameters the rounding of that
-write decides whether small updates survive; ``bf16_update`` names the rule (``"nearest"`` here;
-the stochastic and error-corrected rules are added beside it).
+own dtype. For fp32 parameters this is exact (``param.mul_(decay); param.add_(update, alpha=alpha)``,
+the arithmetic of ``torch.optim.Muon`` / ``AdamW``). For bf16 parameters stored without an fp32
+master copy (``model.to(torch.bfloat16)``, Lightning ``precision="bf16-true"``) the rounding of that
+one write decides whether small updates survive; ``bf16_update`` names the rule:
+
+``"nearest"``
+    round to nearest even. 0 extra bytes. An update smaller than half the bf16 gap at the weight
+    (``|update| < ulp(w) / 2``, about ``|w| / 512``) is lost every step: with lr 3e-4 an AdamW
+    update (~lr) cannot move any weight above ~0.15 in magnitude. Fine for short fine-tunes with
+    large steps; :func:`qmuon_lightning.optim.stalled_updates` reports the share of elements it
+    would freeze.
+``"stochastic"`` (default)
+    counter-based stochastic rounding: unbiased in expectation, 0 extra bytes, and reproducible:
+    the random bits are a hash of ``(seed, parameter key, step, global element index)``, the scheme
+    of the momentum's stochastic rounding, so a resumed run and a sharded run write the same bits.
+``"ecc8"``
+    an int8 error-correction code per weight kept as optimizer state (``weight_ecc``, +1 byte per
+    parameter; FlashOptim's ECC, arXiv 2602.23349): the weight behaves like an fp32 master of ~16
+    significant bits, deterministic.
+
+Decoupled weight decay is part of the same single rounding: ``x = decay * w + alpha * u`` in fp32,
+then one write (a separate bf16 ``mul_`` would round twice and, for nearest rounding, lose the decay
+entirely: ``1 - lr * wd`` rounds to 1 in bf16 for ``lr * wd < 2**-9``).
+
+The arithmetic and the bit-level rules: :mod:`qmuon_lightning.ops.reference_weight`; the fused
+kernels: ``torch.ops.qmuon.bf16_weight_update_`` / ``bf16_ecc8_weight_update_``. Parameters of
+other dtypes (fp16) support ``"nearest"`` only.
 
 Callers pass views: a block of a parameter's (local) rows and the update for exactly that block,
 so a step's transient memory is one block's fp32 update, never a copy of the whole model.
@@ -11,48 +35,222 @@ so a step's transient memory is one block's fp32 update, never a copy of the who
 
 from __future__ import annotations
 
-from typing import Any
+import logging
+import math
+from collections import defaultdict
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Iterator
 
 import torch
 from torch import Tensor
 
-__all__ = ["BF16_UPDATES", "apply_update_", "weight_state_init"]
+from .. import ops  # noqa: F401  (registers torch.ops.qmuon)
+from ..ops import reference_weight as refw
+from ..quant import state as qstate
+
+__all__ = ["WeightWrite", "StallCounts", "record_stalls", "BF16_UPDATES", "DEFAULT_BF16_UPDATE", "apply_update_", "weight_state_init", "weight_state_keys",
+           "writes_rounded", "block_rng", "check_weight_state", "sync_weight_state"]
+
+log = logging.getLogger(__name__)
 
 #: How an fp32 update reaches a low-precision weight.
-BF16_UPDATES = ("nearest",)
+BF16_UPDATES = ("nearest", "stochastic", "ecc8")
+DEFAULT_BF16_UPDATE = "stochastic"
+
+#: ``(seed, parameter key, optimizer step, global index of the view's first element)``
+Rng = tuple[int, int, int, int]
+
+
+@dataclass(frozen=True)
+class WeightWrite:
+    """How one parameter's update is written this step (the keyword arguments of :func:`apply_update_`
+    besides the update itself): the rule, the parameter's correction state (local views), the
+    rounding counter of its first element."""
+
+    bf16_update: str = "nearest"
+    state: dict[str, Tensor] | None = None
+    rng: "Rng | None" = None
+
+    @property
+    def rounding(self) -> dict[str, Any]:
+        return {"bf16_update": self.bf16_update, "state": self.state, "rng": self.rng}
+
+
+@dataclass
+class StallCounts:
+    """Per parameter storage (``untyped_storage().data_ptr()`` of the local tensor): how many of its
+    elements received an update this step, and how many of those nearest rounding would have left
+    unchanged (``bf16(x) == w`` although ``x != w``: the update is below half a bf16 gap)."""
+
+    moved: dict[int, int] = field(default_factory=lambda: defaultdict(int))
+    stalled: dict[int, int] = field(default_factory=lambda: defaultdict(int))
+    numel: dict[int, int] = field(default_factory=lambda: defaultdict(int))
+
+    def add(self, param: Tensor, x: Tensor) -> None:
+        w = param.float().reshape(x.shape)
+        wanted = x != w
+        stall = wanted & (x.to(param.dtype).float() == w)
+        ptr = param.untyped_storage().data_ptr()
+        self.moved[ptr] += int(wanted.sum())
+        self.stalled[ptr] += int(stall.sum())
+        self.numel[ptr] += x.numel()
+
+
+_recorder: StallCounts | None = None
+
+
+@contextmanager
+def record_stalls() -> Iterator[StallCounts]:
+    """Within the block, every write to a low-precision (bf16 / fp16) weight also counts the elements
+    whose update nearest rounding would lose (:class:`StallCounts`), whatever the rule in use. Costs
+    one fp32 copy of each written block; meant for a periodic numerics check
+    (:func:`qmuon_lightning.optim.bf16_stall_report`), not every step."""
+    global _recorder
+    prev, _recorder = _recorder, StallCounts()
+    try:
+        yield _recorder
+    finally:
+        _recorder = prev
+
+
+def _check_rule(bf16_update: str) -> None:
+    if bf16_update not in BF16_UPDATES:
+        raise ValueError(f"bf16_update must be one of {BF16_UPDATES}, got {bf16_update!r}")
+
+
+def writes_rounded(param: Tensor) -> bool:
+    """Whether ``param``'s writes go through a ``bf16_update`` rule (bf16 storage)."""
+    return param.dtype == torch.bfloat16
+
+
+def weight_state_keys(param: Tensor, bf16_update: str) -> tuple[str, ...]:
+    """Keys of the state tensors ``param`` needs under ``bf16_update`` (``()`` unless bf16 + ecc8)."""
+    _check_rule(bf16_update)
+    fmt = qstate.weight_format(bf16_update)
+    return fmt.spec.keys if fmt is not None and writes_rounded(param) else ()
 
 
 def weight_state_init(param: Tensor, bf16_update: str) -> dict[str, Tensor]:
-    """Optimizer-state tensors a parameter needs for writing its updates (none for ``"nearest"``)."""
-    return {}
+    """Optimizer-state tensors a parameter needs for writing its updates: none for fp32 parameters
+    and for ``"nearest"`` / ``"stochastic"``; zero ``weight_ecc`` codes (the parameter's local shape)
+    for a bf16 parameter under ``"ecc8"``. ``param``: the local tensor (a DTensor's shard)."""
+    _check_rule(bf16_update)
+    fmt = qstate.weight_format(bf16_update)
+    if fmt is None or not writes_rounded(param):
+        return {}
+    return fmt.init_like(param)
+
+
+def check_weight_state(param: Tensor, state: dict[str, Any], bf16_update: str, where: str) -> None:
+    """Raise :class:`~qmuon_lightning.quant.StateFormatError` when a loaded state lacks the
+    correction tensors ``bf16_update`` needs, or holds them with the wrong dtype or shape
+    (``param``: the local tensor the state belongs to)."""
+    fmt = qstate.weight_format(bf16_update)
+    if fmt is None or not writes_rounded(param):
+        return
+    fmt.validate_like(state, tuple(param.shape), where)
+
+
+def sync_weight_state(param: Tensor, state: dict[str, Any], bf16_update: str) -> dict[str, Tensor]:
+    """Make ``state`` hold exactly the correction tensors ``param`` needs under ``bf16_update``:
+    missing ones are created (zero codes: the stored weight is taken as exact, e.g. after switching
+    from ``"stochastic"`` to ``"ecc8"``), stale ones dropped (switching away from ``"ecc8"``: the bf16
+    weight is already the nearest rounding of the master). Returns the new tensors (for sharding)."""
+    want = set(weight_state_keys(param, bf16_update))
+    for k in qstate.weight_state_keys() - want:
+        if state.pop(k, None) is not None:
+            log.info("bf16_update=%r: dropped the %s state of a parameter", bf16_update, k)
+    if want <= set(state):
+        return {}
+    new = {k: v for k, v in weight_state_init(param, bf16_update).items() if k not in state}
+    state.update(new)
+    return new
+
+
+def block_rng(rng: Rng | None, whole: Tensor, block: Tensor) -> Rng | None:
+    """The ``rng`` of a view ``block`` of ``whole`` (whose first element has ``rng[3]``): same
+    stream, first index shifted by the block's offset in ``whole``'s storage."""
+    if rng is None:
+        return None
+    seed, key, step, first = rng
+    return (seed, key, step, first + block.storage_offset() - whole.storage_offset())
+
+
+def _view_2d(t: Tensor) -> Tensor | None:
+    """A 2-D view of ``t`` (rows, trailing elements; 1 x n for 0-d / 1-D) with unit column stride,
+    or ``None`` when its layout has none."""
+    shape = (1, t.numel()) if t.dim() < 2 else (t.shape[0], math.prod(t.shape[1:]))
+    try:
+        v = t.view(shape)
+    except RuntimeError:
+        return None
+    return v if v.shape[1] <= 1 or v.stride(1) == 1 else None
 
 
 def apply_update_(param: Tensor, update: Tensor, *, alpha: float, decay: float = 1.0,
                   bf16_update: str = "nearest", state: dict[str, Any] | None = None,
-                  rng: tuple[int, int, int, int] | None = None) -> None:
+                  rng: Rng | None = None) -> None:
     """``param <- decay * param + alpha * update`` in place.
 
     Args:
         param: the weights to change (a view of the parameter's local storage, any shape).
-        update: the update for exactly those weights (same shape; fp32, or any float dtype).
+        update: the update for exactly those weights (same number of elements; fp32, or any float dtype).
         alpha: scale of the update (``-lr * lr_scale`` for Muon, ``-lr`` for AdamW).
         decay: decoupled weight decay factor ``1 - lr * weight_decay`` (1.0: none).
-        bf16_update: the rounding rule when ``param`` is not fp32 (see :data:`BF16_UPDATES`).
+        bf16_update: the rounding rule when ``param`` is bf16 (see :data:`BF16_UPDATES`).
         state: views of the parameter's weight-correction state matching ``param``
             (from :func:`weight_state_init`), when the rule keeps any.
         rng: ``(seed, key, step, first_element_index)``: the counter of rounding noise, when the
-            rule draws any (reproducible on resume).
+            rule draws any. Element ``(r, c)`` of ``param``'s 2-D view (rows, trailing elements)
+            draws the bits of global index ``first + r * stride(0) + c``: its flat position in
+            the (unsharded, contiguous) parameter when ``first`` is the position of ``param[0]``
+            (:func:`block_rng` shifts it for a sub-block).
     """
-    if bf16_update not in BF16_UPDATES:
-        raise ValueError(f"bf16_update must be one of {BF16_UPDATES}, got {bf16_update!r}")
-    if param.dtype == torch.float32:
+    _check_rule(bf16_update)
+    if param.dtype == torch.float32 or param.dtype == torch.float64:
         if decay != 1.0:
             param.mul_(decay)
         param.add_(update.view(param.shape), alpha=alpha)
         return
-    # nearest: one rounding of the fp32 result
-    new = param.float()
-    if decay != 1.0:
-        new.mul_(decay)
-    new.add_(update.view(param.shape).float(), alpha=alpha)
-    param.copy_(new)
+    if _recorder is not None:
+        master = param.float()
+        if state:
+            fmt = qstate.weight_format(bf16_update)
+            if fmt is not None:
+                master = fmt.master_weight(param, state)
+        _recorder.add(param, master * decay + update.reshape(param.shape).float() * alpha)
+    if not writes_rounded(param):
+        if bf16_update != "nearest":
+            raise ValueError(f"bf16_update={bf16_update!r} applies to bf16 parameters; a {param.dtype} parameter "
+                             "supports 'nearest' only (keep fp16 weights with an fp32 master, e.g. mixed precision)")
+        new = param.float() * decay + update.reshape(param.shape).float() * alpha
+        param.copy_(new)
+        return
+    p2 = _view_2d(param)
+    work = p2 if p2 is not None else param.contiguous().view(param.shape[0] if param.dim() else 1, -1)
+    u2 = update.reshape(work.shape)
+    fmt = qstate.weight_format(bf16_update)
+    if fmt is not None:
+        if state is None or any(k not in state for k in fmt.spec.keys):
+            raise ValueError(f"apply_update_: bf16_update={bf16_update!r} needs the parameter's "
+                             f"{'/'.join(fmt.spec.keys)} state (create it with weight_state_init)")
+        views = {}
+        for k in fmt.spec.keys:
+            s2 = _view_2d(state[k])
+            if s2 is None or s2.shape != work.shape:
+                raise ValueError(f"apply_update_: {k} of shape {tuple(state[k].shape)} does not match the "
+                                 f"parameter block {tuple(param.shape)}")
+            views[k] = s2
+        fmt.apply_(work, u2, views, alpha=alpha, decay=decay)
+    elif bf16_update == "stochastic":
+        if rng is None:
+            raise ValueError("apply_update_: bf16_update='stochastic' needs rng=(seed, key, step, first_index)")
+        seed, key, step, first = (int(x) for x in rng)
+        stream = refw.weight_noise_stream(seed, key, step)
+        row_stride = work.stride(0) if work.shape[0] > 1 else work.shape[1]
+        torch.ops.qmuon.bf16_weight_update_(work, u2, alpha, decay, stream, first, row_stride)
+    else:
+        torch.ops.qmuon.bf16_weight_update_(work, u2, alpha, decay, -1, 0, 0)
+    if p2 is None:
+        param.copy_(work.view(param.shape))

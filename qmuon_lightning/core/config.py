@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from ..quant import state as qstate
+from .apply import BF16_UPDATES, DEFAULT_BF16_UPDATE
 from .newton_schulz import NS_DTYPES, resolve_schedule
 from .plan import ADJUST_LR_FNS, ORIENTATIONS
 
@@ -31,6 +32,7 @@ __all__ = [
     "STRUCTURAL_KEYS",
     "validate_muon_group",
     "validate_adamw_group",
+    "validate_bf16_update",
     "state_layout",
     "check_resume",
     "ResumeMismatch",
@@ -76,6 +78,12 @@ class QMuonConfig:
             parameter's update may be skipped for a non-finite gradient; one more raises
             :class:`~qmuon_lightning.NonFiniteGradientError` naming the parameters. A finite
             update resets the parameter's count. ``None`` (default): unlimited, as before.
+    Weights: bf16_update: how an update reaches a parameter stored in bf16 (``model.to(torch.bfloat16)``,
+        Lightning ``precision="bf16-true"``), in the Muon and the AdamW groups alike:
+        ``"stochastic"`` (default: counter-based stochastic rounding, 0 extra bytes),
+        ``"ecc8"`` (an int8 error-correction code per weight, +1 B/param, ~16-bit master weight) or
+        ``"nearest"`` (loses updates below half a bf16 gap); see :mod:`qmuon_lightning.core.apply`.
+        fp32 parameters ignore it.
     AdamW (embeddings, head, 1-D tensors): adamw_lr 3e-4, adamw_betas (0.9, 0.95),
         adamw_eps 1e-8, adamw_weight_decay 0.1 (the usual GPT pretraining values).
     Sharded parameters: comm_carrier / comm_return: encodings of the distributed NS exchange.
@@ -105,6 +113,7 @@ class QMuonConfig:
     adamw_weight_decay: float = 0.1
     comm_carrier: str = "int8"
     comm_return: str = "int8"
+    bf16_update: str = DEFAULT_BF16_UPDATE
 
     def __post_init__(self) -> None:
         # Hashable, canonical forms (YAML and JSON give lists).
@@ -150,12 +159,12 @@ class QMuonConfig:
             "state_format": self.state_format, "block_size": self.block_size, "rank": self.rank,
             "grid_block": self.grid_block, "rounding": self.rounding, "seed": self.seed,
             "nonfinite": self.nonfinite, "ns_input": self.ns_input, "use_muon": True, "parts": None,
-            "parts_axis": 0, "orientation": "out_in",
+            "parts_axis": 0, "orientation": "out_in", "bf16_update": self.bf16_update,
         }
 
     def adamw_group_defaults(self) -> dict[str, Any]:
         return {"lr": self.adamw_lr, "betas": tuple(self.adamw_betas), "eps": self.adamw_eps,
-                "weight_decay": self.adamw_weight_decay}
+                "weight_decay": self.adamw_weight_decay, "bf16_update": self.bf16_update}
 
     def to_dict(self) -> dict[str, Any]:
         """Plain values (for manifests and logs)."""
@@ -190,7 +199,16 @@ DEFAULT_CONFIG = QMuonConfig()
 #: constructed optimizer's values win over the checkpoint's (torch would silently take the saved
 #: ones, e.g. switch a run back to the state format or NS precision it was saved with).
 STRUCTURAL_KEYS = ("use_muon", "state_format", "block_size", "rank", "grid_block", "rounding", "seed", "parts",
-                   "parts_axis", "orientation", "nonfinite", "ns_input", "ns_dtype", "ns_coefficients")
+                   "parts_axis", "orientation", "nonfinite", "ns_input", "ns_dtype", "ns_coefficients", "bf16_update")
+
+
+def validate_bf16_update(group: dict[str, Any], where: str) -> None:
+    """Check (default in place) a group's ``bf16_update``."""
+    rule = group.setdefault("bf16_update", DEFAULT_BF16_UPDATE)
+    if rule not in BF16_UPDATES:
+        raise ValueError(
+            f"{where}: bf16_update must be one of {BF16_UPDATES} (how an update reaches a bf16 weight: stochastic "
+            f"rounding, an 8-bit error-correction term, or nearest rounding), got {rule!r}")
 
 
 def validate_muon_group(group: dict[str, Any], where: str) -> None:
@@ -250,6 +268,7 @@ def validate_muon_group(group: dict[str, Any], where: str) -> None:
     axis = group.setdefault("parts_axis", 0)
     if axis not in (0, 1) or isinstance(axis, bool):
         raise bad(f"parts_axis must be 0 (parts are row blocks) or 1 (column blocks of a 2-D weight), got {axis!r}")
+    validate_bf16_update(group, where)
     if group.setdefault("orientation", "out_in") not in ORIENTATIONS:
         raise bad(f"orientation must be one of {ORIENTATIONS} (how a 2-D weight stores its layer: nn.Linear is "
                   f"'out_in', Hugging Face Conv1D 'in_out'), got {group['orientation']!r}")
@@ -300,6 +319,7 @@ def validate_format_overrides(group: dict[str, Any], where: str) -> None:
 
 
 def validate_adamw_group(group: dict[str, Any], where: str) -> None:
+    validate_bf16_update(group, where + " (AdamW)")
     b1, b2 = group["betas"]
     if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
         raise ValueError(f"{where} (AdamW): betas must be in [0, 1), got {group['betas']}")

@@ -37,6 +37,7 @@ from torch import Tensor
 from ..ops import reference as ref
 from ..quant import state as qstate
 from ..quant.mxfp8 import mxfp8_roundtrip_normalized
+from .apply import Rng, apply_update_, block_rng
 from .newton_schulz import NSSchedule, newton_schulz_folded, resolve_ns_dtype, resolve_schedule
 from .plan import MatrixPart, ParamPlan
 
@@ -323,9 +324,13 @@ def _bind(apply: Callable[[MatrixPart, Tensor], None], part: MatrixPart) -> Call
     return lambda out: apply(part, out)
 
 
-def apply_to(param_rows: Tensor, lr: float) -> Callable[[MatrixPart, Tensor], None]:
-    """The default ``apply`` of :func:`local_items`: ``p[block] -= lr * lr_scale * O`` on the
-    parameter ``param_rows`` (any ndim; 2-D when parts split the columns)."""
+def apply_to(param_rows: Tensor, lr: float, *, decay: float = 1.0, bf16_update: str = "nearest",
+             state: dict[str, Tensor] | None = None, rng: Rng | None = None) -> Callable[[MatrixPart, Tensor], None]:
+    """The default ``apply`` of :func:`local_items`: ``p[block] = decay * p[block] - lr * lr_scale * O``
+    on the parameter ``param_rows`` (any ndim; 2-D when parts split the columns), written through
+    :func:`~qmuon_lightning.core.apply.apply_update_` (one rounding for bf16 weights, decoupled
+    weight decay included). ``state``: the parameter's weight-correction tensors (its shape);
+    ``rng``: the rounding counter of ``param_rows``' first element."""
 
     def apply(part: MatrixPart, out: Tensor) -> None:
         rows = part.block(param_rows)
@@ -334,6 +339,8 @@ def apply_to(param_rows: Tensor, lr: float) -> Callable[[MatrixPart, Tensor], No
             # strided into the parameter is several times slower than transposing it first (5x
             # measured for 1024 x 256).
             out = out.contiguous()
-        rows.add_(out.view(rows.shape), alpha=-lr * part.lr_scale)
+        apply_update_(rows, out.view(rows.shape), alpha=-lr * part.lr_scale, decay=decay, bf16_update=bf16_update,
+                      state={k: part.block(v) for k, v in state.items()} if state else None,
+                      rng=block_rng(rng, param_rows, rows))
 
     return apply

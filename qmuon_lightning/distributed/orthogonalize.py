@@ -45,7 +45,7 @@ Bytes: :attr:`QMuon.comm_stats` after each step (see :meth:`ShardedStep.finish`)
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -53,6 +53,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
+from ..core.apply import WeightWrite, apply_update_, block_rng
 from ..core.config import param_group_view
 from ..core.pipeline import NSItem, NSSettings, orthogonalize, row_sumsq
 from ..core.plan import ParamPlan
@@ -84,6 +85,8 @@ class _ShardItem:
     c0: int = 0  # stored columns [c0, c1) of the part (c1 None: every column)
     c1: int | None = None
     transposed: bool = False
+    decay: float = 1.0  # decoupled weight decay, folded into the write (core.apply.apply_update_)
+    write: WeightWrite = field(default_factory=WeightWrite)  # this rank's rows: rule, state views, rng
 
     @property
     def rows(self) -> int:
@@ -220,9 +223,12 @@ class ShardedStep:
         shard_state(p, st, qstate.get_format(group["state_format"]), qstate.format_options(group))
 
     def add(self, p: DTensor, plan: ParamPlan, param_local: Tensor, g2: Tensor, sums: Tensor,
-            group: dict[str, Any], settings: NSSettings) -> None:
+            group: dict[str, Any], settings: NSSettings, write: WeightWrite | None = None) -> None:
         """Queue the parts of one sharded parameter (``g2``: local NS input rows, ``sums``: their
-        block sums)."""
+        block sums; ``write``: how the update reaches ``param_local``, its state views and rounding
+        counter, for the whole local shard; each part gets its block of them)."""
+        write = write if write is not None else WeightWrite()
+        decay = 1.0 - float(group["lr"]) * float(group["weight_decay"])
         lay = self._layouts[id(p)]
         # ns_input="mxfp8": the MXFP8 carrier is the forward trip itself, so the owner's NS reads
         # the decoded rows as they arrive.
@@ -233,14 +239,21 @@ class ShardedStep:
             lo, hi = lay.overlap(lay.rank, part.r0, part.r1)
             a, b = lo - lay.start, hi - lay.start
             if part.whole_rows:
+                def cut(t: Tensor) -> Tensor:
+                    return t[a:b]
                 rows, ns_in, part_sums = param_local[a:b], g2[a:b], sums[a:b]
             else:  # a column block (fused parts along dim 1): per-row sums, as single-process QMuon
+                def cut(t: Tensor) -> Tensor:
+                    return t[a:b, part.c0: part.c1]
                 rows, ns_in = param_local[a:b, part.c0: part.c1], g2[a:b, part.c0: part.c1]
                 part_sums = row_sumsq(ns_in)
+            part_write = WeightWrite(write.bf16_update,
+                                     {k: cut(v) for k, v in write.state.items()} if write.state else None,
+                                     block_rng(write.rng, param_local, rows))
             self.items.append(_ShardItem(
                 layout=lay, r0=part.r0, r1=part.r1, c0=part.c0, c1=part.c1, transposed=part.transposed,
                 param_rows=rows, ns_input=ns_in, sums=part_sums, nb=part_sums.shape[1], lr=lr * part.lr_scale,
-                eps=float(group["eps"]), settings=owner_settings, forward=fwd,
+                eps=float(group["eps"]), settings=owner_settings, forward=fwd, decay=decay, write=part_write,
             ))
 
     # ------------------------------------------------------------------ 3-6. exchange and NS
@@ -340,7 +353,8 @@ class ShardedStep:
                 nb_c = self.ret.nbytes(n, it.cols)
                 if n:
                     o = self.ret.decode(recv[off: off + nb_c], n, it.cols)
-                    it.param_rows.add_(o.reshape(it.param_rows.shape), alpha=-it.lr)
+                    apply_update_(it.param_rows, o.reshape(it.param_rows.shape), alpha=-it.lr, decay=it.decay,
+                                  **it.write.rounding)
                 off += nb_c
 
         elements = sum(it.rows * it.cols for it in items)

@@ -68,6 +68,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from ..core import pipeline
+from ..core.apply import apply_update_
 from ..core.plan import MatrixPart, plan_param
 from ..optim.qmuon import QMuon
 
@@ -636,11 +637,19 @@ class WholeMatrixZeroOptimizer(Optimizer):
         the layer's ``(out, in)`` shape)."""
         group = self._all_groups[p.group]
         lr, wd = float(group["lr"]), float(group["weight_decay"])
-        data.mul_(1.0 - lr * wd)
+        if data.dtype != torch.float32:
+            # DeepSpeed's fp16 / bf16 modes step fp32 master partitions and copy them to the model's
+            # low-precision weights itself, so QMuon's bf16_update has nothing to do here (a no-op).
+            raise NotImplementedError(
+                f"QMuon under DeepSpeed expects fp32 master partitions, got {data.dtype}; DeepSpeed keeps an fp32 "
+                "master copy in its fp16/bf16 modes (bf16_update does not apply). For bf16 weights without a master "
+                "copy use QMuon directly, FSDP2 or the qmuon_fsdp strategy with precision='bf16-true'")
+        # The parts' runs cover the slice once: each element gets one decay-and-update write (core.apply).
         for part in p.parts:
             for at, n, width, c0, c1 in _part_runs(part, p.cols, seg.start, seg.length):
                 d = data.narrow(0, at, n * width).view(n, width)[:, c0:c1]
-                d.add_(o.narrow(0, at, n * width).view(n, width)[:, c0:c1], alpha=-lr * part.lr_scale)
+                apply_update_(d, o.narrow(0, at, n * width).view(n, width)[:, c0:c1], alpha=-lr * part.lr_scale,
+                              decay=1.0 - lr * wd)
 
     def _active_groups(self) -> set[int]:
         """Which of this optimizer's groups the current ``step()`` call updates: all of them, except

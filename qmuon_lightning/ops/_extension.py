@@ -57,10 +57,11 @@ __all__ = ["ExtensionStatus", "status", "backend", "cpu_vector_isa", "csrc_dir"]
 
 _LIB = "qmuon_C"
 
-_CPU_SOURCES = ("binding.cpp", "cpu/q8_cpu.cpp", "cpu/q4_cpu.cpp")
-_CUDA_SOURCES = ("binding_cuda.cpp", "cuda/q8_cuda.cu", "cuda/q4_cuda.cu")
+_CPU_SOURCES = ("binding.cpp", "cpu/q8_cpu.cpp", "cpu/q4_cpu.cpp", "binding_weight.cpp", "cpu/weight_cpu.cpp")
+_CUDA_SOURCES = ("binding_cuda.cpp", "cuda/q8_cuda.cu", "cuda/q4_cuda.cu", "binding_weight_cuda.cpp", "cuda/weight_cuda.cu")
 _HEADERS = ("binding_common.h", "binding_4bit.h", "cpu/block_reduce_cpu.h", "qmuon/block_math.h",
-            "qmuon/block_math_4bit.h", "qmuon/kernels.h", "qmuon/validate.h")
+            "qmuon/block_math_4bit.h", "qmuon/kernels.h", "qmuon/validate.h", "binding_weight.h",
+            "qmuon/weight_kernels.h", "qmuon/weight_math.h")
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,7 @@ import torch
 from torch import Tensor
 
 from . import _kernels as K
+from . import _library_weight
 from . import reference as ref
 from . import reference_4bit as ref4
 
@@ -603,6 +604,8 @@ def _(packed, scales, tensor_scales, new_tensor_scales, grads, block_sumsq, beta
                             row_offsets)
             and K.lists_ok(len(grads), new_tensor_scales) and K.scalars_ok(new_tensor_scales, grads))
 
+
+_library_weight.declare(_op)  # the bf16 weight-write ops
 
 # Compiled CPU / CUDA kernels (csrc/, built on first use) take over where their predicates hold.
 K.register_compiled_kernels(OPS.values())

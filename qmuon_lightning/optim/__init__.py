@@ -3,7 +3,8 @@
 from ..core.config import QMuonConfig
 from . import routing as _routing
 from .qmuon import DEFAULT_NS_COEFFICIENTS, FORMAT_VERSION, GraspMuon, NonFiniteGradientError, QMuon, adjusted_lr
+from .weight_numerics import bf16_stall_report, stall_shares
 from .routing import *  # noqa: F401,F403  (RoutingRule, build_optimizer, ...: see optim.routing)
 
 __all__ = ["QMuon", "QMuonConfig", "GraspMuon", "NonFiniteGradientError", "FORMAT_VERSION", "DEFAULT_NS_COEFFICIENTS", "adjusted_lr",
-           *_routing.__all__]
+           "bf16_stall_report", "stall_shares", *_routing.__all__]

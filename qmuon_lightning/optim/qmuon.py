@@ -24,6 +24,8 @@ from torch.optim import Optimizer
 from torch.optim.adam import adam as _functional_adam
 
 from .. import ops  # noqa: F401  (registers torch.ops.qmuon)
+from ..core import apply as weight_apply
+from . import bf16_weights as bf16w
 from ..core import pipeline
 from ..core.config import (
     DEFAULT_CONFIG as _D,
@@ -108,6 +110,10 @@ class QMuon(Optimizer):
         comm_carrier, comm_return: sharded (FSDP2 ``Shard(0)``) parameters only: how the
             distributed Newton-Schulz moves rows to the rank that orthogonalizes a matrix and back;
             see :mod:`qmuon_lightning.distributed`. Bytes per step: :attr:`comm_stats`.
+        bf16_update: how an update reaches a bf16 parameter (stored without an fp32 master copy),
+            in Muon and AdamW groups: ``"stochastic"`` (default), ``"ecc8"`` (+1 B/param of int8
+            error correction, ``weight_ecc`` in the state) or ``"nearest"``; see
+            :mod:`qmuon_lightning.core.apply`. Per group too.
         batch_budget: Newton-Schulz batches hold at most this many times the largest matrix's
             elements (1.0: the step's transient memory is the largest matrix's own NS working set).
     """
@@ -141,6 +147,7 @@ class QMuon(Optimizer):
         comm_carrier: str = _D.comm_carrier,
         comm_return: str = _D.comm_return,
         batch_budget: float = pipeline.DEFAULT_BATCH_BUDGET,
+        bf16_update: str = _D.bf16_update,
     ) -> None:
         args = locals()
         config = QMuonConfig(**{k: args[k] for k in QMuonConfig.field_names()}).validate()
@@ -247,7 +254,7 @@ class QMuon(Optimizer):
             if group["use_muon"]:
                 self._muon_group_step(gi, idx, items, sharded)
             else:
-                self._adamw_step(group, idx)
+                self._adamw_step(group, idx, gi)
         pipeline.orthogonalize(items, self.batch_budget)
         if sharded is not None:
             # distributed Newton-Schulz (collective: every rank, same items)
@@ -362,6 +369,7 @@ class QMuon(Optimizer):
                                                      opts=opts, device=local(p.grad).device))
                 if is_dtensor(p):
                     sharded.init_state(p, st, group)  # Shard(0) DTensors with the global shape (for DCP)
+            bf16w.sync_param_weight_state(p, st, group)
             states.append({k: local(v) for k, v in st.items()} if is_dtensor(p) else st)
             offsets.append(sharded.row_offset(p) if is_dtensor(p) else 0)
         grads = [local(p.grad) for p in params]
@@ -379,17 +387,25 @@ class QMuon(Optimizer):
             for j, s in zip(sel, sums):
                 block_sums[j] = s
         lr, wd = float(group["lr"]), float(group["weight_decay"])
+        decay = 1.0 - lr * wd  # decoupled weight decay, folded into the one write of each weight (core.apply)
         settings_on: dict[torch.device, pipeline.NSSettings] = {}
-        for p, plan, g2, grad, sums in zip(params, plans, inputs.grads2d, grads, block_sums):
+        for p, plan, g2, grad, sums, st, row0 in zip(params, plans, inputs.grads2d, grads, block_sums, states, offsets):
             if g2.data_ptr() != grad.data_ptr():
                 grad.copy_(g2.view(grad.shape))  # keep the contract: .grad holds the NS input
             p_local = local(p)
-            p_local.mul_(1.0 - lr * wd)
             settings = settings_on.get(g2.device) or settings_on.setdefault(g2.device, pipeline.ns_settings(group, g2.device))
+            write = bf16w.weight_write(p_local, st, group, plan.key, row0 * plan.cols)
             if is_dtensor(p):
-                sharded.add(p, plan, p_local, g2, sums, group, settings)  # whole-matrix NS across ranks
+                sharded.add(p, plan, p_local, g2, sums, group, settings, write)  # whole-matrix NS across ranks
                 continue
-            apply = self._sink_for(p) if self.update_sink is not None else pipeline.apply_to(p, lr)
+            if self.update_sink is not None:
+                # The driver applies the update elsewhere (DeepSpeed: to its fp32 master slices,
+                # through core.apply there, and it zeroes this group's weight_decay to decay them itself).
+                if decay != 1.0:
+                    p_local.mul_(decay)
+                items.extend(pipeline.local_items(plan, g2, sums, group, settings, self._sink_for(p)))
+                continue
+            apply = pipeline.apply_to(p, lr, decay=decay, **write.rounding)
             items.extend(pipeline.local_items(plan, g2, sums, group, settings, apply))
 
     def _sink_for(self, p: Tensor) -> Callable[[MatrixPart, Tensor], None]:
@@ -397,7 +413,11 @@ class QMuon(Optimizer):
         assert sink is not None
         return lambda part, out: sink(p, part, out)
 
-    def _adamw_step(self, group: dict[str, Any], idx: list[int]) -> None:
+    def _adamw_step(self, group: dict[str, Any], idx: list[int], gi: int = 0) -> None:
+        low = [i for i in idx if weight_apply.writes_rounded(group["params"][i])]
+        if low:  # bf16 weights: written through core.apply (optim.bf16_weights.adamw_bf16_step)
+            bf16w.adamw_bf16_step(self, group, low, gi)
+            idx = [i for i in idx if i not in set(low)]
         params = [group["params"][i] for i in idx]
         grads = [p.grad for p in params]
         exp_avgs, exp_avg_sqs, steps = [], [], []
@@ -496,6 +516,7 @@ class QMuon(Optimizer):
         # and bf16 momentum into the parameter's dtype.
         new_groups, new_state = [], dict(saved_state)
         muon_state: list[tuple[Tensor, dict[str, Any], dict[str, Any]]] = []
+        aux_state: list[tuple[Tensor, dict[str, Tensor]]] = []  # AdamW parameters' weight-correction state
         for gi, (saved, cur) in enumerate(zip(saved_groups, self.param_groups)):
             version = saved.get("qmuon_version", 0)
             if version > FORMAT_VERSION:
@@ -529,13 +550,35 @@ class QMuon(Optimizer):
                         if is_dtensor(p):  # sharded: validate and convert this rank's rows only
                             src = localize_loaded_state(src, p, None, None, where)  # None: the saved format
                             shape = (local(p).shape[0], *p.shape[1:])
-                        muon_state.append((p, qstate.convert_state(src, saved_view, cur_view, shape, where,
-                                                                   sharded=is_dtensor(p)), cur_view))
+                        converted = qstate.convert_state(src, saved_view, cur_view, shape, where, sharded=is_dtensor(p))
+                        bf16w.check_loaded_weight_state(p, converted, saved, cur, where)
+                        muon_state.append((p, converted, cur_view))
                         del new_state[pid]
+            else:
+                # Weight-correction codes (int8) would be cast to the parameter's dtype by torch's
+                # loader: taken out here, validated, and put back after it.
+                for pid, p in zip(saved["params"], cur["params"]):
+                    entry = new_state.get(pid)
+                    if entry is None:
+                        continue
+                    where = f"param group {gi}, param id {pid}"
+                    entry = dict(entry)
+                    w = {k: entry.pop(k) for k in qstate.weight_state_keys() if k in entry}
+                    if w and is_dtensor(p):
+                        w = localize_loaded_state(w, p, None, None, where)
+                    bf16w.check_loaded_weight_state(p, w, saved, cur, where)
+                    if w:
+                        aux_state.append((p, w))
+                    new_state[pid] = entry
             new_groups.append(merged)
         super().load_state_dict({"state": new_state, "param_groups": new_groups})
         self._plans.clear()
         self._sharded = None
+        for p, w in aux_state:
+            w = {k: v.to(device=p.device, copy=True) for k, v in w.items()}
+            if is_dtensor(p):
+                shard_state(p, w, None)
+            self.state[p].update(w)
         for p, st, cur in muon_state:
             new = {k: v.to(device=p.device, copy=True) if k != "step" else v.clone() for k, v in st.items()}
             if is_dtensor(p):
@@ -608,6 +651,18 @@ class QMuon(Optimizer):
         return out
 
     # ------------------------------------------------------------------ introspection
+    def master_weight(self, p: Tensor) -> Tensor:
+        """The fp32 weight parameter ``p`` stands for (this rank's rows when sharded): the bf16 value
+        corrected by its ``weight_ecc`` codes under ``bf16_update="ecc8"``, else ``p`` itself in fp32
+        (export a bf16 + ecc8 model at its full precision with this)."""
+        gi, _ = self._locate(p)
+        fmt = qstate.weight_format(self.param_groups[gi]["bf16_update"])
+        st = self.state.get(p, {})
+        p_local = local(p).detach()
+        if fmt is not None and all(k in st for k in fmt.spec.keys):
+            return fmt.master_weight(p_local, {k: local(st[k]) for k in fmt.spec.keys})
+        return p_local.float()
+
     def state_nbytes(self, muon_only: bool = True) -> int:
         """Bytes of optimizer state tensors (Muon parameters only by default)."""
         total = 0

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from .formats import builtin_formats
-from .formats.base import STEP, FormatOptions, FormatSpec, StateFormat, StateFormatError
+from .formats.base import MOMENTUM, STEP, WEIGHT_CORRECTION, FormatOptions, FormatSpec, StateFormat, StateFormatError
 
 __all__ = [
     "COLLECTIVE_FORMATS",
@@ -44,6 +44,8 @@ __all__ = [
     "state_nbytes",
     "unregister_format",
     "validate_momentum_state",
+    "weight_format",
+    "weight_state_keys",
 ]
 
 log = logging.getLogger(__name__)
@@ -122,24 +124,42 @@ class _DefaultBlockSizes(Mapping):
         return repr(dict(self))
 
 
-#: Every registered format name, in registry order.
-STATE_FORMATS: Sequence[str] = _Names(lambda f: True, "every registered format")
+def _momentum(f: StateFormat) -> bool:
+    return f.role == MOMENTUM
+
+
+#: Every registered momentum format name, in registry order.
+STATE_FORMATS: Sequence[str] = _Names(_momentum, "every registered momentum format")
 #: Formats QMuon can keep for ``Shard(0)`` (FSDP2) parameters.
-SUPPORTED_SHARDED_FORMATS: Sequence[str] = _Names(lambda f: f.shardable, "formats that support Shard(0) parameters")
+SUPPORTED_SHARDED_FORMATS: Sequence[str] = _Names(lambda f: _momentum(f) and f.shardable,
+                                                  "formats that support Shard(0) parameters")
 #: Shardable formats whose sharded update is collective (``row_local`` False).
-COLLECTIVE_FORMATS: Sequence[str] = _Names(lambda f: f.shardable and not f.row_local,
+COLLECTIVE_FORMATS: Sequence[str] = _Names(lambda f: _momentum(f) and f.shardable and not f.row_local,
                                            "formats whose sharded update needs collectives")
 #: ``block_size`` per format when the group does not set one (``StateFormat.default_block_size``).
 DEFAULT_BLOCK_SIZE: Mapping[str, int] = _DefaultBlockSizes()
 
 
 def get_format(name: str) -> StateFormat:
-    try:
-        return FORMATS[name]
-    except (KeyError, TypeError):
+    """The momentum format ``name`` (a ``state_format``)."""
+    f = FORMATS.get(name) if isinstance(name, str) else None
+    if f is None or not _momentum(f):
         raise StateFormatError(
-            f"unknown state_format {name!r}; choose one of {', '.join(FORMATS)}"
+            f"unknown state_format {name!r}; choose one of {', '.join(STATE_FORMATS)}"
         ) from None
+    return f
+
+
+def weight_format(rule: str) -> StateFormat | None:
+    """The weight-correction format a ``bf16_update`` rule keeps (``"ecc8"``), or ``None`` for rules
+    that keep no state (``"nearest"``, ``"stochastic"``)."""
+    f = FORMATS.get(rule)
+    return f if f is not None and f.role == WEIGHT_CORRECTION else None
+
+
+def weight_state_keys() -> frozenset[str]:
+    """Keys of every weight-correction state tensor (kept beside momentum / AdamW state)."""
+    return frozenset(k for f in FORMATS.values() if f.role == WEIGHT_CORRECTION for k in f.spec.keys)
 
 
 def safer_format(name: str) -> str | None:
@@ -222,10 +242,11 @@ def detect_state_format(state: Mapping[str, Any]) -> str:
     """Which format a loaded state dict entry is in, from its keys and dtypes (the first format in
     registry order that :meth:`~StateFormat.owns` it). A state no format owns raises the first
     format's :meth:`~StateFormat.explain_unowned` message (an incomplete state, a wrong dtype)."""
-    for name, fmt in FORMATS.items():
+    momentum = [f for f in FORMATS.values() if _momentum(f)]
+    for fmt in momentum:
         if fmt.owns(state):
-            return name
-    for fmt in FORMATS.values():
+            return fmt.name
+    for fmt in momentum:
         msg = fmt.explain_unowned(state)
         if msg:
             raise StateFormatError(msg)
@@ -322,7 +343,7 @@ def convert_state(
     conflicts = layout_conflicts({**group, **saved_group, "state_format": found}, group)
     if conflicts:
         raise StateFormatError(describe_conflicts(conflicts, where))
-    keys = set().union(*(f.spec.keys for f in FORMATS.values()))
+    keys = set().union(*(f.spec.keys for f in FORMATS.values() if _momentum(f)))
     out = {k: v for k, v in state.items() if k not in keys}
     out.setdefault(STEP, torch.zeros((), dtype=torch.float32))
     if found == target.name:

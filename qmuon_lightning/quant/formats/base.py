@@ -48,6 +48,9 @@ __all__ = [
     "STEP",
     "TSCALE",
     "UE4M3",
+    "MOMENTUM",
+    "WEIGHT_CORRECTION",
+    "WEIGHT_ECC",
     "FormatOptions",
     "FormatSpec",
     "Placement",
@@ -62,6 +65,14 @@ PACKED = "momentum_packed"
 UE4M3 = "momentum_ue4m3"
 TSCALE = "momentum_tensor_scale"
 STEP = "step"
+#: The int8 error-correction code of a bf16 weight (``bf16_update="ecc8"``; :mod:`.ecc8`).
+WEIGHT_ECC = "weight_ecc"
+
+#: :attr:`StateFormat.role` of Muon momentum formats (the ``state_format`` choices).
+MOMENTUM = "momentum"
+#: :attr:`StateFormat.role` of a bf16 weight's correction state (a ``bf16_update`` rule, e.g. ``ecc8``);
+#: kept in the same state dict as the parameter's other state and never taken for momentum.
+WEIGHT_CORRECTION = "weight_correction"
 
 #: How one state tensor splits over the row shards of a ``Shard(0)`` parameter:
 #: ``"rows"``: dim 0 is the parameter's rows (stored as a ``Shard(0)`` DTensor with the global row count);
@@ -100,6 +111,9 @@ class StateFormat:
     """Base class of a momentum storage format (see the module docstring)."""
 
     spec: FormatSpec
+    #: what the stored tensor is (:data:`MOMENTUM` or :data:`WEIGHT_CORRECTION`): the momentum helpers
+    #: of the registry (``STATE_FORMATS``, detection, conversion) see momentum formats only
+    role: str = MOMENTUM
     #: ``block_size`` when the group does not set one (for formats without absmax blocks it only
     #: sets the granularity of the norm sums)
     default_block_size: int = 256

@@ -1,0 +1,34 @@
+// The bf16 weight-write ops of the qmuon_C library (schemas and CPU implementations); the CUDA ones
+// are in binding_weight_cuda.cpp. A library fragment, so binding.cpp stays as it is.
+#include <torch/library.h>
+
+#include "binding_weight.h"
+
+namespace qmuon {
+namespace {
+
+void run_cpu(const qmuon_weight_args& a, const char* op) {
+  TORCH_CHECK(qmuon_cpu_bf16_weight_update(&a) == 0, "qmuon: CPU kernel ", op, " failed: unsupported dtype");
+}
+
+void bf16_weight_update_cpu(const at::Tensor& param, const at::Tensor& update, double alpha, double decay,
+                            int64_t stream, int64_t index0, int64_t index_rs) {
+  run_cpu(weight_args(param, nullptr, update, alpha, decay, stream, index0, index_rs, "bf16_weight_update_"),
+          "bf16_weight_update_");
+}
+
+void bf16_ecc8_weight_update_cpu(const at::Tensor& param, const at::Tensor& ecc, const at::Tensor& update,
+                                 double alpha, double decay) {
+  run_cpu(weight_args(param, &ecc, update, alpha, decay, -1, 0, 0, "bf16_ecc8_weight_update_"),
+          "bf16_ecc8_weight_update_");
+}
+
+}  // namespace
+}  // namespace qmuon
+
+TORCH_LIBRARY_FRAGMENT(qmuon_C, m) { QMUON_WEIGHT_SCHEMAS(m); }
+
+TORCH_LIBRARY_IMPL(qmuon_C, CPU, m) {
+  m.impl("bf16_weight_update_", &qmuon::bf16_weight_update_cpu);
+  m.impl("bf16_ecc8_weight_update_", &qmuon::bf16_ecc8_weight_update_cpu);
+}

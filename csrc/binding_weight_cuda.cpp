@@ -1,0 +1,37 @@
+// CUDA implementations of the bf16 weight-write ops (compiled only when torch has CUDA): the device
+// guard and current stream come from torch, the kernel (csrc/cuda/weight_cuda.cu) sees raw pointers.
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include "binding_weight.h"
+
+namespace qmuon {
+namespace {
+
+void run_cuda(const qmuon_weight_args& a, const char* op) {
+  const int err = qmuon_cuda_bf16_weight_update(&a, static_cast<void*>(c10::cuda::getCurrentCUDAStream().stream()));
+  TORCH_CHECK(err == 0, "qmuon: CUDA kernel ", op, " failed: ", qmuon_cuda_error_string(err));
+}
+
+void bf16_weight_update_cuda(const at::Tensor& param, const at::Tensor& update, double alpha, double decay,
+                             int64_t stream, int64_t index0, int64_t index_rs) {
+  const c10::cuda::CUDAGuard guard(param.device());
+  run_cuda(weight_args(param, nullptr, update, alpha, decay, stream, index0, index_rs, "bf16_weight_update_"),
+           "bf16_weight_update_");
+}
+
+void bf16_ecc8_weight_update_cuda(const at::Tensor& param, const at::Tensor& ecc, const at::Tensor& update,
+                                  double alpha, double decay) {
+  const c10::cuda::CUDAGuard guard(param.device());
+  run_cuda(weight_args(param, &ecc, update, alpha, decay, -1, 0, 0, "bf16_ecc8_weight_update_"),
+           "bf16_ecc8_weight_update_");
+}
+
+}  // namespace
+}  // namespace qmuon
+
+TORCH_LIBRARY_IMPL(qmuon_C, CUDA, m) {
+  m.impl("bf16_weight_update_", &qmuon::bf16_weight_update_cuda);
+  m.impl("bf16_ecc8_weight_update_", &qmuon::bf16_ecc8_weight_update_cuda);
+}

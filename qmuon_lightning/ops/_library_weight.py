@@ -1,0 +1,78 @@
+"""The ``torch.ops.qmuon`` ops that write bf16 weights: their reference is :mod:`.reference_weight`,
+their compiled twins ``csrc/cpu/weight_cpu.cpp`` and ``csrc/cuda/weight_cuda.cu``.
+
+:mod:`._library` calls :func:`declare` with its op decorator before it registers the compiled
+kernels, so these ops are declared (and get their kernels) like every other op, and this module
+imports nothing from :mod:`._library` (no import cycle)."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from typing import Any, Callable
+
+from . import _kernels as K
+from . import reference_weight as refw
+
+__all__ = ["declare"]
+
+_UPDATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _rows_ok(t: Tensor) -> bool:
+    """2-D with unit column stride (rows may be padded): what the kernels index."""
+    return t.dim() == 2 and (t.shape[1] <= 1 or t.stride(1) == 1) and (t.shape[0] <= 1 or t.stride(0) >= t.shape[1])
+
+
+def _check(param: Tensor, update: Tensor, op: str) -> None:
+    if param.dim() != 2 or param.dtype != torch.bfloat16:
+        raise ValueError(f"qmuon::{op}: param must be a 2-D bf16 tensor, got {param.dim()}-D {param.dtype}")
+    if update.shape != param.shape:
+        raise ValueError(f"qmuon::{op}: update has shape {tuple(update.shape)}, param {tuple(param.shape)}")
+
+
+def declare(_op: Callable[..., Any]) -> dict[str, Any]:
+    """Declare ``qmuon::bf16_weight_update_`` and ``qmuon::bf16_ecc8_weight_update_`` with the op
+    decorator ``_op`` of :mod:`._library`; returns the ops by name."""
+
+    @_op(mutates_args=("param",))
+    def bf16_weight_update_(param: Tensor, update: Tensor, alpha: float, decay: float, stream: int, index0: int,
+                            index_row_stride: int) -> None:
+        """``param <- bf16(decay * param + alpha * update)``: nearest (``stream < 0``) or stochastic
+        rounding with the 32-bit ``stream``; element ``(r, c)`` draws the noise of global index
+        ``index0 + r * index_row_stride + c`` (see :mod:`.reference_weight`)."""
+        _check(param, update, "bf16_weight_update_")
+        refw.bf16_weight_update_(param, update, alpha, decay, stream, index0, index_row_stride)
+
+    @bf16_weight_update_.register_fake
+    def _(param, update, alpha, decay, stream, index0, index_row_stride):
+        return None
+
+    @bf16_weight_update_.compiled_when
+    def _(param, update, alpha, decay, stream, index0, index_row_stride):
+        return (param.dtype == torch.bfloat16 and update.dtype in _UPDATE_DTYPES and _rows_ok(param) and _rows_ok(update)
+                and update.shape == param.shape and update.device == param.device and index0 >= 0
+                and index_row_stride >= 0)
+
+    @_op(mutates_args=("param", "ecc"))
+    def bf16_ecc8_weight_update_(param: Tensor, ecc: Tensor, update: Tensor, alpha: float, decay: float) -> None:
+        """``param, ecc <- bf16 + int8 error code of (decay * master + alpha * update)`` where
+        ``master`` is ``param`` corrected by ``ecc`` (FlashOptim's ECC; see :mod:`.reference_weight`)."""
+        _check(param, update, "bf16_ecc8_weight_update_")
+        if ecc.shape != param.shape or ecc.dtype != torch.int8:
+            raise ValueError(f"qmuon::bf16_ecc8_weight_update_: ecc must be int8 shaped like param {tuple(param.shape)}, "
+                             f"got {ecc.dtype} {tuple(ecc.shape)}")
+        refw.bf16_ecc8_weight_update_(param, ecc, update, alpha, decay)
+
+    @bf16_ecc8_weight_update_.register_fake
+    def _(param, ecc, update, alpha, decay):
+        return None
+
+    @bf16_ecc8_weight_update_.compiled_when
+    def _(param, ecc, update, alpha, decay):
+        return (param.dtype == torch.bfloat16 and ecc.dtype == torch.int8 and update.dtype in _UPDATE_DTYPES
+                and _rows_ok(param) and _rows_ok(ecc) and _rows_ok(update) and update.shape == param.shape
+                and ecc.shape == param.shape and update.device == param.device and ecc.device == param.device)
+
+    return {"bf16_weight_update_": bf16_weight_update_, "bf16_ecc8_weight_update_": bf16_ecc8_weight_update_}
