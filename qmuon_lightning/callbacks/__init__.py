@@ -9,6 +9,10 @@
   against the fp32-state update on the run's own gradients; warns, promotes the layer to a safer
   momentum format, or stops the run below a per-format threshold.
 
+* :func:`resolve_ckpt_path`, :class:`ContinueCheckpointNames`, :class:`EpochBoundaryResume`: resume
+  from the newest complete checkpoint of every ``ModelCheckpoint`` folder, under the same names.
+* :func:`default_progress_bar`: Lightning's progress bar showing the epochs the run will reach.
+
 See ``docs/callbacks.md``.
 """
 
@@ -25,7 +29,8 @@ from .checkpoint import (
 )
 from .fidelity import DEFAULT_COSINE_THRESHOLD, QuantFidelityError, QuantFidelityMonitor, UpdateFidelityTracker
 from .profiler import OptimizerStepProfiler, peak_allocated_from_trace
-from .resume import EpochBoundaryResume
+from .progress import RichEpochProgressBar, TQDMEpochProgressBar, default_progress_bar
+from .resume import ContinueCheckpointNames, EpochBoundaryResume, resolve_ckpt_path
 
 __all__ = [
     "QuantizedStateCheckpoint",
@@ -44,4 +49,9 @@ __all__ = [
     "standalone_files",
     "peak_allocated_from_trace",
     "EpochBoundaryResume",
+    "ContinueCheckpointNames",
+    "resolve_ckpt_path",
+    "RichEpochProgressBar",
+    "TQDMEpochProgressBar",
+    "default_progress_bar",
 ]
