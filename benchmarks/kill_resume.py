@@ -13,6 +13,7 @@ recipe's ``ModelCheckpoint`` every 4 steps in ``checkpoints/`` plus a user's own
 
     python benchmarks/kill_resume.py                       # 20 kills per world size (1 and 2), both cases
     python benchmarks/kill_resume.py --kills 3 --world-sizes 1 --cases two --no-write   # quick look
+    python benchmarks/kill_resume.py --cases two --kills 10 --steps 150 --append        # add a section
 
 Writes ``benchmarks/results/kill_resume.md``. The run setup is tests/_crash.py's (also used by
 tests/test_resume.py, which kills twice per world size).
@@ -107,6 +108,8 @@ def main() -> int:
     ap.add_argument("--torchrun", action="store_true",
                     help="instead: one 2-process run under torchrun --max-restarts=KILLS, a worker killed KILLS times")
     ap.add_argument("--no-write", action="store_true")
+    ap.add_argument("--append", action="store_true",
+                    help="append this report (with its own header) to --out instead of replacing the file")
     ap.add_argument("--out", type=Path, default=RESULTS_DIR / "kill_resume.md")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="qmuon_kill_resume_"))
@@ -141,7 +144,7 @@ def main() -> int:
     ok = all(not r["diff"] and r["names"][0] == r["names"][1] and not r["leftovers"] and not r["versioned"]
              and not r["fresh_restarts"] and r["final_step"] == args.steps and r["kills"] >= min(args.kills, 1)
              for r in results)
-    lines = [*header_lines("SIGKILL and `--ckpt_path auto` restart"), ""]
+    lines = [*header_lines(f"SIGKILL and `--ckpt_path auto` restart (cases: {args.cases})"), ""]
     lines.append(f"Tiny decoder LM (tests/_crash.py: d_model 32, 1 layer, int8 QMuon, stochastic rounding), "
                  f"max_steps {args.steps}, an epoch every 7 steps, `ckpt_path: auto` in the config. Case `single`: one "
                  "`ModelCheckpoint`, every step (top-1 + last) in `checkpoints/`. Case `two` (issue 20): the recipe's "
@@ -171,6 +174,8 @@ def main() -> int:
     print(text)
     if not args.no_write:
         args.out.parent.mkdir(parents=True, exist_ok=True)
+        if args.append and args.out.exists():  # this report's title becomes a section of the file
+            text = args.out.read_text().rstrip("\n") + "\n\n#" + text
         args.out.write_text(text)
     return 0 if ok else 1
 
