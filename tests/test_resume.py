@@ -374,8 +374,14 @@ def test_auto_scans_every_checkpoint_folder(tmp_path, caplog):
     trainer = _two_callback_trainer(root)
     d, best = root / "checkpoints", root / "best"
     d.mkdir(parents=True), best.mkdir()
-    _lightning_ckpt(d / "epoch=0-step=8.ckpt", 8)
-    _lightning_ckpt(d / "last.ckpt", 8)
+    kept = best / "best-step=5-val_loss=2.9000.ckpt"
+    state = {"ModelCheckpoint{'monitor': None}": {"best_model_path": str(d / "epoch=0-step=8.ckpt"),
+                                                  "last_model_path": str(d / "last.ckpt")},
+             "ModelCheckpoint{'monitor': 'val_loss'}": {"best_k_models": {str(kept): 2.9}}}
+    _lightning_ckpt(d / "epoch=0-step=8.ckpt", 8, callbacks=state)
+    _lightning_ckpt(d / "last.ckpt", 8, callbacks=state)
+    _lightning_ckpt(kept, 5, weights_only=True)
+    dropped = _lightning_ckpt(best / "best-step=4-val_loss=3.1000.ckpt", 4, weights_only=True)
     ahead = _lightning_ckpt(best / "best-step=10-val_loss=2.5000.ckpt", 10, weights_only=True)
     cut = _lightning_ckpt(best / "best-step=12-val_loss=2.4000.ckpt", 12)
     cut.write_bytes(cut.read_bytes()[:100])
@@ -388,10 +394,12 @@ def test_auto_scans_every_checkpoint_folder(tmp_path, caplog):
     assert f"removed an incomplete checkpoint left by the interrupted run: {cut}" in warned
     assert f"skipping incomplete checkpoint: {foreign}" in warned
     assert f"removed {ahead}: saved at step 10, after the resume point (step 8)" in warned
-    assert not cut.exists() and not ahead.exists() and foreign.exists()
+    assert f"removed {dropped}: ModelCheckpoint(monitor='val_loss', save_top_k=2) of the interrupted run had dropped it" in warned
+    assert not cut.exists() and not ahead.exists() and not dropped.exists() and foreign.exists() and kept.exists()
+    assert (d / "epoch=0-step=8.ckpt").exists() and (d / "last.ckpt").exists()  # tracked: kept
     logged = caplog.text
     assert f"resuming from {chosen} (global step 8)" in logged
-    assert f"{d} (2 resumable)" in logged and f"{best} (0 resumable, 1 weights-only)" in logged
+    assert f"{d} (2 resumable)" in logged and f"{best} (0 resumable, 3 weights-only)" in logged
 
     # a newer, resumable checkpoint in the second folder wins, for auto and for last
     foreign.unlink()

@@ -131,11 +131,12 @@ def _remove_or_report_incomplete(folder: CheckpointFolder, incomplete: list[tupl
             rank_zero_warn(f"ckpt_path={what}: skipping incomplete checkpoint: {problem}")
 
 
-def _stale_reason(callbacks: list[ModelCheckpoint], path: Path, step: Optional[int], resumed_step: int) -> Optional[str]:
+def _stale_reason(callbacks: list[ModelCheckpoint], path: Path, step: Optional[int],
+                  resumed_step: Optional[int]) -> Optional[str]:
     """Why an untracked checkpoint of the interrupted run in these callbacks' folder is removed,
-    or ``None`` to keep (and report) it."""
+    or ``None`` to keep (and report) it. Without a step in both, nothing is provably stale."""
     owners = [cb for cb in callbacks if _named_by(cb, path)]
-    if not owners or step is None:
+    if not owners or step is None or resumed_step is None:
         return None
     if step > resumed_step:
         return (f"saved at step {step}, after the resume point (step {resumed_step}): the resumed run writes it again "
@@ -149,7 +150,7 @@ def _stale_reason(callbacks: list[ModelCheckpoint], path: Path, step: Optional[i
     return None
 
 
-def _adopt_or_report_untracked(folder: CheckpointFolder, chosen: Path, resumed_step: int, what: str) -> None:
+def _adopt_or_report_untracked(folder: CheckpointFolder, chosen: Path, resumed_step: Optional[int], what: str) -> None:
     """Complete checkpoints of the interrupted run in ``folder`` that the restored callback states
     do not track: removed where the callback owning the name would have deleted or rewritten them
     (:func:`_stale_reason`), otherwise listed in a warning. A ``last`` name is kept: the restored
@@ -238,7 +239,7 @@ def resolve_ckpt_path(trainer: Any, ckpt_path: Optional[str]) -> Optional[str]:
     chosen, step = newest[0], newest[1]
     rank_zero_info(f"ckpt_path=auto: resuming from {chosen} (global step {step}), the newest of {scanned}")
     for folder in folders:
-        _adopt_or_report_untracked(folder, chosen, -1 if step is None else step, ckpt_path)
+        _adopt_or_report_untracked(folder, chosen, step, ckpt_path)
     return str(chosen)
 
 
