@@ -71,9 +71,11 @@ def trial(world_size: int, kills: int, steps: int, seed: int, work: Path, case: 
             break
     final = _crash.run(cfg)
     diff, n_tensors, final_steps = [], 0, []
-    for last in lasts:  # every folder's last checkpoint: the final step's
+    for last in lasts:  # every folder's last checkpoint (the step of its callback's last save)
         a, b = _crash.load_checkpoint(straight / last), _crash.load_checkpoint(killed / last)
         diff += [f"{last}: {k}" for k in _crash.state_differences(a, b)]
+        if a["global_step"] != b["global_step"]:
+            diff.append(f"{last}: global_step {b['global_step']} instead of {a['global_step']}")
         n_tensors += len(_crash.tensors({k: a[k] for k in a if k == "state_dict" or k.startswith("optimizer")}))
         final_steps.append(b["global_step"])
     names = (_crash.checkpoint_names(straight), _crash.checkpoint_names(killed))
@@ -81,7 +83,7 @@ def trial(world_size: int, kills: int, steps: int, seed: int, work: Path, case: 
             "diff": diff, "n_tensors": n_tensors, "names": names, "leftovers": _crash.hidden_leftovers(killed),
             "versioned": [n for n in names[1] if re.search(r"-v\d+\.ckpt$", n)],
             "fresh_restarts": sum(r["resumed"] == "fresh" for r in rows[1:]),
-            "final_step": min(final_steps), "seconds": time.perf_counter() - t0, "final_log": final.stdout + final.stderr}
+            "final_step": max(final_steps), "seconds": time.perf_counter() - t0, "final_log": final.stdout + final.stderr}
 
 
 def torchrun_trial(kills: int, steps: int, seed: int, work: Path) -> dict:
