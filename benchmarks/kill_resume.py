@@ -1,14 +1,19 @@
 """Kill a ``qmuon-train`` run with SIGKILL at random moments, restart it with the same command.
 
-For each world size (1: one process; 2: ``qmuon_fsdp`` on 2 CPU processes, gloo): an
+For each case and world size (1: one process; 2: ``qmuon_fsdp`` on 2 CPU processes, gloo): an
 uninterrupted run, then the same run started, killed (SIGKILL to the whole process group) at a
-random moment after a random number of new every-step checkpoints, and restarted with the same
-command (``ckpt_path: auto`` in its config), ``--kills`` times, then run to completion. PASS when
-every world size completes with weights and optimizer state bit-identical to its uninterrupted
-run and the same checkpoint names, and nothing is left in the checkpoint folder but those.
+random moment after a random number of new checkpoints, and restarted with the same command
+(``ckpt_path: auto`` in its config), ``--kills`` times, then run to completion. PASS when every
+run completes with weights and optimizer state bit-identical to its uninterrupted run and the
+same checkpoint names in every folder (no ``-vN`` duplicates), and nothing hidden is left.
 
-    python benchmarks/kill_resume.py                       # 20 kills per world size (1 and 2)
-    python benchmarks/kill_resume.py --kills 3 --world-sizes 1 --no-write   # quick look
+Cases: ``single`` (one ``ModelCheckpoint``, every step, top-1 + last) and ``two`` (issue 20: the
+recipe's ``ModelCheckpoint`` every 4 steps in ``checkpoints/`` plus a user's own every 3 steps in
+``ck/``, both top-1 + last; a restart must resume from the newest checkpoint of either folder).
+
+    python benchmarks/kill_resume.py                       # 20 kills per world size (1 and 2), both cases
+    python benchmarks/kill_resume.py --kills 3 --world-sizes 1 --cases two --no-write   # quick look
+    python benchmarks/kill_resume.py --cases two --kills 10 --steps 150 --append        # add a section
 
 Writes ``benchmarks/results/kill_resume.md``. The run setup is tests/_crash.py's (also used by
 tests/test_resume.py, which kills twice per world size).
@@ -33,13 +38,19 @@ import _crash  # noqa: E402
 from _common import RESULTS_DIR, header_lines  # noqa: E402
 
 _RESUMED = re.compile(r"ckpt_path=auto: (resuming from (\S+) \(global step (\d+)\)|no complete checkpoint)")
+#: case -> write_config arguments and the ``last.ckpt`` files compared
+CASES = {
+    "single": ({"every": 1}, ["checkpoints/last.ckpt"]),
+    "two": ({"every": 4, "second": "periodic", "second_every": 3}, ["checkpoints/last.ckpt", "ck/last.ckpt"]),
+}
 
 
-def trial(world_size: int, kills: int, steps: int, seed: int, work: Path) -> dict:
-    straight, killed = work / f"w{world_size}_straight", work / f"w{world_size}_killed"
+def trial(world_size: int, kills: int, steps: int, seed: int, work: Path, case: str = "single") -> dict:
+    straight, killed = work / f"{case}_w{world_size}_straight", work / f"{case}_w{world_size}_killed"
+    options, lasts = CASES[case]
     t0 = time.perf_counter()
-    _crash.run(_crash.write_config(straight, world_size, steps))
-    cfg = _crash.write_config(killed, world_size, steps)
+    _crash.run(_crash.write_config(straight, world_size, steps, **options))
+    cfg = _crash.write_config(killed, world_size, steps, **options)
     rng = random.Random(seed)
     rows = []
     for i in range(kills):
@@ -47,26 +58,32 @@ def trial(world_size: int, kills: int, steps: int, seed: int, work: Path) -> dic
         after = min(steps, before + rng.randint(1, 2))
         outcome, log = _crash.run_and_kill(cfg, killed, after, rng, max_delay=0.3)
         m = _RESUMED.search(log)
-        resumed = "-" if m is None else ("fresh" if m.group(2) is None else f"step {m.group(3)} ({Path(m.group(2)).name})")
+        resumed = "-" if m is None else ("fresh" if m.group(2) is None else
+                                         f"step {m.group(3)} ({Path(m.group(2)).parent.name}/{Path(m.group(2)).name})")
         reports = [line.strip() for line in log.splitlines() if "ckpt_path=auto: removed" in line
                    or "skipping incomplete" in line or "interrupted save" in line or "not tracked" in line]
         rows.append({"kill": i + 1, "outcome": outcome, "resumed": resumed, "steps_on_disk": _crash.saved_steps(killed),
                      "reports": reports})
-        print(f"world {world_size} kill {i + 1}: {outcome}, started from {resumed}, "
+        print(f"{case} world {world_size} kill {i + 1}: {outcome}, started from {resumed}, "
               f"checkpoint step after: {rows[-1]['steps_on_disk']}" + (f"; {len(reports)} report(s)" if reports else ""),
               flush=True)
         if outcome == "finished":
             break
     final = _crash.run(cfg)
-    a = _crash.load_checkpoint(straight / "checkpoints" / "last.ckpt")
-    b = _crash.load_checkpoint(killed / "checkpoints" / "last.ckpt")
-    diff = _crash.state_differences(a, b)
+    diff, n_tensors, final_steps = [], 0, []
+    for last in lasts:  # every folder's last checkpoint (the step of its callback's last save)
+        a, b = _crash.load_checkpoint(straight / last), _crash.load_checkpoint(killed / last)
+        diff += [f"{last}: {k}" for k in _crash.state_differences(a, b)]
+        if a["global_step"] != b["global_step"]:
+            diff.append(f"{last}: global_step {b['global_step']} instead of {a['global_step']}")
+        n_tensors += len(_crash.tensors({k: a[k] for k in a if k == "state_dict" or k.startswith("optimizer")}))
+        final_steps.append(b["global_step"])
     names = (_crash.checkpoint_names(straight), _crash.checkpoint_names(killed))
-    leftovers = sorted(p.name for p in (killed / "checkpoints").iterdir() if p.name.startswith("."))
-    return {"world_size": world_size, "rows": rows, "kills": sum(r["outcome"] == "killed" for r in rows),
-            "diff": diff, "n_tensors": len(_crash.tensors({k: a[k] for k in a if k == "state_dict" or k.startswith("optimizer")})),
-            "names": names, "leftovers": leftovers, "final_step": b["global_step"], "seconds": time.perf_counter() - t0,
-            "final_log": final.stdout + final.stderr}
+    return {"case": case, "world_size": world_size, "rows": rows, "kills": sum(r["outcome"] == "killed" for r in rows),
+            "diff": diff, "n_tensors": n_tensors, "names": names, "leftovers": _crash.hidden_leftovers(killed),
+            "versioned": [n for n in names[1] if re.search(r"-v\d+\.ckpt$", n)],
+            "fresh_restarts": sum(r["resumed"] == "fresh" for r in rows[1:]),
+            "final_step": max(final_steps), "seconds": time.perf_counter() - t0, "final_log": final.stdout + final.stderr}
 
 
 def torchrun_trial(kills: int, steps: int, seed: int, work: Path) -> dict:
@@ -87,11 +104,14 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--kills", type=int, default=20)
     ap.add_argument("--world-sizes", default="1,2")
+    ap.add_argument("--cases", default="single,two", help=f"comma-separated, of {sorted(CASES)}")
     ap.add_argument("--steps", type=int, default=300, help="max_steps of the run (a tiny model runs ~10 steps/s)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--torchrun", action="store_true",
                     help="instead: one 2-process run under torchrun --max-restarts=KILLS, a worker killed KILLS times")
     ap.add_argument("--no-write", action="store_true")
+    ap.add_argument("--append", action="store_true",
+                    help="append this report (with its own header) to --out instead of replacing the file")
     ap.add_argument("--out", type=Path, default=RESULTS_DIR / "kill_resume.md")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="qmuon_kill_resume_"))
@@ -118,38 +138,46 @@ def main() -> int:
         return 0 if ok else 1
     results = []
     try:
-        for w in [int(x) for x in args.world_sizes.split(",")]:
-            results.append(trial(w, args.kills, args.steps, args.seed + w, work))
+        for case in args.cases.split(","):
+            for w in [int(x) for x in args.world_sizes.split(",")]:
+                results.append(trial(w, args.kills, args.steps, args.seed + w, work, case))
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    ok = all(not r["diff"] and r["names"][0] == r["names"][1] and not r["leftovers"] and r["kills"] >= min(args.kills, 1)
+    ok = all(not r["diff"] and r["names"][0] == r["names"][1] and not r["leftovers"] and not r["versioned"]
+             and not r["fresh_restarts"] and r["final_step"] == args.steps and r["kills"] >= min(args.kills, 1)
              for r in results)
-    lines = [*header_lines("SIGKILL and `--ckpt_path auto` restart"), ""]
+    lines = [*header_lines(f"SIGKILL and `--ckpt_path auto` restart (cases: {args.cases})"), ""]
     lines.append(f"Tiny decoder LM (tests/_crash.py: d_model 32, 1 layer, int8 QMuon, stochastic rounding), "
-                 f"max_steps {args.steps}, an epoch every 7 steps, a checkpoint every step (top-1 + last), "
-                 f"`ckpt_path: auto` in the config. Each start is killed (SIGKILL, whole process group) 0-0.3 s after "
-                 f"1-2 new checkpoints appear, then restarted with the same command; after {args.kills} kills the run "
-                 "completes. Compared with an uninterrupted run of the same world size: every weight and optimizer "
-                 "tensor bit for bit, and the checkpoint names.")
+                 f"max_steps {args.steps}, an epoch every 7 steps, `ckpt_path: auto` in the config. Case `single`: one "
+                 "`ModelCheckpoint`, every step (top-1 + last) in `checkpoints/`. Case `two` (issue 20): the recipe's "
+                 "`ModelCheckpoint` every 4 steps in `checkpoints/` plus a user's own every 3 steps in `ck/` (both "
+                 "top-1 + last). Each start is killed (SIGKILL, whole process group) 0-0.3 s after 1-2 new checkpoints "
+                 f"appear (in any folder), then restarted with the same command; after {args.kills} kills the run "
+                 "completes. Compared with an uninterrupted run of the same case and world size: every weight and "
+                 "optimizer tensor of each folder's `last.ckpt` bit for bit, and the checkpoint names of every folder.")
     lines.append("")
-    lines.append("| world size | kills | final step | tensors differing | checkpoint names equal | hidden leftovers | wall time |")
-    lines.append("| --- | --- | --- | --- | --- | --- | --- |")
+    lines.append("| case | world size | kills | restarts that started over | final step | tensors differing | "
+                 "checkpoint names equal | `-vN` names | hidden leftovers | wall time |")
+    lines.append("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in results:
-        lines.append(f"| {r['world_size']} | {r['kills']} | {r['final_step']} | {len(r['diff'])} of {r['n_tensors']} | "
-                     f"{r['names'][0] == r['names'][1]} ({', '.join(r['names'][1])}) | {len(r['leftovers'])} | {r['seconds']:.0f} s |")
+        lines.append(f"| {r['case']} | {r['world_size']} | {r['kills']} | {r['fresh_restarts']} | {r['final_step']} | "
+                     f"{len(r['diff'])} of {r['n_tensors']} | {r['names'][0] == r['names'][1]} ({', '.join(r['names'][1])}) | "
+                     f"{len(r['versioned'])} | {len(r['leftovers'])} | {r['seconds']:.0f} s |")
     for r in results:
-        lines += ["", f"### world size {r['world_size']}: each start", "",
+        lines += ["", f"### {r['case']}, world size {r['world_size']}: each start", "",
                   "| start | outcome | resumed from | newest checkpoint step after | reports (removed / incomplete / interrupted / untracked) |",
                   "| --- | --- | --- | --- | --- |"]
         for row in r["rows"]:
             rep = "<br>".join(x.replace("|", "/")[:200] for x in row["reports"]) or "-"
             lines.append(f"| {row['kill']} | {row['outcome']} | {row['resumed']} | {row['steps_on_disk']} | {rep} |")
-    lines += ["", f"**{'PASS' if ok else 'FAIL'}**: " + ("every world size completed, bit-identical to its uninterrupted run, "
-              "same checkpoint names, no leftovers" if ok else "see the table")]
+    lines += ["", f"**{'PASS' if ok else 'FAIL'}**: " + ("every run completed, bit-identical to its uninterrupted run, every "
+              "restart resumed, same checkpoint names, no -vN names, no leftovers" if ok else "see the table")]
     text = "\n".join(lines) + "\n"
     print(text)
     if not args.no_write:
         args.out.parent.mkdir(parents=True, exist_ok=True)
+        if args.append and args.out.exists():  # this report's title becomes a section of the file
+            text = args.out.read_text().rstrip("\n") + "\n\n#" + text
         args.out.write_text(text)
     return 0 if ok else 1
 

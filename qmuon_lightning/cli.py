@@ -27,21 +27,22 @@ Built on :class:`lightning.pytorch.cli.LightningCLI`::
   and for ``fit`` :class:`~qmuon_lightning.callbacks.resume.EpochBoundaryResume`.
 * A ``TensorBoardLogger`` in the config is skipped with a warning when tensorboard is not installed.
 * ``strategy: qmuon_fsdp`` is available because this module imports ``qmuon_lightning.strategies``.
-* ``fit --ckpt_path auto`` (the recipes set it): resume from the newest *complete* checkpoint in the
-  ``ModelCheckpoint`` folder (single file or sharded directory), or start a new run when there is
-  none; the same command restarts a killed run (by hand, ``torchrun --max-restarts``, a scheduler).
-  ``last`` also skips incomplete files, and an explicit path that is incomplete fails naming what
-  is missing (:mod:`qmuon_lightning.distributed.resume`, docs/reliability.md).
+* ``fit --ckpt_path auto`` (the recipes set it): resume from the newest *complete* checkpoint in
+  every ``ModelCheckpoint`` callback's folder (single file or sharded directory), or start a new run
+  when there is none; the same command restarts a killed run (by hand, ``torchrun --max-restarts``,
+  a scheduler), and the callbacks continue their checkpoint names (no ``last-v1.ckpt``). ``last``
+  also skips incomplete files, and an explicit path that is incomplete fails naming what is missing
+  (:mod:`qmuon_lightning.callbacks.resume`, :mod:`qmuon_lightning.distributed.resume`,
+  docs/reliability.md).
+* The progress bar (unless one is configured or ``enable_progress_bar: false``) is
+  from :func:`~qmuon_lightning.callbacks.progress.default_progress_bar`: it shows the epochs the run will
+  reach (``max_steps`` over the epoch length), not ``max_epochs - 1``.
 """
 
 from __future__ import annotations
 
-import os
-import re
-import shutil
 import warnings
-from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 try:  # the `cli` extra (not a core dependency: LitGPT 0.5.x caps jsonargparse at 4.41; see pyproject.toml)
     from jsonargparse import set_parsing_settings
@@ -54,18 +55,15 @@ try:  # not part of jsonargparse's public names; only used to restore the settin
 except ImportError:  # pragma: no cover - depends on the jsonargparse version
     get_parsing_setting = None
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
+from lightning.pytorch.callbacks import ProgressBar
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from . import strategies as _strategies  # noqa: F401  (registers strategy names such as "qmuon_fsdp")
-from .callbacks.resume import EpochBoundaryResume
+from .callbacks.progress import default_progress_bar
+from .callbacks.resume import ContinueCheckpointNames, EpochBoundaryResume, resolve_ckpt_path
 from .callbacks.summary import TrainSummary
 from .data.datamodule import ByteLMDataModule
 from .distributed.process_group import exit_after_distributed_run
-from .distributed.resume import (
-    IncompleteCheckpointError, checkpoint_problem, checkpoint_step, scan_checkpoints,
-    checkpoint_metadata, recover_interrupted_saves, require_complete, untracked_checkpoints,
-)
 from .models.lm_module import DecoderLMModule
 
 __all__ = ["QMuonCLI", "main", "resolve_ckpt_path", "cli_dependency_problem"]
@@ -77,144 +75,7 @@ def _tensorboard_available() -> bool:
     return bool(_TENSORBOARD_AVAILABLE or _TENSORBOARDX_AVAILABLE)
 
 
-#: ``ckpt_path`` values Lightning resolves itself (``last`` is resolved here, skipping incomplete files).
-_LIGHTNING_CKPT_WORDS = ("best", "hpc", "registry")
-
-
-def _checkpoint_dir(trainer: Any, what: str) -> Path:
-    callbacks = [cb for cb in trainer.callbacks if isinstance(cb, ModelCheckpoint)]
-    if not callbacks or callbacks[0].dirpath is None:
-        raise ValueError(
-            f"ckpt_path={what!r} looks for checkpoints in the ModelCheckpoint's folder, but this run has "
-            f"{'no ModelCheckpoint' if not callbacks else 'a ModelCheckpoint without dirpath (its folder would depend on the logger version)'}"
-            "; add trainer.callbacks: ModelCheckpoint with init_args.dirpath (the recipes use "
-            "${trainer.default_root_dir}/checkpoints)")
-    return Path(callbacks[0].dirpath)
-
-
-def _is_own_replaced_top1(callback: ModelCheckpoint, path: Path) -> bool:
-    """Whether ``path`` is a checkpoint this ``ModelCheckpoint(monitor=None, save_top_k=1)`` wrote
-    (its name is the callback's name for the epoch and step stored in it): one the interrupted run
-    had already replaced, killed before deleting it."""
-    state = checkpoint_metadata(path) or {}
-    epoch, step = state.get("epoch"), state.get("global_step")
-    if not isinstance(epoch, int) or not isinstance(step, int):
-        return False
-    try:
-        names = {os.path.realpath(callback.format_checkpoint_name({"epoch": epoch, "step": step}, ver=v))
-                 for v in (None, 1, 2, 3)}
-    except Exception:  # noqa: BLE001 - a filename needing other metrics: not provably ours
-        return False
-    return os.path.realpath(path) in names
-
-
-def _named_by(callback: ModelCheckpoint, path: Path) -> bool:
-    """Whether ``path`` carries a name this ModelCheckpoint gives its checkpoints (``last``, or its
-    ``filename`` for the epoch and step in the name), so it was written by the interrupted run."""
-    if path.name == f"{callback.CHECKPOINT_NAME_LAST}{callback.FILE_EXTENSION}":
-        return True
-    m = re.search(r"epoch=(\d+)-step=(\d+)", path.name)
-    if m is None:
-        return False
-    try:
-        names = {os.path.realpath(callback.format_checkpoint_name({"epoch": int(m[1]), "step": int(m[2])}, ver=v))
-                 for v in (None, 1, 2, 3)}
-    except Exception:  # noqa: BLE001 - a filename needing other metrics: not provably ours
-        return False
-    return os.path.realpath(path) in names
-
-
-def _remove_or_report_incomplete(trainer: Any, incomplete: list[tuple[Path, str]]) -> None:
-    """Incomplete checkpoints (a save, or ModelCheckpoint's deletion of a replaced one, cut short by
-    the kill) can never be resumed from: those named like this run's ModelCheckpoint names its own are
-    removed, any other is reported; each with what is missing."""
-    callback = next(cb for cb in trainer.callbacks if isinstance(cb, ModelCheckpoint))
-    for path, problem in incomplete:
-        if rank_zero_only.rank == 0 and _named_by(callback, path):
-            shutil.rmtree(path) if path.is_dir() else path.unlink()
-            rank_zero_warn(f"ckpt_path=auto: removed an incomplete checkpoint left by the interrupted run: {problem}")
-        else:
-            rank_zero_warn(f"ckpt_path=auto: skipping incomplete checkpoint: {problem}")
-
-
-def _adopt_or_report_untracked(trainer: Any, folder: Path, chosen: Path) -> None:
-    """Checkpoints of the interrupted run that the restored ModelCheckpoint does not track: with
-    ``monitor=None, save_top_k=1`` (keep the newest) one it wrote is deleted, as the interrupted
-    run was about to; anything else is reported with its path."""
-    callback = next(cb for cb in trainer.callbacks if isinstance(cb, ModelCheckpoint))
-    if callback.save_top_k == -1:
-        return  # keeps every checkpoint: none is stale
-    untracked = [p for p in untracked_checkpoints(folder, chosen) if checkpoint_problem(p) is None]
-    adopt = [p for p in untracked if callback.monitor is None and callback.save_top_k == 1
-             and _is_own_replaced_top1(callback, p)]
-    if rank_zero_only.rank == 0:
-        for p in adopt:
-            shutil.rmtree(p) if p.is_dir() else p.unlink()
-            rank_zero_warn(f"ckpt_path=auto: removed {p}: ModelCheckpoint(save_top_k=1) of the interrupted run had "
-                           f"replaced it by a newer checkpoint and was killed before deleting it")
-    rest = [p for p in untracked if p not in adopt]
-    if rest:
-        rank_zero_warn(
-            f"ckpt_path=auto: {len(rest)} checkpoint(s) in {folder} are not tracked by the resumed ModelCheckpoint, "
-            f"so it will not delete them: {', '.join(str(p) for p in rest)}. Delete them when you no longer need them.")
-
-
-def resolve_ckpt_path(trainer: Any, ckpt_path: Optional[str]) -> Optional[str]:
-    """``ckpt_path`` of ``qmuon-train fit`` as a path Lightning loads (or ``None``: a new run).
-
-    ``"auto"``: the newest complete checkpoint in the ModelCheckpoint folder, else ``None``; sharded
-    saves interrupted by a kill are finished or removed first (on global rank 0), incomplete and
-    untracked checkpoints are adopted (deleted where ModelCheckpoint(save_top_k=1) had replaced them)
-    or reported. ``"last"``: the newest complete ``last*.ckpt``. A path: it
-    must be complete (:class:`IncompleteCheckpointError` names what is missing).
-    """
-    if ckpt_path is None or ckpt_path in _LIGHTNING_CKPT_WORDS:
-        return ckpt_path
-    if ckpt_path not in ("auto", "last"):
-        return str(require_complete(ckpt_path))
-    folder = _checkpoint_dir(trainer, ckpt_path)
-    if rank_zero_only.rank == 0:
-        recover_interrupted_saves(folder, report=rank_zero_warn)
-    if ckpt_path == "last":
-        lasts = sorted((p for p in folder.glob("last*.ckpt") if re.fullmatch(r"last(-v\d+)?\.ckpt", p.name)),
-                       key=lambda p: p.stat().st_mtime, reverse=True) if folder.is_dir() else []
-        complete = [p for p in lasts if checkpoint_problem(p) is None]
-        for p in lasts:
-            if p not in complete:
-                rank_zero_warn(f"ckpt_path=last: skipping incomplete checkpoint: {checkpoint_problem(p)}")
-        if lasts and not complete:
-            raise IncompleteCheckpointError(
-                f"ckpt_path=last: every last checkpoint in {folder} is incomplete (see the warnings); use "
-                "--ckpt_path auto to resume from the newest complete checkpoint of any name")
-        return str(complete[0]) if complete else "last"  # Lightning warns and starts a new run
-    scan = scan_checkpoints(folder)
-    _remove_or_report_incomplete(trainer, scan.incomplete)
-    chosen = scan.newest
-    if chosen is None:
-        rank_zero_info(f"ckpt_path=auto: no complete checkpoint in {folder}; starting a new run")
-        return None
-    rank_zero_info(f"ckpt_path=auto: resuming from {chosen} (global step {checkpoint_step(chosen)})")
-    _adopt_or_report_untracked(trainer, folder, chosen)
-    return str(chosen)
-
-
-class _AdoptResumedCheckpoint(Callback):
-    """Lets ModelCheckpoint delete the checkpoint ``ckpt_path=auto`` resumed from once it is superseded.
-
-    ModelCheckpoint never deletes the checkpoint a run resumed from (a user's own file, in general).
-    One picked by ``auto`` is one of this run's own checkpoints, tracked by the restored callback
-    state, so it is handed back to the top-k bookkeeping; otherwise every restart would leave one.
-    """
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-
-    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-        if trainer.ckpt_path is not None and str(trainer.ckpt_path) == self.path:
-            trainer.ckpt_path = None  # read by ModelCheckpoint._should_remove_checkpoint only, after the restore
-
-
-def cli_dependency_problem() -> Optional[str]:
+def cli_dependency_problem() -> str | None:
     """Why ``qmuon-train`` cannot parse its configs in this environment (``None`` when it can): it
     needs jsonargparse's ``omegaconf_absolute_to_relative_paths`` setting (jsonargparse >= 4.53),
     which the ``cli`` extra installs. LitGPT 0.5.x pins jsonargparse <= 4.41."""
@@ -289,8 +150,19 @@ class QMuonCLI(LightningCLI):
         cfg = self.config_init[self.subcommand]
         requested = cfg.get("ckpt_path")
         cfg["ckpt_path"] = resolve_ckpt_path(self.trainer, requested)
-        if requested == "auto" and cfg["ckpt_path"] is not None:
-            self.trainer.callbacks.append(_AdoptResumedCheckpoint(cfg["ckpt_path"]))
+        if requested in ("auto", "last"):
+            # the run continues its own folders: the callbacks keep their checkpoint names
+            self.trainer.callbacks.append(ContinueCheckpointNames(cfg["ckpt_path"] if requested == "auto" else None))
+
+    def instantiate_trainer(self, **kwargs: Any) -> Any:
+        # The default progress bar, with the epoch count the run will reach (Lightning's shows
+        # "Epoch 0/-2" under max_epochs=-1 and a step-bounded run); a configured one is kept.
+        trainer_cfg = self._get(self.config_init, "trainer", default={}) or {}
+        callbacks = kwargs.get("callbacks", trainer_cfg.get("callbacks"))
+        callbacks = [] if callbacks is None else list(callbacks) if isinstance(callbacks, list) else [callbacks]
+        if trainer_cfg.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in callbacks):
+            kwargs["callbacks"] = callbacks + [default_progress_bar()]
+        return super().instantiate_trainer(**kwargs)
 
     def instantiate_classes(self) -> None:
         # A value that parses but is inconsistent (d_model not divisible by n_heads, a missing

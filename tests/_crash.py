@@ -3,6 +3,8 @@
 Shared by tests/test_resume.py (a few kills per world size) and benchmarks/kill_resume.py (the
 20-kill run). A run is a tiny decoder LM checkpointing every step (``ModelCheckpoint`` top-1 plus
 ``last``) with ``ckpt_path: auto`` in its config, so the restart command is the start command.
+``second=`` adds a user's own ``ModelCheckpoint`` in another folder: ``"periodic"`` (``ck/``,
+top-1 plus ``last`` at another frequency) or ``"best"`` (``best/``, the 2 best by ``val_loss``).
 ``world_size=2`` trains under ``qmuon_fsdp`` on 2 CPU processes (gloo); Lightning starts the second
 process, and a kill takes the whole process group, as a lost node would.
 """
@@ -48,8 +50,8 @@ trainer:
       init_args:
         dirpath: {root}/checkpoints
         save_last: true
-        every_n_train_steps: 1
-model:
+        every_n_train_steps: {every}
+{second}model:
   d_model: 32
   n_layers: 1
   n_heads: 2
@@ -67,14 +69,39 @@ data:
 """
 
 
-def write_config(root: Path, world_size: int, max_steps: int, batches_per_epoch: int = 7) -> Path:
+#: The second ``ModelCheckpoint`` of a run (``second=``): each in its own folder.
+SECOND = {
+    "periodic": """    - class_path: lightning.pytorch.callbacks.ModelCheckpoint
+      init_args:
+        dirpath: {root}/ck
+        save_last: true
+        every_n_train_steps: {every}
+""",
+    "best": """    - class_path: lightning.pytorch.callbacks.ModelCheckpoint
+      init_args:
+        dirpath: {root}/best
+        monitor: val_loss
+        mode: min
+        save_top_k: 2
+        filename: "best-{{step}}-{{val_loss:.4f}}"
+""",
+}
+#: Checkpoint folders a run may have (``checkpoints`` always; the second callback's).
+FOLDERS = ("checkpoints", "ck", "best")
+
+
+def write_config(root: Path, world_size: int, max_steps: int, batches_per_epoch: int = 7, every: int = 1,
+                 second: str | None = None, second_every: int = 2) -> Path:
     """A tiny run under ``root``; an epoch is ``batches_per_epoch`` steps, so a run crosses epoch
-    boundaries and restarts land before, on and after them."""
+    boundaries and restarts land before, on and after them. The first ``ModelCheckpoint`` saves
+    every ``every`` steps; ``second`` (a key of :data:`SECOND`) adds another, every ``second_every``
+    steps for ``"periodic"``, after each validation (every 5 steps) for ``"best"``."""
     root.mkdir(parents=True, exist_ok=True)
     strategy = "strategy: qmuon_fsdp" if world_size > 1 else ""
+    extra = "" if second is None else SECOND[second].format(root=root, every=second_every)
     path = root / "run.yaml"
-    path.write_text(CONFIG.format(world=world_size, strategy=strategy, max_steps=max_steps, root=root,
-                                  train_samples=batches_per_epoch * 2 * world_size))
+    path.write_text(CONFIG.format(world=world_size, strategy=strategy, max_steps=max_steps, root=root, every=every,
+                                  second=extra, train_samples=batches_per_epoch * 2 * world_size))
     return path
 
 
@@ -95,10 +122,10 @@ def run(config: Path, timeout: float = 600) -> subprocess.CompletedProcess:
 
 
 def saved_steps(root: Path) -> int:
-    """Highest step of a published checkpoint under ``root/checkpoints`` (by name; hidden staging
-    directories of a save in progress do not count), -1 if none."""
+    """Highest step of a published checkpoint in the run's checkpoint folders (by name; hidden
+    staging directories of a save in progress do not count), -1 if none."""
     best = -1
-    for p in (root / "checkpoints").glob("*step=*"):
+    for p in (q for folder in FOLDERS for q in (root / folder).glob("*step=*")):
         if p.name.startswith("."):
             continue
         try:
@@ -211,7 +238,18 @@ def state_differences(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
 
 
 def checkpoint_names(root: Path) -> list[str]:
-    return sorted(p.name for p in (root / "checkpoints").iterdir() if not p.name.startswith("."))
+    """The visible checkpoint names of every folder (``folder/name`` for the second callback's)."""
+    names = sorted(p.name for p in (root / "checkpoints").iterdir() if not p.name.startswith("."))
+    for folder in FOLDERS[1:]:
+        if (root / folder).is_dir():
+            names += sorted(f"{folder}/{p.name}" for p in (root / folder).iterdir() if not p.name.startswith("."))
+    return names
+
+
+def hidden_leftovers(root: Path) -> list[str]:
+    """Hidden entries (staging / replaced directories) left in any checkpoint folder."""
+    return sorted(f"{folder}/{p.name}" for folder in FOLDERS if (root / folder).is_dir()
+                  for p in (root / folder).iterdir() if p.name.startswith("."))
 
 
 def _descendants(pid: int) -> list[int]:

@@ -11,12 +11,16 @@
 * End to end (slow): ``qmuon-train`` killed with SIGKILL at random moments while checkpointing
   every step, restarted with the same command (``ckpt_path: auto``), on 1 process and on 2
   processes under ``qmuon_fsdp``, ends with weights and optimizer state bit-identical to an
-  uninterrupted run and the same checkpoint names.
+  uninterrupted run and the same checkpoint names; the same with a second, user-added
+  ``ModelCheckpoint`` in another folder (periodic at another frequency, or the best by
+  ``val_loss``): ``auto`` resumes from the newest checkpoint of either folder and both callbacks
+  continue their own names (no ``last-v1.ckpt``).
 """
 
 from __future__ import annotations
 
 import random
+import re
 import shutil
 from pathlib import Path
 
@@ -307,7 +311,7 @@ def test_cli_resolution_of_auto_last_and_explicit_paths(tmp_path):
     assert not (d / "last.ckpt").exists() and (d / "other.ckpt").exists()
     (d / "other.ckpt").unlink()
     (d / "last.ckpt").write_bytes(whole[:100])
-    with pytest.raises(IncompleteCheckpointError, match="every last checkpoint"):
+    with pytest.raises(IncompleteCheckpointError, match="no last checkpoint .* is complete"):
         resolve_ckpt_path(trainer, "last")
     with pytest.raises(IncompleteCheckpointError, match="zip directory"):
         resolve_ckpt_path(trainer, str(d / "last.ckpt"))
@@ -315,6 +319,122 @@ def test_cli_resolution_of_auto_last_and_explicit_paths(tmp_path):
     assert untracked_checkpoints(d, d / "epoch=0-step=3.ckpt") == [stray]
     shutil.rmtree(d)
     assert resolve_ckpt_path(trainer, "auto") is None
+
+
+def _lightning_ckpt(path: Path, step: int, *, weights_only: bool = False, callbacks: dict | None = None) -> Path:
+    """A file with what a Lightning checkpoint holds that discovery reads (step, callback states)."""
+    blob = {"epoch": 0, "global_step": step, "pytorch-lightning_version": L.__version__,
+            "state_dict": {"w": torch.full((8, 8), float(step))}}
+    if not weights_only:
+        blob.update(callbacks=callbacks or {}, optimizer_states=[{}])
+    torch.save(blob, path)
+    return path
+
+
+def test_find_resumable_checkpoint_over_several_folders(tmp_path):
+    """Newest by step over every folder, then by modification time; a one-folder call is unchanged."""
+    import os
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir(), b.mkdir()
+    _file_ckpt(a / "epoch=0-step=4.ckpt", 4)
+    _file_ckpt(b / "epoch=0-step=6.ckpt", 6)
+    _file_ckpt(a / "last.ckpt", 6)
+    os.utime(b / "epoch=0-step=6.ckpt", ns=(1, 2_000_000_000))
+    os.utime(a / "last.ckpt", ns=(1, 1_000_000_000))
+    truncated = _file_ckpt(b / "epoch=0-step=9.ckpt", 9)
+    truncated.write_bytes(truncated.read_bytes()[:100])
+    reports: list[str] = []
+    # step 6 twice: the one modified last (b's) wins; the truncated step 9 never does
+    assert find_resumable_checkpoint([a, b], report=reports.append) == b / "epoch=0-step=6.ckpt"
+    assert len(reports) == 1 and "epoch=0-step=9.ckpt" in reports[0]
+    os.utime(a / "last.ckpt", ns=(1, 3_000_000_000))
+    assert find_resumable_checkpoint((str(a), b), report=reports.append) == a / "last.ckpt"
+    assert find_resumable_checkpoint(a) == a / "last.ckpt"
+    assert find_resumable_checkpoint(str(b), report=reports.append) == b / "epoch=0-step=6.ckpt"
+    assert find_resumable_checkpoint([tmp_path / "x", tmp_path / "y"]) is None
+
+
+def _two_callback_trainer(root: Path) -> "L.Trainer":
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    return L.Trainer(
+        accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[ModelCheckpoint(dirpath=root / "checkpoints", save_last=True, every_n_train_steps=4),
+                   ModelCheckpoint(dirpath=root / "best", monitor="val_loss", save_top_k=2,
+                                   filename="best-{step}-{val_loss:.4f}", save_weights_only=True)])
+
+
+def test_auto_scans_every_checkpoint_folder(tmp_path, caplog):
+    """``auto`` over a periodic folder and a best-by-val_loss one: the newest resumable checkpoint of
+    either (a weights-only one is not resumable), a message naming both folders and the choice; an
+    incomplete file is removed in the folder whose callback names it and reported elsewhere; an
+    untracked weights-only best checkpoint ahead of the resume point is removed (the resumed run
+    writes it again: it would otherwise become ``...-v1.ckpt``); ``last`` picks over both folders."""
+    import logging
+
+    root = tmp_path / "run"
+    trainer = _two_callback_trainer(root)
+    d, best = root / "checkpoints", root / "best"
+    d.mkdir(parents=True), best.mkdir()
+    kept = best / "best-step=5-val_loss=2.9000.ckpt"
+    state = {"ModelCheckpoint{'monitor': None}": {"best_model_path": str(d / "epoch=0-step=8.ckpt"),
+                                                  "last_model_path": str(d / "last.ckpt")},
+             "ModelCheckpoint{'monitor': 'val_loss'}": {"best_k_models": {str(kept): 2.9}}}
+    _lightning_ckpt(d / "epoch=0-step=8.ckpt", 8, callbacks=state)
+    _lightning_ckpt(d / "last.ckpt", 8, callbacks=state)
+    _lightning_ckpt(kept, 5, weights_only=True)
+    dropped = _lightning_ckpt(best / "best-step=4-val_loss=3.1000.ckpt", 4, weights_only=True)
+    ahead = _lightning_ckpt(best / "best-step=10-val_loss=2.5000.ckpt", 10, weights_only=True)
+    cut = _lightning_ckpt(best / "best-step=12-val_loss=2.4000.ckpt", 12)
+    cut.write_bytes(cut.read_bytes()[:100])
+    foreign = best / "notes.ckpt"
+    foreign.write_bytes(cut.read_bytes())
+    with caplog.at_level(logging.INFO), pytest.warns(UserWarning) as record:
+        chosen = resolve_ckpt_path(trainer, "auto")
+    assert chosen in (str(d / "epoch=0-step=8.ckpt"), str(d / "last.ckpt"))
+    warned = " ".join(str(w.message) for w in record)
+    assert f"removed an incomplete checkpoint left by the interrupted run: {cut}" in warned
+    assert f"skipping incomplete checkpoint: {foreign}" in warned
+    assert f"removed {ahead}: saved at step 10, after the resume point (step 8)" in warned
+    assert f"removed {dropped}: ModelCheckpoint(monitor='val_loss', save_top_k=2) of the interrupted run had dropped it" in warned
+    assert not cut.exists() and not ahead.exists() and not dropped.exists() and foreign.exists() and kept.exists()
+    assert (d / "epoch=0-step=8.ckpt").exists() and (d / "last.ckpt").exists()  # tracked: kept
+    logged = caplog.text
+    assert f"resuming from {chosen} (global step 8)" in logged
+    assert f"{d} (2 resumable)" in logged and f"{best} (0 resumable, 3 weights-only)" in logged
+
+    # a newer, resumable checkpoint in the second folder wins, for auto and for last
+    foreign.unlink()
+    newer = _lightning_ckpt(best / "best-step=10-val_loss=2.5000.ckpt", 10)
+    assert resolve_ckpt_path(trainer, "auto") == str(newer)
+    assert resolve_ckpt_path(trainer, "last") == str(d / "last.ckpt")  # the only last*.ckpt
+    _lightning_ckpt(best / "last.ckpt", 10)
+    assert resolve_ckpt_path(trainer, "last") == str(best / "last.ckpt")
+    shutil.rmtree(best), shutil.rmtree(d)
+    with caplog.at_level(logging.INFO):
+        assert resolve_ckpt_path(trainer, "auto") is None
+    assert f"no complete checkpoint to resume from in {d} (0 resumable), {best} (0 resumable)" in caplog.text
+
+
+def test_restart_continues_the_last_checkpoint_name(tmp_path):
+    """A ModelCheckpoint whose restored state does not name the ``last.ckpt`` in its folder (here: no
+    state at all) writes ``last-v1.ckpt`` beside it under plain Lightning; with
+    ContinueCheckpointNames it writes over ``last.ckpt``, as the uninterrupted run does."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.demos.boring_classes import BoringModel
+    from qmuon_lightning.callbacks import ContinueCheckpointNames
+
+    def fit(folder: Path, *extra) -> None:
+        cb = ModelCheckpoint(dirpath=folder, save_last=True, save_top_k=0, every_n_train_steps=1)
+        L.Trainer(accelerator="cpu", max_steps=2, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                  callbacks=[cb, *extra]).fit(BoringModel())
+
+    for folder, extra in ((tmp_path / "plain", ()), (tmp_path / "continued", (ContinueCheckpointNames(),))):
+        fit(folder)
+        fit(folder, *extra)
+    assert sorted(p.name for p in (tmp_path / "plain").iterdir()) == ["last-v1.ckpt", "last.ckpt"]
+    assert sorted(p.name for p in (tmp_path / "continued").iterdir()) == ["last.ckpt"]
 
 
 # ------------------------------------------------------------------------------ SIGKILL, end to end
@@ -344,6 +464,50 @@ def test_sigkill_and_auto_restart_is_bit_identical(tmp_path, world_size):
     b = _crash.load_checkpoint(killed / "checkpoints" / "last.ckpt")
     assert a["global_step"] == b["global_step"] == steps
     assert _crash.state_differences(a, b) == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("second", ["periodic", "best"])
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_sigkill_with_two_checkpoint_callbacks_is_bit_identical(tmp_path, world_size, second):
+    """Issue 20: the recipe's ModelCheckpoint (top-1 + last) plus a user's own in another folder
+    (``periodic``: every 2 steps while the first saves every 3, top-1 + last, in ``ck/``; ``best``:
+    the 2 best by ``val_loss`` after each validation, every 5 steps, in ``best/``, while the first
+    saves every 4). Three SIGKILLs at random moments, the same command each time: every restart
+    resumes from the newest checkpoint of either folder (none starts over), and the run ends with
+    the uninterrupted run's weights, optimizer state and checkpoint names in both folders (no
+    ``-vN`` duplicate).
+
+    In ``best`` the first callback never saves on a validation step: Lightning 2.6 does not rerun
+    the validation of step ``s`` when resuming from a checkpoint saved at the end of training batch
+    ``s`` (docs/reliability.md), so a kill during that validation would change which checkpoints
+    are the best two (not the weights)."""
+    # max_steps a multiple of the first callback's frequency: its last checkpoint is the final step's
+    every, steps = (3, 18) if second == "periodic" else (4, 16)
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    _crash.run(_crash.write_config(straight, world_size, steps, every=every, second=second))
+    cfg = _crash.write_config(killed, world_size, steps, every=every, second=second)
+    rng = random.Random(2000 + 10 * world_size + len(second))
+    logs = []
+    for after in sorted(rng.sample(range(2, steps - 3), 3)):
+        outcome, log = _crash.run_and_kill(cfg, killed, max(after, _crash.saved_steps(killed) + 1), rng)
+        logs.append((outcome, log))
+    assert sum(o == "killed" for o, _ in logs) >= 2, [o for o, _ in logs]
+    final = _crash.run(cfg)
+    starts = [log for _, log in logs[1:]] + [final.stdout + final.stderr]
+    for log in starts:
+        assert "ckpt_path=auto: resuming from" in log and "starting a new run" not in log, log[-3000:]
+    names = _crash.checkpoint_names(killed)
+    assert names == _crash.checkpoint_names(straight), names
+    assert not any(re.search(r"-v\d+\.ckpt$", n) for n in names) and _crash.hidden_leftovers(killed) == []
+    for last in ["checkpoints/last.ckpt"] + (["ck/last.ckpt"] if second == "periodic" else []):
+        a, b = _crash.load_checkpoint(straight / last), _crash.load_checkpoint(killed / last)
+        assert a["global_step"] == b["global_step"] == steps
+        assert _crash.state_differences(a, b) == [], last
+    if second == "best":  # the same two best checkpoints, holding the same weights
+        for name in (n for n in names if n.startswith("best/")):
+            a, b = _crash.load_checkpoint(straight / name), _crash.load_checkpoint(killed / name)
+            assert _crash.state_differences(a, b) == [], name
 
 
 # ------------------------------------------------------------------- the documented Fabric / Accelerate loops

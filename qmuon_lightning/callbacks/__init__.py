@@ -10,6 +10,10 @@
   momentum format, or stops the run below a per-format threshold.
 * :class:`BF16StallMonitor`: every N steps, the bf16 weights whose updates nearest rounding would lose.
 
+* :func:`resolve_ckpt_path`, :class:`ContinueCheckpointNames`, :class:`EpochBoundaryResume`: resume
+  from the newest complete checkpoint of every ``ModelCheckpoint`` folder, under the same names.
+* :func:`default_progress_bar`: Lightning's progress bar showing the epochs the run will reach.
+
 See ``docs/callbacks.md``.
 """
 
@@ -26,7 +30,8 @@ from .checkpoint import (
 )
 from .fidelity import DEFAULT_COSINE_THRESHOLD, QuantFidelityError, QuantFidelityMonitor, UpdateFidelityTracker
 from .profiler import OptimizerStepProfiler, peak_allocated_from_trace
-from .resume import EpochBoundaryResume
+from .progress import RichEpochProgressBar, TQDMEpochProgressBar, default_progress_bar
+from .resume import ContinueCheckpointNames, EpochBoundaryResume, resolve_ckpt_path
 from .weight_numerics import BF16StallMonitor
 
 __all__ = [
@@ -47,4 +52,9 @@ __all__ = [
     "standalone_files",
     "peak_allocated_from_trace",
     "EpochBoundaryResume",
+    "ContinueCheckpointNames",
+    "resolve_ckpt_path",
+    "RichEpochProgressBar",
+    "TQDMEpochProgressBar",
+    "default_progress_bar",
 ]

@@ -11,7 +11,7 @@ It is *complete* when
   for a directory named like a Lightning checkpoint (``*.ckpt``), ``meta.pt`` is a complete file.
 
 :func:`checkpoint_problem` says what is missing; :func:`find_resumable_checkpoint` picks the newest
-complete checkpoint of a folder (largest ``global_step``, then modification time). Sharded saves of
+complete checkpoint of one folder or of several (largest ``global_step``, then modification time). Sharded saves of
 :class:`~qmuon_lightning.strategies.QMuonFSDPStrategy` go to a hidden staging directory
 (:func:`staging_path`) that :func:`publish_directory` renames into place, so a reader never sees a
 half-written directory under a checkpoint's name; :func:`recover_interrupted_saves` finishes or
@@ -31,7 +31,7 @@ import time
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
 __all__ = [
     "CheckpointScan",
@@ -39,7 +39,9 @@ __all__ = [
     "checkpoint_metadata",
     "checkpoint_problem",
     "checkpoint_step",
+    "lacks_training_state",
     "find_resumable_checkpoint",
+    "newest_complete",
     "publish_directory",
     "recover_interrupted_saves",
     "require_complete",
@@ -155,6 +157,14 @@ def checkpoint_step(path: PathLike) -> Optional[int]:
     blob = checkpoint_metadata(path)
     step = blob.get("global_step") if blob else None
     return int(step) if isinstance(step, int) else None
+
+
+def lacks_training_state(path: PathLike) -> bool:
+    """Whether ``path`` is a complete Lightning checkpoint saved with ``weights_only`` (no
+    ``callbacks`` / ``optimizer_states``: ``ModelCheckpoint(save_weights_only=True)``), which
+    Lightning refuses to resume a fit from. Other files (Fabric, Accelerate) are never refused."""
+    blob = checkpoint_metadata(path)
+    return bool(blob) and "pytorch-lightning_version" in blob and "callbacks" not in blob
 
 
 # ------------------------------------------------------------------------------- staging / publish
@@ -296,24 +306,45 @@ def scan_checkpoints(dirpath: PathLike) -> CheckpointScan:
             continue
         target = entry / DCP_METADATA if entry.is_dir() else entry
         scan.complete.append((entry, checkpoint_step(entry), target.stat().st_mtime))
-    scan.complete.sort(key=lambda c: (-1 if c[1] is None else c[1], c[2]), reverse=True)
+    scan.complete.sort(key=_ordering, reverse=True)
     return scan
 
 
-def find_resumable_checkpoint(dirpath: PathLike, *, report: Optional[Callable[[str], None]] = None) -> Optional[Path]:
+def _ordering(entry: tuple[Path, Optional[int], float]) -> tuple[int, float]:
+    """Newest first: the largest ``global_step`` (none counts as below every step), then the latest
+    modification."""
+    return (-1 if entry[1] is None else entry[1], entry[2])
+
+
+def newest_complete(scans: Iterable[CheckpointScan]) -> Optional[tuple[Path, Optional[int], float]]:
+    """The newest complete checkpoint of several scans: largest ``global_step``, then the latest
+    modification, so of two checkpoints saved at the same step (two ``ModelCheckpoint`` callbacks
+    firing on one step) the one written last wins; it holds every callback's state after both
+    saves. ``None`` when no scan has a complete one."""
+    entries = [c for scan in scans for c in scan.complete]
+    return max(entries, key=_ordering) if entries else None
+
+
+def find_resumable_checkpoint(dirpath: Union[PathLike, Sequence[PathLike]], *,
+                              report: Optional[Callable[[str], None]] = None) -> Optional[Path]:
     """The newest complete checkpoint directly under ``dirpath``, or ``None`` (start fresh).
 
-    Single files and sharded directories alike; incomplete ones (cut short by a crash) are never
-    returned and are named through ``report`` (default: a logging warning). Reads only; call
-    :func:`recover_interrupted_saves` first to adopt a sharded save that was killed between its
-    final renames.
+    ``dirpath`` is one folder or several (a run saving into more than one, e.g. a periodic and a
+    best-by-validation checkpoint folder): the newest of all of them by ``global_step``, then by
+    modification time (:func:`newest_complete`). Single files and sharded directories alike;
+    incomplete ones (cut short by a crash) are never returned and are named through ``report``
+    (default: a logging warning). Reads only; call :func:`recover_interrupted_saves` on each folder
+    first to adopt a sharded save that was killed between its final renames.
     """
+    folders = [dirpath] if isinstance(dirpath, (str, os.PathLike)) else list(dirpath)
     start = time.perf_counter()
-    scan = scan_checkpoints(dirpath)
-    for path, problem in scan.incomplete:
-        (report or log.warning)(f"skipping incomplete checkpoint: {problem}")
-    log.debug("scanned %s in %.2f s", dirpath, time.perf_counter() - start)
-    return scan.newest
+    scans = [scan_checkpoints(d) for d in folders]
+    for scan in scans:
+        for _, problem in scan.incomplete:
+            (report or log.warning)(f"skipping incomplete checkpoint: {problem}")
+    log.debug("scanned %s in %.2f s", ", ".join(map(str, folders)), time.perf_counter() - start)
+    newest = newest_complete(scans)
+    return None if newest is None else newest[0]
 
 
 def untracked_checkpoints(dirpath: PathLike, resumed_from: PathLike) -> list[Path]:
