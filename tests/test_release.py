@@ -424,3 +424,83 @@ def test_fsdp2_release_equals_sharded_step_and_resumes_bit_exact(tmp_path) -> No
         assert r["comm"]["muon_elements"] == r["comm_plain"]["muon_elements"] > 0
         assert r["accum_error"] is not None and "several backward passes" in r["accum_error"]
     assert res[0]["units"] == res[1]["units"]
+
+
+# ----------------------------------------------------------------------------------- Lightning
+def _lightning_worker(rank: int, world: int) -> dict:
+    """Trainer(strategy=QMuonFSDPStrategy) on one CPU process (the process group of run_workers),
+    automatic optimization: optimizer.step(closure) runs forward / backward in the closure, where
+    the hooks fire; a LambdaLR steps after each optimizer step."""
+    from datetime import timedelta
+
+    import lightning as L
+    from torch.distributed.tensor import DTensor
+
+    from qmuon_lightning.models import DecoderLM
+    from qmuon_lightning.strategies import QMuonFSDPStrategy
+
+    class LM(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = DecoderLM(vocab_size=32, d_model=32, n_layers=2, n_heads=2, max_seq_len=8, mlp_hidden=48)
+            self.grads_seen: list[bool] = []
+
+        def training_step(self, batch, batch_idx):
+            return self.model.loss(*batch)
+
+        def on_before_optimizer_step(self, optimizer) -> None:  # after the closure's backward
+            self.grads_seen.append(any(p.grad is not None for p in self.parameters()))
+
+        def configure_optimizers(self):
+            opt = torch.optim.AdamW(self.parameters(), lr=3e-3)
+            sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 3))
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    g = torch.Generator().manual_seed(3)
+    tok = torch.randint(0, 32, (16, 9), generator=g)
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(tok[:, :-1], tok[:, 1:]), batch_size=4)
+
+    def fit(release: bool, **trainer_kw) -> tuple[L.LightningModule, L.Trainer]:
+        L.seed_everything(0, verbose=False)
+        module = LM()
+        strategy = QMuonFSDPStrategy(optimizer_kwargs={"gradient_release": release, "state_format": "int8"},
+                                     timeout=timedelta(seconds=60))
+        trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_epochs=1, logger=False,
+                            enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                            **trainer_kw)
+        trainer.fit(module, data)
+        return module, trainer
+
+    def full(m):
+        return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in m.named_parameters()}
+
+    a, ta = fit(False)
+    b, tb = fit(True)
+    out = {"plain": full(a), "release": full(b), "grads_seen": (a.grads_seen, b.grads_seen),
+           "released": release_of(tb.optimizers[0]) is not None,
+           "lr": (ta.optimizers[0].param_groups[0]["lr"], tb.optimizers[0].param_groups[0]["lr"])}
+    for kw in ({"accumulate_grad_batches": 2}, {"gradient_clip_val": 1.0}):
+        try:
+            fit(True, **kw)
+            out[str(kw)] = None
+        except ValueError as e:
+            out[str(kw)] = str(e)
+    return out
+
+
+@pytest.mark.slow
+def test_lightning_trainer_with_release_equals_without() -> None:
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+    from _dist import run_workers
+
+    forkable = torch.get_num_threads() == 1 and not dist.is_initialized() and "fork" in mp.get_all_start_methods()
+    (r,) = run_workers(_lightning_worker, 1, timeout=240, start_method="fork" if forkable else "spawn")
+    assert r["released"]
+    plain_seen, release_seen = r["grads_seen"]
+    assert all(plain_seen) and len(release_seen) == 4 and not any(release_seen)  # freed inside the closure
+    for n in r["plain"]:
+        assert torch.equal(r["plain"][n], r["release"][n]), n
+    assert r["lr"][0] == r["lr"][1]
+    assert "accumulate_grad_batches=2" in r["{'accumulate_grad_batches': 2}"]
+    assert "gradient_clip_val=1.0" in r["{'gradient_clip_val': 1.0}"] and "release_clip_norm" in r["{'gradient_clip_val': 1.0}"]
