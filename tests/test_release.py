@@ -504,3 +504,39 @@ def test_lightning_trainer_with_release_equals_without() -> None:
     assert r["lr"][0] == r["lr"][1]
     assert "accumulate_grad_batches=2" in r["{'accumulate_grad_batches': 2}"]
     assert "gradient_clip_val=1.0" in r["{'gradient_clip_val': 1.0}"] and "release_clip_norm" in r["{'gradient_clip_val': 1.0}"]
+
+
+# ----------------------------------------------------------------------------------- Accelerate
+def test_accelerate_prepare_qmuon_with_release_equals_without() -> None:
+    pytest.importorskip("accelerate")
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+
+    from qmuon_lightning.integrations.accelerate import prepare_qmuon, unwrap_qmuon
+
+    def run(release: bool, **acc_kw):
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+        acc = Accelerator(cpu=True, **acc_kw)
+        model, opt = prepare_qmuon(acc, small(), verbose=False, gradient_release=release, state_format="int8")
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+        for s in range(3):
+            loss = loss_of(model, tokens(s))
+            acc.backward(loss)
+            if release:
+                assert all(p.grad is None for p in model.parameters())
+            opt.step()
+            sched.step()
+            opt.zero_grad(set_to_none=True)
+        return model, unwrap_qmuon(opt)
+
+    try:
+        a, _ = run(False)
+        b, ob = run(True)
+        assert release_of(ob) is not None
+        assert_same(a, b)
+        with pytest.raises(ValueError, match="gradient_accumulation_steps=2"):
+            run(True, gradient_accumulation_steps=2)
+    finally:
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()

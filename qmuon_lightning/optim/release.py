@@ -119,11 +119,11 @@ class GradientRelease:
         self._pending_storage: int | None = None
         self._callback_queued = False
         self._adamw_ids: set[int] = set()
-        self._sync_hooks()
+        self.sync_hooks()
         optimizer.gradient_release = self
 
     # ------------------------------------------------------------------ hooks
-    def _sync_hooks(self) -> None:
+    def sync_hooks(self) -> None:
         """(Re-)register the hooks when the optimizer's parameters are not those hooked (an
         integration such as Accelerate replaced them)."""
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
@@ -241,7 +241,7 @@ class GradientRelease:
             # .grad keeps the NS input afterwards, as after a step without release
         self._stepped.clear()
         self.released_in_step = 0
-        self._sync_hooks()
+        self.sync_hooks()
 
 
 def attach_gradient_release(optimizer: QMuon, clip_norm: float | None = None) -> GradientRelease:
@@ -262,12 +262,14 @@ def release_of(optimizer: Any) -> GradientRelease | None:
 
 
 def check_trainer_compatible(*, accumulate_grad_batches: int = 1, gradient_clip_val: float | None = None,
-                             scaler: Any = None, where: str = "gradient_release") -> None:
+                             scaler: Any = None, where: str = "gradient_release",
+                             accumulate_setting: str = "Trainer(accumulate_grad_batches={n})") -> None:
     """Raise at setup when a training loop's settings cannot combine with gradient release (the
-    Lightning strategies call it with the Trainer's settings)."""
+    Lightning strategies call it with the Trainer's settings, ``prepare_qmuon`` with the
+    Accelerator's; ``accumulate_setting`` names the setting in the message)."""
     if accumulate_grad_batches and int(accumulate_grad_batches) > 1:
         raise ValueError(f"{where}: " + ACCUMULATION_ERROR.format(what="each parameter")
-                         + f" (Trainer(accumulate_grad_batches={accumulate_grad_batches}))")
+                         + f" ({accumulate_setting.format(n=accumulate_grad_batches)})")
     if gradient_clip_val:
         raise ValueError(f"{where}: " + CLIPPING_ERROR.format(what=f"Trainer(gradient_clip_val={gradient_clip_val})"))
     if scaler is not None:
