@@ -394,6 +394,27 @@ def _fsdp_worker(rank: int, world: int, root: str) -> dict:
     set_state_dict(c, oc, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
     run(c, oc, range(3, 5), True)
     out["resumed"] = full(c)
+    # a non-finite gradient on one rank only (a shard of blocks.1.mlp.down.weight at step 1, and of
+    # the AdamW-routed lm_head at step 2): every rank skips the same parameter, with or without release
+    skipped = {}
+    for release in (False, True):
+        m = model()
+        counter = [0]
+        params = dict(m.named_parameters())
+
+        def poison(p: torch.Tensor, name: str) -> None:
+            when = {"blocks.1.mlp.down.weight": 1, "lm_head.weight": 2}[name]
+            if rank == 1 and counter[0] == when:
+                p.grad.to_local().fill_(float("nan"))
+
+        for name in ("blocks.1.mlp.down.weight", "lm_head.weight"):  # registered before release's hooks
+            params[name].register_post_accumulate_grad_hook(lambda p, name=name: poison(p, name))
+        o = opt_of(m, release)
+        o.register_step_post_hook(lambda *_: counter.__setitem__(0, counter[0] + 1))
+        run(m, o, range(4), release)
+        skipped[release] = (o.nonfinite_skips, o.nonfinite_skipped_steps, full(m))
+    out["skips"] = [skipped[r][:2] for r in (False, True)]
+    out["nan_plain"], out["nan_release"] = skipped[False][2], skipped[True][2]
     # a second backward before step() is refused on every rank
     x, y = batch(9)
     c.loss(x, y).backward()
@@ -423,6 +444,10 @@ def test_fsdp2_release_equals_sharded_step_and_resumes_bit_exact(tmp_path) -> No
             assert torch.equal(r["cont"][n], r["resumed"][n]), n
         assert r["comm"]["muon_elements"] == r["comm_plain"]["muon_elements"] > 0
         assert r["accum_error"] is not None and "several backward passes" in r["accum_error"]
+        assert r["skips"] == [(2, 2), (2, 2)]  # both ranks skipped, in both runs
+        for n in r["nan_plain"]:
+            assert torch.equal(r["nan_plain"][n], r["nan_release"][n]), n
+            assert torch.isfinite(r["nan_release"][n]).all(), n
     assert res[0]["units"] == res[1]["units"]
 
 
