@@ -565,3 +565,32 @@ def test_accelerate_prepare_qmuon_with_release_equals_without() -> None:
     finally:
         AcceleratorState._reset_state(True)
         GradientState._reset_state()
+
+
+def test_a_new_optimizer_takes_the_parameters_over() -> None:
+    """A second optimizer with release on the same model (a second trainer.fit, a rebuilt
+    optimizer) takes the hooks over: the parameters are stepped once per backward, by it."""
+    base = small()
+    a, b = copy.deepcopy(base), copy.deepcopy(base)
+    old = build(b, True)
+    ob = build(b, True)
+    assert release_of(old) is None and release_of(ob) is not None
+    oa = build(a, False)
+    train(a, oa, range(2))
+    train(b, ob, range(2), check_released=True)
+    assert_same(a, b)
+    assert not old.state  # the old optimizer never stepped
+
+
+def test_a_released_model_can_be_copied_and_saved(tmp_path) -> None:
+    """Release keeps nothing on the parameters: a deepcopy of a released model gets its own
+    release without disturbing the original's, and torch.save(model) works."""
+    a = small()
+    oa = build(a, True)
+    b = copy.deepcopy(a)
+    ob = build(b, True)
+    assert release_of(oa) is not None and release_of(ob) is not None
+    torch.save(a, tmp_path / "model.pt")
+    train(a, oa, range(1), check_released=True)
+    train(b, ob, range(1), check_released=True)
+    assert_same(a, b)
