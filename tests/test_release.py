@@ -648,3 +648,11 @@ def test_fabric_with_release_equals_without_and_refuses_clipping() -> None:
     for n in r["plain"]:
         assert torch.equal(r["plain"][n], r["release"][n]), n
     assert r["clip_error"] is not None and "release_clip_norm" in r["clip_error"]
+
+
+def test_deepspeed_wrapper_refuses_release() -> None:
+    pytest.importorskip("deepspeed")
+    from qmuon_lightning.integrations import deepspeed as qds
+
+    with pytest.raises(ValueError, match="cannot combine with DeepSpeed ZeRO"):
+        qds.WholeMatrixZeroOptimizer(build(small(), True))
