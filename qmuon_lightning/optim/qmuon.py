@@ -169,7 +169,12 @@ class QMuon(Optimizer):
         self._adamw_defaults = config.adamw_group_defaults()
         self._plans: dict[int, tuple[tuple, list[ParamPlan]]] = {}
         self._sharded: tuple[tuple, Any] | None = None
-        self._index: tuple[tuple, dict[int, tuple[int, int]]] | None = None
+        self._index: dict[int, tuple[int, int]] | None = None  # id(param) -> (group, index)
+        # The caches keyed by the parameter set (plans, index, sharded driver) are checked against
+        # the parameters once per optimizer step, not once per step_params call: under gradient
+        # release there is one call per parameter, and re-checking every parameter's identity in
+        # each would make a step quadratic in the number of parameters.
+        self._layout_fresh = False
         self._skipped_in_step = False
         self._step_comm: list[dict[str, float]] = []
         #: The gradient-release driver stepping this optimizer inside backward, when one is attached
@@ -199,6 +204,7 @@ class QMuon(Optimizer):
             validate_adamw_group(group, where)
         self._plans.clear()
         self._sharded = None
+        self._layout_fresh = False
 
     @staticmethod
     def _validate_muon_params(group: dict[str, Any], where: str) -> None:
@@ -227,6 +233,8 @@ class QMuon(Optimizer):
         """The plans of group ``gi``'s parameters, recomputed only when the parameters (FSDP2 and
         Accelerate replace them in place), their shapes or the group's layout keys change."""
         group = self.param_groups[gi]
+        if self._layout_fresh and gi in self._plans:
+            return self._plans[gi][1]
         key0 = sum(len(g["params"]) for g in self.param_groups[:gi])
         sig = (key0, tuple((id(p), tuple(p.shape)) for p in group["params"]), group["parts"], group["parts_axis"],
                group["orientation"], group["adjust_lr_fn"])
@@ -267,8 +275,14 @@ class QMuon(Optimizer):
         run over the given parameters only). Step-level bookkeeping (``nonfinite_skipped_steps``,
         ``comm_stats``) is closed by :meth:`step`.
         """
+        if not self._layout_fresh:  # once per optimizer step (see __init__)
+            self._index = None
+            self._sharded_step()
+            for gi in range(len(self.param_groups)):
+                self._group_plans(gi)
+            self._layout_fresh = True
         keys = self._keys_of(params)
-        sharded = self._sharded_step()  # None unless a parameter is a DTensor (FSDP2)
+        sharded = self._sharded[1] if self._sharded is not None else None  # None unless a parameter is a DTensor
         if sharded is not None and params is not None and not any(
                 is_dtensor(self.param_groups[gi]["params"][i]) for gi, i in keys):
             sharded = None  # only plain parameters: nothing collective
@@ -290,11 +304,9 @@ class QMuon(Optimizer):
         """``(group, index)`` of ``params`` in group order (every parameter when None)."""
         if params is None:
             return [(gi, i) for gi, g in enumerate(self.param_groups) for i in range(len(g["params"]))]
-        sig = tuple(id(p) for g in self.param_groups for p in g["params"])
-        if self._index is None or self._index[0] != sig:
-            self._index = (sig, {id(p): (gi, i) for gi, g in enumerate(self.param_groups)
-                                 for i, p in enumerate(g["params"])})
-        index = self._index[1]
+        if self._index is None:  # rebuilt once per step (step_params)
+            self._index = {id(p): (gi, i) for gi, g in enumerate(self.param_groups) for i, p in enumerate(g["params"])}
+        index = self._index
         keys = set()
         for p in params:
             key = index.get(id(p))
@@ -306,6 +318,7 @@ class QMuon(Optimizer):
     def _end_step(self) -> None:
         """Close one optimizer step: count it as skipped when a parameter update was skipped in it,
         and publish the step's communication figures (summed over the calls of the step)."""
+        self._layout_fresh = False
         if self._skipped_in_step:
             self.nonfinite_skipped_steps += 1
             self._skipped_in_step = False
@@ -549,6 +562,7 @@ class QMuon(Optimizer):
         super().load_state_dict({"state": new_state, "param_groups": new_groups})
         self._plans.clear()
         self._sharded = None
+        self._layout_fresh = False
         for p, st, cur in muon_state:
             new = {k: v.to(device=p.device, copy=True) if k != "step" else v.clone() for k, v in st.items()}
             if is_dtensor(p):
@@ -605,6 +619,7 @@ class QMuon(Optimizer):
             self.state[p] = converted
         group[FORMAT_OVERRIDES] = checked[FORMAT_OVERRIDES]
         self._sharded = None
+        self._layout_fresh = False
         return str(old["state_format"]), str(new["state_format"])
 
     def promotions(self, names: dict[int, str] | None = None) -> list[dict[str, Any]]:
