@@ -579,5 +579,7 @@ def _(packed, scales, tensor_scales, new_tensor_scales, grads, block_sumsq, beta
             and K.lists_ok(len(grads), new_tensor_scales) and K.scalars_ok(new_tensor_scales, grads))
 
 
+from . import _library_adamw  # noqa: E402,F401  (the quantized AdamW op; declared with _op above)
+
 # Compiled CPU / CUDA kernels (csrc/, built on first use) take over where their predicates hold.
 K.register_compiled_kernels(OPS.values())
