@@ -1,5 +1,6 @@
-"""The ``torch.ops.qmuon`` operator of the quantized AdamW moments (declared like the others, with
-:func:`._library._op`; imported by :mod:`._library` before its compiled kernels are registered).
+"""The ``torch.ops.qmuon`` operator of the quantized AdamW moments: its typed prototype (schema and
+reference), fake and compiled-kernel predicate. :mod:`._library` declares it with its ``_op`` (one
+place declares every op; this module imports nothing of it, so there is no import cycle).
 
 ``adamw_q_update_``: one fused pass over a block of rows: decode the 8-bit / 4-bit first and second
 moments, update them with the gradient, emit the fp32 AdamW update of those weights, re-encode. The
@@ -14,12 +15,11 @@ from torch import Tensor
 
 from . import _kernels as K
 from . import reference_adamw as refa
-from ._library import _op
+__all__ = ["MUTATES", "adamw_q_update_", "fake", "supported"]
 
-__all__ = ["adamw_q_update_"]
+MUTATES = ("m_codes", "m_scale", "v_codes", "v_scale", "update")
 
 
-@_op(mutates_args=("m_codes", "m_scale", "v_codes", "v_scale", "update"))
 def adamw_q_update_(
     grad: Tensor,
     m_codes: Tensor,
@@ -43,8 +43,7 @@ def adamw_q_update_(
                          bias_correction2_sqrt, m_kind, v_kind, block_size)
 
 
-@adamw_q_update_.register_fake
-def _(grad, m_codes, m_scale, v_codes, v_scale, update, beta1, beta2, eps, neg_step_size, bias_correction2_sqrt,
+def fake(grad, m_codes, m_scale, v_codes, v_scale, update, beta1, beta2, eps, neg_step_size, bias_correction2_sqrt,
       m_kind, v_kind, block_size):
     return None
 
@@ -80,8 +79,7 @@ def _rows_ok(t: Tensor) -> bool:
     return t.dim() == 2 and (t.numel() == 0 or t.stride(1) == 1)
 
 
-@adamw_q_update_.compiled_when
-def _(grad, m_codes, m_scale, v_codes, v_scale, update, beta1, beta2, eps, neg_step_size, bias_correction2_sqrt,
+def supported(grad, m_codes, m_scale, v_codes, v_scale, update, beta1, beta2, eps, neg_step_size, bias_correction2_sqrt,
       m_kind, v_kind, block_size):
     ts = (grad, m_codes, m_scale, v_codes, v_scale, update)
     return (K.block_ok(block_size) and grad.dtype in K.GRAD_DTYPES and all(_rows_ok(t) for t in ts)

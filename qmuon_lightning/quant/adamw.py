@@ -34,6 +34,8 @@ from .registry import FORMATS, get_format
 __all__ = [
     "ADAMW_ROLES",
     "DEFAULT_ADAMW_STATE_FORMAT",
+    "FULL_PRECISION",
+    "is_full_precision",
     "SMALL_TENSOR_ELEMENTS",
     "adamw_state_families",
     "check_adamw_state_format",
@@ -55,7 +57,9 @@ ADAMW_ROLES = ("adamw_m", "adamw_v")
 DEFAULT_ADAMW_STATE_FORMAT = "int8"
 #: Tensors with fewer elements (and every 1-D tensor) keep fp32 moments whatever the family.
 SMALL_TENSOR_ELEMENTS = 4096
-_FULL = "fp32"  # the family of small tensors and of torch.optim.AdamW's own state
+#: The family of small tensors and of ``torch.optim.AdamW``'s own state.
+FULL_PRECISION = "fp32"
+_FULL = FULL_PRECISION
 
 
 def adamw_state_families() -> tuple[str, ...]:
@@ -77,6 +81,11 @@ def _pair(family: Any) -> tuple[StateFormat, StateFormat] | None:
             elif f.role == "adamw_v":
                 v = f
     return (m, v) if m is not None and v is not None else None
+
+
+def is_full_precision(family: Any) -> bool:
+    """Whether ``family`` stores ``torch.optim.AdamW``'s own fp32 moments."""
+    return family == FULL_PRECISION
 
 
 def check_adamw_state_format(name: Any, where: str) -> str:
