@@ -94,11 +94,11 @@ def test_chunk_rows_bounds_the_block():
 
 
 # ----------------------------------------------------------------------------- quantized families track fp32
-@pytest.mark.parametrize("family,tol", [("bf16", 0.01), ("int8", 0.05), ("int4", 0.3)])
+@pytest.mark.parametrize("family,tol", [("bf16", 0.01), ("int8", 0.02), ("int4", 0.3)])
 def test_quantized_families_track_torch_adamw(family, tol):
     """After 20 steps the distance travelled by every quantized weight matrix stays close to
-    torch.optim.AdamW's (relative Frobenius error of the displacement; tolerance per family from
-    the codes' resolution: bf16 8 bits of mantissa, int8 ~1/127 per block, int4 ~1/7)."""
+    torch.optim.AdamW's (relative Frobenius error of the displacement). Measured on the two large
+    tensors: bf16 0.22 %, int8 0.72-0.84 %, int4 13.8-14.8 %; the bounds leave 2-4x margin."""
     init = _params()
     a = [p.clone().requires_grad_() for p in init]
     b = [p.clone().requires_grad_() for p in init]
