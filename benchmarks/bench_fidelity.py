@@ -62,9 +62,11 @@ BF16_RULES = ("nearest", "stochastic", "ecc8")
 
 
 def parse_kind(kind: str) -> tuple[str, str | None, str, dict]:
-    """``"adamw"`` / ``"torch-muon"`` / ``"qmuon:<format>[:mxfp8][@rank=R][@grid=G][@lr=X][@w=RULE]"`` ->
-    (family, format, ns_input, overrides). The ``@`` overrides are for sweeps of grasp4's knobs and
-    for bf16 weights (``@w=nearest|stochastic|ecc8``: the model in bf16, written with that rule)."""
+    """``"adamw"`` / ``"torch-muon"`` / ``"qmuon:<format>[:mxfp8][@rank=R][@grid=G][@lr=X][@w=RULE][@adamw=F]"`` ->
+    (family, format, ns_input, overrides). The ``@`` overrides are for sweeps of grasp4's knobs, for bf16
+    weights (``@w=nearest|stochastic|ecc8``: the model in bf16, written with that rule) and for the AdamW
+    moments' storage (``@adamw=int8``: ``adamw_state_format``; without it the QMuon runs keep fp32 AdamW
+    moments, the fp32-master reference of the quantized-AdamW comparisons)."""
     base, *opts = kind.split("@")
     over: dict = {}
     for o in opts:
@@ -72,8 +74,12 @@ def parse_kind(kind: str) -> tuple[str, str | None, str, dict]:
         if k == "w" and v in BF16_RULES:
             over["bf16_update"] = v
             continue
-        if k not in ("rank", "grid", "lr") or not v:
-            raise SystemExit(f"bad option {o!r} in {kind!r}: use @rank=R, @grid=G, @lr=X or @w={'|'.join(BF16_RULES)}")
+        if k not in ("rank", "grid", "lr", "adamw") or not v:
+            raise SystemExit(f"bad option {o!r} in {kind!r}: use @rank=R, @grid=G, @lr=X, @adamw=F or "
+                             f"@w={'|'.join(BF16_RULES)}")
+        if k == "adamw":
+            over["adamw_state_format"] = v
+            continue
         over[{"grid": "grid_block"}.get(k, k)] = float(v) if k == "lr" else int(v)
     if base in ("adamw", "torch-muon"):
         if over:
@@ -106,7 +112,8 @@ def make_optimizers(kind: str, model: nn.Module, args) -> list[torch.optim.Optim
     return [build_optimizer(model, lr=over.get("lr", args.lr), weight_decay=0.1, state_format=fmt,
                             adamw_lr=args.adamw_lr, seed=args.seed, ns_input=ns_input,
                             rank=over.get("rank", args.rank), grid_block=over.get("grid_block", args.grid_block),
-                            verbose=False, **({"bf16_update": over["bf16_update"]} if "bf16_update" in over else {}))]
+                            adamw_state_format=over.get("adamw_state_format", "fp32"), verbose=False,
+                            **({"bf16_update": over["bf16_update"]} if "bf16_update" in over else {}))]
 
 
 def muon_state_bytes_per_param(opts: list[torch.optim.Optimizer]) -> float | None:

@@ -51,7 +51,7 @@ def _bytes(st: dict) -> int:
 def test_registry_derived_tables():
     assert BUILTIN == ("fp32", "bf16", "int8", "uint8", "int4", "e0m3", "grasp4")
     assert tuple(qstate.STATE_FORMATS) == BUILTIN
-    assert dict(qstate.DEFAULT_BLOCK_SIZE) == {n: f.default_block_size for n, f in qstate.FORMATS.items()}
+    assert dict(qstate.DEFAULT_BLOCK_SIZE) == {n: f.default_block_size for n, f in MOMENTUM.items()}
     assert qstate.DEFAULT_BLOCK_SIZE["int4"] == 128 and qstate.DEFAULT_BLOCK_SIZE["int8"] == 256
     assert tuple(qstate.SUPPORTED_SHARDED_FORMATS) == tuple(n for n, f in MOMENTUM.items() if f.shardable)
     assert set(qstate.COLLECTIVE_FORMATS) == {n for n, f in MOMENTUM.items() if not f.row_local}

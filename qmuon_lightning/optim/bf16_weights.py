@@ -1,24 +1,22 @@
 """What QMuon does for parameters stored in bf16 without an fp32 master copy (both groups): their
 weight-correction state (created, dropped, sharded, validated on load), how each step's update is
 written (:class:`~qmuon_lightning.core.apply.WeightWrite`: the group's ``bf16_update``, the state's
-local views, the stochastic-rounding counter), and, until the fused per-tensor AdamW step replaces it,
-the AdamW update of bf16 parameters (:func:`adamw_bf16_step`). The rules themselves:
+local views, the stochastic-rounding counter); the AdamW step (:mod:`qmuon_lightning.core.adamw`)
+writes through the same rules. The rules themselves:
 :mod:`qmuon_lightning.core.apply`; the page: docs/bf16_weights.md."""
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
-import torch
 from torch import Tensor
 
 from ..core import apply as weight_apply
 from ..core.pipeline import is_dtensor, local
 from ..quant import state as qstate
-from ..quant.layout import global_row_offset, shard_state
+from ..quant.layout import shard_state
 
-__all__ = ["sync_param_weight_state", "weight_write", "adamw_bf16_step", "check_loaded_weight_state"]
+__all__ = ["sync_param_weight_state", "weight_write", "check_loaded_weight_state"]
 
 
 def sync_param_weight_state(p: Tensor, st: dict[str, Any], group: dict[str, Any]) -> None:
@@ -42,42 +40,6 @@ def weight_write(p_local: Tensor, st: dict[str, Any], group: dict[str, Any], key
     if rule == "stochastic" and weight_apply.writes_rounded(p_local):
         rng = (int(group["seed"]), int(key), int(local(st["step"]).item()), int(first))
     return weight_apply.WeightWrite(rule, state, rng)
-
-
-def adamw_bf16_step(opt: torch.optim.Optimizer, group: dict[str, Any], idx: list[int], gi: int) -> None:
-    """torch.optim.AdamW's update for the bf16 parameters ``idx`` of AdamW group ``gi``, one tensor at
-    a time, computed in fp32 from the stored moments (bf16, torch's layout, so torch's loader keeps
-    them as they are) and written through :func:`~qmuon_lightning.core.apply.apply_update_` (the
-    group's ``bf16_update``, decay folded into the one write).
-
-    A stop-gap kept apart from the fp32 path: the fused per-tensor AdamW step (issue 19, item 1)
-    replaces it whole; it gives bf16 weights in AdamW groups the Muon groups' rounding rules now."""
-    b1, b2 = group["betas"]
-    lr, wd, eps = float(group["lr"]), float(group["weight_decay"]), float(group["eps"])
-    key0 = sum(len(g["params"]) for g in opt.param_groups[:gi])
-    for i in idx:
-        p = group["params"][i]
-        st = opt.state[p]
-        if not st:
-            st["step"] = torch.tensor(0.0, dtype=torch.float32)
-            st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        sync_param_weight_state(p, st, group)
-        st["step"] += 1
-        step = float(local(st["step"]).item())
-        g = local(p.grad).float()
-        m, v = local(st["exp_avg"]), local(st["exp_avg_sq"])
-        mf = m.float().lerp_(g, 1.0 - b1)
-        vf = v.float().mul_(b2).addcmul_(g, g, value=1.0 - b2)
-        m.copy_(mf)
-        v.copy_(vf)
-        denom = (vf.sqrt_() / math.sqrt(1.0 - b2 ** step)).add_(eps)
-        update = mf.div_(denom)
-        del vf, denom
-        p_local = local(p)
-        write = weight_write(p_local, st, group, key0 + i, global_row_offset(p) * math.prod(p.shape[1:]))
-        weight_apply.apply_update_(p_local, update, alpha=-lr / (1.0 - b1 ** step), decay=1.0 - lr * wd,
-                                   **write.rounding)
 
 
 def check_loaded_weight_state(p: Tensor, st: dict[str, Any], saved: dict[str, Any], cur: dict[str, Any],

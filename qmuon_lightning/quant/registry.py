@@ -109,16 +109,19 @@ class _Names(Sequence):
 
 
 class _DefaultBlockSizes(Mapping):
-    """Live ``{name: format.default_block_size}``."""
+    """Live ``{name: format.default_block_size}`` of the momentum formats."""
 
     def __getitem__(self, name: str) -> int:
-        return FORMATS[name].default_block_size
+        f = FORMATS[name]
+        if f.role != "momentum":
+            raise KeyError(name)
+        return f.default_block_size
 
     def __iter__(self) -> Iterator[str]:
-        return iter(FORMATS)
+        return iter(STATE_FORMATS)
 
     def __len__(self) -> int:
-        return len(FORMATS)
+        return len(STATE_FORMATS)
 
     def __repr__(self) -> str:
         return repr(dict(self))
@@ -128,7 +131,8 @@ def _momentum(f: StateFormat) -> bool:
     return f.role == MOMENTUM
 
 
-#: Every registered momentum format name, in registry order.
+#: Every registered Muon momentum format name, in registry order (the AdamW moment formats, which
+#: share the registry, are listed by :mod:`qmuon_lightning.quant.adamw`).
 STATE_FORMATS: Sequence[str] = _Names(_momentum, "every registered momentum format")
 #: Formats QMuon can keep for ``Shard(0)`` (FSDP2) parameters.
 SUPPORTED_SHARDED_FORMATS: Sequence[str] = _Names(lambda f: _momentum(f) and f.shardable,
@@ -140,13 +144,12 @@ COLLECTIVE_FORMATS: Sequence[str] = _Names(lambda f: _momentum(f) and f.shardabl
 DEFAULT_BLOCK_SIZE: Mapping[str, int] = _DefaultBlockSizes()
 
 
-def get_format(name: str) -> StateFormat:
-    """The momentum format ``name`` (a ``state_format``)."""
+def get_format(name: str, role: str = MOMENTUM) -> StateFormat:
+    """The registered format ``name`` for stored tensors of ``role`` (Muon momentum by default)."""
     f = FORMATS.get(name) if isinstance(name, str) else None
-    if f is None or not _momentum(f):
-        raise StateFormatError(
-            f"unknown state_format {name!r}; choose one of {', '.join(STATE_FORMATS)}"
-        ) from None
+    if f is None or f.role != role:
+        names = ", ".join(n for n, g in FORMATS.items() if g.role == role)
+        raise StateFormatError(f"unknown state_format {name!r}; choose one of {names}")
     return f
 
 
