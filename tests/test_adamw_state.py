@@ -168,7 +168,7 @@ def test_build_optimizer_routes_embedding_to_the_quantized_family():
 
 def test_registry_holds_every_role():
     roles = {f.role for f in qstate.FORMATS.values()}
-    assert roles == {"momentum", "adamw_m", "adamw_v"}
+    assert roles == {"momentum", "adamw_m", "adamw_v", "weight_correction"}  # + the ecc8 weight correction
     assert "adamw_m_int8" not in qstate.STATE_FORMATS and "int8" in qstate.STATE_FORMATS
     assert qadamw.adamw_state_families() == FAMILIES
     m, v = qadamw.moment_formats("int4", (1000, 64))

@@ -293,8 +293,9 @@ class QMuon(Optimizer):
         if not self._layout_fresh:  # once per optimizer step (see __init__)
             self._index = None
             self._sharded_step()
-            for gi in range(len(self.param_groups)):
-                self._group_plans(gi)
+            for gi, group in enumerate(self.param_groups):
+                if group["use_muon"]:  # AdamW groups have no matrix plans (nor Muon keys, when loaded from torch's AdamW)
+                    self._group_plans(gi)
             self._layout_fresh = True
         self._check_group_lrs()
         keys = self._keys_of(params)
