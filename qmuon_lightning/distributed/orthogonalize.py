@@ -30,6 +30,13 @@ owner transposes, when it runs Newton-Schulz on the layer's ``(out, in)`` matrix
 6. **Return all-to-all**: the owner sends each rank its rows of the result (return carrier);
    each rank applies ``p -= adjusted_lr * O`` to its rows.
 
+Banks (mixture-of-experts layers stored ``(E, out, in)``, :mod:`qmuon_lightning.core.plan`) keep one
+stored row per expert, so ``Shard(0)`` always puts whole experts on a rank (an uneven split, 8
+experts on 3 ranks, moves whole experts: 3 + 3 + 2). Each rank orthogonalizes its own experts'
+matrices locally, as single-process QMuon does (same NS input, same norm, same batching rule):
+bank parts never enter the exchange, and a step whose only sharded matrices are expert banks runs
+no all-to-all at all (expert parallelism needs no Newton-Schulz communication).
+
 The plan (which rows each rank holds, layout checks) is built once per set of parameters, by
 :class:`ShardedStep`'s constructor; a step only fills it.
 
@@ -54,7 +61,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from ..core.config import param_group_view
-from ..core.pipeline import NSItem, NSSettings, orthogonalize, row_sumsq
+from ..core.pipeline import NSItem, NSSettings, apply_to, orthogonalize, part_item, row_sumsq
 from ..core.plan import ParamPlan
 from ..quant import state as qstate
 from ..quant.layout import RowLayout, check_sharded_param, row_layout, shard_state
@@ -168,6 +175,7 @@ class ShardedStep:
     def begin(self) -> None:
         """Start a step: forget the previous step's items and byte counts."""
         self.items: list[_ShardItem] = []
+        self.local_items: list[NSItem] = []  # whole bank members this rank holds (no exchange)
         self.flag_bytes = 0
         self.sent = 0  # bytes of NS payload this rank sent to other ranks in this step
 
@@ -229,7 +237,12 @@ class ShardedStep:
         fwd = "mxfp8" if settings.carrier == "mxfp8" else self.forward_default
         owner_settings = dataclasses.replace(settings, carrier="bf16")
         lr = float(group["lr"])
+        apply_local = apply_to(param_local, lr, first_row=lay.start)
         for part in plan.parts:
+            if part.bank is not None:  # a bank member lies in one stored row: wholly here, or not here
+                if lay.start <= part.r0 < lay.start + lay.local_rows:
+                    self.local_items.append(part_item(part, g2, sums, group, settings, apply_local, lay.start))
+                continue
             lo, hi = lay.overlap(lay.rank, part.r0, part.r1)
             a, b = lo - lay.start, hi - lay.start
             if part.whole_rows:
@@ -263,8 +276,10 @@ class ShardedStep:
         """Run the distributed Newton-Schulz for every queued item, apply the updates, and return
         this step's communication figures."""
         items, world, me = self.items, self.world, self.rank
-        stats = {"flags_bytes": float(self.flag_bytes)}
-        if not items:
+        stats = {"flags_bytes": float(self.flag_bytes), "local_matrices": float(len(self.local_items))}
+        if not items:  # the same on every rank: no exchange; bank members are orthogonalized where they live
+            orthogonalize(self.local_items, batch_budget)
+            self.local_items = []
             return self._record(stats, 0, 0, 0, 0.0, 0.0, 0.0)
         owners = plan_owners(items, world)
         owned = [j for j, o in enumerate(owners) if o == me]
@@ -327,7 +342,8 @@ class ShardedStep:
                 rows=it.rows, cols=it.cols, sumsq=full_sums.sum(), eps=it.eps, settings=it.settings,
                 apply=self._returner(j, ret_send, ret_at), load=self._loader(j, recv, recv_at), device=device,
                 transpose=it.transposed))
-        orthogonalize(ns_items, batch_budget)
+        orthogonalize(ns_items + self.local_items, batch_budget)
+        self.local_items = []
         del recv
 
         recv = self._exchange(ret_send, ret_w[me], [ret_w[d][me] for d in range(world)])
