@@ -319,3 +319,195 @@ def test_expert_parallel_needs_no_newton_schulz_communication(tmp_path: Path) ->
         assert r["params_equal"] and r["state_equal"] and r["loaded_equal"], r
         assert "momentum_codes" in r["loaded_keys"]
     assert [r["local"] for r in res] == [2.0 * 3, 1.0 * 3]  # its experts' gate, up and down matrices
+
+
+# ------------------------------------------------- Trainer and Fabric (qmuon_fsdp): one 2-process launch
+TRAINER_MOE = ("qwen3_moe", "gpt_oss")
+FABRIC_MOE = ("mixtral",)
+#: QMuon's defaults (int8 momentum, int8 carriers for the attention matrices); experts never cross the wire.
+STRATEGY_KW = dict(lr=LR, weight_decay=0.0)
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _worker_trainer(out: Path, family: str) -> dict[str, Any]:
+    """Trainer(strategy="qmuon_fsdp"): the first step's per-expert update against torch.optim.Muon
+    on the gradient FSDP averaged, the bank groups, and resume from the sharded checkpoint of
+    epoch 0 == the uninterrupted run (bit for bit, parameters and optimizer state)."""
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from qmuon_lightning.strategies import QMuonFSDPStrategy
+
+    class Lit(L.LightningModule):
+        def __init__(self, seed: int = 0) -> None:
+            super().__init__()
+            self.model = make_moe(family, seed)
+
+        def training_step(self, batch: Any, _: int) -> torch.Tensor:
+            return lm_loss(self.model, batch[0])
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.AdamW(self.parameters(), lr=3e-3)
+
+    class FirstStep(L.Callback):
+        def __init__(self) -> None:
+            self.before: dict = {}
+            self.grads: dict = {}
+            self.after: dict = {}
+
+        def on_before_optimizer_step(self, trainer: Any, module: Any, optimizer: Any) -> None:
+            if trainer.global_step == 0:
+                self.before = {n: _full(p.detach()).clone() for n, p in module.model.named_parameters()}
+                self.grads = {n: _full(p.grad).clone() for n, p in module.model.named_parameters() if p.grad is not None}
+
+        def on_train_batch_end(self, trainer: Any, module: Any, *args: Any) -> None:
+            if trainer.global_step == 1:
+                self.after = {n: _full(p.detach()).clone() for n, p in module.model.named_parameters()}
+
+    def data() -> Any:
+        x = torch.cat([tokens(s) for s in range(4)])  # 16 sequences: 2 steps of 4 per rank per epoch
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x), batch_size=4, shuffle=False)
+
+    def local(trainer: Any) -> dict[str, Any]:
+        m, o = trainer.lightning_module, trainer.optimizers[0]
+        names = {id(p): n for n, p in m.named_parameters()}
+        loc = lambda t: (t.to_local() if hasattr(t, "to_local") else t).detach().clone()  # noqa: E731
+        return {"params": {n: loc(p) for n, p in m.named_parameters()},
+                "state": {names[id(p)]: {k: loc(v) for k, v in st.items()} for p, st in o.state.items()}}
+
+    def fit(seed: int, resume: Path | None, callbacks: list) -> Any:
+        L.seed_everything(0, verbose=False)
+        trainer = L.Trainer(accelerator="cpu", devices=2, strategy=QMuonFSDPStrategy(optimizer_kwargs=STRATEGY_KW),
+                            max_epochs=2, callbacks=callbacks, logger=False, enable_progress_bar=False,
+                            enable_model_summary=False, enable_checkpointing=bool(callbacks), num_sanity_val_steps=0)
+        trainer.fit(Lit(seed), data(), ckpt_path=str(resume) if resume else None)
+        return trainer
+
+    first = FirstStep()
+    ckpt = ModelCheckpoint(dirpath=out / f"trainer_{family}", filename="{epoch}", every_n_epochs=1, save_top_k=-1)
+    t1 = fit(0, None, [first, ckpt])
+    straight = local(t1)
+    banks = sorted(n for g in t1.optimizers[0].param_groups if g.get("use_muon") and g["bank_dims"]
+                   for n in g["param_names"])
+    t2 = fit(3, out / f"trainer_{family}" / "epoch=0.ckpt", [])
+    try:
+        assert_same(local(t2), straight, f"{family} resume")
+        mismatch: list[str] = []
+    except AssertionError as e:
+        mismatch = [str(e)]
+    return {"report": expert_report(family, first.before, first.after, first.grads), "mismatches": mismatch,
+            "banks": banks, "steps": t1.global_step, "n_state": len(straight["state"])}
+
+
+def _worker_fabric(out: Path, family: str) -> dict[str, Any]:
+    """L.Fabric(strategy="qmuon_fsdp"), plain loop, build_optimizer after setup_module: per-expert
+    targets on the first step, and fabric.save / fabric.load (sharded) at step 2 == the
+    uninterrupted run."""
+    import lightning as L
+
+    from qmuon_lightning.strategies import QMuonFabricStrategy
+
+    def make(seed: int) -> tuple[Any, Any, Any]:
+        fabric = L.Fabric(accelerator="cpu", devices=2, strategy=QMuonFabricStrategy())
+        fabric.launch()
+        model = fabric.setup_module(make_moe(family, seed))
+        opt = fabric.setup_optimizers(ql.build_optimizer(model, **STRATEGY_KW, verbose=False))
+        return fabric, model, opt
+
+    def run(fabric: Any, model: Any, opt: Any, steps: range, first: dict | None = None) -> None:
+        for s in steps:
+            fabric.backward(lm_loss(model, tokens(s, fabric.global_rank)))
+            if first is not None and s == 0:
+                first["before"] = {n: _full(p.detach()).clone() for n, p in model.module.named_parameters()}
+                first["grads"] = {n: _full(p.grad).clone() for n, p in model.module.named_parameters()
+                                  if p.grad is not None}
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if first is not None and s == 0:
+                first["after"] = {n: _full(p.detach()).clone() for n, p in model.module.named_parameters()}
+
+    def snap(model: Any, opt: Any) -> dict[str, torch.Tensor]:
+        out_ = {f"param/{n}": _full(p.detach()).clone() for n, p in model.module.named_parameters()}
+        for gi, g in enumerate(opt.param_groups):
+            for i, p in enumerate(g["params"]):
+                for k, v in opt.state.get(p, {}).items():
+                    out_[f"state/{gi}/{i}/{k}"] = _full(v).clone()
+        return out_
+
+    fabric, model, opt = make(0)
+    first: dict[str, Any] = {}
+    run(fabric, model, opt, range(2), first)
+    ckpt = out / f"fabric_{family}"
+    fabric.save(ckpt, {"model": model, "optimizer": opt, "step": 2})
+    run(fabric, model, opt, range(2, 4))
+    a = snap(model, opt)
+    fabric2, model2, opt2 = make(5)
+    state = {"model": model2, "optimizer": opt2, "step": 0}
+    fabric2.load(ckpt, state)
+    run(fabric2, model2, opt2, range(state["step"], 4))
+    try:
+        assert_same(a, snap(model2, opt2), f"{family} fabric resume")
+        mismatch: list[str] = []
+    except AssertionError as e:
+        mismatch = [str(e)]
+    return {"report": expert_report(family, first["before"], first["after"], first["grads"]), "mismatches": mismatch,
+            "n_snap": len(a), "resumed_at": state["step"]}
+
+
+def _worker_main(out: Path) -> None:
+    import os
+
+    torch.set_num_threads(1)
+    rank = int(os.environ["RANK"])
+    res: dict[str, Any] = {"rank": rank}
+    for family in TRAINER_MOE:
+        res[f"trainer_{family}"] = _worker_trainer(out, family)
+    for family in FABRIC_MOE:
+        res[f"fabric_{family}"] = _worker_fabric(out, family)
+    torch.save(res, out / f"rank{rank}.pt")
+    from qmuon_lightning.distributed import exit_after_distributed_run
+
+    exit_after_distributed_run()
+
+
+@pytest.fixture(scope="module")
+def two_process_run(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    from _helpers import free_port
+
+    out = tmp_path_factory.mktemp("moe")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+           "--master_port", str(free_port()), str(Path(__file__).resolve()), "--worker", str(out)]
+    run_launcher(cmd, timeout=900, env=subprocess_env(PYTHONWARNINGS="ignore"),
+                 what="2-process MoE worker (Trainer, Fabric)")
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", TRAINER_MOE)
+def test_trainer_qmuon_fsdp_moe_trains_and_resumes(two_process_run: list[dict], family: str) -> None:
+    for r, res in enumerate(two_process_run):
+        run = res[f"trainer_{family}"]
+        assert run["steps"] == 4 and run["mismatches"] == [], f"rank {r}: {run['mismatches']}"
+        assert run["banks"] == sorted(f"model.model.layers.{i}.mlp.experts.{a}" for i in range(LAYERS)
+                                      for a in ("gate_up_proj", "down_proj"))
+        assert_targets(run["report"], f"{family} Trainer rank {r}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", FABRIC_MOE)
+def test_fabric_qmuon_fsdp_moe_trains_and_resumes(two_process_run: list[dict], family: str) -> None:
+    for r, res in enumerate(two_process_run):
+        run = res[f"fabric_{family}"]
+        assert run["resumed_at"] == 2 and run["n_snap"] > 0
+        assert run["mismatches"] == [], f"rank {r}: {run['mismatches']}"
+        assert_targets(run["report"], f"{family} Fabric rank {r}")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--worker":
+        _worker_main(Path(sys.argv[2]))
+    else:
+        sys.exit(f"usage: {sys.argv[0]} --worker OUT")

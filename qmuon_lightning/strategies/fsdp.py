@@ -98,7 +98,7 @@ _NO_OPTIMIZER_STATE = (
 # What each optimizer mode fixes in build_optimizer's arguments.
 _MODE_KWARGS: dict[str, dict[str, Any]] = {"qmuon": {}, "grasp": {"state_format": "grasp4"}, "keep": {}}
 # build_optimizer arguments besides QMuon's (QMuonConfig's fields); "verbose" is the strategy's own.
-_ROUTING_KWARGS = ("rules", "fused_parts", "orientations", "batch_budget")
+_ROUTING_KWARGS = ("rules", "fused_parts", "orientations", "batch_budget", "banks", "bank_state_format")
 
 
 def _validate_optimizer_kwargs(mode: str, kwargs: Mapping[str, Any]) -> dict[str, Any]:
@@ -128,6 +128,10 @@ def _validate_optimizer_kwargs(mode: str, kwargs: Mapping[str, Any]) -> dict[str
                 f"optimizer={mode!r} uses {key}={fixed!r}, but optimizer_kwargs sets {key}={got!r}; "
                 "use optimizer='qmuon' for other values"
             )
+    if mode == "grasp":
+        # GRASP's low-rank factor would span experts; MoE expert banks keep int8 momentum (a no-op
+        # for models without banks).
+        kwargs.setdefault("bank_state_format", "int8")
     try:
         QMuonConfig.from_kwargs(**config_fields_of(kwargs))
     except (TypeError, ValueError) as e:
