@@ -188,6 +188,41 @@ def test_expert_without_tokens_decays_and_stays_finite() -> None:
         assert torch.isfinite(w).all() and not torch.equal(w.detach()[2], w1[2])
 
 
+def test_fidelity_tracker_measures_banks_per_expert() -> None:
+    """UpdateFidelityTracker on a MoE model (int8 momentum): the banks are measured with their plan
+    (per-expert NS), so the int8 update follows the fp32 one (cosine > 0.99: one 8-bit rounding of
+    the momentum)."""
+    from qmuon_lightning.callbacks.fidelity import UpdateFidelityTracker
+
+    model = make_moe("gpt_oss")
+    opt = ql.build_optimizer(model, lr=LR, state_format="int8", verbose=False)
+    tracker = UpdateFidelityTracker(opt, params=r"experts\.")
+    cos: dict[str, float] = {}
+    for step in range(2):
+        lm_loss(model, tokens(step, batch=8)).backward()
+        cos = tracker.observe(measure=step == 1)
+        opt.step()
+        opt.zero_grad()
+    assert sorted(cos) == sorted(f"model.layers.{i}.mlp.experts.{a}" for i in range(LAYERS)
+                                 for a in ("gate_up_proj", "down_proj"))
+    assert min(cos.values()) > 0.99, cos
+
+
+def test_deepspeed_wrapper_steps_banks_like_qmuon() -> None:
+    """The DeepSpeed wrapper (one process, no engine) applies a bank member's fused parts once:
+    gpt-oss (interleaved gate / up, bias banks on AdamW) steps bit for bit like QMuon."""
+    qds = pytest.importorskip("qmuon_lightning.integrations.deepspeed")
+    kw = dict(lr=LR, state_format="int8", rounding="stochastic", verbose=False)
+    m1, m2 = make_moe("gpt_oss"), make_moe("gpt_oss")
+    o1, o2 = ql.build_optimizer(m1, **kw), qds.WholeMatrixZeroOptimizer(ql.build_optimizer(m2, **kw))
+    for step in range(2):
+        for m, o in ((m1, o1), (m2, o2)):
+            lm_loss(m, tokens(step)).backward()
+            o.step()
+            o.zero_grad()
+    assert_same(dict(m2.named_parameters()), dict(m1.named_parameters()), "params")
+
+
 # ------------------------------------------------------------------------- sharded (fully_shard)
 def _sharded_worker(rank: int, world: int, families: tuple[str, ...]) -> dict[str, Any]:
     """Each rank: the same model twice, one sharded with fully_shard per decoder layer, one whole;
