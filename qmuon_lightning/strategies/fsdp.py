@@ -128,10 +128,6 @@ def _validate_optimizer_kwargs(mode: str, kwargs: Mapping[str, Any]) -> dict[str
                 f"optimizer={mode!r} uses {key}={fixed!r}, but optimizer_kwargs sets {key}={got!r}; "
                 "use optimizer='qmuon' for other values"
             )
-    if mode == "grasp":
-        # GRASP's low-rank factor would span experts; MoE expert banks keep int8 momentum (a no-op
-        # for models without banks).
-        kwargs.setdefault("bank_state_format", "int8")
     try:
         QMuonConfig.from_kwargs(**config_fields_of(kwargs))
     except (TypeError, ValueError) as e:
@@ -208,6 +204,11 @@ def build_replacement(
             warn(note)
         for key, value in settings.items():
             kwargs.setdefault(key, value)  # explicit optimizer_kwargs win
+    if "bank_state_format" not in kwargs and not qstate.get_format(
+            kwargs.get("state_format", QMuonConfig().state_format)).row_local:
+        # A format with per-matrix statistics (grasp4's low-rank factor) would mix the experts of a
+        # MoE bank; the banks of a replacement keep int8 momentum (no-op for models without banks).
+        kwargs["bank_state_format"] = "int8"
     new = build_optimizer(module, verbose=False, **kwargs)
     _check_sharded_formats(new)
     return new
