@@ -100,12 +100,14 @@ def _local(t: Tensor) -> Tensor:
 
 def _gather_rows(t_local: Tensor, p: Tensor) -> Tensor:
     """The whole ``rows x n`` tensor of which ``t_local`` holds ``p``'s local rows (collective)."""
-    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor import DTensor
+
+    from ..quant.layout import row_placements
 
     t_local = t_local.contiguous()
     shape = (int(p.shape[0]), *t_local.shape[1:])
     stride = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
-    return DTensor.from_local(t_local, p.device_mesh, [Shard(0)], run_check=False, shape=shape,
+    return DTensor.from_local(t_local, p.device_mesh, row_placements(p), run_check=False, shape=shape,
                               stride=stride).full_tensor()
 
 
