@@ -34,6 +34,11 @@ class ToyExperts(torch.nn.Module):
         self.gate_up_proj = torch.nn.Parameter(torch.randn(4, 24, 16) * 0.1)
         self.down_proj = torch.nn.Parameter(torch.randn(4, 16, 12) * 0.1)
 
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        """Every expert on every token (dense; enough for a test), gate half only."""
+        y = torch.einsum("bd,eod->beo", h, self.gate_up_proj)[..., :12].relu()
+        return torch.einsum("bei,eoi->bo", y, self.down_proj)
+
 
 def make_model(seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
@@ -149,3 +154,97 @@ def test_hsdp_2x2_is_single_process_bit_for_bit_and_splits_newton_schulz(tmp_pat
     assert sent / muon <= 2.1, (sent, muon, [out["int8_carrier_stats"] for out in res])
     # DCP: saved on 2x2, resumed on a 1-D mesh of 4 and on plain tensors: the uninterrupted run, bit for bit
     assert all(out["resumed_1d"] and out["resumed_whole"] for out in res), [(o["resumed_1d"], o["resumed_whole"]) for o in res]
+
+
+# ---------------------------------------------------- Trainer(strategy=QMuonFSDPStrategy(replicate_size=2)), 4 processes
+def _trainer_main(out: Path) -> None:
+    """Worker of the 4-process launch: fit 2 epochs with HSDP 2 x 2, then resume from epoch 0."""
+    import os
+
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from _helpers import assert_same
+    from qmuon_lightning.strategies import QMuonFSDPStrategy
+
+    torch.set_num_threads(1)
+    rank = int(os.environ["RANK"])
+
+    class Lit(L.LightningModule):
+        def __init__(self, seed: int = 0) -> None:
+            super().__init__()
+            self.model = make_model(seed)
+
+        def training_step(self, batch: Any, _: int) -> torch.Tensor:
+            x = batch[0]
+            h = x
+            for lin in self.model.layers[:2]:
+                h = torch.tanh(lin(h))
+            y = self.model.experts(h)
+            for lin in self.model.layers[2:]:
+                y = torch.tanh(lin(y))
+            return (y - x).square().mean()
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.AdamW(self.parameters(), lr=3e-3)
+
+    def data() -> Any:
+        x = torch.randn(64, 16, generator=torch.Generator().manual_seed(0))
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x), batch_size=4, shuffle=False)
+
+    def fit(seed: int, resume: Path | None, callbacks: list) -> Any:
+        L.seed_everything(0, verbose=False)
+        strategy = QMuonFSDPStrategy(replicate_size=2, shard_policy=["Linear", "ToyExperts"],
+                                     optimizer_kwargs=dict(lr=LR, weight_decay=0.0))
+        trainer = L.Trainer(accelerator="cpu", devices=4, strategy=strategy, max_epochs=2, callbacks=callbacks,
+                            logger=False, enable_progress_bar=False, enable_model_summary=False,
+                            enable_checkpointing=bool(callbacks), num_sanity_val_steps=0)
+        trainer.fit(Lit(seed), data(), ckpt_path=str(resume) if resume else None)
+        return trainer
+
+    def local(trainer: Any) -> dict[str, Any]:
+        m, o = trainer.lightning_module, trainer.optimizers[0]
+        loc = lambda t: (t.to_local() if hasattr(t, "to_local") else t).detach().clone()  # noqa: E731
+        return {"params": {n: loc(p) for n, p in m.named_parameters()},
+                "state": [{k: loc(v) for k, v in o.state[p].items()} for g in o.param_groups for p in g["params"]]}
+
+    ckpt = ModelCheckpoint(dirpath=out / "ckpt", filename="{epoch}", every_n_epochs=1, save_top_k=-1)
+    t1 = fit(0, None, [ckpt])
+    p = next(t1.lightning_module.model.layers[0].parameters())
+    res = {"placements": str(tuple(p.placements)), "stats": dict(t1.optimizers[0].comm_stats),
+           "steps": t1.global_step}
+    straight = local(t1)
+    t2 = fit(3, out / "ckpt" / "epoch=0.ckpt", [])
+    try:
+        assert_same(local(t2), straight, "HSDP resume")
+        res["mismatch"] = ""
+    except AssertionError as e:
+        res["mismatch"] = str(e)
+    torch.save(res, out / f"rank{rank}.pt")
+    from qmuon_lightning.distributed import exit_after_distributed_run
+
+    exit_after_distributed_run()
+
+
+@pytest.mark.slow
+def test_trainer_hsdp_trains_and_resumes(tmp_path: Path) -> None:
+    """QMuonFSDPStrategy(replicate_size=2) on 4 processes: HSDP placements, each rank runs <= 1/4
+    + 10% of the NS cost, and a resume from the sharded checkpoint of epoch 0 is bit-exact."""
+    from _helpers import free_port, run_launcher, subprocess_env
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--master_addr", "127.0.0.1",
+           "--master_port", str(free_port()), str(Path(__file__).resolve()), "--trainer", str(tmp_path)]
+    run_launcher(cmd, timeout=600, env=subprocess_env(PYTHONWARNINGS="ignore"), what="4-process HSDP Trainer")
+    res = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(4)]
+    for r in res:
+        assert r["placements"] == "(Replicate(), Shard(dim=0))" and r["steps"] == 8, r
+        assert r["mismatch"] == "", r["mismatch"]
+    shares = [r["stats"]["ns_share"] for r in res]
+    assert abs(sum(shares) - 1) < 1e-9 and max(shares) <= 0.275, shares
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--trainer":
+        _trainer_main(Path(sys.argv[2]))
+    else:
+        sys.exit(f"usage: {sys.argv[0]} --trainer OUT")
