@@ -303,13 +303,13 @@ def _bank_parts(shape: tuple[int, ...], bank_dims: int, sizes: Sequence[int] | N
         raise ValueError(f"{name}: {e}") from None
     out = []
     for e in range(members):
-        row, c0 = divmod(e, per_row)
+        row, slot = divmod(e, per_row)  # stored row of the member, its place in that row
         for a, b, step in slices:
             if axis == 0:
                 blk = BankBlock(e, (m_rows, m_cols), per_row, a, b, 0, m_cols, row_step=step)
             else:
                 blk = BankBlock(e, (m_rows, m_cols), per_row, 0, m_rows, a, b, col_step=step)
             logical = (blk.cols, blk.rows) if transposed else (blk.rows, blk.cols)
-            out.append(MatrixPart(row, row + 1, c0 * size, (c0 + 1) * size, lr_scale(fn, *logical), transposed,
+            out.append(MatrixPart(row, row + 1, slot * size, (slot + 1) * size, lr_scale(fn, *logical), transposed,
                                   False, blk))
     return tuple(out)

@@ -483,9 +483,8 @@ def build_optimizer(
             by_layout.setdefault(d.layout, []).append(d)
     for (parts, axis, orientation, interleaved, bank_dims), sel in by_layout.items():
         group = {"params": [d.param for d in sel], "param_names": [d.name for d in sel], "parts": parts,
-                 "parts_axis": axis, "orientation": orientation}
-        if interleaved or bank_dims:  # only the new keys a layout needs (older checkpoints' groups stay equal)
-            group.update(parts_interleaved=interleaved, bank_dims=bank_dims)
+                 "parts_axis": axis, "orientation": orientation, "parts_interleaved": interleaved,
+                 "bank_dims": bank_dims}
         if bank_dims and bank_state_format is not None:
             group["state_format"] = bank_state_format
         groups.append(group)
