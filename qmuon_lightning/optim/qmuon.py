@@ -92,7 +92,12 @@ class QMuon(Optimizer):
             the columns of a 2-D weight; for example fused q, k, v) whose parts are normalized and
             orthogonalized separately; and ``orientation="in_out"`` for 2-D weights stored
             ``(in, out)`` (Hugging Face ``Conv1D``): Newton-Schulz and the lr adjustment then use
-            the layer's ``(out, in)`` matrix (see :mod:`qmuon_lightning.core.plan`). Any QMuon
+            the layer's ``(out, in)`` matrix (see :mod:`qmuon_lightning.core.plan`). A group with
+            ``bank_dims=n`` holds banks: parameters ``(*bank, rows, cols)`` whose leading ``n`` dims
+            index matrices (mixture-of-experts experts), each stepped as its own matrix, with
+            ``parts`` / ``parts_axis`` / ``orientation`` (and ``parts_interleaved=True`` for
+            alternating parts such as gpt-oss's gate / up columns) applying to every member;
+            banks need a row-local ``state_format`` (docs/moe.md). Any QMuon
             argument below can be set per group too (``state_format``, ``ns_dtype``, ...).
         lr, weight_decay, momentum, nesterov, ns_coefficients, eps, ns_steps, adjust_lr_fn: Muon.
         ns_dtype: Newton-Schulz precision: ``"auto"``, ``"bf16"``, ``"fp32"``.
