@@ -506,7 +506,7 @@ def test_nonfinite_and_missing_grads_decided_collectively(runs):
 
 def test_unsupported_format_raises(runs):
     msg = runs["two"][0]["unsupported"]
-    assert "Replicate()" in msg and "Shard(0)" in msg and "1-D device mesh" in msg, msg
+    assert "Replicate()" in msg and "Shard(0)" in msg and "1-D mesh" in msg and "HSDP" in msg, msg
 
 
 def test_fsdp_gradients_match_unsharded(runs):

@@ -100,12 +100,14 @@ def _local(t: Tensor) -> Tensor:
 
 def _gather_rows(t_local: Tensor, p: Tensor) -> Tensor:
     """The whole ``rows x n`` tensor of which ``t_local`` holds ``p``'s local rows (collective)."""
-    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor import DTensor
+
+    from ..quant.layout import row_placements
 
     t_local = t_local.contiguous()
     shape = (int(p.shape[0]), *t_local.shape[1:])
     stride = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
-    return DTensor.from_local(t_local, p.device_mesh, [Shard(0)], run_check=False, shape=shape,
+    return DTensor.from_local(t_local, p.device_mesh, row_placements(p), run_check=False, shape=shape,
                               stride=stride).full_tensor()
 
 
@@ -280,20 +282,21 @@ class UpdateFidelityTracker:
             sums_q = torch.empty((rows, nb), dtype=torch.float32, device=dev)
             fmt.update([state_copy], [n_q], [sums_q], beta=beta, nesterov=nesterov, opts=opts, streams=[-1],
                        offsets=[0], keys=[key], seed=int(view["seed"]))
-            u_q = _update(n_q, sums_q, view)
-            u_ref = _update(n_ref.to(dev), sums_ref.to(dev), view, carrier="bf16")
+            u_q = _update(n_q, sums_q, view, shape=tuple(p.shape))
+            u_ref = _update(n_ref.to(dev), sums_ref.to(dev), view, carrier="bf16", shape=tuple(p.shape))
             out[name] = cosine(u_q, u_ref)
             if self.keep_updates:
                 self.last_updates[name] = (u_q, u_ref)
         return out
 
 
-def _update(ns_input: Tensor, sums: Tensor, group: dict[str, Any], *, carrier: str | None = None) -> Tensor:
+def _update(ns_input: Tensor, sums: Tensor, group: dict[str, Any], *, carrier: str | None = None,
+            shape: tuple[int, ...] | None = None) -> Tensor:
     """The Muon update direction QMuon applies for one matrix (per part; lr factor 1), fp32,
     computed by the optimizer's own pipeline (:func:`qmuon_lightning.core.pipeline.orthogonalize`).
 
     ``carrier`` overrides the group's ``ns_input`` (the fp32 reference always reads the NS input
-    as it is)."""
+    as it is); ``shape``: the parameter's (global) shape, which a bank's plan needs."""
     rows, cols = ns_input.shape
     out = torch.empty((rows, cols), dtype=torch.float32, device=ns_input.device)
     settings = pipeline.ns_settings(group, ns_input.device)
@@ -303,7 +306,7 @@ def _update(ns_input: Tensor, sums: Tensor, group: dict[str, Any], *, carrier: s
     def write(part: MatrixPart, o: Tensor) -> None:
         part.block(out).copy_(o.float() * part.lr_scale)
 
-    plan = plan_param(ns_input, group, 0, "")
+    plan = plan_param(shape if shape is not None else ns_input, group, 0, "")
     pipeline.orthogonalize(pipeline.local_items(plan, ns_input, sums, group, settings, write))
     return out
 

@@ -167,7 +167,8 @@ class QMuonConfig:
             "state_format": self.state_format, "block_size": self.block_size, "rank": self.rank,
             "grid_block": self.grid_block, "rounding": self.rounding, "seed": self.seed,
             "nonfinite": self.nonfinite, "ns_input": self.ns_input, "use_muon": True, "parts": None,
-            "parts_axis": 0, "orientation": "out_in", "bf16_update": self.bf16_update,
+            "parts_axis": 0, "orientation": "out_in", "parts_interleaved": False, "bank_dims": 0,
+            "bf16_update": self.bf16_update,
         }
 
     def adamw_group_defaults(self) -> dict[str, Any]:
@@ -208,7 +209,8 @@ DEFAULT_CONFIG = QMuonConfig()
 #: constructed optimizer's values win over the checkpoint's (torch would silently take the saved
 #: ones, e.g. switch a run back to the state format or NS precision it was saved with).
 STRUCTURAL_KEYS = ("use_muon", "state_format", "block_size", "rank", "grid_block", "rounding", "seed", "parts",
-                   "parts_axis", "orientation", "nonfinite", "ns_input", "ns_dtype", "ns_coefficients", "bf16_update")
+                   "parts_axis", "orientation", "nonfinite", "ns_input", "ns_dtype", "ns_coefficients", "bf16_update",
+                   "parts_interleaved", "bank_dims")
 
 
 def validate_bf16_update(group: dict[str, Any], where: str) -> None:
@@ -281,6 +283,26 @@ def validate_muon_group(group: dict[str, Any], where: str) -> None:
     if group.setdefault("orientation", "out_in") not in ORIENTATIONS:
         raise bad(f"orientation must be one of {ORIENTATIONS} (how a 2-D weight stores its layer: nn.Linear is "
                   f"'out_in', Hugging Face Conv1D 'in_out'), got {group['orientation']!r}")
+    interleaved = group.setdefault("parts_interleaved", False)
+    if not isinstance(interleaved, bool):
+        raise bad(f"parts_interleaved must be a bool, got {interleaved!r}")
+    if interleaved and (group["parts"] is None or len(set(group["parts"])) != 1):
+        raise bad(f"parts_interleaved=True needs equal parts (part k of m holds indices k, k + m, ...), "
+                  f"got parts={group['parts']!r}")
+    bank_dims = group.setdefault("bank_dims", 0)
+    if not isinstance(bank_dims, int) or isinstance(bank_dims, bool) or bank_dims < 0:
+        raise bad(f"bank_dims must be an int >= 0 (leading dims that index matrices, 1 for an (E, out, in) "
+                  f"expert bank), got {bank_dims!r}")
+    if bank_dims and not fmt.row_local:
+        raise bad(bank_format_error(fmt.name))
+
+
+def bank_format_error(fmt_name: str) -> str:
+    """Why a bank cannot keep its momentum in a format that is not row-local, and what to do."""
+    return (f"state_format {fmt_name!r} keeps statistics over the whole stored matrix (a low-rank factor or a "
+            "tensor scale); on an expert bank they would mix experts (one stored row per expert). Banks "
+            "(bank_dims >= 1) need a row-local format: fp32, bf16, int8, uint8 or int4. Put the banks in a group "
+            "with one of those (build_optimizer(..., bank_state_format='int8'))")
 
 
 #: Group key of per-parameter layout overrides: ``{index in group: {"state_format": ..., <layout
@@ -323,6 +345,8 @@ def validate_format_overrides(group: dict[str, Any], where: str) -> None:
             fmt.validate_options(qstate.format_options(view))
         except ValueError as e:
             raise ValueError(f"{where}: {FORMAT_OVERRIDES}[{i}]: {e}") from None
+        if group.get("bank_dims") and not fmt.row_local:
+            raise ValueError(f"{where}: {FORMAT_OVERRIDES}[{i}]: {bank_format_error(fmt.name)}")
         clean[i] = dict(layout)
     group[FORMAT_OVERRIDES] = clean
 

@@ -51,6 +51,7 @@ __all__ = [
     "momentum_inputs",
     "update_momentum",
     "local_items",
+    "part_item",
     "row_sumsq",
     "is_dtensor",
     "local",
@@ -296,26 +297,33 @@ def update_momentum(group: dict[str, Any], inputs: MomentumInputs, *, sharded_pa
 
 def local_items(plan: ParamPlan, ns_input: Tensor, block_sums: Tensor, group: dict[str, Any],
                 settings: NSSettings, apply: Callable[[MatrixPart, Tensor], None]) -> list[NSItem]:
-    """The NS items of a parameter held whole by this process (one per matrix / fused part).
+    """The NS items of a parameter held whole by this process (one per matrix / fused part / bank
+    member part).
 
     ``ns_input``: the 2-D stored NS input; ``apply(part, out)`` receives each part's NS output in
     the stored orientation (``part.rows x part.cols``).
     """
-    eps = float(group["eps"])
-    items = []
-    for part in plan.parts:
-        source = part.block(ns_input)
-        sumsq = block_sums[part.r0: part.r1].sum() if part.whole_rows else row_sumsq(source).sum()
-        items.append(NSItem(
-            rows=part.rows, cols=part.cols, sumsq=sumsq, eps=eps, settings=settings,
-            apply=_bind(apply, part), source=source, device=ns_input.device, transpose=part.transposed,
-        ))
-    return items
+    return [part_item(part, ns_input, block_sums, group, settings, apply) for part in plan.parts]
+
+
+def part_item(part: MatrixPart, ns_input: Tensor, block_sums: Tensor, group: dict[str, Any], settings: NSSettings,
+              apply: Callable[[MatrixPart, Tensor], None], first_row: int = 0) -> NSItem:
+    """The NS item of one part whose stored rows this process holds (``ns_input`` / ``block_sums``:
+    the rows from global row ``first_row`` on; a sharded rank's whole bank members use it too)."""
+    source = part.block(ns_input, first_row)
+    if part.whole_rows:
+        sumsq = block_sums[part.r0 - first_row: part.r1 - first_row].sum()
+    elif part.bank is not None and part.bank.whole and part.bank.per_row == 1:
+        sumsq = block_sums[part.r0 - first_row].sum()  # the member is the whole stored row
+    else:
+        sumsq = row_sumsq(source).sum()
+    return NSItem(rows=part.rows, cols=part.cols, sumsq=sumsq, eps=float(group["eps"]), settings=settings,
+                  apply=_bind(apply, part), source=source, device=ns_input.device, transpose=part.transposed)
 
 
 def row_sumsq(block: Tensor) -> Tensor:
     """Per-row sums of squares ``(rows, 1)`` fp32 of a block of columns (a part that splits the
-    columns cannot use the momentum kernel's per-row-block sums). A sharded rank computes the same
+    columns, or a part of a bank member, cannot use the momentum kernel's per-row-block sums). A sharded rank computes the same
     rows bit for bit, and the owner sums them in the same order, so ``1 / ||G||`` matches."""
     return block.float().square().sum(dim=1, keepdim=True)
 
@@ -324,23 +332,23 @@ def _bind(apply: Callable[[MatrixPart, Tensor], None], part: MatrixPart) -> Call
     return lambda out: apply(part, out)
 
 
-def apply_to(param_rows: Tensor, lr: float, *, decay: float = 1.0, bf16_update: str = "nearest",
+def apply_to(param_rows: Tensor, lr: float, first_row: int = 0, *, decay: float = 1.0, bf16_update: str = "nearest",
              state: dict[str, Tensor] | None = None, rng: Rng | None = None) -> Callable[[MatrixPart, Tensor], None]:
     """The default ``apply`` of :func:`local_items`: ``p[block] = decay * p[block] - lr * lr_scale * O``
-    on the parameter ``param_rows`` (any ndim; 2-D when parts split the columns), written through
-    :func:`~qmuon_lightning.core.apply.apply_update_` (one rounding for bf16 weights, decoupled
-    weight decay included). ``state``: the parameter's weight-correction tensors (its shape);
-    ``rng``: the rounding counter of ``param_rows``' first element."""
+    on the parameter ``param_rows`` (any ndim; 2-D when parts split the columns; its stored rows start
+    at global row ``first_row``), written through :func:`~qmuon_lightning.core.apply.apply_update_`
+    (one rounding for bf16 weights, decoupled weight decay included). ``state``: the parameter's
+    weight-correction tensors (its shape); ``rng``: the rounding counter of ``param_rows``' first element."""
 
     def apply(part: MatrixPart, out: Tensor) -> None:
-        rows = part.block(param_rows)
+        rows = part.block(param_rows, first_row)
         if not out.is_contiguous():
             # NS returns a transposed view for tall matrices (and for (in, out) weights); adding it
             # strided into the parameter is several times slower than transposing it first (5x
             # measured for 1024 x 256).
             out = out.contiguous()
         apply_update_(rows, out.view(rows.shape), alpha=-lr * part.lr_scale, decay=decay, bf16_update=bf16_update,
-                      state={k: part.block(v) for k, v in state.items()} if state else None,
+                      state={k: part.block(v, first_row) for k, v in state.items()} if state else None,
                       rng=block_rng(rng, param_rows, rows))
 
     return apply

@@ -30,6 +30,22 @@ owner transposes, when it runs Newton-Schulz on the layer's ``(out, in)`` matrix
 6. **Return all-to-all**: the owner sends each rank its rows of the result (return carrier);
    each rank applies ``p -= adjusted_lr * O`` to its rows.
 
+Banks (mixture-of-experts layers stored ``(E, out, in)``, :mod:`qmuon_lightning.core.plan`) keep one
+stored row per expert, so ``Shard(0)`` always puts whole experts on a rank (an uneven split, 8
+experts on 3 ranks, moves whole experts: 3 + 3 + 2). Each rank orthogonalizes its own experts'
+matrices locally, as single-process QMuon does (same NS input, same norm, same batching rule):
+bank parts never enter the exchange, and a step whose only sharded matrices are expert banks runs
+no all-to-all at all (expert parallelism needs no Newton-Schulz communication).
+
+HSDP (a ``(replicate, shard)`` mesh, :mod:`.mesh`): the ``R`` replicas hold the same rows and the
+same gradients, so a matrix needs orthogonalizing once, not once per replica. The plan deals the
+step's matrices to all ``R x S`` ranks (greedy by NS cost over ``(replica, shard)``; a bank member
+goes to one of the ranks holding it); each replica runs steps 4-6 over its shard group for its
+own matrices, and every rank then shares the return-carrier bytes of its rows of its replica's
+results (and of the bank members it orthogonalized) with its peers of the other replicas (one
+all-gather over the replicate group); every rank decodes and applies all of them, so the replicas
+stay identical and each rank runs about ``1 / (R S)`` of the Newton-Schulz work.
+
 The plan (which rows each rank holds, layout checks) is built once per set of parameters, by
 :class:`ShardedStep`'s constructor; a step only fills it.
 
@@ -55,11 +71,12 @@ from torch.distributed.tensor import DTensor
 
 from ..core.apply import WeightWrite, apply_update_, block_rng
 from ..core.config import param_group_view
-from ..core.pipeline import NSItem, NSSettings, orthogonalize, row_sumsq
+from ..core.pipeline import NSItem, NSSettings, apply_to, orthogonalize, part_item, row_sumsq
 from ..core.plan import ParamPlan
 from ..quant import state as qstate
 from ..quant.layout import RowLayout, check_sharded_param, row_layout, shard_state
 from .carrier import Carrier, get_carrier
+from .mesh import ShardMesh
 
 __all__ = ["ShardedStep", "plan_owners", "merge_comm_stats"]
 
@@ -103,6 +120,34 @@ class _ShardItem:
     def n_of(self, r: int) -> int:
         a, b = self.rows_of(r)
         return b - a
+
+
+def ns_cost(rows: int, cols: int) -> int:
+    """Newton-Schulz cost model of a ``rows x cols`` matrix (flops up to a constant)."""
+    return rows * cols * min(rows, cols)
+
+
+def plan_replica_owners(items: list[Any], banks: list[tuple[int, int, int]], shards: int,
+                        replicas: int) -> tuple[list[int], list[int]]:
+    """HSDP plan over the ``replicas x shards`` ranks ``v = replica * shards + shard``: the owner
+    of every exchange item (any rank; ties to the rank holding most of its rows) and of every bank
+    member part ``(rows, cols, shard holding it)`` (a rank of that shard). Greedy least-loaded,
+    largest first; deterministic, so every rank computes the same plan."""
+    costs = [(ns_cost(it.rows, it.cols), 0, j) for j, it in enumerate(items)]
+    costs += [(ns_cost(r, c), 1, j) for j, (r, c, _) in enumerate(banks)]
+    load = [0] * (shards * replicas)
+    owners, bank_owners = [0] * len(items), [0] * len(banks)
+    for cost, kind, j in sorted(costs, key=lambda t: (-t[0], t[1], t[2])):
+        if kind == 0:
+            it = items[j]
+            best = min(range(len(load)), key=lambda v: (load[v], -it.n_of(v % shards), v))
+            owners[j] = best
+        else:
+            s = banks[j][2]
+            best = min((r * shards + s for r in range(replicas)), key=lambda v: (load[v], v))
+            bank_owners[j] = best
+        load[best] += cost
+    return owners, bank_owners
 
 
 def plan_owners(items: list[Any], world: int) -> list[int]:
@@ -168,7 +213,12 @@ class ShardedStep:
                 elif p.device_mesh != mesh:
                     raise NotImplementedError(
                         f"QMuon: {where} is sharded on a different device mesh than the other parameters; sharded "
-                        "QMuon needs every DTensor parameter on one 1-D mesh (fully_shard with one mesh)")
+                        "QMuon needs every DTensor parameter on one mesh (fully_shard with one mesh)")
+                elif tuple(p.placements) != tuple(next(q for g in param_groups for q in g["params"]
+                                                       if isinstance(q, DTensor)).placements):
+                    raise NotImplementedError(
+                        f"QMuon: {where} has placements {tuple(p.placements)}, unlike the other sharded parameters; "
+                        "shard every parameter the same way (one fully_shard mesh)")
                 lay = row_layout(p)
                 if group["use_muon"]:
                     view = param_group_view(group, i)  # a promoted parameter's own layout
@@ -179,9 +229,13 @@ class ShardedStep:
                 self._sharded_keys.append((gi, i))
         assert mesh is not None
         self.mesh = mesh
-        self.process_group = mesh.get_group()
-        self.world = mesh.size()
-        self.rank = mesh.get_local_rank()
+        first = next(p for g in param_groups for p in g["params"] if isinstance(p, DTensor))
+        sm = ShardMesh.of(first)
+        self.shard_mesh = sm
+        self.process_group = sm.shard_group  # momentum collectives, flags and the all-to-all: the shard dim
+        self.world = sm.shard_size
+        self.rank = sm.shard_rank
+        self.replicas, self.replica = sm.replicas, sm.replica
         self.forward_default = comm_carrier
         get_carrier(comm_carrier)  # raises for an unknown carrier
         self.ret: Carrier = get_carrier(comm_return)
@@ -190,6 +244,11 @@ class ShardedStep:
     def begin(self) -> None:
         """Start a step: forget the previous step's items and byte counts."""
         self.items: list[_ShardItem] = []
+        self.local_items: list[NSItem] = []  # whole bank members this rank holds (no exchange; 1-D mesh)
+        # Every bank member part (rows, cols, shard holding it); HSDP: for those on this shard also
+        # (index in bank_meta, part, NS input rows, block sums, group, settings, local param, first row, lr)
+        self.bank_meta: list[tuple[int, int, int]] = []
+        self.bank_local: list[tuple[Any, ...]] = []
         self.flag_bytes = 0
         self.sent = 0  # bytes of NS payload this rank sent to other ranks in this step
 
@@ -261,7 +320,19 @@ class ShardedStep:
         fwd = "mxfp8" if settings.carrier == "mxfp8" else self.forward_default
         owner_settings = dataclasses.replace(settings, carrier="bf16")
         lr = float(group["lr"])
+        apply_local = apply_to(param_local, lr, first_row=lay.start, decay=decay, **write.rounding)
         for part in plan.parts:
+            if part.bank is not None:  # a bank member lies in one stored row: wholly here, or not here
+                here = lay.start <= part.r0 < lay.start + lay.local_rows
+                holder = next(r for r, (a, b) in enumerate(lay.ranges) if a <= part.r0 < b)
+                self.bank_meta.append((part.rows, part.cols, holder))  # every rank knows every member's holder
+                if self.replicas > 1:
+                    if here:
+                        self.bank_local.append((len(self.bank_meta) - 1, part, g2, sums, group, settings, apply_local,
+                                                lay.start, lr))
+                elif here:
+                    self.local_items.append(part_item(part, g2, sums, group, settings, apply_local, lay.start))
+                continue
             lo, hi = lay.overlap(lay.rank, part.r0, part.r1)
             a, b = lo - lay.start, hi - lay.start
             if part.whole_rows:
@@ -302,28 +373,40 @@ class ShardedStep:
         """Run the distributed Newton-Schulz for every queued item, apply the updates, and return
         this step's communication figures."""
         items, world, me = self.items, self.world, self.rank
-        stats = {"flags_bytes": float(self.flag_bytes)}
-        if not items:
+        stats = {"flags_bytes": float(self.flag_bytes), "local_matrices": float(len(self.local_items))}
+        R = self.replicas
+        if not items and not self.bank_meta:  # the same on every rank: no exchange at all
+            stats.update(self._flops([], [], [], []))
+            orthogonalize(self.local_items, batch_budget)
+            self.local_items = []
             return self._record(stats, 0, 0, 0, 0.0, 0.0, 0.0)
-        owners = plan_owners(items, world)
-        owned = [j for j, o in enumerate(owners) if o == me]
-        device = items[0].ns_input.device
+        if R == 1:  # bank members stay where they live
+            owners_v, bank_owners = plan_owners(items, world), [holder for _, _, holder in self.bank_meta]
+        else:
+            owners_v, bank_owners = plan_replica_owners(items, self.bank_meta, world, R)
+        stats.update(self._flops(items, owners_v, self.bank_meta, bank_owners))
+        mine = [j for j, v in enumerate(owners_v) if v // world == self.replica]  # this replica's matrices
+        owners = {j: owners_v[j] % world for j in mine}  # their owner in the shard group
+        owned = [j for j in mine if owners[j] == me]
+        device = self.device
 
-        # Byte matrices W[s][d] (every rank can compute them) for both trips.
+        # Byte matrices W[s][d] (every rank of the replica can compute them) for both trips.
         fwd_w = [[0] * world for _ in range(world)]
         ret_w = [[0] * world for _ in range(world)]
-        for j, it in enumerate(items):
-            d = owners[j]
+        for j in mine:
+            it, d = items[j], owners[j]
             for s in range(world):
                 n = it.n_of(s)
                 fwd_w[s][d] += self._fwd_bytes(it, n)
                 ret_w[d][s] += self._ret_bytes(it, n)
+        exchange = any(fwd_w[s][d] for s in range(world) for d in range(world))
 
         # Forward: encode my rows of each item for its owner.
         send = torch.empty(sum(fwd_w[me]), dtype=torch.uint8, device=device)
         off = 0
         for d in range(world):
-            for j, it in enumerate(items):
+            for j in mine:
+                it = items[j]
                 if owners[j] != d:
                     continue
                 n = it.ns_input.shape[0]
@@ -334,7 +417,7 @@ class ShardedStep:
                 off += nb_c
                 send[off: off + 4 * n * it.nb].view(torch.float32).view(n, it.nb).copy_(it.sums)
                 off += 4 * n * it.nb
-        recv = self._exchange(send, fwd_w[me], [fwd_w[s][me] for s in range(world)])
+        recv = self._exchange(send, fwd_w[me], [fwd_w[s][me] for s in range(world)]) if exchange else send
         del send
 
         # Where each rank's rows of each owned item sit in the receive buffer, and where the
@@ -366,15 +449,56 @@ class ShardedStep:
                 rows=it.rows, cols=it.cols, sumsq=full_sums.sum(), eps=it.eps, settings=it.settings,
                 apply=self._returner(j, ret_send, ret_at), load=self._loader(j, recv, recv_at), device=device,
                 transpose=it.transposed))
-        orthogonalize(ns_items, batch_budget)
+        # HSDP: the bank members of this shard that this rank orthogonalizes; their results are
+        # encoded (return carrier) for every replica, this one included, so replicas stay identical.
+        bank_mine = [b for b in self.bank_local if bank_owners[b[0]] == self.replica * world + me]
+        bank_buf = torch.empty(sum(self.ret.nbytes(b[1].rows, b[1].cols) for b in bank_mine), dtype=torch.uint8,
+                               device=device)
+        off = 0
+        for b in bank_mine:
+            _, part, g2, sums, group, settings, _, first_row, _ = b
+            nb_c = self.ret.nbytes(part.rows, part.cols)
+            ns_items.append(part_item(part, g2, sums, group, settings, self._bank_encoder(bank_buf[off: off + nb_c]),
+                                      first_row))
+            off += nb_c
+        orthogonalize(ns_items + self.local_items, batch_budget)
+        self.local_items = []
         del recv
 
-        recv = self._exchange(ret_send, ret_w[me], [ret_w[d][me] for d in range(world)])
+        back = self._exchange(ret_send, ret_w[me], [ret_w[d][me] for d in range(world)]) if exchange else ret_send
+        if R == 1:
+            self._apply_returned(back, [j for j in mine], owners)
+        else:
+            payload = torch.cat([back, bank_buf])
+            for r, buf in enumerate(self._share_replicas(payload)):
+                sub = [j for j, v in enumerate(owners_v) if v // world == r]
+                at = self._apply_returned(buf, sub, {j: owners_v[j] % world for j in sub})
+                for b in self.bank_local:
+                    if bank_owners[b[0]] != r * world + me:
+                        continue
+                    _, part, _, _, _, _, apply_bank, _, _ = b
+                    nb_c = self.ret.nbytes(part.rows, part.cols)
+                    o = self.ret.decode(buf[at: at + nb_c], part.rows, part.cols)
+                    apply_bank(part, o.view(part.rows, part.cols))  # decay and bf16 rounding as every write
+                    at += nb_c
+        self.bank_local, self.bank_meta = [], []
+
+        elements = sum(it.rows * it.cols for it in items)
+        wire = sum(fwd_w[s][d] + ret_w[s][d] for s in range(world) for d in range(world) if s != d)
+        bf16_wire = sum(2 * 2 * items[j].n_of(s) * items[j].cols for j in mine for s in range(world)
+                        if s != owners[j])
+        exchange_b = sum(self._fwd_bytes(it, it.rows) + self._ret_bytes(it, it.rows) for it in items)
+        return self._record(stats, self.sent, wire, elements, bf16_wire, exchange_b, float(len(owned) + len(bank_mine)))
+
+    def _apply_returned(self, recv: Tensor, sub: list[int], owners: dict[int, int]) -> int:
+        """Decode and apply this rank's rows of the results of items ``sub`` (laid out owner by
+        owner, item by item); returns the bytes read."""
         off = 0
-        for d in range(world):
-            for j, it in enumerate(items):
+        for d in range(self.world):
+            for j in sub:
                 if owners[j] != d:
                     continue
+                it = self.items[j]
                 n = it.ns_input.shape[0]
                 nb_c = self.ret.nbytes(n, it.cols)
                 if n:
@@ -382,12 +506,41 @@ class ShardedStep:
                     apply_update_(it.param_rows, o.reshape(it.param_rows.shape), alpha=-it.lr, decay=it.decay,
                                   **it.write.rounding)
                 off += nb_c
+        return off
 
-        elements = sum(it.rows * it.cols for it in items)
-        wire = sum(fwd_w[s][d] + ret_w[s][d] for s in range(world) for d in range(world) if s != d)
-        bf16_wire = sum(2 * 2 * it.n_of(s) * it.cols for j, it in enumerate(items) for s in range(world) if s != owners[j])
-        exchange = sum(self._fwd_bytes(it, it.rows) + self._ret_bytes(it, it.rows) for it in items)
-        return self._record(stats, self.sent, wire, elements, bf16_wire, exchange, float(len(owned)))
+    def _bank_encoder(self, buf: Tensor) -> Callable[[Any, Tensor], None]:
+        """``apply`` of a bank member part orthogonalized for every replica: encode the result."""
+
+        def encode(part: Any, out: Tensor) -> None:
+            self.ret.encode_into(out.contiguous(), buf)
+
+        return encode
+
+    def _share_replicas(self, payload: Tensor) -> list[Tensor]:
+        """Every replica's payload (this rank's peers along the replicate dim), by one all-gather of
+        buffers padded to the longest."""
+        R = self.replicas
+        size = torch.tensor([payload.numel()], dtype=torch.int64, device=payload.device)
+        sizes = [torch.empty_like(size) for _ in range(R)]
+        dist.all_gather(sizes, size, group=self.shard_mesh.replicate_group)
+        n = [int(x.item()) for x in sizes]
+        padded = torch.zeros(max(n), dtype=torch.uint8, device=payload.device)
+        padded[: payload.numel()].copy_(payload)
+        bufs = [torch.empty_like(padded) for _ in range(R)]
+        dist.all_gather(bufs, padded, group=self.shard_mesh.replicate_group)
+        self.sent += (R - 1) * padded.numel()
+        self.flag_bytes += (R - 1) * size.numel() * size.element_size()
+        return [b[:k] for b, k in zip(bufs, n)]
+
+    def _flops(self, items: list[Any], owners_v: list[int], banks: list[tuple[int, int, int]],
+               bank_owners: list[int]) -> dict[str, float]:
+        """This rank's share of the step's Newton-Schulz cost (:func:`ns_cost`)."""
+        me_v = self.replica * self.world + self.rank
+        total = sum(ns_cost(it.rows, it.cols) for it in items) + sum(ns_cost(r, c) for r, c, _ in banks)
+        mine = sum(ns_cost(it.rows, it.cols) for it, v in zip(items, owners_v) if v == me_v)
+        mine += sum(ns_cost(r, c) for (r, c, _), v in zip(banks, bank_owners) if v == me_v)
+        return {"ns_cost_owned": float(mine), "ns_cost_total": float(total),
+                "ns_share": (mine / total) if total else 0.0}
 
     def _loader(self, j: int, recv: Tensor, recv_at: dict[tuple[int, int], int]) -> Callable[[Tensor], None]:
         """Decode every rank's rows of owned item ``j`` into a batch slot."""

@@ -280,6 +280,23 @@ def _part_runs(part: MatrixPart, cols: int, start: int, length: int) -> list[tup
     return out
 
 
+def _apply_parts(parts: tuple[MatrixPart, ...], where: str) -> tuple[MatrixPart, ...]:
+    """The parts :meth:`WholeMatrixZeroOptimizer._apply_update` applies, as ranges of the stored
+    ``(rows, cols)`` matrix. A bank member's parts (gate and up of one expert; gpt-oss interleaves
+    them) share the member's range, which then gets one scaled update: their lr factors must agree
+    (equal fused parts; always so for transformers' experts)."""
+    out: dict[tuple[int, int, int, int], MatrixPart] = {}
+    for part in parts:
+        key = (part.r0, part.r1, part.c0, part.c1)
+        seen = out.setdefault(key, part)
+        if seen.lr_scale != part.lr_scale:
+            raise NotImplementedError(
+                f"parameter {where!r}: the fused parts of one bank member have different lr adjustments "
+                f"({seen.lr_scale} and {part.lr_scale}); under DeepSpeed a bank member's parts must have equal "
+                "shapes. Use equal parts or FSDP2 (qmuon_fsdp)")
+    return tuple(out.values())
+
+
 def _placeholder(shape: torch.Size, device: torch.device) -> Tensor:
     """A tensor of ``shape`` backed by one element: what an idle proxy looks like (never written)."""
     return torch.zeros(1, dtype=torch.float32, device=device).expand(shape)
@@ -337,7 +354,7 @@ class WholeMatrixZeroOptimizer(Optimizer):
                 if p.dtype not in (torch.float32, torch.float16, torch.bfloat16):
                     raise ValueError(f"parameter {where!r} has dtype {p.dtype}; DeepSpeed trains float parameters")
                 info = _Param(len(self._params), gi, pos, p.shape, p.numel(), bool(g["use_muon"]),
-                              plan_param(p, g, 0, where).parts if g["use_muon"] else ())
+                              _apply_parts(plan_param(p, g, 0, where).parts, where) if g["use_muon"] else ())
                 self._params.append(info)
                 proxies.append(_placeholder(p.shape, p.device) if info.muon else torch.zeros(0, device=p.device))
             ig = {k: v for k, v in g.items() if k != "params"}

@@ -97,7 +97,12 @@ class QMuon(Optimizer):
             the columns of a 2-D weight; for example fused q, k, v) whose parts are normalized and
             orthogonalized separately; and ``orientation="in_out"`` for 2-D weights stored
             ``(in, out)`` (Hugging Face ``Conv1D``): Newton-Schulz and the lr adjustment then use
-            the layer's ``(out, in)`` matrix (see :mod:`qmuon_lightning.core.plan`). Any QMuon
+            the layer's ``(out, in)`` matrix (see :mod:`qmuon_lightning.core.plan`). A group with
+            ``bank_dims=n`` holds banks: parameters ``(*bank, rows, cols)`` whose leading ``n`` dims
+            index matrices (mixture-of-experts experts), each stepped as its own matrix, with
+            ``parts`` / ``parts_axis`` / ``orientation`` (and ``parts_interleaved=True`` for
+            alternating parts such as gpt-oss's gate / up columns) applying to every member;
+            banks need a row-local ``state_format`` (docs/moe.md). Any QMuon
             argument below can be set per group too (``state_format``, ``ns_dtype``, ...).
         lr, weight_decay, momentum, nesterov, ns_coefficients, eps, ns_steps, adjust_lr_fn: Muon.
         ns_dtype: Newton-Schulz precision: ``"auto"``, ``"bf16"``, ``"fp32"``.
@@ -235,14 +240,21 @@ class QMuon(Optimizer):
                 )
             if torch.is_complex(p):
                 raise ValueError(f"{where}: {label} is complex; QMuon supports real parameters only")
-            axis, orientation = group["parts_axis"], group["orientation"]
-            if (axis == 1 or orientation != "out_in") and p.ndim != 2:
+            axis, orientation, bank = group["parts_axis"], group["orientation"], group["bank_dims"]
+            if bank and p.ndim != bank + 2:
+                raise ValueError(
+                    f"{where}: {label} has shape {tuple(p.shape)}; a bank with bank_dims={bank} is (*bank, rows, cols) "
+                    f"({bank + 2} dims). Set bank_dims to the number of leading dims that index matrices")
+            if (axis == 1 or orientation != "out_in") and p.ndim != 2 + bank:
                 raise ValueError(
                     f"{where}: {label} has shape {tuple(p.shape)}; orientation={orientation!r} and parts_axis={axis} "
-                    "apply to 2-D weights only. Put it in a group with the defaults (orientation='out_in', parts_axis=0)")
-            if parts is not None and sum(parts) != p.shape[axis]:
+                    "apply to 2-D weights (or the matrices of a bank, bank_dims >= 1) only. Put it in a group with the "
+                    "defaults (orientation='out_in', parts_axis=0)")
+            dim = bank + axis  # the parts' dim of the weight or of each bank member
+            if parts is not None and sum(parts) != p.shape[dim]:
                 unit = "rows" if axis == 0 else "columns (parts_axis=1)"
-                raise ValueError(f"{where}: parts {parts} sum to {sum(parts)} {unit} but {label} has {p.shape[axis]} {unit}")
+                what = f"each member of {label}" if bank else label
+                raise ValueError(f"{where}: parts {parts} sum to {sum(parts)} {unit} but {what} has {p.shape[dim]} {unit}")
 
     def _group_plans(self, gi: int) -> list[ParamPlan]:
         """The plans of group ``gi``'s parameters, recomputed only when the parameters (FSDP2 and
@@ -252,7 +264,7 @@ class QMuon(Optimizer):
             return self._plans[gi][1]
         key0 = sum(len(g["params"]) for g in self.param_groups[:gi])
         sig = (key0, tuple((id(p), tuple(p.shape)) for p in group["params"]), group["parts"], group["parts_axis"],
-               group["orientation"], group["adjust_lr_fn"])
+               group["orientation"], group["adjust_lr_fn"], group.get("parts_interleaved"), group.get("bank_dims"))
         cached = self._plans.get(gi)
         if cached is None or cached[0] != sig:
             names = group.get("param_names") or [f"param group {gi} parameter #{i}" for i in range(len(group["params"]))]

@@ -5,11 +5,19 @@ Rules are checked in order and the first match wins. The default table:
 ====  ===============================================  ===============  ===========================
 #     matches                                          goes to          why
 ====  ===============================================  ===============  ===========================
-1     ``ndim < 2``                                      adamw_no_decay   biases and norm gains
-2     owning module is ``nn.Embedding`` / ``EmbeddingBag``  adamw        lookup tables, not maps
-3     name matches ``DEFAULT_HEAD_REGEX``                adamw           embeddings / output head
-4     ``ndim >= 2``                                     muon             hidden matrices
+1     ``ndim < 2``                                      adamw_no_decay   biases, norm gains, sinks
+2     name ends in ``bias`` (``gate_up_proj_bias``)     adamw_no_decay   bias banks of experts
+3     owning module is ``nn.Embedding`` / ``EmbeddingBag``  adamw        lookup tables, not maps
+4     name matches ``DEFAULT_HEAD_REGEX``                adamw           embeddings / output head
+5     MoE router (class ``*Router``, ``DEFAULT_ROUTER_REGEX``)  adamw    per-expert logits
+6     ``ndim >= 2``                                     muon             hidden matrices
 ====  ===============================================  ===============  ===========================
+
+Routers go to AdamW, like output heads: a router's rows are the experts' logits, a classifier
+over experts. Muon would move every expert's logit at the same rate whatever its gradient (the
+orthogonalized update has equal singular values), and the matrix is tiny (``E x hidden``, rank at
+most ``E``), so Muon buys nothing there. A rule placed before it (``RoutingRule("muon",
+module_class_regex="Router$")``) sends them to Muon instead.
 
 Layer meaning (Muon parameters only):
 
@@ -26,8 +34,19 @@ Layer meaning (Muon parameters only):
   Hugging Face ``Conv1D`` (matched by class name, transformers is never imported) is ``(in, out)``
   by itself. Newton-Schulz and the lr adjustment then use the layer's ``(out, in)`` matrix.
 
+- *Banks* (mixture-of-experts layers that store their experts as one ``(E, out, in)`` tensor):
+  declared with ``banks`` (``{name_regex: bank_dims}``, ``None`` turns detection off), a module
+  attribute ``qmuon_bank_dims = {"gate_up_proj": 1}``, or found automatically for transformers'
+  expert modules (by class and attribute names; transformers is never imported): a module whose
+  class name ends in ``Experts`` holding 3-D ``gate_up_proj`` / ``up_proj`` / ``down_proj``
+  (Qwen2/3-MoE, Mixtral, OLMoE, DeepSeek-V3, gpt-oss, ...). Fused parts and orientation then apply
+  to each expert: ``gate_up_proj`` is gate and up (two matrices per expert), stacked (``[gate;
+  up]`` rows) or, for gpt-oss (``is_transposed``, not ``is_concatenated``: the attributes
+  transformers' ``use_experts_implementation`` sets, or the class name ``GptOssExperts``), stored
+  ``(in, out)`` with gate and up interleaved along the last dim.
+
 Declarations are looked up in that order (argument, module attribute, automatic) and the first
-one found wins, for parts and for orientation separately.
+one found wins, for parts, orientation and banks separately.
 """
 
 from __future__ import annotations
@@ -52,6 +71,7 @@ __all__ = [
     "RouteDecision",
     "DEFAULT_RULES",
     "DEFAULT_HEAD_REGEX",
+    "DEFAULT_ROUTER_REGEX",
     "route_parameters",
     "FusedParts",
     "format_routing_table",
@@ -69,6 +89,11 @@ DEFAULT_HEAD_REGEX = (
     r"tok_embeddings|word_embeddings|position_embeddings|decoder\.out)(\.|$)"
 )
 
+#: Router weights of mixture-of-experts blocks written as a plain ``nn.Linear`` (transformers 4's
+#: ``mlp.gate`` / ``block_sparse_moe.gate``, Qwen2-MoE's ``shared_expert_gate``); transformers 5's
+#: routers are matched by class name (``*Router``).
+DEFAULT_ROUTER_REGEX = r"(^|\.)((mlp|moe|block_sparse_moe|feed_forward)\.(gate|router)|shared_expert_gate)\.weight$"
+
 
 @dataclass(frozen=True)
 class RoutingRule:
@@ -80,6 +105,10 @@ class RoutingRule:
         module_types: the module that owns the parameter is an instance of one of these.
         name_regex: ``re.search`` on the parameter's qualified name.
         reason: shown in the routing table.
+        module_class_regex: ``re.search`` on the owning module's class name (matches model code
+            that is not imported, such as transformers' ``Qwen3MoeTopKRouter``).
+        any_of: when set, the rule also needs at least one of these name / class conditions:
+            ``("name", regex)`` or ``("class", regex)``.
     """
 
     target: Target
@@ -88,6 +117,8 @@ class RoutingRule:
     module_types: tuple[type, ...] = ()
     name_regex: str | None = None
     reason: str = ""
+    module_class_regex: str | None = None
+    any_of: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         if self.target not in _TARGETS:
@@ -102,13 +133,21 @@ class RoutingRule:
             return False
         if self.name_regex is not None and re.search(self.name_regex, name) is None:
             return False
+        cls = type(module).__name__
+        if self.module_class_regex is not None and re.search(self.module_class_regex, cls) is None:
+            return False
+        if self.any_of and not any(re.search(rx, name if kind == "name" else cls) for kind, rx in self.any_of):
+            return False
         return True
 
 
 DEFAULT_RULES: tuple[RoutingRule, ...] = (
     RoutingRule("adamw_no_decay", max_ndim=1, reason="1-D: bias or norm gain"),
+    RoutingRule("adamw_no_decay", name_regex=r"(^|[._])bias$", reason="bias bank (one bias per expert)"),
     RoutingRule("adamw", module_types=(nn.Embedding, nn.EmbeddingBag), reason="embedding table"),
     RoutingRule("adamw", name_regex=DEFAULT_HEAD_REGEX, reason="embedding or output head (by name)"),
+    RoutingRule("adamw", max_ndim=2, any_of=(("class", r"(?i)router$"), ("name", DEFAULT_ROUTER_REGEX)),
+                reason="MoE router: logits over experts"),
     RoutingRule("muon", min_ndim=2, reason="hidden matrix"),
 )
 
@@ -127,11 +166,15 @@ class RouteDecision:
     param: torch.Tensor | None = field(default=None, repr=False)
     parts_axis: int = 0
     orientation: str = "out_in"
+    bank_dims: int = 0
+    parts_interleaved: bool = False
 
     @property
-    def layout(self) -> tuple[tuple[int, ...] | None, int, str]:
-        """``(parts, parts_axis, orientation)``: the Muon group this parameter belongs to."""
-        return self.parts, (self.parts_axis if self.parts else 0), self.orientation
+    def layout(self) -> tuple[Any, ...]:
+        """``(parts, parts_axis, orientation, parts_interleaved, bank_dims)``: the Muon group this
+        parameter belongs to."""
+        return (self.parts, (self.parts_axis if self.parts else 0), self.orientation,
+                bool(self.parts and self.parts_interleaved), self.bank_dims)
 
 
 def _unwrapped(model: nn.Module) -> nn.Module:
@@ -183,14 +226,89 @@ def _hf_fused(model: nn.Module) -> dict[int, FusedParts]:
     return out
 
 
+#: Attribute names of the expert banks of transformers' MoE modules (``(E, out, in)`` per expert,
+#: or ``(E, in, out)`` when the module is transposed).
+HF_EXPERT_BANKS = ("gate_up_proj", "up_proj", "gate_proj", "down_proj")
+#: Expert modules whose layout is not transformers' default (``[gate; up]`` rows, ``(out, in)``
+#: members), by class name, for versions without the ``is_transposed`` / ``is_concatenated``
+#: attributes: ``class name -> (is_transposed, is_concatenated)``.
+HF_EXPERT_LAYOUTS = {"GptOssExperts": (True, False)}
+
+
+@dataclass(frozen=True)
+class BankLayout:
+    """What automatic detection found for one expert bank: member orientation and, for a fused
+    ``gate_up_proj``, its two parts (gate, up) along the member's output dim."""
+
+    orientation: str
+    parts: FusedParts | None
+
+
+def _hf_banks(model: nn.Module) -> dict[tuple[int, str], BankLayout]:
+    """``(id(module), attribute) -> BankLayout`` for the 3-D expert banks of transformers' MoE
+    modules, found by class name (``*Experts``) and attribute names; the layout is read from the
+    attributes transformers' ``use_experts_implementation`` sets (``is_transposed``,
+    ``is_concatenated``), else from :data:`HF_EXPERT_LAYOUTS`."""
+    out: dict[tuple[int, str], BankLayout] = {}
+    for module in model.modules():
+        cls = type(module).__name__
+        if not cls.endswith("Experts"):
+            continue
+        transposed, concatenated = HF_EXPERT_LAYOUTS.get(cls, (False, True))
+        transposed = bool(getattr(module, "is_transposed", transposed))
+        concatenated = bool(getattr(module, "is_concatenated", concatenated))
+        for attr in HF_EXPERT_BANKS:
+            p = module._parameters.get(attr)
+            if p is None or p.ndim != 3:
+                continue
+            parts = None
+            if attr == "gate_up_proj":
+                axis = 1 if transposed else 0  # the output dim of each member, as stored
+                n = int(p.shape[1 + axis])
+                if n % 2:
+                    raise ValueError(f"{cls}.gate_up_proj of shape {tuple(p.shape)}: its output dim {n} must hold "
+                                     "gate and up (even); declare its layout with fused_parts / banks")
+                parts = FusedParts((n // 2, n // 2), axis, interleaved=not concatenated)
+            out[(id(module), attr)] = BankLayout("in_out" if transposed else "out_in", parts)
+    return out
+
+
+def _declared_bank(name: str, module: nn.Module, attr: str, p: torch.Tensor, banks: Mapping[str, Any],
+                   auto_banks: Mapping[tuple[int, str], BankLayout]) -> int:
+    """Bank dims of a Muon parameter: ``banks`` argument, ``qmuon_bank_dims`` attribute, automatic."""
+    value: Any = None
+    where = ""
+    for pattern, spec in banks.items():
+        if re.search(pattern, name):
+            if spec is None:
+                return 0  # declared not a bank (turns automatic detection off)
+            value, where = spec, f"banks[{pattern!r}] (matched {name!r})"
+            break
+    else:
+        declared = getattr(module, "qmuon_bank_dims", None)
+        if isinstance(declared, Mapping) and attr in declared:
+            value, where = declared[attr], f"{type(module).__name__}.qmuon_bank_dims[{attr!r}] of {name!r}"
+        elif (id(module), attr) in auto_banks:
+            return 1
+        else:
+            return 0
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0 or (value and p.ndim != value + 2):
+        raise ValueError(f"{where}: bank dims must be an int n >= 0 with the parameter of shape (*bank, rows, cols) "
+                         f"(n + 2 dims); {name!r} has shape {tuple(p.shape)}, got {value!r}")
+    return value
+
+
 def _declared_parts(name: str, module: nn.Module, attr: str, fused_parts: Mapping[str, Any],
-                    auto: Mapping[Any, Any]) -> FusedParts | None:
+                    auto: Mapping[Any, Any],
+                    auto_banks: Mapping[tuple[int, str], BankLayout] | None = None) -> FusedParts | None:
     for pattern, spec in fused_parts.items():
         if re.search(pattern, name):  # None: declared unfused (turns automatic detection off)
             return None if spec is None else _parse_parts(spec, f"fused_parts[{pattern!r}] (matched {name!r})")
     declared = getattr(module, "qmuon_fused_parts", None)
     if isinstance(declared, Mapping) and attr in declared:
         return _parse_parts(declared[attr], f"{type(module).__name__}.qmuon_fused_parts[{attr!r}] of {name!r}")
+    if auto_banks and (id(module), attr) in auto_banks:
+        return auto_banks[(id(module), attr)].parts
     if isinstance(module, nn.MultiheadAttention) and attr == "in_proj_weight":
         e = module.embed_dim
         return FusedParts((e, e, e), 0)
@@ -210,7 +328,8 @@ def _parse_parts(spec: Any, where: str) -> FusedParts:
 
 
 def _declared_orientation(name: str, module: nn.Module, attr: str, p: torch.Tensor,
-                          orientations: Mapping[str, str]) -> str:
+                          orientations: Mapping[str, str], bank_dims: int = 0,
+                          auto_banks: Mapping[tuple[int, str], BankLayout] | None = None) -> str:
     found: tuple[str, str] | None = None
     for pattern, value in orientations.items():
         if re.search(pattern, name):
@@ -221,13 +340,16 @@ def _declared_orientation(name: str, module: nn.Module, attr: str, p: torch.Tens
         if isinstance(declared, Mapping) and attr in declared:
             found = (declared[attr], f"{type(module).__name__}.qmuon_orientation[{attr!r}] of {name!r}")
     if found is None:
+        if bank_dims and auto_banks and (id(module), attr) in auto_banks:
+            return auto_banks[(id(module), attr)].orientation
         return "in_out" if _is_hf_conv1d(module, attr, p) else "out_in"
     value, where = found
     if value not in ORIENTATIONS:
         raise ValueError(f"{where}: orientation must be one of {ORIENTATIONS} ('out_in': stored (out, in) like "
                          f"nn.Linear; 'in_out': stored (in, out) like transformers' Conv1D), got {value!r}")
-    if value != "out_in" and p.ndim != 2:
-        raise ValueError(f"{where}: orientation {value!r} applies to 2-D weights; {name!r} has shape {tuple(p.shape)}")
+    if value != "out_in" and p.ndim != 2 + bank_dims:
+        raise ValueError(f"{where}: orientation {value!r} applies to 2-D weights and to the matrices of a bank; "
+                         f"{name!r} has shape {tuple(p.shape)}")
     return value
 
 
@@ -236,6 +358,7 @@ def route_parameters(
     rules: Sequence[RoutingRule] | None = None,
     fused_parts: Mapping[str, Any] | None = None,
     orientations: Mapping[str, str] | None = None,
+    banks: Mapping[str, Any] | None = None,
 ) -> list[RouteDecision]:
     """Apply the rule table to every trainable parameter of ``model`` (frozen ones are listed as
     ``"frozen"`` and left out of the optimizer), and read each Muon parameter's layer meaning
@@ -246,8 +369,10 @@ def route_parameters(
     rules = DEFAULT_RULES if rules is None else tuple(rules)
     fused_parts = fused_parts or {}
     orientations = orientations or {}
+    banks = banks or {}
     model = _unwrapped(model)
     auto: dict[Any, Any] = {**_hf_fused(model), **litgpt_fused_parts(model)}
+    auto_banks = _hf_banks(model)
     decisions = []
     for _, (name, module, attr) in _owners(model).items():
         p = getattr(module, attr)
@@ -258,7 +383,7 @@ def route_parameters(
             if rule.matches(name, p, module):
                 d = RouteDecision(name, tuple(p.shape), rule.target, rule.reason, None, p)
                 if rule.target == "muon":
-                    _read_layout(d, module, attr, p, fused_parts, orientations, auto)
+                    _read_layout(d, module, attr, p, fused_parts, orientations, auto, banks, auto_banks)
                 decisions.append(d)
                 break
         else:
@@ -270,18 +395,29 @@ def route_parameters(
 
 
 def _read_layout(d: RouteDecision, module: nn.Module, attr: str, p: torch.Tensor, fused_parts: Mapping[str, Any],
-                 orientations: Mapping[str, str], auto: Mapping[int, FusedParts]) -> None:
-    """Fill ``d``'s parts and orientation, checked against the parameter's shape."""
-    d.orientation = _declared_orientation(d.name, module, attr, p, orientations)
-    parts = _declared_parts(d.name, module, attr, fused_parts, auto)
+                 orientations: Mapping[str, str], auto: Mapping[int, FusedParts], banks: Mapping[str, Any] | None = None,
+                 auto_banks: Mapping[tuple[int, str], BankLayout] | None = None) -> None:
+    """Fill ``d``'s bank dims, parts and orientation, checked against the parameter's shape (for
+    a bank, parts and orientation are those of each member)."""
+    d.bank_dims = _declared_bank(d.name, module, attr, p, banks or {}, auto_banks or {})
+    if not d.bank_dims:
+        auto_banks = None  # a bank turned off by `banks` is a plain (flattened) matrix
+    d.orientation = _declared_orientation(d.name, module, attr, p, orientations, d.bank_dims, auto_banks)
+    parts = _declared_parts(d.name, module, attr, fused_parts, auto, auto_banks)
     if parts is None:
         return
-    if parts.axis == 1 and p.ndim != 2:
-        raise ValueError(f"fused parts of {d.name!r} along axis 1 need a 2-D weight, got shape {tuple(p.shape)}")
-    if sum(parts.sizes) != p.shape[parts.axis]:
+    b = d.bank_dims
+    if parts.axis == 1 and p.ndim != 2 + b:
+        raise ValueError(f"fused parts of {d.name!r} along axis 1 need a 2-D weight (or the matrices of a bank), got "
+                         f"shape {tuple(p.shape)}")
+    if parts.interleaved and not b:
+        raise ValueError(f"fused parts of {d.name!r}: interleaved parts are supported on the matrices of a bank; "
+                         "declare it with banks / qmuon_bank_dims")
+    dim = b + parts.axis
+    if sum(parts.sizes) != p.shape[dim]:
         raise ValueError(f"fused parts of {d.name!r}: sizes {list(parts.sizes)} sum to {sum(parts.sizes)}, but dim "
-                         f"{parts.axis} of its shape {tuple(p.shape)} is {p.shape[parts.axis]}; fix the sizes or the axis")
-    d.parts, d.parts_axis = parts.sizes, parts.axis
+                         f"{dim} of its shape {tuple(p.shape)} is {p.shape[dim]}; fix the sizes or the axis")
+    d.parts, d.parts_axis, d.parts_interleaved = parts.sizes, parts.axis, parts.interleaved
 
 
 def format_routing_table(decisions: Sequence[RouteDecision]) -> str:
@@ -290,8 +426,11 @@ def format_routing_table(decisions: Sequence[RouteDecision]) -> str:
     rows = [("parameter", "shape", "optimizer", "layout", "rule")]
     for d in decisions:
         target = d.target
+        if d.bank_dims:
+            target += f" bank={'x'.join(map(str, d.shape[:d.bank_dims]))}"
         if d.parts:
-            target += f" parts={list(d.parts)}" + (f" dim={d.parts_axis}" if d.parts_axis else "")
+            target += (f" parts={list(d.parts)}" + (f" dim={d.parts_axis}" if d.parts_axis else "")
+                       + (" interleaved" if d.parts_interleaved else ""))
         layout = d.orientation if d.target == "muon" else ""
         rows.append((d.name, "x".join(map(str, d.shape)) or "scalar", target, layout, d.reason))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
@@ -316,12 +455,16 @@ def build_optimizer(
     lr_ratios: str = "warn",
     gradient_release: bool = False,
     release_clip_norm: float | None = None,
+    banks: Mapping[str, Any] | None = None,
+    bank_state_format: str | None = None,
     **qmuon_kwargs: Any,
 ) -> QMuon:
     """Route ``model``'s parameters with the rule table and build one :class:`QMuon`.
 
     Groups: one Muon group for plain ``(out, in)`` matrices, one Muon group per distinct layout
-    (``parts``, ``parts_axis``, ``orientation``; see :func:`route_parameters`), one AdamW group,
+    (``parts``, ``parts_axis``, ``orientation``, ``parts_interleaved``, ``bank_dims``; see
+    :func:`route_parameters`; ``bank_state_format`` sets the momentum format of the bank groups,
+    which need a row-local one), one AdamW group,
     one AdamW group without weight decay. Every group carries ``param_names``. The routing table is logged (``logging`` at INFO) and printed on rank 0 when
     ``verbose``; it is also kept as ``optimizer.routing``.
 
@@ -347,12 +490,12 @@ def build_optimizer(
         unknown = sorted(set(qmuon_kwargs) - set(QMuonConfig.field_names()))
         if unknown:
             raise TypeError(f"build_optimizer: unknown argument(s) {unknown}; accepted: routing (rules, fused_parts, "
-                            f"orientations, verbose, batch_budget, lr_ratios, config), gradient_release, release_clip_norm "
-                            f"and QMuon's: "
+                            f"orientations, banks, bank_state_format, verbose, batch_budget, lr_ratios, config), "
+                            f"gradient_release, release_clip_norm and QMuon's: "
                             f"{', '.join(QMuonConfig.field_names())}")
         cfg = cfg.replace(**qmuon_kwargs)
-    decisions = route_parameters(model, rules, fused_parts, orientations)
-    plain_layout = (None, 0, "out_in")
+    decisions = route_parameters(model, rules, fused_parts, orientations, banks)
+    plain_layout = (None, 0, "out_in", False, 0)
     muon = [d for d in decisions if d.target == "muon" and d.layout == plain_layout]
     groups: list[dict[str, Any]] = []
     if muon:
@@ -361,9 +504,13 @@ def build_optimizer(
     for d in decisions:
         if d.target == "muon" and d.layout != plain_layout:
             by_layout.setdefault(d.layout, []).append(d)
-    for (parts, axis, orientation), sel in by_layout.items():
-        groups.append({"params": [d.param for d in sel], "param_names": [d.name for d in sel], "parts": parts,
-                       "parts_axis": axis, "orientation": orientation})
+    for (parts, axis, orientation, interleaved, bank_dims), sel in by_layout.items():
+        group = {"params": [d.param for d in sel], "param_names": [d.name for d in sel], "parts": parts,
+                 "parts_axis": axis, "orientation": orientation, "parts_interleaved": interleaved,
+                 "bank_dims": bank_dims}
+        if bank_dims and bank_state_format is not None:
+            group["state_format"] = bank_state_format
+        groups.append(group)
     for target, wd in (("adamw", cfg.adamw_weight_decay), ("adamw_no_decay", 0.0)):
         sel = [d for d in decisions if d.target == target]
         if sel:

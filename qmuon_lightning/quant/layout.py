@@ -18,6 +18,11 @@ The state of a shard is created from the *local* rows and each tensor is stored 
 deduplicated by DCP and all but one rank's copy is silently lost; that is why only 0-d tensors that
 are identical on every rank stay plain.)
 
+HSDP: on a 2-D ``(replicate, shard)`` mesh a parameter is ``(Replicate(), Shard(0))``: the rows
+are split over the shard dim as above and every replica holds the same rows. Row ranges, ranks and
+process groups here are those of the shard dim (:func:`shard_mesh_dim`); the state is stored with
+the parameter's placements (replicated over the replicate dim), so DCP saves one copy of each row.
+
 ``torch.distributed`` is imported lazily: builds without it can import this module.
 """
 
@@ -43,6 +48,8 @@ __all__ = [
     "localize_loaded_state",
     "placement_of",
     "process_group_of",
+    "row_placements",
+    "shard_mesh_dim",
     "row_layout",
     "shard_state",
 ]
@@ -116,16 +123,25 @@ class RowLayout:
         return (lo, max(lo, hi))
 
 
+def shard_mesh_dim(p: Any) -> int:
+    """The mesh dim over which ``p`` (a DTensor) is ``Shard(0)``: its one ``Shard(0)`` placement, the
+    others ``Replicate()`` (FSDP2: ``(Shard(0),)``; HSDP: ``(Replicate(), Shard(0))``)."""
+    check_sharded_param(p)
+    return next(i for i, pl in enumerate(p.placements) if not pl.is_replicate())
+
+
 def check_sharded_param(p: Any, where: str = "parameter") -> None:
     """Raise a clear error for DTensor layouts the sharded optimizer does not handle."""
-    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor import Replicate, Shard
 
     mesh = p.device_mesh
-    if mesh.ndim != 1 or len(p.placements) != 1 or not isinstance(p.placements[0], Shard) or p.placements[0].dim != 0:
+    shards = [pl for pl in p.placements if not isinstance(pl, Replicate)]
+    if len(shards) != 1 or not isinstance(shards[0], Shard) or shards[0].dim != 0:
         raise NotImplementedError(
             f"QMuon: {where} is a DTensor with placements {tuple(p.placements)} on a {mesh.ndim}-D mesh; sharded QMuon "
-            "supports a 1-D device mesh with Shard(0) (what FSDP2 fully_shard produces). For HSDP or tensor "
-            "parallelism shard Muon parameters with fully_shard on a 1-D mesh, or use plain (replicated) parameters"
+            "supports Shard(0) over one mesh dim, the other dims Replicate(): FSDP2 fully_shard on a 1-D mesh "
+            "(Shard(0),) or HSDP on a (replicate, shard) mesh (Replicate(), Shard(0)). For tensor parallelism "
+            "keep Muon parameters out of the TP plan or use plain (replicated) parameters"
         )
 
 
@@ -135,8 +151,9 @@ def row_layout(p: Any) -> RowLayout:
     rows = int(p.shape[0])
     cols = math.prod(int(s) for s in p.shape[1:])
     mesh = p.device_mesh
-    world = mesh.size()
-    rank = mesh.get_local_rank()
+    dim = shard_mesh_dim(p)
+    world = mesh.size(dim)
+    rank = mesh.get_local_rank(dim)
     ranges = chunk_ranges(rows, world)
     n_local = int(p.to_local().shape[0])
     if ranges[rank][1] - ranges[rank][0] != n_local:
@@ -157,8 +174,17 @@ def global_row_offset(p: Tensor) -> int:
 
 
 def process_group_of(p: Any) -> Any:
-    """The process group of a DTensor's (1-D) device mesh."""
-    return p.device_mesh.get_group()
+    """The process group of the mesh dim a DTensor's rows are sharded over."""
+    return p.device_mesh.get_group(shard_mesh_dim(p))
+
+
+def row_placements(p: Any) -> list[Any]:
+    """Placements of a state tensor split like ``p``'s rows: ``Shard(0)`` on its shard dim,
+    ``Replicate()`` elsewhere."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    dim = shard_mesh_dim(p)
+    return [Shard(0) if i == dim else Replicate() for i in range(p.device_mesh.ndim)]
 
 
 def _resolve(fmt: StateFormat | str | None, st: dict[str, Any] | None = None) -> StateFormat | None:
@@ -194,7 +220,8 @@ def _wrap_rows(t: Tensor, like: Any, global_rows: int) -> Any:
 
     shape = (global_rows, *t.shape[1:])
     stride = torch.empty(shape, device="meta").stride()
-    return DTensor.from_local(t, like.device_mesh, [Shard(0)], run_check=False, shape=torch.Size(shape), stride=stride)
+    return DTensor.from_local(t, like.device_mesh, row_placements(like), run_check=False, shape=torch.Size(shape),
+                              stride=stride)
 
 
 def shard_state(p: Any, st: dict[str, Tensor], fmt: StateFormat | str | None = None,
@@ -216,7 +243,7 @@ def shard_state(p: Any, st: dict[str, Tensor], fmt: StateFormat | str | None = N
         if kind == "scalar":
             continue
         if kind == "replicate":
-            st[k] = DTensor.from_local(v, p.device_mesh, [Replicate()], run_check=False)
+            st[k] = DTensor.from_local(v, p.device_mesh, [Replicate()] * p.device_mesh.ndim, run_check=False)
         elif kind == "tiles":
             if opts is None:
                 raise TypeError(f"shard_state: {f.name} state has row-tile tensors ({k}); pass the group's "
@@ -263,11 +290,12 @@ def localize_loaded_state(st: dict[str, Any], p: Any, fmt: StateFormat | str | N
                 f"{where}: {k} has {n} rows but the parameter has {lay.rows}; the checkpoint belongs "
                 "to a different model or parameter order")
         if isinstance(v, DTensor):
-            if v.device_mesh == p.device_mesh and tuple(v.placements) == (Shard(0),):
+            want = row_placements(p)
+            if v.device_mesh == p.device_mesh and list(v.placements) == want:
                 out[k] = v.to_local()
                 continue
             if v.device_mesh == p.device_mesh:
-                out[k] = v.redistribute(p.device_mesh, [Shard(0)]).to_local()
+                out[k] = v.redistribute(p.device_mesh, want).to_local()
                 continue
             v = v.full_tensor()
         a, b = chunk_ranges(n, lay.world)[lay.rank]

@@ -100,7 +100,7 @@ _NO_OPTIMIZER_STATE = (
 _MODE_KWARGS: dict[str, dict[str, Any]] = {"qmuon": {}, "grasp": {"state_format": "grasp4"}, "keep": {}}
 # build_optimizer arguments besides QMuon's (QMuonConfig's fields); "verbose" is the strategy's own.
 _ROUTING_KWARGS = ("rules", "fused_parts", "orientations", "batch_budget", "lr_ratios", "gradient_release",
-                   "release_clip_norm")
+                   "release_clip_norm", "banks", "bank_state_format")
 
 
 def _validate_optimizer_kwargs(mode: str, kwargs: Mapping[str, Any]) -> dict[str, Any]:
@@ -220,6 +220,11 @@ def build_replacement(
             warn(note)
         for key, value in settings.items():
             kwargs.setdefault(key, value)  # explicit optimizer_kwargs win
+    if "bank_state_format" not in kwargs and not qstate.get_format(
+            kwargs.get("state_format", QMuonConfig().state_format)).row_local:
+        # A format with per-matrix statistics (grasp4's low-rank factor) would mix the experts of a
+        # MoE bank; the banks of a replacement keep int8 momentum (no-op for models without banks).
+        kwargs["bank_state_format"] = "int8"
     new = build_optimizer(module, verbose=False, **kwargs)
     _check_sharded_formats(new)
     return new
@@ -465,6 +470,10 @@ class QMuonFSDPStrategy(QMuonStrategyMixin, ModelParallelStrategy):
             (``torch.distributed.checkpoint``); ``False``: one consolidated file written by rank 0.
         process_group_backend, timeout: as in ``ModelParallelStrategy`` (default backend: NCCL on
             CUDA, gloo on CPU).
+        replicate_size: HSDP replicas (``1``: FSDP2 over all data-parallel ranks). With ``R > 1`` the
+            automatic sharding uses a ``(replicate, shard)`` mesh of ``R x (data_parallel_size / R)``
+            (multi-node: shard inside a node, replicate across nodes); sharded QMuon orthogonalizes
+            each matrix once over all ranks (docs/distributed.md, HSDP).
     """
 
     strategy_name = "qmuon_fsdp"
@@ -481,8 +490,15 @@ class QMuonFSDPStrategy(QMuonStrategyMixin, ModelParallelStrategy):
         save_distributed_checkpoint: bool = True,
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
+        replicate_size: int = 1,
     ) -> None:
         self._check_init_args(optimizer, data_parallel_size, tensor_parallel_size)
+        if not isinstance(replicate_size, int) or isinstance(replicate_size, bool) or replicate_size < 1:
+            raise ValueError(f"replicate_size must be an int >= 1 (HSDP replicas; 1: plain FSDP2), got {replicate_size!r}")
+        if replicate_size > 1 and tensor_parallel_size not in (1, "auto"):
+            raise ValueError(f"replicate_size={replicate_size} (HSDP) with tensor_parallel_size={tensor_parallel_size} is "
+                             "not supported; use one of them")
+        self._replicate_size = replicate_size
         super().__init__(
             data_parallel_size=data_parallel_size,
             tensor_parallel_size=tensor_parallel_size,
@@ -530,7 +546,7 @@ class QMuonFSDPStrategy(QMuonStrategyMixin, ModelParallelStrategy):
     def _shard_if_needed(self) -> None:
         assert self.model is not None
         done = shard_unless_sharded(
-            self.model, self.device_mesh["data_parallel"], self._shard_policy,
+            self.model, self._sharding_mesh(), self._shard_policy,
             tensor_parallel_size=int(self._tensor_parallel_size), reshard_after_forward=self._reshard_after_forward,
         )
         if done is None:
@@ -539,6 +555,19 @@ class QMuonFSDPStrategy(QMuonStrategyMixin, ModelParallelStrategy):
             return
         self.sharded_blocks, self.sharded_roots = done
         rank_zero_info(describe_sharding(type(self).__name__, *done, self._shard_policy))
+
+    def _sharding_mesh(self) -> Any:
+        """The data-parallel mesh, or with ``replicate_size > 1`` an HSDP ``(replicate, shard)`` mesh
+        over the same ranks (FSDP2 then reduce-scatters inside a replica and all-reduces across)."""
+        dp = self.device_mesh["data_parallel"]
+        r = self._replicate_size
+        if r == 1:
+            return dp
+        if dp.size() % r or self.device_mesh.size() != dp.size():
+            raise ValueError(f"replicate_size={r} must divide the data-parallel size {dp.size()} (tensor_parallel_size 1)")
+        from torch.distributed.device_mesh import init_device_mesh
+
+        return init_device_mesh(self.root_device.type, (r, dp.size() // r), mesh_dim_names=("replicate", "shard"))
 
     # ------------------------------------------------------------------ optimizer swap
     @override

@@ -1,0 +1,250 @@
+"""HSDP (issue 22, item 2): sharded QMuon on a 2-D ``(replicate, shard)`` mesh, 4 CPU processes
+(gloo), ``fully_shard(model, mesh=mesh)`` (placements ``(Replicate(), Shard(0))``).
+
+Each rank steps the same model twice, once sharded and once whole, with the same gradients. With
+bf16 carriers both ways and bf16 Newton-Schulz the sharded update and the fp32 / int8 state equal
+single-process QMuon's bit for bit (the replicas split the matrices, orthogonalize each once and
+share the results). The Newton-Schulz work is dealt over all 4 ranks: each runs at most
+1/4 + 10% of the step's cost (``comm_stats["ns_share"]``), where a replica-blind plan (every
+replica redoing its shard group's work, as dion does) runs 1/2.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import qmuon_lightning as ql  # noqa: E402
+from _dist import run_workers  # noqa: E402
+
+LR = 0.02
+
+
+class ToyExperts(torch.nn.Module):
+    """An expert bank (detected by class name, as transformers' ``*Experts``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate_up_proj = torch.nn.Parameter(torch.randn(4, 24, 16) * 0.1)
+        self.down_proj = torch.nn.Parameter(torch.randn(4, 16, 12) * 0.1)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        """Every expert on every token (dense; enough for a test), gate half only."""
+        y = torch.einsum("bd,eod->beo", h, self.gate_up_proj)[..., :12].relu()
+        return torch.einsum("bei,eoi->bo", y, self.down_proj)
+
+
+def make_model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    m = torch.nn.Module()
+    m.layers = torch.nn.ModuleList([torch.nn.Linear(16, 48), torch.nn.Linear(48, 16), torch.nn.Linear(16, 33),
+                                    torch.nn.Linear(33, 16), torch.nn.Linear(16, 16), torch.nn.Linear(16, 16)])
+    m.experts = ToyExperts()
+    return m
+
+
+def _grads(model: torch.nn.Module, step: int) -> None:
+    from torch.distributed.tensor import distribute_tensor
+
+    g = torch.Generator().manual_seed(step)
+    for _, p in model.named_parameters():
+        grad = torch.randn(p.shape, generator=g) * 0.01
+        p.grad = distribute_tensor(grad, p.device_mesh, p.placements) if hasattr(p, "device_mesh") else grad
+
+
+def _worker(rank: int, world: int, ckpt: str) -> dict[str, Any]:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+                                                         set_model_state_dict, set_optimizer_state_dict)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import distribute_tensor
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    out: dict[str, Any] = {}
+    # int8 carriers (QMuon's default) on the same mesh: bytes per parameter, replicas identical
+    kw = dict(lr=LR, weight_decay=0.01, state_format="int8", verbose=False)
+    model = make_model()
+    fully_shard(model, mesh=mesh)
+    opt = ql.build_optimizer(model, **kw)
+    for step in range(2):
+        _grads(model, step)
+        opt.step()
+    out["int8_carrier_stats"] = dict(opt.comm_stats)
+    out["int8_carrier_params"] = {n: p.full_tensor() for n, p in model.named_parameters()}
+
+    # DCP: save on 2x2 after one step, continue on a 1-D mesh of 4 and in one process (plain tensors)
+    kw = dict(lr=LR, weight_decay=0.01, state_format="int8", ns_dtype="bf16", comm_carrier="bf16",
+              comm_return="bf16", verbose=False)
+    ref, hsdp = make_model(), make_model()
+    fully_shard(hsdp, mesh=mesh)
+    o_ref, o_hsdp = ql.build_optimizer(ref, **kw), ql.build_optimizer(hsdp, **kw)
+    for step in range(2):
+        _grads(ref, step)
+        o_ref.step()
+    _grads(hsdp, 0)
+    o_hsdp.step()
+    dcp.save({"model": get_model_state_dict(hsdp), "optim": get_optimizer_state_dict(hsdp, o_hsdp)}, checkpoint_id=ckpt)
+    flat = make_model(seed=5)
+    fully_shard(flat, mesh=init_device_mesh("cpu", (4,)))
+    whole = make_model(seed=6)
+    for m in (flat, whole):
+        o = ql.build_optimizer(m, **kw)
+        sd = {"model": get_model_state_dict(m), "optim": get_optimizer_state_dict(m, o)}
+        dcp.load(sd, checkpoint_id=ckpt)
+        set_model_state_dict(m, sd["model"])
+        set_optimizer_state_dict(m, o, sd["optim"])
+        _grads(m, 1)
+        o.step()
+        label = "resumed_1d" if m is flat else "resumed_whole"
+        out[label] = all(torch.equal(p.full_tensor() if hasattr(p, "full_tensor") else p.detach(), q.detach())
+                         for p, q in zip(m.parameters(), ref.parameters()))
+
+    for fmt in ("fp32", "int8"):
+        kw = dict(lr=LR, weight_decay=0.01, state_format=fmt, ns_dtype="bf16", comm_carrier="bf16",
+                  comm_return="bf16", verbose=False)
+        whole, sharded = make_model(), make_model()
+        fully_shard(sharded, mesh=mesh)
+        o_whole, o_sharded = ql.build_optimizer(whole, **kw), ql.build_optimizer(sharded, **kw)
+        sp = dict(sharded.named_parameters())
+        out["placements"] = {n: str(tuple(p.placements)) for n, p in sp.items()}
+        for step in range(2):
+            g = torch.Generator().manual_seed(step)
+            for n, p in whole.named_parameters():
+                p.grad = torch.randn(p.shape, generator=g) * 0.01
+                sp[n].grad = distribute_tensor(p.grad.clone(), sp[n].device_mesh, sp[n].placements)
+            o_whole.step()
+            o_sharded.step()
+        out[f"{fmt}_params_equal"] = {n: torch.equal(sp[n].full_tensor(), p.detach())
+                                      for n, p in whole.named_parameters()}
+        out[f"{fmt}_state_equal"] = {
+            n: all(torch.equal(v.full_tensor() if hasattr(v, "full_tensor") else v, o_whole.state[p][k])
+                   for k, v in o_sharded.state[sp[n]].items())
+            for n, p in whole.named_parameters() if p in o_whole.state}
+        out[f"{fmt}_stats"] = dict(o_sharded.comm_stats)
+    return out
+
+
+@pytest.mark.slow
+def test_hsdp_2x2_is_single_process_bit_for_bit_and_splits_newton_schulz(tmp_path: Path) -> None:
+    res = run_workers(_worker, 4, timeout=400, ckpt=str(tmp_path / "ckpt"))
+    assert set(res[0]["placements"].values()) == {"(Replicate(), Shard(dim=0))"}
+    for r, out in enumerate(res):
+        for fmt in ("fp32", "int8"):
+            eq, st = out[f"{fmt}_params_equal"], out[f"{fmt}_state_equal"]
+            assert eq and all(eq.values()), (r, fmt, [n for n, ok in eq.items() if not ok])
+            assert st and all(st.values()), (r, fmt, [n for n, ok in st.items() if not ok])
+    shares = [out["fp32_stats"]["ns_share"] for out in res]
+    assert abs(sum(shares) - 1.0) < 1e-9, shares  # every matrix orthogonalized exactly once
+    assert max(shares) <= 0.25 * 1.1, shares
+    # int8 carriers: the replicas stay identical (every rank applies the same decoded results)
+    for out in res[1:]:
+        for n, t in out["int8_carrier_params"].items():
+            assert torch.equal(t, res[0]["int8_carrier_params"][n]), n
+    # bytes every rank sent (forward and return all-to-all in its replica, replicate share), summed
+    # over the 4 ranks, per Muon parameter (measured 1.97; 1-D mesh of 4: 1.10)
+    muon = sum(p.numel() for p in make_model().parameters() if p.ndim >= 2)
+    sent = sum(out["int8_carrier_stats"]["ns_bytes_sent"] for out in res)
+    assert sent / muon <= 2.1, (sent, muon, [out["int8_carrier_stats"] for out in res])
+    # DCP: saved on 2x2, resumed on a 1-D mesh of 4 and on plain tensors: the uninterrupted run, bit for bit
+    assert all(out["resumed_1d"] and out["resumed_whole"] for out in res), [(o["resumed_1d"], o["resumed_whole"]) for o in res]
+
+
+# ---------------------------------------------------- Trainer(strategy=QMuonFSDPStrategy(replicate_size=2)), 4 processes
+def _trainer_main(out: Path) -> None:
+    """Worker of the 4-process launch: fit 2 epochs with HSDP 2 x 2, then resume from epoch 0."""
+    import os
+
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from _helpers import assert_same
+    from qmuon_lightning.strategies import QMuonFSDPStrategy
+
+    torch.set_num_threads(1)
+    rank = int(os.environ["RANK"])
+
+    class Lit(L.LightningModule):
+        def __init__(self, seed: int = 0) -> None:
+            super().__init__()
+            self.model = make_model(seed)
+
+        def training_step(self, batch: Any, _: int) -> torch.Tensor:
+            x = batch[0]
+            h = x
+            for lin in self.model.layers[:2]:
+                h = torch.tanh(lin(h))
+            y = self.model.experts(h)
+            for lin in self.model.layers[2:]:
+                y = torch.tanh(lin(y))
+            return (y - x).square().mean()
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.AdamW(self.parameters(), lr=3e-3)
+
+    def data() -> Any:
+        x = torch.randn(64, 16, generator=torch.Generator().manual_seed(0))
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x), batch_size=4, shuffle=False)
+
+    def fit(seed: int, resume: Path | None, callbacks: list) -> Any:
+        L.seed_everything(0, verbose=False)
+        strategy = QMuonFSDPStrategy(replicate_size=2, shard_policy=["Linear", "ToyExperts"],
+                                     optimizer_kwargs=dict(lr=LR, weight_decay=0.0))
+        trainer = L.Trainer(accelerator="cpu", devices=4, strategy=strategy, max_epochs=2, callbacks=callbacks,
+                            logger=False, enable_progress_bar=False, enable_model_summary=False,
+                            enable_checkpointing=bool(callbacks), num_sanity_val_steps=0)
+        trainer.fit(Lit(seed), data(), ckpt_path=str(resume) if resume else None)
+        return trainer
+
+    def local(trainer: Any) -> dict[str, Any]:
+        m, o = trainer.lightning_module, trainer.optimizers[0]
+        loc = lambda t: (t.to_local() if hasattr(t, "to_local") else t).detach().clone()  # noqa: E731
+        return {"params": {n: loc(p) for n, p in m.named_parameters()},
+                "state": [{k: loc(v) for k, v in o.state[p].items()} for g in o.param_groups for p in g["params"]]}
+
+    ckpt = ModelCheckpoint(dirpath=out / "ckpt", filename="{epoch}", every_n_epochs=1, save_top_k=-1)
+    t1 = fit(0, None, [ckpt])
+    p = next(t1.lightning_module.model.layers[0].parameters())
+    res = {"placements": str(tuple(p.placements)), "stats": dict(t1.optimizers[0].comm_stats),
+           "steps": t1.global_step}
+    straight = local(t1)
+    t2 = fit(3, out / "ckpt" / "epoch=0.ckpt", [])
+    try:
+        assert_same(local(t2), straight, "HSDP resume")
+        res["mismatch"] = ""
+    except AssertionError as e:
+        res["mismatch"] = str(e)
+    torch.save(res, out / f"rank{rank}.pt")
+    from qmuon_lightning.distributed import exit_after_distributed_run
+
+    exit_after_distributed_run()
+
+
+@pytest.mark.slow
+def test_trainer_hsdp_trains_and_resumes(tmp_path: Path) -> None:
+    """QMuonFSDPStrategy(replicate_size=2) on 4 processes: HSDP placements, each rank runs <= 1/4
+    + 10% of the NS cost, and a resume from the sharded checkpoint of epoch 0 is bit-exact."""
+    from _helpers import free_port, run_launcher, subprocess_env
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--master_addr", "127.0.0.1",
+           "--master_port", str(free_port()), str(Path(__file__).resolve()), "--trainer", str(tmp_path)]
+    run_launcher(cmd, timeout=600, env=subprocess_env(PYTHONWARNINGS="ignore"), what="4-process HSDP Trainer")
+    res = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(4)]
+    for r in res:
+        assert r["placements"] == "(Replicate(), Shard(dim=0))" and r["steps"] == 8, r
+        assert r["mismatch"] == "", r["mismatch"]
+    shares = [r["stats"]["ns_share"] for r in res]
+    assert abs(sum(shares) - 1) < 1e-9 and max(shares) <= 0.275, shares
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--trainer":
+        _trainer_main(Path(sys.argv[2]))
+    else:
+        sys.exit(f"usage: {sys.argv[0]} --trainer OUT")
