@@ -58,6 +58,7 @@ __all__ = [
     "estimate",
     "estimate_all",
     "largest_within",
+    "depth_inventories",
     "adamw_phase_bytes",
     "torch_muon_phase_bytes",
     "qmuon_muon_phase_bytes",
@@ -498,14 +499,15 @@ def estimate_all(model_or_inventory: nn.Module | Inventory, setups: Sequence[Set
     return [estimate(inv, s, device=device) for s in setups]
 
 
-def largest_within(build: Callable[[int], nn.Module], setup: Setup, budget: int, *, start: int = 1,
-                   limit: int = 4096, device: str = "cuda") -> tuple[int, MemoryEstimate | None]:
-    """The largest size ``k`` (``build(k)``: a meta-device model, e.g. ``k`` layers) whose step fits
-    ``budget`` bytes, and its estimate; ``(0, None)`` when even ``start`` does not fit. The step
-    grows with ``k`` (monotone), so a doubling search then bisection finds it exactly."""
+def largest_within(inventory_at: Callable[[int], Inventory | nn.Module], setup: Setup, budget: int, *,
+                   start: int = 1, limit: int = 1 << 16, device: str = "cuda") -> tuple[int, MemoryEstimate | None]:
+    """The largest size ``k`` (``inventory_at(k)``: the inventory, or a meta-device model, of size
+    ``k``, e.g. ``k`` layers; :func:`depth_inventories` makes one without building deep models)
+    whose step fits ``budget`` bytes, and its estimate; ``(0, None)`` when even ``start`` does not
+    fit. The step grows with ``k``, so a doubling search then bisection finds it exactly."""
 
     def fits(k: int) -> MemoryEstimate | None:
-        e = estimate(build(k), setup, device=device)
+        e = estimate(inventory_at(k), setup, device=device)
         return e if e.available and e.total <= budget else None
 
     if fits(start) is None:
@@ -518,6 +520,38 @@ def largest_within(build: Callable[[int], nn.Module], setup: Setup, budget: int,
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if fits(mid) is not None else (lo, mid)
     return lo, fits(lo)
+
+
+def _layer_key(p: ParamInfo) -> tuple:
+    """A parameter's identity up to its layer index (digits in the name dropped)."""
+    return ("".join(c for c in p.name.split("#")[0] if not c.isdigit()), p.shape, p.target, p.parts, p.parts_axis, p.orientation)
+
+
+def depth_inventories(build: Callable[[int], nn.Module], base: int = 1) -> Callable[[int], Inventory]:
+    """``k -> Inventory`` of the model ``build(k)`` (``k`` repeated layers), from two small builds:
+    the models at ``base`` and ``base + 1`` layers share everything but one layer's parameters,
+    which the inventory at ``k`` repeats ``k - base`` times in place (model order kept, so the
+    step's per-tensor temporaries see the same neighbours). A model of thousands of layers is never
+    built; ``tests/test_memory_estimate.py`` checks the result against a real build."""
+    a = parameter_inventory(build(base))
+    b = parameter_inventory(build(base + 1))
+    extra = len(b.params) - len(a.params)
+    p = 0
+    while p < len(a.params) and _layer_key(a.params[p]) == _layer_key(b.params[p]):
+        p += 1
+    layer = b.params[p: p + extra]
+    if extra <= 0 or [_layer_key(x) for x in b.params[p + extra:]] != [_layer_key(x) for x in a.params[p:]]:
+        raise ValueError("the model does not grow by one repeated layer per step of its depth argument; "
+                         "estimate each depth by building it")
+    buf_extra = list(b.buffer_numels[len(a.buffer_numels):]) if len(b.buffer_numels) >= len(a.buffer_numels) else []
+
+    def at(k: int) -> Inventory:
+        if k < base:
+            return parameter_inventory(build(k))
+        reps = [dataclasses.replace(x, name=f"{x.name}#{i}") for i in range(k - base) for x in layer]
+        return Inventory(a.params[:p] + tuple(reps) + a.params[p:], a.buffer_numels + tuple(buf_extra) * (k - base))
+
+    return at
 
 
 # ------------------------------------------------------------------------------------ output

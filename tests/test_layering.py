@@ -23,7 +23,7 @@ LAYERS = {
     "core": 2,
     "optim": 3, "distributed": 3, "integrations": 3, "models": 3, "data": 3,
     "strategies": 4, "callbacks": 4, "plotting": 4, "demo": 4, "memory": 4,
-    "cli": 5,
+    "cli": 5, "estimate": 5,
 }
 
 

@@ -131,3 +131,52 @@ def test_release_counts_one_gradient() -> None:
     assert est.grads == 4 * max(p.numel for p in inv.params)
     assert est.total < mem.estimate(inv, mem.Setup("y", "qmuon", {"state_format": "int8"}), device="cpu").total
     assert math.isfinite(est.bytes_per_param)
+
+
+def test_depth_inventories_match_a_real_build() -> None:
+    def build(layers: int) -> DecoderLM:
+        return _meta({**SIZES[0], "n_layers": layers})
+
+    at = mem.depth_inventories(build)
+    for k in (1, 2, 5):
+        real = mem.parameter_inventory(build(k))
+        fast = at(k)
+        assert [mem._layer_key(p) for p in fast.params] == [mem._layer_key(p) for p in real.params]
+        for s in AVAILABLE:
+            assert mem.estimate(fast, s).total == mem.estimate(real, s).total
+
+
+@pytest.mark.slow
+def test_qmuon_estimate_cli_on_a_recipe(capsys, tmp_path) -> None:
+    """``qmuon-estimate`` (and ``qmuon-train fit ... --estimate_memory``) on a GB10 recipe: the table
+    and the JSON carry memory.estimate's numbers, and the budget search finds deeper models for
+    QMuon than for AdamW."""
+    from _helpers import REPO
+
+    from qmuon_lightning.cli import estimate_main, main
+
+    out_json = tmp_path / "est.json"
+    configs = ["--config", str(REPO / "recipes/gb10/base.yaml"), "--config", str(REPO / "recipes/gb10/gpt124m_int8.yaml")]
+    estimate_main([*configs, "--budget", "128GiB", "--json", str(out_json)])
+    text = capsys.readouterr().out
+    assert "Memory usage for one training step" in text and "QMuon int8" in text and "Largest (layers)" in text
+    import json
+
+    res = json.loads(out_json.read_text())
+    by = {e["label"]: e for e in res["estimates"]}
+    assert by["AdamW"]["available"] and by["QMuon int8"]["total"] < by["AdamW"]["total"]
+    assert res["largest"]["QMuon int8"]["size"] > res["largest"]["AdamW"]["size"] > 0
+    main(["fit", *configs, "--estimate_memory", "--setups", "AdamW"])
+    assert "AdamW" in capsys.readouterr().out
+
+
+def test_qmuon_estimate_cli_on_an_hf_config(capsys, tmp_path) -> None:
+    transformers = pytest.importorskip("transformers")
+    from qmuon_lightning.cli import estimate_main
+
+    cfg = transformers.LlamaConfig(vocab_size=32000, hidden_size=512, intermediate_size=1376, num_hidden_layers=8,
+                                   num_attention_heads=8, num_key_value_heads=8, tie_word_embeddings=False)
+    cfg.save_pretrained(tmp_path)
+    estimate_main(["--hf_config", str(tmp_path / "config.json"), "--budget", "4GiB", "--grow", "width"])
+    text = capsys.readouterr().out
+    assert "LlamaForCausalLM" in text and "Largest (attention heads (width))" in text
