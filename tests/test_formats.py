@@ -23,7 +23,9 @@ from qmuon_lightning.quant import fidelity
 from qmuon_lightning.quant import state as qstate
 from qmuon_lightning.quant.formats.base import PLACEMENTS, STEP, FormatOptions, FormatSpec, StateFormat
 
-BUILTIN = tuple(qstate.FORMATS)
+BUILTIN = tuple(qstate.STATE_FORMATS)
+#: the Muon momentum formats (the registry also holds the AdamW moment formats: tests/test_adamw_state.py)
+MOMENTUM = {n: f for n, f in qstate.FORMATS.items() if f.role == "momentum"}
 OPTS = FormatOptions(block_size=32, rank=3, grid_block=16)
 #: relative Frobenius error of one encode of the test matrices, per format (4-bit: 0.5)
 TOL = {"fp32": 1e-6, "bf16": 5e-3, "int8": 0.05, "uint8": 0.05}
@@ -50,11 +52,11 @@ def _bytes(st: dict) -> int:
 def test_registry_derived_tables():
     assert BUILTIN == ("fp32", "bf16", "int8", "uint8", "int4", "e0m3", "grasp4")
     assert tuple(qstate.STATE_FORMATS) == BUILTIN
-    assert dict(qstate.DEFAULT_BLOCK_SIZE) == {n: f.default_block_size for n, f in qstate.FORMATS.items()}
+    assert dict(qstate.DEFAULT_BLOCK_SIZE) == {n: f.default_block_size for n, f in MOMENTUM.items()}
     assert qstate.DEFAULT_BLOCK_SIZE["int4"] == 128 and qstate.DEFAULT_BLOCK_SIZE["int8"] == 256
-    assert tuple(qstate.SUPPORTED_SHARDED_FORMATS) == tuple(n for n, f in qstate.FORMATS.items() if f.shardable)
-    assert set(qstate.COLLECTIVE_FORMATS) == {n for n, f in qstate.FORMATS.items() if not f.row_local}
-    assert {n: f.layout_options for n, f in qstate.FORMATS.items()} == {
+    assert tuple(qstate.SUPPORTED_SHARDED_FORMATS) == tuple(n for n, f in MOMENTUM.items() if f.shardable)
+    assert set(qstate.COLLECTIVE_FORMATS) == {n for n, f in MOMENTUM.items() if not f.row_local}
+    assert {n: f.layout_options for n, f in MOMENTUM.items()} == {
         "fp32": (), "bf16": (), "int8": ("block_size",), "uint8": ("block_size",), "int4": ("block_size",),
         "e0m3": (), "grasp4": ("rank", "grid_block")}
     with pytest.raises(qstate.StateFormatError, match="unknown state_format 'fp8'; choose one of fp32, bf16"):

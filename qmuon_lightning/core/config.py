@@ -16,7 +16,9 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from ..quant import adamw as qadamw
 from ..quant import state as qstate
+from ..quant.adamw import DEFAULT_ADAMW_STATE_FORMAT
 from .newton_schulz import NS_DTYPES, resolve_schedule
 from .plan import ADJUST_LR_FNS, ORIENTATIONS
 
@@ -78,6 +80,11 @@ class QMuonConfig:
             update resets the parameter's count. ``None`` (default): unlimited, as before.
     AdamW (embeddings, head, 1-D tensors): adamw_lr 3e-4, adamw_betas (0.9, 0.95),
         adamw_eps 1e-8, adamw_weight_decay 0.1 (the usual GPT pretraining values).
+        adamw_state_format: how the AdamW moments are stored: ``"fp32"`` (``torch.optim.AdamW``'s
+        state), ``"bf16"``, ``"int8"`` or ``"int4"`` (blockwise, row blocks; see
+        :mod:`qmuon_lightning.quant.adamw` and docs/formats.md). 1-D tensors and tensors under 4096
+        elements keep fp32 moments. A group may set its own (``{"params": ..., "use_muon": False,
+        "state_format": "fp32"}``), e.g. to keep one parameter at full precision.
     Sharded parameters: comm_carrier / comm_return: encodings of the distributed NS exchange.
     """
 
@@ -103,6 +110,7 @@ class QMuonConfig:
     adamw_betas: tuple[float, float] = (0.9, 0.95)
     adamw_eps: float = 1e-8
     adamw_weight_decay: float = 0.1
+    adamw_state_format: str = DEFAULT_ADAMW_STATE_FORMAT
     comm_carrier: str = "int8"
     comm_return: str = "int8"
 
@@ -155,7 +163,7 @@ class QMuonConfig:
 
     def adamw_group_defaults(self) -> dict[str, Any]:
         return {"lr": self.adamw_lr, "betas": tuple(self.adamw_betas), "eps": self.adamw_eps,
-                "weight_decay": self.adamw_weight_decay}
+                "weight_decay": self.adamw_weight_decay, "state_format": self.adamw_state_format}
 
     def to_dict(self) -> dict[str, Any]:
         """Plain values (for manifests and logs)."""
@@ -300,6 +308,7 @@ def validate_format_overrides(group: dict[str, Any], where: str) -> None:
 
 
 def validate_adamw_group(group: dict[str, Any], where: str) -> None:
+    qadamw.check_adamw_state_format(group.get("state_format"), f"{where} (AdamW)")
     b1, b2 = group["betas"]
     if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
         raise ValueError(f"{where} (AdamW): betas must be in [0, 1), got {group['betas']}")

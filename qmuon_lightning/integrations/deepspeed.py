@@ -70,6 +70,7 @@ from torch.optim import Optimizer
 from ..core import pipeline
 from ..core.plan import MatrixPart, plan_param
 from ..optim.qmuon import QMuon
+from ..quant import adamw as qadamw
 
 __all__ = [
     "UnsupportedDeepSpeedConfig",
@@ -333,6 +334,13 @@ class WholeMatrixZeroOptimizer(Optimizer):
                 proxies.append(_placeholder(p.shape, p.device) if info.muon else torch.zeros(0, device=p.device))
             ig = {k: v for k, v in g.items() if k != "params"}
             ig["params"] = proxies
+            if not g["use_muon"] and not qadamw.is_full_precision(g.get("state_format", qadamw.FULL_PRECISION)):
+                # AdamW steps flat 1-D slices of the ZeRO partitions here, and 1-D tensors keep fp32
+                # moments (quant.adamw.moment_formats): say so instead of implying quantized moments.
+                log.warning("DeepSpeed: AdamW group %d asks for %s moments, but under DeepSpeed AdamW steps flat "
+                            "1-D slices of the ZeRO partitions, whose moments QMuon keeps in fp32; using fp32 "
+                            "(quantized AdamW moments need whole tensors: QMuon alone or FSDP2)", gi, g["state_format"])
+                ig["state_format"] = qadamw.FULL_PRECISION
             inner_groups.append(ig)
         # The inner optimizer keeps the same group structure (so parameter indices, the stochastic
         # rounding keys, are those of a single-process QMuon) but holds proxies, not the model's tensors.

@@ -56,10 +56,12 @@ __all__ = ["ExtensionStatus", "status", "backend", "cpu_vector_isa", "csrc_dir"]
 
 _LIB = "qmuon_C"
 
-_CPU_SOURCES = ("binding.cpp", "cpu/q8_cpu.cpp", "cpu/q4_cpu.cpp")
-_CUDA_SOURCES = ("binding_cuda.cpp", "cuda/q8_cuda.cu", "cuda/q4_cuda.cu")
+_CPU_SOURCES = ("binding.cpp", "cpu/q8_cpu.cpp", "cpu/q4_cpu.cpp", "binding_adamw.cpp", "cpu/adamw_cpu.cpp")
+_CUDA_SOURCES = ("binding_cuda.cpp", "cuda/q8_cuda.cu", "cuda/q4_cuda.cu", "binding_adamw_cuda.cpp",
+                 "cuda/adamw_cuda.cu")
 _HEADERS = ("binding_common.h", "binding_4bit.h", "cpu/block_reduce_cpu.h", "qmuon/block_math.h",
-            "qmuon/block_math_4bit.h", "qmuon/kernels.h")
+            "qmuon/block_math_4bit.h", "qmuon/kernels.h", "binding_adamw.h", "qmuon/adamw_math.h",
+            "qmuon/adamw_kernels.h")
 
 
 @dataclass(frozen=True)

@@ -579,5 +579,11 @@ def _(packed, scales, tensor_scales, new_tensor_scales, grads, block_sumsq, beta
             and K.lists_ok(len(grads), new_tensor_scales) and K.scalars_ok(new_tensor_scales, grads))
 
 
+from . import _library_adamw as _adamw  # noqa: E402  (the quantized AdamW op: prototype, fake, predicate)
+
+adamw_q_update_ = _op(mutates_args=_adamw.MUTATES)(_adamw.adamw_q_update_)
+adamw_q_update_.register_fake(_adamw.fake)
+adamw_q_update_.compiled_when(_adamw.supported)
+
 # Compiled CPU / CUDA kernels (csrc/, built on first use) take over where their predicates hold.
 K.register_compiled_kernels(OPS.values())

@@ -20,9 +20,9 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
-from torch.optim.adam import adam as _functional_adam
 
 from .. import ops  # noqa: F401  (registers torch.ops.qmuon)
+from ..core import adamw as core_adamw
 from ..core import pipeline
 from ..core.config import (
     DEFAULT_CONFIG as _D,
@@ -38,16 +38,19 @@ from ..core.config import (
 from ..core.newton_schulz import MUON_COEFFICIENTS
 from ..core.pipeline import NSItem, is_dtensor, local
 from ..core.plan import MatrixPart, ParamPlan, adjusted_lr, plan_param
+from ..quant import adamw as qadamw
 from ..quant import state as qstate
-from ..quant.layout import localize_loaded_state, shard_state
+from ..quant.layout import global_row_offset, localize_loaded_state, shard_state
 
 __all__ = ["QMuon", "GraspMuon", "FORMAT_VERSION", "DEFAULT_NS_COEFFICIENTS", "adjusted_lr", "UpdateSink",
            "NonFiniteGradientError"]
 
 log = logging.getLogger(__name__)
 
-#: Version of the optimizer state layout written by ``state_dict()``.
-FORMAT_VERSION = 1
+#: Version of the optimizer state layout written by ``state_dict()``. 2: AdamW groups may hold
+#: quantized moments (``state_format`` of an AdamW group names their family); version-1 AdamW state is
+#: ``torch.optim.AdamW``'s fp32 ``exp_avg`` / ``exp_avg_sq`` and converts on load.
+FORMAT_VERSION = 2
 #: torch.optim.Muon's quintic coefficients (the ``"muon"`` preset of ``ns_coefficients``).
 DEFAULT_NS_COEFFICIENTS = MUON_COEFFICIENTS
 
@@ -104,6 +107,9 @@ class QMuon(Optimizer):
             before anything changes. A finite update resets a parameter's count.
         ns_input: ``"bf16"`` or ``"mxfp8"`` (NS reads the decoded MXFP8 carrier of ``G / ||G||``).
         adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: defaults for AdamW groups.
+        adamw_state_format: how AdamW groups store their moments (``"fp32"``, ``"bf16"``, ``"int8"``,
+            ``"int4"``; a group's own ``state_format`` overrides it). The AdamW step runs one
+            parameter at a time in bounded row blocks (:mod:`qmuon_lightning.core.adamw`).
         comm_carrier, comm_return: sharded (FSDP2 ``Shard(0)``) parameters only: how the
             distributed Newton-Schulz moves rows to the rank that orthogonalizes a matrix and back;
             see :mod:`qmuon_lightning.distributed`. Bytes per step: :attr:`comm_stats`.
@@ -137,6 +143,7 @@ class QMuon(Optimizer):
         adamw_betas: tuple[float, float] = _D.adamw_betas,
         adamw_eps: float = _D.adamw_eps,
         adamw_weight_decay: float = _D.adamw_weight_decay,
+        adamw_state_format: str = _D.adamw_state_format,
         comm_carrier: str = _D.comm_carrier,
         comm_return: str = _D.comm_return,
         batch_budget: float = pipeline.DEFAULT_BATCH_BUDGET,
@@ -244,7 +251,7 @@ class QMuon(Optimizer):
             if group["use_muon"]:
                 self._muon_group_step(gi, idx, items, sharded)
             else:
-                self._adamw_step(group, idx)
+                self._adamw_step(gi, group, idx)
         pipeline.orthogonalize(items, self.batch_budget)
         if sharded is not None:
             # distributed Newton-Schulz (collective: every rank, same items)
@@ -394,30 +401,26 @@ class QMuon(Optimizer):
         assert sink is not None
         return lambda part, out: sink(p, part, out)
 
-    def _adamw_step(self, group: dict[str, Any], idx: list[int]) -> None:
-        params = [group["params"][i] for i in idx]
-        grads = [p.grad for p in params]
-        exp_avgs, exp_avg_sqs, steps = [], [], []
-        for p in params:
+    def _adamw_step(self, gi: int, group: dict[str, Any], idx: list[int]) -> None:
+        """AdamW for parameters ``idx`` of group ``gi``: one parameter at a time, in bounded row blocks
+        (:func:`qmuon_lightning.core.adamw.adamw_param_step`; no whole-group temporaries). A sharded
+        (``Shard(0)`` DTensor) parameter steps its own rows; its state is kept as ``Shard(0)``
+        DTensors with the global shape (DCP saves and reshards it)."""
+        key0 = sum(len(g["params"]) for g in self.param_groups[:gi])
+        rule = group.get("bf16_update", "nearest")
+        for i in idx:
+            p = group["params"][i]
+            p_local = local(p)
             st = self.state[p]
             if not st:
-                # Same state layout as torch.optim.AdamW, so checkpoints interoperate.
-                st["step"] = torch.tensor(0.0, dtype=torch.float32)
-                st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            exp_avgs.append(st["exp_avg"])
-            exp_avg_sqs.append(st["exp_avg_sq"])
-            steps.append(st["step"])
-        if not params:
-            return
-        b1, b2 = group["betas"]
-        _functional_adam(
-            params, grads, exp_avgs, exp_avg_sqs, [], steps,
-            foreach=None, capturable=False, differentiable=False, fused=None,
-            grad_scale=None, found_inf=None, has_complex=False, decoupled_weight_decay=True,
-            amsgrad=False, beta1=b1, beta2=b2, lr=group["lr"], weight_decay=group["weight_decay"],
-            eps=group["eps"], maximize=False,
-        )
+                st.update(core_adamw.init_state(group["state_format"], p.shape, p_local, rule))
+                if is_dtensor(p):
+                    shard_state(p, st)  # no momentum format: every tensor splits by rows
+            states = {k: local(v) for k, v in st.items()} if is_dtensor(p) else st
+            core_adamw.adamw_param_step(p_local, local(p.grad), states, group, global_shape=p.shape, key=key0 + i,
+                                        row_offset=global_row_offset(p))
+            if states is not st:
+                st["step"] = states["step"]
 
     # ------------------------------------------------------------------ state dict
     def state_dict(self) -> dict[str, Any]:
@@ -430,8 +433,9 @@ class QMuon(Optimizer):
         """Load a QMuon (any format) or ``torch.optim.Muon`` / ``torch.optim.AdamW`` state dict.
 
         Momentum saved in another format is converted to this optimizer's format (dense <->
-        8-bit, int8 <-> uint8); shapes, block sizes and dtypes are validated first, so a bad
-        checkpoint raises before anything is changed.
+        8-bit, int8 <-> uint8), and so are AdamW moments (``torch.optim.AdamW``'s fp32 ``exp_avg`` /
+        ``exp_avg_sq`` <-> QMuon's bf16 / int8 / int4); shapes, block sizes and dtypes are validated
+        first, so a bad checkpoint raises before anything is changed.
         """
         saved_groups = state_dict["param_groups"]
         if len(saved_groups) != len(self.param_groups):
@@ -445,6 +449,7 @@ class QMuon(Optimizer):
         # and bf16 momentum into the parameter's dtype.
         new_groups, new_state = [], dict(saved_state)
         muon_state: list[tuple[Tensor, dict[str, Any], dict[str, Any]]] = []
+        adamw_state: list[tuple[Tensor, dict[str, Any]]] = []
         for gi, (saved, cur) in enumerate(zip(saved_groups, self.param_groups)):
             version = saved.get("qmuon_version", 0)
             if version > FORMAT_VERSION:
@@ -481,6 +486,19 @@ class QMuon(Optimizer):
                         muon_state.append((p, qstate.convert_state(src, saved_view, cur_view, shape, where,
                                                                    sharded=is_dtensor(p)), cur_view))
                         del new_state[pid]
+            else:
+                # AdamW moments in any family (or torch.optim.AdamW's), validated and converted to
+                # this group's family on this rank's rows; placed below (torch would cast them).
+                for pid, p in zip(saved["params"], cur["params"]):
+                    if pid in saved_state:
+                        where = f"param group {gi}, param id {pid} (AdamW)"
+                        src, shape = saved_state[pid], tuple(p.shape)
+                        if is_dtensor(p):
+                            src = localize_loaded_state(src, p, None, None, where)
+                            shape = tuple(local(p).shape)
+                        adamw_state.append(
+                            (p, qadamw.convert_adamw_state(src, cur["state_format"], p.shape, shape, where)))
+                        del new_state[pid]
             new_groups.append(merged)
         super().load_state_dict({"state": new_state, "param_groups": new_groups})
         self._plans.clear()
@@ -489,6 +507,13 @@ class QMuon(Optimizer):
             new = {k: v.to(device=p.device, copy=True) if k != "step" else v.clone() for k, v in st.items()}
             if is_dtensor(p):
                 shard_state(p, new, qstate.get_format(cur["state_format"]), qstate.format_options(cur))
+            self.state[p] = new
+        for p, st in adamw_state:
+            dev = local(p).device
+            new = {k: v.to(device=dev, copy=True) if k != "step" and isinstance(v, Tensor) else v
+                   for k, v in st.items()}
+            if is_dtensor(p):
+                shard_state(p, new)
             self.state[p] = new
 
     # ------------------------------------------------------------------ per-parameter formats
@@ -555,6 +580,18 @@ class QMuon(Optimizer):
                 out.append({"param": name, "group_format": str(group["state_format"]),
                             "state_format": str(layout["state_format"])})
         return out
+
+    def torch_adamw_state(self, p: Tensor) -> dict[str, Tensor]:
+        """AdamW parameter ``p``'s state as ``torch.optim.AdamW`` keeps it (fp32 ``exp_avg`` /
+        ``exp_avg_sq`` with ``p``'s shape, and ``step``), dequantized when stored quantized; a
+        sharded parameter gives its local rows."""
+        gi, _ = self._locate(p)
+        if self.param_groups[gi]["use_muon"]:
+            raise ValueError("QMuon.torch_adamw_state: the parameter is in a Muon group")
+        st = self.state.get(p)
+        if not st:
+            raise KeyError("QMuon.torch_adamw_state: the parameter has no state yet (no step taken)")
+        return qadamw.to_torch_adamw_state({k: local(v) for k, v in st.items()}, local(p).shape)
 
     # ------------------------------------------------------------------ introspection
     def state_nbytes(self, muon_only: bool = True) -> int:

@@ -107,39 +107,48 @@ class _Names(Sequence):
 
 
 class _DefaultBlockSizes(Mapping):
-    """Live ``{name: format.default_block_size}``."""
+    """Live ``{name: format.default_block_size}`` of the momentum formats."""
 
     def __getitem__(self, name: str) -> int:
-        return FORMATS[name].default_block_size
+        f = FORMATS[name]
+        if f.role != "momentum":
+            raise KeyError(name)
+        return f.default_block_size
 
     def __iter__(self) -> Iterator[str]:
-        return iter(FORMATS)
+        return iter(STATE_FORMATS)
 
     def __len__(self) -> int:
-        return len(FORMATS)
+        return len(STATE_FORMATS)
 
     def __repr__(self) -> str:
         return repr(dict(self))
 
 
-#: Every registered format name, in registry order.
-STATE_FORMATS: Sequence[str] = _Names(lambda f: True, "every registered format")
+def _momentum(f: StateFormat) -> bool:
+    return f.role == "momentum"
+
+
+#: Every registered Muon momentum format name, in registry order (the AdamW moment formats, which
+#: share the registry, are listed by :mod:`qmuon_lightning.quant.adamw`).
+STATE_FORMATS: Sequence[str] = _Names(_momentum, "every registered momentum format")
 #: Formats QMuon can keep for ``Shard(0)`` (FSDP2) parameters.
-SUPPORTED_SHARDED_FORMATS: Sequence[str] = _Names(lambda f: f.shardable, "formats that support Shard(0) parameters")
+SUPPORTED_SHARDED_FORMATS: Sequence[str] = _Names(lambda f: _momentum(f) and f.shardable,
+                                                  "formats that support Shard(0) parameters")
 #: Shardable formats whose sharded update is collective (``row_local`` False).
-COLLECTIVE_FORMATS: Sequence[str] = _Names(lambda f: f.shardable and not f.row_local,
+COLLECTIVE_FORMATS: Sequence[str] = _Names(lambda f: _momentum(f) and f.shardable and not f.row_local,
                                            "formats whose sharded update needs collectives")
 #: ``block_size`` per format when the group does not set one (``StateFormat.default_block_size``).
 DEFAULT_BLOCK_SIZE: Mapping[str, int] = _DefaultBlockSizes()
 
 
-def get_format(name: str) -> StateFormat:
-    try:
-        return FORMATS[name]
-    except (KeyError, TypeError):
-        raise StateFormatError(
-            f"unknown state_format {name!r}; choose one of {', '.join(FORMATS)}"
-        ) from None
+def get_format(name: str, role: str = "momentum") -> StateFormat:
+    """The registered format ``name`` for stored tensors of ``role`` (Muon momentum by default)."""
+    f = FORMATS.get(name) if isinstance(name, str) else None
+    if f is None or f.role != role:
+        names = ", ".join(n for n, g in FORMATS.items() if g.role == role)
+        raise StateFormatError(f"unknown state_format {name!r}; choose one of {names}")
+    return f
 
 
 def safer_format(name: str) -> str | None:
@@ -223,10 +232,10 @@ def detect_state_format(state: Mapping[str, Any]) -> str:
     registry order that :meth:`~StateFormat.owns` it). A state no format owns raises the first
     format's :meth:`~StateFormat.explain_unowned` message (an incomplete state, a wrong dtype)."""
     for name, fmt in FORMATS.items():
-        if fmt.owns(state):
+        if fmt.role == "momentum" and fmt.owns(state):
             return name
     for fmt in FORMATS.values():
-        msg = fmt.explain_unowned(state)
+        msg = fmt.explain_unowned(state) if fmt.role == "momentum" else None
         if msg:
             raise StateFormatError(msg)
     raise StateFormatError(f"no momentum tensors in state (keys: {sorted(state)})")
@@ -322,7 +331,7 @@ def convert_state(
     conflicts = layout_conflicts({**group, **saved_group, "state_format": found}, group)
     if conflicts:
         raise StateFormatError(describe_conflicts(conflicts, where))
-    keys = set().union(*(f.spec.keys for f in FORMATS.values()))
+    keys = set().union(*(f.spec.keys for f in FORMATS.values() if f.role == "momentum"))
     out = {k: v for k, v in state.items() if k not in keys}
     out.setdefault(STEP, torch.zeros((), dtype=torch.float32))
     if found == target.name:

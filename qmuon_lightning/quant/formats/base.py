@@ -15,6 +15,10 @@ What a format declares
   dtype and state keys;
 * ``default_block_size`` and ``layout_options``: the :class:`FormatOptions` fields that are part of
   the stored layout (a checkpoint resumes in the same format only with the same values);
+* ``role``: which stored tensor the format is for: ``"momentum"`` (Muon's, the default),
+  ``"adamw_m"`` / ``"adamw_v"`` (the first / second moment of the auxiliary AdamW, see
+  :mod:`qmuon_lightning.quant.adamw`); every registry helper that picks a Muon format looks only at
+  ``"momentum"`` formats, so one registry holds them all;
 * ``order``: position in the registry (listing order, detection order);
 * ``promotes_to`` and ``guard_threshold``: the fidelity guard's next safer format and the update
   cosine below which a layer in this format counts as drifting;
@@ -45,6 +49,7 @@ __all__ = [
     "CODES",
     "PACKED",
     "PLACEMENTS",
+    "ROLES",
     "STEP",
     "TSCALE",
     "UE4M3",
@@ -71,12 +76,15 @@ STEP = "step"
 PLACEMENTS = ("rows", "tiles", "replicate", "scalar")
 Placement = Literal["rows", "tiles", "replicate", "scalar"]
 
+#: The stored tensors a format can be for: Muon's momentum, AdamW's first and second moment.
+ROLES = ("momentum", "adamw_m", "adamw_v")
+
 #: Short labels of the layout options in :meth:`StateFormat.describe`.
 _OPTION_LABELS = {"block_size": "block", "rank": "rank", "grid_block": "grid"}
 
 
 class StateFormatError(ValueError):
-    """A momentum state that does not match what the optimizer expects."""
+    """An optimizer state (Muon momentum or AdamW moments) that does not match what the optimizer expects."""
 
 
 @dataclass(frozen=True)
@@ -110,6 +118,8 @@ class StateFormat:
     shardable: bool = True
     #: True when the update of a row shard needs no collectives (every state tensor is ``"rows"``)
     row_local: bool = True
+    #: the stored tensor this format is for (:data:`ROLES`)
+    role: str = "momentum"
     #: registry position (listing and detection order); ties keep registration order
     order: int = 100
     #: the next safer format of the fidelity guard's promotion chain (``None``: end of the chain)

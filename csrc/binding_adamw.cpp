@@ -1,0 +1,25 @@
+// The quantized AdamW op of the qmuon_C library: schema (a fragment of binding.cpp's library) and the
+// CPU implementation (csrc/cpu/adamw_cpu.cpp). The CUDA one is in binding_adamw_cuda.cpp.
+#include <torch/library.h>
+
+#include "binding_adamw.h"
+
+namespace qmuon {
+namespace {
+
+void adamw_q_update_cpu(const at::Tensor& grad, const at::Tensor& m_codes, const at::Tensor& m_scale,
+                        const at::Tensor& v_codes, const at::Tensor& v_scale, const at::Tensor& update, double beta1,
+                        double beta2, double eps, double neg_step_size, double bias_correction2_sqrt, int64_t m_kind,
+                        int64_t v_kind, int64_t block_size) {
+  const qmuon_adamw_q_args a = adamw_q_args(grad, m_codes, m_scale, v_codes, v_scale, update, beta1, beta2, eps,
+                                            neg_step_size, bias_correction2_sqrt, m_kind, v_kind, block_size);
+  const int err = qmuon_cpu_adamw_q_update(&a);
+  TORCH_CHECK(err == 0, "qmuon: CPU kernel adamw_q_update_ failed: ", cpu_error_string(err));
+}
+
+}  // namespace
+}  // namespace qmuon
+
+TORCH_LIBRARY_FRAGMENT(qmuon_C, m) { QMUON_ADAMW_SCHEMAS(m); }
+
+TORCH_LIBRARY_IMPL(qmuon_C, CPU, m) { m.impl("adamw_q_update_", &qmuon::adamw_q_update_cpu); }

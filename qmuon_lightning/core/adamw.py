@@ -1,0 +1,99 @@
+"""The auxiliary AdamW step, one parameter at a time in bounded blocks of rows.
+
+``torch.optim.adam``'s foreach path builds several whole-group temporaries (``sqrt(v)`` of every
+tensor at once, the bias-corrected copies, ...): at GPT-2-small width they were the step's peak
+(~442 MiB). Here each parameter is stepped in blocks of at most :data:`DEFAULT_CHUNK_ELEMENTS`
+elements (whole rows), and a block's transient is its fp32 update (and, for dense moments, the
+``sqrt(v)`` denominator): the step's transient memory is bounded by one block, whatever the model.
+
+Per block: the moments are updated and the update emitted by :func:`qmuon_lightning.quant.adamw.update_rows`
+(the fused quantized kernel, or torch's ops in ``torch.optim.AdamW``'s order for dense moments), and
+the weights are written only through :func:`qmuon_lightning.core.apply.apply_update_`
+(``param <- (1 - lr wd) param + update``), the one place both groups write weights.
+
+Maths (``torch.optim.AdamW``, decoupled weight decay, no amsgrad), with ``t`` the step count::
+
+    m = lerp(m, g, 1 - beta1);   v = beta2 v + (1 - beta2) g^2
+    param = (1 - lr wd) param + (-lr / (1 - beta1^t)) m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
+
+For fp32 parameters with fp32 moments every operation is torch's own, in its order: the results
+equal ``torch.optim.AdamW(foreach=False)`` bit for bit.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+from torch import Tensor
+
+from ..quant import adamw as qadamw
+from .apply import apply_update_, weight_state_init
+
+__all__ = ["DEFAULT_CHUNK_ELEMENTS", "bias_terms", "chunk_rows", "init_state", "adamw_param_step"]
+
+#: Elements per block of rows (16 MiB of fp32 update): bounds the step's transient memory.
+DEFAULT_CHUNK_ELEMENTS = 1 << 22
+
+
+def bias_terms(step: float, lr: float, beta1: float, beta2: float) -> tuple[float, float]:
+    """``(-lr / (1 - beta1^t), sqrt(1 - beta2^t))``, computed as ``torch.optim.AdamW`` does (Python floats)."""
+    bias_correction1 = 1 - beta1**step
+    bias_correction2 = 1 - beta2**step
+    return -(lr / bias_correction1), bias_correction2**0.5
+
+
+def chunk_rows(rows: int, cols: int, chunk_elements: int = DEFAULT_CHUNK_ELEMENTS) -> int:
+    """Rows per block: as many whole rows as fit in ``chunk_elements`` (at least one)."""
+    return max(1, min(rows, chunk_elements // max(cols, 1)))
+
+
+def init_state(family: str, global_shape: Sequence[int], p_local: Tensor, bf16_update: str) -> dict[str, Tensor]:
+    """Zero moments for a parameter (``p_local``: its local rows), plus the weight-writing state
+    its ``bf16_update`` rule keeps (:func:`~qmuon_lightning.core.apply.weight_state_init`)."""
+    st = qadamw.init_adamw_state(family, global_shape, p_local.shape, p_local.device)
+    st.update(weight_state_init(p_local, bf16_update))
+    return st
+
+
+def _row_view(t: Tensor, rows: int) -> Tensor:
+    return t.view(rows, -1)
+
+
+def adamw_param_step(p_local: Tensor, grad: Tensor, state: dict[str, Tensor], group: dict[str, Any], *,
+                     global_shape: Sequence[int], key: int = 0, row_offset: int = 0,
+                     chunk_elements: int = DEFAULT_CHUNK_ELEMENTS) -> None:
+    """One AdamW step of one parameter (``p_local``, ``grad``, ``state``: local tensors; for a
+    ``Shard(0)`` parameter its rows, starting at global row ``row_offset``).
+
+    ``group``: ``lr``, ``betas``, ``eps``, ``weight_decay``, ``state_format`` (the family) and,
+    optionally, ``bf16_update`` and ``seed`` (the rounding rule of low-precision weights and the seed
+    of its noise, keyed by the parameter ``key`` and the step)."""
+    lr, wd, eps = float(group["lr"]), float(group["weight_decay"]), float(group["eps"])
+    beta1, beta2 = (float(b) for b in group["betas"])
+    m_fmt, v_fmt = qadamw.moment_formats(group["state_format"], global_shape)
+    state["step"] += 1
+    step = float(state["step"].item())
+    neg_step_size, bc2_sqrt = bias_terms(step, lr, beta1, beta2)
+    decay = 1.0 - lr * wd
+    rows, cols = qadamw.matrix_shape(p_local.shape)
+    if rows == 0 or cols == 0:
+        return
+    p2d = _row_view(p_local, rows)
+    g2d = _row_view(grad if grad.is_contiguous() else grad.contiguous(), rows)
+    rule = group.get("bf16_update", "nearest")
+    # the weight-writing state of low-precision weights (e.g. an error-correction term): one value per weight
+    moment_keys = {"step", *m_fmt.spec.keys, *v_fmt.spec.keys}
+    weight_keys = [k for k, v in state.items()
+                   if k not in moment_keys and isinstance(v, Tensor) and v.numel() == p_local.numel()]
+    n = chunk_rows(rows, cols, chunk_elements)
+    buf = torch.empty((n, cols), dtype=torch.float32, device=p_local.device)
+    seed = int(group.get("seed", 0))
+    for r0 in range(0, rows, n):
+        r1 = min(rows, r0 + n)
+        update = buf[: r1 - r0]
+        qadamw.update_rows(m_fmt, v_fmt, state, r0, r1, g2d[r0:r1], update, beta1=beta1, beta2=beta2, eps=eps,
+                           neg_step_size=neg_step_size, bias_correction2_sqrt=bc2_sqrt)
+        wstate = {k: _row_view(state[k], rows)[r0:r1] for k in weight_keys if k in state}
+        apply_update_(p2d[r0:r1], update, alpha=1.0, decay=decay, bf16_update=rule, state=wstate or None,
+                      rng=(seed, key, int(step), (row_offset + r0) * cols))

@@ -1,0 +1,86 @@
+"""The ``torch.ops.qmuon`` operator of the quantized AdamW moments: its typed prototype (schema and
+reference), fake and compiled-kernel predicate. :mod:`._library` declares it with its ``_op`` (one
+place declares every op; this module imports nothing of it, so there is no import cycle).
+
+``adamw_q_update_``: one fused pass over a block of rows: decode the 8-bit / 4-bit first and second
+moments, update them with the gradient, emit the fp32 AdamW update of those weights, re-encode. The
+reference is :func:`.reference_adamw.adamw_q_update_`; the compiled twins are
+``csrc/cpu/adamw_cpu.cpp`` and ``csrc/cuda/adamw_cuda.cu`` (maths: ``csrc/qmuon/adamw_math.h``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from . import _kernels as K
+from . import reference_adamw as refa
+__all__ = ["MUTATES", "adamw_q_update_", "fake", "supported"]
+
+MUTATES = ("m_codes", "m_scale", "v_codes", "v_scale", "update")
+
+
+def adamw_q_update_(
+    grad: Tensor,
+    m_codes: Tensor,
+    m_scale: Tensor,
+    v_codes: Tensor,
+    v_scale: Tensor,
+    update: Tensor,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    neg_step_size: float,
+    bias_correction2_sqrt: float,
+    m_kind: int,
+    v_kind: int,
+    block_size: int,
+) -> None:
+    """Quantized AdamW moment step of ``grad``'s rows; writes the fp32 update into ``update``
+    (see :func:`qmuon_lightning.ops.reference_adamw.adamw_q_update_`)."""
+    _check(grad, m_codes, m_scale, v_codes, v_scale, update, m_kind, v_kind, block_size)
+    refa.adamw_q_update_(grad, m_codes, m_scale, v_codes, v_scale, update, beta1, beta2, eps, neg_step_size,
+                         bias_correction2_sqrt, m_kind, v_kind, block_size)
+
+
+def fake(grad, m_codes, m_scale, v_codes, v_scale, update, beta1, beta2, eps, neg_step_size, bias_correction2_sqrt,
+      m_kind, v_kind, block_size):
+    return None
+
+
+def _code_dtype(kind: int) -> torch.dtype:
+    return torch.int8 if kind == refa.M8 else torch.uint8
+
+
+def _check(grad: Tensor, m_codes: Tensor, m_scale: Tensor, v_codes: Tensor, v_scale: Tensor, update: Tensor,
+           m_kind: int, v_kind: int, block_size: int) -> None:
+    """Shapes and dtypes of a call (the same rules the compiled kernels' bindings enforce)."""
+    if m_kind not in (refa.M8, refa.M4) or v_kind not in (refa.V8, refa.V4):
+        raise ValueError(f"adamw_q_update_: m_kind must be {refa.M8} or {refa.M4} and v_kind {refa.V8} or {refa.V4}, "
+                         f"got {m_kind}, {v_kind}")
+    if grad.dim() != 2 or update.shape != grad.shape or update.dtype != torch.float32:
+        raise ValueError(f"adamw_q_update_: grad must be 2-D and update fp32 of the same shape, got "
+                         f"{tuple(grad.shape)} and {tuple(update.shape)} {update.dtype}")
+    rows, cols = grad.shape
+    nb = (cols + block_size - 1) // block_size
+    for name, t, kind in (("m", m_codes, m_kind), ("v", v_codes, v_kind)):
+        want = (rows, refa.moment_code_cols(kind, cols))
+        if tuple(t.shape) != want or t.dtype != _code_dtype(kind):
+            raise ValueError(f"adamw_q_update_: {name}_codes must be {_code_dtype(kind)} {want}, got "
+                             f"{t.dtype} {tuple(t.shape)}")
+    for name, t in (("m_scale", m_scale), ("v_scale", v_scale)):
+        if tuple(t.shape) != (rows, nb) or t.dtype != torch.float32:
+            raise ValueError(f"adamw_q_update_: {name} must be fp32 {(rows, nb)}, got {t.dtype} {tuple(t.shape)}")
+    if block_size < 2 or block_size % 2:
+        raise ValueError(f"adamw_q_update_: block_size must be even and >= 2, got {block_size}")
+
+
+def _rows_ok(t: Tensor) -> bool:
+    return t.dim() == 2 and (t.numel() == 0 or t.stride(1) == 1)
+
+
+def supported(grad, m_codes, m_scale, v_codes, v_scale, update, beta1, beta2, eps, neg_step_size, bias_correction2_sqrt,
+      m_kind, v_kind, block_size):
+    ts = (grad, m_codes, m_scale, v_codes, v_scale, update)
+    return (K.block_ok(block_size) and grad.dtype in K.GRAD_DTYPES and all(_rows_ok(t) for t in ts)
+            and all(t.device == grad.device for t in ts))
