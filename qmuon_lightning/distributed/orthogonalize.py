@@ -60,7 +60,7 @@ from ..quant import state as qstate
 from ..quant.layout import RowLayout, check_sharded_param, row_layout, shard_state
 from .carrier import Carrier, get_carrier
 
-__all__ = ["ShardedStep", "plan_owners"]
+__all__ = ["ShardedStep", "plan_owners", "merge_comm_stats"]
 
 
 @dataclass
@@ -116,6 +116,25 @@ def plan_owners(items: list[Any], world: int) -> list[int]:
         owners[j] = best
         load[best] += cost
     return owners
+
+
+#: Figures of :meth:`ShardedStep.finish` that add up over several exchanges of one optimizer step.
+_ADDITIVE = ("flags_bytes", "ns_bytes_sent", "ns_bytes_total", "muon_elements", "matrices_owned")
+#: Per-parameter ratios (bytes / Muon element): combined weighted by ``muon_elements``.
+_PER_ELEMENT = ("wire_bytes_per_param", "bf16_wire_bytes_per_param", "exchange_bytes_per_param")
+
+
+def merge_comm_stats(parts: list[dict[str, float]]) -> dict[str, float]:
+    """The figures of one optimizer step whose distributed Newton-Schulz ran as several exchanges
+    (gradient release: one per FSDP unit): byte counts summed, per-element ratios weighted by
+    each exchange's Muon elements. One part is returned as it is."""
+    if len(parts) == 1:
+        return dict(parts[0])
+    out = {k: float(sum(p.get(k, 0.0) for p in parts)) for k in _ADDITIVE}
+    el = max(out["muon_elements"], 1.0)
+    for k in _PER_ELEMENT:
+        out[k] = sum(p.get(k, 0.0) * p.get("muon_elements", 0.0) for p in parts) / el
+    return out
 
 
 class ShardedStep:
@@ -176,11 +195,19 @@ class ShardedStep:
         return self._layouts[id(p)].start
 
     # ------------------------------------------------------------------ 1. agreement
-    def agree_on_updates(self, where: list[tuple[int, int]], finite: list[bool]) -> tuple[list[tuple[int, int]], list[bool]]:
+    def agree_on_updates(self, where: list[tuple[int, int]], finite: list[bool],
+                         keys: list[tuple[int, int]] | None = None) -> tuple[list[tuple[int, int]], list[bool]]:
         """Make the has-gradient and finite decisions of DTensor parameters global (all-reduce
-        MAX of ``[has_grad, bad]`` per sharded parameter). Plain parameters keep local decisions."""
+        MAX of ``[has_grad, bad]`` per sharded parameter). Plain parameters keep local decisions.
+
+        ``keys``: the ``(group, index)`` of the parameters this call steps, in group order (None:
+        every parameter); only their sharded ones are agreed on, so a per-unit step (gradient
+        release) all-reduces the flags of its own parameters. Every rank passes the same keys."""
         local = dict(zip(where, finite))
-        sharded = self._sharded_keys
+        if keys is None:
+            keys = [(gi, i) for gi, g in enumerate(self.param_groups) for i in range(len(g["params"]))]
+        wanted = set(keys)
+        sharded = [k for k in self._sharded_keys if k in wanted]
         host = [0] * (2 * len(sharded))
         for j, key in enumerate(sharded):
             if key in local:
@@ -200,16 +227,15 @@ class ShardedStep:
                 if p.grad is None:  # others have a gradient: this rank's rows got none
                     p.grad = torch.zeros_like(p)
         out_where, out_finite = [], []
-        for gi, group in enumerate(self.param_groups):
-            for i, p in enumerate(group["params"]):
-                key = (gi, i)
-                if isinstance(p, DTensor):
-                    if key in agreed:
-                        out_where.append(key)
-                        out_finite.append(agreed[key])
-                elif key in local:
+        for key in sorted(keys):
+            gi, i = key
+            if isinstance(self.param_groups[gi]["params"][i], DTensor):
+                if key in agreed:
                     out_where.append(key)
-                    out_finite.append(local[key])
+                    out_finite.append(agreed[key])
+            elif key in local:
+                out_where.append(key)
+                out_finite.append(local[key])
         return out_where, out_finite
 
     # ------------------------------------------------------------------ 2. momentum (called per parameter)

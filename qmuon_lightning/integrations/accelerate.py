@@ -41,6 +41,7 @@ import torch
 from torch import nn
 
 from ..optim.qmuon import QMuon
+from ..optim.release import check_trainer_compatible, release_of
 from ..optim.routing import build_optimizer
 
 try:
@@ -269,6 +270,11 @@ def prepare_qmuon(
                 "prepare_qmuon builds the optimizer itself; do not pass one in objects (prepare another optimizer "
                 "with its own accelerator.prepare call)"
             )
+    if build_optimizer_kwargs.get("gradient_release"):
+        # release steps inside backward: Accelerate's gradient accumulation and fp16 GradScaler cannot combine
+        check_trainer_compatible(accumulate_grad_batches=accelerator.gradient_accumulation_steps,
+                                 scaler=getattr(accelerator, "scaler", None), where="prepare_qmuon",
+                                 accumulate_setting="Accelerator(gradient_accumulation_steps={n})")
     build_optimizer_kwargs.setdefault("verbose", accelerator.is_main_process)
     optimizer = build_optimizer(model, **build_optimizer_kwargs)
     extra: list[Any] = list(objects)
@@ -284,4 +290,7 @@ def prepare_qmuon(
     if any(len(s) for s in qm.state.values()):
         raise RuntimeError("QMuon holds state right after prepare; it must be created lazily by the first step()")
     check_state_keys(p_model, p_opt)
+    release = release_of(qm)
+    if release is not None:
+        release.sync_hooks()  # FSDP2's prepare replaced the parameters: hook the sharded ones
     return prepared

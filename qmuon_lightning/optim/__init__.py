@@ -3,7 +3,8 @@
 from ..core.config import QMuonConfig
 from . import routing as _routing
 from .qmuon import DEFAULT_NS_COEFFICIENTS, FORMAT_VERSION, GraspMuon, NonFiniteGradientError, QMuon, adjusted_lr
+from .release import GradientRelease, attach_gradient_release
 from .routing import *  # noqa: F401,F403  (RoutingRule, build_optimizer, ...: see optim.routing)
 
 __all__ = ["QMuon", "QMuonConfig", "GraspMuon", "NonFiniteGradientError", "FORMAT_VERSION", "DEFAULT_NS_COEFFICIENTS", "adjusted_lr",
-           *_routing.__all__]
+           "GradientRelease", "attach_gradient_release", *_routing.__all__]

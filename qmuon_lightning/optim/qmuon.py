@@ -176,6 +176,12 @@ class QMuon(Optimizer):
         self._adamw_defaults = config.adamw_group_defaults()
         self._plans: dict[int, tuple[tuple, list[ParamPlan]]] = {}
         self._sharded: tuple[tuple, Any] | None = None
+        self._index: tuple[tuple, dict[int, tuple[int, int]]] | None = None
+        self._skipped_in_step = False
+        self._step_comm: list[dict[str, float]] = []
+        #: The gradient-release driver stepping this optimizer inside backward, when one is attached
+        #: (:func:`qmuon_lightning.optim.release.attach_gradient_release`); ``None`` otherwise.
+        self.gradient_release: Any = None
         super().__init__(params, config.muon_group_defaults())
 
     @classmethod
@@ -241,23 +247,81 @@ class QMuon(Optimizer):
     # ------------------------------------------------------------------ step
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """One optimizer step: runs ``closure`` (if given), steps every parameter holding a
+        gradient (:meth:`step_params`) and closes the step (non-finite bookkeeping, communication
+        figures). With gradient release attached (:mod:`qmuon_lightning.optim.release`) the
+        parameters were stepped inside backward already; ``step()`` then steps only what bypassed
+        the release hooks and closes the step the same way."""
         loss = pipeline.call_closure(closure)
+        release = self.gradient_release
+        if release is not None:
+            release.finish_step()
+        else:
+            self.step_params()
+        self._end_step()
+        return loss
+
+    @torch.no_grad()
+    def step_params(self, params: Iterable[Tensor] | None = None) -> None:
+        """Step ``params`` (default: every parameter of the optimizer) that hold a gradient, through
+        the one pipeline :meth:`step` uses: non-finite policy, Muon momentum and Newton-Schulz per
+        matrix, AdamW for ``use_muon=False`` groups. Parameters are processed in group order
+        whatever the order given, so stepping a model in several calls does per parameter exactly
+        what one call does.
+
+        Sharded (DTensor) parameters make the call collective: every rank must call it with the
+        same parameters (the finite-gradient agreement and the distributed Newton-Schulz exchange
+        run over the given parameters only). Step-level bookkeeping (``nonfinite_skipped_steps``,
+        ``comm_stats``) is closed by :meth:`step`.
+        """
+        keys = self._keys_of(params)
         sharded = self._sharded_step()  # None unless a parameter is a DTensor (FSDP2)
+        if sharded is not None and params is not None and not any(
+                is_dtensor(self.param_groups[gi]["params"][i]) for gi, i in keys):
+            sharded = None  # only plain parameters: nothing collective
         if sharded is not None:
             sharded.begin()
-        updatable = self._updatable_params(sharded)  # raises before anything changes (nonfinite="raise")
+        updatable = self._updatable_params(sharded, keys)  # raises before anything changes (nonfinite="raise")
         items: list[NSItem] = []
         for gi, (group, idx) in enumerate(zip(self.param_groups, updatable)):
             if group["use_muon"]:
                 self._muon_group_step(gi, idx, items, sharded)
-            else:
+            elif idx:
                 self._adamw_step(gi, group, idx)
         pipeline.orthogonalize(items, self.batch_budget)
         if sharded is not None:
             # distributed Newton-Schulz (collective: every rank, same items)
-            self.comm_stats = sharded.finish(self.batch_budget)
+            self._step_comm.append(sharded.finish(self.batch_budget))
+
+    def _keys_of(self, params: Iterable[Tensor] | None) -> list[tuple[int, int]]:
+        """``(group, index)`` of ``params`` in group order (every parameter when None)."""
+        if params is None:
+            return [(gi, i) for gi, g in enumerate(self.param_groups) for i in range(len(g["params"]))]
+        sig = tuple(id(p) for g in self.param_groups for p in g["params"])
+        if self._index is None or self._index[0] != sig:
+            self._index = (sig, {id(p): (gi, i) for gi, g in enumerate(self.param_groups)
+                                 for i, p in enumerate(g["params"])})
+        index = self._index[1]
+        keys = set()
+        for p in params:
+            key = index.get(id(p))
+            if key is None:
+                raise KeyError("QMuon.step_params: a parameter is not in any of the optimizer's parameter groups")
+            keys.add(key)
+        return sorted(keys)
+
+    def _end_step(self) -> None:
+        """Close one optimizer step: count it as skipped when a parameter update was skipped in it,
+        and publish the step's communication figures (summed over the calls of the step)."""
+        if self._skipped_in_step:
+            self.nonfinite_skipped_steps += 1
+            self._skipped_in_step = False
+        if self._step_comm:
+            from ..distributed.orthogonalize import merge_comm_stats
+
+            self.comm_stats = merge_comm_stats(self._step_comm)
             self.comm_bytes_last_step = int(self.comm_stats["ns_bytes_sent"] + self.comm_stats["flags_bytes"])
-        return loss
+            self._step_comm = []
 
     def _sharded_step(self) -> Any:
         """The distributed driver when some parameter is a DTensor, else ``None``; built (and its
@@ -279,24 +343,24 @@ class QMuon(Optimizer):
             self._sharded = (sig, ShardedStep(self.param_groups, self.comm_carrier, self.comm_return))
         return self._sharded[1]
 
-    def _updatable_params(self, sharded: Any = None) -> list[list[int]]:
-        """Per group, indices of parameters with a finite gradient (one fused reduction over every
-        gradient and one host sync). With ``nonfinite="raise"`` in any group that holds a bad
-        gradient, raises before any parameter or state of any group changes."""
+    def _updatable_params(self, sharded: Any, keys: list[tuple[int, int]]) -> list[list[int]]:
+        """Per group, indices of the parameters ``keys`` with a finite gradient (one fused reduction
+        over their gradients and one host sync). With ``nonfinite="raise"`` in any group that holds
+        a bad gradient, raises before any of these parameters or their state changes."""
         where: list[tuple[int, int]] = []
         grads: list[Tensor] = []
-        for gi, group in enumerate(self.param_groups):
-            for i, p in enumerate(group["params"]):
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
-                    raise RuntimeError("QMuon does not support sparse gradients")
-                where.append((gi, i))
-                grads.append(local(p.grad))
+        for gi, i in keys:
+            p = self.param_groups[gi]["params"][i]
+            if p.grad is None:
+                continue
+            if p.grad.is_sparse:
+                raise RuntimeError("QMuon does not support sparse gradients")
+            where.append((gi, i))
+            grads.append(local(p.grad))
         out: list[list[int]] = [[] for _ in self.param_groups]
         finite = pipeline.finite_flags(grads)
         if sharded is not None:  # one all-reduce: every rank skips / updates the same sharded parameters
-            where, finite = sharded.agree_on_updates(where, finite)
+            where, finite = sharded.agree_on_updates(where, finite, keys)
         bad_by_policy: dict[str, list[str]] = defaultdict(list)
         streaks = self._nonfinite_streak
         over: list[str] = []
@@ -330,7 +394,7 @@ class QMuon(Optimizer):
                 "(or set it to None) only if such runs recover", over, n)
         if bad_by_policy.get("skip"):
             self.nonfinite_skips += len(bad_by_policy["skip"])
-            self.nonfinite_skipped_steps += 1
+            self._skipped_in_step = True  # counted once per step by _end_step
             log.warning("QMuon: skipped update of %s (non-finite gradient)", ", ".join(bad_by_policy["skip"]))
         return out
 

@@ -42,6 +42,7 @@ from ..core.config import DEFAULT_CONFIG, QMuonConfig
 from ..core.pipeline import DEFAULT_BATCH_BUDGET
 from ..core.plan import ORIENTATIONS, FusedParts
 from .qmuon import QMuon
+from .release import attach_gradient_release
 
 __all__ = [
     "RoutingRule",
@@ -306,6 +307,8 @@ def build_optimizer(
     orientations: Mapping[str, str] | None = None,
     verbose: bool = True,
     batch_budget: float = DEFAULT_BATCH_BUDGET,
+    gradient_release: bool = False,
+    release_clip_norm: float | None = None,
     **qmuon_kwargs: Any,
 ) -> QMuon:
     """Route ``model``'s parameters with the rule table and build one :class:`QMuon`.
@@ -319,13 +322,24 @@ def build_optimizer(
     (one set of defaults, shared with ``QMuon``): pass a ``config``, keyword arguments
     (``lr=0.02, state_format="grasp4", ...``), or both (keywords override the config's fields).
     An unknown keyword raises ``TypeError`` listing the accepted ones.
+
+    ``gradient_release=True`` steps each parameter inside backward as soon as its gradient is
+    complete and frees the gradient (:mod:`qmuon_lightning.optim.release`; ``optimizer.step()``
+    and ``zero_grad()`` keep working). ``release_clip_norm``: per-parameter L2 clipping of the AdamW
+    group's gradients under release (global-norm clipping cannot combine with it).
     """
+    if not isinstance(gradient_release, bool):
+        raise TypeError(f"build_optimizer: gradient_release must be True or False, got {gradient_release!r}")
+    if release_clip_norm is not None and not gradient_release:
+        raise ValueError("build_optimizer: release_clip_norm applies with gradient_release=True only; without release "
+                         "clip the global norm as usual (torch.nn.utils.clip_grad_norm_, Trainer(gradient_clip_val=...))")
     cfg = config or DEFAULT_CONFIG
     if qmuon_kwargs:
         unknown = sorted(set(qmuon_kwargs) - set(QMuonConfig.field_names()))
         if unknown:
             raise TypeError(f"build_optimizer: unknown argument(s) {unknown}; accepted: routing (rules, fused_parts, "
-                            f"orientations, verbose, batch_budget, config) and QMuon's: "
+                            f"orientations, verbose, batch_budget, config), gradient_release, release_clip_norm "
+                            f"and QMuon's: "
                             f"{', '.join(QMuonConfig.field_names())}")
         cfg = cfg.replace(**qmuon_kwargs)
     decisions = route_parameters(model, rules, fused_parts, orientations)
@@ -356,6 +370,8 @@ def build_optimizer(
     for d in decisions:
         d.param = None
     opt.routing = decisions  # type: ignore[attr-defined]
+    if gradient_release:
+        attach_gradient_release(opt, clip_norm=release_clip_norm)
     table = format_routing_table(decisions)
     log.info("QMuon parameter routing:\n%s", table)
     if verbose and _is_rank_zero():

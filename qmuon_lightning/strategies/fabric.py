@@ -49,11 +49,12 @@ from typing_extensions import override
 
 from ..distributed.resume import require_complete
 from ..optim.qmuon import QMuon
+from ..optim.release import CLIPPING_ERROR, check_trainer_compatible, release_of
 from ..optim.routing import format_routing_table
 from . import optimizer_swap as swap
 from .fsdp import (
     _CKPT_KEY, OptimizerMode, QMuonStrategyMixin, _check_sharded_formats,
-    apply_format_overrides, build_replacement, check_compatible, checkpoint_info, load_full_state, load_sharded_state, no_muon_warning,
+    apply_format_overrides, ensure_release, build_replacement, check_compatible, checkpoint_info, load_full_state, load_sharded_state, no_muon_warning,
 )
 from .sharding import ShardPolicy, describe_sharding, shard_unless_sharded
 
@@ -180,6 +181,8 @@ class QMuonFabricStrategy(QMuonStrategyMixin, ModelParallelStrategy):
         if isinstance(optimizer, QMuon):
             _check_sharded_formats(optimizer)
             self._note_preset_mismatch(optimizer)
+            ensure_release(optimizer, self._optimizer_kwargs)
+            self._check_release(optimizer)
             return optimizer
         if self._optimizer_mode == "keep":
             return optimizer
@@ -197,7 +200,29 @@ class QMuonFabricStrategy(QMuonStrategyMixin, ModelParallelStrategy):
             rank_zero_warn(warning)
         rank_zero_info(f"{type(self).__name__}: {type(optimizer).__name__} replaced by QMuon; parameter routing\n"
                        f"{format_routing_table(self.routing)}")
+        self._check_release(new)
         return new
+
+    def _check_release(self, optimizer: Optimizer) -> None:
+        """Gradient release cannot combine with fp16 loss scaling: refuse it at setup."""
+        if release_of(optimizer) is not None:
+            check_trainer_compatible(scaler=getattr(self.precision, "scaler", None), where=type(self).__name__)
+
+    @override
+    def clip_gradients_norm(self, module: nn.Module, optimizer: Optimizer, max_norm: Union[float, int],
+                            norm_type: Union[float, int] = 2.0, error_if_nonfinite: bool = True) -> torch.Tensor:
+        if release_of(optimizer) is not None:
+            raise RuntimeError(f"{type(self).__name__}: fabric.clip_gradients(max_norm={max_norm}): "
+                               + CLIPPING_ERROR.format(what="fabric.clip_gradients"))
+        return super().clip_gradients_norm(module, optimizer, max_norm, norm_type, error_if_nonfinite)
+
+    @override
+    def clip_gradients_value(self, module: nn.Module, optimizer: Optimizer, clip_val: Union[float, int]) -> None:
+        if release_of(optimizer) is not None:
+            raise RuntimeError(f"{type(self).__name__}: fabric.clip_gradients(clip_val={clip_val}): the gradients are "
+                               "freed inside backward under gradient_release=True, so there is nothing left to clip. "
+                               "Use per-parameter norm clipping (optimizer_kwargs={'release_clip_norm': ...}) instead")
+        return super().clip_gradients_value(module, optimizer, clip_val)
 
     def _module_of(self, optimizer: Optimizer) -> nn.Module:
         """The set-up model that owns every parameter of ``optimizer``; a clear error otherwise."""

@@ -56,6 +56,7 @@ from ..core.config import (
 )
 from ..distributed.resume import publish_directory, require_complete, staging_path
 from ..optim.qmuon import QMuon
+from ..optim.release import attach_gradient_release, check_trainer_compatible, release_of
 from ..optim.routing import build_optimizer, format_routing_table
 from ..quant import state as qstate
 from . import optimizer_swap as swap
@@ -98,7 +99,7 @@ _NO_OPTIMIZER_STATE = (
 # What each optimizer mode fixes in build_optimizer's arguments.
 _MODE_KWARGS: dict[str, dict[str, Any]] = {"qmuon": {}, "grasp": {"state_format": "grasp4"}, "keep": {}}
 # build_optimizer arguments besides QMuon's (QMuonConfig's fields); "verbose" is the strategy's own.
-_ROUTING_KWARGS = ("rules", "fused_parts", "orientations", "batch_budget")
+_ROUTING_KWARGS = ("rules", "fused_parts", "orientations", "batch_budget", "gradient_release", "release_clip_norm")
 
 
 def _validate_optimizer_kwargs(mode: str, kwargs: Mapping[str, Any]) -> dict[str, Any]:
@@ -135,7 +136,19 @@ def _validate_optimizer_kwargs(mode: str, kwargs: Mapping[str, Any]) -> dict[str
     budget = kwargs.get("batch_budget", 1.0)
     if not (isinstance(budget, (int, float)) and budget > 0):
         raise ValueError(f"optimizer_kwargs: batch_budget must be > 0, got {budget!r}")
+    if not isinstance(kwargs.get("gradient_release", False), bool):
+        raise ValueError(f"optimizer_kwargs: gradient_release must be True or False, got {kwargs['gradient_release']!r}")
+    if kwargs.get("release_clip_norm") is not None and not kwargs.get("gradient_release"):
+        raise ValueError("optimizer_kwargs: release_clip_norm applies with gradient_release=True only; without release "
+                         "use Trainer(gradient_clip_val=...) / fabric.clip_gradients")
     return kwargs
+
+
+def ensure_release(optimizer: QMuon, optimizer_kwargs: Mapping[str, Any]) -> None:
+    """Attach gradient release to a QMuon the strategy keeps (built by the user) when
+    ``optimizer_kwargs`` asks for it and it has none yet."""
+    if optimizer_kwargs.get("gradient_release") and release_of(optimizer) is None:
+        attach_gradient_release(optimizer, clip_norm=optimizer_kwargs.get("release_clip_norm"))
 
 
 def _fqn_keyed(osd: dict[str, Any], module: torch.nn.Module) -> dict[str, Any]:
@@ -530,6 +543,11 @@ class QMuonFSDPStrategy(QMuonStrategyMixin, ModelParallelStrategy):
         super().setup_optimizers(trainer)
         if self._optimizer_mode != "keep":
             self._swap_optimizer()
+        if any(release_of(opt) is not None for opt in self.optimizers):
+            # Gradient release steps inside backward: what needs every gradient at once fails now.
+            check_trainer_compatible(
+                accumulate_grad_batches=trainer.accumulate_grad_batches, gradient_clip_val=trainer.gradient_clip_val,
+                scaler=getattr(self.precision_plugin, "scaler", None), where=type(self).__name__)
 
     def _swap_optimizer(self) -> None:
         module = self.lightning_module
@@ -545,6 +563,7 @@ class QMuonFSDPStrategy(QMuonStrategyMixin, ModelParallelStrategy):
         if isinstance(user, QMuon):
             rank_zero_info(f"{type(self).__name__}: configure_optimizers returned a QMuon; kept as it is")
             _check_sharded_formats(user)
+            ensure_release(user, self._optimizer_kwargs)
             return
         if isinstance(user, _MockOptimizer):
             user = None
