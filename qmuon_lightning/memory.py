@@ -143,8 +143,13 @@ def _release_supported() -> bool:
 STANDARD_SETUPS: tuple[Setup, ...] = (
     Setup("AdamW", "adamw"),
     Setup("torch.Muon + AdamW", "torch_muon"),
-    Setup("QMuon int8", "qmuon", {"state_format": "int8"}),
-    Setup("QMuon grasp4", "qmuon", {"state_format": "grasp4"}),
+    Setup("QMuon int8", "qmuon", {"state_format": "int8", "adamw_state_format": "fp32"}),
+    Setup("QMuon grasp4", "qmuon", {"state_format": "grasp4", "adamw_state_format": "fp32"}),
+    Setup("int8 + int8 AdamW", "qmuon", {"state_format": "int8", "adamw_state_format": "int8"}),
+    Setup("int8 + int8 AdamW + release", "qmuon",
+          {"state_format": "int8", "adamw_state_format": "int8", "gradient_release": True}),
+    Setup("grasp4 + int4 AdamW + release", "qmuon",
+          {"state_format": "grasp4", "adamw_state_format": "int4", "gradient_release": True}),
     Setup("int8 + int8 AdamW + bf16 stochastic", "qmuon",
           {"state_format": "int8", "adamw_state_format": "int8", "bf16_update": "stochastic"}, "bf16"),
     Setup("int8 + int8 AdamW + bf16 ecc8", "qmuon",
@@ -367,17 +372,57 @@ def _weight_state_nbytes(p: ParamInfo, dtype: torch.dtype, bf16_update: str | No
     return sum(t.numel() * t.element_size() for t in st.values() if isinstance(t, torch.Tensor))
 
 
-def _adamw_state_nbytes(p: ParamInfo, dtype: torch.dtype, state_format: str | None) -> int:
+def _adamw_state_nbytes(p: ParamInfo, dtype: torch.dtype, family: str | None) -> int:
     """AdamW state of one parameter: ``torch.optim.AdamW``'s ``exp_avg`` and ``exp_avg_sq``
-    (``zeros_like(param)``) and its 0-d ``step``; with a quantized ``adamw_state_format``, what the
-    format keeps for both moments (:func:`qmuon_lightning.quant.adamw_state_nbytes` when the
-    installation has it)."""
-    if state_format is None:
+    (``zeros_like(param)``) and its 0-d ``step`` (``family=None``); or QMuon's AdamW state in moment
+    family ``family`` (``adamw_state_format``): the tensors
+    :func:`qmuon_lightning.quant.adamw.init_adamw_state` creates, on the meta device."""
+    if family is None:
         return 2 * p.numel * _itemsize(dtype) + STEP_BYTES
-    fn = getattr(qstate, "adamw_state_nbytes", None)
-    if fn is None:
-        raise NotImplementedError("this qmuon_lightning has no quantized AdamW state (adamw_state_format)")
-    return int(fn(state_format, p.shape, dtype)) + STEP_BYTES
+    qadamw = _quant_adamw()
+    st = qadamw.init_adamw_state(family, p.shape, p.shape, torch.device("meta"))
+    return sum(t.numel() * t.element_size() for t in st.values() if isinstance(t, torch.Tensor))
+
+
+def _quant_adamw() -> Any:
+    """:mod:`qmuon_lightning.quant.adamw` (the AdamW moment formats), when this installation has it."""
+    try:
+        from .quant import adamw as qadamw
+    except ImportError:
+        raise NotImplementedError("this qmuon_lightning has no AdamW state formats (adamw_state_format)") from None
+    return qadamw
+
+
+def _core_adamw() -> Any:
+    """:mod:`qmuon_lightning.core.adamw` (QMuon's per-tensor, row-chunked AdamW step), or None where
+    QMuon still calls torch's functional AdamW."""
+    try:
+        from .core import adamw as core_adamw
+    except ImportError:
+        return None
+    return core_adamw
+
+
+def adamw_chunked_step_bytes(shape: Sequence[int], family: str, weight_bytes: int) -> int:
+    """Transient of QMuon's per-tensor AdamW step of one parameter
+    (:func:`qmuon_lightning.core.adamw.adamw_param_step`): blocks of whole rows of at most
+    ``DEFAULT_CHUNK_ELEMENTS`` elements, each with its fp32 update buffer (``4 c`` bytes, ``c`` the
+    block's elements), plus, for dense moments, torch's ops on the block: ``sqrt(v)`` (``4 c``) and
+    fp32 copies of bf16 moments and gradient (``4 c`` each); quantized moments are updated by the
+    fused kernel in place. Writing a bf16 weight (:func:`qmuon_lightning.core.apply.apply_update_`)
+    adds the block's fp32 weights (``4 c``)."""
+    core_adamw, qadamw = _core_adamw(), _quant_adamw()
+    rows, cols = qadamw.matrix_shape(shape)
+    c = core_adamw.chunk_rows(rows, cols) * cols
+    m_fmt, v_fmt = qadamw.moment_formats(family, shape)
+    words = 1  # the fp32 update buffer
+    if m_fmt.spec.kind.startswith("adamw_dense") and v_fmt.spec.kind.startswith("adamw_dense"):
+        words += 1  # denom = sqrt(v)
+        words += sum(1 for f in (m_fmt, v_fmt) if f.spec.dtype != torch.float32)
+        words += 1 if weight_bytes != 4 else 0  # grad.float()
+    if weight_bytes != 4:
+        words += 1  # apply_update_: the block's weights in fp32
+    return 4 * c * words
 
 
 def _adamw_groups(inv: Inventory, optimizer: str) -> list[list[ParamInfo]]:
@@ -437,8 +482,9 @@ def estimate(model_or_inventory: nn.Module | Inventory, setup: Setup, *, device:
         opts_dict = cfg.muon_group_defaults()
         fmt = qstate.get_format(cfg.state_format)
         opts = qstate.format_options(opts_dict)
-        adamw_fmt = getattr(cfg, "adamw_state_format", None)
-        adamw_fmt = None if adamw_fmt in (None, "fp32") and wdtype == torch.float32 else adamw_fmt
+        # QMuon's AdamW groups: the moment family of adamw_state_format through the per-tensor step,
+        # or (installations without it) torch's functional AdamW with torch's state
+        adamw_fmt = getattr(cfg, "adamw_state_format", None) if _core_adamw() is not None else None
         bf16_update = getattr(cfg, "bf16_update", None)
         for p in inv.of("muon"):
             parts["muon momentum"] += fmt.nbytes(p.rows, p.cols, opts) + STEP_BYTES
@@ -474,23 +520,21 @@ def estimate(model_or_inventory: nn.Module | Inventory, setup: Setup, *, device:
     return est
 
 
-def _qmuon_adamw_phase(inv: Inventory, wb: int, adamw_fmt: str | None, foreach: bool) -> int:
-    """QMuon's AdamW groups: torch's functional AdamW today (:func:`adamw_phase_bytes`); with a
-    quantized state format, the per-tensor step of that format."""
+def _qmuon_adamw_phase(inv: Inventory, wb: int, family: str | None, foreach: bool) -> int:
+    """QMuon's AdamW groups: one parameter at a time (:func:`adamw_chunked_step_bytes`), or, in an
+    installation without :mod:`qmuon_lightning.core.adamw`, torch's functional AdamW
+    (:func:`adamw_phase_bytes`)."""
     groups = _adamw_groups(inv, "qmuon")
-    if adamw_fmt is None:
+    if family is None:
         return adamw_phase_bytes([[p.numel for p in g] for g in groups], wb, foreach=foreach)
-    return max((_qmuon_adamw_phase_one(p, wb, adamw_fmt, foreach) for g in groups for p in g), default=0)
+    return max((adamw_chunked_step_bytes(p.shape, family, wb) for g in groups for p in g), default=0)
 
 
-def _qmuon_adamw_phase_one(p: ParamInfo, wb: int, adamw_fmt: str | None, foreach: bool) -> int:
-    """The AdamW step of one parameter on its own (gradient release, or the per-tensor step)."""
-    if adamw_fmt is None:
+def _qmuon_adamw_phase_one(p: ParamInfo, wb: int, family: str | None, foreach: bool) -> int:
+    """The AdamW step of one parameter on its own (gradient release)."""
+    if family is None:
         return adamw_phase_bytes([[p.numel]], wb, foreach=foreach)
-    fn = getattr(qstate, "adamw_step_workspace_nbytes", None)
-    if fn is None:
-        raise NotImplementedError("this qmuon_lightning has no quantized AdamW step (adamw_state_format)")
-    return int(fn(adamw_fmt, p.shape, wb))
+    return adamw_chunked_step_bytes(p.shape, family, wb)
 
 
 def estimate_all(model_or_inventory: nn.Module | Inventory, setups: Sequence[Setup] = STANDARD_SETUPS, *,
