@@ -189,6 +189,77 @@ def main() -> int:
     estimates: dict[str, dict[str, Any]] = {}
     largest: dict[str, dict[str, Any]] = {}
     budget = int(args.budget_gib * GiB)
+    def report(final: bool) -> None:
+        elapsed = time.perf_counter() - t_start
+
+        lines = list(header)
+        lines.insert(-1, f"- CPU capability: {torch.backends.cpu.get_cpu_capability()}; total run time {elapsed:.0f}s")
+        lines += [
+            f"Batch {args.batch} x {args.seq} tokens, {args.steps} training steps per process, CPU, seed {args.seed}. "
+            "*peak live*: the most tensor bytes alive at once (PyTorch's `MemTracker`, what an accelerator's allocator "
+            "must hold); *act.+temp.*: activations and autograd temporaries alive at that moment (the rest is weights, "
+            "grads, optimizer state and the step's temporaries); *B/param*: peak live / parameters; *estimate*: "
+            "`qmuon_lightning.memory.estimate` (the model `qmuon-estimate` prints) from the meta-device model; "
+            f"*largest within {args.budget_gib:g} GiB*: the deepest model of this width whose estimated step fits.",
+            "",
+        ]
+        for model_name in models:
+            keys = [k for k in runs if k.startswith(model_name + "|")]
+            if not keys:
+                continue
+            n = runs[keys[0]]["n_params"]
+            with torch.device("meta"):
+                inv = mem.parameter_inventory(build_model(model_name, seq=args.seq))
+            base = runs.get(f"{model_name}|AdamW")
+            base_largest = largest.get(f"{model_name}|AdamW")
+            desc = ("`DecoderLM` GPT-2-small width (d_model 768, 12 heads, 12 layers, vocabulary 50304, untied head)"
+                    if model_name == "gpt2s" else
+                    "Hugging Face `LlamaForCausalLM` (hidden 512, 8 layers, 8 heads / 4 KV heads, MLP 1408, untied 32k vocabulary)")
+            lines += [f"## {desc}: {n / 1e6:.1f}M parameters, {inv.n_muon / 1e6:.1f}M in Muon matrices", ""]
+            hdr = ["configuration", "peak live MiB", "B/param", "vs AdamW", "weights MiB", "grads MiB", "state MiB",
+                   "step temp. MiB", "act.+temp. MiB", "estimate MiB", "error", f"largest in {args.budget_gib:g} GiB",
+                   "params there", "vs AdamW params", "target B/param"]
+            rows = []
+            for lab in labels:
+                key = f"{model_name}|{lab}"
+                if key not in runs:
+                    continue
+                r = runs[key]
+                sp = r["peak_split"]
+                opt_cat = sp.get("Optstate", 0)
+                state = min(r["state_bytes"], opt_cat)
+                temp = opt_cat - state
+                act = sp.get("Activation", 0) + sp.get("Temp", 0)
+                est = estimates.get(key)
+                lg = largest.get(key)
+                rows.append([
+                    f"`{lab}`", f"{r['peak_live'] / MiB:.1f}", f"{r['peak_live'] / n:.2f}",
+                    f"{r['peak_live'] / base['peak_live']:.2f}x" if base else "n/a",
+                    f"{(sp.get('Parameter', 0) + sp.get('Buffer', 0)) / MiB:.1f}", f"{sp.get('Gradient', 0) / MiB:.1f}",
+                    f"{state / MiB:.1f}", f"{temp / MiB:.1f}", f"{act / MiB:.1f}",
+                    f"{est['total'] / MiB:.1f}" if est else "not modelled",
+                    f"{(est['total'] / r['peak_live'] - 1) * 100:+.1f}%" if est else "-",
+                    str(lg["layers"]) if lg else "-", f"{lg['n_params'] / 1e6:.0f}M" if lg else "-",
+                    f"{lg['n_params'] / base_largest['n_params']:.2f}x" if lg and base_largest and base_largest["n_params"] else "-",
+                    f"<= {TARGETS[lab]}" + (" met" if r["peak_live"] / n <= TARGETS[lab] else " **missed**") if lab in TARGETS else "",
+                ])
+            lines += [md_table(hdr, rows), ""]
+        if notes:
+            lines += ["Not measured:", ""] + [f"- {x}" for x in dict.fromkeys(notes)] + [""]
+        text = "\n".join(lines)
+        if final:
+            print(text)
+        if not args.no_write:
+            out = args.out or RESULTS_DIR / "train_memory.md"
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(text)
+            raw = {"header": header, "platform": platform.platform(),
+                   "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "child"},
+                   "runs": runs, "estimates": estimates, "largest_within_budget": largest, "notes": notes,
+                   "elapsed_s": elapsed, "loadavg": os.getloadavg()}
+            out.with_suffix(".json").write_text(json.dumps(raw, indent=1))
+            _log(f"wrote {out} and {out.with_suffix('.json').name}")
+
     for model_name in models:
         with torch.device("meta"):
             meta = build_model(model_name, seq=args.seq)
@@ -220,74 +291,8 @@ def main() -> int:
             est = estimates.get(key)
             _log(f"    peak live {res['peak_live'] / MiB:.1f} MiB ({res['peak_live'] / res['n_params']:.2f} B/param)"
                  + (f", estimate {est['total'] / MiB:.1f} MiB" if est else "") + f", {res['seconds']:.0f}s")
-    elapsed = time.perf_counter() - t_start
-
-    lines = list(header)
-    lines.insert(-1, f"- CPU capability: {torch.backends.cpu.get_cpu_capability()}; total run time {elapsed:.0f}s")
-    lines += [
-        f"Batch {args.batch} x {args.seq} tokens, {args.steps} training steps per process, CPU, seed {args.seed}. "
-        "*peak live*: the most tensor bytes alive at once (PyTorch's `MemTracker`, what an accelerator's allocator "
-        "must hold); *act.+temp.*: activations and autograd temporaries alive at that moment (the rest is weights, "
-        "grads, optimizer state and the step's temporaries); *B/param*: peak live / parameters; *estimate*: "
-        "`qmuon_lightning.memory.estimate` (the model `qmuon-estimate` prints) from the meta-device model; "
-        f"*largest within {args.budget_gib:g} GiB*: the deepest model of this width whose estimated step fits.",
-        "",
-    ]
-    for model_name in models:
-        keys = [k for k in runs if k.startswith(model_name + "|")]
-        if not keys:
-            continue
-        n = runs[keys[0]]["n_params"]
-        with torch.device("meta"):
-            inv = mem.parameter_inventory(build_model(model_name, seq=args.seq))
-        base = runs.get(f"{model_name}|AdamW")
-        base_largest = largest.get(f"{model_name}|AdamW")
-        desc = ("`DecoderLM` GPT-2-small width (d_model 768, 12 heads, 12 layers, vocabulary 50304, untied head)"
-                if model_name == "gpt2s" else
-                "Hugging Face `LlamaForCausalLM` (hidden 512, 8 layers, 8 heads / 4 KV heads, MLP 1408, untied 32k vocabulary)")
-        lines += [f"## {desc}: {n / 1e6:.1f}M parameters, {inv.n_muon / 1e6:.1f}M in Muon matrices", ""]
-        hdr = ["configuration", "peak live MiB", "B/param", "vs AdamW", "weights MiB", "grads MiB", "state MiB",
-               "step temp. MiB", "act.+temp. MiB", "estimate MiB", "error", f"largest in {args.budget_gib:g} GiB",
-               "params there", "vs AdamW params", "target B/param"]
-        rows = []
-        for lab in labels:
-            key = f"{model_name}|{lab}"
-            if key not in runs:
-                continue
-            r = runs[key]
-            sp = r["peak_split"]
-            opt_cat = sp.get("Optstate", 0)
-            state = min(r["state_bytes"], opt_cat)
-            temp = opt_cat - state
-            act = sp.get("Activation", 0) + sp.get("Temp", 0)
-            est = estimates.get(key)
-            lg = largest.get(key)
-            rows.append([
-                f"`{lab}`", f"{r['peak_live'] / MiB:.1f}", f"{r['peak_live'] / n:.2f}",
-                f"{r['peak_live'] / base['peak_live']:.2f}x" if base else "n/a",
-                f"{(sp.get('Parameter', 0) + sp.get('Buffer', 0)) / MiB:.1f}", f"{sp.get('Gradient', 0) / MiB:.1f}",
-                f"{state / MiB:.1f}", f"{temp / MiB:.1f}", f"{act / MiB:.1f}",
-                f"{est['total'] / MiB:.1f}" if est else "not modelled",
-                f"{(est['total'] / r['peak_live'] - 1) * 100:+.1f}%" if est else "-",
-                str(lg["layers"]) if lg else "-", f"{lg['n_params'] / 1e6:.0f}M" if lg else "-",
-                f"{lg['n_params'] / base_largest['n_params']:.2f}x" if lg and base_largest and base_largest["n_params"] else "-",
-                f"<= {TARGETS[lab]}" + (" met" if r["peak_live"] / n <= TARGETS[lab] else " **missed**") if lab in TARGETS else "",
-            ])
-        lines += [md_table(hdr, rows), ""]
-    if notes:
-        lines += ["Not measured:", ""] + [f"- {x}" for x in notes] + [""]
-    text = "\n".join(lines)
-    print(text)
-    if not args.no_write:
-        out = args.out or RESULTS_DIR / "train_memory.md"
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(text)
-        raw = {"header": header, "platform": platform.platform(),
-               "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "child"},
-               "runs": runs, "estimates": estimates, "largest_within_budget": largest, "notes": notes,
-               "elapsed_s": elapsed, "loadavg": os.getloadavg()}
-        out.with_suffix(".json").write_text(json.dumps(raw, indent=1))
-        _log(f"wrote {out} and {out.with_suffix('.json').name}")
+        report(final=False)
+    report(final=True)
     return 0
 
 
