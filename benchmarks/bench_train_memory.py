@@ -47,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 MiB = 2**20
 GiB = 2**30
 MARKER = "@@TRAIN_MEMORY_RESULT@@ "
-TORCHAO = ("torchao AdamW8bit (bf16, SR)", "torchao AdamW4bit (bf16, SR)")
+TORCHAO = ("torchao AdamW8bit bf16 SR", "torchao AdamW4bit bf16 SR")
 MODELS = ("gpt2s", "llama")
 #: issue 19's targets, whole-step bytes per parameter (activations aside), by configuration label
 TARGETS = {
@@ -291,7 +291,7 @@ def main() -> int:
             est = estimates.get(key)
             _log(f"    peak live {res['peak_live'] / MiB:.1f} MiB ({res['peak_live'] / res['n_params']:.2f} B/param)"
                  + (f", estimate {est['total'] / MiB:.1f} MiB" if est else "") + f", {res['seconds']:.0f}s")
-        report(final=False)
+            report(final=False)  # a partial run leaves what it measured
     report(final=True)
     return 0
 
