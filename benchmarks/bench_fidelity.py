@@ -57,14 +57,19 @@ SCALES: dict[str, dict] = {
 
 
 def parse_kind(kind: str) -> tuple[str, str | None, str, dict]:
-    """``"adamw"`` / ``"torch-muon"`` / ``"qmuon:<format>[:mxfp8][@rank=R][@grid=G][@lr=X]"`` ->
-    (family, format, ns_input, overrides). The ``@`` overrides are for sweeps of grasp4's knobs."""
+    """``"adamw"`` / ``"torch-muon"`` / ``"qmuon:<format>[:mxfp8][@rank=R][@grid=G][@lr=X][@adamw=F]"`` ->
+    (family, format, ns_input, overrides). The ``@`` overrides are for sweeps of grasp4's knobs and of
+    the AdamW moments' storage (``@adamw=int8``: ``adamw_state_format``; without it the QMuon runs keep
+    fp32 AdamW moments, the fp32-master reference of the quantized-AdamW comparisons)."""
     base, *opts = kind.split("@")
     over: dict = {}
     for o in opts:
         k, _, v = o.partition("=")
-        if k not in ("rank", "grid", "lr") or not v:
-            raise SystemExit(f"bad option {o!r} in {kind!r}: use @rank=R, @grid=G or @lr=X")
+        if k not in ("rank", "grid", "lr", "adamw") or not v:
+            raise SystemExit(f"bad option {o!r} in {kind!r}: use @rank=R, @grid=G, @lr=X or @adamw=F")
+        if k == "adamw":
+            over["adamw_state_format"] = v
+            continue
         over[{"grid": "grid_block"}.get(k, k)] = float(v) if k == "lr" else int(v)
     if base in ("adamw", "torch-muon"):
         if over:
@@ -95,7 +100,7 @@ def make_optimizers(kind: str, model: nn.Module, args) -> list[torch.optim.Optim
     return [build_optimizer(model, lr=over.get("lr", args.lr), weight_decay=0.1, state_format=fmt,
                             adamw_lr=args.adamw_lr, seed=args.seed, ns_input=ns_input,
                             rank=over.get("rank", args.rank), grid_block=over.get("grid_block", args.grid_block),
-                            verbose=False)]
+                            adamw_state_format=over.get("adamw_state_format", "fp32"), verbose=False)]
 
 
 def muon_state_bytes_per_param(opts: list[torch.optim.Optimizer]) -> float | None:

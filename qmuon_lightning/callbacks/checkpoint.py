@@ -86,6 +86,8 @@ def _group_entry(gi: int, group: dict[str, Any], names: Mapping[int, str]) -> di
     params = [{"name": names.get(id(p), f"group{gi}.param{i}"), "shape": [int(s) for s in p.shape]}
               for i, p in enumerate(group["params"])]
     entry: dict[str, Any] = {"index": gi, "use_muon": bool(group["use_muon"]), "params": params}
+    if not group["use_muon"] and group.get("state_format") is not None:
+        entry["adamw_state_format"] = group["state_format"]  # informational: QMuon.load_state_dict converts
     if group["use_muon"]:
         opts = qstate.format_options(group)
         entry.update({
