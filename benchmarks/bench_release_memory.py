@@ -93,6 +93,45 @@ def child(cfg: dict[str, Any]) -> dict[str, Any]:
             "losses": losses, "step_seconds": times}
 
 
+def timing_child(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Step time with and without release, interleaved in one process (the machine's load drifts
+    between processes): two copies of the model, the same batches, alternating which goes first."""
+    import statistics
+
+    import torch
+
+    import qmuon_lightning
+    from qmuon_lightning.models.decoder_lm import DecoderLM
+
+    torch.set_num_threads(cfg["threads"])
+    qmuon_lightning.ops.backend()
+    models, opts = [], []
+    for release in (False, True):
+        torch.manual_seed(cfg["seed"])
+        m = DecoderLM(vocab_size=cfg["vocab"], d_model=cfg["d_model"], n_layers=cfg["layers"], n_heads=cfg["heads"],
+                      max_seq_len=cfg["seq"])
+        models.append(m)
+        opts.append(qmuon_lightning.build_optimizer(m, state_format=cfg["format"], verbose=False,
+                                                    gradient_release=release))
+    g = torch.Generator().manual_seed(cfg["seed"] + 1)
+    times: list[list[float]] = [[], []]
+    losses: list[list[float]] = [[], []]
+    for step in range(cfg["time_steps"] + 1):
+        tokens = torch.randint(0, cfg["vocab"], (cfg["batch"], cfg["seq"] + 1), generator=g)
+        x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+        for j in ((0, 1) if step % 2 == 0 else (1, 0)):
+            t0 = time.perf_counter()
+            loss = models[j].loss(x, y)
+            loss.backward()
+            opts[j].step()
+            opts[j].zero_grad(set_to_none=True)
+            dt = time.perf_counter() - t0
+            losses[j].append(loss.item())
+            if step > 0:  # the first step allocates the state
+                times[j].append(dt)
+    return {"median_s": [statistics.median(t) for t in times], "times_s": times, "same_losses": losses[0] == losses[1]}
+
+
 def _run(cfg: dict[str, Any], timeout: float) -> dict[str, Any]:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(cfg)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
@@ -116,12 +155,15 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--time-steps", type=int, default=6,
+                    help="steps timed with and without release, interleaved in one process (0: skip)")
     ap.add_argument("--timeout", type=float, default=1200.0)
     ap.add_argument("--out", type=Path)
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
     if args.child is not None:
-        print(MARKER + json.dumps(child(json.loads(args.child))), flush=True)
+        cfg = json.loads(args.child)
+        print(MARKER + json.dumps(timing_child(cfg) if cfg.get("time_steps") else child(cfg)), flush=True)
         return 0
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -163,13 +205,22 @@ def main() -> int:
         same = ""
         if n.endswith("+release") and base in res:
             same = "yes" if res[base]["losses"] == r["losses"] else "**no**"
-        step_ms = 1e3 * sum(r["step_seconds"][1:]) / max(1, len(r["step_seconds"]) - 1)
         rows.append([f"`{n}`", f"{r['peak_live'] / MiB:.1f}", *[f"{split.get(k, 0) / MiB:.1f}" for k, _ in CATEGORIES],
                      f"{state / MiB:.1f}", f"{temps / MiB:.1f}", f"{r['peak_live'] / n_params:.2f}",
-                     f"{(r['peak_live'] - acts) / n_params:.2f}", f"{floor / n_params:.2f}", f"{step_ms:.0f}", same])
+                     f"{(r['peak_live'] - acts) / n_params:.2f}", f"{floor / n_params:.2f}", same])
     lines += [md_table(["config", "peak live MiB", *[f"{c} MiB" for _, c in CATEGORIES], "opt state MiB",
                         "step temporaries MiB", "B/param", "B/param w/o activations", "floor B/param",
-                        "step ms (steps 2+)", "losses == without release"], rows), ""]
+                        "losses == without release"], rows), ""]
+    if args.time_steps:
+        cfg = {"config": "timing", "format": "int8", "time_steps": args.time_steps,
+               **{k: getattr(args, k) for k in ("d_model", "heads", "layers", "vocab", "seq", "batch", "threads", "seed")}}
+        print("timing ...", file=sys.stderr, flush=True)
+        t = _run(cfg, args.timeout)
+        res["timing"] = t
+        lines += [f"Step time, `qmuon-int8` without / with release, {args.time_steps} steps each after one warm-up, "
+                  "interleaved in one process (alternating which goes first), no MemTracker: median "
+                  f"{1e3 * t['median_s'][0]:.0f} ms / {1e3 * t['median_s'][1]:.0f} ms, ratio "
+                  f"**{t['median_s'][1] / t['median_s'][0]:.3f}x**; losses identical: {t['same_losses']}.", ""]
     text = "\n".join(lines)
     print(text)
     if not args.no_write:

@@ -565,3 +565,94 @@ def test_accelerate_prepare_qmuon_with_release_equals_without() -> None:
     finally:
         AcceleratorState._reset_state(True)
         GradientState._reset_state()
+
+
+def test_a_new_optimizer_takes_the_parameters_over() -> None:
+    """A second optimizer with release on the same model (a second trainer.fit, a rebuilt
+    optimizer) takes the hooks over: the parameters are stepped once per backward, by it."""
+    base = small()
+    a, b = copy.deepcopy(base), copy.deepcopy(base)
+    old = build(b, True)
+    ob = build(b, True)
+    assert release_of(old) is None and release_of(ob) is not None
+    oa = build(a, False)
+    train(a, oa, range(2))
+    train(b, ob, range(2), check_released=True)
+    assert_same(a, b)
+    assert not old.state  # the old optimizer never stepped
+
+
+def test_a_released_model_can_be_copied_and_saved(tmp_path) -> None:
+    """Release keeps nothing on the parameters: a deepcopy of a released model gets its own
+    release without disturbing the original's, and torch.save(model) works."""
+    a = small()
+    oa = build(a, True)
+    b = copy.deepcopy(a)
+    ob = build(b, True)
+    assert release_of(oa) is not None and release_of(ob) is not None
+    torch.save(a, tmp_path / "model.pt")
+    train(a, oa, range(1), check_released=True)
+    train(b, ob, range(1), check_released=True)
+    assert_same(a, b)
+
+
+# ----------------------------------------------------------------------------------- Fabric
+def _fabric_worker(rank: int, world: int) -> dict:
+    """L.Fabric(strategy=QMuonFabricStrategy(optimizer_kwargs={"gradient_release": True})) on one
+    CPU process: the AdamW passed to setup_optimizers is replaced by a QMuon with release; the
+    loop (fabric.backward, optimizer.step) equals the one without; fabric.clip_gradients refuses."""
+    import lightning as L
+    from torch.distributed.tensor import DTensor
+
+    from qmuon_lightning.models import DecoderLM
+    from qmuon_lightning.strategies import QMuonFabricStrategy
+
+    def run(release: bool):
+        fabric = L.Fabric(accelerator="cpu", devices=1,
+                          strategy=QMuonFabricStrategy(optimizer_kwargs={"gradient_release": release}))
+        fabric.launch()
+        torch.manual_seed(0)
+        model = fabric.setup_module(DecoderLM(vocab_size=32, d_model=32, n_layers=2, n_heads=2, max_seq_len=8))
+        opt = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=3e-3))
+        freed = []
+        for s in range(3):
+            tok = torch.randint(0, 32, (4, 9), generator=torch.Generator().manual_seed(s))
+            fabric.backward(model.loss(tok[:, :-1], tok[:, 1:]))
+            freed.append(all(p.grad is None for p in model.parameters()))
+            opt.step()
+            opt.zero_grad()
+        params = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+                  for n, p in model.named_parameters()}
+        return fabric, model, opt, params, freed
+
+    _, _, _, plain, freed_plain = run(False)
+    fabric, model, opt, released, freed = run(True)
+    out = {"plain": plain, "release": released, "freed": (freed_plain, freed), "clip_error": None}
+    fabric.backward(model.loss(torch.zeros(4, 8, dtype=torch.long), torch.zeros(4, 8, dtype=torch.long)))
+    try:
+        fabric.clip_gradients(model, opt, max_norm=1.0)
+    except RuntimeError as e:
+        out["clip_error"] = str(e)
+    return out
+
+
+@pytest.mark.slow
+def test_fabric_with_release_equals_without_and_refuses_clipping() -> None:
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+    from _dist import run_workers
+
+    forkable = torch.get_num_threads() == 1 and not dist.is_initialized() and "fork" in mp.get_all_start_methods()
+    (r,) = run_workers(_fabric_worker, 1, timeout=240, start_method="fork" if forkable else "spawn")
+    assert not any(r["freed"][0]) and all(r["freed"][1])
+    for n in r["plain"]:
+        assert torch.equal(r["plain"][n], r["release"][n]), n
+    assert r["clip_error"] is not None and "release_clip_norm" in r["clip_error"]
+
+
+def test_deepspeed_wrapper_refuses_release() -> None:
+    pytest.importorskip("deepspeed")
+    from qmuon_lightning.integrations import deepspeed as qds
+
+    with pytest.raises(ValueError, match="cannot combine with DeepSpeed ZeRO"):
+        qds.WholeMatrixZeroOptimizer(build(small(), True))

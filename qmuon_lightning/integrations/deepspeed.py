@@ -307,6 +307,13 @@ class WholeMatrixZeroOptimizer(Optimizer):
                 f"WholeMatrixZeroOptimizer wraps a qmuon_lightning.QMuon, got {type(qmuon).__name__}; build one "
                 "with qmuon_lightning.build_optimizer(model)"
             )
+        if qmuon.gradient_release is not None:
+            raise ValueError(
+                "gradient_release=True cannot combine with DeepSpeed ZeRO: ZeRO reduces and partitions the gradients "
+                "into flat buckets after backward, so a parameter's hook would step it with its unreduced local "
+                "gradient. Build the QMuon without gradient_release for DeepSpeed, or train with the qmuon_fsdp "
+                "strategy (FSDP2), where release steps the reduced shards"
+            )
         if any(len(st) for st in qmuon.state.values()):
             raise ValueError(
                 "the QMuon already has optimizer state (it has stepped or loaded a checkpoint): wrap a fresh QMuon "

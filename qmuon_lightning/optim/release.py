@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import logging
 import math
+import weakref
 from typing import Any
 
 import torch
@@ -65,6 +66,19 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+#: id(parameter) -> (the parameter, the release that hooks it), both weakly: the newest release of a
+#: parameter takes it over, so an old optimizer still alive (an earlier ``trainer.fit``, a rebuilt
+#: optimizer) does not step it a second time. (Not an attribute of the tensor: it would travel with
+#: ``deepcopy`` and break ``torch.save(model)``.)
+_OWNERS: dict[int, tuple["weakref.ref[Tensor]", "weakref.ref[GradientRelease]"]] = {}
+
+
+def _owner_of(p: Tensor) -> "GradientRelease | None":
+    entry = _OWNERS.get(id(p))
+    if entry is None or entry[0]() is not p:
+        return None
+    return entry[1]()
 
 ACCUMULATION_ERROR = (
     "gradient_release=True steps each parameter inside backward, so gradients cannot be accumulated over several "
@@ -114,6 +128,7 @@ class GradientRelease:
         self.stepped_by_step = 0
         self._handles: list[RemovableHandle] = []
         self._hooked: tuple[int, ...] = ()
+        self._hooked_set: frozenset[int] = frozenset()
         self._stepped: set[int] = set()
         self._pending: list[Tensor] = []
         self._pending_storage: int | None = None
@@ -132,17 +147,33 @@ class GradientRelease:
         if ids == self._hooked:
             return
         self.remove_hooks()
+        for key in [k for k, (pr, rr) in _OWNERS.items() if pr() is None or rr() is None]:
+            del _OWNERS[key]  # dead entries
+        me = weakref.ref(self)
+
+        def hook(p: Tensor) -> None:  # a weak reference: a dropped optimizer does not live on in its hooks
+            release = me()
+            if release is not None:
+                release._hook(p)
+
         for p in params:
-            if p.requires_grad:
-                self._handles.append(p.register_post_accumulate_grad_hook(self._hook))
-        self._hooked = ids
+            if not p.requires_grad:
+                continue
+            other = _owner_of(p)
+            if other is not None and other is not self and id(p) in other._hooked_set:
+                log.warning("gradient release: a parameter was released by another optimizer, which stops "
+                            "releasing now (its step() steps as without release)")
+                other.detach()
+            _OWNERS[id(p)] = (weakref.ref(p), me)
+            self._handles.append(p.register_post_accumulate_grad_hook(hook))
+        self._hooked, self._hooked_set = ids, frozenset(ids)
 
     def remove_hooks(self) -> None:
         """Remove the hooks (the optimizer then steps in ``step()`` as usual, once detached:
         :meth:`detach`)."""
         for h in self._handles:
             h.remove()
-        self._handles, self._hooked = [], ()
+        self._handles, self._hooked, self._hooked_set = [], (), frozenset()
 
     def detach(self) -> None:
         """Stop releasing: remove the hooks and give ``step()`` back its usual behaviour."""
