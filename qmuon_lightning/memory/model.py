@@ -1,79 +1,41 @@
-"""Will it fit? The bytes of one training step, per optimizer configuration, from a model's shapes.
-
-One accounting model, used by ``qmuon-estimate``, ``benchmarks/bench_train_memory.py`` and the
-tests that hold it to PyTorch's ``MemTracker``. It reads a model built on the meta device (no
-memory is allocated), routes it with :func:`~qmuon_lightning.optim.routing.route_parameters` (the
-split :func:`~qmuon_lightning.build_optimizer` makes), and counts, per :class:`Setup`:
-
-* **weights**: every parameter in the setup's weight dtype, plus the model's buffers;
-* **grads**: one gradient per trainable parameter in its dtype; with gradient release only the
-  largest single gradient is in flight (each is stepped and freed inside backward);
-* **optimizer state**: what the optimizer keeps between steps, from the formats themselves:
-  Muon momentum from the quant registry (:meth:`StateFormat.nbytes
-  <qmuon_lightning.quant.formats.base.StateFormat.nbytes>`, the format's own tensors on the meta
-  device), the bf16 weight-correction state from
-  :func:`qmuon_lightning.core.apply.weight_state_init`, AdamW moments as ``torch.optim.AdamW``
-  stores them (``zeros_like(param)`` twice) or in the group's AdamW state format, and each
-  optimizer's 0-d ``step`` tensors;
-* **step temporaries**: the largest transient working set of ``optimizer.step()``, from a model of
-  what each step path allocates (:func:`adamw_phase_bytes`, :func:`torch_muon_phase_bytes`,
-  :func:`qmuon_muon_phase_bytes`, :func:`ns_phase_bytes`; the formulas are in their docstrings).
-
-The step's phases run one after the other (QMuon: Muon momentum per group, AdamW groups, then the
-Newton-Schulz batches; torch.optim.Muon then torch.optim.AdamW), so the step's peak is
-``weights + grads + state + max(phase temporaries)``; with gradient release it is
-``weights + state + max over parameters (its gradient + its own step's temporaries)``.
-Activations are not part of it: they are freed before ``optimizer.step()`` and, with release, the
-estimate holds for a tiny batch (add your activations; ``models.lm_module.memory_budget`` has an
-estimate for DecoderLM).
-
-What is counted is what PyTorch's ``MemTracker`` sees: tensor storages created through the
-dispatcher. Scratch a compiled kernel allocates internally, the CUDA context and the caching
-allocator's slack are not part of it (leave ~1-3 GiB of a budget for them on a GPU).
-"""
+"""The accounting model: per :class:`Setup`, the bytes of weights, gradients, optimizer state and
+step temporaries of one training step of a routed model (see the package docstring)."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
-from .core import pipeline
-from .core.config import QMuonConfig
-from .core.newton_schulz import resolve_ns_dtype
-from .optim.routing import RouteDecision, route_parameters
-from .quant import state as qstate
+from ..core.config import QMuonConfig
+from ..core.newton_schulz import resolve_ns_dtype
+from ..optim.routing import RouteDecision, route_parameters
+from ..quant import state as qstate
+from .paths import (
+    _core_adamw,
+    _itemsize,
+    _quant_adamw,
+    _uses_foreach,
+    adamw_chunked_step_bytes,
+    adamw_phase_bytes,
+    ns_phase_bytes,
+    qmuon_muon_phase_bytes,
+    torch_muon_phase_bytes,
+)
 
-__all__ = [
-    "Setup",
-    "MemoryEstimate",
-    "ParamInfo",
-    "STANDARD_SETUPS",
-    "parameter_inventory",
-    "estimate",
-    "estimate_all",
-    "largest_within",
-    "depth_inventories",
-    "adamw_phase_bytes",
-    "torch_muon_phase_bytes",
-    "qmuon_muon_phase_bytes",
-    "ns_phase_bytes",
-    "parse_bytes",
-    "format_bytes",
-    "format_table",
-]
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 #: 0-d fp32 ``step`` tensor kept per parameter by torch.optim.AdamW and by QMuon's groups.
+
+
 STEP_BYTES = 4
 
 
-# ------------------------------------------------------------------------------------------ setups
 @dataclass(frozen=True)
 class Setup:
     """One optimizer configuration.
@@ -132,7 +94,7 @@ class Setup:
 def _release_supported() -> bool:
     import inspect
 
-    from .optim import routing
+    from ..optim import routing
 
     return "gradient_release" in inspect.signature(routing.build_optimizer).parameters or (
         "gradient_release" in QMuonConfig.field_names())
@@ -140,6 +102,8 @@ def _release_supported() -> bool:
 
 #: The configurations ``qmuon-estimate`` and the memory benchmark compare (issue 19). Setups whose
 #: options this installation does not have yet are reported as unavailable, not guessed.
+
+
 STANDARD_SETUPS: tuple[Setup, ...] = (
     Setup("AdamW", "adamw"),
     Setup("torch.Muon + AdamW", "torch_muon"),
@@ -163,7 +127,6 @@ STANDARD_SETUPS: tuple[Setup, ...] = (
 )
 
 
-# ------------------------------------------------------------------------------------ inventory
 @dataclass(frozen=True)
 class ParamInfo:
     """One trainable parameter as the optimizer sees it."""
@@ -225,7 +188,6 @@ def parameter_inventory(model: nn.Module, rules: Any = None, fused_parts: Mappin
     return Inventory(params, bufs)
 
 
-# ------------------------------------------------------------------------------------ results
 @dataclass
 class MemoryEstimate:
     """Bytes of one training step of one :class:`Setup` (activations aside)."""
@@ -263,110 +225,12 @@ class MemoryEstimate:
                 "state_parts": dict(self.state_parts)}
 
 
-# ------------------------------------------------------------------------------------ step paths
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
-def _uses_foreach(device: str) -> bool:
-    """Whether ``torch.optim.AdamW`` (``foreach=None``) takes its foreach path on ``device``:
-    torch defaults to foreach where its foreach kernels are supported (CUDA, XPU, ...), and to
-    the per-tensor loop elsewhere (CPU)."""
-    from torch.utils._foreach_utils import _get_foreach_kernels_supported_devices
-
-    return torch.device(device).type in _get_foreach_kernels_supported_devices()
-
-
-def adamw_phase_bytes(groups: Sequence[Sequence[int]], elem_bytes: int, *, foreach: bool) -> int:
-    """Largest transient of ``torch.optim.AdamW`` (``foreach=None``, ``capturable=False``), whose
-    functional form QMuon's AdamW groups call too. ``groups``: element counts per parameter
-    group, in step order; ``elem_bytes``: bytes per element of the parameters (state follows them).
-
-    * foreach (CUDA): ``torch._foreach_sqrt(exp_avg_sqs)`` materializes ``sqrt(v)`` of the whole
-      group at once, then divides and adds in place: one copy of the group (per device and dtype).
-    * per tensor (CPU): ``denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)`` holds
-      ``sqrt(v)`` and its quotient together (2 copies of the tensor), while the previous tensor's
-      ``denom`` is still bound (the name is rebound only after the new one exists): tensor ``i``
-      peaks at ``numel[i-1] + 2 numel[i]`` elements within a group.
-    """
-    peak = 0
-    for sizes in groups:
-        if not sizes:
-            continue
-        if foreach:
-            peak = max(peak, sum(sizes) * elem_bytes)
-            continue
-        prev = 0
-        for n in sizes:
-            peak = max(peak, (prev + 2 * n) * elem_bytes)
-            prev = n
-    return peak
-
-
-def torch_muon_phase_bytes(matrices: Iterable[tuple[int, int]], elem_bytes: int) -> int:
-    """Largest transient of ``torch.optim.Muon`` (one matrix at a time; ``_single_tensor_muon``):
-    ``update = grad.lerp(buf, momentum)`` (``elem_bytes n``), its bf16 copy (``2 n``; none when the
-    gradient is bf16 already), and in each Newton-Schulz iteration the new iterate (``2 n``) while
-    the old one and the bf16 Gram matrix and its polynomial (``2 r^2`` each, ``r = min(rows, cols)``)
-    are alive: ``elem_bytes n + (2 n if fp32) + 2 n + 4 r^2``."""
-    peak = 0
-    for rows, cols in matrices:
-        n, r = rows * cols, min(rows, cols)
-        copy = 2 * n if elem_bytes != 2 else 0
-        peak = max(peak, elem_bytes * n + copy + 2 * n + 4 * r * r)
-    return peak
-
-
-def ns_phase_bytes(matrices: Sequence[tuple[int, int, bool]], ns_bytes: int, grad_bytes: int, *,
-                   device: str, batch_budget: float = pipeline.DEFAULT_BATCH_BUDGET) -> int:
-    """Largest transient of QMuon's Newton-Schulz phase (:func:`qmuon_lightning.core.pipeline.orthogonalize`).
-
-    Matrices of one NS shape are stacked in batches of ``B = max(1, cap // (rows cols))``, ``cap``
-    being ``batch_budget`` times the largest matrix (on CPU also at most
-    :data:`~qmuon_lightning.core.pipeline.CPU_BATCH_MAX_ELEMENTS`). :func:`newton_schulz_folded
-    <qmuon_lightning.core.newton_schulz.newton_schulz_folded>` of a batch holds the batch (a copy in
-    the NS dtype, except for a lone matrix whose gradient has that dtype already), the iterate and
-    its ping-pong buffer (``2 B n`` in the NS dtype) and the ``B x r x r`` Gram matrix and polynomial.
-    """
-    if not matrices:
-        return 0
-    budget = max(1, int(batch_budget * max(r * c for r, c, _ in matrices)))
-    cap = min(budget, pipeline.CPU_BATCH_MAX_ELEMENTS) if torch.device(device).type == "cpu" else budget
-    peak = 0
-    shapes: dict[tuple[int, int, bool], int] = {}
-    for rows, cols, t in matrices:
-        key = (cols, rows, True) if t else (rows, cols, False)
-        shapes[key] = shapes.get(key, 0) + 1
-    for (rows, cols, transposed), count in shapes.items():
-        n, r = rows * cols, min(rows, cols)
-        b = min(count, max(1, cap // n))
-        copied = not (b == 1 and not transposed and grad_bytes == ns_bytes)
-        peak = max(peak, ns_bytes * b * ((3 if copied else 2) * n + 2 * r * r))
-    return peak
-
-
-def qmuon_muon_phase_bytes(groups: Sequence[Sequence[ParamInfo]], opts_of: Callable[[], qstate.FormatOptions],
-                           fmt: qstate.StateFormat) -> int:
-    """Largest transient of QMuon's momentum phase: per Muon group, the per-row-block sums of
-    squares of every matrix of the group (fp32 ``rows x ceil(cols / block_size)``, alive until the
-    group's NS items are made) plus the largest :meth:`~qmuon_lightning.quant.formats.base.StateFormat.update_workspace_nbytes`
-    of one matrix (0 for the formats whose compiled kernels update in place)."""
-    opts = opts_of()
-    peak = 0
-    for params in groups:
-        sums = sum(p.rows * math.ceil(p.cols / opts.block_size) * 4 for p in params)
-        ws = max((fmt.update_workspace_nbytes(p.rows, p.cols, opts) for p in params), default=0)
-        peak = max(peak, sums + ws)
-    return peak
-
-
-# ------------------------------------------------------------------------------------ estimate
 def _weight_state_nbytes(p: ParamInfo, dtype: torch.dtype, bf16_update: str | None) -> int:
     """Bytes of the weight-correction state ``bf16_update`` keeps for a parameter stored in ``dtype``
     (``core.apply.weight_state_init`` on a meta tensor: the rule's own tensors)."""
     if dtype == torch.float32 or bf16_update is None:
         return 0
-    from .core import apply as core_apply
+    from ..core import apply as core_apply
 
     st = core_apply.weight_state_init(torch.empty(p.shape, dtype=dtype, device="meta"), bf16_update)
     return sum(t.numel() * t.element_size() for t in st.values() if isinstance(t, torch.Tensor))
@@ -382,47 +246,6 @@ def _adamw_state_nbytes(p: ParamInfo, dtype: torch.dtype, family: str | None) ->
     qadamw = _quant_adamw()
     st = qadamw.init_adamw_state(family, p.shape, p.shape, torch.device("meta"))
     return sum(t.numel() * t.element_size() for t in st.values() if isinstance(t, torch.Tensor))
-
-
-def _quant_adamw() -> Any:
-    """:mod:`qmuon_lightning.quant.adamw` (the AdamW moment formats), when this installation has it."""
-    try:
-        from .quant import adamw as qadamw
-    except ImportError:
-        raise NotImplementedError("this qmuon_lightning has no AdamW state formats (adamw_state_format)") from None
-    return qadamw
-
-
-def _core_adamw() -> Any:
-    """:mod:`qmuon_lightning.core.adamw` (QMuon's per-tensor, row-chunked AdamW step), or None where
-    QMuon still calls torch's functional AdamW."""
-    try:
-        from .core import adamw as core_adamw
-    except ImportError:
-        return None
-    return core_adamw
-
-
-def adamw_chunked_step_bytes(shape: Sequence[int], family: str, weight_bytes: int) -> int:
-    """Transient of QMuon's per-tensor AdamW step of one parameter
-    (:func:`qmuon_lightning.core.adamw.adamw_param_step`): blocks of whole rows of at most
-    ``DEFAULT_CHUNK_ELEMENTS`` elements, each with its fp32 update buffer (``4 c`` bytes, ``c`` the
-    block's elements), plus, for dense moments, torch's ops on the block: ``sqrt(v)`` (``4 c``) and
-    fp32 copies of bf16 moments and gradient (``4 c`` each); quantized moments are updated by the
-    fused kernel in place. Writing a bf16 weight (:func:`qmuon_lightning.core.apply.apply_update_`)
-    adds the block's fp32 weights (``4 c``)."""
-    core_adamw, qadamw = _core_adamw(), _quant_adamw()
-    rows, cols = qadamw.matrix_shape(shape)
-    c = core_adamw.chunk_rows(rows, cols) * cols
-    m_fmt, v_fmt = qadamw.moment_formats(family, shape)
-    words = 1  # the fp32 update buffer
-    if m_fmt.spec.kind.startswith("adamw_dense") and v_fmt.spec.kind.startswith("adamw_dense"):
-        words += 1  # denom = sqrt(v)
-        words += sum(1 for f in (m_fmt, v_fmt) if f.spec.dtype != torch.float32)
-        words += 1 if weight_bytes != 4 else 0  # grad.float()
-    if weight_bytes != 4:
-        words += 1  # apply_update_: the block's weights in fp32
-    return 4 * c * words
 
 
 def _adamw_groups(inv: Inventory, optimizer: str) -> list[list[ParamInfo]]:
@@ -598,139 +421,9 @@ def depth_inventories(build: Callable[[int], nn.Module], base: int = 1) -> Calla
     return at
 
 
-# ------------------------------------------------------------------------------------ output
-_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
-def parse_bytes(text: str | int | float) -> int:
-    """``"128GiB"``, ``"128 GB"``, ``"96gib"``, ``1e9`` -> bytes (GB = 10^9, GiB = 2^30)."""
-    if isinstance(text, (int, float)):
-        return int(text)
-    s = str(text).strip().lower().replace(" ", "")
-    num = s.rstrip("abcdefghijklmnopqrstuvwxyz")
-    unit = s[len(num):] or "b"
-    if unit not in _UNITS or not num:
-        raise ValueError(f"cannot read a memory size from {text!r}; write e.g. 128GiB, 96GB or 4096MiB")
-    return int(float(num) * _UNITS[unit])
-
-
-def format_bytes(n: float) -> str:
-    """Human-readable, accelerate's style (``"1.23 GB"`` uses powers of 1024 there; so do we, as GiB)."""
-    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{int(n)} B"
-
-
-def format_table(rows: Sequence[Sequence[str]], title: str = "") -> str:
-    """A boxed table in the style of ``accelerate estimate-memory`` (title row, header row, body)."""
-    widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
-    inner = sum(widths) + 3 * (len(widths) - 1)
-    if title and len(title) > inner:
-        widths[0] += len(title) - inner
-        inner = len(title)
-    bar = "┌" + "─" * (inner + 2) + "┐"
-    out = [bar] if title else []
-    if title:
-        out.append("│ " + title.center(inner) + " │")
-        out.append("├" + "┬".join("─" * (w + 2) for w in widths) + "┤")
-    else:
-        out.append("┌" + "┬".join("─" * (w + 2) for w in widths) + "┐")
-    for i, r in enumerate(rows):
-        cells = [str(c).ljust(w) if j == 0 else str(c).rjust(w) for j, (c, w) in enumerate(zip(r, widths))]
-        out.append("│ " + " │ ".join(cells) + " │")
-        if i == 0:
-            out.append("├" + "┼".join("─" * (w + 2) for w in widths) + "┤")
-    out.append("└" + "┴".join("─" * (w + 2) for w in widths) + "┘")
-    return "\n".join(out)
-
-
 def with_options(setup: Setup, **changes: Any) -> Setup:
     return dataclasses.replace(setup, **changes)
 
 
-# ------------------------------------------------------------------------------------ measurement
 #: ``torch.optim.AdamW`` / ``torch.optim.Muon`` settings of the compared baselines (build_optimizer's
 #: AdamW defaults; weight decay 0.1 on matrices, 0 on 1-D tensors).
-BASELINE_ADAMW = dict(lr=3e-4, betas=(0.9, 0.95), eps=1e-8)
-BASELINE_ADAMW_WD = 0.1
-BASELINE_MUON = dict(lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True)
-
-
-def build_optimizers(model: nn.Module, setup: Setup, **build_kwargs: Any) -> list[torch.optim.Optimizer]:
-    """The optimizer(s) of ``setup`` on ``model`` (whose weights are already in ``setup.weights``):
-    ``torch.optim.AdamW`` on every parameter; ``torch.optim.Muon`` on what ``route_parameters``
-    sends to Muon plus ``torch.optim.AdamW`` on the rest; or :func:`~qmuon_lightning.build_optimizer`
-    with the setup's options."""
-    missing = setup.missing()
-    if missing:
-        raise ValueError(f"setup {setup.label!r} needs {', '.join(missing)}, which this qmuon_lightning does not have")
-    if setup.optimizer == "adamw":
-        decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
-        no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
-        return [torch.optim.AdamW([{"params": decay, "weight_decay": BASELINE_ADAMW_WD},
-                                   {"params": no_decay, "weight_decay": 0.0}], **BASELINE_ADAMW)]
-    if setup.optimizer == "torch_muon":
-        decisions = route_parameters(model)
-        muon = [d.param for d in decisions if d.target == "muon"]
-        adamw = [{"params": [d.param for d in decisions if d.target == t], "weight_decay": wd}
-                 for t, wd in (("adamw", BASELINE_ADAMW_WD), ("adamw_no_decay", 0.0))]
-        return [torch.optim.Muon(muon, **BASELINE_MUON), torch.optim.AdamW([g for g in adamw if g["params"]],
-                                                                           **BASELINE_ADAMW)]
-    from .optim.routing import build_optimizer
-
-    kw = dict(setup.options)
-    kw.setdefault("verbose", False)
-    return [build_optimizer(model, **kw, **build_kwargs)]
-
-
-@dataclass
-class Measurement:
-    """What ``MemTracker`` saw over a few training steps: the peak of live tensor bytes and its split."""
-
-    peak: int
-    split: dict[str, int]
-    state_bytes: int
-    losses: list[float]
-
-
-def measure_step(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer], loss_fn: Callable[[], torch.Tensor],
-                 steps: int = 2) -> Measurement:
-    """Peak live tensor bytes of ``steps`` training steps (``loss_fn().backward()``, every
-    optimizer's ``step()``, ``zero_grad(set_to_none=True)``), by PyTorch's
-    ``torch.distributed._tools.mem_tracker.MemTracker`` (its *peak* snapshot: live bytes by
-    category at the moment they were highest). The first step allocates the optimizer state; the
-    peak of a later step includes it. ``state_bytes``: the optimizers' state after the run."""
-    from torch.distributed._tools.mem_tracker import MemTracker
-
-    device = next(model.parameters()).device
-    tracker = MemTracker()
-    tracker.track_external(model, *optimizers)
-    losses: list[float] = []
-    with tracker:
-        for _ in range(steps):
-            tracker.reset_mod_stats()
-            loss = loss_fn()
-            loss.backward()
-            losses.append(float(loss.detach()))
-            del loss
-            for o in optimizers:
-                o.step()
-            for o in optimizers:
-                o.zero_grad(set_to_none=True)
-    seen: set[int] = set()
-    state = 0
-    for o in optimizers:
-        for st in o.state.values():
-            for v in st.values():
-                if isinstance(v, torch.Tensor):
-                    local = v.to_local() if hasattr(v, "to_local") else v
-                    ptr = local.untyped_storage().data_ptr()
-                    if ptr not in seen:
-                        seen.add(ptr)
-                        state += local.untyped_storage().nbytes()
-    snap = tracker.get_tracker_snapshot("peak")[device]
-    split = {str(getattr(k, "value", k)): int(v) for k, v in snap.items()}
-    peak = split.pop("Total")
-    return Measurement(peak, split, state, losses)
