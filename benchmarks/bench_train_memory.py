@@ -1,32 +1,32 @@
-"""The memory headline: what a full training step of one GPT model costs with AdamW,
-torch.optim.Muon, QMuon int8 and QMuon grasp4, split into weights, gradients, optimizer state,
-activations and temporaries, and the deepest model of that width that fits a memory budget.
+"""The memory headline: what one training step holds per optimizer configuration, measured side by
+side in one run and set against the accounting model of ``qmuon-estimate``.
 
-Accounting: ``torch.distributed._tools.mem_tracker.MemTracker`` (PyTorch's own tracker, used by its
-FSDP memory estimator) sees every tensor storage created through the dispatcher and files it as
-parameter, buffer, gradient, activation, optimizer state or temporary; its *peak* snapshot is the
-split at the moment live tensor bytes were highest during the run. Live tensor bytes are what an
-accelerator's caching allocator has to hold (``torch.cuda.max_memory_allocated`` on a GPU, printed
-beside it there), free of glibc's retained heap, so one configuration gives the same figure in every
-process and the depth search below is exact. The process's peak RSS (``VmHWM``) is reported too, as a
-cross-check that includes the Python runtime, Lightning's imports and the allocator's slack; it varies
-by tens of MiB from process to process. Scratch allocated inside the compiled kernels without going
-through the dispatcher (none above a few rows) is not seen.
+Configurations: every :data:`qmuon_lightning.memory.STANDARD_SETUPS` entry this installation can
+build (AdamW, torch.optim.Muon + AdamW, QMuon int8 / grasp4, and the full stacks: int8 AdamW state,
+bf16 weights with ``bf16_update="stochastic"`` / ``"ecc8"``, gradient release, grasp4 + int4), plus
+``torchao.optim.AdamW8bit`` / ``AdamW4bit`` on bf16 weights with ``bf16_stochastic_round=True``
+(optional: skipped with a note when torchao is not installed).
 
-Each (optimizer, depth) runs in its own process: ``--steps`` training steps (forward, backward,
-``optimizer.step()``, ``zero_grad(set_to_none=True)``) of ``DecoderLM`` with fp32 parameters, on
-random tokens. The first step allocates the optimizer state; the peak of a later step includes it.
+Models: ``gpt2s``, ``DecoderLM`` at GPT-2-small width (d_model 768, 12 heads, 12 layers, vocabulary
+50304, untied head: 162.2M parameters), and ``llama``, a Hugging Face ``LlamaForCausalLM`` built from
+a local config (hidden 512, 8 layers, 8 heads / 4 KV heads, MLP 1408, untied 32k vocabulary:
+56.4M parameters).
 
-Largest depth under ``--budget-gib``: peak live bytes are linear in depth at a fixed width (every layer
-adds the same weights, state and activations; the step's transient is bounded by one matrix), so a
-least-squares line through the ``--fit-layers`` measurements predicts the depth; the script then
-*measures* that depth and its neighbours until it has a depth that fits and the next one that does
-not. The budget is compared with the peak live tensor bytes; say which budget you mean (an accelerator
-also needs its CUDA context and allocator slack, a CPU process its runtime: see the RSS column).
+Measurement: each (model, configuration) runs in its own process: ``--steps`` training steps on
+random tokens (batch ``--batch`` x ``--seq``), tracked by PyTorch's ``MemTracker``
+(``qmuon_lightning.memory.measure_step``): *peak live* is the most tensor bytes alive at once, split
+by category at that moment. The batch is small (1 x 64 tokens by default) so that activations stay
+a small share; the *activations + autograd temporaries at the peak* column says how much of the peak
+they are. *B/param* is the whole-step peak divided by the parameter count.
 
-    python benchmarks/bench_train_memory.py                          # GPT-2 small width, writes results/train_memory.md
-    python benchmarks/bench_train_memory.py --budget-gib 4 --no-write   # another budget
-    python benchmarks/bench_train_memory.py --d-model 1024 --heads 16 --fit-layers 2,4,6 --budget-gib 8
+Estimate: ``qmuon_lightning.memory.estimate`` of the same configuration from the model built on the
+meta device (``device="cpu"``: torch's per-tensor AdamW path and the CPU NS dtype, as measured here);
+*error* is (estimate - measured) / measured. *Largest within budget* is the deepest model of the same
+width whose estimated step fits ``--budget-gib`` (:func:`qmuon_lightning.memory.largest_within`), with
+its parameter count, against AdamW's.
+
+    python benchmarks/bench_train_memory.py                       # both models, writes results/train_memory.{md,json}
+    python benchmarks/bench_train_memory.py --models llama --no-write
 """
 
 from __future__ import annotations
@@ -41,104 +41,85 @@ import time
 from pathlib import Path
 from typing import Any
 
+# This checkout's package first (an installed qmuon_lightning elsewhere would otherwise be measured).
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
 MiB = 2**20
 GiB = 2**30
 MARKER = "@@TRAIN_MEMORY_RESULT@@ "
-OPTIMIZERS = ("torch.AdamW", "torch.Muon", "qmuon-int8", "qmuon-grasp4")
-BASELINE = "torch.Muon"
-#: MemTracker's categories, in the order of the table, with the column names used here. MemTracker files
-#: every tensor created inside ``optimizer.step()`` as optimizer state; the table splits that into the
-#: persistent state (counted after the run) and the step's temporaries (the rest, plus "Temp").
-CATEGORIES = (("Parameter", "weights"), ("Buffer", "buffers"), ("Gradient", "grads"), ("Activation", "activations"),
-              ("Other", "other"))
+TORCHAO = ("torchao AdamW8bit bf16 SR", "torchao AdamW4bit bf16 SR")
+MODELS = ("gpt2s", "llama")
+#: issue 19's targets, whole-step bytes per parameter (activations aside), by configuration label
+TARGETS = {
+    "int8 + int8 AdamW + bf16 stochastic": 5.8,
+    "int8 + int8 AdamW + bf16 ecc8": 6.8,
+    "int8 + int8 AdamW + stochastic + release": 4.4,
+    "grasp4 + int4 AdamW + stochastic + release": 3.6,
+}
 
 
-def split_of(res: dict[str, Any]) -> dict[str, int]:
-    """The peak split with the optimizer category divided into persistent state and step temporaries."""
-    split = dict(res["peak_split"])
-    opt_cat = split.pop("Optstate", 0)
-    state = min(res["state_bytes"], opt_cat)
-    split["state"] = state
-    split["step temporaries"] = opt_cat - state + split.pop("Temp", 0)
-    return split
+def llama_config(layers: int = 8):
+    import transformers
+
+    return transformers.LlamaConfig(vocab_size=32000, hidden_size=512, intermediate_size=1408, num_hidden_layers=layers,
+                                    num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=2048,
+                                    tie_word_embeddings=False)
+
+
+def build_model(name: str, layers: int | None = None, seq: int = 64):
+    """The benchmark's models (on the current default device: ``meta`` inside ``torch.device("meta")``)."""
+    if name == "gpt2s":
+        from qmuon_lightning.models.decoder_lm import DecoderLM
+
+        return DecoderLM(vocab_size=50304, d_model=768, n_layers=12 if layers is None else layers, n_heads=12,
+                         max_seq_len=max(seq, 64))
+    if name == "llama":
+        import transformers
+
+        return transformers.LlamaForCausalLM(llama_config(8 if layers is None else layers))
+    raise ValueError(f"unknown model {name!r}; choose from {MODELS}")
+
+
+def _setups():
+    from qmuon_lightning import memory as mem
+
+    return {s.label: s for s in mem.STANDARD_SETUPS}
 
 
 # ---------------------------------------------------------------------------------------------- child
-def _vm_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
 def child(cfg: dict[str, Any]) -> dict[str, Any]:
     import torch
-    from torch.distributed._tools.mem_tracker import MemTracker
 
     import qmuon_lightning
-    from qmuon_lightning.models.decoder_lm import DecoderLM
+    from qmuon_lightning import memory as mem
 
     torch.set_num_threads(cfg["threads"])
-    dev = torch.device("cuda" if torch.cuda.is_available() and not cfg["cpu"] else "cpu")
-    if dev.type == "cpu":
-        qmuon_lightning.ops.backend()  # build / load the kernels before the measured region
+    qmuon_lightning.ops.backend()  # build / load the kernels before the measured region
     torch.manual_seed(cfg["seed"])
-    model = DecoderLM(vocab_size=cfg["vocab"], d_model=cfg["d_model"], n_layers=cfg["layers"],
-                      n_heads=cfg["heads"], max_seq_len=cfg["seq"]).to(dev)
-    decisions = qmuon_lightning.route_parameters(model)
-    out: dict[str, Any] = {
-        "device": str(dev),
-        "n_params": sum(p.numel() for p in model.parameters()),
-        "n_muon": sum(d.param.numel() for d in decisions if d.target == "muon"),
-    }
-    del decisions
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from _common import build_compared_optimizers
+    label = cfg["setup"]
+    bf16 = label in TORCHAO or _setups()[label].weights == "bf16"
+    model = build_model(cfg["model"], seq=cfg["seq"])
+    if bf16:
+        model = model.to(torch.bfloat16)
+    if label in TORCHAO:
+        import torchao.optim as tao
 
-    opts = build_compared_optimizers(cfg["optimizer"], model)
+        cls = tao.AdamW8bit if "8bit" in label else tao.AdamW4bit
+        opts = [cls(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1, bf16_stochastic_round=True)]
+    else:
+        opts = mem.build_optimizers(model, _setups()[label])
+    vocab = 50304 if cfg["model"] == "gpt2s" else 32000
     g = torch.Generator().manual_seed(cfg["seed"] + 1)
-    tokens = torch.randint(0, cfg["vocab"], (cfg["batch"], cfg["seq"] + 1), generator=g).to(dev)
+    tokens = torch.randint(0, vocab, (cfg["batch"], cfg["seq"] + 1), generator=g)
     x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
-
-    tracker = MemTracker()
-    tracker.track_external(model, *opts)
-    if dev.type == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-    with open("/proc/self/clear_refs", "w") as f:  # VmHWM from here on
-        f.write("5")
+    if cfg["model"] == "gpt2s":
+        loss_fn = lambda: model.loss(x, y)  # noqa: E731
+    else:
+        loss_fn = lambda: model(input_ids=x, labels=x).loss  # noqa: E731
     t0 = time.perf_counter()
-    losses = []
-    with tracker:
-        for _ in range(cfg["steps"]):
-            tracker.reset_mod_stats()  # per-module stats are per iteration; the global peak is kept
-            loss = model.loss(x, y)
-            loss.backward()
-            losses.append(float(loss))
-            del loss
-            for o in opts:
-                o.step()
-            for o in opts:
-                o.zero_grad(set_to_none=True)
-    out["seconds"] = time.perf_counter() - t0
-    seen: set[int] = set()
-    out["state_bytes"] = 0
-    for o in opts:
-        for st in o.state.values():
-            for v in st.values():
-                if isinstance(v, torch.Tensor) and v.untyped_storage().data_ptr() not in seen:
-                    seen.add(v.untyped_storage().data_ptr())
-                    out["state_bytes"] += v.untyped_storage().nbytes()
-    out["losses"] = losses
-    out["rss_peak"] = _vm_kib("VmHWM") * 1024
-    snap = tracker.get_tracker_snapshot("peak")[dev]
-    out["peak_split"] = {str(getattr(k, "value", k)): int(v) for k, v in snap.items()}
-    out["peak_live"] = out["peak_split"].pop("Total")
-    if dev.type == "cuda":
-        out["cuda_max_allocated"] = torch.cuda.max_memory_allocated()
-        out["cuda_max_reserved"] = torch.cuda.max_memory_reserved()
-    return out
+    m = mem.measure_step(model, opts, loss_fn, steps=cfg["steps"])
+    return {"peak_live": m.peak, "peak_split": m.split, "state_bytes": m.state_bytes, "losses": m.losses,
+            "seconds": time.perf_counter() - t0, "n_params": sum(p.numel() for p in model.parameters())}
 
 
 # --------------------------------------------------------------------------------------------- parent
@@ -146,188 +127,195 @@ def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def _run(cfg: dict[str, Any], timeout: float) -> dict[str, Any]:
+def _run(cfg: dict[str, Any], timeout: float) -> dict[str, Any] | str:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(cfg)]
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+            [str(Path(__file__).resolve().parent.parent), *filter(None, [os.environ.get("PYTHONPATH")])])}
+        if cfg["setup"] in TORCHAO:
+            # torchao compiles its step; Dynamo refuses to trace under MemTracker's dispatch mode, so the
+            # step runs eagerly here (its eager temporaries: an upper bound of the compiled step's)
+            env["TORCHDYNAMO_DISABLE"] = "1"
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired:
-        raise SystemExit(f"{cfg['optimizer']} at {cfg['layers']} layers: timed out after {timeout:.0f}s")
+        return f"timed out after {timeout:.0f}s"
     for line in proc.stdout.splitlines():
         if line.startswith(MARKER):
             return json.loads(line[len(MARKER):])
-    tail = " | ".join((proc.stderr or proc.stdout).strip().splitlines()[-8:])
-    raise SystemExit(f"{cfg['optimizer']} at {cfg['layers']} layers failed (exit {proc.returncode}): {tail}")
-
-
-def fit_line(xs: list[int], ys: list[int]) -> tuple[float, float, float]:
-    """Least-squares ``y = a + b x``; returns ``(a, b, max |residual|)``."""
-    n = len(xs)
-    mx, my = sum(xs) / n, sum(ys) / n
-    sxx = sum((x - mx) ** 2 for x in xs)
-    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
-    a = my - b * mx
-    return a, b, max(abs(y - (a + b * x)) for x, y in zip(xs, ys))
+    tail = " | ".join((proc.stderr or proc.stdout).strip().splitlines()[-6:])
+    return f"failed (exit {proc.returncode}): {tail}"
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--child", help=argparse.SUPPRESS)
-    ap.add_argument("--d-model", type=int, default=768)
-    ap.add_argument("--heads", type=int, default=12)
-    ap.add_argument("--vocab", type=int, default=50304, help="GPT-2's 50257 padded to a multiple of 64")
-    ap.add_argument("--seq", type=int, default=512)
+    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--setups", help="comma-separated configuration labels (default: every available one + torchao)")
+    ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--layers", default="12", help="depths to report the split for (default 12: GPT-2 small)")
-    ap.add_argument("--fit-layers", default="2,4,6", help="depths the line for the budget search is fitted to")
-    ap.add_argument("--budget-gib", type=float, default=2.0,
-                    help="memory budget for the depth search, compared with peak live tensor bytes")
-    ap.add_argument("--optimizers", default=",".join(OPTIMIZERS))
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--cpu", action="store_true", help="stay on the CPU even when CUDA is available")
-    ap.add_argument("--timeout", type=float, default=1200.0, help="seconds per process")
+    ap.add_argument("--budget-gib", type=float, default=2.0, help="budget of the largest-depth column (estimate)")
+    ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per process")
     ap.add_argument("--out", type=Path, help="markdown output (default benchmarks/results/train_memory.md; "
                     "a .json with the raw numbers is written beside it)")
     ap.add_argument("--no-write", action="store_true")
+    ap.add_argument("--report-only", type=Path, help="rewrite the report from this JSON of an earlier run (no measurement)")
     args = ap.parse_args()
 
     if args.child is not None:
         print(MARKER + json.dumps(child(json.loads(args.child))), flush=True)
         return 0
 
-    names = [s.strip() for s in args.optimizers.split(",") if s.strip()]
-    for n in names:
-        if n not in OPTIMIZERS:
-            raise SystemExit(f"unknown optimizer {n!r}; choose from {', '.join(OPTIMIZERS)}")
-    report_layers = [int(s) for s in args.layers.split(",") if s.strip()]
-    fit_layers = sorted({int(s) for s in args.fit_layers.split(",") if s.strip()})
-    if len(fit_layers) < 2:
-        raise SystemExit("--fit-layers needs at least two depths to fit a line")
-    if args.d_model % args.heads:
-        raise SystemExit(f"--d-model {args.d_model} must be divisible by --heads {args.heads}")
-
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import torch
     from _common import RESULTS_DIR, header_lines, md_table
 
+    from qmuon_lightning import memory as mem
+
+    setups = _setups()
+    try:
+        import torchao.optim  # noqa: F401
+
+        have_torchao = True
+    except Exception:  # noqa: BLE001 - optional benchmark dependency
+        have_torchao = False
+    labels = [s.strip() for s in args.setups.split(",")] if args.setups else [*setups, *TORCHAO]
+    models = [m.strip() for m in args.models.split(",") if m.strip()]
+    for lab in labels:
+        if lab not in setups and lab not in TORCHAO:
+            raise SystemExit(f"unknown configuration {lab!r}; choose from {', '.join([*setups, *TORCHAO])}")
     torch.set_num_threads(args.threads)
-    header = header_lines("Training-step memory: weights, gradients, optimizer state, activations")
-    cap = torch.backends.cpu.get_cpu_capability()
+    header = header_lines("Training-step memory per configuration: measured (MemTracker) and estimated (qmuon-estimate)")
     t_start = time.perf_counter()
-    cache: dict[tuple[str, int], dict[str, Any]] = {}
-
-    def measure(name: str, layers: int) -> dict[str, Any]:
-        key = (name, layers)
-        if key not in cache:
-            cfg = {"optimizer": name, "layers": layers, "d_model": args.d_model, "heads": args.heads,
-                   "vocab": args.vocab, "seq": args.seq, "batch": args.batch, "steps": args.steps,
-                   "threads": args.threads, "seed": args.seed, "cpu": args.cpu}
-            _log(f"[{time.perf_counter() - t_start:6.0f}s] {name}, {layers} layers ...")
-            res = _run(cfg, args.timeout)
-            _log(f"    peak live {res['peak_live'] / MiB:.1f} MiB, RSS peak {res['rss_peak'] / MiB:.1f} MiB, "
-                 f"{res['seconds']:.1f}s")
-            cache[key] = res
-        return cache[key]
-
-    def judged(res: dict[str, Any]) -> int:
-        return res.get("cuda_max_allocated", res["peak_live"])
-
-    # ---- the split at the reported depths
-    for L in report_layers:
-        for n in names:
-            measure(n, L)
-    # ---- the budget search: fit, then measure around the prediction until a fit / no-fit pair is bracketed
+    notes: list[str] = []
+    runs: dict[str, dict[str, Any]] = {}
+    estimates: dict[str, dict[str, Any]] = {}
+    largest: dict[str, dict[str, Any]] = {}
     budget = int(args.budget_gib * GiB)
-    depth: dict[str, dict[str, Any]] = {}
-    for n in names:
-        for L in fit_layers:
-            measure(n, L)
-        a, b, resid = fit_line(fit_layers, [judged(measure(n, L)) for L in fit_layers])
-        guess = max(1, int((budget - a) // b))
-        L = guess
-        while L > 1 and judged(measure(n, L)) > budget:
-            L -= 1
-        while judged(measure(n, L + 1)) <= budget:
-            L += 1
-        fits = judged(measure(n, L)) <= budget
-        depth[n] = {"intercept": a, "per_layer": b, "max_residual": resid, "predicted": guess,
-                    "largest": L if fits else 0, "peak_at_largest": judged(measure(n, L)) if fits else None,
-                    "peak_at_next": judged(measure(n, L + 1))}
-    elapsed = time.perf_counter() - t_start
+    def report(final: bool) -> None:
+        elapsed = time.perf_counter() - t_start
 
-    # ---- report
-    first = next(iter(cache.values()))
-    on_cuda = first["device"].startswith("cuda")
-    lines = list(header)
-    lines.insert(-1, f"- CPU capability (`torch.backends.cpu.get_cpu_capability()`): {cap}; total run time {elapsed:.0f}s")
-    lines += [
-        f"Model: `DecoderLM(vocab_size={args.vocab}, d_model={args.d_model}, n_heads={args.heads}, n_layers=L)` "
-        "(SwiGLU MLP, fused qkv and gate_up, untied head), fp32 parameters, "
-        f"batch {args.batch} x {args.seq} tokens, {args.steps} training steps per process, "
-        f"{'CUDA' if on_cuda else 'CPU'}, seed {args.seed}. `torch.AdamW`: AdamW on every parameter; `torch.Muon`: "
-        "`torch.optim.Muon` on the matrices `route_parameters` sends to Muon plus `torch.optim.AdamW` on the rest; "
-        "`qmuon-*`: `build_optimizer(model, state_format=...)` (the same split).",
-        "",
-        "Split of the peak: PyTorch's `MemTracker` (live tensor bytes by category at the moment of the peak; "
-        "*opt state* is the optimizer state that persists between steps, *step temporaries* what `optimizer.step()` "
-        "allocates and frees, e.g. Newton-Schulz working sets and foreach AdamW buffers). "
-        "*peak live* is what an accelerator must hold; *RSS peak* is the process's high-water mark (runtime, "
-        "imports and glibc's retained heap included; it varies by tens of MiB between processes).",
-        "",
-    ]
-    for L in report_layers:
-        base = cache.get((BASELINE, L))
-        r0 = cache[(names[0], L)]
-        lines += [f"## {L} layers: {r0['n_params'] / 1e6:.1f}M parameters, {r0['n_muon'] / 1e6:.1f}M routed to Muon", ""]
-        hdr = ["optimizer", "peak live MiB", *[f"{c} MiB" for _, c in CATEGORIES], "opt state MiB",
-               "step temporaries MiB", "vs torch.Muon MiB",
-               "vs torch.Muon B / Muon param", "RSS peak MiB"]
-        if on_cuda:
-            hdr += ["CUDA max allocated MiB", "CUDA max reserved MiB"]
-        rows = []
-        for n in names:
-            res = cache[(n, L)]
-            split = split_of(res)
-            d = judged(res) - judged(base) if base else None
-            row = [f"`{n}`", f"{res['peak_live'] / MiB:.1f}", *[f"{split.get(k, 0) / MiB:.1f}" for k, _ in CATEGORIES],
-                   f"{split['state'] / MiB:.1f}", f"{split['step temporaries'] / MiB:.1f}",
-                   "n/a" if d is None else f"{d / MiB:+.1f}", "n/a" if d is None else f"{d / res['n_muon']:+.2f}",
-                   f"{res['rss_peak'] / MiB:.1f}"]
-            if on_cuda:
-                row += [f"{res['cuda_max_allocated'] / MiB:.1f}", f"{res['cuda_max_reserved'] / MiB:.1f}"]
-            rows.append(row)
-        lines += [md_table(hdr, rows), ""]
-    lines += [
-        f"## Largest depth within {args.budget_gib:g} GiB of peak live tensor bytes"
-        + (" (CUDA max allocated)" if on_cuda else ""),
-        "",
-        f"Line fitted to depths {', '.join(map(str, fit_layers))}; the depths in the table were then measured "
-        "(*fits* = the largest measured depth at or under the budget, whose next depth measured over it).",
-        "",
-    ]
-    rows = []
-    for n in names:
-        dd = depth[n]
-        rows.append([f"`{n}`", f"{dd['per_layer'] / MiB:.2f}", f"{dd['intercept'] / MiB:.1f}",
-                     f"{dd['max_residual'] / MiB:.2f}", str(dd["predicted"]), f"**{dd['largest']}**",
-                     "n/a" if dd["peak_at_largest"] is None else f"{dd['peak_at_largest'] / MiB:.1f}",
-                     f"{dd['peak_at_next'] / MiB:.1f}"])
-    lines += [md_table(["optimizer", "MiB per layer", "MiB at 0 layers", "fit max residual MiB", "predicted depth",
-                        "largest depth that fits", "peak at that depth MiB", "peak one layer deeper MiB"], rows), ""]
-    text = "\n".join(lines)
-    print(text)
-    if not args.no_write:
-        out = args.out or RESULTS_DIR / "train_memory.md"
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(text)
-        raw = {"header": header, "cpu_capability": cap, "platform": platform.platform(),
-               "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "child"},
-               "runs": {f"{n}@{L}": v for (n, L), v in cache.items()}, "depth": depth, "elapsed_s": elapsed,
-               "loadavg": os.getloadavg()}
-        out.with_suffix(".json").write_text(json.dumps(raw, indent=1))
-        _log(f"wrote {out} and {out.with_suffix('.json').name}")
+        lines = list(header)
+        lines.insert(-1, f"- CPU capability: {torch.backends.cpu.get_cpu_capability()}; total run time {elapsed:.0f}s")
+        lines += [
+            f"Batch {args.batch} x {args.seq} tokens, {args.steps} training steps per process, CPU, seed {args.seed}. "
+            "*peak live*: the most tensor bytes alive at once (PyTorch's `MemTracker`, what an accelerator's allocator "
+            "must hold); *act.+temp.*: activations and autograd temporaries alive at that moment (the rest is weights, "
+            "grads, optimizer state and the step's temporaries); *B/param*: peak live / parameters; *estimate*: "
+            "`qmuon_lightning.memory.estimate` (the model `qmuon-estimate` prints) from the meta-device model, compared "
+                "with the peak less the activations and autograd temporaries alive at it (the estimate leaves activations "
+                "aside: with gradient release the peak falls inside backward, beside the logits' gradient); "
+            f"*largest within {args.budget_gib:g} GiB*: the deepest model of this width whose estimated step fits.",
+            "",
+        ]
+        for model_name in models:
+            keys = [k for k in runs if k.startswith(model_name + "|")]
+            if not keys:
+                continue
+            n = runs[keys[0]]["n_params"]
+            with torch.device("meta"):
+                inv = mem.parameter_inventory(build_model(model_name, seq=args.seq))
+            base = runs.get(f"{model_name}|AdamW")
+            base_largest = largest.get(f"{model_name}|AdamW")
+            desc = ("`DecoderLM` GPT-2-small width (d_model 768, 12 heads, 12 layers, vocabulary 50304, untied head)"
+                    if model_name == "gpt2s" else
+                    "Hugging Face `LlamaForCausalLM` (hidden 512, 8 layers, 8 heads / 4 KV heads, MLP 1408, untied 32k vocabulary)")
+            lines += [f"## {desc}: {n / 1e6:.1f}M parameters, {inv.n_muon / 1e6:.1f}M in Muon matrices", ""]
+            hdr = ["configuration", "peak live MiB", "B/param", "vs AdamW", "weights MiB", "grads MiB", "state MiB",
+                   "step temp. MiB", "act.+temp. MiB", "estimate MiB", "error vs peak - act.", f"largest in {args.budget_gib:g} GiB",
+                   "params there", "vs AdamW params", "target B/param"]
+            rows = []
+            for lab in labels:
+                key = f"{model_name}|{lab}"
+                if key not in runs:
+                    continue
+                r = runs[key]
+                sp = r["peak_split"]
+                opt_cat = sp.get("Optstate", 0)
+                state = min(r["state_bytes"], opt_cat)
+                temp = opt_cat - state
+                act = sp.get("Activation", 0) + sp.get("Temp", 0)
+                est = estimates.get(key)
+                lg = largest.get(key)
+                rows.append([
+                    f"`{lab}`", f"{r['peak_live'] / MiB:.1f}", f"{r['peak_live'] / n:.2f}",
+                    f"{r['peak_live'] / base['peak_live']:.2f}x" if base else "n/a",
+                    f"{(sp.get('Parameter', 0) + sp.get('Buffer', 0)) / MiB:.1f}", f"{sp.get('Gradient', 0) / MiB:.1f}",
+                    f"{state / MiB:.1f}", f"{temp / MiB:.1f}", f"{act / MiB:.1f}",
+                    f"{est['total'] / MiB:.1f}" if est else "not modelled",
+                    f"{(est['total'] / (r['peak_live'] - act) - 1) * 100:+.1f}%" if est else "-",
+                    str(lg["layers"]) if lg else "-", f"{lg['n_params'] / 1e6:.0f}M" if lg else "-",
+                    f"{lg['n_params'] / base_largest['n_params']:.2f}x" if lg and base_largest and base_largest["n_params"] else "-",
+                    f"<= {TARGETS[lab]}" + (" met" if r["peak_live"] / n <= TARGETS[lab] else " **missed**") if lab in TARGETS else "",
+                ])
+            lines += [md_table(hdr, rows), ""]
+        if notes:
+            lines += ["Not measured:", ""] + [f"- {x}" for x in dict.fromkeys(notes)] + [""]
+        text = "\n".join(lines)
+        if final:
+            print(text)
+        if not args.no_write:
+            out = args.out or RESULTS_DIR / "train_memory.md"
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(text)
+            raw = {"header": header, "platform": platform.platform(),
+                   "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "child"},
+                   "runs": runs, "estimates": estimates, "largest_within_budget": largest, "notes": notes,
+                   "elapsed_s": elapsed, "loadavg": os.getloadavg()}
+            out.with_suffix(".json").write_text(json.dumps(raw, indent=1))
+            _log(f"wrote {out} and {out.with_suffix('.json').name}")
+
+    if args.report_only is not None:
+        raw = json.loads(args.report_only.read_text())
+        runs.update(raw["runs"])
+        estimates.update(raw["estimates"])
+        largest.update(raw["largest_within_budget"])
+        notes.extend(raw["notes"])
+        report(final=True)
+        return 0
+    for model_name in models:
+        with torch.device("meta"):
+            meta = build_model(model_name, seq=args.seq)
+        inv = mem.parameter_inventory(meta)
+        depth_at = mem.depth_inventories(lambda k: _meta_build(model_name, k, args.seq))
+        for lab in labels:
+            key = f"{model_name}|{lab}"
+            if lab in TORCHAO and not have_torchao:
+                notes.append(f"{lab}: torchao is not installed (pip install torchao); not measured")
+                continue
+            if lab in setups:
+                s = setups[lab]
+                if s.missing():
+                    notes.append(f"{lab}: not available in this installation (needs {', '.join(s.missing())})")
+                    continue
+                e = mem.estimate(inv, s, device="cpu")
+                estimates[key] = e.as_dict()
+                k, le = mem.largest_within(depth_at, s, budget, device="cpu")
+                largest[key] = {"layers": k, "n_params": le.n_params if le else 0}
+            cfg = {"model": model_name, "setup": lab, "seq": args.seq, "batch": args.batch, "steps": args.steps,
+                   "threads": args.threads, "seed": args.seed}
+            _log(f"[{time.perf_counter() - t_start:6.0f}s] {model_name}: {lab} ...")
+            res = _run(cfg, args.timeout)
+            if isinstance(res, str):
+                notes.append(f"{model_name}, {lab}: {res}")
+                _log("    " + res)
+                continue
+            runs[key] = res
+            est = estimates.get(key)
+            _log(f"    peak live {res['peak_live'] / MiB:.1f} MiB ({res['peak_live'] / res['n_params']:.2f} B/param)"
+                 + (f", estimate {est['total'] / MiB:.1f} MiB" if est else "") + f", {res['seconds']:.0f}s")
+            report(final=False)  # a partial run leaves what it measured
+    report(final=True)
     return 0
+
+
+def _meta_build(model_name: str, layers: int, seq: int):
+    import torch
+
+    with torch.device("meta"):
+        return build_model(model_name, layers, seq)
 
 
 if __name__ == "__main__":

@@ -41,8 +41,11 @@ Built on :class:`lightning.pytorch.cli.LightningCLI`::
 
 from __future__ import annotations
 
+import contextlib
+import io
+import sys
 import warnings
-from typing import Any
+from typing import Any, Sequence
 
 try:  # the `cli` extra (not a core dependency: LitGPT 0.5.x caps jsonargparse at 4.41; see pyproject.toml)
     from jsonargparse import set_parsing_settings
@@ -66,7 +69,7 @@ from .data.datamodule import ByteLMDataModule
 from .distributed.process_group import exit_after_distributed_run
 from .models.lm_module import DecoderLMModule
 
-__all__ = ["QMuonCLI", "main", "resolve_ckpt_path", "cli_dependency_problem"]
+__all__ = ["QMuonCLI", "main", "estimate_main", "merged_config", "resolve_ckpt_path", "cli_dependency_problem"]
 
 
 def _tensorboard_available() -> bool:
@@ -175,7 +178,17 @@ class QMuonCLI(LightningCLI):
 
 
 def main(args: ArgsType = None) -> None:
-    """Console entry point of ``qmuon-train`` (``args``: a list of strings instead of ``sys.argv``)."""
+    """Console entry point of ``qmuon-train`` (``args``: a list of strings instead of ``sys.argv``).
+
+    ``--estimate_memory`` anywhere in the arguments prints ``qmuon-estimate``'s table for the same
+    ``--config`` files and overrides (``--budget 128GiB`` etc. pass through) and trains nothing."""
+    argv = list(args) if isinstance(args, (list, tuple)) else (sys.argv[1:] if args is None else None)
+    if argv is not None and "--estimate_memory" in argv:
+        rest = [a for a in argv if a != "--estimate_memory"]
+        if rest and rest[0] in ("fit", "validate", "test", "predict"):
+            rest = rest[1:]
+        estimate_main(rest)
+        return
     with warnings.catch_warnings():
         # Byte windows come from memory: worker processes would only add start-up time on small runs.
         warnings.filterwarnings("ignore", ".*does not have many workers.*")
@@ -183,6 +196,35 @@ def main(args: ArgsType = None) -> None:
     # A rank of a multi-process run that succeeded leaves here without Python's finalization (see the
     # docstring for why); a single-process run returns normally.
     exit_after_distributed_run()
+
+
+
+def merged_config(configs: Sequence[str], overrides: Sequence[str] = ()) -> dict[str, Any]:
+    """The merged ``qmuon-train fit`` config of ``--config`` files and dotted overrides: the same
+    parser, interpolation and defaults as training (its ``--print_config`` output), nothing built."""
+    import yaml
+
+    args = ["fit"] + [a for c in configs for a in ("--config", c)] + list(overrides) + ["--print_config"]
+    out = io.StringIO()
+    argv0 = sys.argv
+    sys.argv = [argv0[0] if argv0 else "qmuon-train"]  # LightningCLI warns when args and sys.argv both carry options
+    try:
+        with contextlib.redirect_stdout(out):
+            QMuonCLI(args=args)
+    except SystemExit as e:
+        if e.code not in (None, 0):
+            raise SystemExit(f"the recipe does not parse (exit {e.code}); run qmuon-train {' '.join(args[:-1])} "
+                             "--print_config to see why") from None
+    finally:
+        sys.argv = argv0
+    return yaml.safe_load(out.getvalue())
+
+
+def estimate_main(args: Sequence[str] | None = None) -> None:
+    """Console entry point of ``qmuon-estimate`` (:mod:`qmuon_lightning.estimate`)."""
+    from .estimate import run
+
+    run(list(sys.argv[1:] if args is None else args), merged_config)
 
 
 if __name__ == "__main__":

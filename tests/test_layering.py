@@ -22,8 +22,8 @@ LAYERS = {
     "quant": 1,
     "core": 2,
     "optim": 3, "distributed": 3, "integrations": 3, "models": 3, "data": 3,
-    "strategies": 4, "callbacks": 4, "plotting": 4, "demo": 4,
-    "cli": 5, "doctor": 5, "cli_litgpt": 5,
+    "strategies": 4, "callbacks": 4, "plotting": 4, "demo": 4, "memory": 4,
+    "cli": 5, "doctor": 5, "cli_litgpt": 5, "estimate": 5,
 }
 
 

@@ -212,7 +212,8 @@ def test_deepspeed_wrapper_steps_banks_like_qmuon() -> None:
     """The DeepSpeed wrapper (one process, no engine) applies a bank member's fused parts once:
     gpt-oss (interleaved gate / up, bias banks on AdamW) steps bit for bit like QMuon."""
     qds = pytest.importorskip("qmuon_lightning.integrations.deepspeed")
-    kw = dict(lr=LR, state_format="int8", rounding="stochastic", verbose=False)
+    # fp32 AdamW moments: the DeepSpeed wrapper keeps them (flat ZeRO slices cannot hold row blocks)
+    kw = dict(lr=LR, state_format="int8", rounding="stochastic", adamw_state_format="fp32", verbose=False)
     m1, m2 = make_moe("gpt_oss"), make_moe("gpt_oss")
     o1, o2 = ql.build_optimizer(m1, **kw), qds.WholeMatrixZeroOptimizer(ql.build_optimizer(m2, **kw))
     for step in range(2):

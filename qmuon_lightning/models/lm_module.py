@@ -38,7 +38,9 @@ from torch.optim import Optimizer
 
 import lightning as L
 
+from ..core.config import DEFAULT_CONFIG
 from ..optim.routing import build_optimizer, route_parameters
+from ..quant import adamw as qadamw
 from ..quant import state as qstate
 from .decoder_lm import DecoderLM, DecoderLMConfig, _rope_tables
 
@@ -64,6 +66,11 @@ class OptimizerSpec:
         state_format: QMuon momentum storage, any registered format (``fp32``, ``bf16``, ``int8``,
             ``uint8``, ``int4``, ``e0m3``, ``grasp4``). ``None``: ``int8`` for ``qmuon``, ``grasp4`` for ``grasp``.
         block_size, rank, grid_block, rounding, seed, nonfinite: QMuon options.
+        adamw_state_format: how QMuon stores the AdamW moments (``"fp32"``, ``"bf16"``, ``"int8"``,
+            ``"int4"``; ``None``: QMuon's default). ``qmuon`` / ``grasp`` only.
+        gradient_release: step each parameter inside backward and free its gradient
+            (:mod:`qmuon_lightning.optim.release`); ``qmuon`` / ``grasp`` only. Set
+            ``trainer.gradient_clip_val: null`` and ``accumulate_grad_batches: 1`` with it.
         adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: the AdamW part (embeddings, head,
             norms; every parameter for ``adamw``). 1-D parameters never get weight decay.
         schedule: ``"cosine"`` (warmup, then cosine to ``min_lr_ratio``) or ``"constant"`` (warmup, then 1).
@@ -85,6 +92,8 @@ class OptimizerSpec:
     rounding: Literal["nearest", "stochastic"] = "nearest"
     seed: int = 0
     nonfinite: Literal["skip", "raise"] = "skip"
+    adamw_state_format: str | None = None
+    gradient_release: bool = False
     adamw_lr: float = 3e-3
     adamw_betas: tuple[float, float] = (0.9, 0.95)
     adamw_eps: float = 1e-8
@@ -103,6 +112,11 @@ class OptimizerSpec:
             raise ValueError(
                 f"optimizer.name={self.name!r} stores {fixed} momentum; got state_format={self.state_format!r}. "
                 "Use name='qmuon' for other formats")
+        if self.name not in ("qmuon", "grasp") and (self.adamw_state_format is not None or self.gradient_release):
+            raise ValueError(f"optimizer.adamw_state_format and optimizer.gradient_release are QMuon options; "
+                             f"optimizer.name={self.name!r} is a torch baseline. Use name='qmuon' for them")
+        if self.adamw_state_format is not None:
+            qadamw.check_adamw_state_format(self.adamw_state_format, "optimizer.adamw_state_format")
         if self.warmup_steps < 0 or not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ValueError("optimizer.warmup_steps must be >= 0 and optimizer.min_lr_ratio in [0, 1]")
 
@@ -176,6 +190,8 @@ def build_lm_optimizer(model: nn.Module, spec: OptimizerSpec, *, verbose: bool =
             block_size=spec.block_size, rank=spec.rank, grid_block=spec.grid_block, rounding=spec.rounding,
             seed=spec.seed, nonfinite=spec.nonfinite, adamw_lr=spec.adamw_lr, adamw_betas=tuple(spec.adamw_betas),
             adamw_eps=spec.adamw_eps, adamw_weight_decay=spec.adamw_weight_decay, verbose=verbose,
+            **({"adamw_state_format": spec.adamw_state_format} if spec.adamw_state_format is not None else {}),
+            **({"gradient_release": True} if spec.gradient_release else {}),
         )
     decisions = route_parameters(model)
     params = dict(model.named_parameters())
@@ -367,6 +383,7 @@ def memory_budget(module: DecoderLMModule, *, batch_size: int, seq_len: int, pre
     n_params = sum(p.numel() for p in module.model.parameters())
     wbytes = 2 if precision.startswith("bf16-true") or precision == "bf16" else 4
     state = 0
+    adamw_family = spec.adamw_state_format or DEFAULT_CONFIG.adamw_state_format
     if spec.name == "adamw":
         state = sum(8 * p.numel() + 4 for p in module.model.parameters())  # exp_avg, exp_avg_sq, 0-d fp32 step
     else:
@@ -382,13 +399,19 @@ def memory_budget(module: DecoderLMModule, *, batch_size: int, seq_len: int, pre
                 else:
                     state += qstate.momentum_nbytes(fmt, d.shape[0], int(n // d.shape[0]), opts) + 4
             elif d.target != "frozen":
-                state += 8 * n + 4
+                if spec.name == "torch_muon":
+                    state += 8 * n + 4
+                else:  # QMuon's AdamW moments in their family (fp32 for tensors under 4096 elements)
+                    st = qadamw.init_adamw_state(adamw_family, d.shape, d.shape, torch.device("meta"))
+                    state += sum(t.numel() * t.element_size() for t in st.values())
     tokens = batch_size * seq_len
     act = cfg.n_layers * tokens * (34 * cfg.d_model + 4 * cfg.hidden) + tokens * 8 * cfg.vocab_size
     out = {
         "parameters": float(n_params),
         "weights": wbytes * n_params / world_size,
-        "gradients": wbytes * n_params / world_size,
+        # with gradient release one gradient is in flight at a time (the largest)
+        "gradients": wbytes * (max(p.numel() for p in module.model.parameters()) if spec.gradient_release
+                               else n_params) / world_size,
         "optimizer_state": state / world_size,
         "activations_estimate": float(act),
     }

@@ -23,7 +23,7 @@ What a format declares
 * ``promotes_to`` and ``guard_threshold``: the fidelity guard's next safer format and the update
   cosine below which a layer in this format counts as drifting;
 * the codec: ``init``, ``encode``, ``dequantize``, ``owns``, ``validate``, ``validate_options``,
-  ``nbytes``, ``describe``;
+  ``nbytes``, ``update_workspace_nbytes``, ``describe``;
 * the update: ``update`` (single process, or row-local shards) and ``update_sharded`` (the local
   rows of ``Shard(0)`` DTensor parameters; collective for formats that are not ``row_local``);
 * sharding: ``shardable``, ``row_local``, ``placement(key)`` (how each state tensor splits over row
@@ -188,6 +188,12 @@ class StateFormat:
         """Bytes of the momentum tensors (``step`` excluded) for a ``rows x cols`` matrix."""
         st = self.init(rows, cols, opts, torch.device("meta"))
         return sum(t.numel() * t.element_size() for k, t in st.items() if k != STEP)
+
+    def update_workspace_nbytes(self, rows: int, cols: int, opts: FormatOptions) -> int:
+        """Transient bytes :meth:`update` allocates for one ``rows x cols`` matrix beyond its state,
+        gradient and block sums (the accounting model of :mod:`qmuon_lightning.memory`). 0 for the
+        formats whose compiled kernels update the codes in place."""
+        return 0
 
     def describe(self, opts: FormatOptions) -> str:
         """Human-readable name with the layout options, e.g. ``"int8 (block 256)"``,

@@ -296,6 +296,12 @@ class Grasp4Format(StateFormat):
             g2.copy_(ns)
         return m
 
+    def update_workspace_nbytes(self, rows, cols, opts):
+        """The decoded fp32 momentum (updated in place, then consumed as the residual), one row
+        chunk of scratch (:func:`_row_chunks`) and the freshly encoded state before it is copied in."""
+        chunk = min(rows, max(1, _CHUNK_ELEMENTS // max(cols, 1))) * cols * 4
+        return 4 * rows * cols + chunk + self.nbytes(rows, cols, opts)
+
     def update(self, states, grads2d, block_sums, *, beta, nesterov, opts, streams, offsets, keys, seed):
         for st, g2, out, stream, off, key in zip(states, grads2d, block_sums, streams, offsets, keys, strict=True):
             m_new = self._momentum(st, g2, out, beta, nesterov, opts)

@@ -1,0 +1,100 @@
+"""Will it fit? The bytes of one training step, per optimizer configuration, from a model's shapes.
+
+One accounting model, used by ``qmuon-estimate``, ``benchmarks/bench_train_memory.py`` and the
+tests that hold it to PyTorch's ``MemTracker``. It reads a model built on the meta device (no
+memory is allocated), routes it with :func:`~qmuon_lightning.optim.routing.route_parameters` (the
+split :func:`~qmuon_lightning.build_optimizer` makes), and counts, per :class:`Setup`:
+
+* **weights**: every parameter in the setup's weight dtype, plus the model's buffers;
+* **grads**: one gradient per trainable parameter in its dtype; with gradient release only the
+  largest single gradient is in flight (each is stepped and freed inside backward);
+* **optimizer state**: what the optimizer keeps between steps, from the formats themselves:
+  Muon momentum from the quant registry (:meth:`StateFormat.nbytes
+  <qmuon_lightning.quant.formats.base.StateFormat.nbytes>`, the format's own tensors on the meta
+  device), the bf16 weight-correction state from
+  :func:`qmuon_lightning.core.apply.weight_state_init`, AdamW moments as ``torch.optim.AdamW``
+  stores them (``zeros_like(param)`` twice) or in the group's AdamW state format, and each
+  optimizer's 0-d ``step`` tensors;
+* **step temporaries**: the largest transient working set of ``optimizer.step()``, from a model of
+  what each step path allocates (:func:`adamw_phase_bytes`, :func:`torch_muon_phase_bytes`,
+  :func:`qmuon_muon_phase_bytes`, :func:`ns_phase_bytes`; the formulas are in their docstrings).
+
+The step's phases run one after the other (QMuon: Muon momentum per group, AdamW groups, then the
+Newton-Schulz batches; torch.optim.Muon then torch.optim.AdamW), so the step's peak is
+``weights + grads + state + max(phase temporaries)``; with gradient release it is
+``weights + state + max over parameters (its gradient + its own step's temporaries)``.
+Activations are not part of it: they are freed before ``optimizer.step()`` and, with release, the
+estimate holds for a tiny batch (add your activations; ``models.lm_module.memory_budget`` has an
+estimate for DecoderLM).
+
+What is counted is what PyTorch's ``MemTracker`` sees: tensor storages created through the
+dispatcher. Scratch a compiled kernel allocates internally, the CUDA context and the caching
+allocator's slack are not part of it (leave ~1-3 GiB of a budget for them on a GPU).
+"""
+
+from __future__ import annotations
+
+from .paths import (
+    adamw_phase_bytes,
+    torch_muon_phase_bytes,
+    ns_phase_bytes,
+    qmuon_muon_phase_bytes,
+    adamw_chunked_step_bytes,
+)
+from .model import (
+    STEP_BYTES,
+    Setup,
+    STANDARD_SETUPS,
+    ParamInfo,
+    Inventory,
+    parameter_inventory,
+    MemoryEstimate,
+    estimate,
+    estimate_all,
+    largest_within,
+    _layer_key,
+    depth_inventories,
+    with_options,
+)
+from .report import (
+    parse_bytes,
+    format_bytes,
+    format_table,
+)
+from .measure import (
+    BASELINE_ADAMW,
+    BASELINE_ADAMW_WD,
+    BASELINE_MUON,
+    build_optimizers,
+    Measurement,
+    measure_step,
+)
+
+__all__ = [
+    "adamw_phase_bytes",
+    "torch_muon_phase_bytes",
+    "ns_phase_bytes",
+    "qmuon_muon_phase_bytes",
+    "adamw_chunked_step_bytes",
+    "STEP_BYTES",
+    "Setup",
+    "STANDARD_SETUPS",
+    "ParamInfo",
+    "Inventory",
+    "parameter_inventory",
+    "MemoryEstimate",
+    "estimate",
+    "estimate_all",
+    "largest_within",
+    "depth_inventories",
+    "with_options",
+    "parse_bytes",
+    "format_bytes",
+    "format_table",
+    "BASELINE_ADAMW",
+    "BASELINE_ADAMW_WD",
+    "BASELINE_MUON",
+    "build_optimizers",
+    "Measurement",
+    "measure_step",
+]

@@ -1,0 +1,156 @@
+"""The step paths' transient memory: what each ``optimizer.step()`` path allocates and frees.
+
+Pure functions of shapes and dtypes (see ``docs/memory.md`` for the formulas and the measurements
+behind them); :mod:`.model` takes the maximum over the phases of a step.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..core import pipeline
+from ..quant import state as qstate
+
+if TYPE_CHECKING:
+    from .model import ParamInfo
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _uses_foreach(device: str) -> bool:
+    """Whether ``torch.optim.AdamW`` (``foreach=None``) takes its foreach path on ``device``:
+    torch defaults to foreach where its foreach kernels are supported (CUDA, XPU, ...), and to
+    the per-tensor loop elsewhere (CPU)."""
+    from torch.utils._foreach_utils import _get_foreach_kernels_supported_devices
+
+    return torch.device(device).type in _get_foreach_kernels_supported_devices()
+
+
+def adamw_phase_bytes(groups: Sequence[Sequence[int]], elem_bytes: int, *, foreach: bool) -> int:
+    """Largest transient of ``torch.optim.AdamW`` (``foreach=None``, ``capturable=False``), whose
+    functional form QMuon's AdamW groups call too. ``groups``: element counts per parameter
+    group, in step order; ``elem_bytes``: bytes per element of the parameters (state follows them).
+
+    * foreach (CUDA): ``torch._foreach_sqrt(exp_avg_sqs)`` materializes ``sqrt(v)`` of the whole
+      group at once, then divides and adds in place: one copy of the group (per device and dtype).
+    * per tensor (CPU): ``denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)`` holds
+      ``sqrt(v)`` and its quotient together (2 copies of the tensor), while the previous tensor's
+      ``denom`` is still bound (the name is rebound only after the new one exists): tensor ``i``
+      peaks at ``numel[i-1] + 2 numel[i]`` elements within a group.
+    """
+    peak = 0
+    for sizes in groups:
+        if not sizes:
+            continue
+        if foreach:
+            peak = max(peak, sum(sizes) * elem_bytes)
+            continue
+        prev = 0
+        for n in sizes:
+            peak = max(peak, (prev + 2 * n) * elem_bytes)
+            prev = n
+    return peak
+
+
+def torch_muon_phase_bytes(matrices: Iterable[tuple[int, int]], elem_bytes: int) -> int:
+    """Largest transient of ``torch.optim.Muon`` (one matrix at a time; ``_single_tensor_muon``):
+    ``update = grad.lerp(buf, momentum)`` (``elem_bytes n``), its bf16 copy (``2 n``; none when the
+    gradient is bf16 already), and in each Newton-Schulz iteration the new iterate (``2 n``) while
+    the old one and the bf16 Gram matrix and its polynomial (``2 r^2`` each, ``r = min(rows, cols)``)
+    are alive: ``elem_bytes n + (2 n if fp32) + 2 n + 4 r^2``."""
+    peak = 0
+    for rows, cols in matrices:
+        n, r = rows * cols, min(rows, cols)
+        copy = 2 * n if elem_bytes != 2 else 0
+        peak = max(peak, elem_bytes * n + copy + 2 * n + 4 * r * r)
+    return peak
+
+
+def ns_phase_bytes(matrices: Sequence[tuple[int, int, bool]], ns_bytes: int, grad_bytes: int, *,
+                   device: str, batch_budget: float = pipeline.DEFAULT_BATCH_BUDGET) -> int:
+    """Largest transient of QMuon's Newton-Schulz phase (:func:`qmuon_lightning.core.pipeline.orthogonalize`).
+
+    Matrices of one NS shape are stacked in batches of ``B = max(1, cap // (rows cols))``, ``cap``
+    being ``batch_budget`` times the largest matrix (on CPU also at most
+    :data:`~qmuon_lightning.core.pipeline.CPU_BATCH_MAX_ELEMENTS`). :func:`newton_schulz_folded
+    <qmuon_lightning.core.newton_schulz.newton_schulz_folded>` of a batch holds the batch (a copy in
+    the NS dtype, except for a lone matrix whose gradient has that dtype already), the iterate and
+    its ping-pong buffer (``2 B n`` in the NS dtype) and the ``B x r x r`` Gram matrix and polynomial.
+    """
+    if not matrices:
+        return 0
+    budget = max(1, int(batch_budget * max(r * c for r, c, _ in matrices)))
+    cap = min(budget, pipeline.CPU_BATCH_MAX_ELEMENTS) if torch.device(device).type == "cpu" else budget
+    peak = 0
+    shapes: dict[tuple[int, int, bool], int] = {}
+    for rows, cols, t in matrices:
+        key = (cols, rows, True) if t else (rows, cols, False)
+        shapes[key] = shapes.get(key, 0) + 1
+    for (rows, cols, transposed), count in shapes.items():
+        n, r = rows * cols, min(rows, cols)
+        b = min(count, max(1, cap // n))
+        copied = not (b == 1 and not transposed and grad_bytes == ns_bytes)
+        peak = max(peak, ns_bytes * b * ((3 if copied else 2) * n + 2 * r * r))
+    return peak
+
+
+def qmuon_muon_phase_bytes(groups: Sequence[Sequence[ParamInfo]], opts_of: Callable[[], qstate.FormatOptions],
+                           fmt: qstate.StateFormat) -> int:
+    """Largest transient of QMuon's momentum phase: per Muon group, the per-row-block sums of
+    squares of every matrix of the group (fp32 ``rows x ceil(cols / block_size)``, alive until the
+    group's NS items are made) plus the largest :meth:`~qmuon_lightning.quant.formats.base.StateFormat.update_workspace_nbytes`
+    of one matrix (0 for the formats whose compiled kernels update in place)."""
+    opts = opts_of()
+    peak = 0
+    for params in groups:
+        sums = sum(p.rows * math.ceil(p.cols / opts.block_size) * 4 for p in params)
+        ws = max((fmt.update_workspace_nbytes(p.rows, p.cols, opts) for p in params), default=0)
+        peak = max(peak, sums + ws)
+    return peak
+
+
+def _quant_adamw() -> Any:
+    """:mod:`qmuon_lightning.quant.adamw` (the AdamW moment formats), when this installation has it."""
+    try:
+        from ..quant import adamw as qadamw
+    except ImportError:
+        raise NotImplementedError("this qmuon_lightning has no AdamW state formats (adamw_state_format)") from None
+    return qadamw
+
+
+def _core_adamw() -> Any:
+    """:mod:`qmuon_lightning.core.adamw` (QMuon's per-tensor, row-chunked AdamW step), or None where
+    QMuon still calls torch's functional AdamW."""
+    try:
+        from ..core import adamw as core_adamw
+    except ImportError:
+        return None
+    return core_adamw
+
+
+def adamw_chunked_step_bytes(shape: Sequence[int], family: str, weight_bytes: int) -> int:
+    """Transient of QMuon's per-tensor AdamW step of one parameter
+    (:func:`qmuon_lightning.core.adamw.adamw_param_step`): blocks of whole rows of at most
+    ``DEFAULT_CHUNK_ELEMENTS`` elements, each with its fp32 update buffer (``4 c`` bytes, ``c`` the
+    block's elements), plus, for dense moments, torch's ops on the block: ``sqrt(v)`` (``4 c``) and
+    fp32 copies of bf16 moments and gradient (``4 c`` each); quantized moments are updated by the
+    fused kernel in place. Writing a bf16 weight (:func:`qmuon_lightning.core.apply.apply_update_`)
+    adds the block's fp32 weights (``4 c``)."""
+    core_adamw, qadamw = _core_adamw(), _quant_adamw()
+    rows, cols = qadamw.matrix_shape(shape)
+    c = core_adamw.chunk_rows(rows, cols) * cols
+    m_fmt, v_fmt = qadamw.moment_formats(family, shape)
+    words = 1  # the fp32 update buffer
+    if m_fmt.spec.kind.startswith("adamw_dense") and v_fmt.spec.kind.startswith("adamw_dense"):
+        words += 1  # denom = sqrt(v)
+        words += sum(1 for f in (m_fmt, v_fmt) if f.spec.dtype != torch.float32)
+        words += 1 if weight_bytes != 4 else 0  # grad.float()
+    if weight_bytes != 4:
+        words += 1  # apply_update_: the block's weights in fp32
+    return 4 * c * words
