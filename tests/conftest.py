@@ -51,23 +51,16 @@ def cuda_ext(ext):
 
 def pytest_collection_modifyitems(config, items):
     """Tests marked ``@pytest.mark.cuda`` are skipped (reported as skips) when no GPU is present,
-    so GPU tests only need the marker and cannot silently run on CPU."""
-    if torch.cuda.is_available():
-        return
-    for item in items:
-        if item.get_closest_marker("cuda") is not None:
-            item.add_marker(requires_cuda)
+    so GPU tests only need the marker and cannot silently run on CPU.
 
-
-def pytest_collection_modifyitems(config, items):
-    """Tests marked ``qmuon_train`` parse configs with ``qmuon-train``'s LightningCLI, which needs
+    Tests marked ``qmuon_train`` parse configs with ``qmuon-train``'s LightningCLI, which needs
     the ``cli`` extra's jsonargparse (>= 4.53). In an environment without it (one with LitGPT 0.5.x,
     which caps jsonargparse at 4.41) they skip, with the reason, instead of failing on the install."""
     from qmuon_lightning.cli import cli_dependency_problem
 
     problem = cli_dependency_problem()
-    if problem is None:
-        return
     for item in items:
-        if item.get_closest_marker("qmuon_train"):
+        if not torch.cuda.is_available() and item.get_closest_marker("cuda") is not None:
+            item.add_marker(requires_cuda)
+        if problem is not None and item.get_closest_marker("qmuon_train"):
             item.add_marker(pytest.mark.skip(reason=problem))

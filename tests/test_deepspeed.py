@@ -67,8 +67,9 @@ STEPS = 4  # engine runs at every stage
 CKPT_AT = 2  # checkpoint runs: save after CKPT_AT steps, continue to STEPS
 BF16_STEPS = 3
 LIGHTNING_STEPS = 3
+# fp32 AdamW moments: DeepSpeed steps flat ZeRO slices, whose AdamW moments QMuon keeps in fp32
 OPT_KW = dict(lr=0.02, weight_decay=0.1, state_format="int8", rounding="stochastic", adamw_lr=3e-3,
-              adamw_weight_decay=0.1, verbose=False)
+              adamw_weight_decay=0.1, adamw_state_format="fp32", verbose=False)
 
 #: First-step update of every Muon matrix (per fused part), recovered from the weights as
 #: ``(p0 (1 - lr wd) - p1) / lr_adj``, against Newton-Schulz in float64 of the averaged gradient:

@@ -427,7 +427,9 @@ def test_sharded_update_is_single_process_bit_for_bit(family: str) -> None:
 #: GPT-2 shape for the DeepSpeed runs: odd widths, so ZeRO's partition boundary falls inside a row
 #: of a column-fused c_attn (the test checks it does).
 DS_GPT2 = dict(d=33, heads=3, layers=3)
-DS_KW = dict(lr=LR, weight_decay=0.1, state_format="int8", rounding="stochastic", adamw_lr=3e-3, verbose=False)
+# fp32 AdamW moments: DeepSpeed steps flat ZeRO slices, whose AdamW moments QMuon keeps in fp32
+DS_KW = dict(lr=LR, weight_decay=0.1, state_format="int8", rounding="stochastic", adamw_lr=3e-3,
+             adamw_state_format="fp32", verbose=False)
 DS_STEPS = 2
 TRAINER_FAMILIES = FAMILIES
 #: Decoder block classes (FSDP units of the Accelerate runs).
