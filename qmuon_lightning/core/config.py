@@ -19,6 +19,7 @@ from typing import Any, Mapping
 from ..quant import state as qstate
 from .newton_schulz import NS_DTYPES, resolve_schedule
 from .plan import ADJUST_LR_FNS, ORIENTATIONS
+from .variants import NORMUON_BETA2, VARIANTS
 
 __all__ = [
     "QMuonConfig",
@@ -76,6 +77,13 @@ class QMuonConfig:
             parameter's update may be skipped for a non-finite gradient; one more raises
             :class:`~qmuon_lightning.NonFiniteGradientError` naming the parameters. A finite
             update resets the parameter's count. ``None`` (default): unlimited, as before.
+    Variants (:mod:`qmuon_lightning.core.variants`):
+        variant: ``"muon"`` (default) or ``"normuon"`` (a per-output-row second moment of the
+            orthogonalized update rescales its rows, Frobenius norm kept; fp32 state of one value
+            per row beside the momentum). normuon_beta2: its EMA factor (0.95, dion's and
+            modded-nanogpt's default).
+        cautious_weight_decay: decay only the weights whose update agrees with them in sign
+            (Muon and AdamW groups; default False).
     AdamW (embeddings, head, 1-D tensors): adamw_lr 3e-4, adamw_betas (0.9, 0.95),
         adamw_eps 1e-8, adamw_weight_decay 0.1 (the usual GPT pretraining values).
     Sharded parameters: comm_carrier / comm_return: encodings of the distributed NS exchange.
@@ -105,6 +113,9 @@ class QMuonConfig:
     adamw_weight_decay: float = 0.1
     comm_carrier: str = "int8"
     comm_return: str = "int8"
+    variant: str = "muon"
+    normuon_beta2: float = NORMUON_BETA2
+    cautious_weight_decay: bool = False
 
     def __post_init__(self) -> None:
         # Hashable, canonical forms (YAML and JSON give lists).
@@ -150,12 +161,13 @@ class QMuonConfig:
             "state_format": self.state_format, "block_size": self.block_size, "rank": self.rank,
             "grid_block": self.grid_block, "rounding": self.rounding, "seed": self.seed,
             "nonfinite": self.nonfinite, "ns_input": self.ns_input, "use_muon": True, "parts": None,
-            "parts_axis": 0, "orientation": "out_in",
+            "parts_axis": 0, "orientation": "out_in", "variant": self.variant,
+            "normuon_beta2": self.normuon_beta2, "cautious_weight_decay": self.cautious_weight_decay,
         }
 
     def adamw_group_defaults(self) -> dict[str, Any]:
         return {"lr": self.adamw_lr, "betas": tuple(self.adamw_betas), "eps": self.adamw_eps,
-                "weight_decay": self.adamw_weight_decay}
+                "weight_decay": self.adamw_weight_decay, "cautious_weight_decay": self.cautious_weight_decay}
 
     def to_dict(self) -> dict[str, Any]:
         """Plain values (for manifests and logs)."""
@@ -190,7 +202,7 @@ DEFAULT_CONFIG = QMuonConfig()
 #: constructed optimizer's values win over the checkpoint's (torch would silently take the saved
 #: ones, e.g. switch a run back to the state format or NS precision it was saved with).
 STRUCTURAL_KEYS = ("use_muon", "state_format", "block_size", "rank", "grid_block", "rounding", "seed", "parts",
-                   "parts_axis", "orientation", "nonfinite", "ns_input", "ns_dtype", "ns_coefficients")
+                   "parts_axis", "orientation", "nonfinite", "ns_input", "ns_dtype", "ns_coefficients", "variant")
 
 
 def validate_muon_group(group: dict[str, Any], where: str) -> None:
@@ -237,6 +249,13 @@ def validate_muon_group(group: dict[str, Any], where: str) -> None:
         raise bad(f"nonfinite must be 'skip' or 'raise', got {group['nonfinite']!r}")
     if group.setdefault("ns_input", "bf16") not in NS_INPUTS:
         raise bad(f"ns_input must be 'bf16' (the NS input as it is) or 'mxfp8' (MXFP8 carrier), got {group['ns_input']!r}")
+    if group.setdefault("variant", "muon") not in VARIANTS:
+        raise bad(f"variant must be one of {VARIANTS} ('normuon': per-row second moment after Newton-Schulz), "
+                  f"got {group['variant']!r}")
+    b2 = group.setdefault("normuon_beta2", NORMUON_BETA2)
+    if not _real(b2) or not 0.0 <= b2 < 1.0:
+        raise bad(f"normuon_beta2 must be in [0, 1), got {b2!r}")
+    _check_cautious(group, bad)
     validate_format_overrides(group, where)
     parts = group.get("parts")
     if parts is not None:
@@ -299,7 +318,13 @@ def validate_format_overrides(group: dict[str, Any], where: str) -> None:
     group[FORMAT_OVERRIDES] = clean
 
 
+def _check_cautious(group: dict[str, Any], bad: Any) -> None:
+    if not isinstance(group.setdefault("cautious_weight_decay", False), bool):
+        raise bad(f"cautious_weight_decay must be True or False, got {group['cautious_weight_decay']!r}")
+
+
 def validate_adamw_group(group: dict[str, Any], where: str) -> None:
+    _check_cautious(group, lambda msg: ValueError(f"{where} (AdamW): {msg}"))
     b1, b2 = group["betas"]
     if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
         raise ValueError(f"{where} (AdamW): betas must be in [0, 1), got {group['betas']}")

@@ -7,7 +7,9 @@ One Muon step is::
                together with its per-row-block sums of squares)
     -> items  (one per matrix or fused part: its NS input, sum of squares, lr factor)
     -> orthogonalize (same-shape items batched within a memory budget, 1/norm folded into NS)
-    -> apply  (p -= lr * lr_scale * O; decoupled weight decay is applied before)
+    -> variant (NorMuon: per-row second moment rescales O, :mod:`.variants`)
+    -> apply  (p = decay * p - lr * lr_scale * O; decay 1 - lr wd, or only where p and O agree in
+               sign with cautious weight decay)
 
 :class:`~qmuon_lightning.QMuon` (one process), the sharded step
 (:mod:`qmuon_lightning.distributed.orthogonalize`: the owner rank of a matrix runs
@@ -39,6 +41,7 @@ from ..quant import state as qstate
 from ..quant.mxfp8 import mxfp8_roundtrip_normalized
 from .newton_schulz import NSSchedule, newton_schulz_folded, resolve_ns_dtype, resolve_schedule
 from .plan import MatrixPart, ParamPlan
+from .variants import RowMoment, cautious_decay_, normuon_scale
 
 __all__ = [
     "NSSettings",
@@ -53,6 +56,8 @@ __all__ = [
     "row_sumsq",
     "is_dtensor",
     "local",
+    "apply_to",
+    "decay_rows_",
 ]
 
 #: Default cap of a batch, in multiples of the largest matrix of the step (see the module docstring).
@@ -111,6 +116,9 @@ class NSItem:
     a batch slot (a sharded owner decodes the rows received from every rank straight into the
     batch). ``apply(out)`` receives the ``rows x cols`` NS output (in the NS dtype; possibly a
     strided view) and must not keep it: the batch is freed after the call.
+    ``moment``: NorMuon's second moment of the layer's rows (:mod:`.variants`); when set, the NS
+    output is rescaled by :func:`~.variants.normuon_scale` (and ``moment.v`` updated) before
+    ``apply`` sees it.
     """
 
     rows: int
@@ -123,6 +131,7 @@ class NSItem:
     load: Callable[[Tensor], None] | None = None
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     transpose: bool = False
+    moment: RowMoment | None = None
 
     @property
     def numel(self) -> int:
@@ -198,7 +207,10 @@ def _orthogonalize_chunk(chunk: list[NSItem], ns_rows: int, ns_cols: int, s: NSS
     out = newton_schulz_folded(batch, inv_norm, s.schedule, s.steps, dtype=s.dtype)
     del batch
     for i, it in enumerate(chunk):
-        it.apply(_stored(out[i], it.transpose))
+        o = out[i]  # the layer's (out, in) matrix
+        if it.moment is not None:
+            o = normuon_scale(o, it.moment)
+        it.apply(_stored(o, it.transpose))
 
 
 def call_closure(closure: Callable[[], Any] | None) -> Any:
@@ -294,20 +306,24 @@ def update_momentum(group: dict[str, Any], inputs: MomentumInputs, *, sharded_pa
 
 
 def local_items(plan: ParamPlan, ns_input: Tensor, block_sums: Tensor, group: dict[str, Any],
-                settings: NSSettings, apply: Callable[[MatrixPart, Tensor], None]) -> list[NSItem]:
+                settings: NSSettings, apply: Callable[[MatrixPart, Tensor], None],
+                moments: Sequence[RowMoment | None] | None = None) -> list[NSItem]:
     """The NS items of a parameter held whole by this process (one per matrix / fused part).
 
     ``ns_input``: the 2-D stored NS input; ``apply(part, out)`` receives each part's NS output in
-    the stored orientation (``part.rows x part.cols``).
+    the stored orientation (``part.rows x part.cols``); ``moments``: NorMuon's second moment of
+    each part (aligned with ``plan.parts``; None: plain Muon).
     """
     eps = float(group["eps"])
     items = []
-    for part in plan.parts:
+    moments = moments if moments is not None else [None] * len(plan.parts)
+    for part, moment in zip(plan.parts, moments, strict=True):
         source = part.block(ns_input)
         sumsq = block_sums[part.r0: part.r1].sum() if part.whole_rows else row_sumsq(source).sum()
         items.append(NSItem(
             rows=part.rows, cols=part.cols, sumsq=sumsq, eps=eps, settings=settings,
             apply=_bind(apply, part), source=source, device=ns_input.device, transpose=part.transposed,
+            moment=moment,
         ))
     return items
 
@@ -323,9 +339,11 @@ def _bind(apply: Callable[[MatrixPart, Tensor], None], part: MatrixPart) -> Call
     return lambda out: apply(part, out)
 
 
-def apply_to(param_rows: Tensor, lr: float) -> Callable[[MatrixPart, Tensor], None]:
-    """The default ``apply`` of :func:`local_items`: ``p[block] -= lr * lr_scale * O`` on the
-    parameter ``param_rows`` (any ndim; 2-D when parts split the columns)."""
+def apply_to(param_rows: Tensor, lr: float, decay: float = 1.0,
+             cautious: bool = False) -> Callable[[MatrixPart, Tensor], None]:
+    """The default ``apply`` of :func:`local_items`: ``p[block] = decay * p[block] - lr * lr_scale * O``
+    on the parameter ``param_rows`` (any ndim; 2-D when parts split the columns); with ``cautious``
+    the decay applies only where ``p`` and ``O`` agree in sign (:func:`~.variants.cautious_decay_`)."""
 
     def apply(part: MatrixPart, out: Tensor) -> None:
         rows = part.block(param_rows)
@@ -334,6 +352,19 @@ def apply_to(param_rows: Tensor, lr: float) -> Callable[[MatrixPart, Tensor], No
             # strided into the parameter is several times slower than transposing it first (5x
             # measured for 1024 x 256).
             out = out.contiguous()
-        rows.add_(out.view(rows.shape), alpha=-lr * part.lr_scale)
+        out = out.view(rows.shape)
+        decay_rows_(rows, out, decay, cautious)
+        rows.add_(out, alpha=-lr * part.lr_scale)
 
     return apply
+
+
+def decay_rows_(rows: Tensor, update: Tensor, decay: float, cautious: bool) -> None:
+    """Decoupled weight decay of a block of weights before ``update`` is subtracted from it:
+    ``rows *= decay`` everywhere, or (``cautious``) where ``rows * update >= 0``."""
+    if decay == 1.0:
+        return
+    if cautious:
+        cautious_decay_(rows, update, decay)
+    else:
+        rows.mul_(decay)

@@ -68,6 +68,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from ..core import pipeline
+from ..core.pipeline import decay_rows_
 from ..core.plan import MatrixPart, plan_param
 from ..optim.qmuon import QMuon
 
@@ -636,11 +637,16 @@ class WholeMatrixZeroOptimizer(Optimizer):
         the layer's ``(out, in)`` shape)."""
         group = self._all_groups[p.group]
         lr, wd = float(group["lr"]), float(group["weight_decay"])
-        data.mul_(1.0 - lr * wd)
+        cautious = bool(group.get("cautious_weight_decay", False))
+        if not cautious:
+            data.mul_(1.0 - lr * wd)
         for part in p.parts:
             for at, n, width, c0, c1 in _part_runs(part, p.cols, seg.start, seg.length):
                 d = data.narrow(0, at, n * width).view(n, width)[:, c0:c1]
-                d.add_(o.narrow(0, at, n * width).view(n, width)[:, c0:c1], alpha=-lr * part.lr_scale)
+                u = o.narrow(0, at, n * width).view(n, width)[:, c0:c1]
+                if cautious:  # the mask reads the same update the single-process step subtracts
+                    decay_rows_(d, u, 1.0 - lr * wd, True)
+                d.add_(u, alpha=-lr * part.lr_scale)
 
     def _active_groups(self) -> set[int]:
         """Which of this optimizer's groups the current ``step()`` call updates: all of them, except

@@ -38,6 +38,7 @@ from ..core.config import (
 from ..core.newton_schulz import MUON_COEFFICIENTS
 from ..core.pipeline import NSItem, is_dtensor, local
 from ..core.plan import MatrixPart, ParamPlan, adjusted_lr, plan_param
+from ..core.variants import NORMUON_STATE, RowMoment, check_row_moment, part_row_moment, row_moment_shape
 from ..quant import state as qstate
 from ..quant.layout import localize_loaded_state, shard_state
 
@@ -107,6 +108,11 @@ class QMuon(Optimizer):
         comm_carrier, comm_return: sharded (FSDP2 ``Shard(0)``) parameters only: how the
             distributed Newton-Schulz moves rows to the rank that orthogonalizes a matrix and back;
             see :mod:`qmuon_lightning.distributed`. Bytes per step: :attr:`comm_stats`.
+        variant: ``"muon"`` or ``"normuon"`` (per-output-row second moment of the orthogonalized
+            update, state key ``"normuon_v"``: :mod:`qmuon_lightning.core.variants`);
+            normuon_beta2: its EMA factor.
+        cautious_weight_decay: decay only where the update and the weight agree in sign (Muon and
+            AdamW groups).
         batch_budget: Newton-Schulz batches hold at most this many times the largest matrix's
             elements (1.0: the step's transient memory is the largest matrix's own NS working set).
     """
@@ -139,6 +145,9 @@ class QMuon(Optimizer):
         adamw_weight_decay: float = _D.adamw_weight_decay,
         comm_carrier: str = _D.comm_carrier,
         comm_return: str = _D.comm_return,
+        variant: str = _D.variant,
+        normuon_beta2: float = _D.normuon_beta2,
+        cautious_weight_decay: bool = _D.cautious_weight_decay,
         batch_budget: float = pipeline.DEFAULT_BATCH_BUDGET,
     ) -> None:
         args = locals()
@@ -376,18 +385,48 @@ class QMuon(Optimizer):
             for j, s in zip(sel, sums):
                 block_sums[j] = s
         lr, wd = float(group["lr"]), float(group["weight_decay"])
+        decay, cautious = 1.0 - lr * wd, bool(group.get("cautious_weight_decay", False))
+        normuon = group.get("variant", "muon") == "normuon"
         settings_on: dict[torch.device, pipeline.NSSettings] = {}
-        for p, plan, g2, grad, sums in zip(params, plans, inputs.grads2d, grads, block_sums):
+        for p, plan, g2, grad, sums, st in zip(params, plans, inputs.grads2d, grads, block_sums, states):
             if g2.data_ptr() != grad.data_ptr():
                 grad.copy_(g2.view(grad.shape))  # keep the contract: .grad holds the NS input
             p_local = local(p)
-            p_local.mul_(1.0 - lr * wd)
             settings = settings_on.get(g2.device) or settings_on.setdefault(g2.device, pipeline.ns_settings(group, g2.device))
+            v = self._row_moment_state(p, plan, st, sharded) if normuon else None
             if is_dtensor(p):
-                sharded.add(p, plan, p_local, g2, sums, group, settings)  # whole-matrix NS across ranks
+                sharded.add(p, plan, p_local, g2, sums, group, settings, v)  # whole-matrix NS across ranks
                 continue
-            apply = self._sink_for(p) if self.update_sink is not None else pipeline.apply_to(p, lr)
-            items.extend(pipeline.local_items(plan, g2, sums, group, settings, apply))
+            if self.update_sink is not None:
+                # The driver behind the sink applies the update (and its own weight decay).
+                pipeline.decay_rows_(p_local, p_local, decay, False)
+                apply = self._sink_for(p)
+            else:
+                apply = pipeline.apply_to(p, lr, decay, cautious)
+            moments = None
+            if v is not None:
+                b2 = float(group["normuon_beta2"])
+                moments = [RowMoment(part_row_moment(v, plan, part), b2) for part in plan.parts]
+            items.extend(pipeline.local_items(plan, g2, sums, group, settings, apply, moments))
+
+    def _row_moment_state(self, p: Tensor, plan: ParamPlan, st_local: dict[str, Tensor], sharded: Any) -> Tensor:
+        """NorMuon's second moment of ``p`` (its local rows when sharded), created as zeros on the
+        first NorMuon step (also when a plain-Muon checkpoint is resumed as NorMuon)."""
+        v = st_local.get(NORMUON_STATE)
+        if v is None:
+            rows, k = row_moment_shape(plan)
+            if is_dtensor(p):
+                rows = local(p).shape[0]
+            v = torch.zeros((rows, k), dtype=torch.float32, device=local(p).device)
+            st_local[NORMUON_STATE] = v
+            st = self.state[p]
+            if is_dtensor(p):
+                sub = {NORMUON_STATE: v}
+                sharded.init_state(p, sub)  # Shard(0) like the momentum rows (DCP reshards it)
+                st[NORMUON_STATE] = sub[NORMUON_STATE]
+            else:
+                st[NORMUON_STATE] = v
+        return v
 
     def _sink_for(self, p: Tensor) -> Callable[[MatrixPart, Tensor], None]:
         sink = self.update_sink
@@ -411,13 +450,22 @@ class QMuon(Optimizer):
         if not params:
             return
         b1, b2 = group["betas"]
+        lr, wd = float(group["lr"]), float(group["weight_decay"])
+        # CAUTIOUS-WD HOOK (AdamW): the step runs without decay, then the weights as they were
+        # before it are decayed where they agree in sign with the step's update.
+        cautious = bool(group.get("cautious_weight_decay", False)) and wd != 0.0
+        before = [p.detach().clone() for p in params] if cautious else None
         _functional_adam(
             params, grads, exp_avgs, exp_avg_sqs, [], steps,
             foreach=None, capturable=False, differentiable=False, fused=None,
             grad_scale=None, found_inf=None, has_complex=False, decoupled_weight_decay=True,
-            amsgrad=False, beta1=b1, beta2=b2, lr=group["lr"], weight_decay=group["weight_decay"],
+            amsgrad=False, beta1=b1, beta2=b2, lr=lr, weight_decay=0.0 if cautious else wd,
             eps=group["eps"], maximize=False,
         )
+        if before is not None:
+            for p, w in zip(params, before):
+                # p_new = w - lr u (no decay yet); decay term lr wd w where w * u >= 0, u = (w - p_new) / lr
+                p.sub_(torch.where(w * (w - p) >= 0, w, 0.0), alpha=lr * wd)
 
     # ------------------------------------------------------------------ state dict
     def state_dict(self) -> dict[str, Any]:
@@ -460,6 +508,9 @@ class QMuon(Optimizer):
             merged = {k: v for k, v in saved.items() if k != "qmuon_version"}
             for k in STRUCTURAL_KEYS:
                 merged[k] = cur[k]
+            for k, v in cur.items():  # options added after the checkpoint was written take today's value
+                if k != FORMAT_OVERRIDES:
+                    merged.setdefault(k, v)
             if cur["use_muon"] and "state_format" in saved:  # a QMuon checkpoint: the one resume check
                 check_resume({**cur, **saved}, cur, where=f"param group {gi}", allow_format_change=True)
             if cur["use_muon"]:
@@ -478,8 +529,14 @@ class QMuon(Optimizer):
                         if is_dtensor(p):  # sharded: validate and convert this rank's rows only
                             src = localize_loaded_state(src, p, None, None, where)  # None: the saved format
                             shape = (local(p).shape[0], *p.shape[1:])
-                        muon_state.append((p, qstate.convert_state(src, saved_view, cur_view, shape, where,
-                                                                   sharded=is_dtensor(p)), cur_view))
+                        converted = qstate.convert_state(src, saved_view, cur_view, shape, where, sharded=is_dtensor(p))
+                        if NORMUON_STATE in converted:
+                            if cur_view.get("variant", "muon") != "normuon":
+                                del converted[NORMUON_STATE]  # resumed as plain Muon: the second moment is unused
+                            else:
+                                check_row_moment(converted[NORMUON_STATE], plan_param(p, cur_view, 0, ""),
+                                                 int(shape[0]), where)
+                        muon_state.append((p, converted, cur_view))
                         del new_state[pid]
             new_groups.append(merged)
         super().load_state_dict({"state": new_state, "param_groups": new_groups})
