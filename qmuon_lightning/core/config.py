@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from ..quant import state as qstate
+from .gram_newton_schulz import NS_METHODS
 from .newton_schulz import NS_DTYPES, resolve_schedule
 from .plan import ADJUST_LR_FNS, ORIENTATIONS
 from .variants import NORMUON_BETA2, VARIANTS
@@ -84,6 +85,9 @@ class QMuonConfig:
             modded-nanogpt's default).
         cautious_weight_decay: decay only the weights whose update agrees with them in sign
             (Muon and AdamW groups; default False).
+        ns_method: ``"standard"`` (default), ``"gram"`` (iterate on the Gram matrix of a
+            rectangular update, :mod:`qmuon_lightning.core.gram_newton_schulz`) or ``"auto"`` (gram
+            on CPU for matrices at least 4:1, where it measured faster).
     AdamW (embeddings, head, 1-D tensors): adamw_lr 3e-4, adamw_betas (0.9, 0.95),
         adamw_eps 1e-8, adamw_weight_decay 0.1 (the usual GPT pretraining values).
     Sharded parameters: comm_carrier / comm_return: encodings of the distributed NS exchange.
@@ -116,6 +120,7 @@ class QMuonConfig:
     variant: str = "muon"
     normuon_beta2: float = NORMUON_BETA2
     cautious_weight_decay: bool = False
+    ns_method: str = "standard"
 
     def __post_init__(self) -> None:
         # Hashable, canonical forms (YAML and JSON give lists).
@@ -163,6 +168,7 @@ class QMuonConfig:
             "nonfinite": self.nonfinite, "ns_input": self.ns_input, "use_muon": True, "parts": None,
             "parts_axis": 0, "orientation": "out_in", "variant": self.variant,
             "normuon_beta2": self.normuon_beta2, "cautious_weight_decay": self.cautious_weight_decay,
+            "ns_method": self.ns_method,
         }
 
     def adamw_group_defaults(self) -> dict[str, Any]:
@@ -256,6 +262,8 @@ def validate_muon_group(group: dict[str, Any], where: str) -> None:
     if not _real(b2) or not 0.0 <= b2 < 1.0:
         raise bad(f"normuon_beta2 must be in [0, 1), got {b2!r}")
     _check_cautious(group, bad)
+    if group.setdefault("ns_method", "standard") not in NS_METHODS:
+        raise bad(f"ns_method must be one of {NS_METHODS}, got {group['ns_method']!r}")
     validate_format_overrides(group, where)
     parts = group.get("parts")
     if parts is not None:

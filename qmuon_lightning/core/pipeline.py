@@ -39,6 +39,7 @@ from torch import Tensor
 from ..ops import reference as ref
 from ..quant import state as qstate
 from ..quant.mxfp8 import mxfp8_roundtrip_normalized
+from .gram_newton_schulz import newton_schulz_gram, pick_ns_method
 from .newton_schulz import NSSchedule, newton_schulz_folded, resolve_ns_dtype, resolve_schedule
 from .plan import MatrixPart, ParamPlan
 from .variants import RowMoment, cautious_decay_, normuon_scale
@@ -91,6 +92,7 @@ class NSSettings:
     steps: int
     dtype: torch.dtype
     carrier: str  # "bf16": the NS input as it is; "mxfp8": its decoded MXFP8 carrier (quant.mxfp8)
+    method: str = "standard"  # core.gram_newton_schulz.NS_METHODS
 
 
 def ns_settings(group: dict[str, Any], device: torch.device) -> NSSettings:
@@ -101,6 +103,7 @@ def ns_settings(group: dict[str, Any], device: torch.device) -> NSSettings:
         steps=steps,
         dtype=resolve_ns_dtype(group.get("ns_dtype", "auto"), device),
         carrier=group.get("ns_input", "bf16"),
+        method=group.get("ns_method", "standard"),
     )
 
 
@@ -204,7 +207,10 @@ def _orthogonalize_chunk(chunk: list[NSItem], ns_rows: int, ns_cols: int, s: NSS
     else:
         batch = torch.empty((len(chunk), ns_rows, ns_cols), dtype=s.dtype, device=first.device)
         _fill(batch, chunk)
-    out = newton_schulz_folded(batch, inv_norm, s.schedule, s.steps, dtype=s.dtype)
+    if pick_ns_method(s.method, ns_rows, ns_cols, str(first.device)) == "gram":
+        out = newton_schulz_gram(batch, inv_norm, s.schedule, s.steps, dtype=s.dtype)
+    else:
+        out = newton_schulz_folded(batch, inv_norm, s.schedule, s.steps, dtype=s.dtype)
     del batch
     for i, it in enumerate(chunk):
         o = out[i]  # the layer's (out, in) matrix

@@ -113,6 +113,8 @@ class QMuon(Optimizer):
             normuon_beta2: its EMA factor.
         cautious_weight_decay: decay only where the update and the weight agree in sign (Muon and
             AdamW groups).
+        ns_method: ``"standard"``, ``"gram"`` or ``"auto"`` (Gram Newton-Schulz for elongated
+            matrices: :mod:`qmuon_lightning.core.gram_newton_schulz`).
         batch_budget: Newton-Schulz batches hold at most this many times the largest matrix's
             elements (1.0: the step's transient memory is the largest matrix's own NS working set).
     """
@@ -148,6 +150,7 @@ class QMuon(Optimizer):
         variant: str = _D.variant,
         normuon_beta2: float = _D.normuon_beta2,
         cautious_weight_decay: bool = _D.cautious_weight_decay,
+        ns_method: str = _D.ns_method,
         batch_budget: float = pipeline.DEFAULT_BATCH_BUDGET,
     ) -> None:
         args = locals()
