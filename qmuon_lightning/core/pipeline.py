@@ -22,9 +22,15 @@ Memory: the NS working set of a batch of ``B`` matrices is about ``(2 B + 1)`` t
 the NS dtype (input, the running iterate, the next one) plus small Gram matrices. Batching same-shape
 matrices only pays while the matrices are small (fewer, larger GEMMs); stacking every same-shape
 matrix of a model (as one unbounded batch would) costs more peak memory than the quantized state
-saves. :func:`orthogonalize` therefore caps a batch at the element count of the largest matrix of
-the step (times ``batch_budget``), so the step's transient memory is that of the largest matrix's
-own NS, as in ``torch.optim.Muon``, which orthogonalizes one matrix at a time.
+saves. :func:`orthogonalize` therefore caps a batch at the larger of the element count of the
+largest matrix of the step (times ``batch_budget``) and :data:`BATCH_STEP_SHARE` of the step's Muon
+elements, and on CPU at :data:`CPU_BATCH_MAX_ELEMENTS`. A large model's step therefore keeps the
+transient memory of its largest matrix's own NS (as ``torch.optim.Muon``, which orthogonalizes one
+matrix at a time), while a small model's same-shape matrices batch (at d=256 x 4 layers the
+largest-matrix cap alone left the 1024 x 256 MLP matrices unbatched: 1.42x the bare batched NS).
+The share bounds the extra transient: a batch's NS working set is about 3 x its elements in the NS
+dtype (6 bytes per element in bf16), i.e. at most ``6 * BATCH_STEP_SHARE`` = 1.5 bytes per Muon
+parameter, against the step's ~9 (fp32 weight and gradient, int8 momentum): under a fifth.
 """
 
 from __future__ import annotations
@@ -67,6 +73,8 @@ DEFAULT_BATCH_BUDGET = 1.0
 #: larger GEMM calls) but not for large ones, where one ``bmm`` over the stack ran slower than one
 #: ``mm`` per matrix (GPT d_model 512: 842 ms batched vs 802 ms one by one; torch.optim.Muon 835 ms).
 CPU_BATCH_MAX_ELEMENTS = 2**20
+#: A batch may also hold up to this share of the step's Muon elements (see the module docstring).
+BATCH_STEP_SHARE = 0.25
 
 
 def is_dtensor(t: Any) -> bool:
@@ -160,14 +168,16 @@ def orthogonalize(items: Iterable[NSItem], batch_budget: float = DEFAULT_BATCH_B
     """Orthogonalize every item and hand each output to its ``apply``.
 
     Items of one shape and :class:`NSSettings` are stacked into batches of at most
-    ``batch_budget x`` the largest item's element count (on CPU also at most
+    ``batch_budget x`` the largest item's element count or :data:`BATCH_STEP_SHARE` of all items'
+    elements, whichever is larger (on CPU also at most
     :data:`CPU_BATCH_MAX_ELEMENTS`; at least one matrix per batch), in the order they were given; ``1 / max(||G||, eps)`` is folded into the first NS iteration.
     A lone item whose source already has the NS dtype is orthogonalized in place of a copy.
     """
     items = list(items)
     if not items:
         return
-    budget = max(1, int(batch_budget * max(it.numel for it in items)))
+    budget = max(1, int(batch_budget * max(it.numel for it in items)),
+                 int(BATCH_STEP_SHARE * sum(it.numel for it in items)))
     queues: dict[tuple, list[NSItem]] = defaultdict(list)
     for it in items:
         # Keyed by the shape NS sees: an (in, out) layer batches with (out, in) layers of its shape.

@@ -64,6 +64,8 @@ class OptimizerSpec:
         state_format: QMuon momentum storage, any registered format (``fp32``, ``bf16``, ``int8``,
             ``uint8``, ``int4``, ``e0m3``, ``grasp4``). ``None``: ``int8`` for ``qmuon``, ``grasp4`` for ``grasp``.
         block_size, rank, grid_block, rounding, seed, nonfinite: QMuon options.
+        variant, normuon_beta2, cautious_weight_decay, ns_method: QMuon's Muon variants
+            (``"normuon"``, cautious decay, Gram Newton-Schulz; :mod:`qmuon_lightning.core.variants`).
         adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: the AdamW part (embeddings, head,
             norms; every parameter for ``adamw``). 1-D parameters never get weight decay.
         schedule: ``"cosine"`` (warmup, then cosine to ``min_lr_ratio``) or ``"constant"`` (warmup, then 1).
@@ -85,6 +87,10 @@ class OptimizerSpec:
     rounding: Literal["nearest", "stochastic"] = "nearest"
     seed: int = 0
     nonfinite: Literal["skip", "raise"] = "skip"
+    variant: Literal["muon", "normuon"] = "muon"
+    normuon_beta2: float = 0.95
+    cautious_weight_decay: bool = False
+    ns_method: Literal["standard", "gram", "auto"] = "standard"
     adamw_lr: float = 3e-3
     adamw_betas: tuple[float, float] = (0.9, 0.95)
     adamw_eps: float = 1e-8
@@ -175,7 +181,9 @@ def build_lm_optimizer(model: nn.Module, spec: OptimizerSpec, *, verbose: bool =
             ns_steps=spec.ns_steps, adjust_lr_fn=spec.adjust_lr_fn, state_format=spec.resolved_state_format,
             block_size=spec.block_size, rank=spec.rank, grid_block=spec.grid_block, rounding=spec.rounding,
             seed=spec.seed, nonfinite=spec.nonfinite, adamw_lr=spec.adamw_lr, adamw_betas=tuple(spec.adamw_betas),
-            adamw_eps=spec.adamw_eps, adamw_weight_decay=spec.adamw_weight_decay, verbose=verbose,
+            adamw_eps=spec.adamw_eps, adamw_weight_decay=spec.adamw_weight_decay, variant=spec.variant,
+            normuon_beta2=spec.normuon_beta2, cautious_weight_decay=spec.cautious_weight_decay,
+            ns_method=spec.ns_method, verbose=verbose,
         )
     decisions = route_parameters(model)
     params = dict(model.named_parameters())
