@@ -29,8 +29,11 @@ transient memory of its largest matrix's own NS (as ``torch.optim.Muon``, which 
 matrix at a time), while a small model's same-shape matrices batch (at d=256 x 4 layers the
 largest-matrix cap alone left the 1024 x 256 MLP matrices unbatched: 1.42x the bare batched NS).
 The share bounds the extra transient: a batch's NS working set is about 3 x its elements in the NS
-dtype (6 bytes per element in bf16), i.e. at most ``6 * BATCH_STEP_SHARE`` = 1.5 bytes per Muon
-parameter, against the step's ~9 (fp32 weight and gradient, int8 momentum): under a fifth.
+dtype (6 bytes per element in bf16), i.e. at most ``6 * BATCH_STEP_SHARE`` = 3 bytes per Muon
+parameter, against the step's ~9 (fp32 weight and gradient, int8 momentum): a third at most, and
+on CPU never more than 6 MiB (the :data:`CPU_BATCH_MAX_ELEMENTS` ceiling). Measured
+(benchmarks/results/batch_share.md, d=256 x 4, 2 threads): share 0.25 left the step at 1.32x the
+bare batched NS, 0.5 (all four 1024 x 256 MLP matrices in one batch) at 0.98x.
 """
 
 from __future__ import annotations
@@ -74,7 +77,7 @@ DEFAULT_BATCH_BUDGET = 1.0
 #: ``mm`` per matrix (GPT d_model 512: 842 ms batched vs 802 ms one by one; torch.optim.Muon 835 ms).
 CPU_BATCH_MAX_ELEMENTS = 2**20
 #: A batch may also hold up to this share of the step's Muon elements (see the module docstring).
-BATCH_STEP_SHARE = 0.25
+BATCH_STEP_SHARE = 0.5
 
 
 def is_dtensor(t: Any) -> bool:
