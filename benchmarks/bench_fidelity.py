@@ -57,15 +57,23 @@ SCALES: dict[str, dict] = {
 
 
 def parse_kind(kind: str) -> tuple[str, str | None, str, dict]:
-    """``"adamw"`` / ``"torch-muon"`` / ``"qmuon:<format>[:mxfp8][@rank=R][@grid=G][@lr=X]"`` ->
+    """``"adamw"`` / ``"torch-muon"`` / ``"qmuon:<format>[:mxfp8][@rank=R][@grid=G][@lr=X][@variant=normuon][@cautious=1][@ns=gram]"`` ->
     (family, format, ns_input, overrides). The ``@`` overrides are for sweeps of grasp4's knobs."""
     base, *opts = kind.split("@")
     over: dict = {}
     for o in opts:
         k, _, v = o.partition("=")
-        if k not in ("rank", "grid", "lr") or not v:
-            raise SystemExit(f"bad option {o!r} in {kind!r}: use @rank=R, @grid=G or @lr=X")
-        over[{"grid": "grid_block"}.get(k, k)] = float(v) if k == "lr" else int(v)
+        if k not in ("rank", "grid", "lr", "variant", "cautious", "ns") or not v:
+            raise SystemExit(f"bad option {o!r} in {kind!r}: use @rank=R, @grid=G, @lr=X, @variant=normuon, "
+                             "@cautious=1 or @ns=gram")
+        if k == "variant":
+            over["variant"] = v
+        elif k == "cautious":
+            over["cautious_weight_decay"] = v not in ("0", "false", "False")
+        elif k == "ns":
+            over["ns_method"] = v
+        else:
+            over[{"grid": "grid_block"}.get(k, k)] = float(v) if k == "lr" else int(v)
     if base in ("adamw", "torch-muon"):
         if over:
             raise SystemExit(f"{kind!r}: @ options apply to qmuon:<format> only")
@@ -95,6 +103,7 @@ def make_optimizers(kind: str, model: nn.Module, args) -> list[torch.optim.Optim
     return [build_optimizer(model, lr=over.get("lr", args.lr), weight_decay=0.1, state_format=fmt,
                             adamw_lr=args.adamw_lr, seed=args.seed, ns_input=ns_input,
                             rank=over.get("rank", args.rank), grid_block=over.get("grid_block", args.grid_block),
+                            **{k: over[k] for k in ("variant", "cautious_weight_decay", "ns_method") if k in over},
                             verbose=False)]
 
 
