@@ -62,11 +62,12 @@ BF16_RULES = ("nearest", "stochastic", "ecc8")
 
 
 def parse_kind(kind: str) -> tuple[str, str | None, str, dict]:
-    """``"adamw"`` / ``"torch-muon"`` / ``"qmuon:<format>[:mxfp8][@rank=R][@grid=G][@lr=X][@w=RULE][@adamw=F]"`` ->
-    (family, format, ns_input, overrides). The ``@`` overrides are for sweeps of grasp4's knobs, for bf16
-    weights (``@w=nearest|stochastic|ecc8``: the model in bf16, written with that rule) and for the AdamW
-    moments' storage (``@adamw=int8``: ``adamw_state_format``; without it the QMuon runs keep fp32 AdamW
-    moments, the fp32-master reference of the quantized-AdamW comparisons)."""
+    """``"adamw"`` / ``"torch-muon"`` / ``"qmuon:<format>[:mxfp8][@rank=R][@grid=G][@lr=X][@w=RULE][@adamw=F]``
+    ``[@variant=normuon][@cautious=1][@ns=gram]"`` -> (family, format, ns_input, overrides). The ``@``
+    overrides are for sweeps of grasp4's knobs, for bf16 weights (``@w=nearest|stochastic|ecc8``: the
+    model in bf16, written with that rule), for the AdamW moments' storage (``@adamw=int8``:
+    ``adamw_state_format``; without it the QMuon runs keep fp32 AdamW moments, the fp32-master reference
+    of the quantized-AdamW comparisons) and for the Muon variants."""
     base, *opts = kind.split("@")
     over: dict = {}
     for o in opts:
@@ -74,13 +75,19 @@ def parse_kind(kind: str) -> tuple[str, str | None, str, dict]:
         if k == "w" and v in BF16_RULES:
             over["bf16_update"] = v
             continue
-        if k not in ("rank", "grid", "lr", "adamw") or not v:
-            raise SystemExit(f"bad option {o!r} in {kind!r}: use @rank=R, @grid=G, @lr=X, @adamw=F or "
-                             f"@w={'|'.join(BF16_RULES)}")
+        if k not in ("rank", "grid", "lr", "adamw", "variant", "cautious", "ns") or not v:
+            raise SystemExit(f"bad option {o!r} in {kind!r}: use @rank=R, @grid=G, @lr=X, @adamw=F, "
+                             f"@w={'|'.join(BF16_RULES)}, @variant=normuon, @cautious=1 or @ns=gram")
         if k == "adamw":
             over["adamw_state_format"] = v
-            continue
-        over[{"grid": "grid_block"}.get(k, k)] = float(v) if k == "lr" else int(v)
+        elif k == "variant":
+            over["variant"] = v
+        elif k == "cautious":
+            over["cautious_weight_decay"] = v not in ("0", "false", "False")
+        elif k == "ns":
+            over["ns_method"] = v
+        else:
+            over[{"grid": "grid_block"}.get(k, k)] = float(v) if k == "lr" else int(v)
     if base in ("adamw", "torch-muon"):
         if over:
             raise SystemExit(f"{kind!r}: @ options apply to qmuon:<format> only")
@@ -113,7 +120,8 @@ def make_optimizers(kind: str, model: nn.Module, args) -> list[torch.optim.Optim
                             adamw_lr=args.adamw_lr, seed=args.seed, ns_input=ns_input,
                             rank=over.get("rank", args.rank), grid_block=over.get("grid_block", args.grid_block),
                             adamw_state_format=over.get("adamw_state_format", "fp32"), verbose=False,
-                            **({"bf16_update": over["bf16_update"]} if "bf16_update" in over else {}))]
+                            **{k: over[k] for k in ("bf16_update", "variant", "cautious_weight_decay", "ns_method")
+                               if k in over})]
 
 
 def muon_state_bytes_per_param(opts: list[torch.optim.Optimizer]) -> float | None:

@@ -90,6 +90,7 @@ NS_DTYPE_ENV = getattr(ns_mod, "NS_DTYPE_ENV", "QMUON_NS_DTYPE")
 #: elements) and a 4x bigger set.
 PRESETS = {"default": ((256, 4), (512, 4)), "small": ((512, 4),), "gpt-small": ((768, 12),)}
 BASELINE = "torch.Muon"
+FLOOR = "ns-floor"  # bare batched Newton-Schulz of the same matrices (NSFloor)
 DEFAULT = "qmuon-int8-noparts"  # QMuon int8, default ns_dtype ("auto"), same NS work as torch.optim.Muon
 BF16 = DEFAULT + "-nsbf16"
 FP32 = DEFAULT + "-nsfp32"
@@ -190,6 +191,8 @@ def parse_qmuon_name(name: str) -> tuple[str, bool, dict]:
             kw["ns_dtype"] = m[2:]
         elif m in NS_PRESETS:
             kw["ns_coefficients"] = m
+        elif m in ("gram", "auto", "standard"):  # ns_method (core.gram_newton_schulz)
+            kw["ns_method"] = m
         else:
             raise ValueError(_unknown(name))
     return fmt, noparts, kw
@@ -215,6 +218,8 @@ class Runner:
         qcls = PhasedQMuon if phased else QMuon
         if name == "torch.Muon":
             self.opt = torch.optim.Muon(self.params)
+        elif name == FLOOR:
+            self.opt = NSFloor(self.params)
         elif name == "torch.AdamW":
             self.opt = torch.optim.AdamW(self.params)
         elif name.startswith("qmuon-"):
@@ -253,6 +258,29 @@ class Runner:
         self.opt.step()
         dt = time.perf_counter() - t0
         return dt, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
+
+
+class NSFloor:
+    """The bare batched Newton-Schulz of the same matrices (the step's floor): every same-shape
+    gradient stacked into one batch (no cap), ``newton_schulz_folded`` in the ``"auto"`` NS dtype,
+    nothing else (no momentum, no apply)."""
+
+    def __init__(self, params) -> None:
+        from qmuon_lightning.core.newton_schulz import newton_schulz_folded, resolve_ns_dtype, resolve_schedule
+
+        self.params = params
+        self._ns, self._sch = newton_schulz_folded, resolve_schedule("muon", 5)
+        self._dtype = resolve_ns_dtype("auto", "cpu")
+        self.param_groups = [{"params": params, "ns_dtype": "auto", "ns_coefficients": "muon"}]
+
+    def step(self) -> None:
+        by_shape: dict = {}
+        for p in self.params:
+            by_shape.setdefault(tuple(p.shape), []).append(p.grad.view(p.shape[0], -1))
+        for gs in by_shape.values():
+            batch = torch.stack(gs)
+            inv = batch.flatten(1).norm(dim=1).clamp_min(1e-7).reciprocal()
+            self._ns(batch, inv, self._sch, 5, dtype=self._dtype)
 
 
 def make_pool(specs, n: int, seed: int) -> list[list[torch.Tensor]]:
@@ -658,7 +686,7 @@ def main() -> int:
         try:
             if n.startswith("qmuon-"):
                 parse_qmuon_name(n)
-            elif n not in ("torch.Muon", "torch.AdamW"):
+            elif n not in ("torch.Muon", "torch.AdamW", FLOOR):
                 raise ValueError(_unknown(n))
         except ValueError as e:
             raise SystemExit(str(e)) from None

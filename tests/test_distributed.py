@@ -148,10 +148,16 @@ def _batch(step: int, rank: int = 0, world: int = 1):
     return tok[:, :-1], tok[:, 1:]
 
 
+#: The training scenario runs NorMuon with cautious weight decay, so DCP save / resume / reshard
+#: covers the second moment ("normuon_v", Shard(0) rows like the momentum); the direct scenario
+#: covers plain Muon.
+VARIANT_KW = {"variant": "normuon", "cautious_weight_decay": True}
+
+
 def _opt(model, **kw):
     import qmuon_lightning as ql
 
-    return ql.build_optimizer(model, lr=0.02, adamw_lr=1e-2, verbose=False, **kw)
+    return ql.build_optimizer(model, lr=0.02, adamw_lr=1e-2, verbose=False, **{**VARIANT_KW, **kw})
 
 
 def _sharded_lm(mesh):
@@ -330,6 +336,10 @@ DIRECT_CONFIGS = [
     # and the per-iteration Polar Express schedule: every NS option is honoured by the sharded step.
     {"name": "fp32ns", "ns_dtype": "fp32", "comm_carrier": "fp32", "comm_return": "fp32"},
     {"name": "polar", "ns_coefficients": "polar_express", "ns_steps": 6, "comm_carrier": "bf16", "comm_return": "bf16"},
+    # NorMuon (second moment rows ride with the NS rows) and cautious weight decay (mask from the
+    # returned rows): the same bits as single-process.
+    {"name": "normuon", "variant": "normuon", "cautious_weight_decay": True, "comm_carrier": "bf16",
+     "comm_return": "bf16"},
 ]
 TRAIN_COMM = {"comm_carrier": "bf16", "comm_return": "bf16"}
 
@@ -440,7 +450,7 @@ def test_sharded_equals_single_process_bit_exact_with_bf16_carrier(runs):
     Covers int8 and int4 state, bf16 and fp32 Newton-Schulz, uneven shards, an empty shard, fused
     parts, a 4-D weight, AdamW."""
     for r in (0, 1):
-        for name in ("bf16", "int4", "fp32ns", "polar"):
+        for name in ("bf16", "int4", "fp32ns", "polar", "normuon"):
             res = runs["two"][r]["direct"][name]
             assert _maxdiff(res["params"], res["ref_params"]) == 0.0, name
             for n in ("a", "b", "c", "qkv"):
@@ -542,6 +552,7 @@ def test_reshard_1_to_2(runs):
     """Single-process checkpoint (plain tensors) -> 2 ranks through DCP: every state tensor
     arrives unchanged (rows reshard exactly: codes and scales are per row), and training goes on."""
     t = runs["two"][0]["train"]
+    assert any("normuon_v" in st for st in runs["plain"]["saved_state"].values())
     assert_same(t["loaded_state"]["state"], runs["plain"]["saved_state"], "state")
     init = runs["plain"]["saved_params"]
     rel = _displacement_rel(t["other_params"], runs["plain"]["cont_params"], init)

@@ -5,6 +5,9 @@
 * :mod:`.plan`: the matrices and fused parts of a parameter and their learning-rate factors;
 * :mod:`.pipeline`: momentum through the state format, same-shape Newton-Schulz batching within a
   memory budget, apply;
+* :mod:`.variants`: NorMuon's per-row second moment and cautious weight decay (pure functions the
+  pipeline calls);
+* :mod:`.gram_newton_schulz`: Newton-Schulz iterated on the Gram matrix (``ns_method``);
 * :mod:`.newton_schulz`: the Newton-Schulz engine (coefficient schedules incl. Polar Express, the NS
   compute dtype with ``ns_dtype="auto"``, the folded batched iteration and its textbook reference).
 

@@ -82,6 +82,7 @@ def adamw_param_step(p_local: Tensor, grad: Tensor, state: dict[str, Tensor], gr
     p2d = _row_view(p_local, rows)
     g2d = _row_view(grad if grad.is_contiguous() else grad.contiguous(), rows)
     rule = group.get("bf16_update", "nearest")
+    cautious = bool(group.get("cautious_weight_decay", False))  # decay only where the step shrinks |w|
     # the weight-writing state of low-precision weights (e.g. an error-correction term): one value per weight
     moment_keys = {"step", *m_fmt.spec.keys, *v_fmt.spec.keys}
     weight_keys = [k for k, v in state.items()
@@ -96,4 +97,4 @@ def adamw_param_step(p_local: Tensor, grad: Tensor, state: dict[str, Tensor], gr
                            neg_step_size=neg_step_size, bias_correction2_sqrt=bc2_sqrt)
         wstate = {k: _row_view(state[k], rows)[r0:r1] for k in weight_keys if k in state}
         apply_update_(p2d[r0:r1], update, alpha=1.0, decay=decay, bf16_update=rule, state=wstate or None,
-                      rng=(seed, key, int(step), (row_offset + r0) * cols))
+                      rng=(seed, key, int(step), (row_offset + r0) * cols), cautious=cautious)

@@ -190,7 +190,7 @@ def _view_2d(t: Tensor) -> Tensor | None:
 
 def apply_update_(param: Tensor, update: Tensor, *, alpha: float, decay: float = 1.0,
                   bf16_update: str = "nearest", state: dict[str, Any] | None = None,
-                  rng: Rng | None = None) -> None:
+                  rng: Rng | None = None, cautious: bool = False) -> None:
     """``param <- decay * param + alpha * update`` in place.
 
     Args:
@@ -201,6 +201,8 @@ def apply_update_(param: Tensor, update: Tensor, *, alpha: float, decay: float =
         bf16_update: the rounding rule when ``param`` is bf16 (see :data:`BF16_UPDATES`).
         state: views of the parameter's weight-correction state matching ``param``
             (from :func:`weight_state_init`), when the rule keeps any.
+        cautious: cautious weight decay: ``decay`` applies only where the weight and the step
+            ``alpha * update`` have opposite signs (:mod:`qmuon_lightning.core.variants`).
         rng: ``(seed, key, step, first_element_index)``: the counter of rounding noise, when the
             rule draws any. Element ``(r, c)`` of ``param``'s 2-D view (rows, trailing elements)
             draws the bits of global index ``first + r * stride(0) + c``: its flat position in
@@ -208,6 +210,14 @@ def apply_update_(param: Tensor, update: Tensor, *, alpha: float, decay: float =
             (:func:`block_rng` shifts it for a sub-block).
     """
     _check_rule(bf16_update)
+    if cautious and decay != 1.0:
+        # Cautious weight decay (modded-nanogpt, dion): decay only where the step moves the weight
+        # toward zero (weight and ``alpha * update`` of opposite sign). Applied as its own in-place
+        # multiply, so a bf16 weight takes one extra rounding for it.
+        u = update.reshape(param.shape).to(param.dtype)
+        agree = (param * u) >= 0 if alpha < 0 else (param * u) <= 0
+        param.mul_(torch.where(agree, decay, 1.0).to(param.dtype))
+        decay = 1.0
     if param.dtype == torch.float32 or param.dtype == torch.float64:
         if decay != 1.0:
             param.mul_(decay)

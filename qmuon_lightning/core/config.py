@@ -20,8 +20,10 @@ from ..quant import adamw as qadamw
 from ..quant import state as qstate
 from .apply import BF16_UPDATES, DEFAULT_BF16_UPDATE
 from ..quant.adamw import DEFAULT_ADAMW_STATE_FORMAT
+from .gram_newton_schulz import NS_METHODS
 from .newton_schulz import NS_DTYPES, resolve_schedule
 from .plan import ADJUST_LR_FNS, ORIENTATIONS
+from .variants import NORMUON_BETA2, VARIANTS
 
 __all__ = [
     "QMuonConfig",
@@ -86,6 +88,16 @@ class QMuonConfig:
         ``"ecc8"`` (an int8 error-correction code per weight, +1 B/param, ~16-bit master weight) or
         ``"nearest"`` (loses updates below half a bf16 gap); see :mod:`qmuon_lightning.core.apply`.
         fp32 parameters ignore it.
+    Variants (:mod:`qmuon_lightning.core.variants`):
+        variant: ``"muon"`` (default) or ``"normuon"`` (a per-output-row second moment of the
+            orthogonalized update rescales its rows, Frobenius norm kept; fp32 state of one value
+            per row beside the momentum). normuon_beta2: its EMA factor (0.95, dion's and
+            modded-nanogpt's default).
+        cautious_weight_decay: decay only the weights whose update agrees with them in sign
+            (Muon and AdamW groups; default False).
+        ns_method: ``"standard"`` (default), ``"gram"`` (iterate on the Gram matrix of a
+            rectangular update, :mod:`qmuon_lightning.core.gram_newton_schulz`) or ``"auto"`` (gram
+            on CPU for matrices at least 4:1, where it measured faster).
     AdamW (embeddings, head, 1-D tensors): adamw_lr 3e-4, adamw_betas (0.9, 0.95),
         adamw_eps 1e-8, adamw_weight_decay 0.1 (the usual GPT pretraining values).
         adamw_state_format: how the AdamW moments are stored: ``"fp32"`` (``torch.optim.AdamW``'s
@@ -122,6 +134,10 @@ class QMuonConfig:
     comm_carrier: str = "int8"
     comm_return: str = "int8"
     bf16_update: str = DEFAULT_BF16_UPDATE
+    variant: str = "muon"
+    normuon_beta2: float = NORMUON_BETA2
+    cautious_weight_decay: bool = False
+    ns_method: str = "standard"
 
     def __post_init__(self) -> None:
         # Hashable, canonical forms (YAML and JSON give lists).
@@ -168,13 +184,15 @@ class QMuonConfig:
             "grid_block": self.grid_block, "rounding": self.rounding, "seed": self.seed,
             "nonfinite": self.nonfinite, "ns_input": self.ns_input, "use_muon": True, "parts": None,
             "parts_axis": 0, "orientation": "out_in", "parts_interleaved": False, "bank_dims": 0,
-            "bf16_update": self.bf16_update,
+            "bf16_update": self.bf16_update, "variant": self.variant,
+            "normuon_beta2": self.normuon_beta2, "cautious_weight_decay": self.cautious_weight_decay,
+            "ns_method": self.ns_method,
         }
 
     def adamw_group_defaults(self) -> dict[str, Any]:
         return {"lr": self.adamw_lr, "betas": tuple(self.adamw_betas), "eps": self.adamw_eps,
                 "weight_decay": self.adamw_weight_decay, "bf16_update": self.bf16_update,
-                "state_format": self.adamw_state_format}
+                "state_format": self.adamw_state_format, "cautious_weight_decay": self.cautious_weight_decay}
 
     def to_dict(self) -> dict[str, Any]:
         """Plain values (for manifests and logs)."""
@@ -210,7 +228,7 @@ DEFAULT_CONFIG = QMuonConfig()
 #: ones, e.g. switch a run back to the state format or NS precision it was saved with).
 STRUCTURAL_KEYS = ("use_muon", "state_format", "block_size", "rank", "grid_block", "rounding", "seed", "parts",
                    "parts_axis", "orientation", "nonfinite", "ns_input", "ns_dtype", "ns_coefficients", "bf16_update",
-                   "parts_interleaved", "bank_dims")
+                   "parts_interleaved", "bank_dims", "variant")
 
 
 def validate_bf16_update(group: dict[str, Any], where: str) -> None:
@@ -266,6 +284,15 @@ def validate_muon_group(group: dict[str, Any], where: str) -> None:
         raise bad(f"nonfinite must be 'skip' or 'raise', got {group['nonfinite']!r}")
     if group.setdefault("ns_input", "bf16") not in NS_INPUTS:
         raise bad(f"ns_input must be 'bf16' (the NS input as it is) or 'mxfp8' (MXFP8 carrier), got {group['ns_input']!r}")
+    if group.setdefault("variant", "muon") not in VARIANTS:
+        raise bad(f"variant must be one of {VARIANTS} ('normuon': per-row second moment after Newton-Schulz), "
+                  f"got {group['variant']!r}")
+    b2 = group.setdefault("normuon_beta2", NORMUON_BETA2)
+    if not _real(b2) or not 0.0 <= b2 < 1.0:
+        raise bad(f"normuon_beta2 must be in [0, 1), got {b2!r}")
+    _check_cautious(group, bad)
+    if group.setdefault("ns_method", "standard") not in NS_METHODS:
+        raise bad(f"ns_method must be one of {NS_METHODS}, got {group['ns_method']!r}")
     validate_format_overrides(group, where)
     parts = group.get("parts")
     if parts is not None:
@@ -351,9 +378,15 @@ def validate_format_overrides(group: dict[str, Any], where: str) -> None:
     group[FORMAT_OVERRIDES] = clean
 
 
+def _check_cautious(group: dict[str, Any], bad: Any) -> None:
+    if not isinstance(group.setdefault("cautious_weight_decay", False), bool):
+        raise bad(f"cautious_weight_decay must be True or False, got {group['cautious_weight_decay']!r}")
+
+
 def validate_adamw_group(group: dict[str, Any], where: str) -> None:
     validate_bf16_update(group, where + " (AdamW)")
     qadamw.check_adamw_state_format(group.get("state_format"), f"{where} (AdamW)")
+    _check_cautious(group, lambda msg: ValueError(f"{where} (AdamW): {msg}"))
     b1, b2 = group["betas"]
     if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
         raise ValueError(f"{where} (AdamW): betas must be in [0, 1), got {group['betas']}")

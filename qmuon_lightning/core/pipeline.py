@@ -7,7 +7,9 @@ One Muon step is::
                together with its per-row-block sums of squares)
     -> items  (one per matrix or fused part: its NS input, sum of squares, lr factor)
     -> orthogonalize (same-shape items batched within a memory budget, 1/norm folded into NS)
-    -> apply  (p -= lr * lr_scale * O; decoupled weight decay is applied before)
+    -> variant (NorMuon: per-row second moment rescales O, :mod:`.variants`)
+    -> apply  (p = decay * p - lr * lr_scale * O; decay 1 - lr wd, or only where p and O agree in
+               sign with cautious weight decay)
 
 :class:`~qmuon_lightning.QMuon` (one process), the sharded step
 (:mod:`qmuon_lightning.distributed.orthogonalize`: the owner rank of a matrix runs
@@ -20,9 +22,18 @@ Memory: the NS working set of a batch of ``B`` matrices is about ``(2 B + 1)`` t
 the NS dtype (input, the running iterate, the next one) plus small Gram matrices. Batching same-shape
 matrices only pays while the matrices are small (fewer, larger GEMMs); stacking every same-shape
 matrix of a model (as one unbounded batch would) costs more peak memory than the quantized state
-saves. :func:`orthogonalize` therefore caps a batch at the element count of the largest matrix of
-the step (times ``batch_budget``), so the step's transient memory is that of the largest matrix's
-own NS, as in ``torch.optim.Muon``, which orthogonalizes one matrix at a time.
+saves. :func:`orthogonalize` therefore caps a batch at the larger of the element count of the
+largest matrix of the step (times ``batch_budget``) and :data:`BATCH_STEP_SHARE` of the step's Muon
+elements, and on CPU at :data:`CPU_BATCH_MAX_ELEMENTS`. A large model's step therefore keeps the
+transient memory of its largest matrix's own NS (as ``torch.optim.Muon``, which orthogonalizes one
+matrix at a time), while a small model's same-shape matrices batch (at d=256 x 4 layers the
+largest-matrix cap alone left the 1024 x 256 MLP matrices unbatched: 1.42x the bare batched NS).
+The share bounds the extra transient: a batch's NS working set is about 3 x its elements in the NS
+dtype (6 bytes per element in bf16), i.e. at most ``6 * BATCH_STEP_SHARE`` = 3 bytes per Muon
+parameter, against the step's ~9 (fp32 weight and gradient, int8 momentum): a third at most, and
+on CPU never more than 6 MiB (the :data:`CPU_BATCH_MAX_ELEMENTS` ceiling). Measured
+(benchmarks/results/batch_share.md, d=256 x 4, 2 threads): share 0.25 left the step at 1.32x the
+bare batched NS, 0.5 (all four 1024 x 256 MLP matrices in one batch) at 0.98x.
 """
 
 from __future__ import annotations
@@ -38,8 +49,10 @@ from ..ops import reference as ref
 from ..quant import state as qstate
 from ..quant.mxfp8 import mxfp8_roundtrip_normalized
 from .apply import Rng, apply_update_, block_rng
+from .gram_newton_schulz import newton_schulz_gram, pick_ns_method
 from .newton_schulz import NSSchedule, newton_schulz_folded, resolve_ns_dtype, resolve_schedule
 from .plan import MatrixPart, ParamPlan
+from .variants import RowMoment, normuon_scale
 
 __all__ = [
     "NSSettings",
@@ -55,6 +68,7 @@ __all__ = [
     "row_sumsq",
     "is_dtensor",
     "local",
+    "apply_to",
 ]
 
 #: Default cap of a batch, in multiples of the largest matrix of the step (see the module docstring).
@@ -63,6 +77,8 @@ DEFAULT_BATCH_BUDGET = 1.0
 #: larger GEMM calls) but not for large ones, where one ``bmm`` over the stack ran slower than one
 #: ``mm`` per matrix (GPT d_model 512: 842 ms batched vs 802 ms one by one; torch.optim.Muon 835 ms).
 CPU_BATCH_MAX_ELEMENTS = 2**20
+#: A batch may also hold up to this share of the step's Muon elements (see the module docstring).
+BATCH_STEP_SHARE = 0.5
 
 
 def is_dtensor(t: Any) -> bool:
@@ -88,6 +104,7 @@ class NSSettings:
     steps: int
     dtype: torch.dtype
     carrier: str  # "bf16": the NS input as it is; "mxfp8": its decoded MXFP8 carrier (quant.mxfp8)
+    method: str = "standard"  # core.gram_newton_schulz.NS_METHODS
 
 
 def ns_settings(group: dict[str, Any], device: torch.device) -> NSSettings:
@@ -98,6 +115,7 @@ def ns_settings(group: dict[str, Any], device: torch.device) -> NSSettings:
         steps=steps,
         dtype=resolve_ns_dtype(group.get("ns_dtype", "auto"), device),
         carrier=group.get("ns_input", "bf16"),
+        method=group.get("ns_method", "standard"),
     )
 
 
@@ -113,6 +131,9 @@ class NSItem:
     a batch slot (a sharded owner decodes the rows received from every rank straight into the
     batch). ``apply(out)`` receives the ``rows x cols`` NS output (in the NS dtype; possibly a
     strided view) and must not keep it: the batch is freed after the call.
+    ``moment``: NorMuon's second moment of the layer's rows (:mod:`.variants`); when set, the NS
+    output is rescaled by :func:`~.variants.normuon_scale` (and ``moment.v`` updated) before
+    ``apply`` sees it.
     """
 
     rows: int
@@ -125,6 +146,7 @@ class NSItem:
     load: Callable[[Tensor], None] | None = None
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     transpose: bool = False
+    moment: RowMoment | None = None
 
     @property
     def numel(self) -> int:
@@ -150,14 +172,16 @@ def orthogonalize(items: Iterable[NSItem], batch_budget: float = DEFAULT_BATCH_B
     """Orthogonalize every item and hand each output to its ``apply``.
 
     Items of one shape and :class:`NSSettings` are stacked into batches of at most
-    ``batch_budget x`` the largest item's element count (on CPU also at most
+    ``batch_budget x`` the largest item's element count or :data:`BATCH_STEP_SHARE` of all items'
+    elements, whichever is larger (on CPU also at most
     :data:`CPU_BATCH_MAX_ELEMENTS`; at least one matrix per batch), in the order they were given; ``1 / max(||G||, eps)`` is folded into the first NS iteration.
     A lone item whose source already has the NS dtype is orthogonalized in place of a copy.
     """
     items = list(items)
     if not items:
         return
-    budget = max(1, int(batch_budget * max(it.numel for it in items)))
+    budget = max(1, int(batch_budget * max(it.numel for it in items)),
+                 int(BATCH_STEP_SHARE * sum(it.numel for it in items)))
     queues: dict[tuple, list[NSItem]] = defaultdict(list)
     for it in items:
         # Keyed by the shape NS sees: an (in, out) layer batches with (out, in) layers of its shape.
@@ -197,10 +221,16 @@ def _orthogonalize_chunk(chunk: list[NSItem], ns_rows: int, ns_cols: int, s: NSS
     else:
         batch = torch.empty((len(chunk), ns_rows, ns_cols), dtype=s.dtype, device=first.device)
         _fill(batch, chunk)
-    out = newton_schulz_folded(batch, inv_norm, s.schedule, s.steps, dtype=s.dtype)
+    if pick_ns_method(s.method, ns_rows, ns_cols, str(first.device)) == "gram":
+        out = newton_schulz_gram(batch, inv_norm, s.schedule, s.steps, dtype=s.dtype)
+    else:
+        out = newton_schulz_folded(batch, inv_norm, s.schedule, s.steps, dtype=s.dtype)
     del batch
     for i, it in enumerate(chunk):
-        it.apply(_stored(out[i], it.transpose))
+        o = out[i]  # the layer's (out, in) matrix
+        if it.moment is not None:
+            o = normuon_scale(o, it.moment)
+        it.apply(_stored(o, it.transpose))
 
 
 def call_closure(closure: Callable[[], Any] | None) -> Any:
@@ -296,20 +326,26 @@ def update_momentum(group: dict[str, Any], inputs: MomentumInputs, *, sharded_pa
 
 
 def local_items(plan: ParamPlan, ns_input: Tensor, block_sums: Tensor, group: dict[str, Any],
-                settings: NSSettings, apply: Callable[[MatrixPart, Tensor], None]) -> list[NSItem]:
+                settings: NSSettings, apply: Callable[[MatrixPart, Tensor], None],
+                moments: Sequence[RowMoment | None] | None = None) -> list[NSItem]:
     """The NS items of a parameter held whole by this process (one per matrix / fused part / bank
     member part).
 
     ``ns_input``: the 2-D stored NS input; ``apply(part, out)`` receives each part's NS output in
-    the stored orientation (``part.rows x part.cols``).
+    the stored orientation (``part.rows x part.cols``); ``moments``: NorMuon's second moment of
+    each part (aligned with ``plan.parts``; None: plain Muon).
     """
-    return [part_item(part, ns_input, block_sums, group, settings, apply) for part in plan.parts]
+    moments = moments if moments is not None else [None] * len(plan.parts)
+    return [part_item(part, ns_input, block_sums, group, settings, apply, moment=moment)
+            for part, moment in zip(plan.parts, moments, strict=True)]
 
 
 def part_item(part: MatrixPart, ns_input: Tensor, block_sums: Tensor, group: dict[str, Any], settings: NSSettings,
-              apply: Callable[[MatrixPart, Tensor], None], first_row: int = 0) -> NSItem:
+              apply: Callable[[MatrixPart, Tensor], None], first_row: int = 0,
+              moment: RowMoment | None = None) -> NSItem:
     """The NS item of one part whose stored rows this process holds (``ns_input`` / ``block_sums``:
-    the rows from global row ``first_row`` on; a sharded rank's whole bank members use it too)."""
+    the rows from global row ``first_row`` on; a sharded rank's whole bank members use it too);
+    ``moment``: the part's NorMuon second moment (None: plain Muon)."""
     source = part.block(ns_input, first_row)
     if part.whole_rows:
         sumsq = block_sums[part.r0 - first_row: part.r1 - first_row].sum()
@@ -318,7 +354,8 @@ def part_item(part: MatrixPart, ns_input: Tensor, block_sums: Tensor, group: dic
     else:
         sumsq = row_sumsq(source).sum()
     return NSItem(rows=part.rows, cols=part.cols, sumsq=sumsq, eps=float(group["eps"]), settings=settings,
-                  apply=_bind(apply, part), source=source, device=ns_input.device, transpose=part.transposed)
+                  apply=_bind(apply, part), source=source, device=ns_input.device, transpose=part.transposed,
+                  moment=moment)
 
 
 def row_sumsq(block: Tensor) -> Tensor:
@@ -332,13 +369,15 @@ def _bind(apply: Callable[[MatrixPart, Tensor], None], part: MatrixPart) -> Call
     return lambda out: apply(part, out)
 
 
-def apply_to(param_rows: Tensor, lr: float, first_row: int = 0, *, decay: float = 1.0, bf16_update: str = "nearest",
-             state: dict[str, Tensor] | None = None, rng: Rng | None = None) -> Callable[[MatrixPart, Tensor], None]:
+def apply_to(param_rows: Tensor, lr: float, first_row: int = 0, *, decay: float = 1.0, cautious: bool = False,
+             bf16_update: str = "nearest", state: dict[str, Tensor] | None = None,
+             rng: Rng | None = None) -> Callable[[MatrixPart, Tensor], None]:
     """The default ``apply`` of :func:`local_items`: ``p[block] = decay * p[block] - lr * lr_scale * O``
     on the parameter ``param_rows`` (any ndim; 2-D when parts split the columns; its stored rows start
     at global row ``first_row``), written through :func:`~qmuon_lightning.core.apply.apply_update_`
-    (one rounding for bf16 weights, decoupled weight decay included). ``state``: the parameter's
-    weight-correction tensors (its shape); ``rng``: the rounding counter of ``param_rows``' first element."""
+    (one rounding for bf16 weights, decoupled weight decay included; ``cautious``: the decay only
+    where ``p`` and ``O`` agree in sign). ``state``: the parameter's weight-correction tensors (its
+    shape); ``rng``: the rounding counter of ``param_rows``' first element."""
 
     def apply(part: MatrixPart, out: Tensor) -> None:
         rows = part.block(param_rows, first_row)
@@ -349,6 +388,7 @@ def apply_to(param_rows: Tensor, lr: float, first_row: int = 0, *, decay: float 
             out = out.contiguous()
         apply_update_(rows, out.view(rows.shape), alpha=-lr * part.lr_scale, decay=decay, bf16_update=bf16_update,
                       state={k: part.block(v, first_row) for k, v in state.items()} if state else None,
-                      rng=block_rng(rng, param_rows, rows))
+                      rng=block_rng(rng, param_rows, rows), cautious=cautious)
 
     return apply
+

@@ -28,7 +28,15 @@ owner transposes, when it runs Newton-Schulz on the layer's ``(out, in)`` matrix
    encoded into the return buffer as soon as its batch is done, so no rank holds more than one
    batch of whole matrices at a time.
 6. **Return all-to-all**: the owner sends each rank its rows of the result (return carrier);
-   each rank applies ``p -= adjusted_lr * O`` to its rows.
+   each rank applies ``p = decay * p - adjusted_lr * O`` to its rows (cautious weight decay: its
+   mask reads the same rows of ``O``).
+
+NorMuon (``variant="normuon"``): the second moment has one fp32 value per output row and, for
+``(out, in)`` weights, lives with the rows like the momentum (``Shard(0)``, so DCP reshards it).
+Each rank's rows of it ride with its NS input to the owner (4 bytes per row), the owner rescales
+the whole matrix's result (:func:`~qmuon_lightning.core.variants.normuon_scale`, the rescale needs
+the whole matrix's norm) before encoding the return, and the updated rows ride back with it: no
+extra collective. ``(in, out)`` weights (neurons = stored columns) are refused for now.
 
 Banks (mixture-of-experts layers stored ``(E, out, in)``, :mod:`qmuon_lightning.core.plan`) keep one
 stored row per expert, so ``Shard(0)`` always puts whole experts on a rank (an uneven split, 8
@@ -73,6 +81,7 @@ from ..core.apply import WeightWrite, apply_update_, block_rng
 from ..core.config import param_group_view
 from ..core.pipeline import NSItem, NSSettings, apply_to, orthogonalize, part_item, row_sumsq
 from ..core.plan import ParamPlan
+from ..core.variants import RowMoment, part_row_moment
 from ..quant import state as qstate
 from ..quant.layout import RowLayout, check_sharded_param, row_layout, shard_state
 from .carrier import Carrier, get_carrier
@@ -104,6 +113,14 @@ class _ShardItem:
     transposed: bool = False
     decay: float = 1.0  # decoupled weight decay, folded into the write (core.apply.apply_update_)
     write: WeightWrite = field(default_factory=WeightWrite)  # this rank's rows: rule, state views, rng
+    cautious: bool = False
+    moment_rows: Tensor | None = None  # NorMuon: this rank's rows of the part's second moment (fp32 view)
+    beta2: float = 0.0
+
+    @property
+    def moment_bytes(self) -> int:
+        """Bytes per row of the NorMuon second moment on each trip (0 for plain Muon)."""
+        return 4 if self.moment_rows is not None else 0
 
     @property
     def rows(self) -> int:
@@ -220,6 +237,11 @@ class ShardedStep:
                         f"QMuon: {where} has placements {tuple(p.placements)}, unlike the other sharded parameters; "
                         "shard every parameter the same way (one fully_shard mesh)")
                 lay = row_layout(p)
+                if group["use_muon"] and group.get("variant") == "normuon" and group["orientation"] != "out_in":
+                    raise NotImplementedError(
+                        f"QMuon: {where}: variant='normuon' on a sharded orientation={group['orientation']!r} weight: "
+                        "its neurons are stored columns, not the rows FSDP2 shards. Use variant='muon' for this "
+                        "group, or a model with nn.Linear (out, in) weights")
                 if group["use_muon"]:
                     view = param_group_view(group, i)  # a promoted parameter's own layout
                     fmt = qstate.get_format(view["state_format"])
@@ -308,19 +330,27 @@ class ShardedStep:
         shard_state(p, st, qstate.get_format(group["state_format"]), qstate.format_options(group))
 
     def add(self, p: DTensor, plan: ParamPlan, param_local: Tensor, g2: Tensor, sums: Tensor,
-            group: dict[str, Any], settings: NSSettings, write: WeightWrite | None = None) -> None:
+            group: dict[str, Any], settings: NSSettings, write: WeightWrite | None = None,
+            moment: Tensor | None = None) -> None:
         """Queue the parts of one sharded parameter (``g2``: local NS input rows, ``sums``: their
         block sums; ``write``: how the update reaches ``param_local``, its state views and rounding
-        counter, for the whole local shard; each part gets its block of them)."""
+        counter, for the whole local shard, each part getting its block of them; ``moment``: the
+        local rows of its NorMuon second moment)."""
         write = write if write is not None else WeightWrite()
-        decay = 1.0 - float(group["lr"]) * float(group["weight_decay"])
         lay = self._layouts[id(p)]
         # ns_input="mxfp8": the MXFP8 carrier is the forward trip itself, so the owner's NS reads
         # the decoded rows as they arrive.
         fwd = "mxfp8" if settings.carrier == "mxfp8" else self.forward_default
         owner_settings = dataclasses.replace(settings, carrier="bf16")
         lr = float(group["lr"])
-        apply_local = apply_to(param_local, lr, first_row=lay.start, decay=decay, **write.rounding)
+        decay = 1.0 - lr * float(group["weight_decay"])
+        cautious = bool(group.get("cautious_weight_decay", False))
+        apply_local = apply_to(param_local, lr, first_row=lay.start, decay=decay, cautious=cautious, **write.rounding)
+        if moment is not None and any(part.bank is not None for part in plan.parts):
+            raise NotImplementedError(
+                "QMuon: variant='normuon' on a sharded expert bank is not supported yet (each rank "
+                "orthogonalizes its own experts without the second moment); use variant='muon' for the bank "
+                "groups (build_optimizer(..., rules=...) / a group of their own)")
         for part in plan.parts:
             if part.bank is not None:  # a bank member lies in one stored row: wholly here, or not here
                 here = lay.start <= part.r0 < lay.start + lay.local_rows
@@ -351,14 +381,17 @@ class ShardedStep:
                 layout=lay, r0=part.r0, r1=part.r1, c0=part.c0, c1=part.c1, transposed=part.transposed,
                 param_rows=rows, ns_input=ns_in, sums=part_sums, nb=part_sums.shape[1], lr=lr * part.lr_scale,
                 eps=float(group["eps"]), settings=owner_settings, forward=fwd, decay=decay, write=part_write,
+                cautious=cautious,
+                moment_rows=None if moment is None else part_row_moment(moment, plan, part, lay.start, (lo, hi)),
+                beta2=float(group.get("normuon_beta2", 0.0)),
             ))
 
     # ------------------------------------------------------------------ 3-6. exchange and NS
     def _fwd_bytes(self, it: _ShardItem, n: int) -> int:
-        return get_carrier(it.forward).nbytes(n, it.cols) + 4 * n * it.nb
+        return get_carrier(it.forward).nbytes(n, it.cols) + 4 * n * it.nb + it.moment_bytes * n
 
     def _ret_bytes(self, it: _ShardItem, n: int) -> int:
-        return self.ret.nbytes(n, it.cols)
+        return self.ret.nbytes(n, it.cols) + it.moment_bytes * n
 
     def _exchange(self, send: Tensor, send_sizes: list[int], recv_sizes: list[int]) -> Tensor:
         assert send.numel() == sum(send_sizes)
@@ -417,6 +450,9 @@ class ShardedStep:
                 off += nb_c
                 send[off: off + 4 * n * it.nb].view(torch.float32).view(n, it.nb).copy_(it.sums)
                 off += 4 * n * it.nb
+                if it.moment_rows is not None:
+                    send[off: off + 4 * n].view(torch.float32).copy_(it.moment_rows)
+                    off += 4 * n
         recv = self._exchange(send, fwd_w[me], [fwd_w[s][me] for s in range(world)]) if exchange else send
         del send
 
@@ -440,15 +476,19 @@ class ShardedStep:
         for j in owned:
             it = items[j]
             full_sums = torch.empty((it.rows, it.nb), dtype=torch.float32, device=device)
+            full_v = torch.empty(it.rows, dtype=torch.float32, device=device) if it.moment_rows is not None else None
             for s in range(world):
                 lo, hi = it.rows_of(s)
                 n = hi - lo
                 at = recv_at[(j, s)] + get_carrier(it.forward).nbytes(n, it.cols)
                 full_sums[lo - it.r0: hi - it.r0].copy_(recv[at: at + 4 * n * it.nb].view(torch.float32).view(n, it.nb))
+                if full_v is not None:
+                    at += 4 * n * it.nb
+                    full_v[lo - it.r0: hi - it.r0].copy_(recv[at: at + 4 * n].view(torch.float32))
             ns_items.append(NSItem(
                 rows=it.rows, cols=it.cols, sumsq=full_sums.sum(), eps=it.eps, settings=it.settings,
-                apply=self._returner(j, ret_send, ret_at), load=self._loader(j, recv, recv_at), device=device,
-                transpose=it.transposed))
+                apply=self._returner(j, ret_send, ret_at, full_v), load=self._loader(j, recv, recv_at), device=device,
+                transpose=it.transposed, moment=None if full_v is None else RowMoment(full_v, it.beta2)))
         # HSDP: the bank members of this shard that this rank orthogonalizes; their results are
         # encoded (return carrier) for every replica, this one included, so replicas stay identical.
         bank_mine = [b for b in self.bank_local if bank_owners[b[0]] == self.replica * world + me]
@@ -504,8 +544,11 @@ class ShardedStep:
                 if n:
                     o = self.ret.decode(recv[off: off + nb_c], n, it.cols)
                     apply_update_(it.param_rows, o.reshape(it.param_rows.shape), alpha=-it.lr, decay=it.decay,
-                                  **it.write.rounding)
+                                  cautious=it.cautious, **it.write.rounding)
                 off += nb_c
+                if it.moment_rows is not None:
+                    it.moment_rows.copy_(recv[off: off + 4 * n].view(torch.float32))
+                    off += 4 * n
         return off
 
     def _bank_encoder(self, buf: Tensor) -> Callable[[Any, Tensor], None]:
@@ -556,8 +599,10 @@ class ShardedStep:
 
         return load
 
-    def _returner(self, j: int, buf: Tensor, ret_at: dict[tuple[int, int], int]) -> Callable[[Tensor], None]:
-        """Encode each rank's rows of owned item ``j``'s result into the return buffer."""
+    def _returner(self, j: int, buf: Tensor, ret_at: dict[tuple[int, int], int],
+                  full_v: Tensor | None = None) -> Callable[[Tensor], None]:
+        """Encode each rank's rows of owned item ``j``'s result (and of its updated NorMuon second
+        moment ``full_v``, which the NS pipeline updated before calling this) into the return buffer."""
         it = self.items[j]
 
         def apply(out: Tensor) -> None:
@@ -565,8 +610,10 @@ class ShardedStep:
                 lo, hi = it.rows_of(s)
                 at = ret_at[(j, s)]
                 rows = out[lo - it.r0: hi - it.r0]  # a strided view for transposed parts
-                self.ret.encode_into(rows if rows.is_contiguous() else rows.contiguous(),
-                                     buf[at: at + self.ret.nbytes(hi - lo, it.cols)])
+                nb_c = self.ret.nbytes(hi - lo, it.cols)
+                self.ret.encode_into(rows if rows.is_contiguous() else rows.contiguous(), buf[at: at + nb_c])
+                if full_v is not None:
+                    buf[at + nb_c: at + nb_c + 4 * (hi - lo)].view(torch.float32).copy_(full_v[lo - it.r0: hi - it.r0])
 
         return apply
 

@@ -676,12 +676,13 @@ class WholeMatrixZeroOptimizer(Optimizer):
                 f"QMuon under DeepSpeed expects fp32 master partitions, got {data.dtype}; DeepSpeed keeps an fp32 "
                 "master copy in its fp16/bf16 modes (bf16_update does not apply). For bf16 weights without a master "
                 "copy use QMuon directly, FSDP2 or the qmuon_fsdp strategy with precision='bf16-true'")
+        cautious = bool(group.get("cautious_weight_decay", False))
         # The parts' runs cover the slice once: each element gets one decay-and-update write (core.apply).
         for part in p.parts:
             for at, n, width, c0, c1 in _part_runs(part, p.cols, seg.start, seg.length):
                 d = data.narrow(0, at, n * width).view(n, width)[:, c0:c1]
                 apply_update_(d, o.narrow(0, at, n * width).view(n, width)[:, c0:c1], alpha=-lr * part.lr_scale,
-                              decay=1.0 - lr * wd)
+                              decay=1.0 - lr * wd, cautious=cautious)
 
     def _active_groups(self) -> set[int]:
         """Which of this optimizer's groups the current ``step()`` call updates: all of them, except

@@ -71,6 +71,8 @@ class OptimizerSpec:
         gradient_release: step each parameter inside backward and free its gradient
             (:mod:`qmuon_lightning.optim.release`); ``qmuon`` / ``grasp`` only. Set
             ``trainer.gradient_clip_val: null`` and ``accumulate_grad_batches: 1`` with it.
+        variant, normuon_beta2, cautious_weight_decay, ns_method: QMuon's Muon variants
+            (``"normuon"``, cautious decay, Gram Newton-Schulz; :mod:`qmuon_lightning.core.variants`).
         adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: the AdamW part (embeddings, head,
             norms; every parameter for ``adamw``). 1-D parameters never get weight decay.
         schedule: ``"cosine"`` (warmup, then cosine to ``min_lr_ratio``) or ``"constant"`` (warmup, then 1).
@@ -94,6 +96,10 @@ class OptimizerSpec:
     nonfinite: Literal["skip", "raise"] = "skip"
     adamw_state_format: str | None = None
     gradient_release: bool = False
+    variant: Literal["muon", "normuon"] = "muon"
+    normuon_beta2: float = 0.95
+    cautious_weight_decay: bool = False
+    ns_method: Literal["standard", "gram", "auto"] = "standard"
     adamw_lr: float = 3e-3
     adamw_betas: tuple[float, float] = (0.9, 0.95)
     adamw_eps: float = 1e-8
@@ -189,7 +195,9 @@ def build_lm_optimizer(model: nn.Module, spec: OptimizerSpec, *, verbose: bool =
             ns_steps=spec.ns_steps, adjust_lr_fn=spec.adjust_lr_fn, state_format=spec.resolved_state_format,
             block_size=spec.block_size, rank=spec.rank, grid_block=spec.grid_block, rounding=spec.rounding,
             seed=spec.seed, nonfinite=spec.nonfinite, adamw_lr=spec.adamw_lr, adamw_betas=tuple(spec.adamw_betas),
-            adamw_eps=spec.adamw_eps, adamw_weight_decay=spec.adamw_weight_decay, verbose=verbose,
+            adamw_eps=spec.adamw_eps, adamw_weight_decay=spec.adamw_weight_decay, variant=spec.variant,
+            normuon_beta2=spec.normuon_beta2, cautious_weight_decay=spec.cautious_weight_decay,
+            ns_method=spec.ns_method, verbose=verbose,
             **({"adamw_state_format": spec.adamw_state_format} if spec.adamw_state_format is not None else {}),
             **({"gradient_release": True} if spec.gradient_release else {}),
         )

@@ -41,6 +41,7 @@ from ..core.newton_schulz import MUON_COEFFICIENTS
 from ..core.pipeline import NSItem, is_dtensor, local
 from ..core.plan import MatrixPart, ParamPlan, adjusted_lr, plan_param
 from ..quant import adamw as qadamw
+from ..core.variants import NORMUON_STATE, RowMoment, check_row_moment, part_row_moment, row_moment_shape
 from ..quant import state as qstate
 from ..quant.layout import global_row_offset, localize_loaded_state, shard_state
 
@@ -124,6 +125,13 @@ class QMuon(Optimizer):
             in Muon and AdamW groups: ``"stochastic"`` (default), ``"ecc8"`` (+1 B/param of int8
             error correction, ``weight_ecc`` in the state) or ``"nearest"``; see
             :mod:`qmuon_lightning.core.apply`. Per group too.
+        variant: ``"muon"`` or ``"normuon"`` (per-output-row second moment of the orthogonalized
+            update, state key ``"normuon_v"``: :mod:`qmuon_lightning.core.variants`);
+            normuon_beta2: its EMA factor.
+        cautious_weight_decay: decay only where the update and the weight agree in sign (Muon and
+            AdamW groups).
+        ns_method: ``"standard"``, ``"gram"`` or ``"auto"`` (Gram Newton-Schulz for elongated
+            matrices: :mod:`qmuon_lightning.core.gram_newton_schulz`).
         batch_budget: Newton-Schulz batches hold at most this many times the largest matrix's
             elements (1.0: the step's transient memory is the largest matrix's own NS working set).
     """
@@ -157,6 +165,10 @@ class QMuon(Optimizer):
         adamw_state_format: str = _D.adamw_state_format,
         comm_carrier: str = _D.comm_carrier,
         comm_return: str = _D.comm_return,
+        variant: str = _D.variant,
+        normuon_beta2: float = _D.normuon_beta2,
+        cautious_weight_decay: bool = _D.cautious_weight_decay,
+        ns_method: str = _D.ns_method,
         batch_budget: float = pipeline.DEFAULT_BATCH_BUDGET,
         bf16_update: str = _D.bf16_update,
     ) -> None:
@@ -483,7 +495,8 @@ class QMuon(Optimizer):
             for j, s in zip(sel, sums):
                 block_sums[j] = s
         lr, wd = float(group["lr"]), float(group["weight_decay"])
-        decay = 1.0 - lr * wd  # decoupled weight decay, folded into the one write of each weight (core.apply)
+        decay, cautious = 1.0 - lr * wd, bool(group.get("cautious_weight_decay", False))
+        normuon = group.get("variant", "muon") == "normuon"
         settings_on: dict[torch.device, pipeline.NSSettings] = {}
         for p, plan, g2, grad, sums, st, row0 in zip(params, plans, inputs.grads2d, grads, block_sums, states, offsets):
             if g2.data_ptr() != grad.data_ptr():
@@ -491,18 +504,42 @@ class QMuon(Optimizer):
             p_local = local(p)
             settings = settings_on.get(g2.device) or settings_on.setdefault(g2.device, pipeline.ns_settings(group, g2.device))
             write = bf16w.weight_write(p_local, st, group, plan.key, row0 * plan.cols)
+            v = self._row_moment_state(p, plan, st, sharded) if normuon else None
             if is_dtensor(p):
-                sharded.add(p, plan, p_local, g2, sums, group, settings, write)  # whole-matrix NS across ranks
+                sharded.add(p, plan, p_local, g2, sums, group, settings, write, v)  # whole-matrix NS across ranks
                 continue
             if self.update_sink is not None:
                 # The driver applies the update elsewhere (DeepSpeed: to its fp32 master slices,
                 # through core.apply there, and it zeroes this group's weight_decay to decay them itself).
                 if decay != 1.0:
                     p_local.mul_(decay)
-                items.extend(pipeline.local_items(plan, g2, sums, group, settings, self._sink_for(p)))
-                continue
-            apply = pipeline.apply_to(p, lr, decay=decay, **write.rounding)
-            items.extend(pipeline.local_items(plan, g2, sums, group, settings, apply))
+                apply = self._sink_for(p)
+            else:
+                apply = pipeline.apply_to(p, lr, decay=decay, cautious=cautious, **write.rounding)
+            moments = None
+            if v is not None:
+                b2 = float(group["normuon_beta2"])
+                moments = [RowMoment(part_row_moment(v, plan, part), b2) for part in plan.parts]
+            items.extend(pipeline.local_items(plan, g2, sums, group, settings, apply, moments))
+
+    def _row_moment_state(self, p: Tensor, plan: ParamPlan, st_local: dict[str, Tensor], sharded: Any) -> Tensor:
+        """NorMuon's second moment of ``p`` (its local rows when sharded), created as zeros on the
+        first NorMuon step (also when a plain-Muon checkpoint is resumed as NorMuon)."""
+        v = st_local.get(NORMUON_STATE)
+        if v is None:
+            rows, k = row_moment_shape(plan)
+            if is_dtensor(p):
+                rows = local(p).shape[0]
+            v = torch.zeros((rows, k), dtype=torch.float32, device=local(p).device)
+            st_local[NORMUON_STATE] = v
+            st = self.state[p]
+            if is_dtensor(p):
+                sub = {NORMUON_STATE: v}
+                sharded.init_state(p, sub)  # Shard(0) like the momentum rows (DCP reshards it)
+                st[NORMUON_STATE] = sub[NORMUON_STATE]
+            else:
+                st[NORMUON_STATE] = v
+        return v
 
     def _sink_for(self, p: Tensor) -> Callable[[MatrixPart, Tensor], None]:
         sink = self.update_sink
@@ -622,6 +659,9 @@ class QMuon(Optimizer):
             merged = {k: v for k, v in saved.items() if k != "qmuon_version"}
             for k in STRUCTURAL_KEYS:
                 merged[k] = cur[k]
+            for k, v in cur.items():  # options added after the checkpoint was written take today's value
+                if k != FORMAT_OVERRIDES:
+                    merged.setdefault(k, v)
             if cur["use_muon"] and "state_format" in saved:  # a QMuon checkpoint: the one resume check
                 check_resume({**cur, **saved}, cur, where=f"param group {gi}", allow_format_change=True)
             if cur["use_muon"]:
@@ -642,6 +682,12 @@ class QMuon(Optimizer):
                             shape = (local(p).shape[0], *p.shape[1:])
                         converted = qstate.convert_state(src, saved_view, cur_view, shape, where, sharded=is_dtensor(p))
                         bf16w.check_loaded_weight_state(p, converted, saved, cur, where)
+                        if NORMUON_STATE in converted:
+                            if cur_view.get("variant", "muon") != "normuon":
+                                del converted[NORMUON_STATE]  # resumed as plain Muon: the second moment is unused
+                            else:
+                                check_row_moment(converted[NORMUON_STATE], plan_param(p, cur_view, 0, ""),
+                                                 int(shape[0]), where)
                         muon_state.append((p, converted, cur_view))
                         del new_state[pid]
             else:

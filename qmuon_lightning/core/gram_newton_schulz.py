@@ -1,0 +1,113 @@
+"""Gram Newton-Schulz: the Newton-Schulz polynomial iterated on the small Gram matrix.
+
+For a wide ``r x c`` iterate ``X`` (``r <= c``; a tall one is transposed), every Newton-Schulz step
+``X <- (a I + b R + c R^2) X`` with ``R = X X^T`` is a polynomial in ``R`` applied on the left. So
+the ``r x r`` matrices can be iterated alone: ``Z = b R + c R^2``, ``Q <- Q (a I + Z)`` (the
+accumulated left factor) and ``R <- (a I + Z) R (a I + Z)``, and ``X`` is touched only once at the
+end (``Q X``). A ``c / r``-aspect matrix then costs ``2 r^2 c`` (the first Gram matrix and the
+final product) plus ``O(r^3)`` per iteration instead of ``~4 r^2 c + r^3`` per iteration.
+
+Stability: ``R`` drifts from ``X X^T`` as rounding accumulates (its small eigenvalues can turn
+negative), so the published versions *restart*: at the restart iterations ``X`` is formed
+(``X <- Q X``) and ``R = X X^T`` recomputed. This follows Dao-AILab's ``gram-newton-schulz``
+(``GramNewtonSchulz(gram_newton_schulz_reset_iterations=[2])``, the setting microsoft/dion's
+``use_gram_newton_schulz`` uses, which iterates in fp16) and DeepSpeed PR #7953
+(``ns_method="gram"``, ``_zeropower_via_gram_newtonschulz``: one restart). Here every matmul runs
+in the NS dtype (bf16 or fp32) as standard NS does; the ``1 / ||G||`` scaling and the ``+ a I``
+of the first factor are applied in fp32 (as :func:`~.newton_schulz.newton_schulz_folded` does).
+The same coefficient schedules (``"muon"``, Polar Express, custom) apply.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+from .newton_schulz import NSSchedule, resolve_schedule
+
+__all__ = ["NS_METHODS", "GRAM_RESTARTS", "GRAM_AUTO_ASPECT", "pick_ns_method", "newton_schulz_gram"]
+
+#: ``ns_method`` values: ``"standard"`` (iterate on X), ``"gram"`` (iterate on X X^T, restart at
+#: :data:`GRAM_RESTARTS`) and ``"auto"`` (gram where it measured faster: :data:`GRAM_AUTO_ASPECT`).
+NS_METHODS = ("standard", "gram", "auto")
+#: Iterations at which ``X`` and ``R`` are recomputed (Dao-AILab / dion default ``[2]``).
+GRAM_RESTARTS: tuple[int, ...] = (2,)
+#: ``ns_method="auto"`` picks gram on CPU for matrices at least this elongated (long side / short
+#: side). Measured on the 2-core AMX Xeon (benchmarks/results/gram_ns.md): gram is 1.3-2.5x faster
+#: at 4:1 and 1:4 and slower on square matrices; not measured on CUDA, so "auto" keeps the
+#: standard iteration there (gram stays opt-in on GPUs).
+GRAM_AUTO_ASPECT = 4.0
+
+
+def pick_ns_method(method: str, rows: int, cols: int, device: str) -> str:
+    """The iteration ``method`` (:data:`NS_METHODS`) resolves to for a ``rows x cols`` matrix on
+    ``device`` (``"cpu"``, ``"cuda:0"``...)."""
+    long, short = max(rows, cols), max(1, min(rows, cols))
+    if method == "gram":
+        # Square matrices gain nothing from the Gram form and lose accuracy (bf16, Polar Express:
+        # 0.49 relative error at 128 x 128 vs 0.009 for standard); Dao-AILab's GramNewtonSchulz
+        # also runs the standard iteration on them.
+        return "gram" if long > short else "standard"
+    if method == "auto":
+        return "gram" if device == "cpu" and long >= GRAM_AUTO_ASPECT * short else "standard"
+    return method
+
+
+def _plus_a_identity(z: Tensor, a: float, scale: Tensor | None = None) -> Tensor:
+    """``(a I + Z) * scale`` in fp32 (``scale``: (B, 1, 1) or None)."""
+    q = z.float().clone() if z.dtype == torch.float32 else z.float()  # z is read again after this
+    q.diagonal(dim1=-2, dim2=-1).add_(a)
+    if scale is not None:
+        q.mul_(scale)
+    return q
+
+
+def newton_schulz_gram(
+    g: Tensor,
+    inv_norm: Tensor,
+    schedule: NSSchedule | object,
+    steps: int,
+    dtype: torch.dtype = torch.bfloat16,
+    restarts: Sequence[int] = GRAM_RESTARTS,
+) -> Tensor:
+    """Gram Newton-Schulz of a batch ``g`` ``(B, rows, cols)`` (never written); same contract as
+    :func:`~.newton_schulz.newton_schulz_folded` (``inv_norm``: ``(B,)`` ``1 / max(||g||, eps)``,
+    the schedule's ``norm_safety`` folded in; result ``(B, rows, cols)`` in ``dtype``)."""
+    if g.ndim != 3:
+        raise ValueError(f"expected a (batch, rows, cols) tensor, got shape {tuple(g.shape)}")
+    if not isinstance(schedule, NSSchedule):
+        schedule = resolve_schedule(schedule, steps)
+    x = g if g.dtype == dtype else g.to(dtype)
+    transposed = x.size(-2) > x.size(-1)
+    if transposed:
+        x = x.mT
+    s = inv_norm.to(torch.float32).reshape(-1, 1, 1)
+    if schedule.norm_safety != 1.0:
+        s = s / schedule.norm_safety
+    if steps == 0:
+        out = (x.float() * s).to(dtype)
+        return out.mT if transposed else out
+    # R of the normalized X_0 = s x: s^2 x x^T, scaled in fp32.
+    r = torch.bmm(x, x.mT).float().mul_(s * s).to(dtype)
+    scale: Tensor | None = s  # the left factor still owes X_0's 1/||G|| (folded into it, in fp32)
+    q: Tensor | None = None
+    restart = set(int(i) for i in restarts)
+    for i in range(steps):
+        a, b, c = schedule.coefficient(i)
+        if i in restart and i != 0:
+            x = torch.bmm(q, x)  # X_i = Q X (scale already folded into q)
+            r = torch.bmm(x, x.mT)
+            q, scale = None, None
+        z = torch.baddbmm(r, r, r, beta=b, alpha=c)  # b R + c R^2
+        if q is None:
+            q = _plus_a_identity(z, a, scale).to(dtype)  # (a I + Z) [* s on the first segment]
+        else:
+            q = torch.baddbmm(q, q, z, beta=a)  # Q (a I + Z)
+        if i < steps - 1 and (i + 1) not in restart:
+            rz = torch.baddbmm(r, r, z, beta=a)  # R (a I + Z)
+            r = torch.baddbmm(rz, z, rz, beta=a)  # (a I + Z) R (a I + Z)
+    assert q is not None
+    out = torch.bmm(q, x)
+    return out.mT if transposed else out

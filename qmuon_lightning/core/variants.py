@@ -1,0 +1,137 @@
+"""Muon variants that act on the orthogonalized update: NorMuon and cautious weight decay.
+
+Both are pure functions here; :mod:`.pipeline` calls them for every driver (one process, the
+sharded owner, DeepSpeed, the fidelity monitor), so the maths exists once.
+
+**NorMuon** (Li et al., "NorMuon: Making Muon more efficient and scalable", arXiv:2510.05491).
+After Newton-Schulz, the update ``O`` (the layer's ``(out, in)`` matrix) gets a per-neuron (per
+output row) second moment ``v_r <- beta2 v_r + (1 - beta2) mean_c O_rc^2``; each row is divided by
+``sqrt(v_r) + eps`` and the whole matrix is then rescaled so its Frobenius norm is that of ``O``
+(the step length Muon's learning-rate adjustment sets is unchanged; only its distribution over
+rows changes). This follows microsoft/dion ``dion/normuon.py`` (``_normuon_normalization_core``:
+``muon_beta2=0.95``, ``v`` starts at 0 without bias correction, ``denom = sqrt(v) + 1e-8``,
+``normalized * ||O|| / max(||normalized||, 1e-8)``, always per row of the ``(out, in)`` matrix).
+modded-nanogpt's ``train_gpt.py`` (``beta2=0.95``) computes the same rescale analytically,
+``||O / d||^2 = cols * sum_r mean_c(O_rc^2) / d_r^2``, which is what :func:`normuon_scale` does (no
+second full-size temporary); it reduces along the longer side of a wide matrix instead (columns),
+which this library does not follow (the issue defines neurons as output rows, as dion does). The
+result is rounded once to the NS dtype, as modded-nanogpt returns ``g * scale.to(g.dtype)``: with
+bf16 Newton-Schulz a bf16 carrier of the result is exact, so sharded NorMuon equals
+single-process NorMuon bit for bit.
+
+**Cautious weight decay** (Chen et al., arXiv:2510.12402; dion ``dion/muon.py``
+``muon_update_post_orthogonalize(cautious_wd=True)``; modded-nanogpt ``mask = (g * p) >= 0``):
+decay only the coordinates where the weight and the update that is subtracted from it agree in sign
+(``p * u >= 0``: the step already moves the weight toward zero), so decay never fights the update.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+import torch
+from torch import Tensor
+
+from .plan import MatrixPart, ParamPlan
+
+__all__ = [
+    "VARIANTS",
+    "NORMUON_BETA2",
+    "NORMUON_EPS",
+    "NORMUON_STATE",
+    "RowMoment",
+    "normuon_scale",
+    "cautious_decay_",
+    "row_moment_shape",
+    "part_row_moment",
+    "check_row_moment",
+]
+
+#: ``variant`` values: plain Muon, or NorMuon (per-neuron second moment after Newton-Schulz).
+VARIANTS = ("muon", "normuon")
+#: dion's ``muon_beta2`` default and modded-nanogpt's ``beta2``.
+NORMUON_BETA2 = 0.95
+#: dion's ``denom = sqrt(v) + 1e-8`` and its ``clamp(min=1e-8)`` of the rescaled norm.
+NORMUON_EPS = 1e-8
+#: Optimizer-state key of NorMuon's second moment (fp32, beside the quantized momentum).
+NORMUON_STATE = "normuon_v"
+
+
+@dataclass(frozen=True)
+class RowMoment:
+    """NorMuon's second moment of one matrix: ``v`` holds one fp32 value per row of the layer's
+    ``(out, in)`` matrix (a view into the parameter's state, updated in place)."""
+
+    v: Tensor
+    beta2: float = NORMUON_BETA2
+    eps: float = NORMUON_EPS
+
+
+def normuon_scale(out: Tensor, moment: RowMoment) -> Tensor:
+    """NorMuon's rescaling of one orthogonalized update; updates ``moment.v`` in place.
+
+    Args:
+        out: the NS output ``O`` as the layer's ``(out, in)`` matrix (any float dtype, any strides).
+        moment: the rows' second moment (``v``: ``(out,)`` fp32).
+
+    Returns ``O_r / (sqrt(v_r) + eps) * ||O||_F / max(||O / (sqrt(v) + eps)||_F, eps)`` in
+    ``out``'s dtype (computed in ``v``'s dtype, fp32 in the optimizer, and rounded once).
+    """
+    u = out.to(moment.v.dtype)
+    cols = u.shape[1]
+    mean_sq = u.square().mean(dim=1)
+    norm = (mean_sq.sum() * cols).sqrt()
+    moment.v.lerp_(mean_sq, 1.0 - moment.beta2)
+    inv = (moment.v.sqrt() + moment.eps).reciprocal()
+    norm_new = (mean_sq.mul(inv.square()).sum() * cols).sqrt().clamp_min(moment.eps)
+    scale = inv * (norm / norm_new)
+    return (u * scale[:, None]).to(out.dtype)
+
+
+def cautious_decay_(param: Tensor, update: Tensor, decay: float) -> None:
+    """``param *= decay`` where ``param * update >= 0``, in place (``update``: what is subtracted
+    from ``param`` next, same shape or broadcastable; ``decay = 1 - lr * weight_decay``)."""
+    if decay == 1.0:
+        return
+    agree = (param * update.to(param.dtype)) >= 0
+    param.mul_(torch.where(agree, decay, 1.0).to(param.dtype))
+
+
+def _ranges(plan: ParamPlan) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    rows = sorted({(p.r0, p.r1) for p in plan.parts})
+    cols = sorted({(p.c0, p.c1) for p in plan.parts})
+    return rows, cols
+
+
+def row_moment_shape(plan: ParamPlan) -> tuple[int, int]:
+    """Shape of a parameter's NorMuon state: ``(rows, n column parts)`` when the stored rows are
+    the layer's output rows (``out_in``), ``(n row parts, cols)`` when the stored columns are
+    (``in_out``). Either way every part's neurons are one slice of it, and an ``out_in`` state
+    splits by stored rows like the momentum (``Shard(0)``)."""
+    rows, cols = _ranges(plan)
+    if plan.parts[0].transposed:
+        return (len(rows), plan.cols)
+    return (plan.rows, len(cols))
+
+
+def part_row_moment(v: Tensor, plan: ParamPlan, part: MatrixPart, row_offset: int = 0,
+                    local_rows: tuple[int, int] | None = None) -> Tensor:
+    """The slice of a parameter's NorMuon state ``v`` (:func:`row_moment_shape`) holding ``part``'s
+    neurons: a 1-D view. ``row_offset``: global index of ``v``'s first row (a ``Shard(0)`` shard);
+    ``local_rows``: the global stored rows ``[a, b)`` of the part this shard holds (default: all)."""
+    rows, cols = _ranges(plan)
+    if part.transposed:
+        return v[rows.index((part.r0, part.r1)), part.c0: part.c1]
+    a, b = local_rows if local_rows is not None else (part.r0, part.r1)
+    return v[a - row_offset: b - row_offset, cols.index((part.c0, part.c1))]
+
+
+def check_row_moment(v: Tensor, plan: ParamPlan, local_rows: int, where: str) -> None:
+    """Raise naming the problem when a loaded NorMuon state does not fit the parameter."""
+    shape = row_moment_shape(plan)
+    want = (local_rows, shape[1]) if not plan.parts[0].transposed else shape
+    if tuple(v.shape) != want or v.dtype != torch.float32:
+        raise ValueError(f"{where}: {NORMUON_STATE} has shape {tuple(v.shape)} {v.dtype}, expected {want} float32 "
+                         "(one value per output row of each matrix); the checkpoint belongs to another model or layout")
+
