@@ -120,7 +120,7 @@ def test_normuon_fp32_matches_published_algorithm(case):
     torch.testing.assert_close(got.reshape(want.shape), want, rtol=1e-4, atol=1e-9)
 
 
-@pytest.mark.parametrize("fmt", sorted(qstate.FORMATS))
+@pytest.mark.parametrize("fmt", sorted(qstate.STATE_FORMATS))  # the Muon momentum formats
 def test_normuon_every_state_format(fmt):
     """NorMuon runs on every momentum format: one fp32 value per output row beside the momentum,
     finite updates, the update's Frobenius norm equal to plain Muon's with the same momentum."""
