@@ -378,3 +378,25 @@ def test_registry_protocol_for_every_format():
         err = fidelity.momentum_relative_error(fmt.dequantize(st, opts, 50), x)
         assert err < {"fp32": 1e-12, "bf16": 5e-3, "int8": 0.05, "uint8": 0.05}.get(name, 0.5), (name, err)
         assert torch.equal(fmt.dequantize(zero, opts, 50), torch.zeros(20, 50)), name
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_grasp4_bf16_gradient_is_widened_per_row_chunk_with_the_same_bits(nesterov):
+    """A bf16 gradient goes through grasp4's momentum one fp32 row chunk at a time (no whole fp32
+    copies): the momentum, the block sums and the NS input written back into the gradient are the
+    bits of the same step on that gradient widened to fp32 first (the NS input then rounded to bf16)."""
+    fmt = qstate.get_format("grasp4")
+    rows, cols = 300, 512  # 512 columns: 128 rows per chunk of 2^16 elements, a partial last chunk
+    opts = qstate.format_options({"state_format": "grasp4"})
+    st = fmt.init(rows, cols, opts, torch.device("cpu"))
+    nb = math.ceil(cols / opts.block_size)
+    fmt.update([st], [_momentum_like(rows, cols, seed=5)], [torch.empty(rows, nb)], beta=0.95, nesterov=nesterov,
+               opts=opts, streams=[-1], offsets=[0], keys=[0], seed=0)  # a non-zero momentum state
+    g16 = (torch.randn(rows, cols, generator=torch.Generator().manual_seed(6)) * 1e-3).to(torch.bfloat16)
+    g32 = g16.float()
+    out16, out32 = torch.empty(rows, nb), torch.empty(rows, nb)
+    m16 = fmt._momentum(st, g16, out16, 0.95, nesterov, opts)
+    m32 = fmt._momentum(st, g32, out32, 0.95, nesterov, opts)
+    assert torch.equal(m16, m32)
+    assert torch.equal(out16, out32)
+    assert torch.equal(g16, g32.to(torch.bfloat16))

@@ -84,17 +84,20 @@ def measure_step(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer], 
                 o.step()
             for o in optimizers:
                 o.zero_grad(set_to_none=True)
+    # A tensor-subclass state (torchao's quantized AdamW state, a DTensor shard) has no storage of its
+    # own: count the storages of its inner tensors (``__tensor_flatten__``, recursively), as MemTracker does.
+    from torch.distributed._tools.common_utils import get_untyped_storages
+
     seen: set[int] = set()
     state = 0
     for o in optimizers:
         for st in o.state.values():
             for v in st.values():
                 if isinstance(v, torch.Tensor):
-                    local = v.to_local() if hasattr(v, "to_local") else v
-                    ptr = local.untyped_storage().data_ptr()
-                    if ptr not in seen:
-                        seen.add(ptr)
-                        state += local.untyped_storage().nbytes()
+                    for storage in get_untyped_storages(v):
+                        if storage.data_ptr() not in seen:
+                            seen.add(storage.data_ptr())
+                            state += storage.nbytes()
     snap = tracker.get_tracker_snapshot("peak")[device]
     split = {str(getattr(k, "value", k)): int(v) for k, v in snap.items()}
     peak = split.pop("Total")

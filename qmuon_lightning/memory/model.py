@@ -318,15 +318,15 @@ def estimate(model_or_inventory: nn.Module | Inventory, setup: Setup, *, device:
         ns_dtype = resolve_ns_dtype(cfg.ns_dtype, torch.device(device))
         nsb = _itemsize(ns_dtype)
         matrices = [m for p in inv.of("muon") for m in p.matrices()]
-        phases["muon momentum"] = qmuon_muon_phase_bytes(_muon_groups(inv), lambda: opts, fmt)
-        phases["adamw"] = _qmuon_adamw_phase(inv, wb, adamw_fmt, foreach)
+        phases["muon momentum"] = qmuon_muon_phase_bytes(_muon_groups(inv), lambda: opts, fmt, wb)
+        phases["adamw"] = _qmuon_adamw_phase(inv, wb, wdtype, adamw_fmt, foreach)
         phases["newton-schulz"] = ns_phase_bytes(matrices, nsb, wb, device=device)
         if setup.gradient_release:
             for p in inv.of("muon"):
-                ws = fmt.update_workspace_nbytes(p.rows, p.cols, opts) + p.rows * math.ceil(p.cols / opts.block_size) * 4
+                ws = fmt.update_workspace_nbytes(p.rows, p.cols, opts, wb) + p.rows * math.ceil(p.cols / opts.block_size) * 4
                 per_param_step[p.name] = max(ws, ns_phase_bytes(p.matrices(), nsb, wb, device=device))
             for p in inv.of("adamw", "adamw_no_decay"):
-                per_param_step[p.name] = _qmuon_adamw_phase_one(p, wb, adamw_fmt, foreach)
+                per_param_step[p.name] = _qmuon_adamw_phase_one(p, wb, wdtype, adamw_fmt, foreach)
 
     est.state_parts = {k: v for k, v in parts.items() if v}
     est.state = sum(parts.values())
@@ -343,21 +343,21 @@ def estimate(model_or_inventory: nn.Module | Inventory, setup: Setup, *, device:
     return est
 
 
-def _qmuon_adamw_phase(inv: Inventory, wb: int, family: str | None, foreach: bool) -> int:
+def _qmuon_adamw_phase(inv: Inventory, wb: int, wdtype: torch.dtype, family: str | None, foreach: bool) -> int:
     """QMuon's AdamW groups: one parameter at a time (:func:`adamw_chunked_step_bytes`), or, in an
     installation without :mod:`qmuon_lightning.core.adamw`, torch's functional AdamW
     (:func:`adamw_phase_bytes`)."""
     groups = _adamw_groups(inv, "qmuon")
     if family is None:
         return adamw_phase_bytes([[p.numel for p in g] for g in groups], wb, foreach=foreach)
-    return max((adamw_chunked_step_bytes(p.shape, family, wb) for g in groups for p in g), default=0)
+    return max((adamw_chunked_step_bytes(p.shape, family, wdtype) for g in groups for p in g), default=0)
 
 
-def _qmuon_adamw_phase_one(p: ParamInfo, wb: int, family: str | None, foreach: bool) -> int:
+def _qmuon_adamw_phase_one(p: ParamInfo, wb: int, wdtype: torch.dtype, family: str | None, foreach: bool) -> int:
     """The AdamW step of one parameter on its own (gradient release)."""
     if family is None:
         return adamw_phase_bytes([[p.numel]], wb, foreach=foreach)
-    return adamw_chunked_step_bytes(p.shape, family, wb)
+    return adamw_chunked_step_bytes(p.shape, family, wdtype)
 
 
 def estimate_all(model_or_inventory: nn.Module | Inventory, setups: Sequence[Setup] = STANDARD_SETUPS, *,

@@ -101,7 +101,7 @@ def ns_phase_bytes(matrices: Sequence[tuple[int, int, bool]], ns_bytes: int, gra
 
 
 def qmuon_muon_phase_bytes(groups: Sequence[Sequence[ParamInfo]], opts_of: Callable[[], qstate.FormatOptions],
-                           fmt: qstate.StateFormat) -> int:
+                           fmt: qstate.StateFormat, grad_bytes: int = 4) -> int:
     """Largest transient of QMuon's momentum phase: per Muon group, the per-row-block sums of
     squares of every matrix of the group (fp32 ``rows x ceil(cols / block_size)``, alive until the
     group's NS items are made) plus the largest :meth:`~qmuon_lightning.quant.formats.base.StateFormat.update_workspace_nbytes`
@@ -110,7 +110,7 @@ def qmuon_muon_phase_bytes(groups: Sequence[Sequence[ParamInfo]], opts_of: Calla
     peak = 0
     for params in groups:
         sums = sum(p.rows * math.ceil(p.cols / opts.block_size) * 4 for p in params)
-        ws = max((fmt.update_workspace_nbytes(p.rows, p.cols, opts) for p in params), default=0)
+        ws = max((fmt.update_workspace_nbytes(p.rows, p.cols, opts, grad_bytes) for p in params), default=0)
         peak = max(peak, sums + ws)
     return peak
 
@@ -134,14 +134,17 @@ def _core_adamw() -> Any:
     return core_adamw
 
 
-def adamw_chunked_step_bytes(shape: Sequence[int], family: str, weight_bytes: int) -> int:
+def adamw_chunked_step_bytes(shape: Sequence[int], family: str, weight_dtype: torch.dtype) -> int:
     """Transient of QMuon's per-tensor AdamW step of one parameter
     (:func:`qmuon_lightning.core.adamw.adamw_param_step`): blocks of whole rows of at most
     ``DEFAULT_CHUNK_ELEMENTS`` elements, each with its fp32 update buffer (``4 c`` bytes, ``c`` the
     block's elements), plus, for dense moments, torch's ops on the block: ``sqrt(v)`` (``4 c``) and
     fp32 copies of bf16 moments and gradient (``4 c`` each); quantized moments are updated by the
-    fused kernel in place. Writing a bf16 weight (:func:`qmuon_lightning.core.apply.apply_update_`)
-    adds the block's fp32 weights (``4 c``)."""
+    fused kernel in place. Writing the weights (:func:`qmuon_lightning.core.apply.apply_update_`):
+    fp32 in place; bf16 by the fused rounding kernels (``bf16_weight_update_``,
+    ``bf16_ecc8_weight_update_``), in place, nothing more; fp16 (no rounding rule) through
+    ``param.float() * decay + update * alpha``: the weights in fp32, their scaled copy and the sum
+    alive at once (``12 c``)."""
     core_adamw, qadamw = _core_adamw(), _quant_adamw()
     rows, cols = qadamw.matrix_shape(shape)
     c = core_adamw.chunk_rows(rows, cols) * cols
@@ -150,7 +153,7 @@ def adamw_chunked_step_bytes(shape: Sequence[int], family: str, weight_bytes: in
     if m_fmt.spec.kind.startswith("adamw_dense") and v_fmt.spec.kind.startswith("adamw_dense"):
         words += 1  # denom = sqrt(v)
         words += sum(1 for f in (m_fmt, v_fmt) if f.spec.dtype != torch.float32)
-        words += 1 if weight_bytes != 4 else 0  # grad.float()
-    if weight_bytes != 4:
-        words += 1  # apply_update_: the block's weights in fp32
+        words += 1 if weight_dtype != torch.float32 else 0  # grad.float()
+    if weight_dtype == torch.float16:
+        words += 3  # apply_update_'s fp32 path
     return 4 * c * words

@@ -189,9 +189,10 @@ class StateFormat:
         st = self.init(rows, cols, opts, torch.device("meta"))
         return sum(t.numel() * t.element_size() for k, t in st.items() if k != STEP)
 
-    def update_workspace_nbytes(self, rows: int, cols: int, opts: FormatOptions) -> int:
+    def update_workspace_nbytes(self, rows: int, cols: int, opts: FormatOptions, grad_bytes: int = 4) -> int:
         """Transient bytes :meth:`update` allocates for one ``rows x cols`` matrix beyond its state,
-        gradient and block sums (the accounting model of :mod:`qmuon_lightning.memory`). 0 for the
+        gradient (``grad_bytes`` per element) and block sums (the accounting model of
+        :mod:`qmuon_lightning.memory`). 0 for the
         formats whose compiled kernels update the codes in place."""
         return 0
 

@@ -272,16 +272,23 @@ class Grasp4Format(StateFormat):
         decoded momentum and a row-chunk scratch: one fp32 copy of the matrix at a time instead of six,
         which is what keeps grasp4's step within a few MiB of its state."""
         m = grasp_decode(st, opts)  # a fresh fp32 tensor: becomes m_new in place
-        g = g2 if g2.dtype == torch.float32 else g2.float()
-        ns = g2 if g2.dtype == torch.float32 else torch.empty_like(m)
         rows, cols = m.shape
         bs = opts.block_size
         chunks = _row_chunks(rows, cols)
-        scratch = torch.empty((chunks[0][1] - chunks[0][0]) * cols if chunks else 0, dtype=torch.float32,
-                              device=m.device)
+        chunk_elems = (chunks[0][1] - chunks[0][0]) * cols if chunks else 0
+        scratch = torch.empty(chunk_elems, dtype=torch.float32, device=m.device)
+        # a bf16 gradient is widened one row chunk at a time (not a whole fp32 copy of the gradient
+        # plus another of the NS input): the chunk holds the fp32 gradient, then the fp32 NS input
+        # (whose block sums are taken before it is rounded back into g2), as g2 itself does for fp32
+        wide = None if g2.dtype == torch.float32 else torch.empty(chunk_elems, dtype=torch.float32, device=m.device)
         for r0, r1 in chunks:  # rows are independent: momentum, blend and row-block sums
             sc = scratch[: (r1 - r0) * cols].view(r1 - r0, cols)
-            mc, gc, nc = m[r0:r1], g[r0:r1], ns[r0:r1]
+            if wide is None:
+                gc = g2[r0:r1]
+            else:
+                gc = wide[: (r1 - r0) * cols].view(r1 - r0, cols)
+                gc.copy_(g2[r0:r1])
+            mc, nc = m[r0:r1], gc
             _lerp_into(mc, gc, mc, 1.0 - beta, sc)  # m_new = lerp(m_old, g, 1 - beta)
             if nesterov:
                 _lerp_into(gc, mc, nc, beta, sc)  # ns = lerp(g, m_new, beta)
@@ -292,15 +299,16 @@ class Grasp4Format(StateFormat):
                 out[r0:r1].copy_(torch.mul(xb, xb, out=sc.view(xb.shape)).sum(dim=-1))
             else:
                 out[r0:r1].copy_(ref.block_sumsq(nc, bs))
-        if ns is not g2:
-            g2.copy_(ns)
+            if wide is not None:
+                g2[r0:r1].copy_(nc)
         return m
 
-    def update_workspace_nbytes(self, rows, cols, opts):
+    def update_workspace_nbytes(self, rows, cols, opts, grad_bytes=4):
         """The decoded fp32 momentum (updated in place, then consumed as the residual), one row
-        chunk of scratch (:func:`_row_chunks`) and the freshly encoded state before it is copied in."""
+        chunk of scratch (:func:`_row_chunks`), for a gradient narrower than fp32 one more row chunk
+        (its fp32 rows), and the freshly encoded state before it is copied in."""
         chunk = min(rows, max(1, _CHUNK_ELEMENTS // max(cols, 1))) * cols * 4
-        return 4 * rows * cols + chunk + self.nbytes(rows, cols, opts)
+        return 4 * rows * cols + chunk * (1 if grad_bytes == 4 else 2) + self.nbytes(rows, cols, opts)
 
     def update(self, states, grads2d, block_sums, *, beta, nesterov, opts, streams, offsets, keys, seed):
         for st, g2, out, stream, off, key in zip(states, grads2d, block_sums, streams, offsets, keys, strict=True):
