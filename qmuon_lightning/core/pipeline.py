@@ -78,7 +78,12 @@ DEFAULT_BATCH_BUDGET = 1.0
 #: ``mm`` per matrix (GPT d_model 512: 842 ms batched vs 802 ms one by one; torch.optim.Muon 835 ms).
 CPU_BATCH_MAX_ELEMENTS = 2**20
 #: A batch may also hold up to this share of the step's Muon elements (see the module docstring).
-BATCH_STEP_SHARE = 0.5
+#: Off (0.0): with a share, which matrices batch together depends on every matrix the call holds,
+#: so a sharded rank (its own expert banks, orthogonalized locally) and the single-process step
+#: batched the same matrices differently and their bits differed; the measured gain was within the
+#: noise of a loaded 2-core CPU (1.21-1.30x the bare batched NS at every share, 1 thread,
+#: benchmarks/results/batch_share.md). Set it (e.g. 0.5) only where bit-exact parity does not matter.
+BATCH_STEP_SHARE = 0.0
 
 
 def is_dtensor(t: Any) -> bool:
