@@ -32,8 +32,10 @@ from .apply import apply_update_, weight_state_init
 
 __all__ = ["DEFAULT_CHUNK_ELEMENTS", "bias_terms", "chunk_rows", "init_state", "adamw_param_step"]
 
-#: Elements per block of rows (16 MiB of fp32 update): bounds the step's transient memory.
-DEFAULT_CHUNK_ELEMENTS = 1 << 22
+#: Elements per block of rows (4 MiB of fp32 update): bounds the step's transient memory. 2^22 (16 MiB)
+#: was 0.30 B/param of a 56M-parameter model's whole step (benchmarks/results/train_memory.md);
+#: 2^20-element blocks still amortize the per-block call (a 32k x 512 embedding: 16 blocks).
+DEFAULT_CHUNK_ELEMENTS = 1 << 20
 
 
 def bias_terms(step: float, lr: float, beta1: float, beta2: float) -> tuple[float, float]:
