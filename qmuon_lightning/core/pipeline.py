@@ -38,6 +38,8 @@ bare batched NS, 0.5 (all four 1024 x 256 MLP matrices in one batch) at 0.98x.
 
 from __future__ import annotations
 
+import math
+
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
@@ -294,9 +296,10 @@ def momentum_inputs(group: dict[str, Any], grads: Sequence[Tensor], states: Sequ
     out = MomentumInputs()
     for grad, st, plan, row0 in zip(grads, states, plans, row_offsets, strict=True):
         rows = grad.shape[0]
+        cols = math.prod(grad.shape[1:])  # plan.cols, or a rowwise tensor-parallel shard's own columns
         st["step"] += 1
         # A 2-D view when the layout allows; otherwise a copy the caller writes back.
-        out.grads2d.append(grad.view(rows, plan.cols) if grad.is_contiguous() else grad.reshape(rows, plan.cols))
+        out.grads2d.append(grad.view(rows, cols) if grad.is_contiguous() else grad.reshape(rows, cols))
         out.states.append(st)
         out.streams.append(ref.noise_stream(group["seed"], int(st["step"].item()), plan.key) if stochastic else -1)
         out.offsets.append(int(row0))

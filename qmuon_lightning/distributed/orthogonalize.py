@@ -69,7 +69,6 @@ Bytes: :attr:`QMuon.comm_stats` after each step (see :meth:`ShardedStep.finish`)
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -83,123 +82,13 @@ from ..core.pipeline import NSItem, NSSettings, apply_to, orthogonalize, part_it
 from ..core.plan import ParamPlan
 from ..core.variants import RowMoment, part_row_moment
 from ..quant import state as qstate
-from ..quant.layout import RowLayout, check_sharded_param, row_layout, shard_state
+from ..quant.layout import check_sharded_param, row_layout, shard_state
 from .carrier import Carrier, get_carrier
 from .mesh import ShardMesh
+from .plan import ShardItem, merge_comm_stats, ns_cost, plan_owners, plan_replica_owners
+from .tensor_parallel import TensorParallelWorld, check_tensor_parallel_param, uses_tensor_parallel
 
 __all__ = ["ShardedStep", "plan_owners", "merge_comm_stats"]
-
-
-@dataclass
-class _ShardItem:
-    """One matrix (or fused part) of a sharded parameter, seen from this rank: the stored block
-    rows ``[r0, r1)``, columns ``[c0, c1)`` (rows are what ``Shard(0)`` splits; for an ``(in, out)``
-    weight they are the layer's input features, and ``transposed`` runs NS on the block's
-    transpose, on the owner, after the rows are assembled)."""
-
-    layout: RowLayout
-    r0: int  # global stored rows [r0, r1) of the part
-    r1: int
-    param_rows: Tensor  # this rank's rows of the part in the local parameter shard (a view, any ndim)
-    ns_input: Tensor  # this rank's rows of the NS input (2-D view of the local grad)
-    sums: Tensor  # this rank's per-row-block sums of squares (n, nb) fp32 (nb = 1: per-row sums of a column block)
-    nb: int
-    lr: float
-    eps: float
-    settings: NSSettings
-    forward: str  # forward carrier name
-    c0: int = 0  # stored columns [c0, c1) of the part (c1 None: every column)
-    c1: int | None = None
-    transposed: bool = False
-    decay: float = 1.0  # decoupled weight decay, folded into the write (core.apply.apply_update_)
-    write: WeightWrite = field(default_factory=WeightWrite)  # this rank's rows: rule, state views, rng
-    cautious: bool = False
-    moment_rows: Tensor | None = None  # NorMuon: this rank's rows of the part's second moment (fp32 view)
-    beta2: float = 0.0
-
-    @property
-    def moment_bytes(self) -> int:
-        """Bytes per row of the NorMuon second moment on each trip (0 for plain Muon)."""
-        return 4 if self.moment_rows is not None else 0
-
-    @property
-    def rows(self) -> int:
-        return self.r1 - self.r0
-
-    @property
-    def cols(self) -> int:
-        return (self.layout.cols if self.c1 is None else self.c1) - self.c0
-
-    def rows_of(self, r: int) -> tuple[int, int]:
-        """Global rows of this part held by rank ``r``."""
-        return self.layout.overlap(r, self.r0, self.r1)
-
-    def n_of(self, r: int) -> int:
-        a, b = self.rows_of(r)
-        return b - a
-
-
-def ns_cost(rows: int, cols: int) -> int:
-    """Newton-Schulz cost model of a ``rows x cols`` matrix (flops up to a constant)."""
-    return rows * cols * min(rows, cols)
-
-
-def plan_replica_owners(items: list[Any], banks: list[tuple[int, int, int]], shards: int,
-                        replicas: int) -> tuple[list[int], list[int]]:
-    """HSDP plan over the ``replicas x shards`` ranks ``v = replica * shards + shard``: the owner
-    of every exchange item (any rank; ties to the rank holding most of its rows) and of every bank
-    member part ``(rows, cols, shard holding it)`` (a rank of that shard). Greedy least-loaded,
-    largest first; deterministic, so every rank computes the same plan."""
-    costs = [(ns_cost(it.rows, it.cols), 0, j) for j, it in enumerate(items)]
-    costs += [(ns_cost(r, c), 1, j) for j, (r, c, _) in enumerate(banks)]
-    load = [0] * (shards * replicas)
-    owners, bank_owners = [0] * len(items), [0] * len(banks)
-    for cost, kind, j in sorted(costs, key=lambda t: (-t[0], t[1], t[2])):
-        if kind == 0:
-            it = items[j]
-            best = min(range(len(load)), key=lambda v: (load[v], -it.n_of(v % shards), v))
-            owners[j] = best
-        else:
-            s = banks[j][2]
-            best = min((r * shards + s for r in range(replicas)), key=lambda v: (load[v], v))
-            bank_owners[j] = best
-        load[best] += cost
-    return owners, bank_owners
-
-
-def plan_owners(items: list[Any], world: int) -> list[int]:
-    """Owner rank of every item: greedy least-loaded by NS cost, largest first; ties go to the
-    rank holding most of the item's rows, then to the lowest rank. Deterministic, so every rank
-    computes the same plan without communicating."""
-    owners = [0] * len(items)
-    load = [0] * world
-    order = sorted(range(len(items)), key=lambda j: (-items[j].rows * items[j].cols * min(items[j].rows, items[j].cols), j))
-    for j in order:
-        it = items[j]
-        cost = it.rows * it.cols * min(it.rows, it.cols)
-        best = min(range(world), key=lambda r: (load[r], -it.n_of(r), r))
-        owners[j] = best
-        load[best] += cost
-    return owners
-
-
-#: Figures of :meth:`ShardedStep.finish` that add up over several exchanges of one optimizer step.
-_ADDITIVE = ("flags_bytes", "ns_bytes_sent", "ns_bytes_total", "muon_elements", "matrices_owned")
-#: Per-parameter ratios (bytes / Muon element): combined weighted by ``muon_elements``.
-_PER_ELEMENT = ("wire_bytes_per_param", "bf16_wire_bytes_per_param", "exchange_bytes_per_param")
-
-
-def merge_comm_stats(parts: list[dict[str, float]]) -> dict[str, float]:
-    """The figures of one optimizer step whose distributed Newton-Schulz ran as several exchanges
-    (gradient release: one per FSDP unit): byte counts summed, per-element ratios weighted by
-    each exchange's Muon elements. One part is returned as it is."""
-    if len(parts) == 1:
-        return dict(parts[0])
-    out = {k: float(sum(p.get(k, 0.0) for p in parts)) for k in _ADDITIVE}
-    el = max(out["muon_elements"], 1.0)
-    for k in _PER_ELEMENT:
-        out[k] = sum(p.get(k, 0.0) * p.get("muon_elements", 0.0) for p in parts) / el
-    return out
 
 
 class ShardedStep:
@@ -213,47 +102,44 @@ class ShardedStep:
 
     def __init__(self, param_groups: list[dict[str, Any]], comm_carrier: str, comm_return: str) -> None:
         self.param_groups = param_groups
-        self._layouts: dict[int, RowLayout] = {}
+        self._layouts: dict[int, Any] = {}
         self._group_of: dict[int, dict[str, Any]] = {}
         self._sharded_keys: list[tuple[int, int]] = []
-        mesh = None
-        for gi, group in enumerate(param_groups):
-            for i, p in enumerate(group["params"]):
-                if not isinstance(p, DTensor):
-                    continue
-                names = group.get("param_names")
-                where = f"parameter {names[i]!r}" if names else f"param group {gi} parameter #{i}"
-                check_sharded_param(p, where)
-                if mesh is None:
-                    mesh = p.device_mesh
-                    self.device = p.to_local().device  # collectives run on it (NCCL needs CUDA tensors)
-                elif p.device_mesh != mesh:
-                    raise NotImplementedError(
-                        f"QMuon: {where} is sharded on a different device mesh than the other parameters; sharded "
-                        "QMuon needs every DTensor parameter on one mesh (fully_shard with one mesh)")
-                elif tuple(p.placements) != tuple(next(q for g in param_groups for q in g["params"]
-                                                       if isinstance(q, DTensor)).placements):
-                    raise NotImplementedError(
-                        f"QMuon: {where} has placements {tuple(p.placements)}, unlike the other sharded parameters; "
-                        "shard every parameter the same way (one fully_shard mesh)")
+        sharded = [(gi, i, p, self._where(group, gi, i)) for gi, group in enumerate(param_groups)
+                   for i, p in enumerate(group["params"]) if isinstance(p, DTensor)]
+        assert sharded
+        self.device = sharded[0][2].to_local().device  # collectives run on it (NCCL needs CUDA tensors)
+        tp = TensorParallelWorld([p for _, _, p, _ in sharded]) if uses_tensor_parallel([p for *_, p, _ in sharded]) \
+            else None
+        first = sharded[0][2]
+        for gi, i, p, where in sharded:
+            group = param_groups[gi]
+            if tp is not None:
+                lay = tp.layout(p)
+                check_tensor_parallel_param(p, group, lay, where)
+            else:
+                self._check_one_mesh(p, first, where)
                 lay = row_layout(p)
-                if group["use_muon"] and group.get("variant") == "normuon" and group["orientation"] != "out_in":
-                    raise NotImplementedError(
-                        f"QMuon: {where}: variant='normuon' on a sharded orientation={group['orientation']!r} weight: "
-                        "its neurons are stored columns, not the rows FSDP2 shards. Use variant='muon' for this "
-                        "group, or a model with nn.Linear (out, in) weights")
-                if group["use_muon"]:
-                    view = param_group_view(group, i)  # a promoted parameter's own layout
-                    fmt = qstate.get_format(view["state_format"])
-                    fmt.check_sharded_layout(lay, qstate.format_options(view), where)  # before any state changes
-                self._layouts[id(p)] = lay
-                self._group_of[id(p)] = group
-                self._sharded_keys.append((gi, i))
-        assert mesh is not None
-        self.mesh = mesh
-        first = next(p for g in param_groups for p in g["params"] if isinstance(p, DTensor))
-        sm = ShardMesh.of(first)
-        self.shard_mesh = sm
+            if group["use_muon"] and group.get("variant") == "normuon" and group["orientation"] != "out_in":
+                raise NotImplementedError(
+                    f"QMuon: {where}: variant='normuon' on a sharded orientation={group['orientation']!r} weight: "
+                    "its neurons are stored columns, not the rows FSDP2 shards. Use variant='muon' for this "
+                    "group, or a model with nn.Linear (out, in) weights")
+            if group["use_muon"] and tp is None:
+                view = param_group_view(group, i)  # a promoted parameter's own layout
+                fmt = qstate.get_format(view["state_format"])
+                fmt.check_sharded_layout(lay, qstate.format_options(view), where)  # before any state changes
+            self._layouts[id(p)] = lay
+            self._group_of[id(p)] = group
+            self._sharded_keys.append((gi, i))
+        self.mesh = tp.mesh if tp is not None else first.device_mesh
+        if tp is not None:  # the exchange runs over the flattened (dp, tp) mesh, no replicas
+            self.shard_mesh = ShardMesh(mesh=tp.mesh, shard_dim=-1, shard_group=tp.group, shard_size=tp.world,
+                                        shard_rank=tp.rank, replicate_group=None, replicas=1, replica=0)
+        else:
+            self.shard_mesh = ShardMesh.of(first)
+        sm = self.shard_mesh
+        self.tensor_parallel = tp is not None
         self.process_group = sm.shard_group  # momentum collectives, flags and the all-to-all: the shard dim
         self.world = sm.shard_size
         self.rank = sm.shard_rank
@@ -263,9 +149,28 @@ class ShardedStep:
         self.ret: Carrier = get_carrier(comm_return)
         self.begin()
 
+    @staticmethod
+    def _where(group: dict[str, Any], gi: int, i: int) -> str:
+        names = group.get("param_names")
+        return f"parameter {names[i]!r}" if names else f"param group {gi} parameter #{i}"
+
+    @staticmethod
+    def _check_one_mesh(p: DTensor, first: DTensor, where: str) -> None:
+        """Shard(0) / HSDP: every parameter on one mesh, sharded the same way."""
+        check_sharded_param(p, where)
+        if p.device_mesh != first.device_mesh:
+            raise NotImplementedError(
+                f"QMuon: {where} is sharded on a different device mesh than the other parameters; sharded "
+                "QMuon needs every DTensor parameter on one mesh (fully_shard with one mesh), or a (dp, tp) mesh "
+                "and its dp sub-mesh (tensor parallelism)")
+        if tuple(p.placements) != tuple(first.placements):
+            raise NotImplementedError(
+                f"QMuon: {where} has placements {tuple(p.placements)}, unlike the other sharded parameters "
+                f"{tuple(first.placements)}; shard every parameter the same way (one fully_shard mesh)")
+
     def begin(self) -> None:
         """Start a step: forget the previous step's items and byte counts."""
-        self.items: list[_ShardItem] = []
+        self.items: list[ShardItem] = []
         self.local_items: list[NSItem] = []  # whole bank members this rank holds (no exchange; 1-D mesh)
         # Every bank member part (rows, cols, shard holding it); HSDP: for those on this shard also
         # (index in bank_meta, part, NS input rows, block sums, group, settings, local param, first row, lr)
@@ -346,6 +251,9 @@ class ShardedStep:
         decay = 1.0 - lr * float(group["weight_decay"])
         cautious = bool(group.get("cautious_weight_decay", False))
         apply_local = apply_to(param_local, lr, first_row=lay.start, decay=decay, cautious=cautious, **write.rounding)
+        if self.tensor_parallel and any(part.bank is not None for part in plan.parts):
+            raise NotImplementedError("QMuon: expert banks on a (dp, tp) mesh are not supported; shard them with "
+                                      "FSDP2 on a 1-D mesh or HSDP")
         if moment is not None and any(part.bank is not None for part in plan.parts):
             raise NotImplementedError(
                 "QMuon: variant='normuon' on a sharded expert bank is not supported yet (each rank "
@@ -365,33 +273,52 @@ class ShardedStep:
                 continue
             lo, hi = lay.overlap(lay.rank, part.r0, part.r1)
             a, b = lo - lay.start, hi - lay.start
+            # this rank's stored columns of the part, relative to its local shard (a rowwise
+            # tensor-parallel shard holds some columns only; a row shard holds them all)
+            clo, chi = lay.col_overlap(lay.rank, part.c0, lay.cols if part.c1 is None else part.c1)
+            ca, cb = clo - lay.col_start, chi - lay.col_start
             if part.whole_rows:
                 def cut(t: Tensor) -> Tensor:
                     return t[a:b]
                 rows, ns_in, part_sums = param_local[a:b], g2[a:b], sums[a:b]
             else:  # a column block (fused parts along dim 1): per-row sums, as single-process QMuon
                 def cut(t: Tensor) -> Tensor:
-                    return t[a:b, part.c0: part.c1]
-                rows, ns_in = param_local[a:b, part.c0: part.c1], g2[a:b, part.c0: part.c1]
+                    return t[a:b, ca:cb]
+                rows, ns_in = param_local[a:b, ca:cb], g2[a:b, ca:cb]
                 part_sums = row_sumsq(ns_in)
             part_write = WeightWrite(write.bf16_update,
                                      {k: cut(v) for k, v in write.state.items()} if write.state else None,
                                      block_rng(write.rng, param_local, rows))
-            self.items.append(_ShardItem(
+            self.items.append(ShardItem(
                 layout=lay, r0=part.r0, r1=part.r1, c0=part.c0, c1=part.c1, transposed=part.transposed,
                 param_rows=rows, ns_input=ns_in, sums=part_sums, nb=part_sums.shape[1], lr=lr * part.lr_scale,
                 eps=float(group["eps"]), settings=owner_settings, forward=fwd, decay=decay, write=part_write,
                 cautious=cautious,
                 moment_rows=None if moment is None else part_row_moment(moment, plan, part, lay.start, (lo, hi)),
-                beta2=float(group.get("normuon_beta2", 0.0)),
+                beta2=float(group.get("normuon_beta2", 0.0)), block_sums=part.whole_rows,
+                block=int(group["block_size"]),
             ))
 
     # ------------------------------------------------------------------ 3-6. exchange and NS
-    def _fwd_bytes(self, it: _ShardItem, n: int) -> int:
-        return get_carrier(it.forward).nbytes(n, it.cols) + 4 * n * it.nb + it.moment_bytes * n
+    def _fwd_bytes(self, it: ShardItem, s: int) -> int:
+        """Bytes rank ``s`` sends to the owner of ``it``: its piece (forward carrier), the piece's
+        fp32 sums of squares and NorMuon second moment rows; 0 for a rank holding a copy only."""
+        if not it.sends(s):
+            return 0
+        n = it.n_of(s)
+        return get_carrier(it.forward).nbytes(n, it.w_of(s)) + 4 * n * it.nb_of(s) + it.moment_bytes * n
 
-    def _ret_bytes(self, it: _ShardItem, n: int) -> int:
-        return self.ret.nbytes(n, it.cols) + it.moment_bytes * n
+    def _ret_bytes(self, it: ShardItem, s: int) -> int:
+        """Bytes the owner of ``it`` returns to rank ``s``: its piece of the result (every holder)."""
+        if not it.holds(s):
+            return 0
+        n = it.n_of(s)
+        return self.ret.nbytes(n, it.w_of(s)) + it.moment_bytes * n
+
+    def _whole_bytes(self, it: ShardItem) -> int:
+        """Both trips' bytes if the whole matrix crossed the wire."""
+        fwd = get_carrier(it.forward).nbytes(it.rows, it.cols) + 4 * it.rows * it.sums_layout(self.world)[0]
+        return fwd + self.ret.nbytes(it.rows, it.cols) + 2 * it.moment_bytes * it.rows
 
     def _exchange(self, send: Tensor, send_sizes: list[int], recv_sizes: list[int]) -> Tensor:
         assert send.numel() == sum(send_sizes)
@@ -429,9 +356,8 @@ class ShardedStep:
         for j in mine:
             it, d = items[j], owners[j]
             for s in range(world):
-                n = it.n_of(s)
-                fwd_w[s][d] += self._fwd_bytes(it, n)
-                ret_w[d][s] += self._ret_bytes(it, n)
+                fwd_w[s][d] += self._fwd_bytes(it, s)
+                ret_w[d][s] += self._ret_bytes(it, s)
         exchange = any(fwd_w[s][d] for s in range(world) for d in range(world))
 
         # Forward: encode my rows of each item for its owner.
@@ -440,11 +366,11 @@ class ShardedStep:
         for d in range(world):
             for j in mine:
                 it = items[j]
-                if owners[j] != d:
+                if owners[j] != d or not it.sends(me):
                     continue
                 n = it.ns_input.shape[0]
                 carrier = get_carrier(it.forward)
-                nb_c = carrier.nbytes(n, it.cols)
+                nb_c = carrier.nbytes(n, it.w_of(me))
                 carrier.encode_into(it.ns_input if it.ns_input.is_contiguous() else it.ns_input.contiguous(),
                                     send[off: off + nb_c])
                 off += nb_c
@@ -463,27 +389,30 @@ class ShardedStep:
         for s in range(world):
             for j in owned:
                 recv_at[(j, s)] = off
-                off += self._fwd_bytes(items[j], items[j].n_of(s))
+                off += self._fwd_bytes(items[j], s)
         ret_send = torch.empty(sum(ret_w[me]), dtype=torch.uint8, device=device)
         ret_at: dict[tuple[int, int], int] = {}
         off = 0
         for s in range(world):
             for j in owned:
                 ret_at[(j, s)] = off
-                off += self._ret_bytes(items[j], items[j].n_of(s))
+                off += self._ret_bytes(items[j], s)
 
         ns_items = []
         for j in owned:
             it = items[j]
-            full_sums = torch.empty((it.rows, it.nb), dtype=torch.float32, device=device)
+            n_blocks, block_at = it.sums_layout(world)
+            full_sums = torch.empty((it.rows, n_blocks), dtype=torch.float32, device=device)
             full_v = torch.empty(it.rows, dtype=torch.float32, device=device) if it.moment_rows is not None else None
             for s in range(world):
+                if not it.sends(s):
+                    continue
                 lo, hi = it.rows_of(s)
-                n = hi - lo
-                at = recv_at[(j, s)] + get_carrier(it.forward).nbytes(n, it.cols)
-                full_sums[lo - it.r0: hi - it.r0].copy_(recv[at: at + 4 * n * it.nb].view(torch.float32).view(n, it.nb))
+                n, nb, k = hi - lo, it.nb_of(s), block_at[s]
+                at = recv_at[(j, s)] + get_carrier(it.forward).nbytes(n, it.w_of(s))
+                full_sums[lo - it.r0: hi - it.r0, k: k + nb].copy_(recv[at: at + 4 * n * nb].view(torch.float32).view(n, nb))
                 if full_v is not None:
-                    at += 4 * n * it.nb
+                    at += 4 * n * nb
                     full_v[lo - it.r0: hi - it.r0].copy_(recv[at: at + 4 * n].view(torch.float32))
             ns_items.append(NSItem(
                 rows=it.rows, cols=it.cols, sumsq=full_sums.sum(), eps=it.eps, settings=it.settings,
@@ -525,9 +454,9 @@ class ShardedStep:
 
         elements = sum(it.rows * it.cols for it in items)
         wire = sum(fwd_w[s][d] + ret_w[s][d] for s in range(world) for d in range(world) if s != d)
-        bf16_wire = sum(2 * 2 * items[j].n_of(s) * items[j].cols for j in mine for s in range(world)
-                        if s != owners[j])
-        exchange_b = sum(self._fwd_bytes(it, it.rows) + self._ret_bytes(it, it.rows) for it in items)
+        bf16_wire = sum(2 * items[j].n_of(s) * items[j].w_of(s) * (int(items[j].sends(s)) + 1)
+                        for j in mine for s in range(world) if s != owners[j] and items[j].holds(s))
+        exchange_b = sum(self._whole_bytes(it) for it in items)
         return self._record(stats, self.sent, wire, elements, bf16_wire, exchange_b, float(len(owned) + len(bank_mine)))
 
     def _apply_returned(self, recv: Tensor, sub: list[int], owners: dict[int, int]) -> int:
@@ -539,12 +468,13 @@ class ShardedStep:
                 if owners[j] != d:
                     continue
                 it = self.items[j]
-                n = it.ns_input.shape[0]
-                nb_c = self.ret.nbytes(n, it.cols)
-                if n:
-                    o = self.ret.decode(recv[off: off + nb_c], n, it.cols)
-                    apply_update_(it.param_rows, o.reshape(it.param_rows.shape), alpha=-it.lr, decay=it.decay,
-                                  cautious=it.cautious, **it.write.rounding)
+                if not it.holds(self.rank):
+                    continue
+                n, w = it.n_of(self.rank), it.w_of(self.rank)
+                nb_c = self.ret.nbytes(n, w)
+                o = self.ret.decode(recv[off: off + nb_c], n, w)
+                apply_update_(it.param_rows, o.reshape(it.param_rows.shape), alpha=-it.lr, decay=it.decay,
+                              cautious=it.cautious, **it.write.rounding)
                 off += nb_c
                 if it.moment_rows is not None:
                     it.moment_rows.copy_(recv[off: off + 4 * n].view(torch.float32))
@@ -592,10 +522,14 @@ class ShardedStep:
         def load(dest: Tensor) -> None:
             carrier = get_carrier(it.forward)
             for s in range(self.world):
+                if not it.sends(s):
+                    continue
                 lo, hi = it.rows_of(s)
+                clo, chi = it.cols_of(s)
+                n, w = hi - lo, chi - clo
                 at = recv_at[(j, s)]
-                dest[lo - it.r0: hi - it.r0].copy_(carrier.decode(recv[at: at + carrier.nbytes(hi - lo, it.cols)],
-                                                                  hi - lo, it.cols))
+                dest[lo - it.r0: hi - it.r0, clo - it.c0: chi - it.c0].copy_(
+                    carrier.decode(recv[at: at + carrier.nbytes(n, w)], n, w).view(n, w))
 
         return load
 
@@ -607,10 +541,13 @@ class ShardedStep:
 
         def apply(out: Tensor) -> None:
             for s in range(self.world):
+                if not it.holds(s):
+                    continue
                 lo, hi = it.rows_of(s)
+                clo, chi = it.cols_of(s)
                 at = ret_at[(j, s)]
-                rows = out[lo - it.r0: hi - it.r0]  # a strided view for transposed parts
-                nb_c = self.ret.nbytes(hi - lo, it.cols)
+                rows = out[lo - it.r0: hi - it.r0, clo - it.c0: chi - it.c0]  # strided for transposed parts
+                nb_c = self.ret.nbytes(hi - lo, chi - clo)
                 self.ret.encode_into(rows if rows.is_contiguous() else rows.contiguous(), buf[at: at + nb_c])
                 if full_v is not None:
                     buf[at + nb_c: at + nb_c + 4 * (hi - lo)].view(torch.float32).copy_(full_v[lo - it.r0: hi - it.r0])

@@ -473,7 +473,7 @@ class QMuon(Optimizer):
         for p in params:
             st = self.state[p]
             if not st:
-                st.update(qstate.init_momentum_state(fmt.name, local(p.grad).shape[0], math.prod(p.shape[1:]),
+                st.update(qstate.init_momentum_state(fmt.name, local(p.grad).shape[0], math.prod(local(p.grad).shape[1:]),
                                                      opts=opts, device=local(p.grad).device))
                 if is_dtensor(p):
                     sharded.init_state(p, st, group)  # Shard(0) DTensors with the global shape (for DCP)

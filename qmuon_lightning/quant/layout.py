@@ -23,6 +23,13 @@ are split over the shard dim as above and every replica holds the same rows. Row
 process groups here are those of the shard dim (:func:`shard_mesh_dim`); the state is stored with
 the parameter's placements (replicated over the replicate dim), so DCP saves one copy of each row.
 
+Tensor parallelism (a ``(dp, tp)`` mesh, FSDP2 over ``parallelize_module``): a colwise parameter is
+``(_StridedShard(0), Shard(0))`` (each rank holds one contiguous row range), a rowwise one
+``(Shard(0), Shard(1))`` (a row range times a column range). Its state keeps the parameter's own
+placements (:func:`state_placements`); a column-split state tensor's trailing dim is split like the
+columns (its blocks never straddle two column shards: ``qmuon_lightning.distributed.tensor_parallel``
+checks that before any state exists). The piece geometry of the exchange lives there.
+
 ``torch.distributed`` is imported lazily: builds without it can import this module.
 """
 
@@ -52,6 +59,10 @@ __all__ = [
     "shard_mesh_dim",
     "row_layout",
     "shard_state",
+    "column_split",
+    "is_tensor_parallel",
+    "local_offset",
+    "state_placements",
 ]
 
 
@@ -122,6 +133,21 @@ class RowLayout:
         lo, hi = max(a, r0), min(b, r1)
         return (lo, max(lo, hi))
 
+    # Column API shared with the tensor-parallel piece layout: a row shard holds every column.
+    col_start = 0
+
+    @property
+    def local_cols(self) -> int:
+        return self.cols
+
+    def col_overlap(self, r: int, c0: int, c1: int) -> tuple[int, int]:
+        """Global columns of ``[c0, c1)`` that rank ``r`` holds: all of them."""
+        return (c0, c1)
+
+    def sends(self, r: int) -> bool:
+        """Whether rank ``r`` sends its rows to an owner (every row shard holds its rows alone)."""
+        return True
+
 
 def shard_mesh_dim(p: Any) -> int:
     """The mesh dim over which ``p`` (a DTensor) is ``Shard(0)``: its one ``Shard(0)`` placement, the
@@ -130,23 +156,79 @@ def shard_mesh_dim(p: Any) -> int:
     return next(i for i, pl in enumerate(p.placements) if not pl.is_replicate())
 
 
-def check_sharded_param(p: Any, where: str = "parameter") -> None:
-    """Raise a clear error for DTensor layouts the sharded optimizer does not handle."""
+#: What sharded QMuon accepts, for error messages.
+SUPPORTED_PLACEMENTS = (
+    "FSDP2 fully_shard on a 1-D mesh (Shard(0),); HSDP on a (replicate, shard) mesh (Replicate(), Shard(0)); "
+    "data parallel x tensor parallel on a 2-D (dp, tp) mesh (parallelize_module with ColwiseParallel / "
+    "RowwiseParallel, then fully_shard on the dp dim): colwise (_StridedShard(0) or Shard(0), Shard(0)), rowwise "
+    "(Shard(0), Shard(1)), and parameters outside the TP plan on the dp sub-mesh (Shard(0),)")
+
+
+def is_row_sharded(p: Any) -> bool:
+    """Whether DTensor ``p`` is ``Shard(0)`` over exactly one mesh dim, ``Replicate()`` elsewhere
+    (FSDP2 / HSDP)."""
     from torch.distributed.tensor import Replicate, Shard
 
-    mesh = p.device_mesh
     shards = [pl for pl in p.placements if not isinstance(pl, Replicate)]
-    if len(shards) != 1 or not isinstance(shards[0], Shard) or shards[0].dim != 0:
-        raise NotImplementedError(
-            f"QMuon: {where} is a DTensor with placements {tuple(p.placements)} on a {mesh.ndim}-D mesh; sharded QMuon "
-            "supports Shard(0) over one mesh dim, the other dims Replicate(): FSDP2 fully_shard on a 1-D mesh "
-            "(Shard(0),) or HSDP on a (replicate, shard) mesh (Replicate(), Shard(0)). For tensor parallelism "
-            "keep Muon parameters out of the TP plan or use plain (replicated) parameters"
-        )
+    return len(shards) == 1 and type(shards[0]) is Shard and shards[0].dim == 0
+
+
+def is_tensor_parallel(p: Any) -> bool:
+    """Whether DTensor ``p`` is a tensor-parallel parameter on a 2-D mesh: a placement splits dim 0
+    over both mesh dims (colwise under FSDP: ``(_StridedShard(0), Shard(0))``), or one mesh dim
+    splits dim 1 (rowwise: ``(Shard(0), Shard(1))``). Other dims are ``Replicate()``."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    if p.device_mesh.ndim != 2 or p.ndim != 2 or is_row_sharded(p):
+        return False
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    dims = []
+    for pl in p.placements:
+        if isinstance(pl, Replicate):
+            continue
+        if not isinstance(pl, (Shard, _StridedShard)):  # (not a Shard subclass in torch 2.13)
+            return False
+        dims.append(pl.dim)
+    return dims in ([0, 0], [0, 1], [1], [1, 0])
+
+
+def column_split(p: Any) -> int:
+    """How many column shards a tensor-parallel DTensor ``p`` has (1: rows only)."""
+    from torch.distributed.tensor import Shard
+
+    n = 1
+    for i, pl in enumerate(p.placements):
+        if isinstance(pl, Shard) and pl.dim == 1:
+            n *= p.device_mesh.size(i)
+    return n
+
+
+def local_offset(p: Any) -> tuple[int, ...]:
+    """Global index of the first element of ``p``'s local shard, per dim (DTensor's own geometry)."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    return tuple(int(o) for o in compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)[1])
+
+
+def check_sharded_param(p: Any, where: str = "parameter", tensor_parallel: bool = False) -> None:
+    """Raise a clear error for DTensor layouts the sharded optimizer does not handle
+    (``tensor_parallel``: also accept the tensor-parallel layouts of :func:`is_tensor_parallel`)."""
+    mesh = p.device_mesh
+    if is_row_sharded(p) or (tensor_parallel and is_tensor_parallel(p)):
+        return
+    raise NotImplementedError(
+        f"QMuon: {where} is a DTensor of shape {tuple(p.shape)} with placements {tuple(p.placements)} on a "
+        f"{mesh.ndim}-D mesh {tuple(mesh.mesh_dim_names or ())}; sharded QMuon supports {SUPPORTED_PLACEMENTS}. "
+        "Other layouts (sequence-parallel norms, Shard(1) without FSDP, 3-D meshes, expert banks under TP) are not "
+        "supported: keep such parameters out of the TP plan, or give them to an AdamW group only if their "
+        "placements are one of the above"
+    )
 
 
 def row_layout(p: Any) -> RowLayout:
-    """The :class:`RowLayout` of a ``Shard(0)`` DTensor (checked against its local shard)."""
+    """The :class:`RowLayout` of a ``Shard(0)`` DTensor (checked against its local shard;
+    tensor-parallel layouts: ``qmuon_lightning.distributed.tensor_parallel.piece_layout``)."""
     check_sharded_param(p)
     rows = int(p.shape[0])
     cols = math.prod(int(s) for s in p.shape[1:])
@@ -170,12 +252,20 @@ def global_row_offset(p: Tensor) -> int:
     noise as the unsharded matrix)."""
     if not is_sharded(p):
         return 0
+    if is_tensor_parallel(p):
+        return local_offset(p)[0]
     return row_layout(p).start
 
 
 def process_group_of(p: Any) -> Any:
     """The process group of the mesh dim a DTensor's rows are sharded over."""
     return p.device_mesh.get_group(shard_mesh_dim(p))
+
+
+def state_placements(p: Any) -> list[Any]:
+    """Placements of a ``"rows"`` state tensor of ``p``: :func:`row_placements`, or a
+    tensor-parallel parameter's own placements (state tensors split rows, and columns, like it)."""
+    return list(p.placements) if is_tensor_parallel(p) else row_placements(p)
 
 
 def row_placements(p: Any) -> list[Any]:
@@ -215,12 +305,25 @@ def placement_of(fmt: StateFormat | None, key: str, value: Any) -> Placement:
     return fmt.placement(key)
 
 
-def _wrap_rows(t: Tensor, like: Any, global_rows: int) -> Any:
-    from torch.distributed.tensor import DTensor, Shard
+def _global_trailing(t: Tensor, like: Any) -> tuple[int, ...]:
+    """The global trailing dims of a ``"rows"`` state tensor ``t`` of ``like``: its own, or, for a
+    column-split (rowwise TP) parameter, dim 1 times the column shards (even splits: checked by
+    the tensor-parallel layout before state exists)."""
+    n = column_split(like) if is_tensor_parallel(like) else 1
+    if n == 1 or t.ndim < 2:
+        return tuple(t.shape[1:])
+    if int(like.shape[1]) % n:
+        raise ValueError(f"QMuon: a rowwise tensor-parallel parameter of shape {tuple(like.shape)} has {like.shape[1]} "
+                         f"columns, not divisible by its {n} column shards; its state could not be saved as one tensor")
+    return (int(t.shape[1]) * n, *t.shape[2:])
 
-    shape = (global_rows, *t.shape[1:])
+
+def _wrap_rows(t: Tensor, like: Any, global_rows: int) -> Any:
+    from torch.distributed.tensor import DTensor
+
+    shape = (global_rows, *_global_trailing(t, like))
     stride = torch.empty(shape, device="meta").stride()
-    return DTensor.from_local(t, like.device_mesh, row_placements(like), run_check=False, shape=torch.Size(shape),
+    return DTensor.from_local(t, like.device_mesh, state_placements(like), run_check=False, shape=torch.Size(shape),
                               stride=stride)
 
 
@@ -245,6 +348,9 @@ def shard_state(p: Any, st: dict[str, Tensor], fmt: StateFormat | str | None = N
         if kind == "replicate":
             st[k] = DTensor.from_local(v, p.device_mesh, [Replicate()] * p.device_mesh.ndim, run_check=False)
         elif kind == "tiles":
+            if is_tensor_parallel(p):
+                raise NotImplementedError(f"QMuon: {f.name} keeps row-tile state tensors ({k}), which tensor-parallel "
+                                          "parameters do not support; use a row-local state format (int8, int4, fp32)")
             if opts is None:
                 raise TypeError(f"shard_state: {f.name} state has row-tile tensors ({k}); pass the group's "
                                 "FormatOptions (qmuon_lightning.quant.format_options(group))")
@@ -271,9 +377,11 @@ def localize_loaded_state(st: dict[str, Any], p: Any, fmt: StateFormat | str | N
     ``check_sharded_layout``), ``"replicate"`` and ``"scalar"`` kept whole. Non-tensors pass through.
     ``opts`` is accepted for symmetry with :func:`shard_state` (slicing needs no options).
     """
-    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor import DTensor
 
     f = _resolve(fmt, st)
+    if is_tensor_parallel(p):
+        return _localize_tensor_parallel(st, p, f, where)
     lay = row_layout(p)
     out: dict[str, Any] = {}
     for k, v in st.items():
@@ -300,4 +408,43 @@ def localize_loaded_state(st: dict[str, Any], p: Any, fmt: StateFormat | str | N
             v = v.full_tensor()
         a, b = chunk_ranges(n, lay.world)[lay.rank]
         out[k] = v[a:b]
+    return out
+
+
+def _localize_tensor_parallel(st: dict[str, Any], p: Any, f: StateFormat | None, where: str) -> dict[str, Any]:
+    """:func:`localize_loaded_state` of a tensor-parallel parameter: DTensor entries in ``p``'s
+    placements are taken as they are; others are gathered whole and this rank's rows (and, for a
+    column-split parameter, its ``torch.chunk`` share of dim 1) sliced out."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    r0 = local_offset(p)[0]
+    n_local = int(p.to_local().shape[0])
+    col_dims = [i for i, pl in enumerate(p.placements) if isinstance(pl, Shard) and pl.dim == 1]
+    coord = p.device_mesh.get_coordinate()
+    out: dict[str, Any] = {}
+    for k, v in st.items():
+        if not isinstance(v, Tensor):
+            out[k] = v
+            continue
+        kind = placement_of(f, k, v)
+        if kind in ("replicate", "scalar"):
+            out[k] = v.full_tensor() if isinstance(v, DTensor) else v
+            continue
+        if kind != "rows":
+            raise NotImplementedError(f"{where}: {k} is a row-tile tensor; tensor-parallel parameters need a "
+                                      "row-local state format")
+        if int(v.shape[0]) != int(p.shape[0]):
+            raise ValueError(f"{where}: {k} has {int(v.shape[0])} rows but the parameter has {int(p.shape[0])}; the "
+                             "checkpoint belongs to a different model or parameter order")
+        if isinstance(v, DTensor):
+            if v.device_mesh == p.device_mesh and list(v.placements) == list(p.placements):
+                out[k] = v.to_local()
+                continue
+            v = v.full_tensor()
+        piece = v[r0: r0 + n_local]
+        if col_dims and piece.ndim >= 2:
+            (d,) = col_dims  # is_tensor_parallel: at most one mesh dim splits columns
+            a, b = chunk_ranges(int(piece.shape[1]), p.device_mesh.size(d))[coord[d]]
+            piece = piece[:, a:b]
+        out[k] = piece
     return out
