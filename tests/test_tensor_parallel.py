@@ -258,3 +258,102 @@ def test_unsupported_placement_error_names_parameter_and_layouts() -> None:
     assert "'proj.weight'" in msg and "(Shard(dim=1),)" in msg, msg
     for supported in ("(Shard(0),)", "HSDP", "(Replicate(), Shard(0))", "colwise", "rowwise", "(Shard(0), Shard(1))"):
         assert supported in msg, (supported, msg)
+
+
+# ------------------------------------- Trainer(strategy=QMuonFSDPStrategy(tensor_parallel_size=2)), 4 processes
+def _trainer_main(out: Path) -> None:
+    """Worker of the 4-process launch: ``configure_model`` applies the TP plan on
+    ``self.device_mesh["tensor_parallel"]`` (the strategy adds FSDP2 on the data-parallel dim);
+    fit 2 epochs, then resume from the checkpoint of epoch 0."""
+    import os
+
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from _helpers import assert_same
+    from qmuon_lightning.strategies import QMuonFSDPStrategy
+
+    torch.set_num_threads(1)
+    rank = int(os.environ["RANK"])
+
+    class Lit(L.LightningModule):
+        def __init__(self, seed: int = 0) -> None:
+            super().__init__()
+            self.model = make_llama(seed)
+
+        def configure_model(self) -> None:
+            parallelize_module(self.model, self.device_mesh["tensor_parallel"], tp_plan(self.model))
+
+        def training_step(self, batch: Any, _: int) -> torch.Tensor:
+            loss = self.model(input_ids=batch[0], labels=batch[0]).loss
+            self.log("loss", loss.detach(), on_epoch=True, sync_dist=False)
+            return loss
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.AdamW(self.parameters(), lr=3e-3)
+
+    def data() -> Any:
+        ids = torch.randint(0, 128, (16, 16), generator=torch.Generator().manual_seed(0))
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(ids), batch_size=2, shuffle=False)
+
+    def fit(seed: int, resume: Path | None, callbacks: list) -> Any:
+        L.seed_everything(0, verbose=False)
+        strategy = QMuonFSDPStrategy(data_parallel_size=2, tensor_parallel_size=2,
+                                     optimizer_kwargs=dict(lr=LR, weight_decay=0.0, block_size=32))
+        trainer = L.Trainer(accelerator="cpu", devices=4, strategy=strategy, max_epochs=2, callbacks=callbacks,
+                            logger=False, enable_progress_bar=False, enable_model_summary=False,
+                            enable_checkpointing=bool(callbacks), num_sanity_val_steps=0)
+        trainer.fit(Lit(seed), data(), ckpt_path=str(resume) if resume else None)
+        return trainer
+
+    def local(trainer: Any) -> dict[str, Any]:
+        m, o = trainer.lightning_module, trainer.optimizers[0]
+        loc = lambda t: (t.to_local() if hasattr(t, "to_local") else t).detach().clone()  # noqa: E731
+        return {"params": {n: loc(p) for n, p in m.named_parameters()},
+                "state": [{k: loc(v) for k, v in o.state[p].items()} for g in o.param_groups for p in g["params"]]}
+
+    ckpt = ModelCheckpoint(dirpath=out / "ckpt", filename="{epoch}", every_n_epochs=1, save_top_k=-1)
+    t1 = fit(0, None, [ckpt])
+    lm = t1.lightning_module.model.model.layers[0]
+    res = {"placements": [str(tuple(lm.self_attn.q_proj.weight.placements)),
+                          str(tuple(lm.mlp.down_proj.weight.placements))],
+           "stats": dict(t1.optimizers[0].comm_stats), "steps": t1.global_step,
+           "optimizer": type(t1.optimizers[0]).__name__}
+    straight = local(t1)
+    t2 = fit(3, out / "ckpt" / "epoch=0.ckpt", [])
+    try:
+        assert_same(local(t2), straight, "FSDP x TP resume")
+        res["mismatch"] = ""
+    except AssertionError as e:
+        res["mismatch"] = str(e)
+    torch.save(res, out / f"rank{rank}.pt")
+    from qmuon_lightning.distributed import exit_after_distributed_run
+
+    exit_after_distributed_run()
+
+
+@pytest.mark.slow
+def test_trainer_tensor_parallel_trains_and_resumes(tmp_path: Path) -> None:
+    """QMuonFSDPStrategy(data_parallel_size=2, tensor_parallel_size=2) with a configure_model that
+    applies the TP plan: QMuon steps the colwise / rowwise DTensors, the Newton-Schulz work is dealt
+    over all 4 ranks, and a resume from the sharded checkpoint of epoch 0 is bit-exact."""
+    from _helpers import free_port, run_launcher, subprocess_env
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--master_addr", "127.0.0.1",
+           "--master_port", str(free_port()), str(Path(__file__).resolve()), "--trainer", str(tmp_path)]
+    run_launcher(cmd, timeout=600, env=subprocess_env(PYTHONWARNINGS="ignore"), what="4-process FSDP x TP Trainer")
+    res = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(4)]
+    for r in res:
+        assert r["placements"] == ["(_StridedShard(dim=0, sf=2), Shard(dim=0))", "(Shard(dim=0), Shard(dim=1))"], r
+        assert r["optimizer"] == "QMuon" and r["steps"] == 8, r  # 16 samples / (batch 2 x dp 2) x 2 epochs
+        assert r["mismatch"] == "", r["mismatch"]
+    shares = [r["stats"]["ns_share"] for r in res]
+    assert abs(sum(shares) - 1) < 1e-9 and max(shares) <= 0.25 * 1.25, shares
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--trainer":
+        _trainer_main(Path(sys.argv[2]))
+    else:
+        sys.exit(f"usage: {sys.argv[0]} --trainer OUT")

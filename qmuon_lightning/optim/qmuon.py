@@ -679,7 +679,7 @@ class QMuon(Optimizer):
                         cur_view = {**cur, **overrides[i]} if i in overrides else cur
                         if is_dtensor(p):  # sharded: validate and convert this rank's rows only
                             src = localize_loaded_state(src, p, None, None, where)  # None: the saved format
-                            shape = (local(p).shape[0], *p.shape[1:])
+                            shape = tuple(local(p).shape)  # its rows (and a rowwise TP shard's columns)
                         converted = qstate.convert_state(src, saved_view, cur_view, shape, where, sharded=is_dtensor(p))
                         bf16w.check_loaded_weight_state(p, converted, saved, cur, where)
                         if NORMUON_STATE in converted:

@@ -215,16 +215,31 @@ def shard_unless_sharded(
 ) -> tuple[list[str], list[str]] | None:
     """:func:`apply_sharding` unless the user's code already sharded ``root`` (then ``None``: a
     ``configure_model`` / ``parallelize_fn`` that shards is respected as it is). Used by the Trainer
-    and the Fabric strategy alike."""
-    if is_sharded(root):
+    and the Fabric strategy alike.
+
+    Tensor parallelism: the user's code applies its ``parallelize_module`` plan on the
+    ``tensor_parallel`` mesh; when it did not also call ``fully_shard``, the policy shards the
+    tensor-parallel model over ``mesh`` (the data-parallel dim), as Lightning's
+    ``ModelParallelStrategy`` examples do by hand (FSDP2 over TP: colwise weights become
+    ``(_StridedShard(0), Shard(0))``, rowwise ``(Shard(0), Shard(1))``, see
+    :mod:`qmuon_lightning.distributed.tensor_parallel`)."""
+    if _has_fsdp(root):
         return None
-    if tensor_parallel_size != 1:
+    if tensor_parallel_size != 1 and not is_sharded(root):
         raise ValueError(
-            f"tensor_parallel_size={tensor_parallel_size} needs your own code to apply tensor parallelism (and "
-            "fully_shard): configure_model with the Trainer, parallelize_fn with Fabric; the automatic policy only "
-            "shards along the data-parallel dimension"
+            f"tensor_parallel_size={tensor_parallel_size} needs your own code to apply tensor parallelism "
+            "(parallelize_module on the 'tensor_parallel' mesh): configure_model with the Trainer, parallelize_fn with "
+            "Fabric; the strategy then applies fully_shard along the data-parallel dimension"
         )
+    if is_sharded(root) and tensor_parallel_size == 1:
+        return None  # DTensor parameters placed by other code: respected
     return apply_sharding(root, mesh, policy, root_unit=root_unit, **fully_shard_kwargs)
+
+
+def _has_fsdp(module: nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return any(isinstance(m, FSDPModule) for m in module.modules())
 
 
 def describe_sharding(owner: str, blocks: Sequence[str], roots: Sequence[str], policy: ShardPolicy) -> str:
