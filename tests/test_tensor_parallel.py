@@ -260,6 +260,60 @@ def test_unsupported_placement_error_names_parameter_and_layouts() -> None:
         assert supported in msg, (supported, msg)
 
 
+def _fabric_worker(rank: int, world: int) -> dict[str, Any]:
+    """Fabric with a ``parallelize_fn`` that applies the TP plan only: the strategy adds FSDP2 on
+    the data-parallel dim and swaps the AdamW for QMuon; 3 steps against a whole copy."""
+    import os
+
+    import lightning as L
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from qmuon_lightning.strategies import QMuonFabricStrategy
+
+    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0")  # run_workers joined the group (as torchrun)
+
+    def tp_only(module: torch.nn.Module, mesh: Any) -> torch.nn.Module:
+        return parallelize_module(module, mesh["tensor_parallel"], tp_plan(module))
+
+    kw = dict(KW, state_format="int8", **BF16_WIRE)
+    kw.pop("verbose")
+    strategy = QMuonFabricStrategy(parallelize_fn=tp_only, data_parallel_size=2, tensor_parallel_size=2,
+                                   optimizer_kwargs=kw)
+    fabric = L.Fabric(accelerator="cpu", devices=world, strategy=strategy)
+    fabric.launch()
+    model = fabric.setup_module(make_llama())
+    opt = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=3e-3))
+    whole = make_llama()
+    o_whole = ql.build_optimizer(whole, **kw, verbose=False)
+    wp = dict(whole.named_parameters())
+    equal = []
+    ids = batch(rank // 2)  # one batch per data-parallel rank
+    for _ in range(3):
+        loss = model(input_ids=ids, labels=ids).loss
+        fabric.backward(loss)
+        for n, p in model.module.named_parameters():
+            wp[n].grad = full(p.grad).clone()
+        opt.step()
+        o_whole.step()
+        opt.zero_grad()
+        o_whole.zero_grad()
+        # the Muon matrices (the auxiliary AdamW took the user's AdamW settings, the copy QMuon's defaults)
+        equal.append(all(torch.equal(full(p), wp[n].detach()) for n, p in model.module.named_parameters()
+                         if "proj" in n))
+    q = model.module.model.layers[0].self_attn.q_proj.weight
+    return {"equal": equal, "optimizer": type(opt.optimizer if hasattr(opt, "optimizer") else opt).__name__,
+            "placements": str(tuple(q.placements)), "fsdp": strategy.sharded_roots}
+
+
+@pytest.mark.slow
+def test_fabric_tensor_parallel_matches_single_process() -> None:
+    res = run_workers(_fabric_worker, 4, timeout=300)
+    for r in res:
+        assert r["placements"] == "(_StridedShard(dim=0, sf=2), Shard(dim=0))", r
+        assert r["optimizer"] == "QMuon" and r["fsdp"], r
+        assert r["equal"] == [True] * 3, r
+
+
 # ------------------------------------- Trainer(strategy=QMuonFSDPStrategy(tensor_parallel_size=2)), 4 processes
 def _trainer_main(out: Path) -> None:
     """Worker of the 4-process launch: ``configure_model`` applies the TP plan on

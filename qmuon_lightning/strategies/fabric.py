@@ -56,7 +56,7 @@ from .fsdp import (
     _CKPT_KEY, OptimizerMode, QMuonStrategyMixin, _check_sharded_formats,
     apply_format_overrides, ensure_release, build_replacement, check_compatible, checkpoint_info, load_full_state, load_sharded_state, no_muon_warning,
 )
-from .sharding import ShardPolicy, describe_sharding, shard_unless_sharded
+from .sharding import ShardPolicy, describe_sharding, is_sharded, shard_unless_sharded
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -139,7 +139,7 @@ class QMuonFabricStrategy(QMuonStrategyMixin, ModelParallelStrategy):
             raise TypeError(f"parallelize_fn must be a callable (module, device_mesh) -> module, got {parallelize_fn!r}")
         self._check_init_args(optimizer, data_parallel_size, tensor_parallel_size)
         super().__init__(
-            parallelize_fn=parallelize_fn or self._parallelize_by_policy,
+            parallelize_fn=self._then_policy(parallelize_fn) if parallelize_fn else self._parallelize_by_policy,
             data_parallel_size=data_parallel_size,
             tensor_parallel_size=tensor_parallel_size,
             save_distributed_checkpoint=save_distributed_checkpoint,
@@ -156,6 +156,21 @@ class QMuonFabricStrategy(QMuonStrategyMixin, ModelParallelStrategy):
         self._modules: list[weakref.ref[nn.Module]] = []
 
     # ------------------------------------------------------------------ setup
+    def _then_policy(self, parallelize_fn: Callable[[nn.Module, DeviceMesh], nn.Module]
+                     ) -> Callable[[nn.Module, DeviceMesh], nn.Module]:
+        """The user's ``parallelize_fn``, followed by the sharding policy on the data-parallel dim
+        when it applied tensor parallelism only (DTensor parameters, no ``fully_shard``)."""
+
+        def parallelize(module: nn.Module, mesh: DeviceMesh) -> nn.Module:
+            from torch.distributed.fsdp import FSDPModule
+
+            module = parallelize_fn(module, mesh)
+            if is_sharded(module) and not any(isinstance(m, FSDPModule) for m in module.modules()):
+                return self._parallelize_by_policy(module, mesh)
+            return module
+
+        return parallelize
+
     def _parallelize_by_policy(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
         done = shard_unless_sharded(
             module, mesh["data_parallel"], self._shard_policy, tensor_parallel_size=int(self._tensor_parallel_size),
