@@ -183,8 +183,16 @@ def _worker(rank: int, world: int, ckpt: str) -> dict[str, Any]:
             res["straight"] = r["params"]
             res["resumed_1d"] = _resume(ckpt, r["grads"], 1, init_device_mesh("cpu", (4,)))
             res["resumed_whole"] = _resume(ckpt, r["grads"], 1, None)
-    # QMuon's default int8 carriers both ways: full-rank gradients (the bound's setting), then real
-    # ones on the (dp, tp) mesh and on a 1-D mesh of 4
+    return res
+
+
+def _carrier_worker(rank: int, world: int) -> dict[str, Any]:
+    """QMuon's default int8 carriers both ways: full-rank gradients (the bound's setting), then real
+    ones on the (dp, tp) mesh and on a 1-D mesh of 4."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    res: dict[str, Any] = {}
     keep = ("params", "ref_params", "init", "stats")
     r = _train(mesh, dict(KW, state_format="int8"), steps=3, random_grads=True)
     res["int8_carrier"] = {k: r[k] for k in keep}
@@ -217,7 +225,18 @@ def test_fsdp_x_tp_2x2_trains_like_single_process_and_reshards(tmp_path: Path) -
     # every matrix orthogonalized once, the work dealt over all 4 ranks
     shares = [out["fp32"]["stats"]["ns_share"] for out in res]
     assert abs(sum(shares) - 1.0) < 1e-9 and max(shares) <= 0.25 * 1.25, shares
-    # int8 carriers both ways: within the stated carrier bound; AdamW untouched by the carrier
+    # DCP saved on 2 x 2 after step 0: a 1-D mesh of 4 and plain tensors continue bit for bit
+    for out in res:
+        for label in ("resumed_1d", "resumed_whole"):
+            bad = [n for n, t in out[label].items() if not torch.equal(t, out["straight"][n])]
+            assert not bad, (label, bad)
+
+
+@pytest.mark.slow
+def test_fsdp_x_tp_int8_carriers_within_bound() -> None:
+    """int8 carriers both ways: within the stated carrier bound (measured 0.019, 1-D mesh of 4 the
+    same); AdamW untouched by the carrier."""
+    res = run_workers(_carrier_worker, 4, timeout=300)
     c = res[0]["int8_carrier"]
     rel = _displacement_rel(c["params"], c["ref_params"], c["init"])
     muon = {n: v for n, v in rel.items() if "proj" in n}
@@ -229,12 +248,7 @@ def test_fsdp_x_tp_2x2_trains_like_single_process_and_reshards(tmp_path: Path) -
     real = [_displacement_rel(*(res[0][k][x] for x in ("params", "ref_params", "init")))
             for k in ("int8_carrier_real", "int8_carrier_real_1d")]
     worst = [max(v for n, v in r.items() if "proj" in n) for r in real]
-    assert worst[0] <= 1.5 * worst[1], worst
-    # DCP saved on 2 x 2 after step 0: a 1-D mesh of 4 and plain tensors continue bit for bit
-    for out in res:
-        for label in ("resumed_1d", "resumed_whole"):
-            bad = [n for n, t in out[label].items() if not torch.equal(t, out["straight"][n])]
-            assert not bad, (label, bad)
+    assert worst[0] <= 1.5 * worst[1], worst  # measured 0.23 vs 0.24
 
 
 def _placement_error(rank: int, world: int) -> str:
