@@ -429,14 +429,14 @@ def test_carrier_is_row_local(name):
 
 
 def test_plan_owners_balances_and_is_deterministic():
-    from qmuon_lightning.distributed.orthogonalize import _ShardItem, plan_owners
+    from qmuon_lightning.distributed.plan import ShardItem, plan_owners
     from qmuon_lightning.quant.layout import RowLayout, chunk_ranges
 
     items = []
     for rows in (64, 64, 64, 64, 3, 1):
         lay = RowLayout(rows, 64, chunk_ranges(rows, 2), 0)
         e = torch.empty(0)
-        items.append(_ShardItem(lay, 0, rows, e, e, e, 1, 0.1, 1e-7, None, "int8"))
+        items.append(ShardItem(lay, 0, rows, e, e, e, 1, 0.1, 1e-7, None, "int8"))
     owners = plan_owners(items, 2)
     assert owners == plan_owners(items, 2)
     assert sorted(owners[:4]) == [0, 0, 1, 1]  # the four big matrices split evenly
