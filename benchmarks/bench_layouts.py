@@ -72,7 +72,7 @@ def _local_piece(full: torch.Tensor, like: Any) -> Any:
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     shape, off = compute_local_shape_and_global_offset(full.shape, like.device_mesh, like.placements)
-    piece = full[tuple(slice(o, o + n) for o, n in zip(off, shape))].contiguous()
+    piece = full[tuple(slice(o, o + n) for o, n in zip(off, shape))].clone()
     return DTensor.from_local(piece, like.device_mesh, like.placements, run_check=False, shape=full.shape,
                               stride=full.stride())
 

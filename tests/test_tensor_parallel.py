@@ -84,7 +84,7 @@ def local_piece(full_t: torch.Tensor, like: Any) -> Any:
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     shape, off = compute_local_shape_and_global_offset(full_t.shape, like.device_mesh, like.placements)
-    piece = full_t[tuple(slice(o, o + n) for o, n in zip(off, shape))].contiguous()
+    piece = full_t[tuple(slice(o, o + n) for o, n in zip(off, shape))].clone()  # own storage: QMuon writes .grad
     return DTensor.from_local(piece, like.device_mesh, like.placements, run_check=False, shape=full_t.shape,
                               stride=full_t.stride())
 
@@ -170,11 +170,56 @@ def _resume(ckpt: str, grads: list[dict[str, torch.Tensor]], first: int, mesh1d:
     return {n: full(p) for n, p in m.named_parameters()}
 
 
+class FusedBlock(torch.nn.Module):
+    """Fused parts and orientation under TP: ``qkv`` (three row parts) colwise, ``proj`` (two column
+    parts) and ``conv`` (declared ``(in, out)``) rowwise, and ``extra``, a Muon matrix outside the
+    TP plan (the same rows on both tp ranks: one sends, both get the result)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = torch.nn.Linear(32, 96, bias=False)
+        self.qkv.qmuon_fused_parts = {"weight": (32, 32, 32)}
+        self.proj = torch.nn.Linear(64, 32, bias=False)
+        self.proj.qmuon_fused_parts = {"weight": {"sizes": (32, 32), "axis": 1}}
+        self.conv = torch.nn.Linear(64, 48, bias=False)
+        self.conv.qmuon_orientation = {"weight": "in_out"}
+        self.extra = torch.nn.Linear(32, 40, bias=False)
+
+
+def _fused_parts(mesh: Any) -> dict[str, Any]:
+    """FusedBlock on the (dp, tp) mesh and whole, 2 steps on the same full-rank random gradients."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    torch.manual_seed(1)
+    tp = FusedBlock()
+    torch.manual_seed(1)
+    whole = FusedBlock()
+    parallelize_module(tp, mesh["tp"], {"qkv": ColwiseParallel(), "proj": RowwiseParallel(),
+                                        "conv": RowwiseParallel()})
+    fully_shard(tp, mesh=mesh["dp"])
+    kw = dict(KW, state_format="int8", **BF16_WIRE)
+    o_tp, o_whole = ql.build_optimizer(tp, **kw), ql.build_optimizer(whole, **kw)
+    tpp = dict(tp.named_parameters())
+    for step in range(2):
+        g = torch.Generator().manual_seed(10 + step)
+        for n, p in whole.named_parameters():
+            p.grad = torch.randn(p.shape, generator=g) * 0.01
+            tpp[n].grad = local_piece(p.grad, tpp[n])
+        o_tp.step()
+        o_whole.step()
+    return {"params_equal": {n: torch.equal(full(tpp[n]), p.detach()) for n, p in whole.named_parameters()},
+            "state_equal": {n: all(torch.equal(full(v), o_whole.state[p][k]) for k, v in o_tp.state[tpp[n]].items())
+                            for n, p in whole.named_parameters()},
+            "muon": sorted(n for g in o_whole.param_groups if g["use_muon"] for n in g["param_names"]),
+            "placements": {n: str(tuple(p.placements)) for n, p in tpp.items()}, "stats": dict(o_tp.comm_stats)}
+
+
 def _worker(rank: int, world: int, ckpt: str) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    res: dict[str, Any] = {}
+    res: dict[str, Any] = {"fused": _fused_parts(mesh)}
     for fmt in ("fp32", "int8"):
         r = _train(mesh, dict(KW, state_format=fmt, **BF16_WIRE), steps=3, save_at=0 if fmt == "int8" else None,
                    ckpt=ckpt)
@@ -222,6 +267,13 @@ def test_fsdp_x_tp_2x2_trains_like_single_process_and_reshards(tmp_path: Path) -
                 assert st and all(st.values()), (r, fmt, step, [n for n, ok in st.items() if not ok])
             losses = out[fmt]["losses"]
             assert losses[-1] < losses[0], losses  # it trains
+    # fused parts (rows cut by pieces; column parts inside one column shard), in_out orientation, a
+    # Muon matrix outside the TP plan: single-process QMuon bit for bit
+    for r, out in enumerate(res):
+        f = out["fused"]
+        assert f["muon"] == ["conv.weight", "extra.weight", "proj.weight", "qkv.weight"], f["muon"]
+        assert f["placements"]["extra.weight"] == "(Shard(dim=0),)", f["placements"]
+        assert all(f["params_equal"].values()) and all(f["state_equal"].values()), (r, f)
     # every matrix orthogonalized once, the work dealt over all 4 ranks
     shares = [out["fp32"]["stats"]["ns_share"] for out in res]
     assert abs(sum(shares) - 1.0) < 1e-9 and max(shares) <= 0.25 * 1.25, shares

@@ -10,6 +10,9 @@ Nothing here needs to be called by hand: after ``fully_shard(model)``, ``QMuon(.
   rows with compact carriers (:mod:`.orthogonalize`, :mod:`.carrier`);
 * report bytes moved per step in ``opt.comm_stats`` / ``opt.comm_bytes_last_step``.
 
+Meshes: FSDP2 ``Shard(0)`` on a 1-D mesh, HSDP ``(replicate, shard)`` (:mod:`.mesh`), and data
+parallel x tensor parallel ``(dp, tp)`` with colwise / rowwise plans (:mod:`.tensor_parallel`).
+
 :mod:`.checkpoint` gathers / scatters a consolidated (full) optimizer state dict. Formats with
 per-matrix pieces (grasp4, e0m3) update their shards with a few small collectives in their own
 ``StateFormat.update_sharded`` (:mod:`qmuon_lightning.quant.formats`).
@@ -20,6 +23,7 @@ from .carrier import CARRIERS, RETURN_CARRIERS, get_carrier
 from .checkpoint import full_state_dict, load_full_state_dict
 from .orthogonalize import ShardedStep, plan_owners
 from .process_group import exit_after_distributed_run, shut_down_process_group
+from .tensor_parallel import PieceLayout, piece_layout
 from ..quant.layout import RowLayout, global_row_offset, row_layout
 from ..quant.registry import SUPPORTED_SHARDED_FORMATS
 
@@ -27,6 +31,7 @@ __all__ = [
     "CARRIERS",
     "RETURN_CARRIERS",
     "SUPPORTED_SHARDED_FORMATS",
+    "PieceLayout",
     "RowLayout",
     "ShardedStep",
     "exit_after_distributed_run",
@@ -34,6 +39,7 @@ __all__ = [
     "get_carrier",
     "global_row_offset",
     "load_full_state_dict",
+    "piece_layout",
     "plan_owners",
     "row_layout",
     "shut_down_process_group",

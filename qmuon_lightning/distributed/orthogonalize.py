@@ -1,4 +1,4 @@
-"""Distributed Newton-Schulz for dim-0 sharded (FSDP2) Muon parameters.
+"""Distributed Newton-Schulz for sharded (FSDP2, HSDP, FSDP x TP) Muon parameters.
 
 Newton-Schulz must see each whole matrix (running it per shard is a different, blockwise
 algorithm). With ``N`` ranks each holding some rows of every matrix, one optimizer step does:
@@ -53,6 +53,14 @@ own matrices, and every rank then shares the return-carrier bytes of its rows of
 results (and of the bank members it orthogonalized) with its peers of the other replicas (one
 all-gather over the replicate group); every rank decodes and applies all of them, so the replicas
 stay identical and each rank runs about ``1 / (R S)`` of the Newton-Schulz work.
+
+Tensor parallel (a ``(dp, tp)`` mesh, :mod:`.tensor_parallel`): the exchange runs over the
+flattened mesh as over a 1-D mesh of ``dp * tp`` ranks, with pieces instead of rows: a rowwise
+shard sends its rectangle (rows x its columns) and its per-row-block sums, the owner places both
+where they sit in the whole matrix (so ``1 / ||G||`` is single-process QMuon's when the column
+shards start on block boundaries) and returns each rank its rectangle of the result. A piece
+held by several ranks (a parameter outside the TP plan, the same rows on every tp rank) is sent
+by one of them and returned to all.
 
 The plan (which rows each rank holds, layout checks) is built once per set of parameters, by
 :class:`ShardedStep`'s constructor; a step only fills it.
