@@ -49,6 +49,24 @@ def make_model(seed: int = 0) -> torch.nn.Module:
     return m
 
 
+class InOutExperts(torch.nn.Module):
+    """A gpt-oss-style bank declared by attributes: ``(E, in, out)``, gate / up interleaved columns."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(4, 16, 2 * 6) * 0.1)
+        self.qmuon_bank_dims = {"w": 1}
+        self.qmuon_orientation = {"w": "in_out"}
+        self.qmuon_fused_parts = {"w": {"sizes": [6, 6], "axis": 1, "interleaved": True}}
+
+
+def make_normuon_model(seed: int = 0) -> torch.nn.Module:
+    """:func:`make_model` plus a gpt-oss-style bank (the NorMuon cases)."""
+    m = make_model(seed)
+    m.moe = InOutExperts()
+    return m
+
+
 def _grads(model: torch.nn.Module, step: int) -> None:
     from torch.distributed.tensor import distribute_tensor
 
@@ -79,32 +97,74 @@ def _worker(rank: int, world: int, ckpt: str) -> dict[str, Any]:
     out["int8_carrier_stats"] = dict(opt.comm_stats)
     out["int8_carrier_params"] = {n: p.full_tensor() for n, p in model.named_parameters()}
 
-    # DCP: save on 2x2 after one step, continue on a 1-D mesh of 4 and in one process (plain tensors)
+    # DCP between mesh shapes: save after step 1 on one layout, load on another, continue two steps;
+    # parameters and state must be the uninterrupted single-process run's, bit for bit
+    flat_mesh = init_device_mesh("cpu", (4,))
+    meshes = {"2x2": mesh, "4": flat_mesh, "1": None}
     kw = dict(lr=LR, weight_decay=0.01, state_format="int8", ns_dtype="bf16", comm_carrier="bf16",
               comm_return="bf16", verbose=False)
-    ref, hsdp = make_model(), make_model()
-    fully_shard(hsdp, mesh=mesh)
-    o_ref, o_hsdp = ql.build_optimizer(ref, **kw), ql.build_optimizer(hsdp, **kw)
-    for step in range(2):
-        _grads(ref, step)
-        o_ref.step()
-    _grads(hsdp, 0)
-    o_hsdp.step()
-    dcp.save({"model": get_model_state_dict(hsdp), "optim": get_optimizer_state_dict(hsdp, o_hsdp)}, checkpoint_id=ckpt)
-    flat = make_model(seed=5)
-    fully_shard(flat, mesh=init_device_mesh("cpu", (4,)))
-    whole = make_model(seed=6)
-    for m in (flat, whole):
-        o = ql.build_optimizer(m, **kw)
+    out["resharded"] = {}
+    for src, dst, variant in (("2x2", "4", "muon"), ("2x2", "1", "muon"), ("4", "2x2", "muon"), ("1", "2x2", "muon"),
+                              ("2x2", "4", "normuon"), ("4", "2x2", "normuon")):
+        vkw = dict(kw, variant=variant)
+        make = make_model if variant == "muon" else make_normuon_model
+        ref = make()
+        o_ref = ql.build_optimizer(ref, **vkw)
+        for step in range(3):
+            _grads(ref, step)
+            o_ref.step()
+        saver = make()
+        if meshes[src] is not None:
+            fully_shard(saver, mesh=meshes[src])
+        o_saver = ql.build_optimizer(saver, **vkw)
+        _grads(saver, 0)
+        o_saver.step()
+        path = f"{ckpt}_{src}_{dst}_{variant}"
+        dcp.save({"model": get_model_state_dict(saver), "optim": get_optimizer_state_dict(saver, o_saver)},
+                 checkpoint_id=path)
+        m = make(seed=5)
+        if meshes[dst] is not None:
+            fully_shard(m, mesh=meshes[dst])
+        o = ql.build_optimizer(m, **vkw)
         sd = {"model": get_model_state_dict(m), "optim": get_optimizer_state_dict(m, o)}
-        dcp.load(sd, checkpoint_id=ckpt)
+        dcp.load(sd, checkpoint_id=path)
         set_model_state_dict(m, sd["model"])
         set_optimizer_state_dict(m, o, sd["optim"])
-        _grads(m, 1)
-        o.step()
-        label = "resumed_1d" if m is flat else "resumed_whole"
-        out[label] = all(torch.equal(p.full_tensor() if hasattr(p, "full_tensor") else p.detach(), q.detach())
-                         for p, q in zip(m.parameters(), ref.parameters()))
+        for step in (1, 2):
+            _grads(m, step)
+            o.step()
+        full = lambda t: t.full_tensor() if hasattr(t, "full_tensor") else t  # noqa: E731
+        mp, rp = dict(m.named_parameters()), dict(ref.named_parameters())
+        bad = [n for n in rp if not torch.equal(full(mp[n].detach()), rp[n].detach())]
+        bad += [f"{n}.{k}" for n in rp if rp[n] in o_ref.state for k, v in o_ref.state[rp[n]].items()
+                if not torch.equal(full(o.state[mp[n]][k]), v)]
+        out["resharded"][f"{src}->{dst} {variant}"] = bad
+
+    # NorMuon on expert banks (out_in and gpt-oss's interleaved in_out) and linear layers, sharded on
+    # 2x2 (bank members dealt over the replicas, second moment shared with the result) and on a 1-D
+    # mesh of 4 (one expert per rank, no communication for the banks) == single process
+    out["normuon"] = {}
+    kw = dict(lr=LR, weight_decay=0.01, state_format="int8", ns_dtype="bf16", comm_carrier="bf16",
+              comm_return="bf16", variant="normuon", verbose=False)
+    for label in ("2x2", "4"):
+        whole, sharded = make_normuon_model(), make_normuon_model()
+        fully_shard(sharded, mesh=meshes[label])
+        o_whole, o_sharded = ql.build_optimizer(whole, **kw), ql.build_optimizer(sharded, **kw)
+        sp = dict(sharded.named_parameters())
+        for step in range(3):
+            _grads(whole, step)
+            for n, p in whole.named_parameters():
+                sp[n].grad = distribute_tensor(p.grad.clone(), sp[n].device_mesh, sp[n].placements)
+            o_whole.step()
+            o_sharded.step()
+        bad = [n for n, p in whole.named_parameters() if not torch.equal(sp[n].full_tensor(), p.detach())]
+        bad += [f"{n}.{k}" for n, p in whole.named_parameters() if p in o_whole.state
+                for k, v in o_whole.state[p].items()
+                if not torch.equal(o_sharded.state[sp[n]][k].full_tensor() if hasattr(o_sharded.state[sp[n]][k],
+                                   "full_tensor") else o_sharded.state[sp[n]][k], v)]
+        moments = [k for p in o_whole.state for k in o_whole.state[p] if k == "normuon_v"]
+        out["normuon"][label] = {"mismatches": bad, "moments": len(moments),
+                                 "bank_v_placements": str(tuple(o_sharded.state[sp["moe.w"]]["normuon_v"].placements))}
 
     for fmt in ("fp32", "int8"):
         kw = dict(lr=LR, weight_decay=0.01, state_format=fmt, ns_dtype="bf16", comm_carrier="bf16",
@@ -152,8 +212,15 @@ def test_hsdp_2x2_is_single_process_bit_for_bit_and_splits_newton_schulz(tmp_pat
     muon = sum(p.numel() for p in make_model().parameters() if p.ndim >= 2)
     sent = sum(out["int8_carrier_stats"]["ns_bytes_sent"] for out in res)
     assert sent / muon <= 2.1, (sent, muon, [out["int8_carrier_stats"] for out in res])
-    # DCP: saved on 2x2, resumed on a 1-D mesh of 4 and on plain tensors: the uninterrupted run, bit for bit
-    assert all(out["resumed_1d"] and out["resumed_whole"] for out in res), [(o["resumed_1d"], o["resumed_whole"]) for o in res]
+    # DCP between mesh shapes 2x2 -> 4, 2x2 -> 1, 4 -> 2x2, 1 -> 2x2 (NorMuon: 2x2 <-> 4): the continuation
+    # equals the uninterrupted run, parameters and state, bit for bit
+    for r, out in enumerate(res):
+        assert len(out["resharded"]) == 6 and not any(out["resharded"].values()), (r, out["resharded"])
+        for label in ("2x2", "4"):
+            nm = out["normuon"][label]
+            assert nm["mismatches"] == [] and nm["moments"] == 9, (r, label, nm)  # 6 linears + 3 banks
+        assert out["normuon"]["2x2"]["bank_v_placements"] == "(Replicate(), Shard(dim=0))"
+        assert out["normuon"]["4"]["bank_v_placements"] == "(Shard(dim=0),)"
 
 
 # ---------------------------------------------------- Trainer(strategy=QMuonFSDPStrategy(replicate_size=2)), 4 processes

@@ -188,6 +188,45 @@ def test_expert_without_tokens_decays_and_stays_finite() -> None:
         assert torch.isfinite(w).all() and not torch.equal(w.detach()[2], w1[2])
 
 
+@pytest.mark.parametrize("layout", ["out_in", "gpt_oss"])
+def test_normuon_on_a_bank_is_normuon_per_expert_matrix(layout: str) -> None:
+    """variant='normuon' on a bank: every expert's gate, up and down matrix gets its own per-neuron
+    second moment, exactly as NorMuon on that matrix as its own (out, in) parameter (3 steps, fp32
+    momentum, bf16 NS; the same matrices batch together on both sides, so the bits agree). gpt-oss:
+    (E, in, out) with interleaved gate / up columns, neurons are stored columns."""
+    E, I, H = 3, 8, 12
+    torch.manual_seed(0)
+    kw = dict(lr=LR, weight_decay=0.01, state_format="fp32", ns_dtype="bf16", variant="normuon")
+    if layout == "out_in":
+        bank = torch.nn.Parameter(torch.randn(E, 2 * I, H) * 0.1)
+        group = {"params": [bank], "bank_dims": 1, "parts": (I, I)}
+        views = [lambda t, e=e: t[e][:I] for e in range(E)] + [lambda t, e=e: t[e][I:] for e in range(E)]
+    else:
+        bank = torch.nn.Parameter(torch.randn(E, H, 2 * I) * 0.1)
+        group = {"params": [bank], "bank_dims": 1, "parts": (I, I), "parts_axis": 1, "parts_interleaved": True,
+                 "orientation": "in_out"}
+        views = [lambda t, e=e: t[e][:, 0::2].T for e in range(E)] + [lambda t, e=e: t[e][:, 1::2].T for e in range(E)]
+    singles = [torch.nn.Parameter(v(bank.detach()).clone().contiguous()) for v in views]
+    o_bank = ql.QMuon([group], **kw)
+    o_single = ql.QMuon([{"params": singles}], **kw)
+    for step in range(3):
+        g = torch.randn(bank.shape, generator=torch.Generator().manual_seed(step))
+        if step == 1:
+            g[1] = 0.0  # expert 1 got no tokens: its second moment decays, nothing is NaN
+        bank.grad = g
+        for p, v in zip(singles, views):
+            p.grad = v(g).clone().contiguous()
+        o_bank.step()
+        o_single.step()
+    for j, (p, v) in enumerate(zip(singles, views)):
+        assert torch.equal(v(bank.detach()), p.detach()), (layout, j)
+    vb = o_bank.state[bank]["normuon_v"]
+    assert vb.shape == (E, 2 * I) and torch.isfinite(vb).all()
+    for e in range(E):  # gate's neurons, then up's, of each expert
+        assert torch.equal(vb[e, :I], o_single.state[singles[e]]["normuon_v"].flatten()), e
+        assert torch.equal(vb[e, I:], o_single.state[singles[E + e]]["normuon_v"].flatten()), e
+
+
 def test_fidelity_tracker_measures_banks_per_expert() -> None:
     """UpdateFidelityTracker on a MoE model (int8 momentum): the banks are measured with their plan
     (per-expert NS), so the int8 update follows the fp32 one (cosine > 0.99: one 8-bit rounding of
