@@ -224,6 +224,73 @@ def test_hsdp_2x2_is_single_process_bit_for_bit_and_splits_newton_schulz(tmp_pat
         assert out["normuon"]["4"]["bank_v_placements"] == "(Shard(dim=0),)"
 
 
+# ------------------------------------------------------------------------ unsupported placements, named
+def _placement_errors(rank: int, world: int) -> dict[str, str]:
+    """One process: build QMuon on a model whose ``lin.weight`` (Muon) and ``emb.weight`` (AdamW) are
+    DTensors with the given placements and step it; the error text of each case."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    def attempt(mesh_w: Any, pw: list, mesh_e: Any = None, pe: list | None = None) -> str:
+        m = torch.nn.Module()
+        m.lin = torch.nn.Linear(16, 8, bias=False)
+        m.emb = torch.nn.Embedding(10, 16)
+        m.lin.weight = torch.nn.Parameter(distribute_tensor(m.lin.weight.detach(), mesh_w, pw))
+        if pe is not None:
+            m.emb.weight = torch.nn.Parameter(distribute_tensor(m.emb.weight.detach(), mesh_e or mesh_w, pe))
+        try:
+            opt = ql.build_optimizer(m, verbose=False)
+            for q in m.parameters():
+                q.grad = torch.zeros_like(q)
+            opt.step()
+        except NotImplementedError as e:
+            return str(e)
+        return "no error"
+
+    m1 = init_device_mesh("cpu", (1,), mesh_dim_names=("shard",))
+    other = init_device_mesh("cpu", (1,), mesh_dim_names=("other",))
+    m2 = init_device_mesh("cpu", (1, 1), mesh_dim_names=("replicate", "shard"))
+    m3 = init_device_mesh("cpu", (1, 1, 1))
+    return {
+        "muon_shard1": attempt(m1, [Shard(1)]),
+        "adamw_shard1": attempt(m1, [Shard(0)], pe=[Shard(1)]),
+        "two_shard_dims": attempt(m2, [Shard(0), Shard(0)], pe=[Shard(0), Shard(0)]),
+        "mixed": attempt(m2, [Replicate(), Shard(0)], pe=[Shard(0), Replicate()]),
+        "three_d": attempt(m3, [Replicate(), Replicate(), Shard(0)]),
+        "two_meshes": attempt(m1, [Shard(0)], other, [Shard(0)]),
+        "hsdp_ok": attempt(m2, [Replicate(), Shard(0)], pe=[Replicate(), Shard(0)]),
+    }
+
+
+@pytest.mark.slow
+def test_unsupported_placements_name_the_parameter_and_what_is_supported() -> None:
+    (msgs,) = run_workers(_placement_errors, 1, timeout=120)
+    supported = "Replicate(), Shard(0)"
+    assert "'lin.weight'" in msgs["muon_shard1"] and "(Shard(dim=1),)" in msgs["muon_shard1"]
+    assert "'emb.weight'" in msgs["adamw_shard1"] and "(Shard(dim=1),)" in msgs["adamw_shard1"]
+    assert "'lin.weight'" in msgs["two_shard_dims"] and "(Shard(dim=0), Shard(dim=0))" in msgs["two_shard_dims"]
+    assert ("'emb.weight' has placements (Shard(dim=0), Replicate()), but parameter 'lin.weight' has "
+            "(Replicate(), Shard(dim=0))") in msgs["mixed"]
+    assert "'lin.weight' is on a 3-D mesh" in msgs["three_d"]
+    assert "'emb.weight'" in msgs["two_meshes"] and "'lin.weight'" in msgs["two_meshes"]
+    for key in ("muon_shard1", "adamw_shard1", "two_shard_dims", "mixed", "three_d"):
+        assert supported in msgs[key], (key, msgs[key])
+    assert msgs["hsdp_ok"] == "no error"
+
+
+def test_replicate_size_is_checked_when_the_strategy_is_built() -> None:
+    from qmuon_lightning.strategies import QMuonFabricStrategy, QMuonFSDPStrategy
+
+    for cls in (QMuonFabricStrategy, QMuonFSDPStrategy):
+        with pytest.raises(ValueError, match="replicate_size must be an int >= 1"):
+            cls(replicate_size=0)
+        with pytest.raises(ValueError, match="with tensor_parallel_size=2 is not supported"):
+            cls(replicate_size=2, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match=r"for HSDP in your own parallelize_fn call fully_shard\(module, mesh=\.\.\.\)"):
+        QMuonFabricStrategy(parallelize_fn=lambda m, mesh: m, replicate_size=2)
+    assert QMuonFabricStrategy(replicate_size=2)._replicate_size == 2
+
+
 # ---------------------------------------------------- Trainer(strategy=QMuonFSDPStrategy(replicate_size=2)), 4 processes
 def _trainer_main(out: Path) -> None:
     """Worker of the 4-process launch: fit 2 epochs with HSDP 2 x 2, then resume from epoch 0."""

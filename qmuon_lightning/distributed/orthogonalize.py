@@ -230,16 +230,20 @@ class ShardedStep:
                 if mesh is None:
                     mesh = p.device_mesh
                     self.device = p.to_local().device  # collectives run on it (NCCL needs CUDA tensors)
+                    first_where, first_placements = where, tuple(p.placements)
+                    ShardMesh.of(p, where)  # a mesh of more than 2 dims is refused naming the parameter
                 elif p.device_mesh != mesh:
                     raise NotImplementedError(
-                        f"QMuon: {where} is sharded on a different device mesh than the other parameters; sharded "
-                        "QMuon needs every DTensor parameter on one mesh (fully_shard with one mesh)")
-                elif tuple(p.placements) != tuple(next(q for g in param_groups for q in g["params"]
-                                                       if isinstance(q, DTensor)).placements):
+                        f"QMuon: {where} (placements {tuple(p.placements)}) is sharded on the mesh {p.device_mesh}, "
+                        f"but {first_where} on {mesh}; sharded QMuon needs every DTensor parameter on one mesh "
+                        "(fully_shard every unit with the same 1-D or (replicate, shard) mesh)")
+                elif tuple(p.placements) != first_placements:
                     raise NotImplementedError(
-                        f"QMuon: {where} has placements {tuple(p.placements)}, unlike the other sharded parameters; "
-                        "shard every parameter the same way (one fully_shard mesh)")
-                lay = row_layout(p)
+                        f"QMuon: {where} has placements {tuple(p.placements)}, but {first_where} has "
+                        f"{first_placements}; sharded QMuon needs every DTensor parameter sharded the same way, "
+                        "(Shard(0),) on a 1-D mesh or (Replicate(), Shard(0)) on a (replicate, shard) HSDP mesh "
+                        "(fully_shard every unit with the same mesh)")
+                lay = row_layout(p, where)
                 if (group["use_muon"] and group.get("variant") == "normuon" and group["orientation"] != "out_in"
                         and not group.get("bank_dims")):
                     raise NotImplementedError(
