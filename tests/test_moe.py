@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import qmuon_lightning as ql  # noqa: E402
 from _dist import run_workers  # noqa: E402
-from _helpers import assert_same, run_launcher, subprocess_env  # noqa: E402
+from _helpers import assert_same, roundtrip_state_dict, run_launcher, subprocess_env  # noqa: E402
 from _moe import (D, EXPERTS, INTER, LAYERS, LR, MOE_FAMILIES, compare, expert_blocks, expert_report,  # noqa: E402
                   lm_loss, make_moe, tokens, torch_muon_update)
 from qmuon_lightning.optim import RoutingRule, format_routing_table, route_parameters  # noqa: E402
@@ -225,6 +225,17 @@ def test_normuon_on_a_bank_is_normuon_per_expert_matrix(layout: str) -> None:
     for e in range(E):  # gate's neurons, then up's, of each expert
         assert torch.equal(vb[e, :I], o_single.state[singles[e]]["normuon_v"].flatten()), e
         assert torch.equal(vb[e, I:], o_single.state[singles[E + e]]["normuon_v"].flatten()), e
+    # the bank's second moment survives a checkpoint (torch.save / weights_only load) and the resumed
+    # bank keeps stepping like the uninterrupted one
+    resumed = torch.nn.Parameter(bank.detach().clone())
+    o_resumed = ql.QMuon([{**group, "params": [resumed]}], **kw)
+    o_resumed.load_state_dict(roundtrip_state_dict(o_bank.state_dict()))
+    g = torch.randn(bank.shape, generator=torch.Generator().manual_seed(9))
+    bank.grad, resumed.grad = g, g.clone()
+    o_bank.step()
+    o_resumed.step()
+    assert torch.equal(resumed.detach(), bank.detach())
+    assert torch.equal(o_resumed.state[resumed]["normuon_v"], o_bank.state[bank]["normuon_v"])
 
 
 def test_fidelity_tracker_measures_banks_per_expert() -> None:
