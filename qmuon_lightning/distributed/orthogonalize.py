@@ -36,7 +36,10 @@ NorMuon (``variant="normuon"``): the second moment has one fp32 value per output
 Each rank's rows of it ride with its NS input to the owner (4 bytes per row), the owner rescales
 the whole matrix's result (:func:`~qmuon_lightning.core.variants.normuon_scale`, the rescale needs
 the whole matrix's norm) before encoding the return, and the updated rows ride back with it: no
-extra collective. ``(in, out)`` weights (neurons = stored columns) are refused for now.
+extra collective. ``(in, out)`` weights (neurons = stored columns) are refused for now, except
+in expert banks: a member's second moment (its neurons in either orientation) sits in the stored
+row that holds the member, so it stays with the expert and is updated where the expert is
+orthogonalized; under HSDP the owner shares it with the member's result over the replicate dim.
 
 Banks (mixture-of-experts layers stored ``(E, out, in)``, :mod:`qmuon_lightning.core.plan`) keep one
 stored row per expert, so ``Shard(0)`` always puts whole experts on a rank (an uneven split, 8
@@ -227,17 +230,22 @@ class ShardedStep:
                 if mesh is None:
                     mesh = p.device_mesh
                     self.device = p.to_local().device  # collectives run on it (NCCL needs CUDA tensors)
+                    first_where, first_placements = where, tuple(p.placements)
+                    ShardMesh.of(p, where)  # a mesh of more than 2 dims is refused naming the parameter
                 elif p.device_mesh != mesh:
                     raise NotImplementedError(
-                        f"QMuon: {where} is sharded on a different device mesh than the other parameters; sharded "
-                        "QMuon needs every DTensor parameter on one mesh (fully_shard with one mesh)")
-                elif tuple(p.placements) != tuple(next(q for g in param_groups for q in g["params"]
-                                                       if isinstance(q, DTensor)).placements):
+                        f"QMuon: {where} (placements {tuple(p.placements)}) is sharded on the mesh {p.device_mesh}, "
+                        f"but {first_where} on {mesh}; sharded QMuon needs every DTensor parameter on one mesh "
+                        "(fully_shard every unit with the same 1-D or (replicate, shard) mesh)")
+                elif tuple(p.placements) != first_placements:
                     raise NotImplementedError(
-                        f"QMuon: {where} has placements {tuple(p.placements)}, unlike the other sharded parameters; "
-                        "shard every parameter the same way (one fully_shard mesh)")
-                lay = row_layout(p)
-                if group["use_muon"] and group.get("variant") == "normuon" and group["orientation"] != "out_in":
+                        f"QMuon: {where} has placements {tuple(p.placements)}, but {first_where} has "
+                        f"{first_placements}; sharded QMuon needs every DTensor parameter sharded the same way, "
+                        "(Shard(0),) on a 1-D mesh or (Replicate(), Shard(0)) on a (replicate, shard) HSDP mesh "
+                        "(fully_shard every unit with the same mesh)")
+                lay = row_layout(p, where)
+                if (group["use_muon"] and group.get("variant") == "normuon" and group["orientation"] != "out_in"
+                        and not group.get("bank_dims")):
                     raise NotImplementedError(
                         f"QMuon: {where}: variant='normuon' on a sharded orientation={group['orientation']!r} weight: "
                         "its neurons are stored columns, not the rows FSDP2 shards. Use variant='muon' for this "
@@ -346,22 +354,22 @@ class ShardedStep:
         decay = 1.0 - lr * float(group["weight_decay"])
         cautious = bool(group.get("cautious_weight_decay", False))
         apply_local = apply_to(param_local, lr, first_row=lay.start, decay=decay, cautious=cautious, **write.rounding)
-        if moment is not None and any(part.bank is not None for part in plan.parts):
-            raise NotImplementedError(
-                "QMuon: variant='normuon' on a sharded expert bank is not supported yet (each rank "
-                "orthogonalizes its own experts without the second moment); use variant='muon' for the bank "
-                "groups (build_optimizer(..., rules=...) / a group of their own)")
+        beta2 = float(group.get("normuon_beta2", 0.0))
         for part in plan.parts:
             if part.bank is not None:  # a bank member lies in one stored row: wholly here, or not here
                 here = lay.start <= part.r0 < lay.start + lay.local_rows
                 holder = next(r for r, (a, b) in enumerate(lay.ranges) if a <= part.r0 < b)
                 self.bank_meta.append((part.rows, part.cols, holder))  # every rank knows every member's holder
+                # NorMuon: the member's second moment lives in its stored row, here (no communication)
+                mom = RowMoment(part_row_moment(moment, plan, part, lay.start), beta2) \
+                    if moment is not None and here else None
                 if self.replicas > 1:
                     if here:
                         self.bank_local.append((len(self.bank_meta) - 1, part, g2, sums, group, settings, apply_local,
-                                                lay.start, lr))
+                                                lay.start, lr, mom))
                 elif here:
-                    self.local_items.append(part_item(part, g2, sums, group, settings, apply_local, lay.start))
+                    self.local_items.append(part_item(part, g2, sums, group, settings, apply_local, lay.start,
+                                                      moment=mom))
                 continue
             lo, hi = lay.overlap(lay.rank, part.r0, part.r1)
             a, b = lo - lay.start, hi - lay.start
@@ -383,7 +391,7 @@ class ShardedStep:
                 eps=float(group["eps"]), settings=owner_settings, forward=fwd, decay=decay, write=part_write,
                 cautious=cautious,
                 moment_rows=None if moment is None else part_row_moment(moment, plan, part, lay.start, (lo, hi)),
-                beta2=float(group.get("normuon_beta2", 0.0)),
+                beta2=beta2,
             ))
 
     # ------------------------------------------------------------------ 3-6. exchange and NS
@@ -492,15 +500,14 @@ class ShardedStep:
         # HSDP: the bank members of this shard that this rank orthogonalizes; their results are
         # encoded (return carrier) for every replica, this one included, so replicas stay identical.
         bank_mine = [b for b in self.bank_local if bank_owners[b[0]] == self.replica * world + me]
-        bank_buf = torch.empty(sum(self.ret.nbytes(b[1].rows, b[1].cols) for b in bank_mine), dtype=torch.uint8,
-                               device=device)
+        bank_buf = torch.empty(sum(self._bank_bytes(b) for b in bank_mine), dtype=torch.uint8, device=device)
         off = 0
         for b in bank_mine:
-            _, part, g2, sums, group, settings, _, first_row, _ = b
-            nb_c = self.ret.nbytes(part.rows, part.cols)
-            ns_items.append(part_item(part, g2, sums, group, settings, self._bank_encoder(bank_buf[off: off + nb_c]),
-                                      first_row))
-            off += nb_c
+            _, part, g2, sums, group, settings, _, first_row, _, mom = b
+            nb = self._bank_bytes(b)
+            ns_items.append(part_item(part, g2, sums, group, settings, self._bank_encoder(bank_buf[off: off + nb], mom),
+                                      first_row, moment=mom))
+            off += nb
         orthogonalize(ns_items + self.local_items, batch_budget)
         self.local_items = []
         del recv
@@ -516,11 +523,13 @@ class ShardedStep:
                 for b in self.bank_local:
                     if bank_owners[b[0]] != r * world + me:
                         continue
-                    _, part, _, _, _, _, apply_bank, _, _ = b
+                    _, part, _, _, _, _, apply_bank, _, _, mom = b
                     nb_c = self.ret.nbytes(part.rows, part.cols)
                     o = self.ret.decode(buf[at: at + nb_c], part.rows, part.cols)
                     apply_bank(part, o.view(part.rows, part.cols))  # decay and bf16 rounding as every write
-                    at += nb_c
+                    if mom is not None:  # the owner's updated NorMuon second moment of the member's neurons
+                        mom.v.copy_(buf[at + nb_c: at + self._bank_bytes(b)].view(torch.float32))
+                    at += self._bank_bytes(b)
         self.bank_local, self.bank_meta = [], []
 
         elements = sum(it.rows * it.cols for it in items)
@@ -551,11 +560,21 @@ class ShardedStep:
                     off += 4 * n
         return off
 
-    def _bank_encoder(self, buf: Tensor) -> Callable[[Any, Tensor], None]:
-        """``apply`` of a bank member part orthogonalized for every replica: encode the result."""
+    def _bank_bytes(self, b: tuple[Any, ...]) -> int:
+        """Bytes of one HSDP bank member part shared over the replicate dim: its result (return
+        carrier) and, under NorMuon, the updated fp32 second moment of its neurons."""
+        part, mom = b[1], b[-1]
+        return self.ret.nbytes(part.rows, part.cols) + (4 * mom.v.numel() if mom is not None else 0)
+
+    def _bank_encoder(self, buf: Tensor, mom: RowMoment | None = None) -> Callable[[Any, Tensor], None]:
+        """``apply`` of a bank member part orthogonalized for every replica: encode the result (and
+        the NorMuon second moment, which the NS pipeline updated before calling this)."""
 
         def encode(part: Any, out: Tensor) -> None:
-            self.ret.encode_into(out.contiguous(), buf)
+            nb_c = self.ret.nbytes(part.rows, part.cols)
+            self.ret.encode_into(out.contiguous(), buf[:nb_c])
+            if mom is not None:
+                buf[nb_c:].view(torch.float32).copy_(mom.v)
 
         return encode
 
