@@ -142,12 +142,14 @@ def test_class_name_keeps_deepspeed_muon_code_away():
     "cfg, words",
     [
         ({"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}, "'optimizer' section"),
-        ({"zero_optimization": {"stage": 3}}, "stage 3"),
+        ({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}, "offload_param"),
+        ({"zero_optimization": {"stage": 3, "mics_shard_size": 2}}, "MiCS"),
+        ({"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 4}}, "hpZ"),
         ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}, "DeepSpeedCPUAdam"),
         ({"zero_optimization": {"stage": 2, "elastic_checkpoint": True}}, "elastic_checkpoint"),
         ({"bf16": {"enabled": True}, "zero_optimization": {"stage": 1}, "data_types": {"grad_accum_dtype": "fp32"}},
          "BF16_Optimizer"),
-        ({"zero_optimization": {"stage": 4}}, "must be 0, 1 or 2"),
+        ({"zero_optimization": {"stage": 4}}, "must be 0, 1, 2 or 3"),
     ],
 )
 def test_config_errors_name_the_fix(cfg, words):
@@ -817,8 +819,10 @@ def test_strategy_registered_and_refuses_bad_config():
 
     assert pl.strategies.StrategyRegistry["qmuon_deepspeed"]["strategy"] is qsd.QMuonDeepSpeedStrategy
     assert pl.strategies.StrategyRegistry["qmuon_deepspeed_stage_1"]["init_params"] == {"stage": 1}
-    with pytest.raises(qds.UnsupportedDeepSpeedConfig, match="stage 3"):
-        qsd.QMuonDeepSpeedStrategy(stage=3)
+    assert pl.strategies.StrategyRegistry["qmuon_deepspeed_stage_3"]["init_params"] == {"stage": 3}
+    assert qsd.QMuonDeepSpeedStrategy(stage=3).config["zero_optimization"]["stage"] == 3
+    with pytest.raises(qds.UnsupportedDeepSpeedConfig, match="offload_param"):
+        qsd.QMuonDeepSpeedStrategy(stage=3, offload_parameters=True)
     with pytest.raises(qds.UnsupportedDeepSpeedConfig, match="DeepSpeedCPUAdam"):
         qsd.QMuonDeepSpeedStrategy(stage=2, offload_optimizer=True)
     with pytest.raises(qds.UnsupportedDeepSpeedConfig, match="'optimizer' section"):
