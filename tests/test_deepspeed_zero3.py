@@ -164,6 +164,25 @@ def _z3_run(rank: int, zero_init: bool, **zero) -> dict:
     return out
 
 
+def _gas_run(rank: int) -> dict:
+    """ZeRO-3 with gradient_accumulation_steps=2: STEPS optimizer steps of 2 micro-batches each."""
+    cfg = _cfg(3)
+    cfg["gradient_accumulation_steps"] = 2
+    model = _model()
+    engine, opt, _, _ = qds.initialize(model, ql.build_optimizer(model, **OPT_KW), cfg)
+    grads = _capture_grads(opt)
+    out = {"init": _gathered(engine.module), "params": [], "ns_items": []}
+    for step in range(STEPS):
+        for m in range(2):
+            x = _batch(10 + 2 * step + m, rank)
+            engine.backward(_loss(engine(x), x))
+            engine.step()
+        out["ns_items"].append(dict(opt.ns_items))
+        out["params"].append(_gathered(engine.module))
+    out.update(grads=grads, state=_state(opt), ds_layout=_ds_layout(engine), **_layout(opt))
+    return out
+
+
 def _ckpt_run(rank: int, out_dir: str) -> dict:
     d = os.path.join(out_dir, "ckpt")
 
@@ -261,6 +280,7 @@ def worker(out_dir: str) -> None:
     del engine, opt
     res["z3"] = _z3_run(rank, zero_init=False, sub_group_size=SUB_GROUP_SIZE)
     res["z3init"] = _z3_run(rank, zero_init=True)
+    res["gas"] = _gas_run(rank)
     res["ckpt"] = _ckpt_run(rank, out_dir)
     res["lightning"] = _lightning_run(rank)
     torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
@@ -455,6 +475,19 @@ def _one_ulp_perturbed_run(seed: int) -> list[torch.Tensor]:
         opt.step()
         opt.zero_grad()
     return [p.detach().clone() for p in model.parameters()]
+
+
+def test_zero3_gradient_accumulation_runs_newton_schulz_once_per_step(z3_run):
+    """gradient_accumulation_steps=2: DeepSpeed calls the optimizer at the accumulation boundary only,
+    so each matrix gets one momentum update and one NS call per optimizer step (DeepSpeed's own
+    stage-3 Muon ran them per micro-batch, #8443), equal to single-process QMuon on the step's
+    accumulated gradient."""
+    runs = _scenario(z3_run, "gas")
+    r0 = runs[0]
+    assert all(len(r["grads"]) == STEPS for r in runs), [len(r["grads"]) for r in runs]
+    got = _check_against_own_gradients(runs, "gas")
+    _check_ns_items([r["ns_items"] for r in runs], r0["owner"], got["ref"]["parts"], "gas")
+    assert all(st["step"] == STEPS for r in runs for st in r["state"]["muon"].values() if "step" in st)
 
 
 def test_zero3_update_matches_zero2(z3_run):
