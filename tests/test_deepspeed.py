@@ -203,6 +203,22 @@ def test_zero3_segments_follow_deepspeed_pieces():
     assert qds.zero3_segments(2, 1, 0, 4) == [qds._Segment(0, 1, 0), qds._Segment(1, 1, 0), None, None]
 
 
+def test_check_resume_names_both_world_sizes_and_the_fix(tmp_path):
+    # A ZeRO 1-3 checkpoint directory as DeepSpeed (and Lightning, tag "checkpoint") writes it: one
+    # optimizer file per data-parallel rank.
+    d = tmp_path / "ck"
+    (d / "checkpoint").mkdir(parents=True)
+    for r in range(4):
+        (d / "checkpoint" / f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt").write_bytes(b"")
+    (d / "latest").write_text("checkpoint")
+    assert qds.saved_world_size(d) == qds.saved_world_size(d, "checkpoint") == 4
+    qds.check_resume(d, None, 4)  # same size: nothing to say
+    with pytest.raises(qds.CheckpointWorldSizeError, match=r"saved by 4 data-parallel process\(es\); this run has 2") as e:
+        qds.check_resume(d, "checkpoint", 2)
+    assert "relaunch with 4 processes" in str(e.value) and "zero_to_fp32" in str(e.value)
+    assert qds.saved_world_size(tmp_path / "missing") is None
+
+
 def test_routing_reads_zero3_true_shapes():
     """A parameter DeepSpeed ZeRO-3 partitioned is an empty 1-D tensor whose shape is in ds_shape
     (zero.Init): routing, QMuon's checks and the wrapper's plans read ds_shape, so the Muon

@@ -207,9 +207,10 @@ def _ckpt_run(rank: int, out_dir: str) -> dict:
             **_layout(opt)}
 
 
-def _lightning_run(rank: int) -> dict:
+def _lightning_run(rank: int, out_dir: str) -> dict:
     """Trainer(strategy=QMuonDeepSpeedStrategy(stage 3)) on the CPU accelerator; the model is built in
-    configure_model, which Lightning runs under zero.Init at stage 3."""
+    configure_model, which Lightning runs under zero.Init at stage 3. STEPS steps, trainer.save_checkpoint,
+    then a new Trainer resumes from it (``fit(ckpt_path=...)``) for one more step."""
     import lightning.pytorch as pl
     import torch.distributed as dist
 
@@ -243,24 +244,37 @@ def _lightning_run(rank: int) -> dict:
             return torch.utils.data.DataLoader(Batches(), batch_size=1, shuffle=False)
 
     class Capture(pl.Callback):
+        def __init__(self, rec):
+            self.rec = rec
+
         def on_train_start(self, trainer, module):
-            seen["init"] = _gathered(module.model)
-            seen["grads"] = _capture_grads(trainer.strategy.qmuon_optimizer)
-            seen["ds_layout"] = _ds_layout(trainer.strategy.deepspeed_engine)
-            seen["params"] = []
+            self.rec["init"] = _gathered(module.model)
+            self.rec["grads"] = _capture_grads(trainer.strategy.qmuon_optimizer)
+            self.rec["ds_layout"] = _ds_layout(trainer.strategy.deepspeed_engine)
+            self.rec["params"] = []
 
         def on_train_batch_end(self, trainer, module, *args):
-            seen["params"].append(_gathered(module.model))
+            self.rec["params"].append(_gathered(module.model))
 
-    lit = Lit()
-    strategy = qsd.QMuonDeepSpeedStrategy(stage=3, config={
-        "zero_optimization": {"stage": 3}, "gradient_clipping": 0.0, "train_micro_batch_size_per_gpu": 1})
-    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=2, max_steps=STEPS, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         use_distributed_sampler=False, callbacks=[Capture()])
-    trainer.fit(lit)
+    def fit(max_steps, rec, ckpt_path=None):
+        strategy = qsd.QMuonDeepSpeedStrategy(stage=3, config={
+            "zero_optimization": {"stage": 3}, "gradient_clipping": 0.0, "train_micro_batch_size_per_gpu": 1})
+        trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=2, max_steps=max_steps, logger=False,
+                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                             use_distributed_sampler=False, callbacks=[Capture(rec)])
+        lit = Lit()
+        trainer.fit(lit, ckpt_path=ckpt_path)
+        return trainer
+
+    trainer = fit(STEPS, seen)
     wrapper = trainer.strategy.qmuon_optimizer
     out = {"steps": trainer.global_step, "mode": wrapper._mode, "state": _state(wrapper), **seen, **_layout(wrapper)}
+    path = os.path.join(out_dir, "lightning.ckpt")
+    trainer.save_checkpoint(path)
+    resumed: dict = {}
+    trainer = fit(STEPS + 1, resumed, ckpt_path=path)
+    out["resumed"] = {"steps": trainer.global_step, "grads": resumed["grads"], "params": resumed["params"],
+                      "state": _state(trainer.strategy.qmuon_optimizer)}
     dist.barrier()
     return out
 
@@ -282,7 +296,7 @@ def worker(out_dir: str) -> None:
     res["z3init"] = _z3_run(rank, zero_init=True)
     res["gas"] = _gas_run(rank)
     res["ckpt"] = _ckpt_run(rank, out_dir)
-    res["lightning"] = _lightning_run(rank)
+    res["lightning"] = _lightning_run(rank, out_dir)
     torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
     from qmuon_lightning.distributed import exit_after_distributed_run
 
@@ -572,6 +586,12 @@ def test_lightning_strategy_zero3_equals_single_process(z3_run):
     r0 = runs[0]
     assert r0["steps"] == STEPS and r0["mode"] == "zero3"
     _check_against_own_gradients(runs, "lightning")
+    # Resumed from trainer.save_checkpoint for one more step: the single-process run on the first run's
+    # gradients then the resumed run's (weights and momentum must have come back exactly).
+    assert all(r["resumed"]["steps"] == STEPS + 1 and len(r["resumed"]["grads"]) == 1 for r in runs)
+    joined = [{**r, "grads": r["grads"] + r["resumed"]["grads"], "params": r["params"] + r["resumed"]["params"],
+               "state": r["resumed"]["state"]} for r in runs]
+    _check_against_own_gradients(joined, "lightning resumed")
 
 
 if __name__ == "__main__" and "--worker" in sys.argv:
