@@ -137,10 +137,11 @@ def _run(engine, opt, rank: int, steps, grads=None) -> list[dict[int, int]]:
     return calls
 
 
-def _z3_run(rank: int, zero_init: bool, **zero) -> dict:
+def _z3_run(rank: int, zero_init: bool, bf16: bool = False, **zero) -> dict:
     import deepspeed
 
     cfg = _cfg(3, **zero)
+    cfg["bf16"] = {"enabled": bf16}
     if zero_init:
         qds.avoid_cpu_op_builds()
         with deepspeed.zero.Init(config_dict_or_path=cfg):
@@ -294,6 +295,7 @@ def worker(out_dir: str) -> None:
     del engine, opt
     res["z3"] = _z3_run(rank, zero_init=False, sub_group_size=SUB_GROUP_SIZE)
     res["z3init"] = _z3_run(rank, zero_init=True)
+    res["z3bf16"] = _z3_run(rank, zero_init=False, bf16=True)
     res["gas"] = _gas_run(rank)
     res["ckpt"] = _ckpt_run(rank, out_dir)
     res["lightning"] = _lightning_run(rank, out_dir)
@@ -392,14 +394,18 @@ def _reference(init: list[torch.Tensor], grads: list[list[torch.Tensor]]) -> dic
 
 
 def _check_against_own_gradients(runs: list[dict], what: str) -> dict:
-    """The stage-3 run equals single-process QMuon fed its own averaged gradients, bit for bit."""
+    """The stage-3 run equals single-process QMuon fed its own averaged gradients, bit for bit. bf16
+    runs: QMuon steps the fp32 master pieces (which start as the bf16 weights) and the model's weights
+    are the master weights rounded to nearest bf16 after every step."""
     r0 = runs[0]
     grads = _assemble(runs, len(r0["params"]))
-    ref = _reference(r0["init"], grads)
+    ref = _reference([w.float() for w in r0["init"]], grads)
     for rank, r in enumerate(runs):
         assert_same(r["init"], r0["init"], f"{what}: rank {rank} initial weights")
         for step, want in enumerate(ref["params"]):
-            assert_same(r["params"][step], want, f"{what}: rank {rank} weights after step {step + 1}")
+            got = r["params"][step]
+            want = [w.to(g.dtype) for w, g in zip(want, got)]
+            assert_same(got, want, f"{what}: rank {rank} weights after step {step + 1}")
     _check_state([r["state"] for r in runs], r0["owner"], r0["holders"], ref["state"][-1], what)
     moved = [not torch.equal(a, b) for a, b in zip(r0["params"][-1], r0["init"])]
     assert all(moved), f"{what}: parameters that did not move: {[i for i, m in enumerate(moved) if not m]}"
@@ -489,6 +495,15 @@ def _one_ulp_perturbed_run(seed: int) -> list[torch.Tensor]:
         opt.step()
         opt.zero_grad()
     return [p.detach().clone() for p in model.parameters()]
+
+
+def test_zero3_bf16_equals_single_process_on_its_gradients(z3_run):
+    """bf16 weights at ZeRO-3 (DeepSpeed keeps fp32 master pieces): the bf16 weights after every step
+    are the single-process fp32 master weights rounded to bf16, and the momentum is the same."""
+    runs = _scenario(z3_run, "z3bf16")
+    assert runs[0]["mode"] == "zero3" and all(p.dtype == torch.bfloat16 for p in runs[0]["init"])
+    got = _check_against_own_gradients(runs, "z3bf16")
+    _check_ns_items([r["ns_items"] for r in runs], runs[0]["owner"], got["ref"]["parts"], "z3bf16")
 
 
 def test_zero3_gradient_accumulation_runs_newton_schulz_once_per_step(z3_run):
