@@ -48,7 +48,7 @@ if __name__ != "__main__":
     pytest.importorskip("deepspeed")
 
 import qmuon_lightning as ql  # noqa: E402
-from qmuon_lightning.core.plan import true_shape  # noqa: E402
+from qmuon_lightning.core.plan import plan_param, true_shape  # noqa: E402
 from qmuon_lightning.integrations import deepspeed as qds  # noqa: E402
 from test_deepspeed import OPT_KW, _batch, _check_ns_items, _check_state, _layout, _loss, _model, _params, \
     _qmuon_params, _ref_state, _state  # noqa: E402
@@ -80,6 +80,29 @@ UPDATE_RTOL = 5e-2
 Z3_CFG = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "steps_per_print": 10 ** 9,
           "gradient_clipping": 0.0,
           "zero_optimization": {"stage": 3, "reduce_bucket_size": 500, "allgather_bucket_size": 500}}
+
+
+#: Hugging Face models under zero.Init at stage 3 (tiny configs built locally): GPT-2 (Conv1D stored
+#: (in, out), q / k / v fused along the columns of c_attn, odd widths so pieces cut rows) and gpt-oss
+#: (expert banks (E, in, out) with gate / up interleaved, bias banks on AdamW). Routing reads their
+#: full shapes; the update is single-process QMuon's on the same gradients.
+HF_FAMILIES = ("gpt2", "gpt_oss")
+HF_STEPS = 2
+
+
+def _family(name: str):
+    """(make model, batch(step, rank), loss(model, x), QMuon options) of a model family."""
+    if name == "decoder":
+        return _model, _batch, lambda m, x: _loss(m(x), x), OPT_KW
+    if name == "gpt2":
+        import test_hf_layers as hf
+
+        return (lambda seed=0: hf.make_model("gpt2", seed, **hf.DS_GPT2)), hf.tokens, hf.lm_loss, hf.DS_KW
+    import _moe
+
+    kw = dict(OPT_KW, lr=_moe.LR)
+    return (lambda seed=0: _moe.make_moe(name, seed)), (lambda step, rank: _moe.tokens(step, rank, batch=2)), \
+        _moe.lm_loss, kw
 
 
 # ============================================================================ worker
@@ -137,18 +160,32 @@ def _run(engine, opt, rank: int, steps, grads=None) -> list[dict[int, int]]:
     return calls
 
 
-def _z3_run(rank: int, zero_init: bool, bf16: bool = False, **zero) -> dict:
+def _z3_run(rank: int, zero_init: bool, bf16: bool = False, family: str = "decoder", steps: int = STEPS,
+            **zero) -> dict:
     import deepspeed
 
+    make, batch, loss, kw = _family(family)
     cfg = _cfg(3, **zero)
     cfg["bf16"] = {"enabled": bf16}
-    if zero_init:
+    if zero_init and family != "decoder":
+        # transformers' documented ZeRO-3 path: with an HfDeepSpeedConfig alive, from_config builds the
+        # model under zero.Init and gathers parameters for its weight initialization.
+        from transformers import AutoModelForCausalLM
+        from transformers.integrations import HfDeepSpeedConfig
+
+        qds.avoid_cpu_op_builds()
+        model_config = make().config
+        hf_ds = HfDeepSpeedConfig(qds.check_config(cfg))
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(model_config)
+        del hf_ds
+    elif zero_init:
         qds.avoid_cpu_op_builds()
         with deepspeed.zero.Init(config_dict_or_path=cfg):
-            model = _model()
+            model = make()
     else:
-        model = _model()
-    opt = ql.build_optimizer(model, **OPT_KW)
+        model = make()
+    opt = ql.build_optimizer(model, **kw)
     out = {"routing": [(d.name, d.target) for d in opt.routing],
            # What routing by p.shape would see: under zero.Init no parameter has 2 dims.
            "shape_ndim2": sum(p.ndim >= 2 for p in model.parameters()),
@@ -157,8 +194,11 @@ def _z3_run(rank: int, zero_init: bool, bf16: bool = False, **zero) -> dict:
     grads = _capture_grads(opt)
     out["init"] = _gathered(engine.module)
     out["params"], out["ns_items"] = [], []
-    for step in range(STEPS):
-        out["ns_items"] += _run(engine, opt, rank, [step])
+    for step in range(steps):
+        x = batch(step, rank)
+        engine.backward(loss(engine, x))
+        engine.step()
+        out["ns_items"].append(dict(opt.ns_items))
         out["params"].append(_gathered(engine.module))
     out.update(grads=grads, state=_state(opt), zero_class=type(engine.optimizer).__name__, ds_layout=_ds_layout(engine),
                muon_numel=sum(p.numel for p in opt._params if p.muon), **_layout(opt))
@@ -296,6 +336,8 @@ def worker(out_dir: str) -> None:
     res["z3"] = _z3_run(rank, zero_init=False, sub_group_size=SUB_GROUP_SIZE)
     res["z3init"] = _z3_run(rank, zero_init=True)
     res["z3bf16"] = _z3_run(rank, zero_init=False, bf16=True)
+    for family in HF_FAMILIES:
+        res[f"hf_{family}"] = _z3_run(rank, zero_init=True, family=family, steps=HF_STEPS)
     res["gas"] = _gas_run(rank)
     res["ckpt"] = _ckpt_run(rank, out_dir)
     res["lightning"] = _lightning_run(rank, out_dir)
@@ -371,13 +413,14 @@ def _assemble(runs: list[dict], steps: int) -> list[list[torch.Tensor]]:
     return out
 
 
-def _reference(init: list[torch.Tensor], grads: list[list[torch.Tensor]]) -> dict:
+def _reference(init: list[torch.Tensor], grads: list[list[torch.Tensor]], family: str = "decoder") -> dict:
     """Single-process QMuon from ``init`` (model.parameters() order) fed ``grads`` (QMuon order, flat)."""
-    model = _model()
+    make, _, _, kw = _family(family)
+    model = make()
     with torch.no_grad():
         for p, w in zip(model.parameters(), init):
             p.copy_(w)
-    opt = ql.build_optimizer(model, **OPT_KW)
+    opt = ql.build_optimizer(model, **kw)
     order = [p for _, p in _qmuon_params(opt)]
     trace = {"params": [], "state": []}
     for step_grads in grads:
@@ -393,13 +436,13 @@ def _reference(init: list[torch.Tensor], grads: list[list[torch.Tensor]]) -> dic
     return trace
 
 
-def _check_against_own_gradients(runs: list[dict], what: str) -> dict:
+def _check_against_own_gradients(runs: list[dict], what: str, family: str = "decoder") -> dict:
     """The stage-3 run equals single-process QMuon fed its own averaged gradients, bit for bit. bf16
     runs: QMuon steps the fp32 master pieces (which start as the bf16 weights) and the model's weights
     are the master weights rounded to nearest bf16 after every step."""
     r0 = runs[0]
     grads = _assemble(runs, len(r0["params"]))
-    ref = _reference([w.float() for w in r0["init"]], grads)
+    ref = _reference([w.float() for w in r0["init"]], grads, family)
     for rank, r in enumerate(runs):
         assert_same(r["init"], r0["init"], f"{what}: rank {rank} initial weights")
         for step, want in enumerate(ref["params"]):
@@ -504,6 +547,25 @@ def test_zero3_bf16_equals_single_process_on_its_gradients(z3_run):
     assert runs[0]["mode"] == "zero3" and all(p.dtype == torch.bfloat16 for p in runs[0]["init"])
     got = _check_against_own_gradients(runs, "z3bf16")
     _check_ns_items([r["ns_items"] for r in runs], runs[0]["owner"], got["ref"]["parts"], "z3bf16")
+
+
+@pytest.mark.parametrize("family", HF_FAMILIES)
+def test_zero3_hf_models_under_zero_init(z3_run, family):
+    """Tiny Hugging Face GPT-2 (fused, (in, out) Conv1D) and gpt-oss (interleaved expert banks) built
+    under zero.Init: routed as the plain model (layer meaning read from the full shapes), and equal
+    to single-process QMuon on their own gradients."""
+    runs = _scenario(z3_run, f"hf_{family}")
+    make, _, _, kw = _family(family)
+    plain = ql.build_optimizer(make(), **kw)
+    for r in runs:
+        assert r["shape_ndim2"] == 0 and r["routing"] == [(d.name, d.target) for d in plain.routing]
+        assert r["muon_numel"] == sum(p.numel() for g in plain.param_groups if g["use_muon"] for p in g["params"])
+    assert any(g.get("parts") for g in plain.param_groups if g["use_muon"])  # fused layers are in the run
+    _check_against_own_gradients(runs, f"hf_{family}", family)
+    # NS items per matrix: one per fused part of every bank member (QMuon's own plan of the parameter).
+    parts = {i: len(plan_param(p, g, 0, "p").parts) for i, (g, p) in enumerate(_qmuon_params(plain)) if g["use_muon"]}
+    assert family != "gpt_oss" or max(parts.values()) > 2  # banks: several experts x (gate, up)
+    _check_ns_items([r["ns_items"] for r in runs], runs[0]["owner"], parts, f"hf_{family}")
 
 
 def test_zero3_gradient_accumulation_runs_newton_schulz_once_per_step(z3_run):
