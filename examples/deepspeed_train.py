@@ -1,4 +1,4 @@
-"""Train a small byte-level language model with int8 QMuon under the DeepSpeed engine (ZeRO 0/1/2).
+"""Train a small byte-level language model with int8 QMuon under the DeepSpeed engine (ZeRO 0-3).
 
 The model is :class:`qmuon_lightning.models.DecoderLM` (vocabulary: the 256 byte values), the data
 the Python standard library's own ``*.py`` sources (:mod:`qmuon_lightning.data.bytes_corpus`, no
@@ -14,9 +14,16 @@ Two CPU processes (DeepSpeed's CPU accelerator, gloo)::
 
     deepspeed --num_gpus 8 examples/deepspeed_train.py --deepspeed_config examples/ds_config_zero2.json
 
-``--stage`` overrides the config's ZeRO stage (0, 1 or 2). Checkpoints go to ``--save-dir`` every
-``--save-every`` steps and at the end (``engine.save_checkpoint``, one optimizer file per rank at
-stages 1/2); ``--resume`` continues from the latest one (same process count and stage).
+``--stage`` overrides the config's ZeRO stage (0, 1, 2 or 3). At stage 3 the model is built under
+``deepspeed.zero.Init`` (``--no-zero-init``: built whole, partitioned by ``deepspeed.initialize``), so
+no rank ever holds all of it; the optimizer is routed by the parameters' full shapes. Two CPU
+processes at stage 3::
+
+    deepspeed --num_gpus 2 examples/deepspeed_train.py --stage 3 --steps 100
+
+Checkpoints go to ``--save-dir`` every ``--save-every`` steps and at the end
+(``engine.save_checkpoint``, one optimizer file per rank at stages 1-3); ``--resume`` continues from
+the latest one (same process count and stage; another process count stops with the fix).
 See docs/deepspeed.md.
 """
 
@@ -38,6 +45,7 @@ from qmuon_lightning.data.bytes_corpus import RandomWindowDataset, build_stdlib_
 from qmuon_lightning.integrations import deepspeed as qds
 from qmuon_lightning.models import DecoderLM
 from qmuon_lightning.models.decoder_lm import DecoderLMConfig
+from qmuon_lightning.core.plan import true_shape
 from qmuon_lightning.quant.state import STATE_FORMATS
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -47,7 +55,9 @@ VOCAB = 256
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--deepspeed_config", default=os.path.join(HERE, "ds_config_zero2.json"), help="DeepSpeed JSON config")
-    p.add_argument("--stage", type=int, choices=(0, 1, 2), default=None, help="override zero_optimization.stage")
+    p.add_argument("--stage", type=int, choices=(0, 1, 2, 3), default=None, help="override zero_optimization.stage")
+    p.add_argument("--no-zero-init", action="store_true",
+                   help="stage 3: build the model whole (deepspeed.initialize partitions it) instead of under zero.Init")
     p.add_argument("--steps", type=int, default=200, help="optimizer steps")
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--d-model", type=int, default=128)
@@ -75,16 +85,29 @@ def main(argv: list[str] | None = None) -> dict:
     if args.stage is not None:
         config.setdefault("zero_optimization", {})["stage"] = args.stage
     corpus = build_stdlib_corpus(max_bytes=args.corpus_bytes)  # before DeepSpeed starts: fails fast
-    model = DecoderLM(DecoderLMConfig(vocab_size=VOCAB, d_model=args.d_model, n_layers=args.layers,
-                                      n_heads=args.heads, max_seq_len=args.seq_len))
+    config = qds.check_config(config)
+    model_config = DecoderLMConfig(vocab_size=VOCAB, d_model=args.d_model, n_layers=args.layers,
+                                   n_heads=args.heads, max_seq_len=args.seq_len)
+    if config.get("zero_optimization", {}).get("stage", 0) == 3 and not args.no_zero_init:
+        import deepspeed
+
+        qds.avoid_cpu_op_builds()
+        deepspeed.init_distributed()
+        with deepspeed.zero.Init(config_dict_or_path=config):  # each rank allocates only its pieces
+            model = DecoderLM(model_config)
+    else:
+        model = DecoderLM(model_config)
     opt = ql.build_optimizer(model, lr=args.lr, weight_decay=args.weight_decay, state_format=args.state_format,
                              adamw_lr=args.adamw_lr, verbose=False)
-    muon_elems = sum(p.numel() for g in opt.param_groups if g["use_muon"] for p in g["params"])
+    # Full shapes (zero.Init leaves each parameter an empty 1-D tensor with the shape in ds_shape).
+    muon_elems = sum(true_shape(p).numel() for g in opt.param_groups if g["use_muon"] for p in g["params"])
+    model_matrices = sum(true_shape(p).numel() for p in model.parameters() if len(true_shape(p)) >= 2)
     engine, opt, _, _ = qds.initialize(model, opt, config)
     rank, world = dist.get_rank(), dist.get_world_size()
     say = print if rank == 0 else (lambda *a, **k: None)
     stage = engine.zero_optimization_stage()
     say(f"DeepSpeed ZeRO stage {stage}, {world} process(es) on {engine.device}; {opt}")
+    say(f"Muon parameters: {muon_elems:,} of the model's {model_matrices:,} matrix elements (embedding and head: AdamW)")
 
     micro = engine.train_micro_batch_size_per_gpu()
     gas = engine.gradient_accumulation_steps()
@@ -95,7 +118,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.resume:
         if not args.save_dir:
             raise SystemExit("--resume needs --save-dir")
-        path, client = engine.load_checkpoint(args.save_dir)
+        path, client = qds.load_checkpoint(engine, args.save_dir)  # another process count: stops with the fix
         if path is None:
             raise SystemExit(f"no checkpoint found in {args.save_dir}")
         start = int(client["step"])
@@ -136,7 +159,7 @@ def main(argv: list[str] | None = None) -> dict:
         "stage": stage, "world": world, "steps": args.steps - start, "seconds": elapsed,
         "val_loss_first": first_val, "val_loss_last": last_val,
         "muon_state_bytes_total": muon_bytes.item(), "muon_state_bytes_rank0": mine if rank == 0 else None,
-        "muon_elements": muon_elems,
+        "muon_elements": muon_elems, "matrix_elements": model_matrices,
     }
     say(f"val loss {first_val:.3f} -> {last_val:.3f} nats/byte; {args.steps - start} steps in {elapsed:.1f} s")
     say(f"Muon momentum: {muon_bytes.item() / muon_elems:.4f} bytes/param over all ranks "

@@ -142,12 +142,14 @@ def test_class_name_keeps_deepspeed_muon_code_away():
     "cfg, words",
     [
         ({"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}, "'optimizer' section"),
-        ({"zero_optimization": {"stage": 3}}, "stage 3"),
+        ({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}, "offload_param"),
+        ({"zero_optimization": {"stage": 3, "mics_shard_size": 2}}, "MiCS"),
+        ({"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 4}}, "hpZ"),
         ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}, "DeepSpeedCPUAdam"),
         ({"zero_optimization": {"stage": 2, "elastic_checkpoint": True}}, "elastic_checkpoint"),
         ({"bf16": {"enabled": True}, "zero_optimization": {"stage": 1}, "data_types": {"grad_accum_dtype": "fp32"}},
          "BF16_Optimizer"),
-        ({"zero_optimization": {"stage": 4}}, "must be 0, 1 or 2"),
+        ({"zero_optimization": {"stage": 4}}, "must be 0, 1, 2 or 3"),
     ],
 )
 def test_config_errors_name_the_fix(cfg, words):
@@ -190,6 +192,51 @@ def test_partition_segments_cover_each_parameter_once():
                 assert 0 <= s.local and s.local + s.length <= psize
                 assert r * psize + s.local == off + s.start  # the same flat element
     assert qds.partition_segments(7, 10, 12, 2)[1] == qds._Segment(5, 5, 0)
+
+
+def test_zero3_segments_follow_deepspeed_pieces():
+    # ZeRO-3 cuts a 10-element parameter over 3 ranks into pieces of ceil(10 / 3) = 4: [0, 4), [4, 8),
+    # [8, 10) + 2 padding; each piece at the same local offset of its rank's flat partition.
+    segs = qds.zero3_segments(10, 4, 7, 3)
+    assert segs == [qds._Segment(0, 4, 7), qds._Segment(4, 4, 7), qds._Segment(8, 2, 7)]
+    # 2 elements over 4 ranks: pieces of 1; ranks 2 and 3 hold only padding.
+    assert qds.zero3_segments(2, 1, 0, 4) == [qds._Segment(0, 1, 0), qds._Segment(1, 1, 0), None, None]
+
+
+def test_check_resume_names_both_world_sizes_and_the_fix(tmp_path):
+    # A ZeRO 1-3 checkpoint directory as DeepSpeed (and Lightning, tag "checkpoint") writes it: one
+    # optimizer file per data-parallel rank.
+    d = tmp_path / "ck"
+    (d / "checkpoint").mkdir(parents=True)
+    for r in range(4):
+        (d / "checkpoint" / f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt").write_bytes(b"")
+    (d / "latest").write_text("checkpoint")
+    assert qds.saved_world_size(d) == qds.saved_world_size(d, "checkpoint") == 4
+    qds.check_resume(d, None, 4)  # same size: nothing to say
+    with pytest.raises(qds.CheckpointWorldSizeError, match=r"saved by 4 data-parallel process\(es\); this run has 2") as e:
+        qds.check_resume(d, "checkpoint", 2)
+    assert "relaunch with 4 processes" in str(e.value) and "zero_to_fp32" in str(e.value)
+    assert qds.saved_world_size(tmp_path / "missing") is None
+
+
+def test_routing_reads_zero3_true_shapes():
+    """A parameter DeepSpeed ZeRO-3 partitioned is an empty 1-D tensor whose shape is in ds_shape
+    (zero.Init): routing, QMuon's checks and the wrapper's plans read ds_shape, so the Muon
+    parameters are the plain model's (routing by p.shape would give Muon nothing: #8438)."""
+    plain = ql.build_optimizer(_model(), **OPT_KW)
+    model = _model()
+    for p in model.parameters():
+        p.ds_shape = p.shape
+        p.data = torch.empty(0)
+    assert not any(p.ndim >= 2 for p in model.parameters())
+    opt = ql.build_optimizer(model, **OPT_KW)
+    assert [(d.name, d.target, d.shape, d.parts) for d in opt.routing] == \
+        [(d.name, d.target, d.shape, d.parts) for d in plain.routing]
+    wrapper = qds.WholeMatrixZeroOptimizer(opt)
+    want = [(tuple(p.shape), g["use_muon"]) for g in plain.param_groups for p in g["params"]]
+    assert [(tuple(i.shape), i.muon) for i in wrapper._params] == want
+    assert sum(i.numel for i in wrapper._params if i.muon) == sum(
+        p.numel() for g in plain.param_groups if g["use_muon"] for p in g["params"]) > 0
 
 
 def test_single_process_matches_qmuon_bit_exact():
@@ -817,8 +864,10 @@ def test_strategy_registered_and_refuses_bad_config():
 
     assert pl.strategies.StrategyRegistry["qmuon_deepspeed"]["strategy"] is qsd.QMuonDeepSpeedStrategy
     assert pl.strategies.StrategyRegistry["qmuon_deepspeed_stage_1"]["init_params"] == {"stage": 1}
-    with pytest.raises(qds.UnsupportedDeepSpeedConfig, match="stage 3"):
-        qsd.QMuonDeepSpeedStrategy(stage=3)
+    assert pl.strategies.StrategyRegistry["qmuon_deepspeed_stage_3"]["init_params"] == {"stage": 3}
+    assert qsd.QMuonDeepSpeedStrategy(stage=3).config["zero_optimization"]["stage"] == 3
+    with pytest.raises(qds.UnsupportedDeepSpeedConfig, match="offload_param"):
+        qsd.QMuonDeepSpeedStrategy(stage=3, offload_parameters=True)
     with pytest.raises(qds.UnsupportedDeepSpeedConfig, match="DeepSpeedCPUAdam"):
         qsd.QMuonDeepSpeedStrategy(stage=2, offload_optimizer=True)
     with pytest.raises(qds.UnsupportedDeepSpeedConfig, match="'optimizer' section"):
@@ -843,19 +892,30 @@ def _tensors(obj, prefix: str = "") -> dict[str, torch.Tensor]:
     return out
 
 
-def _example_checkpoint(d: Path) -> dict:
-    """Model weights and each rank's optimizer state of one tag of examples/deepspeed_train.py."""
-    model = torch.load(d / "mp_rank_00_model_states.pt", weights_only=False)
+def _example_checkpoint(d: Path, stage: int = 2) -> dict:
+    """Model weights and each rank's optimizer state of one tag of examples/deepspeed_train.py. At
+    stage 3 the model file holds empty placeholders; the weights are the ranks' fp32 pieces."""
+    model = torch.load(d / ("zero_pp_rank_0_mp_rank_00_model_states.pt" if stage == 3 else "mp_rank_00_model_states.pt"),
+                       weights_only=False)
     optim = [torch.load(d / f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt", weights_only=False)["optimizer_state_dict"]
              for r in range(WORLD)]
-    return {"module": _tensors(model["module"]), "step": model["step"], "optim": [_tensors(o) for o in optim],
-            "qmuon": [o["base_optimizer_state"]["qmuon_deepspeed"] for o in optim]}
+    if stage == 3:
+        module = {f"rank{r}/{i}": t for r, o in enumerate(optim) for i, t in enumerate(o["fp32_flat_groups"])}
+        qmuon = [o["optimizer_state_dict"]["qmuon_deepspeed"] for o in optim]
+    else:
+        module = _tensors(model["module"])
+        qmuon = [o["base_optimizer_state"]["qmuon_deepspeed"] for o in optim]
+    return {"module": module, "step": model["step"], "optim": [_tensors(o) for o in optim], "qmuon": qmuon}
 
 
 @pytest.mark.slow
-def test_example_under_deepspeed_launcher(tmp_path):
-    """examples/deepspeed_train.py with the `deepspeed` launcher on 2 CPU processes (ZeRO 2, the
-    shipped config). Run A: 6 steps, checkpoints at steps 2, 4 and 6. Run B: a copy of A's step-4
+@pytest.mark.parametrize("stage", [2, 3])
+def test_example_under_deepspeed_launcher(tmp_path, stage):
+    """examples/deepspeed_train.py on 2 CPU processes with the shipped config: ZeRO 2 under the
+    `deepspeed` launcher, and ``--stage 3`` (the model built under ``zero.Init``) under
+    ``torch.distributed.run`` (the same processes, without the launcher's own DeepSpeed start-up:
+    the `deepspeed` launcher ran it too, docs/deepspeed.md). Run A: 6 steps, checkpoints at steps
+    2, 4 and 6. Run B: a copy of A's step-4
     checkpoint, ``--resume`` to step 6, saving every step. Compared as tensors: B's step-6
     checkpoint (weights, fp32 master partitions, quantized momentum, AdamW state) equals A's
     exactly. B must have written only step5 and step6: a run that ignored the checkpoint and
@@ -869,10 +929,13 @@ def test_example_under_deepspeed_launcher(tmp_path):
     example = str(REPO / "examples" / "deepspeed_train.py")
 
     def launch(save_dir: Path, *extra: str) -> None:
-        cmd = [launcher, "--num_gpus", "2", "--master_port", str(free_port()), example, "--d-model", "64",
+        start = [launcher, "--num_gpus", "2"] if stage != 3 else \
+            [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1"]
+        cmd = [*start, "--master_port", str(free_port()), example, "--d-model", "64",
                "--seq-len", "64", "--corpus-bytes", str(1 << 20), "--log-every", "2", "--steps", "6",
-               "--save-dir", str(save_dir), *extra]
-        run_launcher(cmd, timeout=600, what=f"examples/deepspeed_train.py {' '.join(extra)}")
+               "--save-dir", str(save_dir), "--stage", str(stage), *extra]
+        run_launcher(cmd, timeout=600, env=subprocess_env(DS_ACCELERATOR="cpu"),
+                     what=f"examples/deepspeed_train.py {' '.join(extra)}")
 
     launch(a, "--save-every", "2")
     assert sorted(p.name for p in a.iterdir() if p.is_dir()) == ["step2", "step4", "step6"]
@@ -882,8 +945,8 @@ def test_example_under_deepspeed_launcher(tmp_path):
     launch(b, "--save-every", "1", "--resume")
     assert sorted(p.name for p in b.iterdir() if p.is_dir()) == ["step4", "step5", "step6"], \
         "run B did not resume from step 4"
-    straight, resumed = _example_checkpoint(a / "step6"), _example_checkpoint(b / "step6")
-    at4 = _example_checkpoint(a / "step4")
+    straight, resumed = _example_checkpoint(a / "step6", stage), _example_checkpoint(b / "step6", stage)
+    at4 = _example_checkpoint(a / "step4", stage)
     assert straight["step"] == resumed["step"] == 6
     assert_same(resumed["module"], straight["module"], "step-6 weights, resumed vs straight")
     for r in range(WORLD):

@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import qmuon_lightning as ql  # noqa: E402
 from _dist import run_workers  # noqa: E402
-from _helpers import assert_same, run_launcher, subprocess_env  # noqa: E402
+from _helpers import assert_same, roundtrip_state_dict, run_launcher, subprocess_env  # noqa: E402
 from _moe import (D, EXPERTS, INTER, LAYERS, LR, MOE_FAMILIES, compare, expert_blocks, expert_report,  # noqa: E402
                   lm_loss, make_moe, tokens, torch_muon_update)
 from qmuon_lightning.optim import RoutingRule, format_routing_table, route_parameters  # noqa: E402
@@ -186,6 +186,56 @@ def test_expert_without_tokens_decays_and_stays_finite() -> None:
         tol = 0 if fmt == "fp32" else 2 * m1[2].abs().max().item() / 127  # one int8 step of each encoding
         assert (m2[2] - 0.95 * m1[2]).abs().max().item() <= tol + 1e-7
         assert torch.isfinite(w).all() and not torch.equal(w.detach()[2], w1[2])
+
+
+@pytest.mark.parametrize("layout", ["out_in", "gpt_oss"])
+def test_normuon_on_a_bank_is_normuon_per_expert_matrix(layout: str) -> None:
+    """variant='normuon' on a bank: every expert's gate, up and down matrix gets its own per-neuron
+    second moment, exactly as NorMuon on that matrix as its own (out, in) parameter (3 steps, fp32
+    momentum, bf16 NS; the same matrices batch together on both sides, so the bits agree). gpt-oss:
+    (E, in, out) with interleaved gate / up columns, neurons are stored columns."""
+    E, I, H = 3, 8, 12
+    torch.manual_seed(0)
+    kw = dict(lr=LR, weight_decay=0.01, state_format="fp32", ns_dtype="bf16", variant="normuon")
+    if layout == "out_in":
+        bank = torch.nn.Parameter(torch.randn(E, 2 * I, H) * 0.1)
+        group = {"params": [bank], "bank_dims": 1, "parts": (I, I)}
+        views = [lambda t, e=e: t[e][:I] for e in range(E)] + [lambda t, e=e: t[e][I:] for e in range(E)]
+    else:
+        bank = torch.nn.Parameter(torch.randn(E, H, 2 * I) * 0.1)
+        group = {"params": [bank], "bank_dims": 1, "parts": (I, I), "parts_axis": 1, "parts_interleaved": True,
+                 "orientation": "in_out"}
+        views = [lambda t, e=e: t[e][:, 0::2].T for e in range(E)] + [lambda t, e=e: t[e][:, 1::2].T for e in range(E)]
+    singles = [torch.nn.Parameter(v(bank.detach()).clone().contiguous()) for v in views]
+    o_bank = ql.QMuon([group], **kw)
+    o_single = ql.QMuon([{"params": singles}], **kw)
+    for step in range(3):
+        g = torch.randn(bank.shape, generator=torch.Generator().manual_seed(step))
+        if step == 1:
+            g[1] = 0.0  # expert 1 got no tokens: its second moment decays, nothing is NaN
+        bank.grad = g
+        for p, v in zip(singles, views):
+            p.grad = v(g).clone().contiguous()
+        o_bank.step()
+        o_single.step()
+    for j, (p, v) in enumerate(zip(singles, views)):
+        assert torch.equal(v(bank.detach()), p.detach()), (layout, j)
+    vb = o_bank.state[bank]["normuon_v"]
+    assert vb.shape == (E, 2 * I) and torch.isfinite(vb).all()
+    for e in range(E):  # gate's neurons, then up's, of each expert
+        assert torch.equal(vb[e, :I], o_single.state[singles[e]]["normuon_v"].flatten()), e
+        assert torch.equal(vb[e, I:], o_single.state[singles[E + e]]["normuon_v"].flatten()), e
+    # the bank's second moment survives a checkpoint (torch.save / weights_only load) and the resumed
+    # bank keeps stepping like the uninterrupted one
+    resumed = torch.nn.Parameter(bank.detach().clone())
+    o_resumed = ql.QMuon([{**group, "params": [resumed]}], **kw)
+    o_resumed.load_state_dict(roundtrip_state_dict(o_bank.state_dict()))
+    g = torch.randn(bank.shape, generator=torch.Generator().manual_seed(9))
+    bank.grad, resumed.grad = g, g.clone()
+    o_bank.step()
+    o_resumed.step()
+    assert torch.equal(resumed.detach(), bank.detach())
+    assert torch.equal(o_resumed.state[resumed]["normuon_v"], o_bank.state[bank]["normuon_v"])
 
 
 def test_fidelity_tracker_measures_banks_per_expert() -> None:
@@ -438,10 +488,15 @@ def _worker_trainer(out: Path, family: str) -> dict[str, Any]:
             "banks": banks, "steps": t1.global_step, "n_state": len(straight["state"])}
 
 
-def _worker_fabric(out: Path, family: str) -> dict[str, Any]:
+#: (layer, expert) that gets no tokens in the Fabric gpt-oss run (its router bias is -1e4): on rank 1
+SILENT = (0, 3)
+
+
+def _worker_fabric(out: Path, family: str, silent: bool = False) -> dict[str, Any]:
     """L.Fabric(strategy="qmuon_fsdp"), plain loop, build_optimizer after setup_module: per-expert
     targets on the first step, and fabric.save / fabric.load (sharded) at step 2 == the
-    uninterrupted run."""
+    uninterrupted run. ``silent`` (gpt-oss): expert :data:`SILENT` never gets a token; its weights,
+    its (zero) state and its rows in the checkpoint are reported."""
     import lightning as L
 
     from qmuon_lightning.strategies import QMuonFabricStrategy
@@ -449,7 +504,11 @@ def _worker_fabric(out: Path, family: str) -> dict[str, Any]:
     def make(seed: int) -> tuple[Any, Any, Any]:
         fabric = L.Fabric(accelerator="cpu", devices=2, strategy=QMuonFabricStrategy())
         fabric.launch()
-        model = fabric.setup_module(make_moe(family, seed))
+        module = make_moe(family, seed)
+        if silent:
+            with torch.no_grad():
+                module.model.layers[SILENT[0]].mlp.router.bias[SILENT[1]] = -1e4
+        model = fabric.setup_module(module)
         opt = fabric.setup_optimizers(ql.build_optimizer(model, **STRATEGY_KW, verbose=False))
         return fabric, model, opt
 
@@ -489,8 +548,43 @@ def _worker_fabric(out: Path, family: str) -> dict[str, Any]:
         mismatch: list[str] = []
     except AssertionError as e:
         mismatch = [str(e)]
-    return {"report": expert_report(family, first["before"], first["after"], first["grads"]), "mismatches": mismatch,
-            "n_snap": len(a), "resumed_at": state["step"]}
+    res = {"report": expert_report(family, first["before"], first["after"], first["grads"]), "mismatches": mismatch,
+           "n_snap": len(a), "resumed_at": state["step"]}
+    if silent:
+        res["silent"] = _silent_expert_facts(ckpt, first["before"], model2, opt2)
+    return res
+
+
+def _silent_expert_facts(ckpt: Path, before: dict[str, torch.Tensor], model: Any, opt: Any) -> dict[str, Any]:
+    """The expert without tokens after the resumed run: its weights (unchanged: zero gradient, zero
+    momentum, no weight decay), its state on this rank after fabric.load (local rows of the bank:
+    present, zero codes on the rank holding it), and which rows of each of its bank's state tensors
+    the DCP checkpoint holds (chunks written by every rank)."""
+    import torch.distributed.checkpoint as dcp
+
+    layer, e = SILENT
+    out: dict[str, Any] = {"unchanged": {}, "local_state": {}, "saved_rows": {}}
+    params = dict(model.module.named_parameters())
+    for attr in ("gate_up_proj", "down_proj"):
+        name = f"model.layers.{layer}.mlp.experts.{attr}"
+        p = params[name]
+        out["unchanged"][attr] = bool(torch.equal(_full(p.detach())[e], before[name][e]))
+        st = opt.state[p]
+        local_rows = {k: tuple(v.to_local().shape) for k, v in st.items() if hasattr(v, "to_local")}
+        codes = st["momentum_codes"]
+        first_row = codes.to_local().shape[0] * torch.distributed.get_rank()  # 2 + 2 experts: even split
+        holds = first_row <= e < first_row + codes.to_local().shape[0]
+        out["local_state"][attr] = {
+            "keys": sorted(st), "local_shapes": local_rows, "holds_silent": holds,
+            "silent_codes_zero": bool((codes.to_local()[e - first_row] == 0).all()) if holds else None,
+        }
+    meta = dcp.FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
+    for key, md in meta.items():
+        if (f"layers.{layer}.mlp.experts." in key and key.startswith("optimizer.") and hasattr(md, "chunks")
+                and len(md.size) >= 1):
+            rows = sorted({r for c in md.chunks for r in range(c.offsets[0], c.offsets[0] + c.sizes[0])})
+            out["saved_rows"][key] = (tuple(md.size), rows)
+    return out
 
 
 def _worker_main(out: Path) -> None:
@@ -503,6 +597,22 @@ def _worker_main(out: Path) -> None:
         res[f"trainer_{family}"] = _worker_trainer(out, family)
     for family in FABRIC_MOE:
         res[f"fabric_{family}"] = _worker_fabric(out, family)
+    torch.save(res, out / f"rank{rank}.pt")
+    from qmuon_lightning.distributed import exit_after_distributed_run
+
+    exit_after_distributed_run()
+
+
+def _worker2_main(out: Path) -> None:
+    """The families the first launch leaves out: Trainer on Mixtral, Fabric on Qwen3-MoE and on gpt-oss
+    with an expert that never gets a token."""
+    import os
+
+    torch.set_num_threads(1)
+    rank = int(os.environ["RANK"])
+    res: dict[str, Any] = {"rank": rank, "trainer_mixtral": _worker_trainer(out, "mixtral"),
+                           "fabric_qwen3_moe": _worker_fabric(out, "qwen3_moe"),
+                           "fabric_gpt_oss": _worker_fabric(out, "gpt_oss", silent=True)}
     torch.save(res, out / f"rank{rank}.pt")
     from qmuon_lightning.distributed import exit_after_distributed_run
 
@@ -542,8 +652,63 @@ def test_fabric_qmuon_fsdp_moe_trains_and_resumes(two_process_run: list[dict], f
         assert_targets(run["report"], f"{family} Fabric rank {r}")
 
 
+@pytest.fixture(scope="module")
+def second_run(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    from _helpers import free_port
+
+    out = tmp_path_factory.mktemp("moe2")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+           "--master_port", str(free_port()), str(Path(__file__).resolve()), "--worker2", str(out)]
+    run_launcher(cmd, timeout=900, env=subprocess_env(PYTHONWARNINGS="ignore"),
+                 what="2-process MoE worker (Trainer Mixtral, Fabric Qwen3-MoE / gpt-oss)")
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+
+
+@pytest.mark.slow
+def test_trainer_and_fabric_cover_every_moe_family(second_run: list[dict]) -> None:
+    """With the first launch: Qwen3-MoE, Mixtral and gpt-oss each train and resume bit-exactly under
+    both the Trainer strategy and Fabric (2 processes), every expert block on target."""
+    for r, res in enumerate(second_run):
+        run = res["trainer_mixtral"]
+        assert run["steps"] == 4 and run["mismatches"] == [], f"rank {r}: {run['mismatches']}"
+        assert run["banks"] == sorted(f"model.model.layers.{i}.mlp.experts.{a}" for i in range(LAYERS)
+                                      for a in ("gate_up_proj", "down_proj"))
+        assert_targets(run["report"], f"mixtral Trainer rank {r}")
+        for family in ("qwen3_moe", "gpt_oss"):
+            run = res[f"fabric_{family}"]
+            assert run["resumed_at"] == 2 and run["mismatches"] == [], f"rank {r} {family}: {run['mismatches']}"
+            silent = {k for k in run["report"] if family == "gpt_oss" and f"layers.{SILENT[0]}.mlp.experts.{SILENT[1]}." in k}
+            assert len(silent) == (3 if family == "gpt_oss" else 0)
+            assert_targets({k: v for k, v in run["report"].items() if k not in silent}, f"{family} Fabric rank {r}")
+
+
+@pytest.mark.slow
+def test_expert_without_tokens_under_fabric_keeps_its_state_in_the_checkpoint(second_run: list[dict]) -> None:
+    """gpt-oss under Fabric, expert 3 of layer 0 routed no token in any step (rank 1 holds it): its
+    weights do not move, every rank resumes with its bank state (rank 1 with the expert's zero
+    momentum codes), and the sharded checkpoint holds every expert's rows of every state tensor of
+    the bank, written by both ranks."""
+    holders = []
+    for r, res in enumerate(second_run):
+        facts = res["fabric_gpt_oss"]["silent"]
+        assert all(facts["unchanged"].values()), (r, facts["unchanged"])
+        for attr, st in facts["local_state"].items():
+            assert {"momentum_codes", "momentum_absmax", "step"} <= set(st["keys"]), (r, attr, st)
+            assert all(shape[0] == EXPERTS // 2 for shape in st["local_shapes"].values()), (r, attr, st)
+            if st["holds_silent"]:
+                holders.append(r)
+                assert st["silent_codes_zero"], (r, attr)
+        saved = facts["saved_rows"]
+        assert any(k.endswith("gate_up_proj.momentum_codes") for k in saved), sorted(saved)
+        for key, (size, rows) in saved.items():
+            assert size[0] == EXPERTS and rows == list(range(EXPERTS)), (key, size, rows)
+    assert holders == [1, 1], holders  # gate_up_proj and down_proj, both on rank 1
+
+
 if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "--worker":
         _worker_main(Path(sys.argv[2]))
+    elif len(sys.argv) == 3 and sys.argv[1] == "--worker2":
+        _worker2_main(Path(sys.argv[2]))
     else:
-        sys.exit(f"usage: {sys.argv[0]} --worker OUT")
+        sys.exit(f"usage: {sys.argv[0]} --worker OUT | --worker2 OUT")

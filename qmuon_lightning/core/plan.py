@@ -37,6 +37,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
+import torch
 from torch import Tensor
 
 __all__ = [
@@ -49,6 +50,7 @@ __all__ = [
     "MatrixPart",
     "ParamPlan",
     "plan_param",
+    "true_shape",
     "part_bounds",
 ]
 
@@ -253,6 +255,16 @@ class ParamPlan:
     name: str
     orientation: str = "out_in"
     bank_dims: int = 0
+
+
+def true_shape(p: Tensor) -> torch.Size:
+    """The full shape of parameter ``p``: ``p.shape``, or, for a parameter DeepSpeed ZeRO-3 has
+    partitioned (``deepspeed.zero.Init``, or ``deepspeed.initialize`` at stage 3), the shape DeepSpeed
+    recorded in ``p.ds_shape``: such a parameter is an empty 1-D tensor on every rank between uses,
+    so routing or planning by ``p.shape`` would send every matrix to AdamW, silently (DeepSpeed
+    #8438, LlamaFactory #8041). Duck-typed: nothing here imports DeepSpeed."""
+    ds = getattr(p, "ds_shape", None)
+    return torch.Size(ds) if ds is not None else p.shape
 
 
 def plan_param(p: Tensor | Sequence[int], group: dict[str, Any], key: int, name: str) -> ParamPlan:

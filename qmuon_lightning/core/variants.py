@@ -104,11 +104,38 @@ def _ranges(plan: ParamPlan) -> tuple[list[tuple[int, int]], list[tuple[int, int
     return rows, cols
 
 
+def _bank_neuron_offsets(plan: ParamPlan) -> tuple[dict[tuple[int, ...], int], int]:
+    """A bank's NorMuon slots: for each part of a member (keyed by its place in the member:
+    ``BankBlock`` rows / columns and steps), the offset of its neurons in the member's slice, and
+    the member's neuron count ``K`` (its parts' logical output rows, part after part)."""
+    per_member: dict[tuple[int, ...], int] = {}
+    k = 0
+    first = plan.parts[0].bank
+    assert first is not None
+    for part in plan.parts:
+        b = part.bank
+        assert b is not None
+        if b.index != first.index:
+            break
+        per_member[(b.r0, b.r1, b.row_step, b.c0, b.c1, b.col_step)] = k
+        k += part.logical_shape[0]
+    return per_member, k
+
+
 def row_moment_shape(plan: ParamPlan) -> tuple[int, int]:
     """Shape of a parameter's NorMuon state: ``(rows, n column parts)`` when the stored rows are
     the layer's output rows (``out_in``), ``(n row parts, cols)`` when the stored columns are
     (``in_out``). Either way every part's neurons are one slice of it, and an ``out_in`` state
-    splits by stored rows like the momentum (``Shard(0)``)."""
+    splits by stored rows like the momentum (``Shard(0)``).
+
+    A bank (``plan.bank_dims``): ``(rows, members per stored row * K)``, ``K`` the neurons of one
+    member (the logical output rows of its parts, gate's then up's, in either orientation). A
+    member's second moment sits in the stored row that holds the member, so it always splits with
+    the experts (``Shard(0)``): each rank keeps its own experts' NorMuon state."""
+    if plan.bank_dims:
+        first = plan.parts[0].bank
+        assert first is not None
+        return (plan.rows, first.per_row * _bank_neuron_offsets(plan)[1])
     rows, cols = _ranges(plan)
     if plan.parts[0].transposed:
         return (len(rows), plan.cols)
@@ -119,7 +146,13 @@ def part_row_moment(v: Tensor, plan: ParamPlan, part: MatrixPart, row_offset: in
                     local_rows: tuple[int, int] | None = None) -> Tensor:
     """The slice of a parameter's NorMuon state ``v`` (:func:`row_moment_shape`) holding ``part``'s
     neurons: a 1-D view. ``row_offset``: global index of ``v``'s first row (a ``Shard(0)`` shard);
-    ``local_rows``: the global stored rows ``[a, b)`` of the part this shard holds (default: all)."""
+    ``local_rows``: the global stored rows ``[a, b)`` of the part this shard holds (default: all;
+    a bank member is never split)."""
+    if part.bank is not None:
+        b = part.bank
+        offsets, k = _bank_neuron_offsets(plan)
+        at = (b.index % b.per_row) * k + offsets[(b.r0, b.r1, b.row_step, b.c0, b.c1, b.col_step)]
+        return v[part.r0 - row_offset, at: at + part.logical_shape[0]]
     rows, cols = _ranges(plan)
     if part.transposed:
         return v[rows.index((part.r0, part.r1)), part.c0: part.c1]
@@ -130,7 +163,7 @@ def part_row_moment(v: Tensor, plan: ParamPlan, part: MatrixPart, row_offset: in
 def check_row_moment(v: Tensor, plan: ParamPlan, local_rows: int, where: str) -> None:
     """Raise naming the problem when a loaded NorMuon state does not fit the parameter."""
     shape = row_moment_shape(plan)
-    want = (local_rows, shape[1]) if not plan.parts[0].transposed else shape
+    want = (local_rows, shape[1]) if plan.bank_dims or not plan.parts[0].transposed else shape
     if tuple(v.shape) != want or v.dtype != torch.float32:
         raise ValueError(f"{where}: {NORMUON_STATE} has shape {tuple(v.shape)} {v.dtype}, expected {want} float32 "
                          "(one value per output row of each matrix); the checkpoint belongs to another model or layout")

@@ -44,7 +44,8 @@ class ShardMesh:
         if mesh.ndim > 2:
             raise NotImplementedError(
                 f"QMuon: {where} is on a {mesh.ndim}-D mesh with placements {tuple(p.placements)}; sharded QMuon "
-                "supports a 1-D mesh (Shard(0)) or a 2-D (replicate, shard) HSDP mesh (Replicate(), Shard(0))")
+                "supports a 1-D mesh (Shard(0),) or a 2-D (replicate, shard) HSDP mesh (Replicate(), Shard(0)). "
+                "Shard Muon parameters over at most two mesh dims (fully_shard with mesh[('replicate', 'shard')])")
         dim = shard_mesh_dim(p)
         rep_dim = 1 - dim if mesh.ndim == 2 else None
         return cls(

@@ -36,7 +36,10 @@ NorMuon (``variant="normuon"``): the second moment has one fp32 value per output
 Each rank's rows of it ride with its NS input to the owner (4 bytes per row), the owner rescales
 the whole matrix's result (:func:`~qmuon_lightning.core.variants.normuon_scale`, the rescale needs
 the whole matrix's norm) before encoding the return, and the updated rows ride back with it: no
-extra collective. ``(in, out)`` weights (neurons = stored columns) are refused for now.
+extra collective. ``(in, out)`` weights (neurons = stored columns) are refused for now, except
+in expert banks: a member's second moment (its neurons in either orientation) sits in the stored
+row that holds the member, so it stays with the expert and is updated where the expert is
+orthogonalized; under HSDP the owner shares it with the member's result over the replicate dim.
 
 Banks (mixture-of-experts layers stored ``(E, out, in)``, :mod:`qmuon_lightning.core.plan`) keep one
 stored row per expert, so ``Shard(0)`` always puts whole experts on a rank (an uneven split, 8
@@ -119,16 +122,19 @@ class ShardedStep:
         self.device = sharded[0][2].to_local().device  # collectives run on it (NCCL needs CUDA tensors)
         tp = TensorParallelWorld([p for _, _, p, _ in sharded]) if uses_tensor_parallel([p for *_, p, _ in sharded]) \
             else None
-        first = sharded[0][2]
+        first, first_where = sharded[0][2], sharded[0][3]
+        if tp is None:
+            ShardMesh.of(first, first_where)  # a mesh of more than 2 dims is refused naming the parameter
         for gi, i, p, where in sharded:
             group = param_groups[gi]
             if tp is not None:
                 lay = tp.layout(p)
                 check_tensor_parallel_param(p, group, lay, where)
             else:
-                self._check_one_mesh(p, first, where)
-                lay = row_layout(p)
-            if group["use_muon"] and group.get("variant") == "normuon" and group["orientation"] != "out_in":
+                self._check_one_mesh(p, where, first, first_where)
+                lay = row_layout(p, where)
+            if (group["use_muon"] and group.get("variant") == "normuon" and group["orientation"] != "out_in"
+                    and not group.get("bank_dims")):
                 raise NotImplementedError(
                     f"QMuon: {where}: variant='normuon' on a sharded orientation={group['orientation']!r} weight: "
                     "its neurons are stored columns, not the rows FSDP2 shards. Use variant='muon' for this "
@@ -145,7 +151,7 @@ class ShardedStep:
             self.shard_mesh = ShardMesh(mesh=tp.mesh, shard_dim=-1, shard_group=tp.group, shard_size=tp.world,
                                         shard_rank=tp.rank, replicate_group=None, replicas=1, replica=0)
         else:
-            self.shard_mesh = ShardMesh.of(first)
+            self.shard_mesh = ShardMesh.of(first, first_where)
         sm = self.shard_mesh
         self.tensor_parallel = tp is not None
         self.process_group = sm.shard_group  # momentum collectives, flags and the all-to-all: the shard dim
@@ -163,18 +169,21 @@ class ShardedStep:
         return f"parameter {names[i]!r}" if names else f"param group {gi} parameter #{i}"
 
     @staticmethod
-    def _check_one_mesh(p: DTensor, first: DTensor, where: str) -> None:
+    def _check_one_mesh(p: DTensor, where: str, first: DTensor, first_where: str) -> None:
         """Shard(0) / HSDP: every parameter on one mesh, sharded the same way."""
         check_sharded_param(p, where)
         if p.device_mesh != first.device_mesh:
             raise NotImplementedError(
-                f"QMuon: {where} is sharded on a different device mesh than the other parameters; sharded "
-                "QMuon needs every DTensor parameter on one mesh (fully_shard with one mesh), or a (dp, tp) mesh "
-                "and its dp sub-mesh (tensor parallelism)")
+                f"QMuon: {where} (placements {tuple(p.placements)}) is sharded on the mesh {p.device_mesh}, "
+                f"but {first_where} on {first.device_mesh}; sharded QMuon needs every DTensor parameter on one mesh "
+                "(fully_shard every unit with the same 1-D or (replicate, shard) mesh), or a (dp, tp) mesh and its "
+                "dp sub-mesh (tensor parallelism)")
         if tuple(p.placements) != tuple(first.placements):
             raise NotImplementedError(
-                f"QMuon: {where} has placements {tuple(p.placements)}, unlike the other sharded parameters "
-                f"{tuple(first.placements)}; shard every parameter the same way (one fully_shard mesh)")
+                f"QMuon: {where} has placements {tuple(p.placements)}, but {first_where} has "
+                f"{tuple(first.placements)}; sharded QMuon needs every DTensor parameter sharded the same way, "
+                "(Shard(0),) on a 1-D mesh or (Replicate(), Shard(0)) on a (replicate, shard) HSDP mesh "
+                "(fully_shard every unit with the same mesh)")
 
     def begin(self) -> None:
         """Start a step: forget the previous step's items and byte counts."""
@@ -262,22 +271,22 @@ class ShardedStep:
         if self.tensor_parallel and any(part.bank is not None for part in plan.parts):
             raise NotImplementedError("QMuon: expert banks on a (dp, tp) mesh are not supported; shard them with "
                                       "FSDP2 on a 1-D mesh or HSDP")
-        if moment is not None and any(part.bank is not None for part in plan.parts):
-            raise NotImplementedError(
-                "QMuon: variant='normuon' on a sharded expert bank is not supported yet (each rank "
-                "orthogonalizes its own experts without the second moment); use variant='muon' for the bank "
-                "groups (build_optimizer(..., rules=...) / a group of their own)")
+        beta2 = float(group.get("normuon_beta2", 0.0))
         for part in plan.parts:
             if part.bank is not None:  # a bank member lies in one stored row: wholly here, or not here
                 here = lay.start <= part.r0 < lay.start + lay.local_rows
                 holder = next(r for r, (a, b) in enumerate(lay.ranges) if a <= part.r0 < b)
                 self.bank_meta.append((part.rows, part.cols, holder))  # every rank knows every member's holder
+                # NorMuon: the member's second moment lives in its stored row, here (no communication)
+                mom = RowMoment(part_row_moment(moment, plan, part, lay.start), beta2) \
+                    if moment is not None and here else None
                 if self.replicas > 1:
                     if here:
                         self.bank_local.append((len(self.bank_meta) - 1, part, g2, sums, group, settings, apply_local,
-                                                lay.start, lr))
+                                                lay.start, lr, mom))
                 elif here:
-                    self.local_items.append(part_item(part, g2, sums, group, settings, apply_local, lay.start))
+                    self.local_items.append(part_item(part, g2, sums, group, settings, apply_local, lay.start,
+                                                      moment=mom))
                 continue
             lo, hi = lay.overlap(lay.rank, part.r0, part.r1)
             a, b = lo - lay.start, hi - lay.start
@@ -303,8 +312,7 @@ class ShardedStep:
                 eps=float(group["eps"]), settings=owner_settings, forward=fwd, decay=decay, write=part_write,
                 cautious=cautious,
                 moment_rows=None if moment is None else part_row_moment(moment, plan, part, lay.start, (lo, hi)),
-                beta2=float(group.get("normuon_beta2", 0.0)), block_sums=part.whole_rows,
-                block=int(group["block_size"]),
+                beta2=beta2, block_sums=part.whole_rows, block=int(group["block_size"]),
             ))
 
     # ------------------------------------------------------------------ 3-6. exchange and NS
@@ -429,15 +437,14 @@ class ShardedStep:
         # HSDP: the bank members of this shard that this rank orthogonalizes; their results are
         # encoded (return carrier) for every replica, this one included, so replicas stay identical.
         bank_mine = [b for b in self.bank_local if bank_owners[b[0]] == self.replica * world + me]
-        bank_buf = torch.empty(sum(self.ret.nbytes(b[1].rows, b[1].cols) for b in bank_mine), dtype=torch.uint8,
-                               device=device)
+        bank_buf = torch.empty(sum(self._bank_bytes(b) for b in bank_mine), dtype=torch.uint8, device=device)
         off = 0
         for b in bank_mine:
-            _, part, g2, sums, group, settings, _, first_row, _ = b
-            nb_c = self.ret.nbytes(part.rows, part.cols)
-            ns_items.append(part_item(part, g2, sums, group, settings, self._bank_encoder(bank_buf[off: off + nb_c]),
-                                      first_row))
-            off += nb_c
+            _, part, g2, sums, group, settings, _, first_row, _, mom = b
+            nb = self._bank_bytes(b)
+            ns_items.append(part_item(part, g2, sums, group, settings, self._bank_encoder(bank_buf[off: off + nb], mom),
+                                      first_row, moment=mom))
+            off += nb
         orthogonalize(ns_items + self.local_items, batch_budget)
         self.local_items = []
         del recv
@@ -453,11 +460,13 @@ class ShardedStep:
                 for b in self.bank_local:
                     if bank_owners[b[0]] != r * world + me:
                         continue
-                    _, part, _, _, _, _, apply_bank, _, _ = b
+                    _, part, _, _, _, _, apply_bank, _, _, mom = b
                     nb_c = self.ret.nbytes(part.rows, part.cols)
                     o = self.ret.decode(buf[at: at + nb_c], part.rows, part.cols)
                     apply_bank(part, o.view(part.rows, part.cols))  # decay and bf16 rounding as every write
-                    at += nb_c
+                    if mom is not None:  # the owner's updated NorMuon second moment of the member's neurons
+                        mom.v.copy_(buf[at + nb_c: at + self._bank_bytes(b)].view(torch.float32))
+                    at += self._bank_bytes(b)
         self.bank_local, self.bank_meta = [], []
 
         elements = sum(it.rows * it.cols for it in items)
@@ -489,11 +498,21 @@ class ShardedStep:
                     off += 4 * n
         return off
 
-    def _bank_encoder(self, buf: Tensor) -> Callable[[Any, Tensor], None]:
-        """``apply`` of a bank member part orthogonalized for every replica: encode the result."""
+    def _bank_bytes(self, b: tuple[Any, ...]) -> int:
+        """Bytes of one HSDP bank member part shared over the replicate dim: its result (return
+        carrier) and, under NorMuon, the updated fp32 second moment of its neurons."""
+        part, mom = b[1], b[-1]
+        return self.ret.nbytes(part.rows, part.cols) + (4 * mom.v.numel() if mom is not None else 0)
+
+    def _bank_encoder(self, buf: Tensor, mom: RowMoment | None = None) -> Callable[[Any, Tensor], None]:
+        """``apply`` of a bank member part orthogonalized for every replica: encode the result (and
+        the NorMuon second moment, which the NS pipeline updated before calling this)."""
 
         def encode(part: Any, out: Tensor) -> None:
-            self.ret.encode_into(out.contiguous(), buf)
+            nb_c = self.ret.nbytes(part.rows, part.cols)
+            self.ret.encode_into(out.contiguous(), buf[:nb_c])
+            if mom is not None:
+                buf[nb_c:].view(torch.float32).copy_(mom.v)
 
         return encode
 

@@ -39,7 +39,7 @@ from ..core.config import (
 )
 from ..core.newton_schulz import MUON_COEFFICIENTS
 from ..core.pipeline import NSItem, is_dtensor, local
-from ..core.plan import MatrixPart, ParamPlan, adjusted_lr, plan_param
+from ..core.plan import MatrixPart, ParamPlan, adjusted_lr, plan_param, true_shape
 from ..quant import adamw as qadamw
 from ..core.variants import NORMUON_STATE, RowMoment, check_row_moment, part_row_moment, row_moment_shape
 from ..quant import state as qstate
@@ -244,29 +244,30 @@ class QMuon(Optimizer):
         parts = group["parts"]
         for i, p in enumerate(group["params"]):
             label = f"parameter {names[i]!r}" if names else f"parameter #{i}"
-            if p.ndim < 2:
+            shape = true_shape(p)  # a DeepSpeed ZeRO-3 partitioned parameter: its full shape
+            if len(shape) < 2:
                 raise ValueError(
-                    f"{where}: {label} has shape {tuple(p.shape)}: Muon orthogonalizes matrices. Put 1-D tensors "
+                    f"{where}: {label} has shape {tuple(shape)}: Muon orthogonalizes matrices. Put 1-D tensors "
                     "(biases, norm gains) in an AdamW group ({'params': [...], 'use_muon': False}) or build "
                     "the optimizer with qmuon_lightning.build_optimizer(model), which routes them for you"
                 )
             if torch.is_complex(p):
                 raise ValueError(f"{where}: {label} is complex; QMuon supports real parameters only")
             axis, orientation, bank = group["parts_axis"], group["orientation"], group["bank_dims"]
-            if bank and p.ndim != bank + 2:
+            if bank and len(shape) != bank + 2:
                 raise ValueError(
-                    f"{where}: {label} has shape {tuple(p.shape)}; a bank with bank_dims={bank} is (*bank, rows, cols) "
+                    f"{where}: {label} has shape {tuple(shape)}; a bank with bank_dims={bank} is (*bank, rows, cols) "
                     f"({bank + 2} dims). Set bank_dims to the number of leading dims that index matrices")
-            if (axis == 1 or orientation != "out_in") and p.ndim != 2 + bank:
+            if (axis == 1 or orientation != "out_in") and len(shape) != 2 + bank:
                 raise ValueError(
-                    f"{where}: {label} has shape {tuple(p.shape)}; orientation={orientation!r} and parts_axis={axis} "
+                    f"{where}: {label} has shape {tuple(shape)}; orientation={orientation!r} and parts_axis={axis} "
                     "apply to 2-D weights (or the matrices of a bank, bank_dims >= 1) only. Put it in a group with the "
                     "defaults (orientation='out_in', parts_axis=0)")
             dim = bank + axis  # the parts' dim of the weight or of each bank member
-            if parts is not None and sum(parts) != p.shape[dim]:
+            if parts is not None and sum(parts) != shape[dim]:
                 unit = "rows" if axis == 0 else "columns (parts_axis=1)"
                 what = f"each member of {label}" if bank else label
-                raise ValueError(f"{where}: parts {parts} sum to {sum(parts)} {unit} but {what} has {p.shape[dim]} {unit}")
+                raise ValueError(f"{where}: parts {parts} sum to {sum(parts)} {unit} but {what} has {shape[dim]} {unit}")
 
     def _group_plans(self, gi: int) -> list[ParamPlan]:
         """The plans of group ``gi``'s parameters, recomputed only when the parameters (FSDP2 and

@@ -61,7 +61,7 @@ from torch import nn
 
 from ..core.config import DEFAULT_CONFIG, QMuonConfig
 from ..core.pipeline import DEFAULT_BATCH_BUDGET
-from ..core.plan import ORIENTATIONS, FusedParts
+from ..core.plan import ORIENTATIONS, FusedParts, true_shape
 from .litgpt_layouts import LayoutRefusal, litgpt_fused_parts
 from .qmuon import QMuon
 from .release import attach_gradient_release
@@ -101,7 +101,9 @@ class RoutingRule:
 
     Args:
         target: ``"muon"``, ``"adamw"`` or ``"adamw_no_decay"`` (AdamW with weight_decay 0).
-        min_ndim / max_ndim: bounds on ``param.ndim`` (inclusive).
+        min_ndim / max_ndim: bounds on the parameter's number of dims (inclusive), read from its
+            full shape (:func:`~qmuon_lightning.core.plan.true_shape`: DeepSpeed ZeRO-3 partitioned
+            parameters look 1-D and empty).
         module_types: the module that owns the parameter is an instance of one of these.
         name_regex: ``re.search`` on the parameter's qualified name.
         reason: shown in the routing table.
@@ -125,9 +127,9 @@ class RoutingRule:
             raise ValueError(f"RoutingRule target must be one of {_TARGETS}, got {self.target!r}")
 
     def matches(self, name: str, param: torch.Tensor, module: nn.Module) -> bool:
-        if self.min_ndim is not None and param.ndim < self.min_ndim:
+        if self.min_ndim is not None and len(true_shape(param)) < self.min_ndim:
             return False
-        if self.max_ndim is not None and param.ndim > self.max_ndim:
+        if self.max_ndim is not None and len(true_shape(param)) > self.max_ndim:
             return False
         if self.module_types and not isinstance(module, self.module_types):
             return False
@@ -204,10 +206,10 @@ HF_CONV1D = "Conv1D"
 def _is_hf_conv1d(module: nn.Module, attr: str, p: torch.Tensor) -> bool:
     """An HF ``Conv1D`` weight, by class name (no transformers import) and by its ``nf`` (out
     features) matching the weight's columns."""
-    if type(module).__name__ != HF_CONV1D or attr != "weight" or p.ndim != 2:
+    if type(module).__name__ != HF_CONV1D or attr != "weight" or len(true_shape(p)) != 2:
         return False
     nf = getattr(module, "nf", None)
-    return nf is None or int(nf) == int(p.shape[1])
+    return nf is None or int(nf) == int(true_shape(p)[1])
 
 
 def _hf_fused(model: nn.Module) -> dict[int, FusedParts]:
@@ -221,8 +223,9 @@ def _hf_fused(model: nn.Module) -> dict[int, FusedParts]:
         if child is None or not isinstance(split, int) or split <= 0 or type(child).__name__ != HF_CONV1D:
             continue
         w = getattr(child, "weight", None)
-        if isinstance(w, torch.Tensor) and w.ndim == 2 and w.shape[1] % split == 0 and w.shape[1] > split:
-            out[id(child)] = FusedParts((split,) * (w.shape[1] // split), axis=1)
+        shape = true_shape(w) if isinstance(w, torch.Tensor) else None
+        if shape is not None and len(shape) == 2 and shape[1] % split == 0 and shape[1] > split:
+            out[id(child)] = FusedParts((split,) * (shape[1] // split), axis=1)
     return out
 
 
@@ -259,14 +262,14 @@ def _hf_banks(model: nn.Module) -> dict[tuple[int, str], BankLayout]:
         concatenated = bool(getattr(module, "is_concatenated", concatenated))
         for attr in HF_EXPERT_BANKS:
             p = module._parameters.get(attr)
-            if p is None or p.ndim != 3:
+            if p is None or len(true_shape(p)) != 3:
                 continue
             parts = None
             if attr == "gate_up_proj":
                 axis = 1 if transposed else 0  # the output dim of each member, as stored
-                n = int(p.shape[1 + axis])
+                n = int(true_shape(p)[1 + axis])
                 if n % 2:
-                    raise ValueError(f"{cls}.gate_up_proj of shape {tuple(p.shape)}: its output dim {n} must hold "
+                    raise ValueError(f"{cls}.gate_up_proj of shape {tuple(true_shape(p))}: its output dim {n} must hold "
                                      "gate and up (even); declare its layout with fused_parts / banks")
                 parts = FusedParts((n // 2, n // 2), axis, interleaved=not concatenated)
             out[(id(module), attr)] = BankLayout("in_out" if transposed else "out_in", parts)
@@ -292,9 +295,9 @@ def _declared_bank(name: str, module: nn.Module, attr: str, p: torch.Tensor, ban
             return 1
         else:
             return 0
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0 or (value and p.ndim != value + 2):
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0 or (value and len(true_shape(p)) != value + 2):
         raise ValueError(f"{where}: bank dims must be an int n >= 0 with the parameter of shape (*bank, rows, cols) "
-                         f"(n + 2 dims); {name!r} has shape {tuple(p.shape)}, got {value!r}")
+                         f"(n + 2 dims); {name!r} has shape {tuple(true_shape(p))}, got {value!r}")
     return value
 
 
@@ -347,9 +350,9 @@ def _declared_orientation(name: str, module: nn.Module, attr: str, p: torch.Tens
     if value not in ORIENTATIONS:
         raise ValueError(f"{where}: orientation must be one of {ORIENTATIONS} ('out_in': stored (out, in) like "
                          f"nn.Linear; 'in_out': stored (in, out) like transformers' Conv1D), got {value!r}")
-    if value != "out_in" and p.ndim != 2 + bank_dims:
+    if value != "out_in" and len(true_shape(p)) != 2 + bank_dims:
         raise ValueError(f"{where}: orientation {value!r} applies to 2-D weights and to the matrices of a bank; "
-                         f"{name!r} has shape {tuple(p.shape)}")
+                         f"{name!r} has shape {tuple(true_shape(p))}")
     return value
 
 
@@ -377,18 +380,18 @@ def route_parameters(
     for _, (name, module, attr) in _owners(model).items():
         p = getattr(module, attr)
         if not p.requires_grad:
-            decisions.append(RouteDecision(name, tuple(p.shape), "frozen", "requires_grad=False", param=p))
+            decisions.append(RouteDecision(name, tuple(true_shape(p)), "frozen", "requires_grad=False", param=p))
             continue
         for rule in rules:
             if rule.matches(name, p, module):
-                d = RouteDecision(name, tuple(p.shape), rule.target, rule.reason, None, p)
+                d = RouteDecision(name, tuple(true_shape(p)), rule.target, rule.reason, None, p)
                 if rule.target == "muon":
                     _read_layout(d, module, attr, p, fused_parts, orientations, auto, banks, auto_banks)
                 decisions.append(d)
                 break
         else:
             raise ValueError(
-                f"no routing rule matched parameter {name!r} (shape {tuple(p.shape)}); "
+                f"no routing rule matched parameter {name!r} (shape {tuple(true_shape(p))}); "
                 "end the rule table with a catch-all rule such as RoutingRule('adamw')"
             )
     return decisions
@@ -407,16 +410,16 @@ def _read_layout(d: RouteDecision, module: nn.Module, attr: str, p: torch.Tensor
     if parts is None:
         return
     b = d.bank_dims
-    if parts.axis == 1 and p.ndim != 2 + b:
+    if parts.axis == 1 and len(true_shape(p)) != 2 + b:
         raise ValueError(f"fused parts of {d.name!r} along axis 1 need a 2-D weight (or the matrices of a bank), got "
-                         f"shape {tuple(p.shape)}")
+                         f"shape {tuple(true_shape(p))}")
     if parts.interleaved and not b:
         raise ValueError(f"fused parts of {d.name!r}: interleaved parts are supported on the matrices of a bank; "
                          "declare it with banks / qmuon_bank_dims")
     dim = b + parts.axis
-    if sum(parts.sizes) != p.shape[dim]:
+    if sum(parts.sizes) != true_shape(p)[dim]:
         raise ValueError(f"fused parts of {d.name!r}: sizes {list(parts.sizes)} sum to {sum(parts.sizes)}, but dim "
-                         f"{dim} of its shape {tuple(p.shape)} is {p.shape[dim]}; fix the sizes or the axis")
+                         f"{dim} of its shape {tuple(true_shape(p))} is {true_shape(p)[dim]}; fix the sizes or the axis")
     d.parts, d.parts_axis, d.parts_interleaved = parts.sizes, parts.axis, parts.interleaved
 
 

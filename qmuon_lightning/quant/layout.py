@@ -226,10 +226,11 @@ def check_sharded_param(p: Any, where: str = "parameter", tensor_parallel: bool 
     )
 
 
-def row_layout(p: Any) -> RowLayout:
+def row_layout(p: Any, where: str = "a Shard(0) parameter") -> RowLayout:
     """The :class:`RowLayout` of a ``Shard(0)`` DTensor (checked against its local shard;
-    tensor-parallel layouts: ``qmuon_lightning.distributed.tensor_parallel.piece_layout``)."""
-    check_sharded_param(p)
+    ``where`` names it in errors; tensor-parallel layouts:
+    ``qmuon_lightning.distributed.tensor_parallel.piece_layout``)."""
+    check_sharded_param(p, where)
     rows = int(p.shape[0])
     cols = math.prod(int(s) for s in p.shape[1:])
     mesh = p.device_mesh
@@ -240,7 +241,8 @@ def row_layout(p: Any) -> RowLayout:
     n_local = int(p.to_local().shape[0])
     if ranges[rank][1] - ranges[rank][0] != n_local:
         raise RuntimeError(
-            f"QMuon: a Shard(0) parameter of shape {tuple(p.shape)} has {n_local} local rows on mesh rank {rank}, "
+            f"QMuon: {where} of shape {tuple(p.shape)} (placements {tuple(p.placements)}) has {n_local} local rows "
+            f"on mesh rank {rank}, "
             f"but torch.chunk-style sharding gives {ranges[rank]}; only even (torch.chunk) Shard(0) layouts are supported"
         )
     return RowLayout(rows, cols, ranges, rank, tuple(int(s) for s in p.shape))

@@ -5,24 +5,28 @@ with three changes:
 
 - the QMuon returned by ``configure_optimizers`` is wrapped in
   :class:`~qmuon_lightning.integrations.deepspeed.WholeMatrixZeroOptimizer` before
-  ``deepspeed.initialize`` and attached to the engine afterwards, so under ZeRO stages 0-2 every
+  ``deepspeed.initialize`` and attached to the engine afterwards, so under ZeRO stages 0-3 every
   Muon matrix is orthogonalized whole, once per step, by one owner rank (see that module);
 - the DeepSpeed config is checked with
   :func:`~qmuon_lightning.integrations.deepspeed.check_config` (no ``optimizer`` section, no
-  optimizer offload, no stage 3, ...), each refusal naming the fix;
+  optimizer offload, ...), each refusal naming the fix;
 - it also runs on the CPU accelerator (gloo), which Lightning's own ``setup_environment`` refuses:
   nothing else in the strategy is CUDA-specific, and DeepSpeed itself runs on its CPU accelerator.
   On CPU, DeepSpeed's JIT-compiled communication op is skipped
   (:func:`~qmuon_lightning.integrations.deepspeed.avoid_cpu_op_builds`).
 
 Names registered in Lightning's ``StrategyRegistry`` on import: ``"qmuon_deepspeed"`` (ZeRO stage 2),
-``"qmuon_deepspeed_stage_1"``, ``"qmuon_deepspeed_stage_2"``. Stage 0:
+``"qmuon_deepspeed_stage_1"``, ``"qmuon_deepspeed_stage_2"``, ``"qmuon_deepspeed_stage_3"``. At
+stage 3 a model built in ``configure_model`` is created under ``deepspeed.zero.Init`` (partitioned
+from the start); ``qmuon_lightning.build_optimizer`` routes it by the full shapes. Stage 0:
 ``QMuonDeepSpeedStrategy(zero_optimization=False)``. A config dict or JSON path works as for
 Lightning's strategy: ``QMuonDeepSpeedStrategy(config="examples/ds_config_zero2.json")``.
 
 Checkpoints are DeepSpeed checkpoint directories (``trainer.save_checkpoint(path)`` /
 ``Trainer.fit(ckpt_path=path)``): the quantized momentum is in the optimizer state DeepSpeed writes
-(one file per rank at stages 1/2). Resume with the same number of processes and ZeRO stage.
+(one file per rank at stages 1-3). Resume with the same number of processes and ZeRO stage: a
+checkpoint from another process count raises
+:class:`~qmuon_lightning.integrations.deepspeed.CheckpointWorldSizeError` naming both and the fix.
 """
 
 from __future__ import annotations
@@ -37,17 +41,18 @@ from lightning.pytorch.strategies.ddp import DDPStrategy
 from torch.nn import Module
 from torch.optim import Optimizer
 
-from ..integrations.deepspeed import WholeMatrixZeroOptimizer, avoid_cpu_op_builds, check_config
+from ..integrations.deepspeed import WholeMatrixZeroOptimizer, avoid_cpu_op_builds, check_config, check_resume
 from ..optim.qmuon import QMuon
 
 __all__ = ["QMuonDeepSpeedStrategy", "STRATEGY_NAMES"]
 
 #: Names this module registers, with the ZeRO stage each selects.
-STRATEGY_NAMES = {"qmuon_deepspeed": 2, "qmuon_deepspeed_stage_1": 1, "qmuon_deepspeed_stage_2": 2}
+STRATEGY_NAMES = {"qmuon_deepspeed": 2, "qmuon_deepspeed_stage_1": 1, "qmuon_deepspeed_stage_2": 2,
+                  "qmuon_deepspeed_stage_3": 3}
 
 
 class QMuonDeepSpeedStrategy(DeepSpeedStrategy):
-    """DeepSpeed ZeRO 0/1/2 with QMuon's whole-matrix Newton-Schulz and quantized momentum.
+    """DeepSpeed ZeRO 0-3 with QMuon's whole-matrix Newton-Schulz and quantized momentum.
 
     Takes the arguments of Lightning's ``DeepSpeedStrategy``. ``configure_optimizers`` must return
     one QMuon (for example ``qmuon_lightning.build_optimizer(self)``), optionally with a scheduler.
@@ -111,6 +116,13 @@ class QMuonDeepSpeedStrategy(DeepSpeedStrategy):
             wrapper.attach(engine)
             self.qmuon_optimizer = wrapper
         return engine, ds_optimizer
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        if self.qmuon_optimizer is not None and not (self.load_full_weights and self.zero_stage_3):
+            # A DeepSpeed checkpoint directory (tag "checkpoint", as Lightning saves it) from another process
+            # count: say so, with the fix, before DeepSpeed loads anything.
+            check_resume(checkpoint_path, "checkpoint", self.world_size)
+        return super().load_checkpoint(checkpoint_path, weights_only)
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:

@@ -56,7 +56,7 @@ from .fsdp import (
     _CKPT_KEY, OptimizerMode, QMuonStrategyMixin, _check_sharded_formats,
     apply_format_overrides, ensure_release, build_replacement, check_compatible, checkpoint_info, load_full_state, load_sharded_state, no_muon_warning,
 )
-from .sharding import ShardPolicy, describe_sharding, is_sharded, shard_unless_sharded
+from .sharding import ShardPolicy, check_replicate_size, describe_sharding, hsdp_mesh, is_sharded, shard_unless_sharded
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -118,6 +118,11 @@ class QMuonFabricStrategy(QMuonStrategyMixin, ModelParallelStrategy):
         save_distributed_checkpoint: ``True``: ``fabric.save`` writes a sharded directory; ``False``:
             one consolidated file written by rank 0.
         process_group_backend, timeout: as in ``ModelParallelStrategy`` (gloo on CPU, NCCL on CUDA).
+        replicate_size: HSDP replicas for the sharding policy (``1``: FSDP2 over all data-parallel
+            ranks). With ``R > 1`` ``setup_module`` shards on a ``(replicate, shard)`` mesh of
+            ``R x (data_parallel_size / R)``; sharded QMuon then orthogonalizes each matrix once over
+            all ranks (docs/distributed.md, HSDP). A ``parallelize_fn`` that wants HSDP calls
+            ``fully_shard`` with its own 2-D mesh instead.
     """
 
     strategy_name = "qmuon_fsdp"
@@ -134,10 +139,18 @@ class QMuonFabricStrategy(QMuonStrategyMixin, ModelParallelStrategy):
         save_distributed_checkpoint: bool = True,
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
+        replicate_size: int = 1,
     ) -> None:
         if parallelize_fn is not None and not callable(parallelize_fn):
             raise TypeError(f"parallelize_fn must be a callable (module, device_mesh) -> module, got {parallelize_fn!r}")
         self._check_init_args(optimizer, data_parallel_size, tensor_parallel_size)
+        check_replicate_size(replicate_size, tensor_parallel_size)
+        if replicate_size > 1 and parallelize_fn is not None:
+            raise ValueError(
+                f"replicate_size={replicate_size} sets the mesh of the automatic sharding policy, which a parallelize_fn "
+                "replaces: for HSDP in your own parallelize_fn call fully_shard(module, mesh=...) with a 2-D "
+                "(replicate, shard) mesh (torch.distributed.device_mesh.init_device_mesh) and leave replicate_size at 1")
+        self._replicate_size = replicate_size
         super().__init__(
             parallelize_fn=self._then_policy(parallelize_fn) if parallelize_fn else self._parallelize_by_policy,
             data_parallel_size=data_parallel_size,
@@ -173,7 +186,8 @@ class QMuonFabricStrategy(QMuonStrategyMixin, ModelParallelStrategy):
 
     def _parallelize_by_policy(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
         done = shard_unless_sharded(
-            module, mesh["data_parallel"], self._shard_policy, tensor_parallel_size=int(self._tensor_parallel_size),
+            module, hsdp_mesh(mesh, self._replicate_size, self.root_device.type), self._shard_policy,
+            tensor_parallel_size=int(self._tensor_parallel_size),
             root_unit=True, reshard_after_forward=self._reshard_after_forward,
         )
         if done is None:

@@ -60,7 +60,8 @@ from ..optim.release import attach_gradient_release, check_trainer_compatible, r
 from ..optim.routing import build_optimizer, format_routing_table
 from ..quant import state as qstate
 from . import optimizer_swap as swap
-from .sharding import ShardPolicy, describe_sharding, resolve_policy, shard_unless_sharded
+from .sharding import (ShardPolicy, check_replicate_size, describe_sharding, hsdp_mesh, resolve_policy,
+                       shard_unless_sharded)
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -493,11 +494,7 @@ class QMuonFSDPStrategy(QMuonStrategyMixin, ModelParallelStrategy):
         replicate_size: int = 1,
     ) -> None:
         self._check_init_args(optimizer, data_parallel_size, tensor_parallel_size)
-        if not isinstance(replicate_size, int) or isinstance(replicate_size, bool) or replicate_size < 1:
-            raise ValueError(f"replicate_size must be an int >= 1 (HSDP replicas; 1: plain FSDP2), got {replicate_size!r}")
-        if replicate_size > 1 and tensor_parallel_size not in (1, "auto"):
-            raise ValueError(f"replicate_size={replicate_size} (HSDP) with tensor_parallel_size={tensor_parallel_size} is "
-                             "not supported; use one of them")
+        check_replicate_size(replicate_size, tensor_parallel_size)
         self._replicate_size = replicate_size
         super().__init__(
             data_parallel_size=data_parallel_size,
@@ -559,15 +556,7 @@ class QMuonFSDPStrategy(QMuonStrategyMixin, ModelParallelStrategy):
     def _sharding_mesh(self) -> Any:
         """The data-parallel mesh, or with ``replicate_size > 1`` an HSDP ``(replicate, shard)`` mesh
         over the same ranks (FSDP2 then reduce-scatters inside a replica and all-reduces across)."""
-        dp = self.device_mesh["data_parallel"]
-        r = self._replicate_size
-        if r == 1:
-            return dp
-        if dp.size() % r or self.device_mesh.size() != dp.size():
-            raise ValueError(f"replicate_size={r} must divide the data-parallel size {dp.size()} (tensor_parallel_size 1)")
-        from torch.distributed.device_mesh import init_device_mesh
-
-        return init_device_mesh(self.root_device.type, (r, dp.size() // r), mesh_dim_names=("replicate", "shard"))
+        return hsdp_mesh(self.device_mesh, self._replicate_size, self.root_device.type)
 
     # ------------------------------------------------------------------ optimizer swap
     @override

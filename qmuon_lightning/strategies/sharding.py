@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ShardPolicy", "resolve_policy", "select_blocks", "select_roots", "apply_sharding", "is_sharded",
-    "shard_unless_sharded", "describe_sharding",
+    "shard_unless_sharded", "describe_sharding", "check_replicate_size", "hsdp_mesh",
 ]
 
 #: ``"auto"``, ``"root"``, a sequence of classes / class names, or ``(name, module) -> bool``.
@@ -247,3 +247,31 @@ def describe_sharding(owner: str, blocks: Sequence[str], roots: Sequence[str], p
     shown = ", ".join(blocks[:4]) + (f", ... ({len(blocks)} blocks)" if len(blocks) > 4 else "")
     return (f"{owner}: fully_shard applied to {len(blocks)} block(s) [{shown}] and root(s) "
             f"{[r or '<root module>' for r in roots]} (shard_policy={policy!r})")
+
+
+def check_replicate_size(replicate_size: Any, tensor_parallel_size: Any) -> None:
+    """Refuse a bad ``replicate_size`` (HSDP replicas) in a strategy's constructor, before any
+    process starts."""
+    if not isinstance(replicate_size, int) or isinstance(replicate_size, bool) or replicate_size < 1:
+        raise ValueError(f"replicate_size must be an int >= 1 (HSDP replicas; 1: plain FSDP2), got {replicate_size!r}")
+    if replicate_size > 1 and tensor_parallel_size not in (1, "auto"):
+        raise ValueError(f"replicate_size={replicate_size} (HSDP) with tensor_parallel_size={tensor_parallel_size} is "
+                         "not supported; use one of them")
+
+
+def hsdp_mesh(device_mesh: DeviceMesh, replicate_size: int, device_type: str) -> DeviceMesh:
+    """The mesh the sharding policy shards with: Lightning's ``"data_parallel"`` mesh dim, or with
+    ``replicate_size = R > 1`` an HSDP ``(replicate, shard)`` mesh of ``R x (data parallel / R)``
+    over the same ranks (FSDP2 then reduce-scatters inside a replica and all-reduces across
+    replicas; multi-node: shard inside a node, replicate across nodes). Shared by the Trainer and
+    the Fabric strategy."""
+    dp = device_mesh["data_parallel"]
+    if replicate_size == 1:
+        return dp
+    if dp.size() % replicate_size or device_mesh.size() != dp.size():
+        raise ValueError(f"replicate_size={replicate_size} must divide the data-parallel size {dp.size()} "
+                         "(tensor_parallel_size 1)")
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device_type, (replicate_size, dp.size() // replicate_size),
+                            mesh_dim_names=("replicate", "shard"))

@@ -1,86 +1,28 @@
-"""QMuon under the DeepSpeed engine (ZeRO stages 0, 1 and 2): every Muon matrix orthogonalized whole,
-exactly once per step, with quantized momentum that lives on one rank.
-
-The problem
------------
-ZeRO stages 1 and 2 flatten each parameter group into one buffer, cut it into ``N`` equal
-partitions, and hand the client optimizer only ``[fp32 partition]``, a 1-D tensor per group whose
-boundaries ignore parameter boundaries. A Muon optimizer stepping that tensor never sees a matrix;
-Newton-Schulz (NS) needs the whole matrix. DeepSpeed's own Muon works around it inside its
-partitioning code, keyed on the optimizer's class *name* containing "muon" and on ``p.use_muon``
-tags, with known silent failures (plain SGD at stage 0, params that look 1-D under ``zero.Init``,
-corrupted parameters that cross partitions under reduce-scatter).
-
-The design
-----------
-:class:`WholeMatrixZeroOptimizer` is the client optimizer handed to ``deepspeed.initialize``. Its
-class name does not contain "muon" and it sets no ``use_muon`` attribute, so DeepSpeed's Muon code
-never runs. After the engine is built, :meth:`WholeMatrixZeroOptimizer.attach` reads the engine's
-partition layout (``bit16_groups``, the flat buffers, ``partition_size``): for each parameter,
-which element range of which rank's flat fp32 partition holds which of its elements. Then, per
-``step()`` call (DeepSpeed's ZeRO optimizer makes one per parameter group and optimizer step, after
-the group's averaged gradients landed in its fp32 partition, after unscaling and clipping):
-
-1. one small all-reduce of a "non-finite" flag per parameter, so every rank skips (or raises for)
-   the same parameters before the call changes anything;
-2. each Muon matrix has an *owner* rank (matrices dealt by size, largest first, to the least loaded
-   rank, so NS work and momentum are split about ``1/N``). One ``all_to_all`` sends every rank's
-   slices of the averaged gradient of each matrix to its owner (fp32);
-3. the owner runs QMuon's own momentum update (quantized state: int8 / 4-bit / ...) and whole-matrix
-   NS, once: the momentum of a matrix exists only on its owner (ZeRO-1-like state partitioning);
-4. a second ``all_to_all`` sends the NS output (bf16, what QMuon applies) back, each rank receiving
-   the slices that fall in its own partition, and applies ``p *= 1 - lr wd; p -= lr_adj O`` (per
-   fused part) to them;
-5. AdamW parameters are updated elementwise on the partition (AdamW is elementwise, so a flat slice
-   is fine), with per-parameter state as in :class:`~qmuon_lightning.QMuon`.
-
-ZeRO stage 0 gives the client optimizer the real 2-D parameters (fp32, or DeepSpeed's unfused
-fp16/bf16 wrapper's fp32 copies); the same owner split applies: only step 4 is needed after the
-owner's update (every rank holds the whole matrix), and momentum still lives only on the owner.
-
-Checkpoints go through ``engine.save_checkpoint`` / ``engine.load_checkpoint``. Stages 1 and 2 write
-one optimizer file per rank: each holds that rank's quantized momentum (its owned matrices) and the
-AdamW state of its partition. Stage 0 writes only rank 0's optimizer state, so ``state_dict()``
-gathers the owners' momentum to rank 0 (``engine.save_checkpoint`` calls it on every rank); on load
-each rank keeps its own matrices. Resuming needs the same number of processes and ZeRO stage.
-
-Not supported (each raises :class:`UnsupportedDeepSpeedConfig` naming the fix): an ``optimizer``
-section in the DeepSpeed config together with QMuon, ``offload_optimizer`` (DeepSpeed would replace
-the client optimizer with DeepSpeedCPUAdam), ZeRO stage 3 (parameters are partitioned themselves,
-and ``zero.Init`` makes them look 1-D), ``elastic_checkpoint``, and bf16 at stage 1 with fp32
-gradient accumulation (DeepSpeed's ``BF16_Optimizer``, a different partition layout).
-"""
+"""The client optimizer: :class:`WholeMatrixZeroOptimizer` (see the package docstring)."""
 
 from __future__ import annotations
 
 import copy
 import dataclasses
-import json
 import logging
-import os
 from collections import defaultdict
-from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.optim import Optimizer
 
-from ..core import pipeline
-from ..core.apply import apply_update_
-from ..core.plan import MatrixPart, plan_param
-from ..optim.qmuon import QMuon
-from ..quant import adamw as qadamw
+from ...core import pipeline
+from ...core.apply import apply_update_
+from ...core.plan import plan_param, true_shape
+from ...optim.qmuon import QMuon
+from ...quant import adamw as qadamw
+from .config import UnsupportedDeepSpeedConfig
+from .layout import (_apply_parts, _Param, _part_runs, _placeholder, _Segment, assign_owners, read_zero3_layout,
+                     read_zero12_layout)
 
-__all__ = [
-    "UnsupportedDeepSpeedConfig",
-    "check_config",
-    "avoid_cpu_op_builds",
-    "WholeMatrixZeroOptimizer",
-    "initialize",
-    "STATE_VERSION",
-]
+__all__ = ["WholeMatrixZeroOptimizer", "STATE_VERSION", "MODE_NAMES"]
 
 log = logging.getLogger(__name__)
 
@@ -89,223 +31,13 @@ STATE_VERSION = 1
 _KEY = "qmuon_deepspeed"
 # Group keys the wrapper keeps in sync into its inner QMuon before each step (schedulers change them).
 _SKIP_SYNC = ("params", "param_names")
+#: The wrapper's modes, as the ZeRO stages users know them (error messages).
+MODE_NAMES = {"direct": "ZeRO stage 0", "partitioned": "ZeRO stage 1/2", "zero3": "ZeRO stage 3", None: "no engine"}
 
 
-class UnsupportedDeepSpeedConfig(ValueError):
-    """A DeepSpeed configuration QMuon cannot run under; the message says what to change."""
-
-
-# --------------------------------------------------------------------------------------- config
-def _load(config: Mapping[str, Any] | str | os.PathLike) -> dict[str, Any]:
-    if isinstance(config, (str, os.PathLike)):
-        with open(config) as f:
-            return json.load(f)
-    if not isinstance(config, Mapping):
-        raise TypeError(f"DeepSpeed config must be a dict or a path to a JSON file, got {type(config).__name__}")
-    return copy.deepcopy(dict(config))
-
-
-def _enabled(section: Any) -> bool:
-    return isinstance(section, Mapping) and bool(section.get("enabled", False))
-
-
-def check_config(config: Mapping[str, Any] | str | os.PathLike) -> dict[str, Any]:
-    """Validate a DeepSpeed config for QMuon and return a copy ready for ``deepspeed.initialize``.
-
-    The copy sets ``zero_allow_untested_optimizer: true`` (DeepSpeed refuses client optimizers it
-    does not know at ZeRO stages >= 1 otherwise; this integration is what is tested). Raises
-    :class:`UnsupportedDeepSpeedConfig` for configurations that cannot work.
-    """
-    cfg = _load(config)
-    if "optimizer" in cfg:
-        raise UnsupportedDeepSpeedConfig(
-            "the DeepSpeed config has an 'optimizer' section "
-            f"({cfg['optimizer'].get('type', '?') if isinstance(cfg['optimizer'], Mapping) else cfg['optimizer']!r}) "
-            "and QMuon is passed as the optimizer: DeepSpeed would build its own optimizer from the config. "
-            "Remove the 'optimizer' section and set learning rates when building QMuon"
-        )
-    zero = cfg.get("zero_optimization", {}) or {}
-    if not isinstance(zero, Mapping):
-        raise UnsupportedDeepSpeedConfig(f"'zero_optimization' must be a JSON object, got {zero!r}")
-    stage = int(zero.get("stage", 0))
-    if stage == 3:
-        raise UnsupportedDeepSpeedConfig(
-            "ZeRO stage 3 partitions the parameters themselves (zero.Init makes them look 1-D and a matrix "
-            "is never whole on any rank between steps), so QMuon does not support it. Use stage 2 (gradients "
-            "and optimizer state partitioned; QMuon's momentum is split across ranks by matrix) or FSDP2 "
-            "with Trainer(strategy='qmuon_fsdp')"
-        )
-    if stage not in (0, 1, 2):
-        raise UnsupportedDeepSpeedConfig(f"zero_optimization.stage must be 0, 1 or 2 for QMuon, got {stage}")
-    for key in ("offload_optimizer", "offload_param"):
-        off = zero.get(key)
-        if isinstance(off, Mapping) and str(off.get("device", "none")).lower() not in ("none", "null"):
-            raise UnsupportedDeepSpeedConfig(
-                f"zero_optimization.{key} (device={off.get('device')!r}) is not supported: "
-                + ("with optimizer offload DeepSpeed replaces a client optimizer by DeepSpeedCPUAdam (or runs it "
-                   "on CPU copies QMuon cannot see whole). " if key == "offload_optimizer" else
-                   "parameter offload is a ZeRO stage 3 feature. ")
-                + f"Remove '{key}'; QMuon's int8 momentum already takes ~1/4 of fp32 momentum memory"
-            )
-    if zero.get("elastic_checkpoint", False):
-        raise UnsupportedDeepSpeedConfig(
-            "zero_optimization.elastic_checkpoint=true re-cuts optimizer state as flat partitions on load; "
-            "QMuon's state is per matrix (quantized). Set elastic_checkpoint to false (the default)"
-        )
-    if cfg.get("zenflow") or zero.get("zenflow"):
-        raise UnsupportedDeepSpeedConfig("ZenFlow replaces the optimizer step with its own CPU optimizer; remove 'zenflow'")
-    bf16 = _enabled(cfg.get("bf16")) or _enabled(cfg.get("bfloat16"))
-    accum = cfg.get("data_types", {}).get("grad_accum_dtype") if isinstance(cfg.get("data_types"), Mapping) else None
-    if bf16 and stage == 1 and accum is not None and str(accum).lower() in ("fp32", "float32", "float"):
-        raise UnsupportedDeepSpeedConfig(
-            "bf16 with ZeRO stage 1 and data_types.grad_accum_dtype='fp32' makes DeepSpeed use its BF16_Optimizer, "
-            "whose partition layout this integration does not read. Use ZeRO stage 2 (fp32 master weights and "
-            "gradients partitioned the same way) or drop grad_accum_dtype"
-        )
-    cfg["zero_allow_untested_optimizer"] = True
-    return cfg
-
-
-def avoid_cpu_op_builds() -> bool:
-    """On DeepSpeed's CPU accelerator, keep ``deepspeed.comm`` from JIT-compiling its C++ ops.
-
-    When ``deepspeed.comm`` starts on the CPU accelerator it probes which ops can be built (compiler
-    subprocesses) and JIT-builds a shared-memory all-reduce kernel (measured: about 50 s on a 2-core
-    machine, and it needs a compiler). That kernel serves only DeepSpeed's *inference* all-reduce;
-    training communication goes through ``torch.distributed`` (gloo) either way, and QMuon needs no
-    DeepSpeed op. This marks every DeepSpeed op as unavailable for this process, before DeepSpeed
-    asks. Returns True when it did so (CPU accelerator), False otherwise (GPU: nothing changes).
-    Call it before ``deepspeed.init_distributed`` / ``deepspeed.initialize``.
-    """
-    from deepspeed.accelerator import get_accelerator
-
-    if get_accelerator().device_name() != "cpu":
-        return False
-    import deepspeed.ops as ds_ops
-
-    known = vars(ds_ops).get("__compatible_ops__")
-    if isinstance(known, dict):  # already probed: edits to this dict persist (DeepSpeed caches it)
-        for name in list(known):
-            known[name] = False
-    else:
-        from deepspeed.ops.op_builder.all_ops import ALL_OPS
-
-        vars(ds_ops)["__compatible_ops__"] = {name: False for name in ALL_OPS}
-    return True
-
-
-# ------------------------------------------------------------------------------ bookkeeping
-@dataclass(frozen=True)
-class _Segment:
-    """The elements ``[start, start + length)`` of a parameter (flattened row-major) held by one rank,
-    at offset ``local`` of that rank's flat partition (or of the parameter itself at stage 0)."""
-
-    start: int
-    length: int
-    local: int
-
-
-@dataclass
-class _Param:
-    index: int  # global index over all groups (QMuon's stochastic-rounding key)
-    group: int
-    pos: int  # position in its group
-    shape: torch.Size
-    numel: int
-    muon: bool
-    parts: tuple[MatrixPart, ...] = ()  # the matrices of a Muon parameter (QMuon's plan)
-    owner: int = 0
-    holders: list[_Segment | None] = dataclasses.field(default_factory=list)  # per rank
-
-    @property
-    def rows(self) -> int:
-        return self.shape[0]
-
-    @property
-    def cols(self) -> int:
-        return self.numel // self.shape[0]
-
-
-def assign_owners(sizes: list[int], world_size: int) -> list[int]:
-    """Deal matrices to ranks: largest first, each to the currently least loaded rank (ties: lowest
-    rank, then lowest index). Deterministic, so every rank computes the same table. The greedy
-    longest-processing-time rule keeps the heaviest rank within 4/3 of the optimum."""
-    load = [0] * world_size
-    owners = [0] * len(sizes)
-    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
-        r = min(range(world_size), key=lambda r: (load[r], r))
-        owners[i] = r
-        load[r] += sizes[i]
-    return owners
-
-
-def partition_segments(offset: int, numel: int, partition_size: int, world_size: int) -> list[_Segment | None]:
-    """Which slice of a parameter at flat offset ``offset`` each rank's ZeRO partition holds.
-
-    Rank ``r``'s partition is ``[r * partition_size, (r + 1) * partition_size)`` of the group's flat
-    buffer (``DeepSpeedZeroOptimizer.get_data_parallel_partitions``); a parameter is one contiguous
-    range of that buffer, so each rank holds at most one contiguous slice of it.
-    """
-    out: list[_Segment | None] = []
-    for r in range(world_size):
-        lo, hi = r * partition_size, (r + 1) * partition_size
-        a, b = max(offset, lo), min(offset + numel, hi)
-        out.append(_Segment(a - offset, b - a, a - lo) if b > a else None)
-    return out
-
-
-def _part_runs(part: MatrixPart, cols: int, start: int, length: int) -> list[tuple[int, int, int, int, int]]:
-    """The elements of ``part`` in the flat slice ``[start, start + length)`` of its row-major
-    ``(rows, cols)`` parameter, as runs ``(offset, n, width, c0, c1)``: the slice's elements
-    ``[offset, offset + n * width)`` seen as ``n x width`` hold the part in columns ``[c0, c1)``.
-    At most three runs: a partial first row, whole rows, a partial last row (ZeRO partitions cut
-    parameters anywhere)."""
-    lo, hi = max(part.r0 * cols, start), min(part.r1 * cols, start + length)
-    pieces = []  # (first row, rows, first column, last column + 1) of the parameter
-    while lo < hi:
-        row, col = divmod(lo, cols)
-        if col or hi - lo < cols:  # a partial row
-            end = min(hi, (row + 1) * cols)
-            pieces.append((row, 1, col, end - row * cols))
-            lo = end
-        else:
-            n = (hi - lo) // cols
-            pieces.append((row, n, 0, cols))
-            lo += n * cols
-    out = []
-    for row, n, a, b in pieces:
-        c0, c1 = max(a, part.c0), min(b, part.c1)
-        if c1 > c0:
-            out.append((row * cols + a - start, n, b - a, c0 - a, c1 - a))
-    return out
-
-
-def _apply_parts(parts: tuple[MatrixPart, ...], where: str) -> tuple[MatrixPart, ...]:
-    """The parts :meth:`WholeMatrixZeroOptimizer._apply_update` applies, as ranges of the stored
-    ``(rows, cols)`` matrix. A bank member's parts (gate and up of one expert; gpt-oss interleaves
-    them) share the member's range, which then gets one scaled update: their lr factors must agree
-    (equal fused parts; always so for transformers' experts)."""
-    out: dict[tuple[int, int, int, int], MatrixPart] = {}
-    for part in parts:
-        key = (part.r0, part.r1, part.c0, part.c1)
-        seen = out.setdefault(key, part)
-        if seen.lr_scale != part.lr_scale:
-            raise NotImplementedError(
-                f"parameter {where!r}: the fused parts of one bank member have different lr adjustments "
-                f"({seen.lr_scale} and {part.lr_scale}); under DeepSpeed a bank member's parts must have equal "
-                "shapes. Use equal parts or FSDP2 (qmuon_fsdp)")
-    return tuple(out.values())
-
-
-def _placeholder(shape: torch.Size, device: torch.device) -> Tensor:
-    """A tensor of ``shape`` backed by one element: what an idle proxy looks like (never written)."""
-    return torch.zeros(1, dtype=torch.float32, device=device).expand(shape)
-
-
-# ------------------------------------------------------------------------------- optimizer
 class WholeMatrixZeroOptimizer(Optimizer):
     """Client optimizer for ``deepspeed.initialize`` that runs a :class:`~qmuon_lightning.QMuon`'s
-    algorithm with whole-matrix Newton-Schulz under ZeRO stages 0, 1 and 2 (see the module docstring).
+    algorithm with whole-matrix Newton-Schulz under ZeRO stages 0 to 3 (see the package docstring).
 
     Build it from a fresh QMuon (for example ``qmuon_lightning.build_optimizer(model)``), pass it as
     ``optimizer=`` to ``deepspeed.initialize``, then call :meth:`attach` with the engine;
@@ -353,10 +85,12 @@ class WholeMatrixZeroOptimizer(Optimizer):
                                      "optimizer (build_optimizer leaves them out)")
                 if p.dtype not in (torch.float32, torch.float16, torch.bfloat16):
                     raise ValueError(f"parameter {where!r} has dtype {p.dtype}; DeepSpeed trains float parameters")
-                info = _Param(len(self._params), gi, pos, p.shape, p.numel(), bool(g["use_muon"]),
-                              _apply_parts(plan_param(p, g, 0, where).parts, where) if g["use_muon"] else ())
+                # The full shape, also for parameters zero.Init already partitioned (they look 1-D, empty).
+                shape = true_shape(p)
+                info = _Param(len(self._params), gi, pos, shape, shape.numel(), bool(g["use_muon"]),
+                              _apply_parts(plan_param(shape, g, 0, where).parts, where) if g["use_muon"] else ())
                 self._params.append(info)
-                proxies.append(_placeholder(p.shape, p.device) if info.muon else torch.zeros(0, device=p.device))
+                proxies.append(_placeholder(shape, p.device) if info.muon else torch.zeros(0, device=p.device))
             ig = {k: v for k, v in g.items() if k != "params"}
             ig["params"] = proxies
             if not g["use_muon"] and not qadamw.is_full_precision(g.get("state_format", qadamw.FULL_PRECISION)):
@@ -387,7 +121,9 @@ class WholeMatrixZeroOptimizer(Optimizer):
         self._all_groups = list(self.param_groups)
         self.nonfinite_skips = 0
         self.ns_items: dict[int, int] = {}
-        self._mode: str | None = None  # "partitioned" (ZeRO 1/2) or "direct" (stage 0)
+        self._mode: str | None = None  # "direct" (stage 0), "partitioned" (ZeRO 1/2) or "zero3"
+        self._flats: list[Tensor] = []  # ZeRO-3: the flat fp32 partition of every sub-group
+        self._flat_index: dict[int, int] = {}  # ZeRO-3: id(flat partition) -> sub-group
         self._group: Any = None
         self._world = 1
         self._rank = 0
@@ -409,6 +145,11 @@ class WholeMatrixZeroOptimizer(Optimizer):
                 raise ValueError("the engine's ZeRO optimizer does not wrap this optimizer; pass optimizer=this "
                                  "WholeMatrixZeroOptimizer to deepspeed.initialize")
             self._attach_partitioned(wrapper)
+        elif kind == "DeepSpeedZeroOptimizer_Stage3":
+            if wrapper.optimizer is not self:
+                raise ValueError("the engine's ZeRO-3 optimizer does not wrap this optimizer; pass optimizer=this "
+                                 "WholeMatrixZeroOptimizer to deepspeed.initialize")
+            self._attach_zero3(wrapper)
         elif kind == "FP16_UnfusedOptimizer":
             if wrapper.optimizer is not self:
                 raise ValueError("the engine's fp16/bf16 optimizer does not wrap this optimizer")
@@ -416,7 +157,8 @@ class WholeMatrixZeroOptimizer(Optimizer):
         else:
             raise UnsupportedDeepSpeedConfig(
                 f"DeepSpeed wrapped the optimizer in {kind}, whose layout QMuon does not read (supported: ZeRO "
-                "stage 0 with fp32 or unfused fp16/bf16, and DeepSpeedZeroOptimizer at stages 1 and 2). "
+                "stage 0 with fp32 or unfused fp16/bf16, DeepSpeedZeroOptimizer at stages 1 and 2, "
+                "DeepSpeedZeroOptimizer_Stage3). "
                 "Check the config with qmuon_lightning.integrations.deepspeed.check_config"
             )
         return self
@@ -457,34 +199,25 @@ class WholeMatrixZeroOptimizer(Optimizer):
                                "parameter groups")
         self._mode = "partitioned"
         self._set_world(groups[0])
-        by_group = defaultdict(list)
-        for info in self._params:
-            by_group[info.group].append(info)
-        for gi, infos in by_group.items():
-            flat = zero.bit16_groups_flat[gi]
-            psize = int(zero.partition_size[gi])
-            if psize * self._world != flat.numel():
-                raise RuntimeError(f"group {gi}: partition size {psize} x {self._world} ranks != flat size {flat.numel()}")
-            model_params = zero.bit16_groups[gi]
-            if len(model_params) != len(infos):
-                raise RuntimeError(f"group {gi}: DeepSpeed flattened {len(model_params)} parameters, QMuon has {len(infos)}")
-            declared = {}
-            for p, off in zip(getattr(zero, "round_robin_bit16_groups", [[]] * (gi + 1))[gi],
-                              getattr(zero, "round_robin_bit16_offsets", [[]] * (gi + 1))[gi]):
-                declared[id(p)] = int(off)
-            for info, p in zip(infos, model_params):
-                if p.shape != info.shape:
-                    raise RuntimeError(f"group {gi}: parameter order differs from DeepSpeed's ({tuple(p.shape)} vs "
-                                       f"{tuple(info.shape)})")
-                # Where the parameter lives in the flat buffer: its storage offset (DeepSpeed points each
-                # model parameter at a view of the flat buffer), cross-checked against DeepSpeed's record.
-                delta = p.data_ptr() - flat.data_ptr()
-                if delta % flat.element_size() or not 0 <= delta // flat.element_size() <= flat.numel() - info.numel:
-                    raise RuntimeError(f"group {gi}: a parameter is not a view of DeepSpeed's flat buffer")
-                off = delta // flat.element_size()
-                if id(p) in declared and declared[id(p)] != off:
-                    raise RuntimeError(f"group {gi}: flat offset {off} disagrees with DeepSpeed's {declared[id(p)]}")
-                info.holders = partition_segments(off, info.numel, psize, self._world)
+        read_zero12_layout(zero, self._params, self._world)
+
+    def _attach_zero3(self, zero: Any) -> None:
+        """ZeRO stage 3: every parameter is cut into ``N`` pieces (:func:`.layout.zero3_segments`); the
+        exchange per step is that of stages 1/2, per sub-group (DeepSpeed steps one sub-group per call)."""
+        groups = list(zero.sub_group_process_groups)
+        dp = zero.dp_process_group
+        if any(g is not groups[0] for g in groups) or (dp is not None and groups and dist.get_world_size(groups[0])
+                                                       != dist.get_world_size(dp)):
+            raise UnsupportedDeepSpeedConfig(
+                "ZeRO-3 sub-groups partitioned over different process groups (MiCS, AutoEP expert groups) are not "
+                "supported: QMuon deals matrices to the ranks of one data-parallel group. Remove mics_shard_size / "
+                "expert parallelism from the config")
+        if getattr(zero, "offload_optimizer", False):
+            raise UnsupportedDeepSpeedConfig("ZeRO-3 with offload_optimizer: remove 'offload_optimizer' (see check_config)")
+        self._mode = "zero3"
+        self._set_world(groups[0] if groups else dp)
+        self._flats = read_zero3_layout(zero, self._params, self._world)
+        self._flat_index = {id(t): sg for sg, t in enumerate(self._flats)}
 
     # ------------------------------------------------------------------ step
     def _require_attached(self) -> None:
@@ -506,7 +239,11 @@ class WholeMatrixZeroOptimizer(Optimizer):
         seg = info.holders[self._rank]
         if seg is None:
             return None
-        if self._mode == "partitioned":
+        if self._mode == "zero3":
+            flat = self._flats[info.subgroup]
+            data = flat.data.narrow(0, seg.local, seg.length)
+            grad = None if flat.grad is None else flat.grad.narrow(0, seg.local, seg.length)
+        elif self._mode == "partitioned":
             part = self._all_groups[info.group]["params"][0]
             data = part.data.view(-1).narrow(0, seg.local, seg.length)
             grad = None if part.grad is None else part.grad.view(-1).narrow(0, seg.local, seg.length)
@@ -533,8 +270,7 @@ class WholeMatrixZeroOptimizer(Optimizer):
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         loss = pipeline.call_closure(closure)
         self._require_attached()
-        active = self._active_groups()
-        params = [p for p in self._params if p.group in active]
+        params, first_call = self._active_params()
         views: list[tuple[Tensor, Tensor | None] | None] = [None] * len(self._params)
         for info in params:
             views[info.index] = self._views(info)
@@ -548,7 +284,7 @@ class WholeMatrixZeroOptimizer(Optimizer):
             by_owner[p.owner].append(p)
         full_grad: dict[int, Tensor] = {}
         has_muon = any(p.muon for p in params)  # the same on every rank: no exchange for AdamW-only calls
-        if self._mode == "partitioned" and has_muon:
+        if self._mode in ("partitioned", "zero3") and has_muon:
             send, send_sizes = [], []
             for r in range(self._world):
                 n = 0
@@ -601,7 +337,7 @@ class WholeMatrixZeroOptimizer(Optimizer):
                     proxy.data = v[0]
                     proxy.grad = v[1]
         self._inner.step()
-        if 0 in active:  # a new optimizer step (DeepSpeed steps groups in order, one call each)
+        if first_call:  # a new optimizer step (DeepSpeed steps groups in order, one call each)
             self.ns_items = {}
         for k, v in self._ns_items_call.items():
             self.ns_items[k] = self.ns_items.get(k, 0) + v
@@ -650,7 +386,7 @@ class WholeMatrixZeroOptimizer(Optimizer):
     def _return_dtype(self) -> torch.dtype:
         """dtype of the NS outputs sent back: that of Newton-Schulz (fp32 when any Muon group runs
         it in fp32), so the applied update is the single-process one. Every rank resolves the same."""
-        from ..core.newton_schulz import resolve_ns_dtype
+        from ...core.newton_schulz import resolve_ns_dtype
 
         dtypes = {resolve_ns_dtype(g.get("ns_dtype", "auto"), self._device) for g in self._all_groups if g["use_muon"]}
         return torch.float32 if torch.float32 in dtypes else torch.bfloat16
@@ -684,15 +420,24 @@ class WholeMatrixZeroOptimizer(Optimizer):
                 apply_update_(d, o.narrow(0, at, n * width).view(n, width)[:, c0:c1], alpha=-lr * part.lr_scale,
                               decay=1.0 - lr * wd, cautious=cautious)
 
-    def _active_groups(self) -> set[int]:
-        """Which of this optimizer's groups the current ``step()`` call updates: all of them, except
-        under DeepSpeedZeroOptimizer, which narrows ``param_groups`` to one group per call."""
+    def _active_params(self) -> tuple[list[_Param], bool]:
+        """The parameters the current ``step()`` call updates, and whether the call is the first of an
+        optimizer step. All of them, except under DeepSpeed's ZeRO optimizers: at stages 1/2
+        ``param_groups`` is narrowed to one group per call; at stage 3 one group holds one sub-group's
+        flat partition (the others are empty) per call. DeepSpeed steps them in order."""
+        if self._mode == "zero3":
+            live = [g["params"] for g in self._all_groups if g["params"]]
+            if len(live) != 1 or len(live[0]) != 1 or id(live[0][0]) not in self._flat_index:
+                raise RuntimeError("ZeRO-3 called step() with parameter groups that are not one of its sub-groups' flat "
+                                   "partitions; WholeMatrixZeroOptimizer.step() is called by the engine (engine.step())")
+            sg = self._flat_index[id(live[0][0])]
+            return [p for p in self._params if p.subgroup == sg], sg == 0
         ids = {id(g) for g in self.param_groups}
         active = {i for i, g in enumerate(self._all_groups) if id(g) in ids}
         if len(active) != len(self.param_groups):
             raise RuntimeError("param_groups holds groups this optimizer was not built with; build a new "
                                "WholeMatrixZeroOptimizer instead of calling add_param_group")
-        return active
+        return [p for p in self._params if p.group in active], 0 in active
 
     def _finite_params(self, params: list[_Param], views: list[tuple[Tensor, Tensor | None] | None]) -> set[int]:
         """Indices of parameters (of ``params``) whose averaged gradient is finite on every rank (one
@@ -795,7 +540,7 @@ class WholeMatrixZeroOptimizer(Optimizer):
                 "mode": self._mode,
                 "world_size": self._world,
                 "rank": self._rank,
-                "layout": self._layout() if self._mode == "partitioned" else None,
+                "layout": self._layout() if self._mode in ("partitioned", "zero3") else None,
                 "owners": self.owners,
                 "inner": inner,
             },
@@ -808,7 +553,7 @@ class WholeMatrixZeroOptimizer(Optimizer):
         if state_dict is None:
             raise ValueError(
                 "the checkpoint holds no optimizer state for this engine: it was saved at another ZeRO stage "
-                "(stage 0 keeps it in mp_rank_00_model_states.pt, stages 1/2 in per-rank zero_pp_rank_* files). "
+                "(stage 0 keeps it in mp_rank_00_model_states.pt, stages 1-3 in per-rank zero_pp_rank_* files). "
                 "Resume with the same number of processes and ZeRO stage, or load with load_optimizer_states=False"
             )
         ours = state_dict.get(_KEY)
@@ -822,15 +567,14 @@ class WholeMatrixZeroOptimizer(Optimizer):
                              f"({STATE_VERSION}); upgrade qmuon_lightning")
         if ours["mode"] != self._mode or ours["world_size"] != self._world:
             raise ValueError(
-                f"the checkpoint was saved with {ours['world_size']} process(es) in "
-                f"{'ZeRO stage 1/2' if ours['mode'] == 'partitioned' else 'ZeRO stage 0'} mode; this run has "
-                f"{self._world} in {'ZeRO stage 1/2' if self._mode == 'partitioned' else 'ZeRO stage 0'} mode. "
-                "Resume with the same number of processes and ZeRO stage (QMuon's momentum is stored per owner rank)"
+                f"the checkpoint was saved with {ours['world_size']} process(es) at {MODE_NAMES[ours['mode']]}; this "
+                f"run has {self._world} at {MODE_NAMES[self._mode]}. Resume with the same number of processes and "
+                "ZeRO stage (QMuon's momentum is stored per owner rank)"
             )
         if list(ours["owners"]) != self.owners:
             raise ValueError("the checkpoint's matrix-to-rank assignment differs from this run's: the model or the "
                              "optimizer's parameter groups changed since it was saved")
-        if self._mode == "partitioned":
+        if self._mode in ("partitioned", "zero3"):
             if ours["rank"] != self._rank:
                 raise ValueError(f"rank {self._rank} was given rank {ours['rank']}'s optimizer state")
             if [list(x) if not isinstance(x, list) else x for x in ours["layout"]] != \
@@ -862,40 +606,3 @@ class WholeMatrixZeroOptimizer(Optimizer):
         muon = sum(p.muon for p in self._params)
         return (f"WholeMatrixZeroOptimizer(mode={self._mode}, world={self._world}, rank={self._rank}, "
                 f"muon_matrices={muon}, owned={len(self._owned)}, adamw_params={len(self._params) - muon})")
-
-
-# ------------------------------------------------------------------------------- entry point
-def initialize(
-    model: torch.nn.Module,
-    optimizer: QMuon,
-    config: Mapping[str, Any] | str | os.PathLike,
-    *,
-    lr_scheduler: Any = None,
-    training_data: Any = None,
-    collate_fn: Any = None,
-    skip_cpu_op_builds: bool = True,
-    **kwargs: Any,
-) -> tuple[Any, WholeMatrixZeroOptimizer, Any, Any]:
-    """``deepspeed.initialize`` with QMuon as the optimizer.
-
-    Checks the config (:func:`check_config`), wraps ``optimizer`` (a fresh QMuon, e.g. from
-    ``qmuon_lightning.build_optimizer(model)``) in :class:`WholeMatrixZeroOptimizer`, builds the
-    engine and attaches the wrapper to it. ``lr_scheduler``: a scheduler built on ``optimizer``, or a
-    callable taking the optimizer (DeepSpeed's convention). Returns ``(engine, wrapper, dataloader,
-    lr_scheduler)``; train with ``engine.backward(loss); engine.step()`` and checkpoint with
-    ``engine.save_checkpoint`` / ``engine.load_checkpoint``.
-
-    ``skip_cpu_op_builds``: on DeepSpeed's CPU accelerator, call :func:`avoid_cpu_op_builds` first.
-    """
-    import deepspeed
-
-    cfg = check_config(config)
-    if skip_cpu_op_builds:
-        avoid_cpu_op_builds()
-    wrapper = WholeMatrixZeroOptimizer(optimizer)
-    engine, ds_optimizer, loader, scheduler = deepspeed.initialize(
-        model=model, optimizer=wrapper, config=cfg, lr_scheduler=lr_scheduler, training_data=training_data,
-        collate_fn=collate_fn, **kwargs,
-    )
-    wrapper.attach(engine)
-    return engine, wrapper, loader, scheduler
