@@ -133,7 +133,8 @@ class QMuon(Optimizer):
         ns_method: ``"standard"``, ``"gram"`` or ``"auto"`` (Gram Newton-Schulz for elongated
             matrices: :mod:`qmuon_lightning.core.gram_newton_schulz`).
         batch_budget: Newton-Schulz batches hold at most this many times the largest matrix's
-            elements (1.0: the step's transient memory is the largest matrix's own NS working set).
+            elements, or :data:`~qmuon_lightning.core.pipeline.BATCH_STEP_SHARE` of all Muon
+            elements if more (on CPU at most 2^20 elements; :class:`~qmuon_lightning.core.pipeline.BatchSizes`).
     """
 
     def __init__(
@@ -206,6 +207,7 @@ class QMuon(Optimizer):
         # release there is one call per parameter, and re-checking every parameter's identity in
         # each would make a step quadratic in the number of parameters.
         self._layout_fresh = False
+        self._batch_sizes = pipeline.BatchSizes(())
         self._skipped_in_step = False
         self._step_comm: list[dict[str, float]] = []
         #: The gradient-release driver stepping this optimizer inside backward, when one is attached
@@ -317,9 +319,13 @@ class QMuon(Optimizer):
         if not self._layout_fresh:  # once per optimizer step (see __init__)
             self._index = None
             self._sharded_step()
+            shapes = []
             for gi, group in enumerate(self.param_groups):
                 if group["use_muon"]:  # AdamW groups have no matrix plans (nor Muon keys, when loaded from torch's AdamW)
-                    self._group_plans(gi)
+                    shapes += [(pt.cols, pt.rows) if pt.transposed else (pt.rows, pt.cols)
+                               for plan in self._group_plans(gi) for pt in plan.parts]
+            # From every Muon matrix (global shapes): each call of the step and every rank batches alike.
+            self._batch_sizes = pipeline.BatchSizes.of(shapes, self.batch_budget)
             self._layout_fresh = True
         self._check_group_lrs()
         keys = self._keys_of(params)
@@ -336,10 +342,10 @@ class QMuon(Optimizer):
                 self._muon_group_step(gi, idx, items, sharded)
             elif idx:
                 self._adamw_step(gi, group, idx)
-        pipeline.orthogonalize(items, self.batch_budget)
+        pipeline.orthogonalize(items, self._batch_sizes)
         if sharded is not None:
             # distributed Newton-Schulz (collective: every rank, same items)
-            self._step_comm.append(sharded.finish(self.batch_budget))
+            self._step_comm.append(sharded.finish(self._batch_sizes))
 
     def _keys_of(self, params: Iterable[Tensor] | None) -> list[tuple[int, int]]:
         """``(group, index)`` of ``params`` in group order (every parameter when None)."""
