@@ -297,7 +297,7 @@ def _orthogonalize_chunk(chunk: list[NSItem], ns_rows: int, ns_cols: int, s: NSS
         batch = torch.empty((size, ns_rows, ns_cols), dtype=s.dtype, device=first.device)
         batch[len(chunk):].zero_()
         _fill(batch, chunk)
-    if pick_ns_method(s.method, ns_rows, ns_cols, str(first.device)) == "gram":
+    if pick_ns_method(s.method, ns_rows, ns_cols, str(first.device), s.dtype) == "gram":
         out = newton_schulz_gram(batch, inv_norm, s.schedule, s.steps, dtype=s.dtype)
     else:
         out = newton_schulz_folded(batch, inv_norm, s.schedule, s.steps, dtype=s.dtype)
