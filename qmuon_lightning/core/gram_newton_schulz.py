@@ -60,11 +60,11 @@ def default_restarts(dtype: torch.dtype) -> tuple[int, ...]:
 
 #: ``ns_method="auto"`` picks gram on CPU for matrices at least this elongated (long side / short
 #: side) in bf16. Measured on the 2-core AMX Xeon, 1 thread, batch of 4, interleaved
-#: (benchmarks/results/gram_ns_i23.md): bf16 gram is 1.18-1.35x faster at 4:1 and 1:4, 1.00-1.39x at
-#: 3:1 (not reliably faster) and 0.76-0.77x on square matrices. Not measured on CUDA, so "auto"
+#: (benchmarks/results/gram_ns_i23.md, two runs): bf16 gram is 1.09-1.46x faster at 4:1 and 1:4,
+#: 1.00-1.60x at 3:1 (not reliably faster) and 0.67-0.77x on square matrices. Not measured on CUDA, so "auto"
 #: keeps the standard iteration there (gram stays opt-in on GPUs).
 GRAM_AUTO_ASPECT = 4.0
-#: The same in fp32 (no restart there): gram measured 1.40-1.53x faster at 3:1 and 1.70-1.83x at
+#: The same in fp32 (no restart there): gram measured 1.25-1.53x faster at 3:1 and 1.67-1.83x at
 #: 4:1, 0.70-0.78x on square matrices.
 GRAM_AUTO_ASPECT_FP32 = 3.0
 
