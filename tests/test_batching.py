@@ -5,6 +5,8 @@ gradient-release step) runs batches of the same size as the whole step, so its b
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from qmuon_lightning.core import pipeline
@@ -33,6 +35,7 @@ def test_small_model_batches_within_share(monkeypatch):
     assert sum(n for _, _, n in sizes) == len(shapes)
     for r, c, n in sizes:
         assert n * r * c <= cap or n == 1
+        assert n <= pipeline.MAX_BATCH_MATRICES
     # the 1024 x 256 MLP matrices now share batches (the largest-matrix cap alone gave 1 each)
     assert max(n for r, c, n in sizes if (r, c) == (1024, 256)) > 1
 
@@ -63,11 +66,27 @@ def test_a_subset_batches_like_the_whole_step(monkeypatch):
     whole: dict = {}
     pipeline.orthogonalize(_items(mats, settings, whole), sizes)
     full_batches = set(seen)
-    assert full_batches == {(6, 16, 32), (2, 64, 48)}  # 3 of 64 x 48 under a limit of 2: balanced, one padded
-    for subset in ([mats[3]], [mats[0], mats[3]], [mats[1], mats[3], mats[5]], [mats[7]]):
+    # 6 of 16 x 32 under the matrix cap (4): 2 batches of 3; 3 of 64 x 48 under a limit of 2: 2 of 2, one padded
+    assert full_batches == {(3, 16, 32), (2, 64, 48)}
+    for subset in ([mats[3]], [mats[0], mats[3]], [mats[1], mats[3], mats[5]], mats[:5], [mats[7]]):
         seen.clear()
         part: dict = {}
         pipeline.orthogonalize(_items(subset, settings, part), sizes)
         assert set(seen) <= full_batches, (seen, full_batches)
         for j, o in part.items():
             assert torch.equal(o, whole[j]), j
+
+
+def test_a_release_call_does_not_pad(monkeypatch):
+    """A call for a subset on purpose (``pad=False``: one parameter under gradient release) runs
+    what it holds without padding: padding would multiply its NS work by the step's batch size."""
+    g = torch.Generator().manual_seed(1)
+    mats = [(j, torch.randn(16, 32, generator=g)) for j in range(4)]
+    settings = pipeline.NSSettings(resolve_schedule("muon", 5), 5, torch.bfloat16, "bf16")
+    sizes = pipeline.BatchSizes.of([tuple(m.shape) for _, m in mats], 1.0, share=0.5)
+    seen = []
+    real = pipeline.newton_schulz_folded
+    monkeypatch.setattr(pipeline, "newton_schulz_folded", lambda b, *a, **k: (seen.append(b.shape[0]), real(b, *a, **k))[1])
+    pipeline.orthogonalize(_items(mats[:1], settings, {}), sizes)
+    pipeline.orthogonalize(_items(mats[:1], settings, {}), dataclasses.replace(sizes, pad=False))
+    assert sizes.per_batch(16, 32, "cpu") == 2 and seen == [2, 1]  # share 0.5 of 4 x 512 elements: 2 per batch

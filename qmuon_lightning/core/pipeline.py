@@ -42,7 +42,10 @@ batches of exactly ``P(shape)`` matrices, a pure function of the optimizer's Muo
 shapes, the same on every rank and in every call of a step), and pads a short batch with zero
 matrices (NS of zero is zero and costs only the padded GEMMs). ``P`` is balanced so the
 single-process step pads at most one slot per batch: ``n`` same-shape matrices under a limit of
-``L = cap // (rows cols)`` per batch run as ``ceil(n / L)`` batches of ``ceil(n / ceil(n / L))``.
+``L = min(cap // (rows cols), MAX_BATCH_MATRICES)`` per batch run as ``ceil(n / L)`` batches of
+``ceil(n / ceil(n / L))``; the cap of 4 matrices bounds a sharded owner's padded work to 4x the NS of
+the shape's matrices it holds. A call that steps some parameters on purpose (gradient release: one
+parameter per call) does not pad (``BatchSizes.pad=False``): padding would multiply its NS work.
 """
 
 from __future__ import annotations
@@ -91,6 +94,11 @@ CPU_BATCH_MAX_ELEMENTS = 2**20
 #: docstring). Batches are sized by :class:`BatchSizes` from every Muon matrix of the optimizer, so a
 #: sharded rank batches (and pads) exactly as the single-process step does.
 BATCH_STEP_SHARE = 0.5
+#: At most this many matrices per batch: a call holding fewer matrices of a shape than the step
+#: (a sharded owner) pads its last batch to the step's size, so this bounds that padded work to
+#: at most 4x the NS work of the shape's matrices it holds (the gain of larger batches is in
+#: dispatch overhead only: small matrices).
+MAX_BATCH_MATRICES = 4
 
 
 def _device_type(device: Any) -> str:
@@ -111,6 +119,9 @@ class BatchSizes:
     counts: tuple[tuple[tuple[int, int], int], ...]
     batch_budget: float = DEFAULT_BATCH_BUDGET
     share: float = 0.0
+    #: Pad a short batch to :meth:`per_batch` (False: a call that steps a subset on purpose, e.g.
+    #: one parameter under gradient release, where padding would multiply its NS work).
+    pad: bool = True
 
     @classmethod
     def of(cls, ns_shapes: Iterable[tuple[int, int]], batch_budget: float = DEFAULT_BATCH_BUDGET,
@@ -136,7 +147,7 @@ class BatchSizes:
         """Matrices per batch for the NS shape ``rows x cols`` (balanced: ``n`` matrices under a
         limit ``L`` run as ``ceil(n / L)`` batches of ``ceil(n / ceil(n / L))``; a shape outside the
         set gets ``L``)."""
-        limit = max(1, self.cap(device_type) // (rows * cols))
+        limit = max(1, min(MAX_BATCH_MATRICES, self.cap(device_type) // (rows * cols)))
         n = dict(self.counts).get((rows, cols))
         if n is None:
             return limit
@@ -144,14 +155,22 @@ class BatchSizes:
         return -(-n // batches)
 
 
+_DTENSOR_TYPE: list[type] = []  # (DTensor,) once looked up; stays empty without torch.distributed
+
+
+def _dtensor_types() -> tuple[type, ...]:
+    if not _DTENSOR_TYPE and torch.distributed.is_available():
+        from torch.distributed.tensor import DTensor
+
+        _DTENSOR_TYPE.append(DTensor)
+    return tuple(_DTENSOR_TYPE)
+
+
 def is_dtensor(t: Any) -> bool:
     """Whether ``t`` is a DTensor (FSDP2 parameter or gradient), without importing
-    torch.distributed on builds that lack it."""
-    if not torch.distributed.is_available():
-        return False
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(t, DTensor)
+    torch.distributed on builds that lack it. Called several times per matrix and step, so the
+    class is looked up once (the import statement alone cost ~16 us a call on a loaded CPU)."""
+    return isinstance(t, Tensor) and type(t) is not Tensor and isinstance(t, _dtensor_types())
 
 
 def local(t: Tensor) -> Tensor:
@@ -254,7 +273,7 @@ def orthogonalize(items: Iterable[NSItem], batching: float | BatchSizes = DEFAUL
         per_batch = batching.per_batch(rows, cols, _device_type(device))
         for start in range(0, len(queue), per_batch):
             chunk = queue[start: start + per_batch]
-            _orthogonalize_chunk(chunk, rows, cols, settings, per_batch)
+            _orthogonalize_chunk(chunk, rows, cols, settings, per_batch if batching.pad else len(chunk))
 
 
 def _ns_shape(it: NSItem) -> tuple[int, int]:
@@ -268,10 +287,11 @@ def _orthogonalize_chunk(chunk: list[NSItem], ns_rows: int, ns_cols: int, s: NSS
     size = max(size, len(chunk))
     pad = size - len(chunk)
     sumsq = torch.stack([it.sumsq.reshape(()) for it in chunk])
-    eps = torch.full((len(chunk),), first.eps, dtype=torch.float32, device=sumsq.device)
-    if any(it.eps != first.eps for it in chunk):
+    if all(it.eps == first.eps for it in chunk):
+        inv_norm = sumsq.sqrt_().clamp_min_(first.eps).reciprocal_()  # 1 / max(||G||, eps), in place
+    else:
         eps = torch.tensor([it.eps for it in chunk], dtype=torch.float32, device=sumsq.device)
-    inv_norm = torch.maximum(sumsq.sqrt(), eps).reciprocal()
+        inv_norm = torch.maximum(sumsq.sqrt(), eps).reciprocal()
     if pad:
         # zero matrices: NS maps them to zero whatever the scale (1 keeps every product finite)
         inv_norm = torch.cat([inv_norm, inv_norm.new_ones(pad)])

@@ -12,6 +12,8 @@ allocated for the NS input: after ``step()`` a Muon parameter's ``.grad`` holds 
 
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 import math
 import warnings
@@ -342,10 +344,13 @@ class QMuon(Optimizer):
                 self._muon_group_step(gi, idx, items, sharded)
             elif idx:
                 self._adamw_step(gi, group, idx)
-        pipeline.orthogonalize(items, self._batch_sizes)
+        # A call for some parameters only (gradient release: one parameter per call) does not pad
+        # its batches: padding would multiply its NS work by the step's batch size.
+        sizes = self._batch_sizes if params is None else dataclasses.replace(self._batch_sizes, pad=False)
+        pipeline.orthogonalize(items, sizes)
         if sharded is not None:
             # distributed Newton-Schulz (collective: every rank, same items)
-            self._step_comm.append(sharded.finish(self._batch_sizes))
+            self._step_comm.append(sharded.finish(sizes))
 
     def _keys_of(self, params: Iterable[Tensor] | None) -> list[tuple[int, int]]:
         """``(group, index)`` of ``params`` in group order (every parameter when None)."""
