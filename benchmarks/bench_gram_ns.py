@@ -33,7 +33,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--dtypes", default="bf16,fp32")
-    ap.add_argument("--shapes", default="512x512,256x1024,1024x256")
+    ap.add_argument("--shapes", default="512x512,768x256,256x768,1024x256,256x1024")
     ap.add_argument("--schedules", default="muon:5,polar_express:6")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)

@@ -16,6 +16,20 @@ negative), so the published versions *restart*: at the restart iterations ``X`` 
 in the NS dtype (bf16 or fp32) as standard NS does; the ``1 / ||G||`` scaling and the ``+ a I``
 of the first factor are applied in fp32 (as :func:`~.newton_schulz.newton_schulz_folded` does).
 The same coefficient schedules (``"muon"``, Polar Express, custom) apply.
+
+Restarts by dtype (:func:`default_restarts`, measured on 4:1 / 1:4 / 4:1-small matrices, random,
+rank-8, rank-1 + 1e-3 noise and singular values log-spaced down to 1e-6; relative Frobenius error
+against fp32 standard NS): in **bf16** the restart is needed: without it ``R`` drifts until the
+iteration diverges on low-rank inputs (largest singular value of the result 8-13 on rank-8
+matrices, 1e5-8e6 on rank-1 + noise, non-finite with Polar Express), with it the largest stays
+at 1.15-1.28 as standard NS's 1.13-1.20. In **fp32** no restart is needed (relative error
+<= 6e-4 with none, <= 1e-4 with one; largest singular values equal to standard's), so fp32 runs
+without it (25 instead of 30 ``r^3`` at 4:1: the restart's ``Q X`` and ``X X^T`` are the two
+products with the long side).
+
+The result is written in the input's orientation: for a tall input (``rows > cols``, iterated as
+its transpose) the last product is ``G Q^T`` (``(B, rows, cols)``, contiguous), so the caller does
+not have to copy a transposed view before adding it to the weights.
 """
 
 from __future__ import annotations
@@ -27,23 +41,37 @@ from torch import Tensor
 
 from .newton_schulz import NSSchedule, resolve_schedule
 
-__all__ = ["NS_METHODS", "GRAM_RESTARTS", "GRAM_AUTO_ASPECT", "pick_ns_method", "newton_schulz_gram"]
+__all__ = ["NS_METHODS", "GRAM_RESTARTS", "GRAM_AUTO_ASPECT", "GRAM_AUTO_ASPECT_FP32", "default_restarts",
+           "pick_ns_method", "newton_schulz_gram"]
 
 #: ``ns_method`` values: ``"standard"`` (iterate on X), ``"gram"`` (iterate on X X^T, restart at
 #: :data:`GRAM_RESTARTS`) and ``"auto"`` (gram where it measured faster: :data:`GRAM_AUTO_ASPECT`).
 NS_METHODS = ("standard", "gram", "auto")
-#: Iterations at which ``X`` and ``R`` are recomputed (Dao-AILab / dion default ``[2]``).
+#: Iterations at which ``X`` and ``R`` are recomputed in bf16 (Dao-AILab / dion default ``[2]``);
+#: fp32 runs without restarts (see the module docstring, :func:`default_restarts`).
 GRAM_RESTARTS: tuple[int, ...] = (2,)
+
+
+def default_restarts(dtype: torch.dtype) -> tuple[int, ...]:
+    """The restart iterations used in ``dtype``: :data:`GRAM_RESTARTS` in bf16 (and any dtype
+    below fp32), none in fp32 or wider (measured stable without; module docstring)."""
+    return () if dtype in (torch.float32, torch.float64) else GRAM_RESTARTS
+
+
 #: ``ns_method="auto"`` picks gram on CPU for matrices at least this elongated (long side / short
-#: side). Measured on the 2-core AMX Xeon (benchmarks/results/gram_ns.md): gram is 1.3-2.5x faster
-#: at 4:1 and 1:4 and slower on square matrices; not measured on CUDA, so "auto" keeps the
-#: standard iteration there (gram stays opt-in on GPUs).
+#: side) in bf16. Measured on the 2-core AMX Xeon, 1 thread, batch of 4, interleaved
+#: (benchmarks/results/gram_ns_i23.md, two runs): bf16 gram is 1.09-1.46x faster at 4:1 and 1:4,
+#: 1.00-1.60x at 3:1 (not reliably faster) and 0.67-0.77x on square matrices. Not measured on CUDA, so "auto"
+#: keeps the standard iteration there (gram stays opt-in on GPUs).
 GRAM_AUTO_ASPECT = 4.0
+#: The same in fp32 (no restart there): gram measured 1.25-1.53x faster at 3:1 and 1.67-1.83x at
+#: 4:1, 0.70-0.78x on square matrices.
+GRAM_AUTO_ASPECT_FP32 = 3.0
 
 
-def pick_ns_method(method: str, rows: int, cols: int, device: str) -> str:
+def pick_ns_method(method: str, rows: int, cols: int, device: str, dtype: torch.dtype = torch.bfloat16) -> str:
     """The iteration ``method`` (:data:`NS_METHODS`) resolves to for a ``rows x cols`` matrix on
-    ``device`` (``"cpu"``, ``"cuda:0"``...)."""
+    ``device`` (``"cpu"``, ``"cuda:0"``...) in the NS ``dtype``."""
     long, short = max(rows, cols), max(1, min(rows, cols))
     if method == "gram":
         # Square matrices gain nothing from the Gram form and lose accuracy (bf16, Polar Express:
@@ -51,7 +79,8 @@ def pick_ns_method(method: str, rows: int, cols: int, device: str) -> str:
         # also runs the standard iteration on them.
         return "gram" if long > short else "standard"
     if method == "auto":
-        return "gram" if device == "cpu" and long >= GRAM_AUTO_ASPECT * short else "standard"
+        aspect = GRAM_AUTO_ASPECT_FP32 if dtype == torch.float32 else GRAM_AUTO_ASPECT
+        return "gram" if device == "cpu" and long >= aspect * short else "standard"
     return method
 
 
@@ -70,25 +99,27 @@ def newton_schulz_gram(
     schedule: NSSchedule | object,
     steps: int,
     dtype: torch.dtype = torch.bfloat16,
-    restarts: Sequence[int] = GRAM_RESTARTS,
+    restarts: Sequence[int] | None = None,
 ) -> Tensor:
     """Gram Newton-Schulz of a batch ``g`` ``(B, rows, cols)`` (never written); same contract as
     :func:`~.newton_schulz.newton_schulz_folded` (``inv_norm``: ``(B,)`` ``1 / max(||g||, eps)``,
-    the schedule's ``norm_safety`` folded in; result ``(B, rows, cols)`` in ``dtype``)."""
+    the schedule's ``norm_safety`` folded in; result ``(B, rows, cols)`` in ``dtype``, contiguous).
+    ``restarts``: iterations at which ``X`` and ``R`` are recomputed (default
+    :func:`default_restarts` of ``dtype``)."""
+    if restarts is None:
+        restarts = default_restarts(dtype)
     if g.ndim != 3:
         raise ValueError(f"expected a (batch, rows, cols) tensor, got shape {tuple(g.shape)}")
     if not isinstance(schedule, NSSchedule):
         schedule = resolve_schedule(schedule, steps)
-    x = g if g.dtype == dtype else g.to(dtype)
-    transposed = x.size(-2) > x.size(-1)
-    if transposed:
-        x = x.mT
+    x_in = g if g.dtype == dtype else g.to(dtype)
+    transposed = x_in.size(-2) > x_in.size(-1)
+    x = x_in.mT if transposed else x_in  # (B, r, c), r <= c
     s = inv_norm.to(torch.float32).reshape(-1, 1, 1)
     if schedule.norm_safety != 1.0:
         s = s / schedule.norm_safety
     if steps == 0:
-        out = (x.float() * s).to(dtype)
-        return out.mT if transposed else out
+        return (x_in.float() * s).to(dtype)
     # R of the normalized X_0 = s x: s^2 x x^T, scaled in fp32.
     r = torch.bmm(x, x.mT).float().mul_(s * s).to(dtype)
     scale: Tensor | None = s  # the left factor still owes X_0's 1/||G|| (folded into it, in fp32)
@@ -97,6 +128,7 @@ def newton_schulz_gram(
     for i in range(steps):
         a, b, c = schedule.coefficient(i)
         if i in restart and i != 0:
+            assert q is not None
             x = torch.bmm(q, x)  # X_i = Q X (scale already folded into q)
             r = torch.bmm(x, x.mT)
             q, scale = None, None
@@ -109,5 +141,6 @@ def newton_schulz_gram(
             rz = torch.baddbmm(r, r, z, beta=a)  # R (a I + Z)
             r = torch.baddbmm(rz, z, rz, beta=a)  # (a I + Z) R (a I + Z)
     assert q is not None
-    out = torch.bmm(q, x)
-    return out.mT if transposed else out
+    if transposed:
+        return torch.bmm(x.mT, q.mT)  # (Q X)^T = X^T Q^T: the input's orientation, contiguous
+    return torch.bmm(q, x)

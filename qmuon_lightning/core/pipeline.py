@@ -22,18 +22,30 @@ Memory: the NS working set of a batch of ``B`` matrices is about ``(2 B + 1)`` t
 the NS dtype (input, the running iterate, the next one) plus small Gram matrices. Batching same-shape
 matrices only pays while the matrices are small (fewer, larger GEMMs); stacking every same-shape
 matrix of a model (as one unbounded batch would) costs more peak memory than the quantized state
-saves. :func:`orthogonalize` therefore caps a batch at the larger of the element count of the
-largest matrix of the step (times ``batch_budget``) and :data:`BATCH_STEP_SHARE` of the step's Muon
-elements, and on CPU at :data:`CPU_BATCH_MAX_ELEMENTS`. A large model's step therefore keeps the
-transient memory of its largest matrix's own NS (as ``torch.optim.Muon``, which orthogonalizes one
-matrix at a time), while a small model's same-shape matrices batch (at d=256 x 4 layers the
-largest-matrix cap alone left the 1024 x 256 MLP matrices unbatched: 1.42x the bare batched NS).
-The share bounds the extra transient: a batch's NS working set is about 3 x its elements in the NS
-dtype (6 bytes per element in bf16), i.e. at most ``6 * BATCH_STEP_SHARE`` = 3 bytes per Muon
-parameter, against the step's ~9 (fp32 weight and gradient, int8 momentum): a third at most, and
-on CPU never more than 6 MiB (the :data:`CPU_BATCH_MAX_ELEMENTS` ceiling). Measured
-(benchmarks/results/batch_share.md, d=256 x 4, 2 threads): share 0.25 left the step at 1.32x the
-bare batched NS, 0.5 (all four 1024 x 256 MLP matrices in one batch) at 0.98x.
+saves. A batch therefore holds at most ``cap`` elements: the larger of ``batch_budget`` times the
+largest matrix and :data:`BATCH_STEP_SHARE` of all the optimizer's Muon elements, and on CPU at most
+:data:`CPU_BATCH_MAX_ELEMENTS`. A large model's step keeps the transient memory of its largest
+matrix's own NS (as ``torch.optim.Muon``, which orthogonalizes one matrix at a time), while a small
+model's same-shape matrices batch. The share bounds the extra transient: a batch's NS working set is
+about 3 x its elements in the NS dtype (6 bytes per element in bf16), i.e. at most
+``6 * BATCH_STEP_SHARE`` = 3 bytes per Muon parameter, against the step's ~9 (fp32 weight and
+gradient, int8 momentum): a third at most, and on CPU never more than 6 MiB in bf16 (12 MiB in
+fp32; the :data:`CPU_BATCH_MAX_ELEMENTS` ceiling).
+
+Bit-exact batching (:class:`BatchSizes`): a batched matmul's result for one matrix can depend on the
+batch *size* (measured on CPU: ``baddbmm`` of a batch of one 16 x 16 matrix and of a batch of two
+take different oneDNN / BLAS paths and differ in the last bit for some inputs; with two threads an
+fp32 batch of one is split across threads, a larger one is not). A sharded owner or an expert-bank
+shard holds only some of a shape's matrices, so batching "what this call holds" made sharded and
+single-process steps differ. Instead every call that orthogonalizes matrices of one shape runs
+batches of exactly ``P(shape)`` matrices, a pure function of the optimizer's Muon matrices (global
+shapes, the same on every rank and in every call of a step), and pads a short batch with zero
+matrices (NS of zero is zero and costs only the padded GEMMs). ``P`` is balanced so the
+single-process step pads at most one slot per batch: ``n`` same-shape matrices under a limit of
+``L = min(cap // (rows cols), MAX_BATCH_MATRICES)`` per batch run as ``ceil(n / L)`` batches of
+``ceil(n / ceil(n / L))``; the cap of 4 matrices bounds a sharded owner's padded work to 4x the NS of
+the shape's matrices it holds. A call that steps some parameters on purpose (gradient release: one
+parameter per call) does not pad (``BatchSizes.pad=False``): padding would multiply its NS work.
 """
 
 from __future__ import annotations
@@ -57,6 +69,7 @@ from .plan import MatrixPart, ParamPlan
 from .variants import RowMoment, normuon_scale
 
 __all__ = [
+    "BatchSizes",
     "NSSettings",
     "NSItem",
     "ns_settings",
@@ -79,23 +92,87 @@ DEFAULT_BATCH_BUDGET = 1.0
 #: larger GEMM calls) but not for large ones, where one ``bmm`` over the stack ran slower than one
 #: ``mm`` per matrix (GPT d_model 512: 842 ms batched vs 802 ms one by one; torch.optim.Muon 835 ms).
 CPU_BATCH_MAX_ELEMENTS = 2**20
-#: A batch may also hold up to this share of the step's Muon elements (see the module docstring).
-#: Off (0.0): with a share, which matrices batch together depends on every matrix the call holds,
-#: so a sharded rank (its own expert banks, orthogonalized locally) and the single-process step
-#: batched the same matrices differently and their bits differed; the measured gain was within the
-#: noise of a loaded 2-core CPU (1.21-1.30x the bare batched NS at every share, 1 thread,
-#: benchmarks/results/batch_share.md). Set it (e.g. 0.5) only where bit-exact parity does not matter.
-BATCH_STEP_SHARE = 0.0
+#: A batch may also hold up to this share of the optimizer's Muon elements (see the module
+#: docstring). Batches are sized by :class:`BatchSizes` from every Muon matrix of the optimizer, so a
+#: sharded rank batches (and pads) exactly as the single-process step does.
+BATCH_STEP_SHARE = 0.5
+#: At most this many matrices per batch: a call holding fewer matrices of a shape than the step
+#: (a sharded owner) pads its last batch to the step's size, so this bounds that padded work to
+#: at most 4x the NS work of the shape's matrices it holds (the gain of larger batches is in
+#: dispatch overhead only: small matrices).
+MAX_BATCH_MATRICES = 4
+
+
+def _device_type(device: Any) -> str:
+    return torch.device(device).type if not isinstance(device, str) else device.split(":")[0]
+
+
+@dataclass(frozen=True)
+class BatchSizes:
+    """How many matrices of each Newton-Schulz shape one batch holds: a pure function of a set of
+    matrices (an optimizer's Muon matrices, global shapes), the budget and the device type.
+
+    ``counts``: NS shape ``(rows, cols)`` (after the orientation transpose) -> how many matrices of
+    the set have it. Every call of :func:`orthogonalize` given the same :class:`BatchSizes` runs
+    batches of exactly :meth:`per_batch` matrices of a shape (padding with zero matrices), whichever
+    subset of them it holds, so the bits of each result do not depend on the subset.
+    """
+
+    counts: tuple[tuple[tuple[int, int], int], ...]
+    batch_budget: float = DEFAULT_BATCH_BUDGET
+    share: float = 0.0
+    #: Pad a short batch to :meth:`per_batch` (False: a call that steps a subset on purpose, e.g.
+    #: one parameter under gradient release, where padding would multiply its NS work).
+    pad: bool = True
+
+    @classmethod
+    def of(cls, ns_shapes: Iterable[tuple[int, int]], batch_budget: float = DEFAULT_BATCH_BUDGET,
+           share: float | None = None) -> "BatchSizes":
+        """The sizes for the matrices ``ns_shapes`` (one entry per matrix); ``share`` defaults to
+        :data:`BATCH_STEP_SHARE` (read when called, so tests and benchmarks can change it)."""
+        counts: dict[tuple[int, int], int] = defaultdict(int)
+        for r, c in ns_shapes:
+            counts[(int(r), int(c))] += 1
+        return cls(tuple(sorted(counts.items())), float(batch_budget),
+                   float(BATCH_STEP_SHARE if share is None else share))
+
+    def cap(self, device_type: str) -> int:
+        """The most elements one batch holds on ``device_type`` ("cpu", "cuda", ...)."""
+        if not self.counts:
+            return 1
+        largest = max(r * c for (r, c), _ in self.counts)
+        total = sum(r * c * n for (r, c), n in self.counts)
+        cap = max(1, int(self.batch_budget * largest), int(self.share * total))
+        return min(cap, CPU_BATCH_MAX_ELEMENTS) if device_type == "cpu" else cap
+
+    def per_batch(self, rows: int, cols: int, device_type: str) -> int:
+        """Matrices per batch for the NS shape ``rows x cols`` (balanced: ``n`` matrices under a
+        limit ``L`` run as ``ceil(n / L)`` batches of ``ceil(n / ceil(n / L))``; a shape outside the
+        set gets ``L``)."""
+        limit = max(1, min(MAX_BATCH_MATRICES, self.cap(device_type) // (rows * cols)))
+        n = dict(self.counts).get((rows, cols))
+        if n is None:
+            return limit
+        batches = -(-n // limit)
+        return -(-n // batches)
+
+
+_DTENSOR_TYPE: list[type] = []  # (DTensor,) once looked up; stays empty without torch.distributed
+
+
+def _dtensor_types() -> tuple[type, ...]:
+    if not _DTENSOR_TYPE and torch.distributed.is_available():
+        from torch.distributed.tensor import DTensor
+
+        _DTENSOR_TYPE.append(DTensor)
+    return tuple(_DTENSOR_TYPE)
 
 
 def is_dtensor(t: Any) -> bool:
     """Whether ``t`` is a DTensor (FSDP2 parameter or gradient), without importing
-    torch.distributed on builds that lack it."""
-    if not torch.distributed.is_available():
-        return False
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(t, DTensor)
+    torch.distributed on builds that lack it. Called several times per matrix and step, so the
+    class is looked up once (the import statement alone cost ~16 us a call on a loaded CPU)."""
+    return isinstance(t, Tensor) and type(t) is not Tensor and isinstance(t, _dtensor_types())
 
 
 def local(t: Tensor) -> Tensor:
@@ -175,45 +252,58 @@ def _fill(batch: Tensor, chunk: Sequence[NSItem]) -> None:
             it.load(dest)
 
 
-def orthogonalize(items: Iterable[NSItem], batch_budget: float = DEFAULT_BATCH_BUDGET) -> None:
+def orthogonalize(items: Iterable[NSItem], batching: float | BatchSizes = DEFAULT_BATCH_BUDGET) -> None:
     """Orthogonalize every item and hand each output to its ``apply``.
 
-    Items of one shape and :class:`NSSettings` are stacked into batches of at most
-    ``batch_budget x`` the largest item's element count or :data:`BATCH_STEP_SHARE` of all items'
-    elements, whichever is larger (on CPU also at most
-    :data:`CPU_BATCH_MAX_ELEMENTS`; at least one matrix per batch), in the order they were given; ``1 / max(||G||, eps)`` is folded into the first NS iteration.
-    A lone item whose source already has the NS dtype is orthogonalized in place of a copy.
+    Items of one NS shape and :class:`NSSettings` are stacked, in the order given, into batches of
+    exactly :meth:`BatchSizes.per_batch` matrices (the last one padded with zero matrices);
+    ``batching`` is a :class:`BatchSizes` (an optimizer's, so every call of a step and every rank
+    batch alike) or a ``batch_budget`` float (sizes from this call's items:
+    :meth:`BatchSizes.of`). ``1 / max(||G||, eps)`` is folded into the first NS iteration. A lone
+    item (a batch of one) whose source already has the NS dtype is orthogonalized in place of a copy.
     """
     items = list(items)
     if not items:
         return
-    budget = max(1, int(batch_budget * max(it.numel for it in items)),
-                 int(BATCH_STEP_SHARE * sum(it.numel for it in items)))
+    if not isinstance(batching, BatchSizes):
+        batching = BatchSizes.of([_ns_shape(it) for it in items], batching)
     queues: dict[tuple, list[NSItem]] = defaultdict(list)
     for it in items:
         # Keyed by the shape NS sees: an (in, out) layer batches with (out, in) layers of its shape.
-        ns_shape = (it.cols, it.rows) if it.transpose else (it.rows, it.cols)
-        queues[(*ns_shape, it.settings, str(it.device))].append(it)
+        queues[(*_ns_shape(it), it.settings, str(it.device))].append(it)
     for (rows, cols, settings, device), queue in queues.items():
-        cap = min(budget, CPU_BATCH_MAX_ELEMENTS) if device == "cpu" else budget
-        per_batch = max(1, cap // (rows * cols))
+        per_batch = batching.per_batch(rows, cols, _device_type(device))
         for start in range(0, len(queue), per_batch):
             chunk = queue[start: start + per_batch]
-            _orthogonalize_chunk(chunk, rows, cols, settings)
+            _orthogonalize_chunk(chunk, rows, cols, settings, per_batch if batching.pad else len(chunk))
 
 
-def _orthogonalize_chunk(chunk: list[NSItem], ns_rows: int, ns_cols: int, s: NSSettings) -> None:
-    """NS of one batch of ``ns_rows x ns_cols`` matrices (each item's stored block, or its transpose)."""
+def _ns_shape(it: NSItem) -> tuple[int, int]:
+    return (it.cols, it.rows) if it.transpose else (it.rows, it.cols)
+
+
+def _orthogonalize_chunk(chunk: list[NSItem], ns_rows: int, ns_cols: int, s: NSSettings, size: int = 0) -> None:
+    """NS of one batch of ``ns_rows x ns_cols`` matrices (each item's stored block, or its
+    transpose), padded with zero matrices to ``size`` (default: the chunk's length)."""
     first = chunk[0]
+    size = max(size, len(chunk))
+    pad = size - len(chunk)
     sumsq = torch.stack([it.sumsq.reshape(()) for it in chunk])
-    eps = torch.tensor([it.eps for it in chunk], dtype=torch.float32, device=sumsq.device)
-    inv_norm = torch.maximum(sumsq.sqrt(), eps).reciprocal()
+    if all(it.eps == first.eps for it in chunk):
+        inv_norm = sumsq.sqrt_().clamp_min_(first.eps).reciprocal_()  # 1 / max(||G||, eps), in place
+    else:
+        eps = torch.tensor([it.eps for it in chunk], dtype=torch.float32, device=sumsq.device)
+        inv_norm = torch.maximum(sumsq.sqrt(), eps).reciprocal()
+    if pad:
+        # zero matrices: NS maps them to zero whatever the scale (1 keeps every product finite)
+        inv_norm = torch.cat([inv_norm, inv_norm.new_ones(pad)])
     if s.carrier == "mxfp8":
         # NS sees exactly what a receiver of the MXFP8 carrier of G / ||G|| decodes (encoded from
         # the full-precision NS input); that input is normalized already, so its inverse norm
         # becomes 1. The gradient buffer is never written.
         # The carrier's blocks run along stored rows (what a sharded rank can encode on its own).
-        batch = torch.empty((len(chunk), ns_rows, ns_cols), dtype=s.dtype, device=first.device)
+        batch = torch.empty((size, ns_rows, ns_cols), dtype=s.dtype, device=first.device)
+        batch[len(chunk):].zero_()
         for i, it in enumerate(chunk):
             if it.source is not None:
                 x = it.source.contiguous()
@@ -223,12 +313,13 @@ def _orthogonalize_chunk(chunk: list[NSItem], ns_rows: int, ns_cols: int, s: NSS
                 it.load(x)
             _stored(batch[i], it.transpose).copy_(mxfp8_roundtrip_normalized(x, inv_norm[i]))
         inv_norm = torch.ones_like(inv_norm)
-    elif len(chunk) == 1 and not first.transpose and first.source is not None and first.source.dtype == s.dtype:
+    elif size == 1 and not first.transpose and first.source is not None and first.source.dtype == s.dtype:
         batch = first.source.unsqueeze(0)  # no copy; NS does not write its input
     else:
-        batch = torch.empty((len(chunk), ns_rows, ns_cols), dtype=s.dtype, device=first.device)
+        batch = torch.empty((size, ns_rows, ns_cols), dtype=s.dtype, device=first.device)
+        batch[len(chunk):].zero_()
         _fill(batch, chunk)
-    if pick_ns_method(s.method, ns_rows, ns_cols, str(first.device)) == "gram":
+    if pick_ns_method(s.method, ns_rows, ns_cols, str(first.device), s.dtype) == "gram":
         out = newton_schulz_gram(batch, inv_norm, s.schedule, s.steps, dtype=s.dtype)
     else:
         out = newton_schulz_folded(batch, inv_norm, s.schedule, s.steps, dtype=s.dtype)

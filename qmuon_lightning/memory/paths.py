@@ -76,17 +76,21 @@ def ns_phase_bytes(matrices: Sequence[tuple[int, int, bool]], ns_bytes: int, gra
                    device: str, batch_budget: float = pipeline.DEFAULT_BATCH_BUDGET) -> int:
     """Largest transient of QMuon's Newton-Schulz phase (:func:`qmuon_lightning.core.pipeline.orthogonalize`).
 
-    Matrices of one NS shape are stacked in batches of ``B = max(1, cap // (rows cols))``, ``cap``
-    being ``batch_budget`` times the largest matrix (on CPU also at most
-    :data:`~qmuon_lightning.core.pipeline.CPU_BATCH_MAX_ELEMENTS`). :func:`newton_schulz_folded
-    <qmuon_lightning.core.newton_schulz.newton_schulz_folded>` of a batch holds the batch (a copy in
-    the NS dtype, except for a lone matrix whose gradient has that dtype already), the iterate and
-    its ping-pong buffer (``2 B n`` in the NS dtype) and the ``B x r x r`` Gram matrix and polynomial.
+    Matrices of one NS shape are stacked in batches of ``B`` matrices
+    (:meth:`~qmuon_lightning.core.pipeline.BatchSizes.per_batch` of the step's matrices: at most
+    ``cap // (rows cols)``, ``cap`` being ``batch_budget`` times the largest matrix or
+    :data:`~qmuon_lightning.core.pipeline.BATCH_STEP_SHARE` of all Muon elements, on CPU at most
+    :data:`~qmuon_lightning.core.pipeline.CPU_BATCH_MAX_ELEMENTS`; a short batch padded to ``B``).
+    :func:`newton_schulz_folded <qmuon_lightning.core.newton_schulz.newton_schulz_folded>` of a batch
+    holds the batch (a copy in the NS dtype, except for a lone matrix whose gradient has that dtype
+    already), the iterate and its ping-pong buffer (``2 B n`` in the NS dtype) and the
+    ``B x r x r`` Gram matrix and polynomial.
     """
     if not matrices:
         return 0
-    budget = max(1, int(batch_budget * max(r * c for r, c, _ in matrices)))
-    cap = min(budget, pipeline.CPU_BATCH_MAX_ELEMENTS) if torch.device(device).type == "cpu" else budget
+    ns_shapes = [(c, r) if t else (r, c) for r, c, t in matrices]
+    sizes = pipeline.BatchSizes.of(ns_shapes, batch_budget)
+    dev = torch.device(device).type
     peak = 0
     shapes: dict[tuple[int, int, bool], int] = {}
     for rows, cols, t in matrices:
@@ -94,7 +98,7 @@ def ns_phase_bytes(matrices: Sequence[tuple[int, int, bool]], ns_bytes: int, gra
         shapes[key] = shapes.get(key, 0) + 1
     for (rows, cols, transposed), count in shapes.items():
         n, r = rows * cols, min(rows, cols)
-        b = min(count, max(1, cap // n))
+        b = sizes.per_batch(rows, cols, dev)
         copied = not (b == 1 and not transposed and grad_bytes == ns_bytes)
         peak = max(peak, ns_bytes * b * ((3 if copied else 2) * n + 2 * r * r))
     return peak

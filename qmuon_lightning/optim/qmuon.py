@@ -12,6 +12,8 @@ allocated for the NS input: after ``step()`` a Muon parameter's ``.grad`` holds 
 
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 import math
 import warnings
@@ -133,7 +135,8 @@ class QMuon(Optimizer):
         ns_method: ``"standard"``, ``"gram"`` or ``"auto"`` (Gram Newton-Schulz for elongated
             matrices: :mod:`qmuon_lightning.core.gram_newton_schulz`).
         batch_budget: Newton-Schulz batches hold at most this many times the largest matrix's
-            elements (1.0: the step's transient memory is the largest matrix's own NS working set).
+            elements, or :data:`~qmuon_lightning.core.pipeline.BATCH_STEP_SHARE` of all Muon
+            elements if more (on CPU at most 2^20 elements; :class:`~qmuon_lightning.core.pipeline.BatchSizes`).
     """
 
     def __init__(
@@ -206,6 +209,7 @@ class QMuon(Optimizer):
         # release there is one call per parameter, and re-checking every parameter's identity in
         # each would make a step quadratic in the number of parameters.
         self._layout_fresh = False
+        self._batch_sizes = pipeline.BatchSizes(())
         self._skipped_in_step = False
         self._step_comm: list[dict[str, float]] = []
         #: The gradient-release driver stepping this optimizer inside backward, when one is attached
@@ -318,9 +322,13 @@ class QMuon(Optimizer):
         if not self._layout_fresh:  # once per optimizer step (see __init__)
             self._index = None
             self._sharded_step()
+            shapes = []
             for gi, group in enumerate(self.param_groups):
                 if group["use_muon"]:  # AdamW groups have no matrix plans (nor Muon keys, when loaded from torch's AdamW)
-                    self._group_plans(gi)
+                    shapes += [(pt.cols, pt.rows) if pt.transposed else (pt.rows, pt.cols)
+                               for plan in self._group_plans(gi) for pt in plan.parts]
+            # From every Muon matrix (global shapes): each call of the step and every rank batches alike.
+            self._batch_sizes = pipeline.BatchSizes.of(shapes, self.batch_budget)
             self._layout_fresh = True
         self._check_group_lrs()
         keys = self._keys_of(params)
@@ -337,10 +345,13 @@ class QMuon(Optimizer):
                 self._muon_group_step(gi, idx, items, sharded)
             elif idx:
                 self._adamw_step(gi, group, idx)
-        pipeline.orthogonalize(items, self.batch_budget)
+        # A call for some parameters only (gradient release: one parameter per call) does not pad
+        # its batches: padding would multiply its NS work by the step's batch size.
+        sizes = self._batch_sizes if params is None else dataclasses.replace(self._batch_sizes, pad=False)
+        pipeline.orthogonalize(items, sizes)
         if sharded is not None:
             # distributed Newton-Schulz (collective: every rank, same items)
-            self._step_comm.append(sharded.finish(self.batch_budget))
+            self._step_comm.append(sharded.finish(sizes))
 
     def _keys_of(self, params: Iterable[Tensor] | None) -> list[tuple[int, int]]:
         """``(group, index)`` of ``params`` in group order (every parameter when None)."""
