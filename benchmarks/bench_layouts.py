@@ -5,7 +5,9 @@ Layouts (gloo CPU processes, one torch thread each): FSDP2 on a 1-D mesh of 2 an
 ``(replicate, shard)`` mesh 2 x 2, expert parallelism (``Shard(0)`` of expert banks over 2
 and 4 ranks), and data parallel x tensor parallel 2 x 2 (``--only tp``: q / k / v and the MLP up
 projection colwise, o and the MLP down projection rowwise, then FSDP2 on the dp dim; the dense
-stack without expert banks, next to FSDP2 1-D on 4 ranks of the same stack). Model: a decoder-shaped stack (per layer q, k, v, o ``d x d``, MLP ``4d x d`` /
+stack without expert banks, next to FSDP2 1-D on 4 ranks of the same stack), and DeepSpeed ZeRO-3
+and ZeRO-2 on 2 processes (``--only zero``: the dense stack under ``WholeMatrixZeroOptimizer``,
+trained through the engine on a toy loss). Model: a decoder-shaped stack (per layer q, k, v, o ``d x d``, MLP ``4d x d`` /
 ``d x 4d``) plus, per layer, an expert bank of ``E`` experts (``gate_up_proj (E, 2 i, d)``,
 ``down_proj (E, d, i)``). Figures from ``opt.comm_stats`` after the second step:
 ``ns_bytes_sent`` (this rank, both all-to-all trips and the HSDP replicate share, excluding its
@@ -13,7 +15,16 @@ own segment) over the model's Muon parameters, and ``ns_share`` (this rank's NS 
 cols x min(rows, cols)`` per matrix, over the step's total). A replica-blind HSDP plan (every
 replica redoing its shard group's work, as dion does) would run ``1 / S`` per rank.
 
-Writes ``benchmarks/results/comm_layouts.md`` (``--only tp`` appends its section to it).
+DeepSpeed rows: the wrapper keeps no byte counter, so the worker wraps
+``torch.distributed.all_to_all_single`` / ``all_to_all`` and counts what this rank sends to the
+other ranks (split sizes x element size, its own split excluded) while the wrapper's ``step()``
+runs (DeepSpeed calls it once per sub-group); all-to-alls outside it are counted separately and
+must be 0. The carrier is fixed there: fp32 gradient slices to the owner, NS output back in the NS
+dtype (bf16 on CPU). NS share: this rank's owned matrices (``opt.owners``, dealt by size) under
+the same cost model, checked against the NS calls the wrapper made (``opt.ns_items``).
+
+Writes ``benchmarks/results/comm_layouts.md`` (``--only tp`` / ``--only zero`` replace or append
+their section in it).
 """
 
 from __future__ import annotations
@@ -36,6 +47,9 @@ LAYOUTS = [  # (name, mesh shape, kind: "stack" (dense + banks), "banks" (banks 
     ("expert parallel (banks only), 2 ranks", (2,), "banks"),
     ("expert parallel (banks only), 4 ranks", (4,), "banks"),
 ]
+ZERO_LAYOUTS = [("DeepSpeed ZeRO-3, 2 processes (dense stack)", 3), ("DeepSpeed ZeRO-2, 2 processes (dense stack)", 2)]
+TP_SECTION = "## Data parallel x tensor parallel"
+ZERO_SECTION = "## DeepSpeed ZeRO-3 and ZeRO-2"
 TP_LAYOUTS = [
     ("FSDP2 1-D, 4 ranks (dense stack)", (4,), "dense"),
     ("FSDP2 x TP 2 x 2 (dense stack)", (2, 2), "tp"),
@@ -107,6 +121,105 @@ def _worker(rank: int, world: int, shape: tuple[int, ...], kind: str, d: int, la
     return {"sent": opt.comm_stats["ns_bytes_sent"], "share": opt.comm_stats["ns_share"], "muon": muon}
 
 
+class DenseStack(torch.nn.Module):
+    """The dense stack with a forward (DeepSpeed's engine needs a loss to produce gradients):
+    ``h += o(q h + k h + v h); h += down(relu(up h))`` per layer."""
+
+    def __init__(self, d: int, layers: int) -> None:
+        super().__init__()
+        self.layers = make_model(d, layers, 0, "dense").layers
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.layers:
+            q, k, v, o = b.attn
+            x = x + o(q(x) + k(x) + v(x))
+            x = x + b.mlp[1](torch.relu(b.mlp[0](x)))
+        return x
+
+
+def _count_all_to_all(rank: int, counter: dict[str, int]) -> None:
+    """Wrap ``torch.distributed.all_to_all_single`` / ``all_to_all``: add the bytes this rank sends
+    to other ranks to ``counter["step"]`` while ``counter["in_step"]``, else to ``counter["other"]``."""
+    import torch.distributed as dist
+
+    single, listed = dist.all_to_all_single, dist.all_to_all
+
+    def add(nbytes: int) -> None:
+        counter["step" if counter["in_step"] else "other"] += nbytes
+
+    def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, group=None, **kw):
+        world = dist.get_world_size(group)
+        me = dist.get_rank(group)
+        sizes = list(input_split_sizes) if input_split_sizes else [input.shape[0] // world] * world
+        row = input[0].numel() if input.ndim > 1 else 1  # splits count rows of dim 0
+        add((sum(sizes) - sizes[me]) * row * input.element_size())
+        return single(output, input, output_split_sizes, input_split_sizes, group=group, **kw)
+
+    def all_to_all(output_tensor_list, input_tensor_list, group=None, **kw):
+        me = dist.get_rank(group)
+        add(sum(t.numel() * t.element_size() for r, t in enumerate(input_tensor_list) if r != me))
+        return listed(output_tensor_list, input_tensor_list, group=group, **kw)
+
+    dist.all_to_all_single, dist.all_to_all = all_to_all_single, all_to_all
+
+
+def _zero_worker(rank: int, world: int, stage: int, d: int, layers: int) -> dict[str, Any]:
+    import os
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
+    import qmuon_lightning as ql
+    from qmuon_lightning.distributed.plan import ns_cost
+    from qmuon_lightning.integrations import deepspeed as qds
+
+    counter = {"in_step": 0, "step": 0, "other": 0}
+    _count_all_to_all(rank, counter)
+    torch.manual_seed(0)
+    model = DenseStack(d, layers)
+    opt = ql.build_optimizer(model, lr=0.02, state_format="int8", block_size=64, verbose=False)
+    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "steps_per_print": 10 ** 9,
+           "gradient_clipping": 0.0, "zero_optimization": {"stage": stage}}
+    engine, opt, _, _ = qds.initialize(model, opt, cfg)
+    inner_step = opt.step
+
+    def step(closure=None):  # DeepSpeed calls it once per (sub-)group and optimizer step
+        counter["in_step"] = 1
+        try:
+            return inner_step(closure)
+        finally:
+            counter["in_step"] = 0
+
+    opt.step = step
+    sent = []
+    for s in range(2):
+        counter["step"] = 0
+        x = torch.randn(2, 8, d, generator=torch.Generator().manual_seed(100 * s + rank))
+        engine.backward(engine(x).pow(2).mean())
+        engine.step()
+        sent.append(counter["step"])
+    muon = [p for p in opt._params if p.muon]
+    owners = opt.owners
+    cost = [sum(ns_cost(part.rows, part.cols) for part in p.parts) for p in muon]
+    mine = sum(c for c, o in zip(cost, owners) if o == rank)
+    # what ran: one NS call per part of each owned matrix, none of the others'
+    ran = {p.index: opt.ns_items.get(p.index, 0) for p in muon}
+    expected = {p.index: len(p.parts) if o == rank else 0 for p, o in zip(muon, owners)}
+    if ran != expected:
+        raise RuntimeError(f"rank {rank}: NS calls {ran} differ from the owner table {expected}")
+    return {"sent": sent[-1], "share": mine / sum(cost), "muon": sum(p.numel for p in muon),
+            "other": counter["other"], "mode": opt._mode, "zero": type(engine.optimizer).__name__}
+
+
+def _write_section(out: str, heading: str, lines: list[str]) -> None:
+    """Replace ``heading``'s section of ``out`` (up to the next ``## `` heading) by ``lines``, or
+    append it."""
+    prev = Path(out).read_text() if Path(out).exists() else ""
+    at = prev.find("\n" + heading)
+    if at >= 0:
+        nxt = prev.find("\n## ", at + 1)
+        prev = prev[:at] + ("" if nxt < 0 else prev[nxt:])
+    Path(out).write_text(prev.rstrip("\n") + "\n\n" + "\n".join(lines))
+
+
 def main() -> None:
     from _dist import run_workers
 
@@ -115,10 +228,49 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--experts", type=int, default=8)
     ap.add_argument("--out", default=str(RESULTS_DIR / "comm_layouts.md"))
-    ap.add_argument("--only", choices=("all", "tp"), default="all",
-                    help="tp: run the tensor-parallel rows only and append them to --out")
+    ap.add_argument("--only", choices=("all", "tp", "zero"), default="all",
+                    help="tp / zero: run the tensor-parallel / DeepSpeed rows only and put their section in --out")
     args = ap.parse_args()
     rows = []
+    header = ["layout", "carrier", "Muon params", "bytes sent / param, per rank", "sum over ranks",
+              "NS cost share, per rank", "ideal share"]
+    if args.only == "zero":
+        import os
+
+        os.environ["DS_ACCELERATOR"] = "cpu"  # inherited by the spawned workers, read on deepspeed's import
+        for name, stage in ZERO_LAYOUTS:
+            res = run_workers(_zero_worker, 2, timeout=600, stage=stage, d=args.d, layers=args.layers)
+            if any(r["other"] for r in res):
+                raise RuntimeError(f"{name}: all-to-alls outside the optimizer step: {[r['other'] for r in res]}")
+            muon = res[0]["muon"]
+            sent = [r["sent"] / muon for r in res]
+            shares = [r["share"] for r in res]
+            rows.append([name, "fp32 / bf16", f"{muon:,}", " / ".join(f"{x:.2f}" for x in sent), f"{sum(sent):.2f}",
+                         " / ".join(f"{x:.3f}" for x in shares), f"{1 / 2:.3f}"])
+            print(rows[-1], res[0]["mode"], res[0]["zero"], flush=True)
+        for carrier in ("int8", "bf16"):  # the anchor: FSDP2 on the same stack and world size
+            res = run_workers(_worker, 2, timeout=600, shape=(2,), kind="dense", d=args.d, layers=args.layers,
+                              experts=args.experts, carrier=carrier)
+            muon = res[0]["muon"]
+            sent = [r["sent"] / muon for r in res]
+            rows.append(["FSDP2 1-D, 2 ranks (dense stack)", carrier, f"{muon:,}", " / ".join(f"{x:.2f}" for x in sent),
+                         f"{sum(sent):.2f}", " / ".join(f"{r['share']:.3f}" for r in res), f"{1 / 2:.3f}"])
+            print(rows[-1], flush=True)
+        lines = [ZERO_SECTION, ""] + header_lines("")[2:]
+        lines += ["", f"Model: the dense stack (d={args.d}, {args.layers} layers, as above) with a toy forward, trained "
+                  "through the DeepSpeed engine (gloo, CPU accelerator, micro-batch 2, default buckets and "
+                  "sub-groups); int8 momentum with block_size 64; figures of the second step. Carrier: the "
+                  "wrapper sends fp32 gradient slices to each matrix's owner and the bf16 NS output back (not "
+                  "configurable). Bytes counted by wrapping torch.distributed's all-to-alls during the optimizer's "
+                  "step (ZeRO's own parameter / gradient collectives are not counted, as in the rows above); "
+                  "owners are dealt by size (largest first, to the least loaded rank), not by which rank holds a matrix's "
+                  "elements, so at ZeRO-2, where most matrices lie whole in one rank's flat partition, the owner is that "
+                  "rank only by chance; the share is of the NS cost model above. FSDP2 1-D on 2 ranks of the same stack "
+                  "(configurable carriers) for comparison.", "",
+                  md_table(header, rows), ""]
+        _write_section(args.out, ZERO_SECTION, lines)
+        print(f"wrote {args.out}")
+        return
     layouts = TP_LAYOUTS if args.only == "tp" else LAYOUTS + TP_LAYOUTS
     for name, shape, kind in layouts:
         world = 1
@@ -133,16 +285,13 @@ def main() -> None:
             rows.append([name, carrier, f"{muon:,}", " / ".join(f"{x:.2f}" for x in sent), f"{sum(sent):.2f}",
                          " / ".join(f"{x:.3f}" for x in shares), f"{1 / world:.3f}"])
             print(rows[-1], flush=True)
-    table = md_table(["layout", "carrier", "Muon params", "bytes sent / param, per rank", "sum over ranks",
-                      "NS cost share, per rank", "ideal share"], rows)
+    table = md_table(header, rows)
     if args.only == "tp":
-        lines = ["", "## Data parallel x tensor parallel", ""]
+        lines = [TP_SECTION, ""]
         lines += header_lines("")[2:]  # command, date, versions, source, machine (no second title)
         lines += ["", f"Model: the dense stack (d={args.d}, {args.layers} layers: q, k, v, o d x d, MLP 4d x d / d x 4d; "
                   "no expert banks), int8 momentum with block_size 64; figures of the second step.", "", table, ""]
-        prev = Path(args.out).read_text() if Path(args.out).exists() else ""
-        cut = prev.find("\n## Data parallel x tensor parallel")
-        Path(args.out).write_text((prev if cut < 0 else prev[:cut]).rstrip("\n") + "\n" + "\n".join(lines))
+        _write_section(args.out, TP_SECTION, lines)
     else:
         lines = header_lines("Sharded QMuon per mesh layout: bytes sent and Newton-Schulz share per rank")
         lines += ["", f"Model: d={args.d}, {args.layers} layers, {args.experts} experts per layer (inter d/2); int8 "
