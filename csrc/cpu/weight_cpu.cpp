@@ -27,10 +27,9 @@ void weight_rows(const qmuon_weight_args& a, int64_t r0, int64_t r1) {
     if (a.ecc != nullptr) {
       int8_t* __restrict code = a.ecc + r * a.ecc_rs;
       for (int64_t c = 0; c < cols; ++c) {
-        const float x = new_weight(ecc8_decode(w[c], code[c]), U::load(u[c]), alpha, decay);
-        const uint16_t nb = BF16::store(x);
-        code[c] = ecc8_encode(x, nb);
-        w[c] = nb;
+        const Ecc8Bits b = bf16_ecc8_bits(w[c], code[c], U::load(u[c]), alpha, decay);
+        code[c] = static_cast<int8_t>(b.code);
+        w[c] = static_cast<uint16_t>(b.w);
       }
     } else if (a.stream < 0) {
       for (int64_t c = 0; c < cols; ++c) w[c] = BF16::store(new_weight(BF16::load(w[c]), U::load(u[c]), alpha, decay));
