@@ -20,8 +20,10 @@ each step, outside the timed region: QMuon overwrites ``.grad``). Each round ste
 an order rotated per round; the time is the CPU time of the process (``time.process_time``) with one
 torch thread, because the machine may be shared (wall time would count other jobs' share). Reported:
 medians, the ratio of medians and the median of per-round ratios to ``QMuon int8`` (paired: the one
-the target is judged on). Then one profiled round per setup splits the step into the qmuon kernels,
-the Newton-Schulz matmuls and the rest (``torch.profiler`` self CPU time).
+the target is judged on). Then the parts of the step the setups do differently are timed alone the
+same way: the AdamW step of every AdamW-routed parameter (fp32 / int8 moments, fp32 / bf16 weights)
+and the weight write of every Muon matrix (fp32, bf16 stochastic, bf16 ecc8). (``torch.profiler``
+times ops by wall clock, which a shared machine inflates; these are CPU times.)
 
 ISAs: ``native`` (the compiled kernels built for this CPU, ATen's best vector ISA) and ``avx2``: a
 child process with ``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2`` (ATen / oneDNN capped at AVX2:
@@ -63,17 +65,12 @@ ISA_ENV = {
     "native": {},
     "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "QMUON_CPU_ARCH": "x86-64-v3"},
 }
-#: profiler op name -> breakdown column
-PARTS = (
-    ("qmuon_C::adamw_q_update_", "int8 AdamW kernel"),
-    ("qmuon_C::bf16_weight_update_", "bf16 write (nearest / stochastic)"),
-    ("qmuon_C::bf16_ecc8_weight_update_", "bf16 write (ecc8)"),
-    ("qmuon_C::q8_momentum", "momentum kernel"),
-    ("aten::bmm", "NS matmuls"),
-    ("aten::baddbmm", "NS matmuls"),
-    ("aten::mm", "NS matmuls"),
-    ("aten::addmm", "NS matmuls"),
-)
+#: the parts of the step the setups do differently, timed alone (component name -> how)
+COMPONENTS = {
+    "AdamW params": ("fp32 moments, fp32 weights", "int8 moments, fp32 weights", "int8 moments, bf16 stochastic",
+                     "int8 moments, bf16 ecc8"),
+    "Muon weight writes": ("fp32 weights", "bf16 stochastic", "bf16 ecc8"),
+}
 
 
 def build_model(name: str) -> torch.nn.Module:
@@ -88,17 +85,73 @@ def build_model(name: str) -> torch.nn.Module:
     raise ValueError(f"unknown model {name!r}; choose gpt or llama")
 
 
-def _part(op: str) -> str:
-    for prefix, part in PARTS:
-        if op.startswith(prefix):
-            return part
-    return "rest"
-
-
 # ---------------------------------------------------------------------------------------------- child
-def child(model_name: str, reps: int, profile_rounds: int) -> dict:
-    from torch.profiler import ProfilerActivity, profile
+def components(model_name: str, reps: int) -> dict[str, dict[str, float]]:
+    """Median CPU time (ms) of the parts of the step the setups do differently, each alone and
+    interleaved: the AdamW step of every AdamW-routed parameter (``core.adamw.adamw_param_step``:
+    moments, update, weight write) and the weight write of every Muon matrix (``core.apply.apply_update_``
+    of a fixed update), per weight / state setting."""
+    import qmuon_lightning
+    from qmuon_lightning.core import adamw as cadamw
+    from qmuon_lightning.core import apply as capply
 
+    torch.manual_seed(0)
+    model = build_model(model_name)
+    decisions = qmuon_lightning.route_parameters(model)
+    adamw = [d.param.detach() for d in decisions if d.target in ("adamw", "adamw_no_decay")]
+    muon = [d.param.detach() for d in decisions if d.target == "muon"]
+    g = torch.Generator().manual_seed(2)
+    cases = {}
+    for name, (fmt, dtype, rule) in zip(COMPONENTS["AdamW params"], (
+            ("fp32", torch.float32, "nearest"), ("int8", torch.float32, "nearest"),
+            ("int8", torch.bfloat16, "stochastic"), ("int8", torch.bfloat16, "ecc8"))):
+        items = []
+        for i, p in enumerate(adamw):
+            w = p.clone().to(dtype)
+            grad = (torch.randn(p.shape, generator=g) * 1e-3).to(dtype)
+            st = cadamw.init_state(fmt, p.shape, w, rule)
+            st["step"] = torch.tensor(0.0)
+            items.append((w, grad, st, i))
+        group = dict(lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, state_format=fmt, bf16_update=rule,
+                     seed=0)
+
+        def run(items=items, group=group):
+            for w, grad, st, i in items:
+                cadamw.adamw_param_step(w, grad, st, group, global_shape=w.shape, key=i)
+
+        cases[("AdamW params", name)] = run
+    for name, (dtype, rule) in zip(COMPONENTS["Muon weight writes"], (
+            (torch.float32, "nearest"), (torch.bfloat16, "stochastic"), (torch.bfloat16, "ecc8"))):
+        items = []
+        for i, p in enumerate(muon):
+            w = p.clone().to(dtype)
+            upd = torch.randn(p.shape, generator=g) * 1e-3
+            items.append((w, upd, capply.weight_state_init(w, rule), i))
+
+        def run(items=items, rule=rule):
+            for w, upd, st, i in items:
+                capply.apply_update_(w, upd, alpha=-0.02, decay=1 - 0.02 * 0.1, bf16_update=rule, state=st or None,
+                                     rng=(0, i, 1, 0))
+
+        cases[("Muon weight writes", name)] = run
+    keys = list(cases)
+    t: dict = {k: [] for k in keys}
+    for rnd in range(reps + 1):
+        k0 = rnd % len(keys)
+        for k in keys[k0:] + keys[:k0]:
+            t0 = time.process_time()
+            cases[k]()
+            if rnd:
+                t[k].append(time.process_time() - t0)
+    out: dict[str, dict[str, float]] = {}
+    for (comp, name), ts in t.items():
+        out.setdefault(comp, {})[name] = 1e3 * statistics.median(ts)
+    out["_numel"] = {"AdamW params": float(sum(p.numel() for p in adamw)),
+                     "Muon weight writes": float(sum(p.numel() for p in muon))}
+    return out
+
+
+def child(model_name: str, reps: int) -> dict:
     from qmuon_lightning import memory as mem
 
     std = {s.label: s for s in mem.STANDARD_SETUPS}
@@ -133,16 +186,7 @@ def child(model_name: str, reps: int, profile_rounds: int) -> dict:
             dt = step(row)
             if rnd:
                 times[row].append(dt)
-    parts: dict[str, dict[str, float]] = {r: {} for r in rows}
-    for _ in range(profile_rounds):
-        for row in rows:
-            with profile(activities=[ProfilerActivity.CPU]) as prof:
-                step(row)
-            for ev in prof.key_averages():
-                if ev.key.startswith(("Optimizer.", "qmuon::")):  # wrappers: their children are counted
-                    continue
-                part = _part(ev.key)
-                parts[row][part] = parts[row].get(part, 0.0) + ev.self_cpu_time_total / 1e3 / profile_rounds
+    parts = components(model_name, reps)
     return {"model": model_name, "n_params": n_params, "times": times, "parts": parts,
             "cpu_capability": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads()}
 
@@ -154,7 +198,7 @@ def child_main(args: argparse.Namespace) -> None:
 
     out = {"backend": backend, "qmuon_cpu_loops": _extension.cpu_vector_isa(), "models": []}
     for m in args.models.split(","):
-        out["models"].append(child(m, args.reps, args.profile_rounds))
+        out["models"].append(child(m, args.reps))
         print(f"  {m}: done", file=sys.stderr, flush=True)
     print("@@RESULT@@" + json.dumps(out))
 
@@ -163,7 +207,7 @@ def child_main(args: argparse.Namespace) -> None:
 def run_isa(isa: str, args: argparse.Namespace) -> dict:
     env = dict(os.environ, **ISA_ENV[isa], OMP_NUM_THREADS=str(args.threads))
     cmd = [sys.executable, __file__, "--child", "--models", args.models, "--reps", str(args.reps),
-           "--threads", str(args.threads), "--profile-rounds", str(args.profile_rounds)]
+           "--threads", str(args.threads)]
     print(f"[{isa}] {' '.join(f'{k}={v}' for k, v in ISA_ENV[isa].items())} {' '.join(cmd[1:])}", flush=True)
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     sys.stderr.write(proc.stderr[-3000:])
@@ -192,13 +236,14 @@ def tables(isa: str, res: dict) -> list[str]:
                          f"{paired:.3f}x", verdict])
         lines += [head, "", md_table(["setup", "step (ms, median)", "25-75% (ms)", "ratio of medians",
                                       f"median per-round ratio vs {BASELINE}", "target"], rows), ""]
-        cols = sorted({p for parts in m["parts"].values() for p in parts},
-                      key=lambda p: (p == "rest", p))
-        prow = [[row] + [f"{parts.get(c, 0.0):.1f}" for c in cols] + [f"{sum(parts.values()):.1f}"]
-                for row, parts in m["parts"].items()]
-        lines += [f"Where the step goes ({m['model']}, {isa}; `torch.profiler` self CPU ms, mean of the profiled "
-                  "rounds, profiler overhead included):", "",
-                  md_table(["setup"] + cols + ["total"], prow), ""]
+        parts = m["parts"]
+        for comp, names in COMPONENTS.items():
+            base_c = parts[comp][names[0]]
+            crow = [[n, f"{parts[comp][n]:.1f}", f"{parts[comp][n] / base_c:.2f}x",
+                     f"{1e6 * parts[comp][n] / parts['_numel'][comp]:.2f}"] for n in names]
+            lines += [f"{comp} of {m['model']} alone ({parts['_numel'][comp] / 1e6:.1f}M elements; {isa}; "
+                      "median CPU ms, interleaved):", "",
+                      md_table([comp, "ms", f"vs {names[0]}", "ns / element"], crow), ""]
     return lines
 
 
@@ -207,7 +252,6 @@ def main() -> None:
     ap.add_argument("--models", default="gpt,llama", help="comma-separated: gpt, llama")
     ap.add_argument("--isas", default="native,avx2", help="comma-separated: native, avx2")
     ap.add_argument("--reps", type=int, default=9, help="timed rounds (after one warm-up round)")
-    ap.add_argument("--profile-rounds", type=int, default=1)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default=str(RESULTS_DIR / "bf16_step.md"))
     ap.add_argument("--no-write", action="store_true")

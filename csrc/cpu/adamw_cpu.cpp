@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "cpu/vector_width.h"
 #include "qmuon/adamw_kernels.h"
 #include "qmuon/adamw_math.h"
 #include "qmuon/kernels.h"
@@ -53,7 +54,7 @@ QMUON_HD void store_codes(uint8_t* __restrict row, int64_t c0, int64_t n, const 
 // MK / VK: the moment kinds, fixed at compile time so that the always-inline maths folds its kind
 // branches and g++ can vectorize the element loops (the results are the same for any MK / VK).
 template <typename G, int32_t MK, int32_t VK>
-void adamw_block(const qmuon_adamw_q_args& a, const AdamWConsts& c, int64_t row, int64_t blk, float* __restrict mb,
+QMUON_WIDE_VECTORS void adamw_block(const qmuon_adamw_q_args& a, const AdamWConsts& c, int64_t row, int64_t blk, float* __restrict mb,
                  float* __restrict vb, uint8_t* __restrict tmp) {
   const int64_t c0 = blk * a.block_size;
   const int64_t n = (a.cols - c0) < a.block_size ? (a.cols - c0) : a.block_size;

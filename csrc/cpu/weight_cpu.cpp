@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "cpu/vector_width.h"
 #include "qmuon/block_math.h"
 #include "qmuon/kernels.h"
 #include "qmuon/weight_kernels.h"
@@ -15,7 +16,7 @@ namespace qmuon {
 namespace {
 
 template <typename U>
-void weight_rows(const qmuon_weight_args& a, int64_t r0, int64_t r1) {
+QMUON_WIDE_VECTORS void weight_rows(const qmuon_weight_args& a, int64_t r0, int64_t r1) {
   using S = typename U::storage;
   // Locals: the int8 codes may alias anything (char type), so fields read through `a` inside the
   // loops would have to be reloaded and the loops would not vectorize.

@@ -67,7 +67,7 @@ _CUDA_SOURCES = ("binding_cuda.cpp", "cuda/q8_cuda.cu", "cuda/q4_cuda.cu", "bind
 _HEADERS = ("binding_common.h", "binding_4bit.h", "cpu/block_reduce_cpu.h", "qmuon/block_math.h",
             "qmuon/block_math_4bit.h", "qmuon/kernels.h", "qmuon/validate.h", "binding_weight.h",
             "qmuon/weight_kernels.h", "qmuon/weight_math.h", "binding_adamw.h", "qmuon/adamw_math.h",
-            "qmuon/adamw_kernels.h")
+            "qmuon/adamw_kernels.h", "cpu/vector_width.h")
 
 
 @dataclass(frozen=True)
