@@ -240,6 +240,37 @@ def test_cpu_kernels_equal_reference_bit_for_bit(update_dtype):
     assert after[("bf16_ecc8_weight_update_", "compiled")] - before.get(("bf16_ecc8_weight_update_", "compiled"), 0) == 1
 
 
+@pytest.mark.parametrize("update_dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_cpu_kernels_equal_reference_on_special_values(update_dtype):
+    """The vectorized loops' edge cases, bit for bit: NaN / +-inf weights and updates, a write that
+    overflows to inf, zeros and subnormals (the smallest ecc8 gap, 2**-134), every int8 code, and
+    row lengths that leave a scalar remainder after the vector body (1, 7, 37 columns)."""
+    if not _compiled():
+        pytest.skip("the compiled CPU kernels did not build here")
+    g = torch.Generator().manual_seed(11)
+    specials = torch.tensor([float("nan"), float("inf"), -float("inf"), 3.38e38, -3.38e38, 0.0, -0.0, 1e-40,
+                             -1e-45, 2.0 ** -126, 1.0, -1.5, 65504.0])
+    for cols in (1, 7, 37, 300):
+        rows = 9
+        w = (torch.randn(rows, cols, generator=g) * torch.logspace(-38, 38, cols)[None, :]).to(torch.bfloat16)
+        u = torch.randn(rows, cols, generator=g) * torch.logspace(-40, 4, cols)[None, :]
+        n = min(specials.numel(), w.numel())
+        w.view(-1)[:n] = specials[:n].to(torch.bfloat16)
+        u.view(-1)[-n:] = specials[:n]  # specials meet other weights in the update, too
+        u = u.to(update_dtype)
+        e = torch.randint(-127, 128, (rows, cols), generator=g, dtype=torch.int8)
+        for alpha, decay in ((-0.3, 0.999), (1e30, 1.0)):  # the second overflows large weights to inf
+            for stream in (-1, 0x1234567):
+                a, b = w.clone(), w.clone()
+                torch.ops.qmuon.bf16_weight_update_(a, u, alpha, decay, stream, 2**32 - 3, cols)
+                refw.bf16_weight_update_(b, u, alpha, decay, stream, 2**32 - 3, cols)
+                assert _same(a, b), (cols, alpha, stream)
+            a, b, ea, eb = w.clone(), w.clone(), e.clone(), e.clone()
+            torch.ops.qmuon.bf16_ecc8_weight_update_(a, ea, u, alpha, decay)
+            refw.bf16_ecc8_weight_update_(b, eb, u, alpha, decay)
+            assert _same(a, b) and torch.equal(ea, eb), (cols, alpha)
+
+
 def test_ops_run_the_reference_on_layouts_the_kernels_lack():
     w = torch.randn(8, 6).to(torch.bfloat16).t()  # column stride 8
     u = torch.randn(6, 8)

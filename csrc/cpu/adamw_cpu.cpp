@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "cpu/vector_width.h"
 #include "qmuon/adamw_kernels.h"
 #include "qmuon/adamw_math.h"
 #include "qmuon/kernels.h"
@@ -13,23 +14,60 @@
 namespace qmuon {
 namespace {
 
+// Code values (adamw_load_code) of the n elements of a row of codes starting at column c0 (even:
+// blocks are even). 4-bit codes are unpacked a byte (two columns) at a time, so the loop has no
+// per-column nibble select and vectorizes.
+template <int32_t K>
+QMUON_HD void load_codes(const uint8_t* __restrict row, int64_t c0, int64_t n, float* __restrict out) {
+  if (!adamw_kind_4bit(K)) {
+    for (int64_t j = 0; j < n; ++j) out[j] = adamw_load_code(row, c0 + j, K);
+    return;
+  }
+  const uint8_t* __restrict b = row + (c0 >> 1);
+  const int64_t pairs = n >> 1;
+  const int32_t off = K == kAdamM4 ? 8 : 0;  // signed m: nibble = code + 8
+  for (int64_t k = 0; k < pairs; ++k) {
+    const int32_t byte = b[k];
+    out[2 * k] = static_cast<float>((byte & 0x0F) - off);
+    out[2 * k + 1] = static_cast<float>((byte >> 4) - off);
+  }
+  if (n & 1) out[n - 1] = static_cast<float>((b[pairs] & 0x0F) - off);
+}
+
+// Encode n moments x (adamw_stored values) with the block's safe scale into the row of codes at column
+// c0. 4-bit: the codes go to `tmp` first and are then packed two a byte (the high nibble of an odd
+// tail is 0), two loops that vectorize.
+template <int32_t K>
+QMUON_HD void store_codes(uint8_t* __restrict row, int64_t c0, int64_t n, const float* __restrict x, float safe,
+                          uint8_t* __restrict tmp) {
+  if (!adamw_kind_4bit(K)) {
+    for (int64_t j = 0; j < n; ++j) row[c0 + j] = static_cast<uint8_t>(adamw_code_bits(adamw_encode(x[j], safe, K), K));
+    return;
+  }
+  for (int64_t j = 0; j < n; ++j) tmp[j] = static_cast<uint8_t>(adamw_code_bits(adamw_encode(x[j], safe, K), K));
+  uint8_t* __restrict b = row + (c0 >> 1);
+  const int64_t pairs = n >> 1;
+  for (int64_t k = 0; k < pairs; ++k) b[k] = static_cast<uint8_t>(tmp[2 * k] | (tmp[2 * k + 1] << 4));
+  if (n & 1) b[pairs] = tmp[n - 1];
+}
+
 // MK / VK: the moment kinds, fixed at compile time so that the always-inline maths folds its kind
 // branches and g++ can vectorize the element loops (the results are the same for any MK / VK).
 template <typename G, int32_t MK, int32_t VK>
-void adamw_block(const qmuon_adamw_q_args& a, const AdamWConsts& c, int64_t row, int64_t blk, float* mb,
-                 float* vb) {
+QMUON_WIDE_VECTORS void adamw_block(const qmuon_adamw_q_args& a, const AdamWConsts& c, int64_t row, int64_t blk, float* __restrict mb,
+                 float* __restrict vb, uint8_t* __restrict tmp) {
   const int64_t c0 = blk * a.block_size;
   const int64_t n = (a.cols - c0) < a.block_size ? (a.cols - c0) : a.block_size;
-  const auto* g = static_cast<const typename G::storage*>(a.grad) + row * a.grad_rs + c0;
-  const uint8_t* mrow = a.m_codes + row * a.m_rs;
-  const uint8_t* vrow = a.v_codes + row * a.v_rs;
+  const auto* __restrict g = static_cast<const typename G::storage*>(a.grad) + row * a.grad_rs + c0;
   float* ms = a.m_scale + row * a.m_scale_rs + blk;
   float* vs = a.v_scale + row * a.v_scale_rs + blk;
-  float* up = a.update + row * a.update_rs + c0;
+  float* __restrict up = a.update + row * a.update_rs + c0;
   const float m_scale = *ms, v_scale = *vs;
+  load_codes<MK>(a.m_codes + row * a.m_rs, c0, n, mb);
+  load_codes<VK>(a.v_codes + row * a.v_rs, c0, n, vb);
   for (int64_t j = 0; j < n; ++j) {
-    mb[j] = adamw_decode(adamw_load_code(mrow, c0 + j, MK), m_scale, MK);
-    vb[j] = adamw_decode(adamw_load_code(vrow, c0 + j, VK), v_scale, VK);
+    mb[j] = adamw_decode(mb[j], m_scale, MK);
+    vb[j] = adamw_decode(vb[j], v_scale, VK);
   }
   uint32_t m_max = 0, v_max = 0;  // |x| bits: the unsigned order of finite floats' magnitudes
   for (int64_t j = 0; j < n; ++j) {
@@ -43,26 +81,8 @@ void adamw_block(const qmuon_adamw_q_args& a, const AdamWConsts& c, int64_t row,
   const float m_safe = new_ms > 0.0f ? new_ms : 1.0f, v_safe = new_vs > 0.0f ? new_vs : 1.0f;
   *ms = new_ms;
   *vs = new_vs;
-  uint8_t* mw = a.m_codes + row * a.m_rs;
-  uint8_t* vw = a.v_codes + row * a.v_rs;
-  if (!adamw_kind_4bit(MK)) {
-    for (int64_t j = 0; j < n; ++j) mw[c0 + j] = static_cast<uint8_t>(adamw_code_bits(adamw_encode(mb[j], m_safe, MK), MK));
-  } else {
-    for (int64_t j = 0; j < n; j += 2) {
-      const uint32_t lo = adamw_code_bits(adamw_encode(mb[j], m_safe, MK), MK);
-      const uint32_t hi = j + 1 < n ? adamw_code_bits(adamw_encode(mb[j + 1], m_safe, MK), MK) : 0u;
-      mw[(c0 + j) >> 1] = static_cast<uint8_t>(lo | (hi << 4));
-    }
-  }
-  if (!adamw_kind_4bit(VK)) {
-    for (int64_t j = 0; j < n; ++j) vw[c0 + j] = static_cast<uint8_t>(adamw_code_bits(adamw_encode(vb[j], v_safe, VK), VK));
-  } else {
-    for (int64_t j = 0; j < n; j += 2) {
-      const uint32_t lo = adamw_code_bits(adamw_encode(vb[j], v_safe, VK), VK);
-      const uint32_t hi = j + 1 < n ? adamw_code_bits(adamw_encode(vb[j + 1], v_safe, VK), VK) : 0u;
-      vw[(c0 + j) >> 1] = static_cast<uint8_t>(lo | (hi << 4));
-    }
-  }
+  store_codes<MK>(a.m_codes + row * a.m_rs, c0, n, mb, m_safe, tmp);
+  store_codes<VK>(a.v_codes + row * a.v_rs, c0, n, vb, v_safe, tmp);
 }
 
 template <typename G, int32_t MK, int32_t VK>
@@ -74,7 +94,8 @@ void adamw_run(const qmuon_adamw_q_args& a) {
   at::parallel_for(0, total, grain, [&](int64_t begin, int64_t end) {
     float mb[kMaxBlockSize];
     float vb[kMaxBlockSize];
-    for (int64_t i = begin; i < end; ++i) adamw_block<G, MK, VK>(a, c, i / nb, i % nb, mb, vb);
+    uint8_t tmp[kMaxBlockSize];
+    for (int64_t i = begin; i < end; ++i) adamw_block<G, MK, VK>(a, c, i / nb, i % nb, mb, vb, tmp);
   });
 }
 

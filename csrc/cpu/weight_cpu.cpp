@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "cpu/vector_width.h"
 #include "qmuon/block_math.h"
 #include "qmuon/kernels.h"
 #include "qmuon/weight_kernels.h"
@@ -15,7 +16,7 @@ namespace qmuon {
 namespace {
 
 template <typename U>
-void weight_rows(const qmuon_weight_args& a, int64_t r0, int64_t r1) {
+QMUON_WIDE_VECTORS void weight_rows(const qmuon_weight_args& a, int64_t r0, int64_t r1) {
   using S = typename U::storage;
   // Locals: the int8 codes may alias anything (char type), so fields read through `a` inside the
   // loops would have to be reloaded and the loops would not vectorize.
@@ -27,10 +28,9 @@ void weight_rows(const qmuon_weight_args& a, int64_t r0, int64_t r1) {
     if (a.ecc != nullptr) {
       int8_t* __restrict code = a.ecc + r * a.ecc_rs;
       for (int64_t c = 0; c < cols; ++c) {
-        const float x = new_weight(ecc8_decode(w[c], code[c]), U::load(u[c]), alpha, decay);
-        const uint16_t nb = BF16::store(x);
-        code[c] = ecc8_encode(x, nb);
-        w[c] = nb;
+        const Ecc8Bits b = bf16_ecc8_bits(w[c], code[c], U::load(u[c]), alpha, decay);
+        code[c] = static_cast<int8_t>(b.code);
+        w[c] = static_cast<uint16_t>(b.w);
       }
     } else if (a.stream < 0) {
       for (int64_t c = 0; c < cols; ++c) w[c] = BF16::store(new_weight(BF16::load(w[c]), U::load(u[c]), alpha, decay));

@@ -22,7 +22,10 @@ Just in time with ``torch.utils.cpp_extension.load`` (ninja), into
 ``<torch extensions dir>/qmuon/<name>``; the name hashes the sources, the flags, the torch / Python /
 CUDA versions and the CPU (the CPU kernels are built with ``-march=native``). CPU code is compiled
 with ``-ffp-contract=off`` and CUDA code with ``--fmad=false`` (plus explicit ``__f*_rn``
-intrinsics) so that results equal the reference bit for bit.
+intrinsics) so that results equal the reference bit for bit. ``-fno-math-errno`` only stops ``sqrtf``
+from setting ``errno`` on negative inputs (its result is the same correctly rounded IEEE square root):
+with errno, g++ puts a branch to the libm call in every loop with a square root (the AdamW kernel's),
+and such a loop is not vectorized.
 
 Environment
 -----------
@@ -64,7 +67,7 @@ _CUDA_SOURCES = ("binding_cuda.cpp", "cuda/q8_cuda.cu", "cuda/q4_cuda.cu", "bind
 _HEADERS = ("binding_common.h", "binding_4bit.h", "cpu/block_reduce_cpu.h", "qmuon/block_math.h",
             "qmuon/block_math_4bit.h", "qmuon/kernels.h", "qmuon/validate.h", "binding_weight.h",
             "qmuon/weight_kernels.h", "qmuon/weight_math.h", "binding_adamw.h", "qmuon/adamw_math.h",
-            "qmuon/adamw_kernels.h")
+            "qmuon/adamw_kernels.h", "cpu/vector_width.h")
 
 
 @dataclass(frozen=True)
@@ -164,7 +167,7 @@ def _cuda_wanted() -> tuple[bool, str | None]:
 def _build_spec(with_cuda: bool) -> dict[str, Any]:
     src = csrc_dir()
     files = list(_CPU_SOURCES) + (list(_CUDA_SOURCES) if with_cuda else [])
-    cflags = ["-O3", "-ffp-contract=off", "-fopenmp", *_cpu_arch_flags()]
+    cflags = ["-O3", "-ffp-contract=off", "-fno-math-errno", "-fopenmp", *_cpu_arch_flags()]
     cuda_cflags = ["-O3", "--fmad=false", "-lineinfo"]
     ldflags = ["-fopenmp"]
     h = hashlib.sha256()

@@ -17,7 +17,8 @@ the weight is rounded once per step, not once for the decay and once for the upd
 
 Writing ``x`` to bf16
 ---------------------
-* ``"nearest"``: round to nearest even (``x.to(torch.bfloat16)``). An update smaller than half the
+* ``"nearest"``: round to nearest even (``x.to(torch.bfloat16)``; a NaN is written as the one NaN
+  ``0x7FC0``, :func:`nearest_bf16`). An update smaller than half the
   gap between ``w`` and its neighbours (``ulp(w) / 2``, ``|w| * 2**-9`` for bf16) is lost entirely.
 * ``"stochastic"``: ``bits(x) + r`` truncated to its high 16 bits, with ``r`` 16 uniform random bits:
   rounds away from zero with probability (discarded fraction) / 2**16, so the stored weight equals
@@ -64,6 +65,8 @@ __all__ = [
     "weight_noise_stream",
     "noise_index",
     "new_weight_fp32",
+    "BF16_NAN_BITS",
+    "nearest_bf16",
     "stochastic_round_bf16",
     "ecc8_half_ulp",
     "ecc8_decode",
@@ -100,12 +103,24 @@ def new_weight_fp32(w: Tensor, update: Tensor, alpha: float, decay: float) -> Te
     return w.float() * decay + update.float() * alpha
 
 
+#: bf16 bits of the one NaN the kernels write (c10::BFloat16's scalar conversion writes it too; torch's
+#: vectorized CPU conversion writes 0xFFFF for some NaNs, so NaNs are canonicalized here explicitly).
+BF16_NAN_BITS = 0x7FC0
+
+
+def nearest_bf16(x: Tensor) -> Tensor:
+    """fp32 -> bf16, round to nearest even; every NaN becomes :data:`BF16_NAN_BITS`."""
+    out = x.to(torch.bfloat16)
+    nan = torch.tensor(BF16_NAN_BITS, dtype=torch.int16, device=x.device).view(torch.bfloat16)
+    return torch.where(x.isnan(), nan, out)
+
+
 def stochastic_round_bf16(x: Tensor, bits16: Tensor) -> Tensor:
     """fp32 -> bf16 rounding away from zero with probability (discarded bits) / 2**16."""
     b = x.view(torch.int32).to(torch.int64) & _MASK32
     up = ((b + bits16) >> 16) & 0xFFFF
     out = torch.where(up >= 0x8000, up - 0x10000, up).to(torch.int16).view(torch.bfloat16)
-    return torch.where(x.isfinite(), out, x.to(torch.bfloat16))
+    return torch.where(x.isfinite(), out, nearest_bf16(x))
 
 
 def ecc8_half_ulp(wb: Tensor) -> Tensor:
@@ -138,7 +153,7 @@ def bf16_weight_update_(param: Tensor, update: Tensor, alpha: float, decay: floa
     stochastic rounding with ``stream`` (2-D ``param`` bf16, ``update`` of the same shape)."""
     x = new_weight_fp32(param, update, alpha, decay)
     if stream < 0:
-        param.copy_(x)
+        param.copy_(nearest_bf16(x))
         return
     rows, cols = param.shape
     idx = noise_index(rows, cols, index0, index_row_stride, param.device)
@@ -149,6 +164,6 @@ def bf16_ecc8_weight_update_(param: Tensor, ecc: Tensor, update: Tensor, alpha: 
     """``param, ecc <- bf16 + int8 code of (decay * master + alpha * update)`` in place, where
     ``master = ecc8_decode(param, ecc)``."""
     x = new_weight_fp32(ecc8_decode(param, ecc), update, alpha, decay)
-    wb = x.to(torch.bfloat16)
+    wb = nearest_bf16(x)
     ecc.copy_(ecc8_encode(x, wb))
     param.copy_(wb)
