@@ -212,6 +212,8 @@ def _samples(device: torch.device) -> dict[str, Callable[[], tuple]]:
     """Arguments of one call of each op (built fresh per call: the updates mutate them)."""
     from qmuon_lightning.ops import reference as ref
     from qmuon_lightning.ops import reference_4bit as ref4
+    from qmuon_lightning.ops import reference_adamw as refa
+    from qmuon_lightning.ops import reference_weight as refw
 
     gen = torch.Generator().manual_seed(20260)
     rows, cols, bs = 37, 300, 64  # a partial last block, an odd number of rows
@@ -228,6 +230,14 @@ def _samples(device: torch.device) -> dict[str, Callable[[], tuple]]:
     gq = ref4.grid_quantize4(m.cpu(), 32)
     d = lambda t: t.to(device).clone()  # noqa: E731
     stream = ref.noise_stream(7, 3, 1)
+
+    # AdamW moments (8-bit m and v) and bf16 weights with their ecc8 term, also built on the CPU
+    m8 = refa.encode_moment(m.cpu(), refa.M8, bs)
+    v8 = refa.encode_moment((g * g).cpu(), refa.V8, bs)
+    master = randn(rows, cols).cpu()
+    wb = refw.nearest_bf16(master)
+    ecc = refw.ecc8_encode(master, wb)
+    wstream = refw.weight_noise_stream(7, 3, 1)
 
     def sums(block: int) -> list[Tensor]:
         return [torch.full((rows, ref.num_blocks(cols, block)), float("nan"), device=device)]
@@ -257,6 +267,11 @@ def _samples(device: torch.device) -> dict[str, Callable[[], tuple]]:
         "e0m3_momentum_update_with_scale_multi_": lambda: (
             [d(e3[0])], [d(e3[1])], [d(e3[2]).reshape(1)], [torch.full((1,), 3e-4, device=device)], [g.clone()],
             sums(16), 0.9, True, 16, [stream], [11]),
+        "adamw_q_update_": lambda: (g.to(torch.bfloat16), d(m8[0]), d(m8[1]), d(v8[0]), d(v8[1]),
+                                    torch.empty(rows, cols, device=device), 0.9, 0.95, 1e-8, -1e-3, 0.5,
+                                    refa.M8, refa.V8, bs),
+        "bf16_weight_update_": lambda: (d(wb), g.clone(), -0.3, 0.999, wstream, 5, cols),
+        "bf16_ecc8_weight_update_": lambda: (d(wb), d(ecc), g.clone(), -0.3, 0.999),
     }
 
 
