@@ -220,3 +220,49 @@ def test_qmuon_estimate_cli_on_an_hf_config(capsys, tmp_path) -> None:
     estimate_main(["--hf_config", str(tmp_path / "config.json"), "--budget", "4GiB", "--grow", "width"])
     text = capsys.readouterr().out
     assert "LlamaForCausalLM" in text and "Largest (attention heads (width))" in text
+
+
+@pytest.mark.parametrize("label", ["int8 + int8 AdamW + stochastic + release", "grasp4 + int4 AdamW + stochastic + release"])
+def test_release_hooks_free_their_temporaries(label: str) -> None:
+    """Every release hook leaves nothing behind: after each hook of the later steps the optimizer's
+    bytes are its state again (its AdamW blocks, Newton-Schulz buffers, grasp4 scratch and rounding
+    temporaries freed), and the one gradient alive is the hooked parameter's own (freed by the
+    hook right after)."""
+    from torch.distributed._tools.mem_tracker import _MemRefType
+
+    from qmuon_lightning.memory import measure as mm
+
+    setup = next(s for s in AVAILABLE if s.label == label)
+    exits: list[tuple[int, int, int]] = []
+    base = mm._step_tracker_class()
+
+    class Tracker(base):  # type: ignore[misc, valid-type]
+        def optimizer_region(self, optimizer, names):
+            super().optimizer_region(optimizer, names)
+            inner = optimizer.step_params
+
+            def step_params(params, *a, **k):
+                out = inner(params, *a, **k)
+                snap = self._curr_mem_snap[torch.device("cpu")]
+                grad = sum(p.grad.untyped_storage().nbytes() for p in params if p.grad is not None)
+                exits.append((snap[_MemRefType.OPT], snap[_MemRefType.GRAD], grad))
+                return out
+
+            optimizer.step_params = step_params
+
+    cfg = SIZES[1]
+    torch.manual_seed(0)
+    model = DecoderLM(max_seq_len=8, **cfg).to(setup.weight_dtype)
+    tokens = torch.randint(0, cfg["vocab_size"], (1, 9), generator=torch.Generator().manual_seed(1))
+    orig = mm._step_tracker_class
+    mm._step_tracker_class = lambda: Tracker  # type: ignore[assignment]
+    try:
+        m = mem.measure_step(model, mem.build_optimizers(model, setup), lambda: model.loss(tokens[:, :-1], tokens[:, 1:]),
+                             steps=3)
+    finally:
+        mm._step_tracker_class = orig  # type: ignore[assignment]
+    n = len(exits) // 3
+    assert n == sum(1 for p in model.parameters() if p.requires_grad)
+    for opt_bytes, grads, own in exits[n:]:  # steps 2 and 3: the state exists already
+        assert opt_bytes == m.state_bytes
+        assert grads == own > 0
