@@ -236,17 +236,12 @@ def _weight_state_nbytes(p: ParamInfo, dtype: torch.dtype, bf16_update: str | No
     return sum(t.numel() * t.element_size() for t in st.values() if isinstance(t, torch.Tensor))
 
 
-def _normuon_state_nbytes(p: ParamInfo, group: Mapping[str, Any]) -> int:
+def _normuon_state_nbytes(p: ParamInfo) -> int:
     """NorMuon's per-output-row second moment of one Muon parameter (``variant="normuon"``): fp32,
-    shaped by :func:`qmuon_lightning.core.variants.row_moment_shape` of the parameter's plan (one
-    value per output row of each of its matrices)."""
-    from ..core.plan import plan_param
-    from ..core.variants import row_moment_shape
+    one value per output row of each of its matrices (:func:`qmuon_lightning.core.variants.row_moment_nbytes`)."""
+    from ..core.variants import row_moment_nbytes
 
-    g = {**group, "parts": list(p.parts) if p.parts else None, "parts_axis": p.parts_axis,
-         "orientation": p.orientation}
-    rows, k = row_moment_shape(plan_param(p.shape, g, 0, p.name))
-    return rows * k * 4
+    return row_moment_nbytes(p.shape, p.parts, p.parts_axis, p.orientation)
 
 
 def _adamw_state_nbytes(p: ParamInfo, dtype: torch.dtype, family: str | None) -> int:
@@ -325,7 +320,7 @@ def estimate(model_or_inventory: nn.Module | Inventory, setup: Setup, *, device:
         for p in inv.of("muon"):
             parts["muon momentum"] += fmt.nbytes(p.rows, p.cols, opts) + STEP_BYTES
         if getattr(cfg, "variant", "muon") == "normuon":
-            parts["normuon second moment"] = sum(_normuon_state_nbytes(p, opts_dict) for p in inv.of("muon"))
+            parts["normuon second moment"] = sum(_normuon_state_nbytes(p) for p in inv.of("muon"))
         for p in inv.of("adamw", "adamw_no_decay"):
             parts["adamw moments"] += _adamw_state_nbytes(p, wdtype, adamw_fmt)
         for p in live:
