@@ -209,16 +209,18 @@ def main() -> int:
             "Two peaks of the same run (PyTorch's `MemTracker`, live tensor bytes):",
             "",
             "- *peak live*: the most tensor bytes alive at once, every category (what an accelerator's allocator "
-            "must hold, activations included); *B/param*: peak live / parameters; *act. at peak*: the activations "
-            "and backward temporaries (MemTracker's `Activation` + `Temp`: saved tensors, logits, activation "
-            "gradients) alive at that moment;",
+            "must hold, activations included); *B/param*: peak live / parameters; *act.+temp. at peak*: MemTracker's "
+            "`Activation` + `Temp` bytes alive at that moment (saved tensors, logits, activation gradients; MemTracker "
+            "files a parameter's gradient under `Temp` from its creation until autograd hands it to the parameter's "
+            "hooks, so at a peak inside the head's backward this column holds the head's gradient too: *in* says where "
+            "the total peaked);",
             "- *peak w/o act.*: issue 19's metric, \"whole-step peak (weights + grads + state + step temporaries, "
             "activations aside)\": the most bytes alive at once of parameters, buffers, gradients, optimizer state "
             "and the optimizer's temporaries (every MemTracker category but `Activation` and `Temp`), its own "
             "maximum over the run (it can fall at another moment than *peak live*). With gradient release the "
             "optimizer steps inside backward; what its hooks allocate is counted as optimizer bytes there "
             "(`qmuon_lightning.memory.measure_step`). *weights / grads / state / step temp.* split this peak; "
-            "*in*: what ran at it; *target*: issue 19's bound, checked on this metric (the total is shown beside).",
+            "the second *in*: what ran at it; *target*: issue 19's bound, checked on this metric (the total is shown beside).",
             "",
             "*estimate*: `qmuon_lightning.memory.estimate` (the model `qmuon-estimate` prints) from the meta-device "
             "model, which leaves activations aside, compared with *peak w/o act.*; "
@@ -240,8 +242,8 @@ def main() -> int:
                     if model_name == "gpt2s" else
                     "Hugging Face `LlamaForCausalLM` (hidden 512, 8 layers, 8 heads / 4 KV heads, MLP 1408, untied 32k vocabulary)")
             lines += [f"## {desc}: {n / 1e6:.1f}M parameters, {inv.n_muon / 1e6:.1f}M in Muon matrices", ""]
-            hdr = ["configuration", "peak live MiB", "B/param", "act. at peak MiB", "peak w/o act. MiB",
-                   "B/param w/o act.", "vs AdamW", "weights MiB", "grads MiB", "state MiB", "step temp. MiB", "in",
+            hdr = ["configuration", "peak live MiB", "B/param", "act.+temp. at peak MiB", "in", "peak w/o act. MiB",
+                   "B/param w/o act.", "vs AdamW", "weights MiB", "grads MiB", "state MiB", "step temp. MiB", "in ",
                    "estimate MiB", "error vs w/o act.", f"largest in {args.budget_gib:g} GiB", "params there",
                    "vs AdamW params", "target B/param (w/o act.)"]
             rows = []
@@ -267,7 +269,7 @@ def main() -> int:
                            + f" (total {r['peak_live'] / n:.2f}: " + ("met" if r["peak_live"] / n <= t else "missed") + ")")
                 rows.append([
                     f"`{lab}`", f"{r['peak_live'] / MiB:.1f}", f"{r['peak_live'] / n:.2f}", f"{act / MiB:.1f}",
-                    f"{na / MiB:.1f}", f"**{na / n:.2f}**", f"{na / base_na:.2f}x" if base_na else "n/a",
+                    r.get("peak_where", "").replace("release hook: ", "hook: "), f"{na / MiB:.1f}", f"**{na / n:.2f}**", f"{na / base_na:.2f}x" if base_na else "n/a",
                     f"{(sq.get('Parameter', 0) + sq.get('Buffer', 0)) / MiB:.1f}", f"{sq.get('Gradient', 0) / MiB:.1f}",
                     f"{state / MiB:.1f}", f"{temp / MiB:.1f}", r.get("peak_no_act_where", "").replace("release hook: ", "hook: "),
                     f"{est['total'] / MiB:.1f}" if est else "not modelled",
@@ -287,7 +289,8 @@ def main() -> int:
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_text(text)
             raw = {"header": header, "platform": platform.platform(),
-                   "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "child"},
+                   "args": {k: (str(v) if isinstance(v, Path) else [str(x) for x in v] if isinstance(v, list) else v)
+                            for k, v in vars(args).items() if k != "child"},
                    "runs": runs, "estimates": estimates, "largest_within_budget": largest, "notes": notes,
                    "elapsed_s": elapsed, "loadavg": os.getloadavg()}
             out.with_suffix(".json").write_text(json.dumps(raw, indent=1))
