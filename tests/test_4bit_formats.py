@@ -400,3 +400,23 @@ def test_grasp4_bf16_gradient_is_widened_per_row_chunk_with_the_same_bits(nester
     assert torch.equal(m16, m32)
     assert torch.equal(out16, out32)
     assert torch.equal(g16, g32.to(torch.bfloat16))
+
+
+def test_grasp4_block_sums_of_a_partial_block_have_the_reference_bits():
+    """A row width that is not a multiple of the block size is padded to whole blocks in one reused
+    buffer (not a padded copy and its square per row chunk): the block sums are those of
+    ``ref.block_sumsq`` on the same NS input, bit for bit."""
+    from qmuon_lightning.ops import reference as ref
+
+    fmt = qstate.get_format("grasp4")
+    rows, cols = 700, 200  # 327 rows per chunk of 2^16 elements: 3 chunks, the last partial
+    opts = qstate.format_options({"state_format": "grasp4"})
+    assert cols % opts.block_size
+    st = fmt.init(rows, cols, opts, torch.device("cpu"))
+    nb = math.ceil(cols / opts.block_size)
+    fmt.update([st], [_momentum_like(rows, cols, seed=7)], [torch.empty(rows, nb)], beta=0.95, nesterov=True,
+               opts=opts, streams=[-1], offsets=[0], keys=[0], seed=0)
+    g = torch.randn(rows, cols, generator=torch.Generator().manual_seed(8)) * 1e-3
+    out = torch.empty(rows, nb)
+    fmt._momentum(st, g, out, 0.95, True, opts)  # g now holds the NS input
+    assert torch.equal(out, ref.block_sumsq(g, opts.block_size))

@@ -147,12 +147,14 @@ def test_recipe(path, capsys, tmp_path):
         assert t["callbacks"][0]["init_args"]["dirpath"] == f"runs/gb10/{path.stem}/checkpoints"
 
 
-@pytest.mark.parametrize("name, state_format", [("qmuon", "int8"), ("grasp", None), ("qmuon", "bf16"),
-                                                ("adamw", None), ("torch_muon", None)])
-def test_memory_budget_state_is_exact(name, state_format):
-    """memory_budget's optimizer-state bytes == the state tensors a real optimizer holds after a step."""
+@pytest.mark.parametrize("name, state_format, variant", [("qmuon", "int8", "muon"), ("grasp", None, "muon"),
+                                                         ("qmuon", "bf16", "muon"), ("adamw", None, "muon"),
+                                                         ("torch_muon", None, "muon"), ("qmuon", "int8", "normuon")])
+def test_memory_budget_state_is_exact(name, state_format, variant):
+    """memory_budget's optimizer-state bytes == the state tensors a real optimizer holds after a step
+    (NorMuon: its per-row second moment too)."""
     torch.manual_seed(0)
-    spec = OptimizerSpec(name=name, state_format=state_format, warmup_steps=0)
+    spec = OptimizerSpec(name=name, state_format=state_format, warmup_steps=0, variant=variant)
     module = DecoderLMModule(d_model=64, n_layers=2, n_heads=2, max_seq_len=16, optimizer=spec)
     module.configure_model()
     opt = build_lm_optimizer(module.model, spec, verbose=False)

@@ -517,13 +517,17 @@ def newton_schulz_folded(
         return out.mT if transposed else out
     # Iteration 0, folded: only the r x r matrices are scaled (in fp32, then rounded to dtype).
     a, b, c = schedule.coefficient(0)
-    gram = torch.bmm(x, x.mT).float().mul_(s * s).to(dtype)  # fp32: in place, no copy
+    # The fp32 steps are rounded back into the dtype-sized matrices they came from (copy_ rounds as
+    # .to(dtype) does): at most one fp32 r x r temporary beside gram and poly, so iteration 0 never
+    # holds more than the later iterations' two full-size buffers and two r x r matrices.
+    gram = torch.bmm(x, x.mT)
+    gram.copy_(gram.float().mul_(s * s))  # fp32 scaling, rounded once
     poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
-    left = poly.float()  # fp32: poly itself (poly is not read again before being overwritten)
+    left = poly.float()  # fp32 copy of poly, whose storage then takes the rounded result
     left.diagonal(dim1=-2, dim2=-1).add_(a)
-    left = left.mul_(s).to(dtype)
-    x = torch.bmm(left, x)  # (B, r, c), contiguous
+    poly.copy_(left.mul_(s))
     del left
+    x = torch.bmm(poly, x)  # (B, r, c), contiguous
     if steps == 1:
         return x.mT if transposed else x
     # Later iterations ping-pong between two full-size buffers (no allocation per iteration).

@@ -44,6 +44,7 @@ __all__ = [
     "normuon_scale",
     "cautious_decay_",
     "row_moment_shape",
+    "row_moment_nbytes",
     "part_row_moment",
     "check_row_moment",
 ]
@@ -140,6 +141,19 @@ def row_moment_shape(plan: ParamPlan) -> tuple[int, int]:
     if plan.parts[0].transposed:
         return (len(rows), plan.cols)
     return (plan.rows, len(cols))
+
+
+def row_moment_nbytes(shape: tuple[int, ...], parts: tuple[int, ...] | None = None, parts_axis: int = 0,
+                      orientation: str = "out_in") -> int:
+    """Bytes of a parameter's NorMuon state (fp32, :func:`row_moment_shape`) from its routing: its
+    shape, fused ``parts`` along stored dim ``parts_axis``, and ``orientation`` (the accounting of
+    ``qmuon-estimate`` and the recipes' memory budget; a parameter built on the meta device is enough)."""
+    from .plan import plan_param
+
+    group = {"adjust_lr_fn": None, "parts": list(parts) if parts else None, "parts_axis": parts_axis,
+             "orientation": orientation}
+    rows, k = row_moment_shape(plan_param(tuple(int(x) for x in shape), group, 0, "nbytes"))
+    return rows * k * 4
 
 
 def part_row_moment(v: Tensor, plan: ParamPlan, part: MatrixPart, row_offset: int = 0,

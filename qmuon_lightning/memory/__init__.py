@@ -62,6 +62,7 @@ from .report import (
     format_table,
 )
 from .measure import (
+    ACTIVATION_CATEGORIES,
     BASELINE_ADAMW,
     BASELINE_ADAMW_WD,
     BASELINE_MUON,
@@ -91,6 +92,7 @@ __all__ = [
     "parse_bytes",
     "format_bytes",
     "format_table",
+    "ACTIVATION_CATEGORIES",
     "BASELINE_ADAMW",
     "BASELINE_ADAMW_WD",
     "BASELINE_MUON",

@@ -4,7 +4,7 @@ steps by PyTorch's ``MemTracker`` (what the accounting model is held to)."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -50,14 +50,99 @@ def build_optimizers(model: nn.Module, setup: Setup, **build_kwargs: Any) -> lis
     return [build_optimizer(model, **kw, **build_kwargs)]
 
 
+#: MemTracker's categories of activation memory: tensors made in forward (``Activation``: the saved
+#: tensors, the logits) and in backward outside an optimizer step (``Temp``: activation gradients,
+#: autograd's scratch). Issue 19's whole-step metric leaves them aside ("activations aside"); every
+#: other category (parameters, buffers, gradients, optimizer state and the step's temporaries,
+#: ``Other``) counts.
+ACTIVATION_CATEGORIES = ("Activation", "Temp")
+
+
 @dataclass
 class Measurement:
-    """What ``MemTracker`` saw over a few training steps: the peak of live tensor bytes and its split."""
+    """What ``MemTracker`` saw over a few training steps.
+
+    * ``peak`` / ``split``: the most live tensor bytes at once (every category) and their split by
+      category at that moment (MemTracker's own peak snapshot);
+    * ``peak_no_act`` / ``split_no_act``: the most bytes at once of everything but activations
+      (:data:`ACTIVATION_CATEGORIES`): weights, buffers, gradients, optimizer state and the step's
+      temporaries (issue 19's metric), and the full split at that moment; with gradient release the
+      temporaries of a backward hook's step are counted as optimizer bytes (``Optstate``), not as
+      autograd ``Temp`` (see :func:`measure_step`);
+    * ``peak_where`` / ``peak_no_act_where``: what was running at either peak (``forward``,
+      ``backward``, ``release hook: <parameter names>``, ``optimizer.step``);
+    * ``state_bytes``: the optimizers' state after the run.
+    """
 
     peak: int
     split: dict[str, int]
     state_bytes: int
     losses: list[float]
+    peak_no_act: int = 0
+    split_no_act: dict[str, int] = field(default_factory=dict)
+    peak_where: str = ""
+    peak_no_act_where: str = ""
+
+
+def _step_tracker_class() -> type:
+    """``MemTracker`` that also keeps the peak of the non-activation bytes and what ran at each peak.
+
+    MemTracker updates its peak after every op that allocates (``_update_peak_stats``, called from
+    its ``__torch_dispatch__`` with the current per-category snapshot); the subclass reads the same
+    snapshot there, so both peaks come from one accounting."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    class StepMemTracker(MemTracker):
+        def __init__(self) -> None:
+            super().__init__()
+            self.stage = ""
+            self.peak_no_act: dict[torch.device, int] = {}
+            self.peak_no_act_snap: dict[torch.device, dict[str, int]] = {}
+            self.peak_where: dict[torch.device, str] = {}
+            self.peak_no_act_where: dict[torch.device, str] = {}
+
+        def _update_peak_stats(self, peak_state: Any) -> None:
+            before = dict(self._peak_mem)
+            super()._update_peak_stats(peak_state)
+            for dev, snap in self._curr_mem_snap.items():
+                if self._peak_mem.get(dev, 0) != before.get(dev, 0):
+                    self.peak_where[dev] = self.stage
+                no_act = sum(v for k, v in snap.items()
+                             if str(getattr(k, "value", k)) not in ACTIVATION_CATEGORIES + ("Total",))
+                if no_act > self.peak_no_act.get(dev, -1):
+                    self.peak_no_act[dev] = no_act
+                    self.peak_no_act_snap[dev] = dict(snap)
+                    self.peak_no_act_where[dev] = self.stage
+
+        def optimizer_region(self, optimizer: torch.optim.Optimizer, names: dict[int, str]) -> None:
+            """Count what ``optimizer.step_params`` allocates (a gradient-release hook inside
+            backward) as optimizer bytes, as MemTracker does for ``optimizer.step()`` through its
+            global step hooks (which ``step_params`` does not run: they are ``step()``'s)."""
+            from torch.distributed._tools.mem_tracker import _MemRefType
+
+            if not hasattr(self, "_in_opt"):
+                raise RuntimeError("this torch's MemTracker has no _in_opt flag; update measure_step")
+            inner = optimizer.step_params
+            tracker = self
+
+            def step_params(params: Any, *args: Any, **kwargs: Any) -> Any:
+                prev_in, prev_stage = tracker._in_opt, tracker.stage
+                tracker._in_opt = True
+                if not prev_in:
+                    tracker.stage = "release hook: " + ", ".join(names.get(id(p), "?") for p in params)
+                try:
+                    return inner(params, *args, **kwargs)
+                finally:
+                    tracker._track_optimizer_states(_MemRefType.OPT, optimizer)
+                    tracker._in_opt, tracker.stage = prev_in, prev_stage
+
+            optimizer.step_params = step_params  # type: ignore[method-assign]
+
+    return StepMemTracker
+
+
+def _categories(snap: dict[Any, int]) -> dict[str, int]:
+    return {str(getattr(k, "value", k)): int(v) for k, v in snap.items()}
 
 
 def measure_step(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer], loss_fn: Callable[[], torch.Tensor],
@@ -65,25 +150,40 @@ def measure_step(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer], 
     """Peak live tensor bytes of ``steps`` training steps (``loss_fn().backward()``, every
     optimizer's ``step()``, ``zero_grad(set_to_none=True)``), by PyTorch's
     ``torch.distributed._tools.mem_tracker.MemTracker`` (its *peak* snapshot: live bytes by
-    category at the moment they were highest). The first step allocates the optimizer state; the
-    peak of a later step includes it. ``state_bytes``: the optimizers' state after the run."""
-    from torch.distributed._tools.mem_tracker import MemTracker
-
+    category at the moment they were highest), and the peak of the non-activation bytes
+    (:class:`Measurement`). The first step allocates the optimizer state; the peak of a later step
+    includes it. An optimizer driven by gradient release (``optimizer.gradient_release``) steps
+    inside backward through ``step_params``; what it allocates there is counted as optimizer bytes
+    (MemTracker would file it under backward ``Temp``, beside the activations' gradients)."""
     device = next(model.parameters()).device
-    tracker = MemTracker()
+    tracker = _step_tracker_class()()
     tracker.track_external(model, *optimizers)
+    names = {id(p): n for n, p in model.named_parameters()}
+    restore = []
+    for o in optimizers:
+        if getattr(o, "gradient_release", None) is not None and hasattr(o, "step_params"):
+            restore.append(o)
+            tracker.optimizer_region(o, names)
     losses: list[float] = []
-    with tracker:
-        for _ in range(steps):
-            tracker.reset_mod_stats()
-            loss = loss_fn()
-            loss.backward()
-            losses.append(float(loss.detach()))
-            del loss
-            for o in optimizers:
-                o.step()
-            for o in optimizers:
-                o.zero_grad(set_to_none=True)
+    try:
+        with tracker:
+            for _ in range(steps):
+                tracker.reset_mod_stats()
+                tracker.stage = "forward"
+                loss = loss_fn()
+                tracker.stage = "backward"
+                loss.backward()
+                losses.append(float(loss.detach()))
+                del loss
+                tracker.stage = "optimizer.step"
+                for o in optimizers:
+                    o.step()
+                tracker.stage = "zero_grad"
+                for o in optimizers:
+                    o.zero_grad(set_to_none=True)
+    finally:
+        for o in restore:
+            del o.step_params  # the class's method again
     # A tensor-subclass state (torchao's quantized AdamW state, a DTensor shard) has no storage of its
     # own: count the storages of its inner tensors (``__tensor_flatten__``, recursively), as MemTracker does.
     from torch.distributed._tools.common_utils import get_untyped_storages
@@ -98,7 +198,9 @@ def measure_step(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer], 
                         if storage.data_ptr() not in seen:
                             seen.add(storage.data_ptr())
                             state += storage.nbytes()
-    snap = tracker.get_tracker_snapshot("peak")[device]
-    split = {str(getattr(k, "value", k)): int(v) for k, v in snap.items()}
+    split = _categories(tracker.get_tracker_snapshot("peak")[device])
     peak = split.pop("Total")
-    return Measurement(peak, split, state, losses)
+    split_no_act = _categories(tracker.peak_no_act_snap.get(device, {}))
+    split_no_act.pop("Total", None)
+    return Measurement(peak, split, state, losses, tracker.peak_no_act.get(device, 0), split_no_act,
+                       tracker.peak_where.get(device, ""), tracker.peak_no_act_where.get(device, ""))

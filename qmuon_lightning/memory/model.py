@@ -236,6 +236,14 @@ def _weight_state_nbytes(p: ParamInfo, dtype: torch.dtype, bf16_update: str | No
     return sum(t.numel() * t.element_size() for t in st.values() if isinstance(t, torch.Tensor))
 
 
+def _normuon_state_nbytes(p: ParamInfo) -> int:
+    """NorMuon's per-output-row second moment of one Muon parameter (``variant="normuon"``): fp32,
+    one value per output row of each of its matrices (:func:`qmuon_lightning.core.variants.row_moment_nbytes`)."""
+    from ..core.variants import row_moment_nbytes
+
+    return row_moment_nbytes(p.shape, p.parts, p.parts_axis, p.orientation)
+
+
 def _adamw_state_nbytes(p: ParamInfo, dtype: torch.dtype, family: str | None) -> int:
     """AdamW state of one parameter: ``torch.optim.AdamW``'s ``exp_avg`` and ``exp_avg_sq``
     (``zeros_like(param)``) and its 0-d ``step`` (``family=None``); or QMuon's AdamW state in moment
@@ -286,7 +294,7 @@ def estimate(model_or_inventory: nn.Module | Inventory, setup: Setup, *, device:
     est.buffers = sum(n * (wb if dt.is_floating_point else _itemsize(dt)) for n, dt in inv.buffer_numels)
     foreach = _uses_foreach(device)
     phases: dict[str, int] = {}
-    parts = {"muon momentum": 0, "adamw moments": 0, "weight correction": 0}
+    parts = {"muon momentum": 0, "normuon second moment": 0, "adamw moments": 0, "weight correction": 0}
     per_param_step: dict[str, int] = {}  # gradient release: each parameter's own step transient
 
     if setup.optimizer == "adamw":
@@ -311,6 +319,8 @@ def estimate(model_or_inventory: nn.Module | Inventory, setup: Setup, *, device:
         bf16_update = getattr(cfg, "bf16_update", None)
         for p in inv.of("muon"):
             parts["muon momentum"] += fmt.nbytes(p.rows, p.cols, opts) + STEP_BYTES
+        if getattr(cfg, "variant", "muon") == "normuon":
+            parts["normuon second moment"] = sum(_normuon_state_nbytes(p) for p in inv.of("muon"))
         for p in inv.of("adamw", "adamw_no_decay"):
             parts["adamw moments"] += _adamw_state_nbytes(p, wdtype, adamw_fmt)
         for p in live:

@@ -39,6 +39,7 @@ from torch.optim import Optimizer
 import lightning as L
 
 from ..core.config import DEFAULT_CONFIG
+from ..core.variants import row_moment_nbytes
 from ..optim.routing import build_optimizer, route_parameters
 from ..quant import adamw as qadamw
 from ..quant import state as qstate
@@ -406,6 +407,8 @@ def memory_budget(module: DecoderLMModule, *, batch_size: int, seq_len: int, pre
                     state += 4 * n
                 else:
                     state += qstate.momentum_nbytes(fmt, d.shape[0], int(n // d.shape[0]), opts) + 4
+                    if spec.variant == "normuon":  # the per-output-row fp32 second moment
+                        state += row_moment_nbytes(tuple(d.shape), d.parts, d.parts_axis, d.orientation)
             elif d.target != "frozen":
                 if spec.name == "torch_muon":
                     state += 8 * n + 4

@@ -177,6 +177,7 @@ def _add_low_rank_(m: Tensor, p: Tensor, r: Tensor, alpha: float) -> Tensor:
             m[r0:r1].add_(low)
         else:
             m[r0:r1].sub_(low)
+        del low  # else the next chunk's product is made while this one is still bound: two chunks alive
     return m
 
 
@@ -281,6 +282,13 @@ class Grasp4Format(StateFormat):
         # plus another of the NS input): the chunk holds the fp32 gradient, then the fp32 NS input
         # (whose block sums are taken before it is rounded back into g2), as g2 itself does for fp32
         wide = None if g2.dtype == torch.float32 else torch.empty(chunk_elems, dtype=torch.float32, device=m.device)
+        # a row whose width is not a multiple of the block is zero-padded to whole blocks for its sums,
+        # as ref.block_sumsq does, but into one reused buffer (squared in place) instead of a padded
+        # copy and its square per chunk: the same values through the same ops, so the same bits
+        nb = ref.num_blocks(cols, bs)
+        padded = None
+        if cols % bs and chunks:
+            padded = torch.zeros((chunks[0][1] - chunks[0][0]) * nb * bs, dtype=torch.float32, device=m.device)
         for r0, r1 in chunks:  # rows are independent: momentum, blend and row-block sums
             sc = scratch[: (r1 - r0) * cols].view(r1 - r0, cols)
             if wide is None:
@@ -298,17 +306,35 @@ class Grasp4Format(StateFormat):
                 xb = nc.view(r1 - r0, -1, bs)
                 out[r0:r1].copy_(torch.mul(xb, xb, out=sc.view(xb.shape)).sum(dim=-1))
             else:
-                out[r0:r1].copy_(ref.block_sumsq(nc, bs))
+                assert padded is not None
+                pb = padded[: (r1 - r0) * nb * bs].view(r1 - r0, nb * bs)
+                pb[:, :cols].copy_(nc)
+                pb[:, cols:].zero_()  # the previous chunk's squares
+                xb = pb.view(r1 - r0, nb, bs)
+                out[r0:r1].copy_(xb.mul_(xb).sum(dim=-1))
             if wide is not None:
                 g2[r0:r1].copy_(nc)
         return m
 
     def update_workspace_nbytes(self, rows, cols, opts, grad_bytes=4):
-        """The decoded fp32 momentum (updated in place, then consumed as the residual), one row
-        chunk of scratch (:func:`_row_chunks`), for a gradient narrower than fp32 one more row chunk
-        (its fp32 rows), and the freshly encoded state before it is copied in."""
-        chunk = min(rows, max(1, _CHUNK_ELEMENTS // max(cols, 1))) * cols * 4
-        return 4 * rows * cols + chunk * (1 if grad_bytes == 4 else 2) + self.nbytes(rows, cols, opts)
+        """The decoded fp32 momentum (updated in place, then consumed as the residual) beside the
+        largest of what the update holds with it:
+
+        * :meth:`_momentum`: one row chunk of scratch (:func:`_row_chunks`), for a gradient
+          narrower than fp32 one more row chunk (its fp32 rows), and for a row width that is not a
+          multiple of ``block_size`` the chunk's rows padded to whole blocks (their block sums);
+        * decoding and encoding: one row chunk of the low-rank product ``P R^T``
+          (:func:`_add_low_rank_`);
+        * the end of :func:`grasp_encode`: the freshly encoded state, before it is copied in.
+
+        (The power iteration's ``rows x k`` / ``cols x k`` factors are a few columns; the
+        momentum's ``rows x 1`` block sums are the caller's.)"""
+        chunk_rows = min(rows, max(1, _CHUNK_ELEMENTS // max(cols, 1)))
+        chunk = chunk_rows * cols * 4
+        momentum = chunk * (1 if grad_bytes == 4 else 2)
+        if cols % opts.block_size:
+            momentum += chunk_rows * ref.num_blocks(cols, opts.block_size) * opts.block_size * 4
+        return 4 * rows * cols + max(momentum, chunk, self.nbytes(rows, cols, opts))
 
     def update(self, states, grads2d, block_sums, *, beta, nesterov, opts, streams, offsets, keys, seed):
         for st, g2, out, stream, off, key in zip(states, grads2d, block_sums, streams, offsets, keys, strict=True):
@@ -317,6 +343,9 @@ class Grasp4Format(StateFormat):
                                consume=True)
             for k, v in new.items():
                 st[k].copy_(v)
+            # unbound here, not when the next matrix's are assigned: the next decode would otherwise
+            # run beside this matrix's fp32 momentum and encoded state
+            del m_new, new
         if grads2d and grads2d[0].device.type == "cpu":
             release_freed_heap()  # the update's fp32 temporaries
 
