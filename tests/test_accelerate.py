@@ -142,7 +142,7 @@ def fresh_accelerate():
         ("FSDP", {"fsdp_version": 1}, "fsdp_version=2"),
         ("MEGATRON_LM", {}, "dim 1"),
         ("XLA", {}, "XLA"),
-        ("MULTI_GPU", {"tensor_parallel": True}, "tp_size=1"),
+        ("MULTI_GPU", {"tensor_parallel": True}, "FSDP2 only"),
         ("NO", {"mixed_precision": "fp8"}, "mixed_precision='bf16'"),
         ("SOME_FUTURE_TYPE", {}, "has not been tested"),
     ],

@@ -60,6 +60,8 @@ __all__ = [
     "UnsupportedAccelerateConfig",
     "check_configuration",
     "check_accelerator",
+    "accelerate_tp_blocker",
+    "check_tp_mesh",
     "prepare_qmuon",
     "check_state_keys",
     "unwrap_qmuon",
@@ -101,8 +103,11 @@ def check_configuration(
     - ``DEEPSPEED``: ZeRO hands the client optimizer flat 1-D fp32 partitions, so Muon never sees a
       matrix, and with optimizer offload DeepSpeed replaces the client optimizer altogether.
     - ``FSDP`` with ``fsdp_version=1``: FSDP1 flattens parameters into 1-D ``FlatParameter`` s.
-    - ``MEGATRON_LM`` and tensor parallelism: weights are split along dim 1 for row-parallel layers,
-      and QMuon's sharded step supports dim-0 shards only.
+    - ``MEGATRON_LM``: Megatron's own parallel layers and optimizer wrapper, never run with QMuon.
+    - tensor parallelism (``ParallelismConfig(tp_size > 1)``) without FSDP2, or with an Accelerate /
+      transformers pair whose FSDP2 + TP ``prepare`` cannot run (:func:`accelerate_tp_blocker`).
+      Under FSDP2 on a ``(dp_shard, tp)`` mesh QMuon steps colwise and rowwise layers like
+      Lightning's ``qmuon_fsdp`` with ``tensor_parallel_size`` does.
     - ``XLA``: the ``torch.ops.qmuon`` kernels have no XLA implementation.
     - ``mixed_precision="fp8"``: Accelerate swaps ``nn.Linear`` modules for fp8 ones during
       ``prepare``; that path has not been run with QMuon (no fp8 hardware was available).
@@ -128,10 +133,16 @@ def check_configuration(
             "XLA devices are not supported: the torch.ops.qmuon kernels have CPU and CUDA implementations only"
         )
     if tensor_parallel:
-        raise UnsupportedAccelerateConfig(
-            "tensor parallelism (parallelism_config with tp_size > 1) is not supported: it shards row-parallel "
-            "weights along dim 1 and QMuon supports dim-0 (FSDP2) shards only; set tp_size=1"
-        )
+        if kind != "FSDP" or fsdp_version != 2:
+            raise UnsupportedAccelerateConfig(
+                "tensor parallelism (parallelism_config with tp_size > 1) is supported with FSDP2 only: without it "
+                "rowwise layers are 1-D (Shard(1),) DTensors, which QMuon's sharded step does not take. Use "
+                "FullyShardedDataParallelPlugin(fsdp_version=2) with ParallelismConfig(dp_shard_size=S, tp_size=T), "
+                "or set tp_size=1"
+            )
+        blocker = accelerate_tp_blocker()
+        if blocker:
+            raise UnsupportedAccelerateConfig(blocker)
     if mixed_precision == "fp8":
         raise UnsupportedAccelerateConfig(
             "mixed_precision='fp8' is not supported by prepare_qmuon: Accelerate converts nn.Linear modules "
@@ -168,6 +179,58 @@ def check_configuration(
         f"Accelerate distributed type {kind} has not been tested with QMuon; supported: NO (one process), "
         f"{', '.join(sorted(DDP_TYPES))} (DDP) and FSDP with fsdp_version=2"
     )
+
+
+def accelerate_tp_blocker() -> str:
+    """Why ``accelerator.prepare`` cannot run FSDP2 + tensor parallelism with the installed
+    Accelerate and transformers, or ``""`` when nothing is known to block it.
+
+    Accelerate 1.15's ``Accelerator._prepare_tp`` (FSDP2 branch) imports
+    ``transformers.integrations.tensor_parallel.ReplicateParallel`` to replicate the parameters
+    outside the TP plan over the ``tp`` dim; transformers 5 removed that class, so ``prepare``
+    raises ``ImportError`` whatever the optimizer (measured: Accelerate 1.15.0, transformers 5.24).
+    """
+    try:
+        import transformers
+        from transformers.integrations import tensor_parallel as hf_tp
+    except ImportError:
+        return ("Accelerate's FSDP2 + tensor-parallel prepare needs Hugging Face transformers (its TP plans and "
+                "ReplicateParallel); pip install transformers")
+    if hasattr(hf_tp, "ReplicateParallel"):
+        return ""
+    import accelerate
+
+    return (
+        f"Accelerate {accelerate.__version__} cannot prepare a tensor-parallel model under FSDP2 with transformers "
+        f"{transformers.__version__}: Accelerator._prepare_tp imports ReplicateParallel from "
+        "transformers.integrations.tensor_parallel, which transformers 5 removed, so accelerator.prepare raises "
+        "ImportError for any optimizer. Train on a (dp, tp) mesh with Lightning instead: "
+        "Trainer(strategy=QMuonFSDPStrategy(data_parallel_size=D, tensor_parallel_size=T)) with a configure_model "
+        "that applies the TP plan on self.device_mesh['tensor_parallel'], or L.Fabric(strategy=QMuonFabricStrategy("
+        "parallelize_fn=..., data_parallel_size=D, tensor_parallel_size=T)) (docs/distributed.md, Tensor parallel); "
+        "or keep Accelerate with tp_size=1 (FSDP2 / HSDP)"
+    )
+
+
+def check_tp_mesh(accelerator: Accelerator, model: nn.Module) -> None:
+    """Under ``ParallelismConfig(tp_size > 1)``: every ``DTensor`` parameter of the unprepared
+    model must live on the accelerator's ``tp`` sub-mesh, or FSDP2 cannot stack its
+    ``dp_shard`` dim on top. transformers 5's ``from_pretrained(..., tp_plan="auto",
+    device_mesh=...)`` ignores ``device_mesh`` and builds its own ``tp`` mesh over every rank."""
+    mesh = getattr(accelerator, "torch_device_mesh", None)
+    if mesh is None or "tp" not in (mesh.mesh_dim_names or ()):
+        return
+    tp = mesh["tp"]
+    for name, p in model.named_parameters():
+        pm = getattr(p, "device_mesh", None)
+        if pm is not None and (pm.mesh_dim_names != tp.mesh_dim_names or pm.mesh.tolist() != tp.mesh.tolist()):
+            raise UnsupportedAccelerateConfig(
+                f"parameter {name!r} is tensor-parallel on {pm}, not on the accelerator's tp mesh {tp}: "
+                "transformers' from_pretrained(..., tp_plan=...) builds its own mesh (it ignores device_mesh). Load "
+                "the model without tp_plan and apply the plan on the accelerator's mesh: transformers.distributed."
+                "tensor_parallel.apply_tensor_parallelism(model, accelerator.torch_device_mesh['tp'], "
+                "model._expand_parallel_plan(model._tp_plan))"
+            )
 
 
 def check_accelerator(accelerator: Accelerator, optimizer: torch.optim.Optimizer | None = None) -> None:
@@ -249,8 +312,11 @@ def prepare_qmuon(
 
     Args:
         accelerator: the ``Accelerator``; its configuration is checked first
-            (:func:`check_accelerator`): DeepSpeed, FSDP1, tensor parallelism, XLA and fp8 are
-            refused with the reason and the fix.
+            (:func:`check_accelerator`): DeepSpeed, FSDP1, XLA, fp8 and tensor parallelism
+            without FSDP2 (or with an Accelerate / transformers pair that cannot prepare it,
+            :func:`accelerate_tp_blocker`) are refused with the reason and the fix; under
+            ``tp_size > 1`` the model's TP parameters must be on the accelerator's ``tp`` mesh
+            (:func:`check_tp_mesh`).
         model: the unprepared model; the optimizer is routed from its parameter names.
         objects: anything else to prepare in the same call (data loaders, ...).
         lr_scheduler: optional ``optimizer -> scheduler`` factory, called with the QMuon before
@@ -264,6 +330,7 @@ def prepare_qmuon(
         (:func:`unwrap_qmuon` gets the QMuon back).
     """
     check_accelerator(accelerator)
+    check_tp_mesh(accelerator, model)
     for obj in objects:
         if isinstance(obj, torch.optim.Optimizer):
             raise TypeError(
