@@ -39,9 +39,12 @@ WORLD = 2
 STEPS = 4
 CKPT_AT = 2
 VOCAB = 32
-WIDTH = 256  # one int8 block (256 columns) per row: 2-rank boundaries at half a 32 x 256 table are on the grid
+WIDTH = 256  # one int8 block (256 columns) per row
+#: Embedding rows: with the 32 x 256 head the AdamW group has 24576 elements, so the ZeRO-2 boundary
+#: (12288) is row 48 of the embedding and the ZeRO-3 ones rows 32 / 16: cuts on the block grid.
+EMB_ROWS = 64
 KW = dict(lr=0.02, weight_decay=0.1, state_format="int8", rounding="stochastic", adamw_lr=3e-3,
-          adamw_weight_decay=0.1, adamw_state_format="int8", verbose=False)
+          adamw_weight_decay=0.1, adamw_state_format="int8")
 CFG = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "steps_per_print": 10 ** 9,
        "gradient_clipping": 0.0, "zero_optimization": {"stage": 2}}
 #: Cut block vs whole block, in-process test: ``max |p_cut - p_whole| / max |p_whole - p0|`` over the
@@ -61,7 +64,7 @@ class Net(torch.nn.Module):
     def __init__(self, seed: int = 0) -> None:
         super().__init__()
         torch.manual_seed(seed)
-        self.emb = torch.nn.Embedding(VOCAB, WIDTH)
+        self.emb = torch.nn.Embedding(EMB_ROWS, WIDTH)
         self.proj = torch.nn.Linear(WIDTH, WIDTH, bias=False)
         self.head = torch.nn.Linear(WIDTH, VOCAB, bias=False)
 
@@ -138,8 +141,8 @@ def test_single_process_wrapper_int8_adamw_bit_exact():
     """Without DeepSpeed (stage 0 semantics, one process) the wrapper's AdamW with int8 moments is
     QMuon's: the same parameters and the same quantized state."""
     m1, m2 = Net(), Net()
-    o1 = ql.QMuon(_groups(m1), **{k: v for k, v in KW.items() if k != "verbose"})
-    o2 = qds.WholeMatrixZeroOptimizer(ql.QMuon(_groups(m2), **{k: v for k, v in KW.items() if k != "verbose"}))
+    o1 = ql.QMuon(_groups(m1), **KW)
+    o2 = qds.WholeMatrixZeroOptimizer(ql.QMuon(_groups(m2), **KW))
     for step in range(3):
         x = _batch(step)
         for m, o in ((m1, o1), (m2, o2)):
@@ -235,7 +238,7 @@ def _reference(init: list[torch.Tensor]) -> list[list[torch.Tensor]]:
     with torch.no_grad():
         for p, v in zip(model.parameters(), init):
             p.copy_(v)
-    opt = ql.QMuon(_groups(model), **{k: v for k, v in KW.items() if k != "verbose"})
+    opt = ql.QMuon(_groups(model), **KW)
     out = []
     for step in range(STEPS):
         x = _batch(step)
@@ -251,14 +254,16 @@ def _reference(init: list[torch.Tensor]) -> list[list[torch.Tensor]]:
 def test_zero_int8_adamw_equals_single_process_and_resumes(run, stage):
     ranks = [r[stage] for r in run]
     assert ranks[0]["zero_class"] == ("DeepSpeedZeroOptimizer" if stage == 2 else "DeepSpeedZeroOptimizer_Stage3")
-    # The 2-rank boundaries of both int8 tables fall on the 256-column block grid (so every block is
-    # wholly one rank's), and both ranks hold a part of each: the slices really are cut.
+    # The 2-rank boundaries fall on the 256-column block grid (so every block is wholly one rank's),
+    # and the embedding is cut between the ranks (at ZeRO-3 the head too): slices really are cut.
     for idx in (1, 2):
-        segs = ranks[0]["holders"][idx]
-        assert all(s is not None and s[1] > 0 for s in segs), f"parameter {idx}: {segs}"
-        assert all(s[0] % WIDTH == 0 for s in segs), f"parameter {idx}: a boundary inside a block: {segs}"
-        for r in ranks:
-            assert idx in r["pieces"], "an int8 AdamW table was not stepped with quantized moments"
+        segs = [s for s in ranks[0]["holders"][idx] if s is not None and s[1] > 0]
+        assert all(s[0] % WIDTH == 0 and s[1] % WIDTH == 0 for s in segs), f"parameter {idx}: {segs}"
+        assert sum(s[1] for s in segs) == (EMB_ROWS if idx == 1 else VOCAB) * WIDTH
+        assert len(segs) == (2 if idx == 1 or stage == 3 else 1), f"parameter {idx}: {segs}"
+        for r, seg in zip(ranks, ranks[0]["holders"][idx]):
+            if seg is not None and seg[1] > 0:
+                assert idx in r["pieces"], "an int8 AdamW table was not stepped with quantized moments"
     ref = _reference(ranks[0]["init"])
     for step, (got, want) in enumerate(zip(ranks[0]["params"], ref)):
         for i, (a, b) in enumerate(zip(got, want)):
@@ -271,9 +276,9 @@ def test_zero_int8_adamw_equals_single_process_and_resumes(run, stage):
                 assert sorted(st) == sorted(st2) and all(torch.equal(st[k], st2[k]) for k in st)
                 assert st["exp_avg_q8"].dtype == torch.int8 and st["exp_avg_sq_q8"].dtype == torch.uint8
     # The AdamW state is int8: 2 moments x (1 B codes + 4 B per 256-element block) per element + the
-    # 4-byte step per piece, summed over the ranks' slices of the two 32 x 256 tables.
-    elements = 2 * VOCAB * WIDTH
-    n_pieces = sum(len(r["pieces"][i]) for r in ranks for i in (1, 2))
+    # 4-byte step per piece, summed over the ranks' slices of the two tables.
+    elements = (EMB_ROWS + VOCAB) * WIDTH
+    n_pieces = sum(len(v) for r in ranks for v in r["pieces"].values())
     want = 2 * (elements + 4 * elements // 256) + 4 * n_pieces
     assert sum(r["nbytes"] for r in ranks) == want
     assert want < elements * 8 / 3.8  # vs fp32 moments
