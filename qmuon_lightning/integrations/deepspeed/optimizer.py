@@ -675,7 +675,8 @@ class WholeMatrixZeroOptimizer(Optimizer):
                 proxy.data = torch.zeros(0, device=self._device)
         for g, saved in zip(self._all_groups, state_dict.get("param_groups", [])):
             for k, v in saved.items():
-                if k not in ("params", "param_names"):
+                # structural keys stay this run's (the state was converted to this run's formats above)
+                if k not in ("params", "param_names", "state_format", "use_muon", "parts", "block_size"):
                     g[k] = v
 
     def __repr__(self) -> str:
