@@ -7,7 +7,7 @@ holds the moments single-process QMuon gives it, bit for bit.
 
 * in-process: a parameter cut into two slices at a point inside a block, stepped piecewise, against
   the whole parameter (every uncut block bit-exact; the cut block within a stated tolerance);
-* 2 processes (gloo, DeepSpeed's CPU accelerator), ZeRO-2 and ZeRO-3, on a model whose partition
+* 2 processes (gloo, DeepSpeed's CPU accelerator), ZeRO-1, 2 and 3, on a model whose partition
   boundaries fall on the block grid: the parameters equal single-process QMuon with int8 AdamW on
   the same gradients bit for bit (both ranks train on the same batch, so DeepSpeed's average is the
   gradient itself: ``(g + g) / 2 == g`` exactly), save / load / continue is bit-exact, and the AdamW
@@ -246,7 +246,7 @@ def worker(out_dir: str) -> None:
     import deepspeed  # noqa: F401  (the CPU accelerator is chosen on import)
 
     rank = int(os.environ["RANK"])
-    res = {"rank": rank, 2: _stage_run(2, out_dir, rank), 3: _stage_run(3, out_dir, rank)}
+    res = {"rank": rank, **{stage: _stage_run(stage, out_dir, rank) for stage in (1, 2, 3)}}
     torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
     from qmuon_lightning.distributed import exit_after_distributed_run
 
@@ -279,10 +279,10 @@ def _reference(init: list[torch.Tensor]) -> list[list[torch.Tensor]]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 def test_zero_int8_adamw_equals_single_process_and_resumes(run, stage):
     ranks = [r[stage] for r in run]
-    assert ranks[0]["zero_class"] == ("DeepSpeedZeroOptimizer" if stage == 2 else "DeepSpeedZeroOptimizer_Stage3")
+    assert ranks[0]["zero_class"] == ("DeepSpeedZeroOptimizer" if stage < 3 else "DeepSpeedZeroOptimizer_Stage3")
     # The 2-rank boundaries fall on the 256-column block grid (so every block is wholly one rank's),
     # and the embedding is cut between the ranks (at ZeRO-3 the head too): slices really are cut.
     for idx in (1, 2):
