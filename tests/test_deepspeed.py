@@ -150,6 +150,8 @@ def test_class_name_keeps_deepspeed_muon_code_away():
         ({"bf16": {"enabled": True}, "zero_optimization": {"stage": 1}, "data_types": {"grad_accum_dtype": "fp32"}},
          "BF16_Optimizer"),
         ({"zero_optimization": {"stage": 4}}, "must be 0, 1, 2 or 3"),
+        ({"bf16": {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True},
+          "zero_optimization": {"stage": 2}}, "bf16_update"),
     ],
 )
 def test_config_errors_name_the_fix(cfg, words):

@@ -48,6 +48,7 @@ __all__ = [
     "to_torch_adamw_state",
     "describe_adamw_state",
     "update_rows",
+    "flat_slice_pieces",
 ]
 
 log = logging.getLogger(__name__)
@@ -238,3 +239,39 @@ def update_rows(m_fmt: StateFormat, v_fmt: StateFormat, state: Mapping[str, Tens
         grad, _rows(state[mk], r0, r1), _rows(state[ms], r0, r1), _rows(state[vk], r0, r1), _rows(state[vs], r0, r1),
         update, float(beta1), float(beta2), float(eps), float(neg_step_size), float(bias_correction2_sqrt),
         m_fmt.kind, v_fmt.kind, m_fmt.default_block_size)  # type: ignore[attr-defined]
+
+
+def flat_slice_pieces(family: str, shape: Sequence[int], start: int, length: int) -> list[tuple[int, int, int]] | None:
+    """How a flat slice ``[start, start + length)`` of a parameter of ``shape`` (flattened row-major,
+    as DeepSpeed ZeRO partitions it) is stepped with the moments ``family`` gives the whole parameter:
+    a list of ``(offset in the slice, rows, width)`` pieces, each a contiguous ``(rows, width)``
+    matrix of the slice, or ``None`` when the parameter keeps fp32 moments (elementwise: the 1-D slice
+    steps as it is).
+
+    The pieces are cut on the whole parameter's block grid (blocks of ``block_size`` columns from
+    column 0 of each row): whole rows stay one ``(k, cols)`` piece; a partial row is cut at its first
+    block boundary. Every block that lies wholly inside the slice is then a block of some piece, with
+    the same elements as in the whole parameter, so its quantized moments equal single-process
+    QMuon's bit for bit. Only a block cut by the slice's ends (at most one at each end) is quantized
+    as two smaller blocks, one per rank holding a part of it."""
+    m_fmt, _ = moment_formats(family, shape)
+    if m_fmt.family == _FULL:
+        return None
+    rows, cols = matrix_shape(shape)
+    bs = int(getattr(m_fmt, "default_block_size", 0) or 1)  # dense bf16: elementwise, any cut is exact
+    if start < 0 or length < 0 or start + length > rows * cols:
+        raise ValueError(f"slice [{start}, {start + length}) is outside a parameter of {rows * cols} elements")
+    pieces: list[tuple[int, int, int]] = []
+    pos, end = start, start + length
+    while pos < end:
+        r, c = divmod(pos, cols)
+        if c == 0 and end - pos >= cols:
+            k = (end - pos) // cols
+            pieces.append((pos - start, k, cols))
+            pos += k * cols
+            continue
+        stop = r * cols + (min(cols, (c // bs + 1) * bs) if c % bs else cols)
+        stop = min(end, stop)
+        pieces.append((pos - start, 1, stop - pos))
+        pos = stop
+    return pieces

@@ -31,8 +31,10 @@ the group's averaged gradients landed in its fp32 partition, after unscaling and
 4. a second ``all_to_all`` sends the NS output (bf16, what QMuon applies) back, each rank receiving
    the slices that fall in its own partition, and applies ``p *= 1 - lr wd; p -= lr_adj O`` (per
    fused part) to them;
-5. AdamW parameters are updated elementwise on the partition (AdamW is elementwise, so a flat slice
-   is fine), with per-parameter state as in :class:`~qmuon_lightning.QMuon`.
+5. AdamW parameters are updated on the partition slices with QMuon's own AdamW step: fp32 moments
+   elementwise on the flat slice; quantized (int8 / int4) or bf16 moments on pieces of the slice cut
+   on the whole parameter's block grid (:func:`qmuon_lightning.quant.adamw.flat_slice_pieces`), so
+   every block wholly in one rank's slice equals single-process QMuon's.
 
 ZeRO stage 3 partitions the parameters themselves: every parameter is cut into ``N`` pieces of
 ``ceil(numel / N)`` elements, rank ``r`` keeps piece ``r`` between uses, and the client optimizer

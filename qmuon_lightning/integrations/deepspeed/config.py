@@ -81,6 +81,16 @@ def check_config(config: Mapping[str, Any] | str | os.PathLike) -> dict[str, Any
     if cfg.get("zenflow") or zero.get("zenflow"):
         raise UnsupportedDeepSpeedConfig("ZenFlow replaces the optimizer step with its own CPU optimizer; remove 'zenflow'")
     bf16 = _enabled(cfg.get("bf16")) or _enabled(cfg.get("bfloat16"))
+    for sec in ("bf16", "bfloat16"):
+        b = cfg.get(sec)
+        if isinstance(b, Mapping) and (b.get("bf16_master_weights_and_grads") or b.get("bf16_optimizer_states")):
+            raise UnsupportedDeepSpeedConfig(
+                f"{sec}.bf16_master_weights_and_grads / bf16_optimizer_states make DeepSpeed keep its master "
+                "partitions and gradients in bf16 (DeepSpeed >= 0.18): QMuon's DeepSpeed path writes updates into "
+                "fp32 master partitions and does not apply bf16_update ('stochastic' / 'ecc8') to bf16 flat "
+                "slices yet, so small updates would be lost to nearest rounding. Remove them (DeepSpeed then "
+                "keeps fp32 master partitions), or for bf16 weights without an fp32 copy use QMuon directly, "
+                "FSDP2 or the qmuon_fsdp strategy with precision='bf16-true' and bf16_update (docs/deepspeed.md)")
     accum = cfg.get("data_types", {}).get("grad_accum_dtype") if isinstance(cfg.get("data_types"), Mapping) else None
     if bf16 and stage == 1 and accum is not None and str(accum).lower() in ("fp32", "float32", "float"):
         raise UnsupportedDeepSpeedConfig(

@@ -13,11 +13,13 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.optim import Optimizer
 
+from ...core import adamw as core_adamw
 from ...core import pipeline
 from ...core.apply import apply_update_
 from ...core.plan import plan_param, true_shape
 from ...optim.qmuon import QMuon
 from ...quant import adamw as qadamw
+from ...quant import state as qstate
 from .config import UnsupportedDeepSpeedConfig
 from .layout import (_apply_parts, _Param, _part_runs, _placeholder, _Segment, assign_owners, read_zero3_layout,
                      read_zero12_layout)
@@ -26,8 +28,10 @@ __all__ = ["WholeMatrixZeroOptimizer", "STATE_VERSION", "MODE_NAMES"]
 
 log = logging.getLogger(__name__)
 
-#: Version of the layout written by :meth:`WholeMatrixZeroOptimizer.state_dict`.
-STATE_VERSION = 1
+#: Version of the layout written by :meth:`WholeMatrixZeroOptimizer.state_dict` (2: quantized AdamW
+#: moments of flat slices, per piece, under ``"adamw_slices"``; version 1 kept them fp32 in the inner
+#: QMuon and loads, converted).
+STATE_VERSION = 2
 _KEY = "qmuon_deepspeed"
 # Group keys the wrapper keeps in sync into its inner QMuon before each step (schedulers change them).
 _SKIP_SYNC = ("params", "param_names")
@@ -93,12 +97,10 @@ class WholeMatrixZeroOptimizer(Optimizer):
                 proxies.append(_placeholder(shape, p.device) if info.muon else torch.zeros(0, device=p.device))
             ig = {k: v for k, v in g.items() if k != "params"}
             ig["params"] = proxies
-            if not g["use_muon"] and not qadamw.is_full_precision(g.get("state_format", qadamw.FULL_PRECISION)):
-                # AdamW steps flat 1-D slices of the ZeRO partitions here, and 1-D tensors keep fp32
-                # moments (quant.adamw.moment_formats): say so instead of implying quantized moments.
-                log.warning("DeepSpeed: AdamW group %d asks for %s moments, but under DeepSpeed AdamW steps flat "
-                            "1-D slices of the ZeRO partitions, whose moments QMuon keeps in fp32; using fp32 "
-                            "(quantized AdamW moments need whole tensors: QMuon alone or FSDP2)", gi, g["state_format"])
+            if not g["use_muon"]:
+                # The inner QMuon steps only the slices that keep fp32 moments (1-D, small or fp32-family
+                # parameters): elementwise, a flat slice is exact. Quantized / bf16 moments are stepped
+                # by this wrapper on pieces cut on the whole parameter's block grid (_adamw_slice_step).
                 ig["state_format"] = qadamw.FULL_PRECISION
             inner_groups.append(ig)
         # The inner optimizer keeps the same group structure (so parameter indices, the stochastic
@@ -129,6 +131,10 @@ class WholeMatrixZeroOptimizer(Optimizer):
         self._rank = 0
         self._device = groups[0]["params"][0].device if groups else torch.device("cpu")
         self._owned: list[_Param] = []
+        #: AdamW parameters with non-fp32 moments: index -> this rank's pieces of its slice
+        #: (quant.adamw.flat_slice_pieces) and their state, one AdamW state dict per piece.
+        self._pieces: dict[int, list[tuple[int, int, int]]] = {}
+        self._slice_state: dict[int, list[dict[str, Tensor]]] = {}
 
     # ------------------------------------------------------------------ attach
     def attach(self, engine: Any) -> "WholeMatrixZeroOptimizer":
@@ -161,7 +167,21 @@ class WholeMatrixZeroOptimizer(Optimizer):
                 "DeepSpeedZeroOptimizer_Stage3). "
                 "Check the config with qmuon_lightning.integrations.deepspeed.check_config"
             )
+        self._plan_slices()
         return self
+
+    def _plan_slices(self) -> None:
+        """Cut this rank's slice of every AdamW parameter with quantized (or bf16) moments into pieces
+        on the parameter's block grid (:func:`qmuon_lightning.quant.adamw.flat_slice_pieces`)."""
+        self._pieces = {}
+        for info in self._params:
+            seg = info.holders[self._rank] if not info.muon else None
+            if seg is None or seg.length == 0:
+                continue
+            family = self._all_groups[info.group].get("state_format", qadamw.FULL_PRECISION)
+            pieces = qadamw.flat_slice_pieces(family, info.shape, seg.start, seg.length)
+            if pieces is not None:
+                self._pieces[info.index] = pieces
 
     def _set_world(self, group: Any) -> None:
         if dist.is_available() and dist.is_initialized():
@@ -233,6 +253,7 @@ class WholeMatrixZeroOptimizer(Optimizer):
                 "deepspeed.initialize, or use qmuon_lightning.integrations.deepspeed.initialize(...)"
             )
         self._attach_direct(None)
+        self._plan_slices()
 
     def _views(self, info: _Param) -> tuple[Tensor, Tensor | None] | None:
         """This rank's (data, grad) 1-D views of a parameter's slice, or None when it holds none."""
@@ -330,13 +351,17 @@ class WholeMatrixZeroOptimizer(Optimizer):
                 proxy.grad = g2
             else:
                 v = views[info.index]
-                if v is None or info.index not in live or v[1] is None:
+                if v is None or info.index not in live or v[1] is None or info.index in self._pieces:
                     proxy.data = torch.zeros(0, device=self._device)
                     proxy.grad = None
                 else:
                     proxy.data = v[0]
                     proxy.grad = v[1]
         self._inner.step()
+        for info in params:
+            v = views[info.index]
+            if info.index in self._pieces and info.index in live and v is not None and v[1] is not None:
+                self._adamw_slice_step(info, v[0], v[1])
         if first_call:  # a new optimizer step (DeepSpeed steps groups in order, one call each)
             self.ns_items = {}
         for k, v in self._ns_items_call.items():
@@ -371,6 +396,25 @@ class WholeMatrixZeroOptimizer(Optimizer):
                 self._apply_update(p, views[p.index][0], seg, recv.narrow(0, at, seg.length))
                 at += seg.length
         return loss
+
+    def _adamw_slice_step(self, info: _Param, data: Tensor, grad: Tensor) -> None:
+        """AdamW on this rank's flat slice of a parameter with quantized moments: each piece is a
+        ``(rows, width)`` matrix stepped by QMuon's own AdamW step (core.adamw.adamw_param_step, the
+        fused kernels), with the moment formats the whole parameter's shape gives."""
+        group = self._all_groups[info.group]
+        family = group["state_format"]
+        states = self._slice_state.get(info.index)
+        pieces = self._pieces[info.index]
+        if grad.dtype != data.dtype:
+            grad = grad.to(data.dtype)
+        if states is None:
+            rule = group.get("bf16_update", "nearest")
+            states = self._slice_state[info.index] = [
+                core_adamw.init_state(family, info.shape, data.narrow(0, off, r * w).view(r, w), rule)
+                for off, r, w in pieces]
+        for (off, r, w), st in zip(pieces, states):
+            core_adamw.adamw_param_step(data.narrow(0, off, r * w).view(r, w), grad.narrow(0, off, r * w).view(r, w),
+                                        st, group, global_shape=info.shape, key=info.index)
 
     def _capture(self, proxy: Tensor, part: Any, o: Tensor) -> None:
         """QMuon's update sink: keep the NS output of one part of an owned matrix for the return trip."""
@@ -501,8 +545,12 @@ class WholeMatrixZeroOptimizer(Optimizer):
         return self._inner
 
     def state_nbytes(self, muon_only: bool = True) -> int:
-        """Bytes of optimizer state on this rank (Muon momentum of owned matrices by default)."""
-        return self._inner.state_nbytes(muon_only)
+        """Bytes of optimizer state on this rank (Muon momentum of owned matrices by default; with
+        ``muon_only=False`` also the AdamW state of its slices, quantized pieces included)."""
+        total = self._inner.state_nbytes(muon_only)
+        if not muon_only:
+            total += sum(qstate.state_nbytes(st) for sts in self._slice_state.values() for st in sts)
+        return total
 
     # ------------------------------------------------------------------ checkpoints
     def _layout(self) -> list[Any]:
@@ -543,6 +591,9 @@ class WholeMatrixZeroOptimizer(Optimizer):
                 "layout": self._layout() if self._mode in ("partitioned", "zero3") else None,
                 "owners": self.owners,
                 "inner": inner,
+                "adamw_slices": {i: {"pieces": [list(x) for x in self._pieces[i]],
+                                     "state": [dict(st) for st in sts]}
+                                 for i, sts in self._slice_state.items()},
             },
         }
 
@@ -587,10 +638,35 @@ class WholeMatrixZeroOptimizer(Optimizer):
         for k in list(state):
             if k in muon_idx and muon_idx[k].owner != self._rank:
                 del state[k]  # another rank's matrix (stage 0: rank 0's file holds all of them)
+        slices = ours.get("adamw_slices") or {}
+        self._slice_state = {}
+        for index, pieces in self._pieces.items():
+            info = self._params[index]
+            where = f"AdamW parameter {index} (shape {tuple(info.shape)}), rank {self._rank}'s slice"
+            family = self._all_groups[info.group]["state_format"]
+            saved = slices.get(index)
+            if saved is not None:
+                if [list(x) for x in saved["pieces"]] != [list(x) for x in pieces]:
+                    raise ValueError(f"{where}: the checkpoint cuts the slice into pieces {saved['pieces']}, this "
+                                     f"run into {[list(x) for x in pieces]}; the partition layout changed")
+                srcs = saved["state"]
+            elif index in state:
+                # an older checkpoint (version 1): fp32 moments of the whole 1-D slice, cut into the pieces
+                flat = state.pop(index)
+                srcs = [{k: (v.reshape(-1).narrow(0, off, r * w).view(r, w)
+                             if isinstance(v, Tensor) and v.numel() == sum(n * c for _, n, c in pieces) else v)
+                         for k, v in flat.items()} for off, r, w in pieces]
+            else:
+                continue  # no step taken before the save
+            self._slice_state[index] = [
+                {k: v.to(device=self._device, copy=True) if isinstance(v, Tensor) and k != "step" else
+                 (v.clone() if isinstance(v, Tensor) else v)
+                 for k, v in qadamw.convert_adamw_state(src, family, info.shape, (r, w), where).items()}
+                for src, (_, r, w) in zip(srcs, pieces)]
         inner["state"] = state
         # AdamW proxies must look like the saved slices while loading (torch casts state to them).
         for info, proxy in zip(self._params, self._proxies):
-            if not info.muon:
+            if not info.muon and info.index not in self._pieces:
                 v = self._views(info)
                 proxy.data = v[0] if v is not None else torch.zeros(0, device=self._device)
         self._inner.load_state_dict(inner)
@@ -599,7 +675,8 @@ class WholeMatrixZeroOptimizer(Optimizer):
                 proxy.data = torch.zeros(0, device=self._device)
         for g, saved in zip(self._all_groups, state_dict.get("param_groups", [])):
             for k, v in saved.items():
-                if k not in ("params", "param_names"):
+                # structural keys stay this run's (the state was converted to this run's formats above)
+                if k not in ("params", "param_names", "state_format", "use_muon", "parts", "block_size"):
                     g[k] = v
 
     def __repr__(self) -> str:
