@@ -140,7 +140,7 @@ def fresh_accelerate():
     [
         ("DEEPSPEED", {}, "qmuon_lightning.integrations.deepspeed"),
         ("FSDP", {"fsdp_version": 1}, "fsdp_version=2"),
-        ("MEGATRON_LM", {}, "dim 1"),
+        ("MEGATRON_LM", {}, "plain local tensors"),
         ("XLA", {}, "XLA"),
         ("MULTI_GPU", {"tensor_parallel": True}, "FSDP2 only"),
         ("NO", {"mixed_precision": "fp8"}, "mixed_precision='bf16'"),

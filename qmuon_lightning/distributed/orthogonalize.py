@@ -89,7 +89,7 @@ from torch.distributed.tensor import DTensor
 
 from ..core.apply import WeightWrite, apply_update_, block_rng
 from ..core.config import param_group_view
-from ..core.pipeline import NSItem, NSSettings, apply_to, orthogonalize, part_item, row_sumsq
+from ..core.pipeline import BatchSizes, NSItem, NSSettings, apply_to, orthogonalize, part_item, row_sumsq
 from ..core.plan import ParamPlan
 from ..core.variants import RowMoment, part_row_moment
 from ..quant import state as qstate
@@ -345,9 +345,10 @@ class ShardedStep:
         dist.all_to_all_single(recv, send, recv_sizes, send_sizes, group=self.process_group)
         return recv
 
-    def finish(self, batch_budget: float = 1.0) -> dict[str, float]:
+    def finish(self, batch_budget: float | BatchSizes = 1.0) -> dict[str, float]:
         """Run the distributed Newton-Schulz for every queued item, apply the updates, and return
-        this step's communication figures."""
+        this step's communication figures. ``batch_budget``: the step's :class:`BatchSizes` (every
+        rank batches exactly as a single process would), or a float budget."""
         items, world, me = self.items, self.world, self.rank
         stats = {"flags_bytes": float(self.flag_bytes), "local_matrices": float(len(self.local_items))}
         R = self.replicas

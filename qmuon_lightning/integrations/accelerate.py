@@ -124,9 +124,11 @@ def check_configuration(
         )
     if kind == "MEGATRON_LM":
         raise UnsupportedAccelerateConfig(
-            "Megatron-LM through Accelerate is not supported with QMuon: it splits weights along dim 1 "
-            "(row-parallel layers) and QMuon orthogonalizes whole matrices from dim-0 shards only; use DDP or "
-            "FSDP2 (fsdp_version=2)"
+            "Megatron-LM through Accelerate is not supported with QMuon: Megatron splits weights across ranks "
+            "as plain local tensors (no DTensor placements), so QMuon cannot assemble the whole matrices it "
+            "orthogonalizes; use "
+            "DDP or FSDP2 (fsdp_version=2), or for tensor parallelism Lightning's qmuon_fsdp strategy with "
+            "tensor_parallel_size / Fabric with parallelize_fn"
         )
     if kind == "XLA":
         raise UnsupportedAccelerateConfig(
