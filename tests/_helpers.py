@@ -250,3 +250,57 @@ def fsdp_scenario_main(scenario_fn, prefix: str) -> None:
     from qmuon_lightning.distributed import exit_after_distributed_run
 
     exit_after_distributed_run()  # see its docstring
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a DTensor (all-gathered), or the tensor itself."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def fabric_resume_scenario(make, loss, ckpt) -> dict:
+    """The plain Fabric loop both the dense HF and the MoE tests run on 2 processes: ``make(seed)``
+    returns ``(fabric, model, optimizer)`` set up by Fabric; ``loss(model, step, rank)`` one
+    training loss. Trains steps 0-1 (recording the first step's weights before and after and its
+    gradients, whole), saves with ``fabric.save`` at step 2, trains to step 4; then a fresh run
+    (another seed) loads the checkpoint and trains to step 4 too. Returns ``first`` (``before``,
+    ``after``, ``grads`` by parameter name), ``mismatches`` (empty when both runs end with the same
+    parameters and optimizer state, bit for bit), ``n_snap``, ``resumed_at`` and the resumed
+    ``model`` / ``optimizer`` for further checks."""
+
+    def run(fabric, model, opt, steps: range, first: dict | None = None) -> None:
+        for s in steps:
+            fabric.backward(loss(model, s, fabric.global_rank))
+            if first is not None and s == 0:
+                first["before"] = {n: full_tensor(p.detach()).clone() for n, p in model.module.named_parameters()}
+                first["grads"] = {n: full_tensor(p.grad).clone() for n, p in model.module.named_parameters()
+                                  if p.grad is not None}
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if first is not None and s == 0:
+                first["after"] = {n: full_tensor(p.detach()).clone() for n, p in model.module.named_parameters()}
+
+    def snap(model, opt) -> dict:
+        out = {f"param/{n}": full_tensor(p.detach()).clone() for n, p in model.module.named_parameters()}
+        for gi, g in enumerate(opt.param_groups):
+            for i, p in enumerate(g["params"]):
+                for k, v in opt.state.get(p, {}).items():
+                    out[f"state/{gi}/{i}/{k}"] = full_tensor(v).clone()
+        return out
+
+    fabric, model, opt = make(0)
+    first: dict = {}
+    run(fabric, model, opt, range(2), first)
+    fabric.save(ckpt, {"model": model, "optimizer": opt, "step": 2})
+    run(fabric, model, opt, range(2, 4))
+    a = snap(model, opt)
+    fabric2, model2, opt2 = make(5)
+    state = {"model": model2, "optimizer": opt2, "step": 0}
+    fabric2.load(ckpt, state)
+    run(fabric2, model2, opt2, range(state["step"], 4))
+    try:
+        assert_same(a, snap(model2, opt2), "fabric resume")
+        mismatches: list[str] = []
+    except AssertionError as e:
+        mismatches = [str(e)]
+    return {"first": first, "mismatches": mismatches, "n_snap": len(a), "resumed_at": state["step"],
+            "model": model2, "optimizer": opt2}

@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import qmuon_lightning as ql  # noqa: E402
 from _dist import run_workers  # noqa: E402
-from _helpers import assert_same, run_launcher, subprocess_env  # noqa: E402
+from _helpers import assert_same, fabric_resume_scenario, run_launcher, subprocess_env  # noqa: E402
 from qmuon_lightning.optim import format_routing_table, route_parameters  # noqa: E402
 
 VOCAB, D, HEADS, LAYERS, SEQ, BATCH = 256, 64, 4, 2, 32, 4
@@ -633,49 +633,15 @@ def _worker_fabric(out: Path, family: str) -> dict[str, Any]:
         opt = fabric.setup_optimizers(ql.build_optimizer(model, **TRAINER_KW[family], verbose=False))
         return fabric, model, opt
 
-    def run(fabric: Any, model: Any, opt: Any, steps: range, first: dict | None = None) -> None:
-        for s in steps:
-            fabric.backward(lm_loss(model, tokens(s, fabric.global_rank)))
-            if first is not None and s == 0:
-                first["before"] = {n: _full(p.detach()).clone() for n, p in model.module.named_parameters()}
-                first["grads"] = {n: _full(p.grad).clone() for n, p in model.module.named_parameters()
-                                  if p.grad is not None}
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            if first is not None and s == 0:
-                first["after"] = {n: _full(p.detach()).clone() for n, p in model.module.named_parameters()}
-
-    def snap(model: Any, opt: Any) -> dict[str, torch.Tensor]:
-        out_ = {f"param/{n}": _full(p.detach()).clone() for n, p in model.module.named_parameters()}
-        for gi, g in enumerate(opt.param_groups):
-            for i, p in enumerate(g["params"]):
-                for k, v in opt.state.get(p, {}).items():
-                    out_[f"state/{gi}/{i}/{k}"] = _full(v).clone()
-        return out_
-
-    fabric, model, opt = make(0)
-    first: dict[str, Any] = {}
-    run(fabric, model, opt, range(2), first)
     ckpt = out / f"fabric_{family}"
-    fabric.save(ckpt, {"model": model, "optimizer": opt, "step": 2})
-    run(fabric, model, opt, range(2, 4))
-    a = snap(model, opt)
-    fabric2, model2, opt2 = make(5)
-    state = {"model": model2, "optimizer": opt2, "step": 0}
-    fabric2.load(ckpt, state)
-    run(fabric2, model2, opt2, range(state["step"], 4))
-    b = snap(model2, opt2)
-    try:
-        assert_same(a, b, f"{family} fabric resume")
-        mismatch: list[str] = []
-    except AssertionError as e:
-        mismatch = [str(e)]
+    res = fabric_resume_scenario(make, lambda m, s, r: lm_loss(m, tokens(s, r)), ckpt)
+    first, model = res["first"], res["model"]
     report = {}
     for layer, (pname, view) in logical_layers(family, model.module).items():
         ours = view(first["after"][pname] - first["before"][pname])
         report[layer] = compare(ours, torch_muon_update(view(first["before"][pname]), view(first["grads"][pname])))
-    return {"report": report, "mismatches": mismatch, "n_snap": len(a), "sharded_ckpt": (ckpt / ".metadata").is_file(),
-            "resumed_at": state["step"]}
+    return {"report": report, "mismatches": res["mismatches"], "n_snap": res["n_snap"],
+            "sharded_ckpt": (ckpt / ".metadata").is_file(), "resumed_at": res["resumed_at"]}
 
 
 def _worker_main(out: Path) -> None:

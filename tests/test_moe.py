@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import qmuon_lightning as ql  # noqa: E402
 from _dist import run_workers  # noqa: E402
-from _helpers import assert_same, roundtrip_state_dict, run_launcher, subprocess_env  # noqa: E402
+from _helpers import assert_same, fabric_resume_scenario, roundtrip_state_dict, run_launcher, subprocess_env  # noqa: E402
 from _moe import (D, EXPERTS, INTER, LAYERS, LR, MOE_FAMILIES, compare, expert_blocks, expert_report,  # noqa: E402
                   lm_loss, make_moe, tokens, torch_muon_update)
 from qmuon_lightning.optim import RoutingRule, format_routing_table, route_parameters  # noqa: E402
@@ -512,44 +512,11 @@ def _worker_fabric(out: Path, family: str, silent: bool = False) -> dict[str, An
         opt = fabric.setup_optimizers(ql.build_optimizer(model, **STRATEGY_KW, verbose=False))
         return fabric, model, opt
 
-    def run(fabric: Any, model: Any, opt: Any, steps: range, first: dict | None = None) -> None:
-        for s in steps:
-            fabric.backward(lm_loss(model, tokens(s, fabric.global_rank)))
-            if first is not None and s == 0:
-                first["before"] = {n: _full(p.detach()).clone() for n, p in model.module.named_parameters()}
-                first["grads"] = {n: _full(p.grad).clone() for n, p in model.module.named_parameters()
-                                  if p.grad is not None}
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            if first is not None and s == 0:
-                first["after"] = {n: _full(p.detach()).clone() for n, p in model.module.named_parameters()}
-
-    def snap(model: Any, opt: Any) -> dict[str, torch.Tensor]:
-        out_ = {f"param/{n}": _full(p.detach()).clone() for n, p in model.module.named_parameters()}
-        for gi, g in enumerate(opt.param_groups):
-            for i, p in enumerate(g["params"]):
-                for k, v in opt.state.get(p, {}).items():
-                    out_[f"state/{gi}/{i}/{k}"] = _full(v).clone()
-        return out_
-
-    fabric, model, opt = make(0)
-    first: dict[str, Any] = {}
-    run(fabric, model, opt, range(2), first)
     ckpt = out / f"fabric_{family}"
-    fabric.save(ckpt, {"model": model, "optimizer": opt, "step": 2})
-    run(fabric, model, opt, range(2, 4))
-    a = snap(model, opt)
-    fabric2, model2, opt2 = make(5)
-    state = {"model": model2, "optimizer": opt2, "step": 0}
-    fabric2.load(ckpt, state)
-    run(fabric2, model2, opt2, range(state["step"], 4))
-    try:
-        assert_same(a, snap(model2, opt2), f"{family} fabric resume")
-        mismatch: list[str] = []
-    except AssertionError as e:
-        mismatch = [str(e)]
-    res = {"report": expert_report(family, first["before"], first["after"], first["grads"]), "mismatches": mismatch,
-           "n_snap": len(a), "resumed_at": state["step"]}
+    run = fabric_resume_scenario(make, lambda m, s, r: lm_loss(m, tokens(s, r)), ckpt)
+    first, model2, opt2 = run["first"], run["model"], run["optimizer"]
+    res = {"report": expert_report(family, first["before"], first["after"], first["grads"]),
+           "mismatches": run["mismatches"], "n_snap": run["n_snap"], "resumed_at": run["resumed_at"]}
     if silent:
         res["silent"] = _silent_expert_facts(ckpt, first["before"], model2, opt2)
     return res
