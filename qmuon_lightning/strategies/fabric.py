@@ -18,8 +18,8 @@ A subclass of :class:`lightning.fabric.strategies.ModelParallelStrategy` (FSDP2)
    consolidated file, plus a ``"qmuon_fsdp"`` metadata entry per optimizer (type, Muon state
    layouts, world size). ``fabric.load`` checks that entry before loading anything, reshards to the
    current number of processes, and restores optimizer state for exactly the parameters that had
-   state when saved. Loading is the Trainer strategy's code (:func:`.fsdp.load_sharded_state`,
-   :func:`.fsdp.load_full_state`). Saves are atomic (written under ``<path>.partial``, renamed
+   state when saved. Loading is the Trainer strategy's code (:func:`.checkpoint_state.load_sharded_state`,
+   :func:`.checkpoint_state.load_full_state`). Saves are atomic (written under ``<path>.partial``, renamed
    when every rank is done).
 
 Registered in Fabric's ``STRATEGY_REGISTRY`` on ``import qmuon_lightning`` under the Trainer
@@ -52,10 +52,10 @@ from ..optim.qmuon import QMuon
 from ..optim.release import CLIPPING_ERROR, check_trainer_compatible, release_of
 from ..optim.routing import format_routing_table
 from . import optimizer_swap as swap
-from .fsdp import (
-    _CKPT_KEY, OptimizerMode, QMuonStrategyMixin, _check_sharded_formats,
-    apply_format_overrides, ensure_release, build_replacement, check_compatible, checkpoint_info, load_full_state, load_sharded_state, no_muon_warning,
-)
+from .checkpoint_state import (CKPT_KEY, apply_format_overrides, check_compatible, checkpoint_info, load_full_state,
+                               load_sharded_state)
+from .fsdp import OptimizerMode, QMuonStrategyMixin
+from .options import build_replacement, check_sharded_formats, ensure_release, no_muon_warning
 from .sharding import ShardPolicy, check_replicate_size, describe_sharding, hsdp_mesh, is_sharded, shard_unless_sharded
 
 if TYPE_CHECKING:
@@ -208,7 +208,7 @@ class QMuonFabricStrategy(QMuonStrategyMixin, ModelParallelStrategy):
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
         module = self._module_of(optimizer)
         if isinstance(optimizer, QMuon):
-            _check_sharded_formats(optimizer)
+            check_sharded_formats(optimizer)
             self._note_preset_mismatch(optimizer)
             ensure_release(optimizer, self._optimizer_kwargs)
             self._check_release(optimizer)
@@ -300,8 +300,8 @@ class QMuonFabricStrategy(QMuonStrategyMixin, ModelParallelStrategy):
         Written under ``<path>.partial`` and renamed to ``path`` by rank 0 once every rank has
         finished, so a save that dies half-way never leaves a broken checkpoint under ``path``, nor
         replaces the one already there (which is removed only after the new one took its name)."""
-        if _CKPT_KEY in state:
-            raise ValueError(f"the state key {_CKPT_KEY!r} is reserved for the strategy's checkpoint metadata; rename it")
+        if CKPT_KEY in state:
+            raise ValueError(f"the state key {CKPT_KEY!r} is reserved for the strategy's checkpoint metadata; rename it")
         models = [m for m in state.values() if _has_dtensor_modules(m)]
         info = {key: checkpoint_info(self._optimizer_mode, [opt], self.world_size,
                                      module=models[0] if len(models) == 1 else None)
@@ -317,7 +317,7 @@ class QMuonFabricStrategy(QMuonStrategyMixin, ModelParallelStrategy):
             _remove(partial)  # left by a save that died
             path.parent.mkdir(parents=True, exist_ok=True)  # Lightning creates a directory's parents, not a file's
         self.barrier()
-        super().save_checkpoint(partial, {**state, _CKPT_KEY: info}, storage_options=storage_options, filter=filter)
+        super().save_checkpoint(partial, {**state, CKPT_KEY: info}, storage_options=storage_options, filter=filter)
         self.barrier()  # every rank's shards are written
         if self.global_rank == 0:
             _replace(partial, path)
@@ -348,7 +348,7 @@ class QMuonFabricStrategy(QMuonStrategyMixin, ModelParallelStrategy):
         requested = state.keys() - modules.keys() - optimizers.keys()
         if _is_sharded_checkpoint(path):
             metadata = torch.load(path / _METADATA_FILENAME, weights_only=weights_only)
-            saved_info = metadata.pop(_CKPT_KEY, None)
+            saved_info = metadata.pop(CKPT_KEY, None)
             optimizers = self._check_and_select(saved_info, optimizers, path, strict)
             self._apply_format_overrides(module, optimizers, saved_info)
             if not strict:  # leave the optimizers the checkpoint holds no state for as they are
@@ -362,7 +362,7 @@ class QMuonFabricStrategy(QMuonStrategyMixin, ModelParallelStrategy):
             return metadata
         if _is_full_checkpoint(path):
             checkpoint = torch.load(path, mmap=True, map_location="cpu", weights_only=weights_only)
-            saved_info = checkpoint.pop(_CKPT_KEY, None)
+            saved_info = checkpoint.pop(CKPT_KEY, None)
             optimizers = self._check_and_select(saved_info, optimizers, path, strict)
             self._apply_format_overrides(module, optimizers, saved_info)
             present = {k: opt for k, opt in optimizers.items() if k in checkpoint}

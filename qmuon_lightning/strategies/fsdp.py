@@ -37,7 +37,7 @@ import logging
 import shutil
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Literal, Mapping, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Callable, Literal, Mapping, Optional, Union
 
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
@@ -51,15 +51,15 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from ..core.config import (
-    FORMAT_OVERRIDES, QMuonConfig, ResumeMismatch, check_resume, config_fields_of, describe_layout, state_layout,
-)
 from ..distributed.resume import publish_directory, require_complete, staging_path
 from ..optim.qmuon import QMuon
-from ..optim.release import attach_gradient_release, check_trainer_compatible, release_of
-from ..optim.routing import build_optimizer, format_routing_table
-from ..quant import state as qstate
+from ..optim.release import check_trainer_compatible, release_of
+from ..optim.routing import format_routing_table
 from . import optimizer_swap as swap
+from .checkpoint_state import (CKPT_KEY, apply_format_overrides, check_compatible, checkpoint_info, load_full_state,
+                               load_sharded_state)
+from .options import (build_replacement, check_sharded_formats, ensure_release, no_muon_warning, resolve_mesh_sizes,
+                      validate_optimizer_kwargs)
 from .sharding import (ShardPolicy, check_replicate_size, describe_sharding, hsdp_mesh, resolve_policy,
                        shard_unless_sharded)
 
@@ -91,308 +91,10 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
     "qmuon_fsdp_keep": ("FSDP2 with automatic sharding; the configured optimizer is kept", {"optimizer": "keep"}),
 }
 
-# Checkpoint metadata entry written by save_checkpoint and checked by load_checkpoint.
-_CKPT_KEY = "qmuon_fsdp"
 _NO_OPTIMIZER_STATE = (
     "{path} holds no optimizer state (saved with save_weights_only=True?), so training cannot resume from it. "
     "To start a new run from its weights, load them into the module before fit, or use a full checkpoint"
 )
-# What each optimizer mode fixes in build_optimizer's arguments.
-_MODE_KWARGS: dict[str, dict[str, Any]] = {"qmuon": {}, "grasp": {"state_format": "grasp4"}, "keep": {}}
-# build_optimizer arguments besides QMuon's (QMuonConfig's fields); "verbose" is the strategy's own.
-_ROUTING_KWARGS = ("rules", "fused_parts", "orientations", "batch_budget", "lr_ratios", "gradient_release",
-                   "release_clip_norm", "banks", "bank_state_format")
-
-
-def _validate_optimizer_kwargs(mode: str, kwargs: Mapping[str, Any]) -> dict[str, Any]:
-    """Check ``optimizer_kwargs`` now with the optimizer's own validation (:class:`QMuonConfig`),
-    so a typo or a bad value fails when the strategy is constructed, not after the processes have
-    started."""
-    if not isinstance(kwargs, Mapping):
-        raise TypeError(f"optimizer_kwargs must be a dict of build_optimizer arguments, got {type(kwargs).__name__}")
-    kwargs = dict(kwargs)
-    if mode == "keep":
-        if kwargs:
-            raise ValueError(
-                f"optimizer='keep' trains with the optimizer configure_optimizers returns; optimizer_kwargs "
-                f"{sorted(kwargs)} would be ignored. Drop them or use optimizer='qmuon'"
-            )
-        return kwargs
-    allowed = (*QMuonConfig.field_names(), *_ROUTING_KWARGS)
-    for key in kwargs:
-        if key not in allowed:
-            raise ValueError(
-                f"optimizer_kwargs has unknown key {key!r}; build_optimizer accepts: {', '.join(allowed)}"
-            )
-    for key, fixed in _MODE_KWARGS[mode].items():
-        got = kwargs.setdefault(key, fixed)
-        if got != fixed:
-            raise ValueError(
-                f"optimizer={mode!r} uses {key}={fixed!r}, but optimizer_kwargs sets {key}={got!r}; "
-                "use optimizer='qmuon' for other values"
-            )
-    try:
-        QMuonConfig.from_kwargs(**config_fields_of(kwargs))
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"optimizer_kwargs: {e}") from None
-    budget = kwargs.get("batch_budget", 1.0)
-    if not (isinstance(budget, (int, float)) and budget > 0):
-        raise ValueError(f"optimizer_kwargs: batch_budget must be > 0, got {budget!r}")
-    if kwargs.get("lr_ratios", "warn") not in QMuon.LR_RATIO_MODES:
-        raise ValueError(f"optimizer_kwargs: lr_ratios must be one of {QMuon.LR_RATIO_MODES}, got {kwargs['lr_ratios']!r}")
-    if not isinstance(kwargs.get("gradient_release", False), bool):
-        raise ValueError(f"optimizer_kwargs: gradient_release must be True or False, got {kwargs['gradient_release']!r}")
-    if kwargs.get("release_clip_norm") is not None and not kwargs.get("gradient_release"):
-        raise ValueError("optimizer_kwargs: release_clip_norm applies with gradient_release=True only; without release "
-                         "use Trainer(gradient_clip_val=...) / fabric.clip_gradients")
-    return kwargs
-
-
-def ensure_release(optimizer: QMuon, optimizer_kwargs: Mapping[str, Any]) -> None:
-    """Attach gradient release to a QMuon the strategy keeps (built by the user) when
-    ``optimizer_kwargs`` asks for it and it has none yet."""
-    if optimizer_kwargs.get("gradient_release") and release_of(optimizer) is None:
-        attach_gradient_release(optimizer, clip_norm=optimizer_kwargs.get("release_clip_norm"))
-
-
-def _fqn_keyed(osd: dict[str, Any], module: torch.nn.Module) -> dict[str, Any]:
-    """A consolidated optimizer state dict keyed by parameter names (Lightning saves it keyed by
-    parameter index, ``FSDP.rekey_optim_state_dict(..., PARAM_ID)``)."""
-    if not osd["state"] or not all(isinstance(k, int) for k in osd["state"]):
-        return osd
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-    from torch.distributed.fsdp import OptimStateKeyType
-
-    return FSDP.rekey_optim_state_dict(osd, OptimStateKeyType.PARAM_NAME, module)
-
-
-def _drop_state_except(module: torch.nn.Module, optimizer: Optimizer, keep: set[str]) -> None:
-    """Delete optimizer state of parameters whose name is not in ``keep``."""
-    names = {id(p): n.replace("._orig_mod", "").replace("_orig_mod.", "") for n, p in module.named_parameters()}
-    for p in list(optimizer.state):
-        if names.get(id(p)) not in keep:
-            del optimizer.state[p]
-
-
-def _check_sharded_formats(opt: QMuon) -> None:
-    """Fail at setup, not at the first step, when a Muon group's state format cannot be sharded
-    (the registry lists the formats that support ``Shard(0)`` parameters)."""
-    from torch.distributed.tensor import DTensor
-
-    bad = sorted({
-        str(g["state_format"]) for g in opt.param_groups
-        if g["use_muon"] and g["state_format"] not in qstate.SUPPORTED_SHARDED_FORMATS
-        and any(isinstance(p, DTensor) for p in g["params"])
-    })
-    if bad:
-        raise ValueError(
-            f"QMuon state_format {', '.join(map(repr, bad))} cannot be used on FSDP2-sharded parameters: its state "
-            f"cannot be split with the weight rows. Use optimizer_kwargs={{'state_format': ...}} "
-            f"with one of {', '.join(qstate.SUPPORTED_SHARDED_FORMATS)}"
-        )
-
-
-def resolve_mesh_sizes(
-    data_parallel_size: Union[Literal["auto"], int], tensor_parallel_size: Union[Literal["auto"], int], world_size: int,
-) -> tuple[int, int]:
-    """The device-mesh shape ``(data parallel, tensor parallel)``. ``tensor_parallel_size="auto"``
-    means 1 here (Lightning's "all devices of a node" only makes sense with a tensor-parallel
-    ``configure_model`` / ``parallelize_fn``); ``data_parallel_size="auto"`` spans the rest."""
-    tp = 1 if tensor_parallel_size == "auto" else tensor_parallel_size
-    if data_parallel_size != "auto":
-        return data_parallel_size, tp
-    if world_size % tp:
-        raise ValueError(f"tensor_parallel_size={tp} does not divide the world size {world_size}")
-    return world_size // tp, tp
-
-
-def build_replacement(
-    module: torch.nn.Module, user: Optional[Optimizer], optimizer_kwargs: Mapping[str, Any], warn: Callable[[str], None],
-) -> QMuon:
-    """The QMuon that replaces ``user`` (a ``torch.optim.AdamW`` / ``Adam``, or None): built by
-    :func:`build_optimizer` on the sharded ``module`` with ``optimizer_kwargs``, the user's AdamW
-    settings filling the ``adamw_*`` arguments that ``optimizer_kwargs`` leaves unset. ``warn``
-    receives the settings that cannot carry over."""
-    kwargs = dict(optimizer_kwargs)
-    if user is not None:
-        swap.check_coverage(module, user)
-        settings, notes = swap.adamw_settings(user)
-        for note in notes:
-            warn(note)
-        for key, value in settings.items():
-            kwargs.setdefault(key, value)  # explicit optimizer_kwargs win
-    if "bank_state_format" not in kwargs and not qstate.get_format(
-            kwargs.get("state_format", QMuonConfig().state_format)).row_local:
-        # A format with per-matrix statistics (grasp4's low-rank factor) would mix the experts of a
-        # MoE bank; the banks of a replacement keep int8 momentum (no-op for models without banks).
-        kwargs["bank_state_format"] = "int8"
-    new = build_optimizer(module, verbose=False, **kwargs)
-    _check_sharded_formats(new)
-    return new
-
-
-def no_muon_warning(owner: str, decisions: Sequence[Any]) -> Optional[str]:
-    """The warning to show when routing sent no parameter to Muon (None otherwise)."""
-    if any(d.target == "muon" for d in decisions):
-        return None
-    return (
-        f"{owner}: no parameter was routed to Muon, so QMuon runs AdamW only. Muon takes "
-        "2-D hidden weights; the rule table sends embeddings, the output head (by name) and 1-D tensors "
-        "to AdamW. Check the routing table, pass optimizer_kwargs={'rules': [...]}, or use optimizer='keep'"
-    )
-
-
-# ---------------------------------------------------------------------------------------------- checkpoints
-# Shared by the Trainer strategy (below) and the Fabric strategy (.fabric): the metadata entry, its
-# compatibility check, and loading model and optimizer state in either layout.
-
-def _param_names(module: Optional[torch.nn.Module]) -> dict[int, str]:
-    if module is None:
-        return {}
-    return {id(p): n.replace("._orig_mod", "").replace("_orig_mod.", "") for n, p in module.named_parameters()}
-
-
-def format_overrides(module: Optional[torch.nn.Module], optimizers: Sequence[Optimizer]) -> list[dict[str, dict[str, Any]]]:
-    """Per optimizer, ``{parameter name: layout}`` of the parameters stepped in another format than
-    their group's (promoted by the fidelity guard); names make them portable across world sizes."""
-    names = _param_names(module)
-    out = []
-    for opt in optimizers:
-        found: dict[str, dict[str, Any]] = {}
-        for g in opt.param_groups:
-            for i, layout in (g.get(FORMAT_OVERRIDES) or {}).items():
-                found[names.get(id(g["params"][i]), f"#{i}")] = dict(layout)
-        out.append(found)
-    return out
-
-
-def apply_format_overrides(module: Optional[torch.nn.Module], optimizers: Sequence[Optimizer],
-                           saved: Optional[Mapping[str, Any]], owner: str) -> None:
-    """Give the optimizers the per-parameter formats the checkpoint was saved with, before its state
-    is loaded: torch's loaders read saved tensors into the current state's layout, so a promoted
-    parameter must already be in its promoted format."""
-    if not saved or module is None:
-        return
-    by_name = {n.replace("._orig_mod", "").replace("_orig_mod.", ""): p for n, p in module.named_parameters()}
-    for opt, overrides in zip(optimizers, saved.get("format_overrides") or []):
-        if not overrides:
-            continue
-        if not isinstance(opt, QMuon):
-            raise ValueError("the checkpoint holds per-parameter state formats (fidelity-guard promotions) but this "
-                             f"run's optimizer is {type(opt).__name__}; resume with QMuon")
-        for name, layout in overrides.items():
-            if name not in by_name:
-                raise ValueError(f"the checkpoint promoted parameter {name!r} to {layout}, but this model has no "
-                                 "parameter of that name; resume with the model it was saved with")
-            if opt.param_layout(by_name[name]).get("state_format") != layout["state_format"]:
-                opt.promote_param(by_name[name], dict(layout))
-                rank_zero_info(f"{owner}: {name!r} resumes in {layout['state_format']} momentum "
-                               "(promoted by the fidelity guard before the checkpoint was saved)")
-
-
-def checkpoint_info(optimizer_mode: str, optimizers: Sequence[Optimizer], world_size: int,
-                    module: Optional[torch.nn.Module] = None) -> dict[str, Any]:
-    """The checkpoint metadata entry: optimizer types, Muon state layouts, world size and the
-    per-parameter formats the fidelity guard promoted (names from ``module``)."""
-    muon_groups = [g for opt in optimizers for g in opt.param_groups
-                   if g.get("use_muon", False) and "state_format" in g]
-    return {
-        "optimizer": optimizer_mode,
-        "optimizer_types": [type(opt).__name__ for opt in optimizers],
-        "state_formats": sorted({str(g["state_format"]) for g in muon_groups}),
-        "muon_layouts": [state_layout(g) for g in muon_groups],
-        "world_size": world_size,
-        "format_overrides": format_overrides(module, optimizers),
-    }
-
-
-def check_compatible(saved: Optional[Mapping[str, Any]], now: Mapping[str, Any], path: Any) -> None:
-    """Refuse to load optimizer state saved with another optimizer or Muon state layout
-    (``saved`` / ``now``: :func:`checkpoint_info` entries) before anything is loaded."""
-    if not saved:
-        return
-    if saved["optimizer_types"] != now["optimizer_types"]:
-        raise ValueError(
-            f"{path} holds optimizer state of {saved['optimizer_types']} (saved with optimizer="
-            f"{saved['optimizer']!r}) but this run trains with {now['optimizer_types']} (optimizer="
-            f"{now['optimizer']!r}); resume with the same optimizer setting"
-        )
-    # torch's loaders place saved tensors into the current optimizer's state layout (same keys,
-    # dtypes and sharding), so a checkpoint loads into the layout it was saved with only.
-    saved_layouts = saved.get("muon_layouts")
-    if saved_layouts is None:  # written before layouts were recorded: the formats must agree
-        saved_layouts = [{"state_format": f} for f in saved["state_formats"]]
-        now_layouts = [{"state_format": f} for f in now["state_formats"]]
-    else:
-        now_layouts = now["muon_layouts"]
-    hint = ("(To change format, load the checkpoint without this strategy and use QMuon.load_state_dict, "
-            "which converts between formats.)")
-    if len(saved_layouts) != len(now_layouts):
-        raise ValueError(f"{path} holds {len(saved_layouts)} Muon parameter groups but this run has "
-                         f"{len(now_layouts)}; build the optimizer with the same routing. {hint}")
-    for i, (a, b) in enumerate(zip(saved_layouts, now_layouts)):
-        if a == b:
-            continue
-        try:
-            check_resume(a, b, where=f"{path}, Muon group {i}", allow_format_change=False)
-        except ResumeMismatch:
-            raise ValueError(
-                f"{path} holds Muon momentum saved with {describe_layout(a)} (Muon group {i}) but this run uses "
-                f"{describe_layout(b)}; resume with optimizer_kwargs={dict(a)!r}. {hint}") from None
-
-
-def load_sharded_state(
-    module: torch.nn.Module, path: Path, model_key: str, optimizers: Mapping[str, Optimizer], *, strict: bool,
-    missing_optimizer: str,
-) -> None:
-    """Load the model (saved under ``model_key``) and each optimizer (under its key) from the
-    ``torch.distributed.checkpoint`` directory ``path``, resharding to the current mesh.
-
-    Optimizer state is restored for exactly the parameters that had state when saved. Parameters
-    that never received a gradient (unused in forward) have no state; torch's loader would otherwise
-    require it (strict) or keep the zero state its initializing dry-run ``step()`` created.
-    ``missing_optimizer`` (formatted with ``path`` and ``key``) is the error when an optimizer's
-    state is not in the checkpoint."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_optimizer_state_dict,
-    )
-
-    saved_keys = set(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
-    for key in optimizers:  # checked before anything is loaded
-        if not any(k.startswith(f"{key}.") for k in saved_keys):
-            raise KeyError(missing_optimizer.format(path=path, key=key))
-    model_state = {model_key: get_model_state_dict(module)}
-    dcp.load(model_state, checkpoint_id=path)
-    module.load_state_dict(model_state[model_key], strict=strict)
-    for key, opt in optimizers.items():
-        osd = get_optimizer_state_dict(module, opt)  # a dry-run step creates every state tensor
-        saved = {fqn for fqn in osd["state"] if any(k.startswith(f"{key}.state.{fqn}.") for k in saved_keys)}
-        osd["state"] = {fqn: v for fqn, v in osd["state"].items() if fqn in saved}
-        dcp.load({key: osd}, checkpoint_id=path)
-        set_optimizer_state_dict(module, opt, optim_state_dict=osd,
-                                 options=StateDictOptions(cpu_offload=True, strict=False))
-        _drop_state_except(module, opt, saved)
-
-
-def load_full_state(
-    module: torch.nn.Module, model_state: Mapping[str, Any], optimizer_states: Sequence[tuple[Optimizer, Any]], *,
-    strict: bool,
-) -> None:
-    """Load a consolidated (single file) model state dict and optimizer state dicts (keyed by
-    parameter name or, as Lightning's Trainer saves them, by index) into the sharded ``module`` and
-    its optimizers; each rank keeps its own rows. Optimizer state is restored for exactly the
-    parameters that had state when saved (see :func:`load_sharded_state`)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
-
-    set_model_state_dict(module, dict(model_state), options=StateDictOptions(
-        full_state_dict=True, broadcast_from_rank0=True, strict=strict))
-    for opt, osd in optimizer_states:
-        osd = _fqn_keyed(osd, module)
-        saved = set(osd["state"])
-        set_optimizer_state_dict(module, opt, optim_state_dict=osd, options=StateDictOptions(
-            full_state_dict=True, broadcast_from_rank0=True, strict=False))
-        _drop_state_except(module, opt, saved)
 
 
 class QMuonStrategyMixin:
@@ -417,7 +119,7 @@ class QMuonStrategyMixin:
     def _init_qmuon_settings(self, optimizer: str, optimizer_kwargs: Optional[dict[str, Any]],
                              shard_policy: ShardPolicy, reshard_after_forward: bool) -> None:
         self._optimizer_mode = optimizer
-        self._optimizer_kwargs = _validate_optimizer_kwargs(optimizer, optimizer_kwargs or {})
+        self._optimizer_kwargs = validate_optimizer_kwargs(optimizer, optimizer_kwargs or {})
         self._shard_policy: ShardPolicy = shard_policy
         resolve_policy(shard_policy)  # raises on a bad policy now, before any process starts
         self._reshard_after_forward = bool(reshard_after_forward)
@@ -583,7 +285,7 @@ class QMuonFSDPStrategy(QMuonStrategyMixin, ModelParallelStrategy):
         user = optimizers[0] if optimizers else None
         if isinstance(user, QMuon):
             rank_zero_info(f"{type(self).__name__}: configure_optimizers returned a QMuon; kept as it is")
-            _check_sharded_formats(user)
+            check_sharded_formats(user)
             ensure_release(user, self._optimizer_kwargs)
             return
         if isinstance(user, _MockOptimizer):
@@ -618,7 +320,7 @@ class QMuonFSDPStrategy(QMuonStrategyMixin, ModelParallelStrategy):
         """Lightning's sharded (``torch.distributed.checkpoint`` directory) or consolidated save,
         plus a ``"qmuon_fsdp"`` entry in the metadata (optimizer types, state formats, world size)
         that :meth:`load_checkpoint` checks before loading."""
-        checkpoint[_CKPT_KEY] = self._checkpoint_info()
+        checkpoint[CKPT_KEY] = self._checkpoint_info()
         if not self._save_distributed_checkpoint:
             super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
             return
@@ -652,15 +354,15 @@ class QMuonFSDPStrategy(QMuonStrategyMixin, ModelParallelStrategy):
         optimizers = {f"optimizer_{idx}": opt for idx, opt in enumerate(self.optimizers)}
         if path.is_dir() and (path / ".metadata").is_file():
             metadata = torch.load(path / _METADATA_FILENAME, weights_only=weights_only)
-            self._check_compatible(metadata.get(_CKPT_KEY), path)
-            apply_format_overrides(self.lightning_module, self.optimizers, metadata.get(_CKPT_KEY), type(self).__name__)
+            self._check_compatible(metadata.get(CKPT_KEY), path)
+            apply_format_overrides(self.lightning_module, self.optimizers, metadata.get(CKPT_KEY), type(self).__name__)
             load_sharded_state(module, path, "state_dict", optimizers, strict=strict,
                                missing_optimizer=_NO_OPTIMIZER_STATE)
             return metadata
         if path.is_file():
             checkpoint = torch.load(path, mmap=True, map_location="cpu", weights_only=weights_only)
-            self._check_compatible(checkpoint.get(_CKPT_KEY), path)
-            apply_format_overrides(self.lightning_module, self.optimizers, checkpoint.get(_CKPT_KEY), type(self).__name__)
+            self._check_compatible(checkpoint.get(CKPT_KEY), path)
+            apply_format_overrides(self.lightning_module, self.optimizers, checkpoint.get(CKPT_KEY), type(self).__name__)
             if self.optimizers and "optimizer_states" not in checkpoint:
                 raise KeyError(_NO_OPTIMIZER_STATE.format(path=path))
             load_full_state(module, checkpoint.pop("state_dict"),
