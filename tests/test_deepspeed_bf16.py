@@ -180,7 +180,8 @@ def _codes(opt) -> dict:
 def _run(stage: int, rule: str, out_dir: str, resume: bool) -> dict:
     d = os.path.join(out_dir, f"ckpt{stage}_{rule}")
     engine, opt = _engine(stage, rule)
-    master = [g["params"][0] for g in opt._all_groups if g["params"]]
+    # the flat partitions DeepSpeed hands the optimizer (ZeRO-3: one per sub-group, also between steps)
+    master = opt._flats if opt._mode == "zero3" else [g["params"][0] for g in opt._all_groups if g["params"]]
     res = {"init": _gathered(engine.module), "zero_class": type(engine.optimizer).__name__,
            "master_dtypes": [str(t.dtype) for t in master], "grad_dtype": str(opt._grad_dtype),
            "holders": {p.index: [None if h is None else (h.start, h.length) for h in p.holders] for p in opt._params}}
