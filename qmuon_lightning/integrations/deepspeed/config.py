@@ -8,7 +8,7 @@ import json
 import os
 from typing import Any, Mapping
 
-__all__ = ["UnsupportedDeepSpeedConfig", "check_config", "bf16_master", "avoid_cpu_op_builds"]
+__all__ = ["UnsupportedDeepSpeedConfig", "check_config", "avoid_cpu_op_builds"]
 
 
 class UnsupportedDeepSpeedConfig(ValueError):
@@ -91,14 +91,6 @@ def check_config(config: Mapping[str, Any] | str | os.PathLike) -> dict[str, Any
         )
     cfg["zero_allow_untested_optimizer"] = True
     return cfg
-
-
-def bf16_master(config: Mapping[str, Any]) -> bool:
-    """Whether a (checked) DeepSpeed config keeps its master partitions in bf16
-    (``bf16.bf16_master_weights_and_grads``): QMuon then writes its updates to the bf16 slices
-    through the optimizer's ``bf16_update`` rule."""
-    return any(isinstance(config.get(sec), Mapping) and bool(config[sec].get("bf16_master_weights_and_grads"))
-               for sec in ("bf16", "bfloat16"))
 
 
 def _check_bf16_master(cfg: Mapping[str, Any], stage: int, bf16: bool) -> None:
