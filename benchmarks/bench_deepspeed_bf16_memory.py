@@ -35,6 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's qmuon_lightning, also in the workers
 from _common import RESULTS_DIR, header_lines, md_table  # noqa: E402
 
 ROWS = [  # (label, bf16 master, adamw_state_format, bf16_update)
