@@ -137,6 +137,65 @@ def test_unattached_wrapper_on_bf16_model_equals_qmuon(rule):
         assert not o2._weight_state or not any(o2._weight_state.values())
 
 
+def test_skipped_nonfinite_update_keeps_the_rounding_counter_in_step():
+    """A NaN gradient skips that matrix on the step (QMuon's own momentum step does not advance), so
+    the next stochastic write of its slices uses the same counter as single-process QMuon's."""
+    m1, m2 = Net().to(torch.bfloat16), Net().to(torch.bfloat16)
+    o1 = ql.QMuon(_groups(m1), **KW, bf16_update="stochastic")
+    o2 = qds.WholeMatrixZeroOptimizer(ql.QMuon(_groups(m2), **KW, bf16_update="stochastic"))
+    for step in range(3):
+        x = _batch(step)
+        for m, o in ((m1, o1), (m2, o2)):
+            _loss(m(x), x).backward()
+            if step == 1:
+                m.w2.weight.grad[0, 0] = float("nan")
+                m.gate.grad[0, 0] = float("nan")
+            o.step()
+            o.zero_grad()
+    assert o2.nonfinite_skips == 2
+    for (name, a), b in zip(m1.named_parameters(), m2.parameters()):
+        assert torch.equal(a, b), name
+    assert o2._muon_step[1] == int(o1.state[m1.w2.weight]["step"]) == 2  # skipped once in 3 steps
+
+
+def test_ecc8_codes_validated_on_load():
+    """Saved and resumed under "ecc8", a checkpoint without a slice's codes is incomplete
+    (StateFormatError naming the slice); codes of the wrong size too. A checkpoint saved under
+    "stochastic" loads into an "ecc8" run (codes start at zero at the next step)."""
+    from qmuon_lightning.quant import StateFormatError
+
+    def stepped(rule):
+        m = Net().to(torch.bfloat16)
+        o = qds.WholeMatrixZeroOptimizer(ql.QMuon(_groups(m), **KW, bf16_update=rule))
+        x = _batch(0)
+        _loss(m(x), x).backward()
+        o.step()
+        return m, o
+
+    _, o = stepped("ecc8")
+    sd = o.state_dict()
+    assert sorted(sd["qmuon_deepspeed"]["weight_slices"]) == [0, 1, 2]
+    _, fresh = stepped("ecc8")
+    missing = {**sd, "qmuon_deepspeed": {**sd["qmuon_deepspeed"], "weight_slices": {
+        k: v for k, v in sd["qmuon_deepspeed"]["weight_slices"].items() if k != 1}}}
+    with pytest.raises(StateFormatError, match="Muon parameter 1"):
+        fresh.load_state_dict(missing)
+    short = {**sd, "qmuon_deepspeed": {**sd["qmuon_deepspeed"], "weight_slices": {
+        **sd["qmuon_deepspeed"]["weight_slices"], 0: {"weight_ecc": torch.zeros(5, dtype=torch.int8)}}}}
+    with pytest.raises(StateFormatError, match="weight_ecc"):
+        fresh.load_state_dict(short)
+    fresh.load_state_dict(sd)
+    assert all(torch.equal(fresh._weight_state[i]["weight_ecc"], o._weight_state[i]["weight_ecc"]) for i in (0, 1, 2))
+    _, o_st = stepped("stochastic")
+    m3, o3 = stepped("ecc8")
+    o3.load_state_dict(o_st.state_dict())
+    assert not o3._weight_state  # nothing saved; created at the next step
+    x = _batch(1)
+    _loss(m3(x), x).backward()
+    o3.step()
+    assert o3._weight_state[0]["weight_ecc"].dtype == torch.int8
+
+
 # ============================================================================ worker
 def _gathered(module) -> list[torch.Tensor]:
     import deepspeed

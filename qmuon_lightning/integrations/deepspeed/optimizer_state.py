@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ...core import apply as weight_apply
+from ...core.config import STRUCTURAL_KEYS
 from ...quant import adamw as qadamw
 from ...quant import state as qstate
 from .layout import _Param
@@ -178,8 +179,9 @@ class ZeroStateMixin:
                 proxy.data = torch.zeros(0, device=self._device)
         for g, saved in zip(self._all_groups, state_dict.get("param_groups", [])):
             for k, v in saved.items():
-                # structural keys stay this run's (the state was converted to this run's formats above)
-                if k not in ("params", "param_names", "state_format", "use_muon", "parts", "block_size"):
+                # structural keys stay this run's, as in QMuon.load_state_dict (the state was converted to
+                # this run's formats above; a changed bf16_update creates / drops codes at the next step)
+                if k not in ("params", "param_names", *STRUCTURAL_KEYS):
                     g[k] = v
 
     def _check_weight_state(self, data: Tensor, st: dict[str, Any], info: _Param, saved_rule: str | None,
