@@ -150,8 +150,15 @@ def test_class_name_keeps_deepspeed_muon_code_away():
         ({"bf16": {"enabled": True}, "zero_optimization": {"stage": 1}, "data_types": {"grad_accum_dtype": "fp32"}},
          "BF16_Optimizer"),
         ({"zero_optimization": {"stage": 4}}, "must be 0, 1, 2 or 3"),
+        # bf16 master partitions: supported with bf16_optimizer_states at stages 1-3 (test_deepspeed_bf16.py)
+        ({"bf16": {"enabled": True, "bf16_master_weights_and_grads": True}, "zero_optimization": {"stage": 2}},
+         "bf16_optimizer_states=true as well"),
+        ({"bf16": {"enabled": True, "bf16_optimizer_states": True}, "zero_optimization": {"stage": 2}},
+         "needs bf16.bf16_master_weights_and_grads"),
+        ({"bf16": {"enabled": False, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True},
+          "zero_optimization": {"stage": 2}}, "without bf16 training"),
         ({"bf16": {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True},
-          "zero_optimization": {"stage": 2}}, "bf16_update"),
+          "zero_optimization": {"stage": 0}}, "stage 1, 2 or 3"),
     ],
 )
 def test_config_errors_name_the_fix(cfg, words):

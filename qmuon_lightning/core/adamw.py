@@ -64,9 +64,15 @@ def _row_view(t: Tensor, rows: int) -> Tensor:
 
 def adamw_param_step(p_local: Tensor, grad: Tensor, state: dict[str, Tensor], group: dict[str, Any], *,
                      global_shape: Sequence[int], key: int = 0, row_offset: int = 0,
-                     chunk_elements: int = DEFAULT_CHUNK_ELEMENTS) -> None:
+                     first_index: int | None = None, chunk_elements: int = DEFAULT_CHUNK_ELEMENTS) -> None:
     """One AdamW step of one parameter (``p_local``, ``grad``, ``state``: local tensors; for a
     ``Shard(0)`` parameter its rows, starting at global row ``row_offset``).
+
+    ``first_index``: the flat (row-major) index of ``p_local``'s first element in the whole
+    parameter, when ``p_local`` is a ``(rows, width)`` piece of a flat slice rather than whole rows
+    (DeepSpeed ZeRO partitions): its row ``r`` then starts at ``first_index + r * width``. Default:
+    ``row_offset * cols``. It keys the stochastic rounding of bf16 weights, so a piece draws the
+    noise of the unsharded parameter.
 
     ``group``: ``lr``, ``betas``, ``eps``, ``weight_decay``, ``state_format`` (the family) and,
     optionally, ``bf16_update`` and ``seed`` (the rounding rule of low-precision weights and the seed
@@ -92,6 +98,7 @@ def adamw_param_step(p_local: Tensor, grad: Tensor, state: dict[str, Tensor], gr
     n = chunk_rows(rows, cols, chunk_elements)
     buf = torch.empty((n, cols), dtype=torch.float32, device=p_local.device)
     seed = int(group.get("seed", 0))
+    first = row_offset * cols if first_index is None else int(first_index)
     for r0 in range(0, rows, n):
         r1 = min(rows, r0 + n)
         update = buf[: r1 - r0]
@@ -99,4 +106,4 @@ def adamw_param_step(p_local: Tensor, grad: Tensor, state: dict[str, Tensor], gr
                            neg_step_size=neg_step_size, bias_correction2_sqrt=bc2_sqrt)
         wstate = {k: _row_view(state[k], rows)[r0:r1] for k in weight_keys if k in state}
         apply_update_(p2d[r0:r1], update, alpha=1.0, decay=decay, bf16_update=rule, state=wstate or None,
-                      rng=(seed, key, int(step), (row_offset + r0) * cols), cautious=cautious)
+                      rng=(seed, key, int(step), first + r0 * cols), cautious=cautious)

@@ -22,6 +22,12 @@ from the start); ``qmuon_lightning.build_optimizer`` routes it by the full shape
 ``QMuonDeepSpeedStrategy(zero_optimization=False)``. A config dict or JSON path works as for
 Lightning's strategy: ``QMuonDeepSpeedStrategy(config="examples/ds_config_zero2.json")``.
 
+bf16 weights without an fp32 master copy: ``precision="bf16-true"`` with a config whose bf16 section
+asks for DeepSpeed's bf16 master partitions, ``{"bf16": {"enabled": True, "bf16_master_weights_and_grads":
+True, "bf16_optimizer_states": True}, "zero_optimization": {"stage": 2}}`` (stages 1-3); Lightning keeps a
+user's bf16 section (it adds ``{"enabled": True}`` only when there is none), and QMuon writes its updates
+through its ``bf16_update`` rule (see :mod:`qmuon_lightning.integrations.deepspeed`).
+
 Checkpoints are DeepSpeed checkpoint directories (``trainer.save_checkpoint(path)`` /
 ``Trainer.fit(ckpt_path=path)``): the quantized momentum is in the optimizer state DeepSpeed writes
 (one file per rank at stages 1-3). Resume with the same number of processes and ZeRO stage: a

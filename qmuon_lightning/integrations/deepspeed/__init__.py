@@ -53,6 +53,19 @@ ZeRO stage 0 gives the client optimizer the real 2-D parameters (fp32, or DeepSp
 fp16/bf16 wrapper's fp32 copies); the same owner split applies: only step 4 is needed after the
 owner's update (every rank holds the whole matrix), and momentum still lives only on the owner.
 
+bf16 master partitions (``"bf16": {"enabled": true, "bf16_master_weights_and_grads": true,
+"bf16_optimizer_states": true}``, ZeRO 1-3, DeepSpeed >= 0.18): the flat partitions and gradients
+are bf16 and there is no fp32 copy of the weights. The wrapper then writes every update (Muon's
+return trip and the AdamW pieces) through the optimizer's ``bf16_update`` rule, as single-process
+QMuon writes a ``model.to(torch.bfloat16)`` model: ``"stochastic"`` draws the noise of each element's
+flat index in the whole parameter, keyed by the parameter's index and step (for a Muon matrix, its
+owner's momentum step, shared with every rank holding a slice through the per-call flag
+all-reduce); ``"ecc8"`` keeps the ``weight_ecc`` codes of each rank's slices (Muon: one per slice;
+AdamW: one per piece) in that rank's optimizer file; the Muon gradients travel and are stepped in
+bf16, as the single-process bf16 model's. A slice therefore writes the bits the whole bf16
+parameter gets (tests/test_deepspeed_bf16.py). ``bf16_optimizer_states`` only lets DeepSpeed accept
+the bf16 master without optimizer offload; QMuon's state keeps its own formats.
+
 Checkpoints go through ``engine.save_checkpoint`` / ``engine.load_checkpoint``. Stages 1 to 3 write
 one optimizer file per rank: each holds that rank's quantized momentum (its owned matrices) and the
 AdamW state of its partition. Stage 0 writes only rank 0's optimizer state, so ``state_dict()``
@@ -69,8 +82,8 @@ and bf16 at stage 1 with fp32 gradient accumulation (DeepSpeed's ``BF16_Optimize
 partition layout).
 
 Modules: :mod:`.config` (configuration checks), :mod:`.layout` (where each parameter's elements
-live per stage, owner dealing), :mod:`.optimizer` (the client optimizer), :mod:`.checkpoint`
-(resume checks)."""
+live per stage, owner dealing), :mod:`.optimizer` (the client optimizer), :mod:`.optimizer_state`
+(its per-rank checkpoint state), :mod:`.checkpoint` (resume checks)."""
 
 from __future__ import annotations
 

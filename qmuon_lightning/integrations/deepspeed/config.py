@@ -81,16 +81,7 @@ def check_config(config: Mapping[str, Any] | str | os.PathLike) -> dict[str, Any
     if cfg.get("zenflow") or zero.get("zenflow"):
         raise UnsupportedDeepSpeedConfig("ZenFlow replaces the optimizer step with its own CPU optimizer; remove 'zenflow'")
     bf16 = _enabled(cfg.get("bf16")) or _enabled(cfg.get("bfloat16"))
-    for sec in ("bf16", "bfloat16"):
-        b = cfg.get(sec)
-        if isinstance(b, Mapping) and (b.get("bf16_master_weights_and_grads") or b.get("bf16_optimizer_states")):
-            raise UnsupportedDeepSpeedConfig(
-                f"{sec}.bf16_master_weights_and_grads / bf16_optimizer_states make DeepSpeed keep its master "
-                "partitions and gradients in bf16 (DeepSpeed >= 0.18): QMuon's DeepSpeed path writes updates into "
-                "fp32 master partitions and does not apply bf16_update ('stochastic' / 'ecc8') to bf16 flat "
-                "slices yet, so small updates would be lost to nearest rounding. Remove them (DeepSpeed then "
-                "keeps fp32 master partitions), or for bf16 weights without an fp32 copy use QMuon directly, "
-                "FSDP2 or the qmuon_fsdp strategy with precision='bf16-true' and bf16_update (docs/deepspeed.md)")
+    _check_bf16_master(cfg, stage, bf16)
     accum = cfg.get("data_types", {}).get("grad_accum_dtype") if isinstance(cfg.get("data_types"), Mapping) else None
     if bf16 and stage == 1 and accum is not None and str(accum).lower() in ("fp32", "float32", "float"):
         raise UnsupportedDeepSpeedConfig(
@@ -100,6 +91,43 @@ def check_config(config: Mapping[str, Any] | str | os.PathLike) -> dict[str, Any
         )
     cfg["zero_allow_untested_optimizer"] = True
     return cfg
+
+
+def _check_bf16_master(cfg: Mapping[str, Any], stage: int, bf16: bool) -> None:
+    """bf16 master partitions (DeepSpeed >= 0.18): supported at ZeRO stages 1-3 together with
+    ``bf16_optimizer_states``. DeepSpeed accepts ``bf16_master_weights_and_grads`` without
+    ``bf16_optimizer_states`` only with optimizer offload and DeepSpeedCPUAdam (it assumes the
+    optimizer's moments are fp32 and would not fit on the device); ``bf16_optimizer_states`` lets the
+    client optimizer keep its state on the device. For QMuon that flag changes nothing else: its
+    momentum and AdamW moments keep the formats it was built with (``state_format``,
+    ``adamw_state_format``; DeepSpeed never converts a client optimizer's state)."""
+    for sec in ("bf16", "bfloat16"):
+        b = cfg.get(sec)
+        if not isinstance(b, Mapping):
+            continue
+        master, states = bool(b.get("bf16_master_weights_and_grads")), bool(b.get("bf16_optimizer_states"))
+        if not (master or states):
+            continue
+        if states and not master:
+            raise UnsupportedDeepSpeedConfig(
+                f"{sec}.bf16_optimizer_states=true needs {sec}.bf16_master_weights_and_grads=true (DeepSpeed refuses "
+                "it alone). Set both to keep bf16 master partitions, or remove bf16_optimizer_states")
+        if not bf16:
+            raise UnsupportedDeepSpeedConfig(
+                f"{sec}.bf16_master_weights_and_grads=true without bf16 training: set {sec}.enabled=true (bf16 model "
+                "weights; QMuon writes its updates to DeepSpeed's bf16 master partitions through bf16_update), or "
+                "remove bf16_master_weights_and_grads")
+        if stage not in (1, 2, 3):
+            raise UnsupportedDeepSpeedConfig(
+                f"{sec}.bf16_master_weights_and_grads=true needs ZeRO stage 1, 2 or 3 (DeepSpeed supports it only "
+                f"there), got stage {stage}. Set zero_optimization.stage; at stage 0 train a bf16 model "
+                "(model.to(torch.bfloat16)) without DeepSpeed's bf16 section instead: QMuon then steps the bf16 "
+                "parameters directly through bf16_update")
+        if not states:
+            raise UnsupportedDeepSpeedConfig(
+                f"{sec}.bf16_master_weights_and_grads=true without {sec}.bf16_optimizer_states=true: DeepSpeed accepts "
+                "that only with optimizer offload and DeepSpeedCPUAdam. Set bf16_optimizer_states=true as well: it "
+                "lets QMuon keep its state on the device, in its own formats (state_format / adamw_state_format)")
 
 
 def avoid_cpu_op_builds() -> bool:

@@ -13,6 +13,7 @@ per parameter and rank, the slice that rank's flat fp32 partition holds (:class:
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
@@ -123,6 +124,29 @@ def _apply_parts(parts: tuple[MatrixPart, ...], where: str) -> tuple[MatrixPart,
                 f"({seen.lr_scale} and {part.lr_scale}); under DeepSpeed a bank member's parts must have equal "
                 "shapes. Use equal parts or FSDP2 (qmuon_fsdp)")
     return tuple(out.values())
+
+
+def row_pieces(shape: torch.Size, start: int, length: int) -> list[tuple[int, int, int]]:
+    """A flat slice ``[start, start + length)`` of a parameter of ``shape`` (flattened row-major) cut
+    on row boundaries, as ``(offset in the slice, rows, width)`` pieces, each a contiguous
+    ``(rows, width)`` matrix: a partial first row, the whole rows, a partial last row (at most three;
+    1-D parameters are ``(n, 1)``: one piece). How a slice whose AdamW moments are elementwise (fp32)
+    is stepped when its weights are bf16: each piece is written through ``bf16_update`` with the
+    rounding counter of its first element in the whole parameter, in bounded row blocks."""
+    cols = math.prod(int(s) for s in shape[1:]) if len(shape) > 1 else 1
+    pieces: list[tuple[int, int, int]] = []
+    pos, end = start, start + length
+    while pos < end:
+        c = pos % cols
+        if c == 0 and end - pos >= cols:
+            k = (end - pos) // cols
+            pieces.append((pos - start, k, cols))
+            pos += k * cols
+            continue
+        stop = min(end, pos - c + cols)
+        pieces.append((pos - start, 1, stop - pos))
+        pos = stop
+    return pieces
 
 
 def _placeholder(shape: torch.Size, device: torch.device) -> Tensor:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import copy
-import dataclasses
 import logging
 from collections import defaultdict
 from typing import Any, Callable
@@ -14,6 +12,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from ...core import adamw as core_adamw
+from ...core import apply as weight_apply
 from ...core import pipeline
 from ...core.apply import apply_update_
 from ...core.plan import plan_param, true_shape
@@ -22,24 +21,20 @@ from ...quant import adamw as qadamw
 from ...quant import state as qstate
 from .config import UnsupportedDeepSpeedConfig
 from .layout import (_apply_parts, _Param, _part_runs, _placeholder, _Segment, assign_owners, read_zero3_layout,
-                     read_zero12_layout)
+                     read_zero12_layout, row_pieces)
+from .optimizer_state import MODE_NAMES, STATE_VERSION, ZeroStateMixin
 
 __all__ = ["WholeMatrixZeroOptimizer", "STATE_VERSION", "MODE_NAMES"]
 
 log = logging.getLogger(__name__)
 
-#: Version of the layout written by :meth:`WholeMatrixZeroOptimizer.state_dict` (2: quantized AdamW
-#: moments of flat slices, per piece, under ``"adamw_slices"``; version 1 kept them fp32 in the inner
-#: QMuon and loads, converted).
-STATE_VERSION = 2
-_KEY = "qmuon_deepspeed"
 # Group keys the wrapper keeps in sync into its inner QMuon before each step (schedulers change them).
-_SKIP_SYNC = ("params", "param_names")
-#: The wrapper's modes, as the ZeRO stages users know them (error messages).
-MODE_NAMES = {"direct": "ZeRO stage 0", "partitioned": "ZeRO stage 1/2", "zero3": "ZeRO stage 3", None: "no engine"}
+# bf16_update is not: the wrapper writes every low-precision weight itself (the inner QMuon holds
+# gradient buffers and fp32 slices only, and keeps "nearest", which creates no weight state).
+_SKIP_SYNC = ("params", "param_names", "bf16_update")
 
 
-class WholeMatrixZeroOptimizer(Optimizer):
+class WholeMatrixZeroOptimizer(ZeroStateMixin, Optimizer):
     """Client optimizer for ``deepspeed.initialize`` that runs a :class:`~qmuon_lightning.QMuon`'s
     algorithm with whole-matrix Newton-Schulz under ZeRO stages 0 to 3 (see the package docstring).
 
@@ -97,6 +92,7 @@ class WholeMatrixZeroOptimizer(Optimizer):
                 proxies.append(_placeholder(shape, p.device) if info.muon else torch.zeros(0, device=p.device))
             ig = {k: v for k, v in g.items() if k != "params"}
             ig["params"] = proxies
+            ig["bf16_update"] = "nearest"  # see _SKIP_SYNC
             if not g["use_muon"]:
                 # The inner QMuon steps only the slices that keep fp32 moments (1-D, small or fp32-family
                 # parameters): elementwise, a flat slice is exact. Quantized / bf16 moments are stepped
@@ -135,6 +131,13 @@ class WholeMatrixZeroOptimizer(Optimizer):
         #: (quant.adamw.flat_slice_pieces) and their state, one AdamW state dict per piece.
         self._pieces: dict[int, list[tuple[int, int, int]]] = {}
         self._slice_state: dict[int, list[dict[str, Tensor]]] = {}
+        #: Muon parameters with bf16 slices (DeepSpeed's bf16 master partitions): index -> the
+        #: weight-correction state of this rank's slice (``weight_ecc`` under bf16_update="ecc8", 1-D).
+        self._weight_state: dict[int, dict[str, Tensor]] = {}
+        #: Muon parameter index -> the optimizer step its update of this call is written with (the
+        #: owner's momentum step, shared by every rank holding a slice; keys its stochastic rounding).
+        self._muon_step: dict[int, int] = {}
+        self._grad_dtype = torch.float32  # dtype the Muon gradients travel and are stepped in
 
     # ------------------------------------------------------------------ attach
     def attach(self, engine: Any) -> "WholeMatrixZeroOptimizer":
@@ -174,14 +177,24 @@ class WholeMatrixZeroOptimizer(Optimizer):
         """Cut this rank's slice of every AdamW parameter with quantized (or bf16) moments into pieces
         on the parameter's block grid (:func:`qmuon_lightning.quant.adamw.flat_slice_pieces`)."""
         self._pieces = {}
+        rounded = False
         for info in self._params:
+            v = self._views(info)
+            rounded = rounded or (v is not None and weight_apply.writes_rounded(v[0]))
             seg = info.holders[self._rank] if not info.muon else None
             if seg is None or seg.length == 0:
                 continue
             family = self._all_groups[info.group].get("state_format", qadamw.FULL_PRECISION)
             pieces = qadamw.flat_slice_pieces(family, info.shape, seg.start, seg.length)
+            if pieces is None and weight_apply.writes_rounded(v[0]):
+                # bf16 slice with elementwise moments: stepped here too, piece by piece, so each write
+                # gets its bf16_update rule with the whole parameter's element indices.
+                pieces = row_pieces(info.shape, seg.start, seg.length)
             if pieces is not None:
                 self._pieces[info.index] = pieces
+        # bf16 slices (DeepSpeed's bf16 master, or a bf16 model at stage 0): the Muon gradients travel
+        # and are stepped in bf16, as a single-process bf16 model's are (its NS input is the bf16 grad).
+        self._grad_dtype = torch.bfloat16 if rounded else torch.float32
 
     def _set_world(self, group: Any) -> None:
         if dist.is_available() and dist.is_initialized():
@@ -317,9 +330,9 @@ class WholeMatrixZeroOptimizer(Optimizer):
                 send_sizes.append(n)
             recv_sizes = [sum(p.holders[s].length for p in by_owner[self._rank] if p.holders[s] is not None)
                           for s in range(self._world)]
-            recv = self._all_to_all(send, send_sizes, recv_sizes, torch.float32)
+            recv = self._all_to_all(send, send_sizes, recv_sizes, self._grad_dtype)
             for p in by_owner[self._rank]:
-                full_grad[p.index] = torch.empty(p.numel, dtype=torch.float32, device=recv.device)
+                full_grad[p.index] = torch.empty(p.numel, dtype=self._grad_dtype, device=recv.device)
             at = 0
             for s in range(self._world):
                 for p in by_owner[self._rank]:
@@ -330,7 +343,7 @@ class WholeMatrixZeroOptimizer(Optimizer):
         else:
             for p in by_owner[self._rank]:
                 g = views[p.index][1]
-                full_grad[p.index] = g if g.dtype == torch.float32 else g.float()
+                full_grad[p.index] = g if g.dtype in (torch.float32, self._grad_dtype) else g.float()
 
         # 2. the owner's QMuon update (momentum + whole-matrix NS), AdamW on this rank's slices.
         self._sync_inner_groups()
@@ -403,18 +416,23 @@ class WholeMatrixZeroOptimizer(Optimizer):
         fused kernels), with the moment formats the whole parameter's shape gives."""
         group = self._all_groups[info.group]
         family = group["state_format"]
+        rule = group.get("bf16_update", "nearest")
         states = self._slice_state.get(info.index)
         pieces = self._pieces[info.index]
+        start = info.holders[self._rank].start
         if grad.dtype != data.dtype:
             grad = grad.to(data.dtype)
         if states is None:
-            rule = group.get("bf16_update", "nearest")
             states = self._slice_state[info.index] = [
                 core_adamw.init_state(family, info.shape, data.narrow(0, off, r * w).view(r, w), rule)
                 for off, r, w in pieces]
         for (off, r, w), st in zip(pieces, states):
-            core_adamw.adamw_param_step(data.narrow(0, off, r * w).view(r, w), grad.narrow(0, off, r * w).view(r, w),
-                                        st, group, global_shape=info.shape, key=info.index)
+            piece = data.narrow(0, off, r * w).view(r, w)
+            weight_apply.sync_weight_state(piece, st, rule)  # a rule changed on resume: codes created / dropped
+            # first_index: the piece's first element in the whole parameter (bf16 stochastic rounding
+            # draws the noise of the unsharded parameter, as single-process QMuon does).
+            core_adamw.adamw_param_step(piece, grad.narrow(0, off, r * w).view(r, w), st, group,
+                                        global_shape=info.shape, key=info.index, first_index=start + off)
 
     def _capture(self, proxy: Tensor, part: Any, o: Tensor) -> None:
         """QMuon's update sink: keep the NS output of one part of an owned matrix for the return trip."""
@@ -449,20 +467,26 @@ class WholeMatrixZeroOptimizer(Optimizer):
         the layer's ``(out, in)`` shape)."""
         group = self._all_groups[p.group]
         lr, wd = float(group["lr"]), float(group["weight_decay"])
-        if data.dtype != torch.float32:
-            # DeepSpeed's fp16 / bf16 modes step fp32 master partitions and copy them to the model's
-            # low-precision weights itself, so QMuon's bf16_update has nothing to do here (a no-op).
-            raise NotImplementedError(
-                f"QMuon under DeepSpeed expects fp32 master partitions, got {data.dtype}; DeepSpeed keeps an fp32 "
-                "master copy in its fp16/bf16 modes (bf16_update does not apply). For bf16 weights without a master "
-                "copy use QMuon directly, FSDP2 or the qmuon_fsdp strategy with precision='bf16-true'")
         cautious = bool(group.get("cautious_weight_decay", False))
+        rule = group.get("bf16_update", "nearest")
+        # bf16 slices (DeepSpeed's bf16 master partitions): the group's bf16_update rule, with this
+        # slice's correction codes and the rounding counter (seed, parameter index, the owner's
+        # momentum step, global element index) of single-process QMuon, so a slice writes the bits
+        # the whole bf16 parameter would get. fp32 master slices: exact fp32 arithmetic.
+        wstate: dict[str, Tensor] = {}
+        if weight_apply.writes_rounded(data):
+            wstate = self._weight_state.setdefault(p.index, {})
+            weight_apply.sync_weight_state(data, wstate, rule)
+        stochastic = rule == "stochastic" and weight_apply.writes_rounded(data)
+        seed, step = int(group.get("seed", 0)), self._muon_step.get(p.index, 0)
         # The parts' runs cover the slice once: each element gets one decay-and-update write (core.apply).
         for part in p.parts:
             for at, n, width, c0, c1 in _part_runs(part, p.cols, seg.start, seg.length):
                 d = data.narrow(0, at, n * width).view(n, width)[:, c0:c1]
+                st = {k: v.narrow(0, at, n * width).view(n, width)[:, c0:c1] for k, v in wstate.items()}
                 apply_update_(d, o.narrow(0, at, n * width).view(n, width)[:, c0:c1], alpha=-lr * part.lr_scale,
-                              decay=1.0 - lr * wd, cautious=cautious)
+                              decay=1.0 - lr * wd, cautious=cautious, bf16_update=rule, state=st or None,
+                              rng=(seed, p.index, step, seg.start + at + c0) if stochastic else None)
 
     def _active_params(self) -> tuple[list[_Param], bool]:
         """The parameters the current ``step()`` call updates, and whether the call is the first of an
@@ -493,19 +517,31 @@ class WholeMatrixZeroOptimizer(Optimizer):
             if v is not None and v[1] is not None and v[1].numel():
                 idx.append(info.index)
                 grads.append(v[1])
-        bad = torch.zeros(len(self._params) + 1, dtype=torch.float32, device=self._device)
+        # float64: exact for step counts up to 2**53
+        bad = torch.zeros(len(self._params) + 1, dtype=torch.float64, device=self._device)
         present = torch.zeros_like(bad)
+        # The owner's momentum step of each Muon matrix (every rank holding a slice writes its update
+        # with it: single-process QMuon keys a bf16 weight's stochastic rounding by that step).
+        steps = torch.zeros_like(bad)
+        for info in params:
+            if info.muon and info.owner == self._rank:
+                st = self._inner.state.get(self._proxies[info.index])
+                if st and "step" in st:
+                    steps[info.index] = float(st["step"].item())
         if grads:
-            flags = torch.tensor([0.0 if ok else 1.0 for ok in pipeline.finite_flags(grads)], device=self._device)
+            flags = torch.tensor([0.0 if ok else 1.0 for ok in pipeline.finite_flags(grads)], dtype=bad.dtype,
+                                 device=self._device)
             where = torch.tensor(idx, device=self._device)
             bad[where] = flags
             present[where] = 1.0
         present[-1] = 0.0
-        both = torch.stack([bad, present])
+        both = torch.stack([bad, present, steps])
         if self._world > 1:
             dist.all_reduce(both, group=self._group)
         bad_list = both[0].tolist()
         has_grad = both[1].tolist()
+        step_list = both[2].tolist()
+        self._muon_step = {p.index: int(step_list[p.index]) + 1 for p in params if p.muon}
         live = {p.index for p in params if has_grad[p.index] > 0 and bad_list[p.index] == 0}
         bad_params = [p for p in params if bad_list[p.index] > 0]
         if not bad_params:
@@ -550,134 +586,8 @@ class WholeMatrixZeroOptimizer(Optimizer):
         total = self._inner.state_nbytes(muon_only)
         if not muon_only:
             total += sum(qstate.state_nbytes(st) for sts in self._slice_state.values() for st in sts)
+            total += sum(qstate.state_nbytes(st) for st in self._weight_state.values())
         return total
-
-    # ------------------------------------------------------------------ checkpoints
-    def _layout(self) -> list[Any]:
-        return [[p.index, p.owner if p.muon else -1, p.numel,
-                 None if p.holders[self._rank] is None else dataclasses.astuple(p.holders[self._rank])]
-                for p in self._params]
-
-    def state_dict(self) -> dict[str, Any]:
-        """This rank's state: the quantized momentum of the Muon matrices it owns and the AdamW state of
-        its slices, as plain tensors, plus the layout they belong to.
-
-        At ZeRO stage 0 with several processes DeepSpeed saves only rank 0's optimizer state, so this
-        gathers every owner's momentum to rank 0 and is a collective there (``engine.save_checkpoint``
-        calls it on every rank).
-        """
-        if self._mode is None:
-            self._require_attached()
-        inner = self._inner.state_dict()
-        if self._mode == "direct" and self._world > 1:
-            muon_idx = {p.index for p in self._params if p.muon}
-            mine = {k: {n: t.cpu() if isinstance(t, Tensor) else t for n, t in v.items()}
-                    for k, v in inner["state"].items() if k in muon_idx}
-            gathered: list[Any] = [None] * self._world if self._rank == 0 else None  # type: ignore[assignment]
-            dst = 0 if self._group is None else dist.get_global_rank(self._group, 0)
-            dist.gather_object(mine, gathered, dst=dst, group=self._group)
-            if self._rank == 0:
-                for part in gathered:
-                    inner["state"].update(part)
-        groups = [{k: v for k, v in g.items() if k != "params"} | {"params": []} for g in self._all_groups]
-        return {
-            "state": {},
-            "param_groups": groups,
-            _KEY: {
-                "version": STATE_VERSION,
-                "mode": self._mode,
-                "world_size": self._world,
-                "rank": self._rank,
-                "layout": self._layout() if self._mode in ("partitioned", "zero3") else None,
-                "owners": self.owners,
-                "inner": inner,
-                "adamw_slices": {i: {"pieces": [list(x) for x in self._pieces[i]],
-                                     "state": [dict(st) for st in sts]}
-                                 for i, sts in self._slice_state.items()},
-            },
-        }
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load what :meth:`state_dict` wrote for this rank (same process count and ZeRO stage)."""
-        if self._mode is None:
-            self._require_attached()
-        if state_dict is None:
-            raise ValueError(
-                "the checkpoint holds no optimizer state for this engine: it was saved at another ZeRO stage "
-                "(stage 0 keeps it in mp_rank_00_model_states.pt, stages 1-3 in per-rank zero_pp_rank_* files). "
-                "Resume with the same number of processes and ZeRO stage, or load with load_optimizer_states=False"
-            )
-        ours = state_dict.get(_KEY)
-        if ours is None:
-            raise ValueError(
-                "this optimizer state was not written by qmuon_lightning's DeepSpeed integration (no "
-                f"'{_KEY}' entry); a plain QMuon state dict loads with QMuon.load_state_dict before wrapping"
-            )
-        if ours["version"] > STATE_VERSION:
-            raise ValueError(f"checkpoint layout version {ours['version']} is newer than this qmuon_lightning "
-                             f"({STATE_VERSION}); upgrade qmuon_lightning")
-        if ours["mode"] != self._mode or ours["world_size"] != self._world:
-            raise ValueError(
-                f"the checkpoint was saved with {ours['world_size']} process(es) at {MODE_NAMES[ours['mode']]}; this "
-                f"run has {self._world} at {MODE_NAMES[self._mode]}. Resume with the same number of processes and "
-                "ZeRO stage (QMuon's momentum is stored per owner rank)"
-            )
-        if list(ours["owners"]) != self.owners:
-            raise ValueError("the checkpoint's matrix-to-rank assignment differs from this run's: the model or the "
-                             "optimizer's parameter groups changed since it was saved")
-        if self._mode in ("partitioned", "zero3"):
-            if ours["rank"] != self._rank:
-                raise ValueError(f"rank {self._rank} was given rank {ours['rank']}'s optimizer state")
-            if [list(x) if not isinstance(x, list) else x for x in ours["layout"]] != \
-                    [list(x) for x in self._layout()]:
-                raise ValueError("the checkpoint's ZeRO partition layout differs from this run's (different "
-                                 "parameters, bucket alignment or process count)")
-        inner = copy.copy(ours["inner"])
-        state = dict(inner["state"])
-        muon_idx = {p.index: p for p in self._params if p.muon}
-        for k in list(state):
-            if k in muon_idx and muon_idx[k].owner != self._rank:
-                del state[k]  # another rank's matrix (stage 0: rank 0's file holds all of them)
-        slices = ours.get("adamw_slices") or {}
-        self._slice_state = {}
-        for index, pieces in self._pieces.items():
-            info = self._params[index]
-            where = f"AdamW parameter {index} (shape {tuple(info.shape)}), rank {self._rank}'s slice"
-            family = self._all_groups[info.group]["state_format"]
-            saved = slices.get(index)
-            if saved is not None:
-                if [list(x) for x in saved["pieces"]] != [list(x) for x in pieces]:
-                    raise ValueError(f"{where}: the checkpoint cuts the slice into pieces {saved['pieces']}, this "
-                                     f"run into {[list(x) for x in pieces]}; the partition layout changed")
-                srcs = saved["state"]
-            elif index in state:
-                # an older checkpoint (version 1): fp32 moments of the whole 1-D slice, cut into the pieces
-                flat = state.pop(index)
-                srcs = [{k: (v.reshape(-1).narrow(0, off, r * w).view(r, w)
-                             if isinstance(v, Tensor) and v.numel() == sum(n * c for _, n, c in pieces) else v)
-                         for k, v in flat.items()} for off, r, w in pieces]
-            else:
-                continue  # no step taken before the save
-            self._slice_state[index] = [
-                {k: v.to(device=self._device, copy=True) if isinstance(v, Tensor) and k != "step" else
-                 (v.clone() if isinstance(v, Tensor) else v)
-                 for k, v in qadamw.convert_adamw_state(src, family, info.shape, (r, w), where).items()}
-                for src, (_, r, w) in zip(srcs, pieces)]
-        inner["state"] = state
-        # AdamW proxies must look like the saved slices while loading (torch casts state to them).
-        for info, proxy in zip(self._params, self._proxies):
-            if not info.muon and info.index not in self._pieces:
-                v = self._views(info)
-                proxy.data = v[0] if v is not None else torch.zeros(0, device=self._device)
-        self._inner.load_state_dict(inner)
-        for info, proxy in zip(self._params, self._proxies):
-            if not info.muon:
-                proxy.data = torch.zeros(0, device=self._device)
-        for g, saved in zip(self._all_groups, state_dict.get("param_groups", [])):
-            for k, v in saved.items():
-                # structural keys stay this run's (the state was converted to this run's formats above)
-                if k not in ("params", "param_names", "state_format", "use_muon", "parts", "block_size"):
-                    g[k] = v
 
     def __repr__(self) -> str:
         muon = sum(p.muon for p in self._params)
