@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from qmuon_lightning import QMuon
-from qmuon_lightning.core.gram_newton_schulz import (GRAM_AUTO_ASPECT, default_restarts, newton_schulz_gram,
-                                                     pick_ns_method)
+from qmuon_lightning.core.gram_newton_schulz import (GRAM_AUTO_ASPECT, GRAM_AUTO_MIN_SIDE, GRAM_AUTO_MIN_SIDE_FP32,
+                                                     default_restarts, newton_schulz_gram, pick_ns_method)
 from qmuon_lightning.core.newton_schulz import newton_schulz_folded, newton_schulz_reference, resolve_schedule
 
 SHAPES = [(64, 256), (256, 64), (96, 192)]
@@ -52,15 +52,21 @@ def test_pick_ns_method():
     assert pick_ns_method("standard", 64, 256, "cpu") == "standard"
     assert pick_ns_method("gram", 64, 256, "cuda:0") == "gram"
     assert pick_ns_method("gram", 128, 128, "cpu") == "standard"  # square: no gain, worse in bf16
-    n = int(GRAM_AUTO_ASPECT)
-    assert pick_ns_method("auto", 64, 64 * n, "cpu") == "gram"
-    assert pick_ns_method("auto", 64 * n, 64, "cpu") == "gram"
-    assert pick_ns_method("auto", 64, 64 * n - 1, "cpu") == "standard"
-    assert pick_ns_method("auto", 64, 64 * n, "cuda:0") == "standard"  # not measured there: opt-in
+    n, m = int(GRAM_AUTO_ASPECT), GRAM_AUTO_MIN_SIDE
+    assert pick_ns_method("auto", m, m * n, "cpu") == "gram"
+    assert pick_ns_method("auto", m * n, m, "cpu") == "gram"
+    assert pick_ns_method("auto", m, m * n - 1, "cpu") == "standard"
+    assert pick_ns_method("auto", m, m * n, "cuda:0") == "standard"  # not measured there: opt-in
+    # small matrices: gram's fixed cost per product outweighs the saved flops (measured slower)
+    assert pick_ns_method("auto", m - 1, (m - 1) * 8, "cpu") == "standard"
+    assert pick_ns_method("auto", 64, 1024, "cpu", torch.bfloat16) == "standard"
+    m32 = GRAM_AUTO_MIN_SIDE_FP32
+    assert pick_ns_method("auto", m32, m32 * 4, "cpu", torch.float32) == "gram"
+    assert pick_ns_method("auto", m32 - 1, (m32 - 1) * 4, "cpu", torch.float32) == "standard"
     # fp32 (no restart) pays from 3:1 on; bf16 only from 4:1
-    assert pick_ns_method("auto", 64 * 3, 64, "cpu", torch.float32) == "gram"
-    assert pick_ns_method("auto", 64 * 3, 64, "cpu", torch.bfloat16) == "standard"
-    assert pick_ns_method("auto", 64 * 3 - 1, 64, "cpu", torch.float32) == "standard"
+    assert pick_ns_method("auto", 256 * 3, 256, "cpu", torch.float32) == "gram"
+    assert pick_ns_method("auto", 256 * 3, 256, "cpu", torch.bfloat16) == "standard"
+    assert pick_ns_method("auto", 256 * 3 - 1, 256, "cpu", torch.float32) == "standard"
 
 
 def test_qmuon_ns_method_runs_gram_and_resumes():

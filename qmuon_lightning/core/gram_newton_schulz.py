@@ -41,11 +41,12 @@ from torch import Tensor
 
 from .newton_schulz import NSSchedule, resolve_schedule
 
-__all__ = ["NS_METHODS", "GRAM_RESTARTS", "GRAM_AUTO_ASPECT", "GRAM_AUTO_ASPECT_FP32", "default_restarts",
-           "pick_ns_method", "newton_schulz_gram"]
+__all__ = ["NS_METHODS", "GRAM_RESTARTS", "GRAM_AUTO_ASPECT", "GRAM_AUTO_ASPECT_FP32", "GRAM_AUTO_MIN_SIDE",
+           "GRAM_AUTO_MIN_SIDE_FP32", "default_restarts", "pick_ns_method", "newton_schulz_gram"]
 
 #: ``ns_method`` values: ``"standard"`` (iterate on X), ``"gram"`` (iterate on X X^T, restart at
-#: :data:`GRAM_RESTARTS`) and ``"auto"`` (gram where it measured faster: :data:`GRAM_AUTO_ASPECT`).
+#: :data:`GRAM_RESTARTS`) and ``"auto"`` (gram where it measured faster: :data:`GRAM_AUTO_ASPECT`,
+#: :data:`GRAM_AUTO_MIN_SIDE`).
 NS_METHODS = ("standard", "gram", "auto")
 #: Iterations at which ``X`` and ``R`` are recomputed in bf16 (Dao-AILab / dion default ``[2]``);
 #: fp32 runs without restarts (see the module docstring, :func:`default_restarts`).
@@ -58,15 +59,23 @@ def default_restarts(dtype: torch.dtype) -> tuple[int, ...]:
     return () if dtype in (torch.float32, torch.float64) else GRAM_RESTARTS
 
 
-#: ``ns_method="auto"`` picks gram on CPU for matrices at least this elongated (long side / short
-#: side) in bf16. Measured on the 2-core AMX Xeon, 1 thread, batch of 4, interleaved
-#: (benchmarks/results/gram_ns_i23.md, two runs): bf16 gram is 1.09-1.46x faster at 4:1 and 1:4,
-#: 1.00-1.60x at 3:1 (not reliably faster) and 0.67-0.77x on square matrices. Not measured on CUDA, so "auto"
-#: keeps the standard iteration there (gram stays opt-in on GPUs).
+#: ``ns_method="auto"`` picks gram on CPU for bf16 matrices at least this elongated (long side /
+#: short side) whose short side is at least :data:`GRAM_AUTO_MIN_SIDE`. Measured on the 2-core AMX
+#: Xeon, 1 thread, batches of 1 and 4, interleaved, thread CPU time, three runs
+#: (benchmarks/results/gram_ns.md): at 4:1 / 1:4 bf16 gram is 1.15-1.31x faster with a short side
+#: of 256 and 1.20-1.62x with 768; at 3:1 only 1.02-1.21x (not picked); square 0.67-0.80x. Not
+#: measured on CUDA, so "auto" keeps the standard iteration there (gram stays opt-in on GPUs).
 GRAM_AUTO_ASPECT = 4.0
-#: The same in fp32 (no restart there): gram measured 1.25-1.53x faster at 3:1 and 1.67-1.83x at
-#: 4:1, 0.70-0.78x on square matrices.
+#: The shortest short side "auto" picks gram for in bf16: at 4:1, 192 measured 1.06x (batch 1) to
+#: 1.38x (batch 4); 128 0.90-0.91x at batch 1; 64 and 32 0.78-0.95x (each of gram's ~20 small
+#: products pays a fixed ~25 us per oneDNN call).
+GRAM_AUTO_MIN_SIDE = 192
+#: The same in fp32 (no restart there): gram measured 1.42-1.50x faster at 3:1 and 1.69-1.88x at
+#: 4:1, 0.75-0.77x on square matrices.
 GRAM_AUTO_ASPECT_FP32 = 3.0
+#: The shortest short side "auto" picks gram for in fp32: 64 x 256 measured 1.34-1.61x, 32 x 128
+#: 0.95x (batch 1), 16 x 64 0.81-0.90x.
+GRAM_AUTO_MIN_SIDE_FP32 = 64
 
 
 def pick_ns_method(method: str, rows: int, cols: int, device: str, dtype: torch.dtype = torch.bfloat16) -> str:
@@ -79,8 +88,10 @@ def pick_ns_method(method: str, rows: int, cols: int, device: str, dtype: torch.
         # also runs the standard iteration on them.
         return "gram" if long > short else "standard"
     if method == "auto":
-        aspect = GRAM_AUTO_ASPECT_FP32 if dtype == torch.float32 else GRAM_AUTO_ASPECT
-        return "gram" if device == "cpu" and long >= aspect * short else "standard"
+        fp32 = dtype == torch.float32
+        aspect = GRAM_AUTO_ASPECT_FP32 if fp32 else GRAM_AUTO_ASPECT
+        min_side = GRAM_AUTO_MIN_SIDE_FP32 if fp32 else GRAM_AUTO_MIN_SIDE
+        return "gram" if device == "cpu" and long >= aspect * short and short >= min_side else "standard"
     return method
 
 
@@ -128,7 +139,7 @@ def newton_schulz_gram(
     pass); the fp32 steps (``s^2`` on ``R``, ``(a I + Z) s`` for the first factor) reuse one fp32
     scratch. A tall input stays in its own layout (``X^T``, ``(B, cols, rows)``):
     the restart and the final product are ``X^T Q^T`` with a contiguous long operand, which
-    measured 1.4-1.9x faster than ``Q X`` on the transposed view; only the Gram products read
+    measured 1.1-1.9x faster than ``Q X`` on the transposed view; only the Gram products read
     ``X^T`` transposed, as standard NS's first one does.
     """
     if restarts is None:
