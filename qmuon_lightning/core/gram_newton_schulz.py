@@ -61,13 +61,13 @@ def default_restarts(dtype: torch.dtype) -> tuple[int, ...]:
 
 #: ``ns_method="auto"`` picks gram on CPU for bf16 matrices at least this elongated (long side /
 #: short side) whose short side is at least :data:`GRAM_AUTO_MIN_SIDE`. Measured on the 2-core AMX
-#: Xeon, 1 thread, batches of 1 and 4, interleaved, thread CPU time, three runs
-#: (benchmarks/results/gram_ns.md): at 4:1 / 1:4 bf16 gram is 1.15-1.31x faster with a short side
-#: of 256 and 1.20-1.62x with 768; at 3:1 only 1.02-1.21x (not picked); square 0.67-0.80x. Not
+#: Xeon, 1 thread, batches of 1 and 4, interleaved, thread CPU time, six runs
+#: (benchmarks/results/gram_ns.md): at 4:1 / 1:4 bf16 gram is 1.14-1.40x faster with a short side
+#: of 256 and 1.17-1.62x with 768; at 3:1 only 1.02-1.21x (not picked); square 0.67-0.80x. Not
 #: measured on CUDA, so "auto" keeps the standard iteration there (gram stays opt-in on GPUs).
 GRAM_AUTO_ASPECT = 4.0
-#: The shortest short side "auto" picks gram for in bf16: at 4:1, 192 measured 1.06x (batch 1) to
-#: 1.38x (batch 4); 128 0.90-0.91x at batch 1; 64 and 32 0.78-0.95x (each of gram's ~20 small
+#: The shortest short side "auto" picks gram for in bf16: at 4:1, 192 measured 1.06-1.10x (batch 1),
+#: 1.21-1.34x (batch 4); 128 0.90-0.91x at batch 1; 64 and 32 0.78-0.95x (each of gram's ~20 small
 #: products pays a fixed ~25 us per oneDNN call).
 GRAM_AUTO_MIN_SIDE = 192
 #: The same in fp32 (no restart there): gram measured 1.42-1.50x faster at 3:1 and 1.69-1.88x at
