@@ -97,7 +97,8 @@ class QMuonConfig:
             (Muon and AdamW groups; default False).
         ns_method: ``"standard"`` (default), ``"gram"`` (iterate on the Gram matrix of a
             rectangular update, :mod:`qmuon_lightning.core.gram_newton_schulz`) or ``"auto"`` (gram
-            on CPU for matrices at least 4:1, where it measured faster).
+            on CPU where it measured faster: bf16 from 4:1 with a short side >= 192, fp32 from 3:1
+            with a short side >= 64; :func:`~qmuon_lightning.core.gram_newton_schulz.pick_ns_method`).
     AdamW (embeddings, head, 1-D tensors): adamw_lr 3e-4, adamw_betas (0.9, 0.95),
         adamw_eps 1e-8, adamw_weight_decay 0.1 (the usual GPT pretraining values).
         adamw_state_format: how the AdamW moments are stored: ``"fp32"`` (``torch.optim.AdamW``'s
