@@ -262,6 +262,29 @@ def test_family_change_on_load_converts():
     assert (m4 - m8).abs().max() <= m8.abs().max() * 0.3
 
 
+def _snapshot(opt) -> dict:
+    """Everything a load_state_dict could change: the state of each parameter (by position, cloned)
+    and the param groups' hyperparameters."""
+    params = [p for g in opt.param_groups for p in g["params"]]
+    state = {i: {k: (v.clone() if torch.is_tensor(v) else v) for k, v in opt.state[p].items()}
+             for i, p in enumerate(params) if p in opt.state}
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+    return {"state": state, "groups": groups, "param_ids": [id(p) for p in params]}
+
+
+def _assert_unchanged(opt, before: dict, what: str) -> None:
+    after = _snapshot(opt)
+    assert after["param_ids"] == before["param_ids"], what
+    assert after["groups"] == before["groups"], f"{what}: param groups changed"
+    assert after["state"].keys() == before["state"].keys(), f"{what}: state entries changed"
+    for i, st in before["state"].items():
+        assert after["state"][i].keys() == st.keys(), f"{what}: state keys of parameter {i} changed"
+        for k, v in st.items():
+            w = after["state"][i][k]
+            same = (torch.equal(w, v) and w.dtype == v.dtype) if torch.is_tensor(v) else w == v
+            assert same, f"{what}: state {k!r} of parameter {i} changed"
+
+
 def test_bad_checkpoints_raise_clear_errors():
     params = [p.requires_grad_() for p in _params()[:1]]
     opt = _qmuon(params, "int8")
@@ -271,31 +294,43 @@ def test_bad_checkpoints_raise_clear_errors():
     def fresh():
         return _qmuon([p.detach().clone().requires_grad_() for p in params], "int8")
 
+    # Each bad load is attempted on an optimizer that already holds other state (3 steps, not the
+    # checkpoint's 1) and on a fresh one: the rejected checkpoint must leave both as they were.
+    held_params = [p.detach().clone().requires_grad_() for p in params]
+    held = _qmuon(held_params, "int8")
+    held.param_groups[0]["lr"] *= 0.5  # a hyperparameter the checkpoint would overwrite
+    _run(held, held_params, range(3))
+    empty = fresh()
+    before = {"held": _snapshot(held), "fresh": _snapshot(empty)}
+    assert before["held"]["state"] and not before["fresh"]["state"]
+
+    def rejected(bad, error, match, what):
+        for name, target in (("held", held), ("fresh", empty)):
+            with pytest.raises(error, match=match):
+                target.load_state_dict(bad)
+            _assert_unchanged(target, before[name], f"{what} ({name} optimizer)")
+
     bad = _roundtrip(good)
     bad["state"][0]["exp_avg_absmax"] = torch.zeros(200, 2)
-    with pytest.raises(qstate.StateFormatError, match=r"exp_avg_absmax has shape \(200, 2\), expected \(200, 1\) for block_size=256"):
-        fresh().load_state_dict(bad)
+    rejected(bad, qstate.StateFormatError, r"exp_avg_absmax has shape \(200, 2\), expected \(200, 1\) for block_size=256",
+             "mis-shaped absmax")
     bad = _roundtrip(good)
     del bad["state"][0]["exp_avg_sq_absmax"]
-    with pytest.raises(qstate.StateFormatError, match="exp_avg_sq_q8 present without exp_avg_sq_absmax"):
-        fresh().load_state_dict(bad)
+    rejected(bad, qstate.StateFormatError, "exp_avg_sq_q8 present without exp_avg_sq_absmax", "missing absmax")
     bad = _roundtrip(good)
     bad["state"][0]["exp_avg_q8"] = bad["state"][0]["exp_avg_q8"][:10]
-    with pytest.raises(qstate.StateFormatError, match=r"exp_avg_q8 has shape \(10, 48\)"):
-        fresh().load_state_dict(bad)
+    rejected(bad, qstate.StateFormatError, r"exp_avg_q8 has shape \(10, 48\)", "truncated codes")
     bad = _roundtrip(good)
     bad["param_groups"][0]["qmuon_version"] = FORMAT_VERSION + 1
-    with pytest.raises(ValueError, match="newer than this"):
-        fresh().load_state_dict(bad)
+    rejected(bad, ValueError, "newer than this", "newer version")
     bad = _roundtrip(good)
     bad["state"][0] = {"step": torch.tensor(1.0), "exp_avg": torch.full((200, 48), float("nan")),
                        "exp_avg_sq": torch.ones(200, 48)}
-    with pytest.raises(qstate.StateFormatError, match="NaN/Inf"):
-        fresh().load_state_dict(bad)
-    # a rejected checkpoint changed nothing: the state is still the one we had
-    o = fresh()
-    o.load_state_dict(good)
-    assert torch.equal(o.state[o.param_groups[0]["params"][0]]["exp_avg_q8"], opt.state[params[0]]["exp_avg_q8"])
+    rejected(bad, qstate.StateFormatError, "NaN/Inf", "NaN moments")
+    # and the good checkpoint still loads into the optimizer that refused the bad ones
+    held.load_state_dict(good)
+    assert torch.equal(held.state[held_params[0]]["exp_avg_q8"], opt.state[params[0]]["exp_avg_q8"])
+    assert held.param_groups[0]["lr"] == opt.param_groups[0]["lr"]
 
 
 def test_version_1_adamw_state_loads():

@@ -116,6 +116,7 @@ def assert_same_state(oa: ql.QMuon, ob: ql.QMuon) -> None:
     sa, sb = oa.state_dict()["state"], ob.state_dict()["state"]
     assert sa.keys() == sb.keys()
     for k in sa:
+        assert sa[k].keys() == sb[k].keys(), k
         for kk in sa[k]:
             assert torch.equal(sa[k][kk], sb[k][kk]), (k, kk)
 
@@ -132,6 +133,25 @@ def test_release_equals_step_bit_for_bit(fmt: str) -> None:
     assert la == lb
     assert_same(a, b)
     assert_same_state(oa, ob)
+
+
+@pytest.mark.parametrize("rule", ["nearest", "stochastic", "ecc8"])
+@pytest.mark.parametrize("fmt,adamw_fmt", [("int8", "int8"), ("grasp4", "int4")])
+def test_release_equals_step_bit_for_bit_on_bf16_weights(fmt: str, adamw_fmt: str, rule: str) -> None:
+    """The memory rows that use release store the weights in bf16 (no fp32 master) with quantized
+    Muon and AdamW state: each bf16 rounding rule (stochastic's counter, ecc8's correction codes)
+    must see the same inputs in the hook as in step(), so weights and every state tensor match."""
+    base = small().to(torch.bfloat16)
+    a, b = copy.deepcopy(base), copy.deepcopy(base)
+    kw = dict(state_format=fmt, adamw_state_format=adamw_fmt, bf16_update=rule)
+    oa, ob = build(a, False, **kw), build(b, True, **kw)
+    la = train(a, oa, range(4))
+    lb = train(b, ob, range(4), check_released=True)
+    assert la == lb
+    assert_same(a, b)
+    assert_same_state(oa, ob)
+    assert all(p.dtype == torch.bfloat16 for p in b.parameters())
+    assert any(not torch.equal(p, q) for p, q in zip(b.parameters(), base.parameters()))  # it trained
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
@@ -510,6 +530,15 @@ def _lightning_worker(rank: int, world: int) -> dict:
             out[str(kw)] = None
         except ValueError as e:
             out[str(kw)] = str(e)
+    # fp16 loss scaling: on CPU, Trainer(precision="16-mixed") falls back to bf16 (no scaler), so the
+    # user's explicit plugin with a CPU GradScaler is the way a scaler reaches the strategy here.
+    from lightning.pytorch.plugins import MixedPrecision
+
+    try:
+        fit(True, plugins=[MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))])
+        out["scaler"] = None
+    except ValueError as e:
+        out["scaler"] = str(e)
     return out
 
 
@@ -527,6 +556,7 @@ def test_lightning_trainer_with_release_equals_without() -> None:
     assert r["lr"][0] == r["lr"][1]
     assert "accumulate_grad_batches=2" in r["{'accumulate_grad_batches': 2}"]
     assert "gradient_clip_val=1.0" in r["{'gradient_clip_val': 1.0}"] and "release_clip_norm" in r["{'gradient_clip_val': 1.0}"]
+    assert r["scaler"] is not None and "GradScaler" in r["scaler"] and "bf16" in r["scaler"]
 
 
 # ----------------------------------------------------------------------------------- Accelerate
@@ -560,6 +590,54 @@ def test_accelerate_prepare_qmuon_with_release_equals_without() -> None:
         assert_same(a, b)
         with pytest.raises(ValueError, match="gradient_accumulation_steps=2"):
             run(True, gradient_accumulation_steps=2)
+    finally:
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+
+
+def test_accelerate_clipping_under_release_raises_and_plain_clipping_still_works() -> None:
+    """Under release the gradients are stepped and freed inside ``accelerator.backward``, so
+    Accelerate's own clip would return a norm of 0 and clip nothing: prepare_qmuon makes it raise
+    with the alternative. The same accelerator still clips a model that is not released, and an
+    accelerator prepared without release clips as before."""
+    pytest.importorskip("accelerate")
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+
+    from qmuon_lightning.integrations.accelerate import prepare_qmuon
+
+    def fresh() -> Accelerator:
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+        return Accelerator(cpu=True)
+
+    try:
+        acc = fresh()
+        model, opt = prepare_qmuon(acc, small(), verbose=False, gradient_release=False)
+        acc.backward(loss_of(model, tokens(0)))
+        before = [p.grad.clone() for p in model.parameters()]
+        norm = acc.clip_grad_norm_(model.parameters(), 1e-3)
+        assert float(norm) > 1e-3  # the plain path: a real norm, and the gradients were scaled down
+        assert any(not torch.equal(p.grad, g) for p, g in zip(model.parameters(), before))
+        acc.clip_grad_value_(model.parameters(), 1e-4)
+        assert all(float(p.grad.abs().max()) <= 1e-4 for p in model.parameters())
+
+        acc = fresh()
+        model, opt = prepare_qmuon(acc, small(), verbose=False, gradient_release=True)
+        plain = acc.prepare(nn.Linear(4, 4))  # a second model, not released
+        acc.backward(loss_of(model, tokens(0)) + plain(torch.ones(2, 4)).square().sum())
+        with pytest.raises(RuntimeError, match=r"clip_grad_norm_\(max_norm=1.0\).*release_clip_norm"):
+            acc.clip_grad_norm_(model.parameters(), 1.0)
+        with pytest.raises(RuntimeError, match=r"clip_grad_value_\(clip_value=0.5\).*release_clip_norm"):
+            acc.clip_grad_value_(model.parameters(), 0.5)
+        with pytest.raises(RuntimeError, match="release_clip_norm"):  # one released tensor is enough
+            acc.clip_grad_norm_(next(model.parameters()), 1.0)
+        assert float(acc.clip_grad_norm_(plain.parameters(), 1e-3)) > 1e-3
+        opt.step()  # the refusal changed nothing: the loop goes on
+        opt.zero_grad()
+        release_of(opt).detach()  # no release any more: Accelerate clips the model's gradients again
+        acc.backward(loss_of(model, tokens(1)))
+        assert float(acc.clip_grad_norm_(model.parameters(), 1e-3)) > 1e-3
     finally:
         AcceleratorState._reset_state(True)
         GradientState._reset_state()

@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 from ..optim.qmuon import QMuon
-from ..optim.release import check_trainer_compatible, release_of
+from ..optim.release import CLIPPING_ERROR, check_trainer_compatible, release_of, releasing
 from ..optim.routing import build_optimizer
 
 try:
@@ -65,6 +65,7 @@ __all__ = [
     "prepare_qmuon",
     "check_state_keys",
     "unwrap_qmuon",
+    "refuse_clipping_under_release",
 ]
 
 #: Accelerate's DDP-style distributed types: full parameters on every rank, gradients all-reduced
@@ -303,6 +304,44 @@ def check_state_keys(model: nn.Module, optimizer: Any) -> None:
             )
 
 
+def refuse_clipping_under_release(accelerator: Accelerator) -> None:
+    """Make ``accelerator.clip_grad_norm_`` / ``clip_grad_value_`` raise when the parameters
+    passed to them are released (stepped inside backward by ``gradient_release=True``).
+
+    Under release the gradients are stepped and freed inside ``accelerator.backward``; Accelerate's
+    clip would then see ``grad is None`` everywhere, return a total norm of 0 and clip nothing,
+    silently. Accelerate has no hook around its clipping, so this wraps the two methods on this
+    ``Accelerator`` instance (once; :func:`prepare_qmuon` calls it when release is on). Parameters
+    that no release hooks (another model, a detached release) are clipped as before.
+    """
+    if getattr(accelerator, "_qmuon_refuses_release_clipping", False):
+        return
+    clip_norm, clip_value = accelerator.clip_grad_norm_, accelerator.clip_grad_value_
+
+    def materialize(parameters: Any) -> list[torch.Tensor]:
+        return [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+
+    def clip_grad_norm_(parameters: Any, max_norm: float, norm_type: float = 2) -> Any:
+        params = materialize(parameters)
+        if releasing(params) is not None:
+            raise RuntimeError(f"accelerator.clip_grad_norm_(max_norm={max_norm}): "
+                               + CLIPPING_ERROR.format(what="accelerator.clip_grad_norm_"))
+        return clip_norm(params, max_norm, norm_type=norm_type)
+
+    def clip_grad_value_(parameters: Any, clip_value_: float) -> Any:
+        params = materialize(parameters)
+        if releasing(params) is not None:
+            raise RuntimeError(f"accelerator.clip_grad_value_(clip_value={clip_value_}): "
+                               + CLIPPING_ERROR.format(what="accelerator.clip_grad_value_"))
+        return clip_value(params, clip_value_)
+
+    clip_grad_norm_.__doc__ = clip_norm.__doc__
+    clip_grad_value_.__doc__ = clip_value.__doc__
+    accelerator.clip_grad_norm_ = clip_grad_norm_  # type: ignore[method-assign]
+    accelerator.clip_grad_value_ = clip_grad_value_  # type: ignore[method-assign]
+    accelerator._qmuon_refuses_release_clipping = True
+
+
 def prepare_qmuon(
     accelerator: Accelerator,
     model: nn.Module,
@@ -325,6 +364,9 @@ def prepare_qmuon(
             ``prepare`` so the scheduler is prepared (and checkpointed by ``save_state``) with it.
         build_optimizer_kwargs: passed to :func:`qmuon_lightning.build_optimizer` (``lr``,
             ``state_format``, ``rounding``, ...); ``verbose`` defaults to "main process only".
+            With ``gradient_release=True``, ``accelerator.clip_grad_norm_`` /
+            ``clip_grad_value_`` raise for the released parameters
+            (:func:`refuse_clipping_under_release`); use ``release_clip_norm`` instead.
 
     Returns:
         ``(model, optimizer, *objects, [scheduler])`` as ``accelerator.prepare`` returns them:
@@ -362,4 +404,5 @@ def prepare_qmuon(
     release = release_of(qm)
     if release is not None:
         release.sync_hooks()  # FSDP2's prepare replaced the parameters: hook the sharded ones
+        refuse_clipping_under_release(accelerator)  # its clip would see freed gradients and return 0
     return prepared

@@ -59,6 +59,7 @@ __all__ = [
     "GradientRelease",
     "attach_gradient_release",
     "release_of",
+    "releasing",
     "check_trainer_compatible",
     "ACCUMULATION_ERROR",
     "CLIPPING_ERROR",
@@ -289,6 +290,17 @@ def release_of(optimizer: Any) -> GradientRelease | None:
             return rel
         optimizer = getattr(optimizer, "_optimizer", None) or getattr(optimizer, "optimizer", None)
         seen += 1
+    return None
+
+
+def releasing(parameters: Any) -> GradientRelease | None:
+    """The gradient release that hooks one of ``parameters`` (a tensor or an iterable of them;
+    the iterable is consumed), or None: the check an integration's global clip makes before it
+    looks at gradients that release has already stepped and freed."""
+    for p in [parameters] if isinstance(parameters, Tensor) else parameters:
+        owner = _owner_of(p)
+        if owner is not None and id(p) in owner._hooked_set and owner.optimizer.gradient_release is owner:
+            return owner
     return None
 
 
