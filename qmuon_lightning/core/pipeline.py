@@ -480,6 +480,10 @@ def apply_to(param_rows: Tensor, lr: float, first_row: int = 0, *, decay: float 
 
     def apply(part: MatrixPart, out: Tensor) -> None:
         rows = part.block(param_rows, first_row)
+        if rows.dtype == torch.float32 and rows.dim() == 2 and not cautious:
+            # fp32 weights: the fused write reads the (possibly transposed) output in place.
+            apply_update_(rows, out, alpha=-lr * part.lr_scale, decay=decay)
+            return
         if not out.is_contiguous():
             # NS returns a transposed view for tall matrices (and for (in, out) weights); adding it
             # strided into the parameter is several times slower than transposing it first (5x
