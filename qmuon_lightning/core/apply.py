@@ -3,10 +3,11 @@
 ``param <- decay * param + alpha * update``, computed in fp32 and written once in the parameter's
 own dtype. For fp32 parameters this is exact (``param.mul_(decay); param.add_(update, alpha=alpha)``,
 the arithmetic of ``torch.optim.Muon`` / ``AdamW``), done in one pass by
-``torch.ops.qmuon.fp32_weight_update_``, which reads the update in any layout and dtype (a transposed
-bf16 Newton-Schulz output needs neither a contiguous nor an fp32 copy). For bf16 parameters stored without an fp32
-master copy (``model.to(torch.bfloat16)``, Lightning ``precision="bf16-true"``) the rounding of that
-one write decides whether small updates survive; ``bf16_update`` names the rule:
+``torch.ops.qmuon.fp32_weight_update_``, which reads the update in any layout and dtype (a
+transposed bf16 Newton-Schulz output needs neither a contiguous nor an fp32 copy). For bf16
+parameters stored without an fp32 master copy (``model.to(torch.bfloat16)``, Lightning
+``precision="bf16-true"``) the rounding of that one write decides whether small updates survive;
+``bf16_update`` names the rule:
 
 ``"nearest"``
     round to nearest even. 0 extra bytes. An update smaller than half the bf16 gap at the weight
