@@ -1,4 +1,4 @@
-// The bf16 weight-write ops of the qmuon_C library (schemas and CPU implementations); the CUDA ones
+// The weight-write ops (bf16 and fp32 weights) of the qmuon_C library (schemas and CPU implementations); the CUDA ones
 // are in binding_weight_cuda.cpp. A library fragment, so binding.cpp stays as it is.
 #include <torch/library.h>
 
@@ -23,6 +23,11 @@ void bf16_ecc8_weight_update_cpu(const at::Tensor& param, const at::Tensor& ecc,
           "bf16_ecc8_weight_update_");
 }
 
+void fp32_weight_update_cpu(const at::Tensor& param, const at::Tensor& update, double alpha, double decay) {
+  const qmuon_fp32_weight_args a = fp32_weight_args(param, update, alpha, decay);
+  TORCH_CHECK(qmuon_cpu_fp32_weight_update(&a) == 0, "qmuon: CPU kernel fp32_weight_update_ failed: unsupported dtype");
+}
+
 }  // namespace
 }  // namespace qmuon
 
@@ -31,4 +36,5 @@ TORCH_LIBRARY_FRAGMENT(qmuon_C, m) { QMUON_WEIGHT_SCHEMAS(m); }
 TORCH_LIBRARY_IMPL(qmuon_C, CPU, m) {
   m.impl("bf16_weight_update_", &qmuon::bf16_weight_update_cpu);
   m.impl("bf16_ecc8_weight_update_", &qmuon::bf16_ecc8_weight_update_cpu);
+  m.impl("fp32_weight_update_", &qmuon::fp32_weight_update_cpu);
 }

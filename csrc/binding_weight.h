@@ -1,4 +1,4 @@
-// Device-independent half of the bf16 weight-write binding: argument checks and the kernel arguments
+// Device-independent half of the weight-write binding (bf16 and fp32 weights): argument checks and the kernel arguments
 // (binding_weight.cpp instantiates it with the CPU kernel, binding_weight_cuda.cpp with the CUDA one).
 #pragma once
 
@@ -52,9 +52,38 @@ inline qmuon_weight_args weight_args(const at::Tensor& param, const at::Tensor* 
   return a;
 }
 
+// The fp32 write: param fp32 with unit column stride; update fp32 / bf16 / fp16 with any strides.
+inline qmuon_fp32_weight_args fp32_weight_args(const at::Tensor& param, const at::Tensor& update, double alpha,
+                                               double decay) {
+  const char* op = "fp32_weight_update_";
+  TORCH_CHECK(param.scalar_type() == c10::kFloat, "qmuon: ", op, " param must be fp32, got ", param.scalar_type());
+  check_weight_matrix(param, param, "param", op);
+  TORCH_CHECK(update.dim() == 2 && update.sizes() == param.sizes(), "qmuon: ", op,
+              " update must have the param's shape ", param.sizes(), ", got ", update.sizes());
+  TORCH_CHECK(update.device() == param.device(), "qmuon: ", op, " update is on ", update.device(), ", param on ",
+              param.device());
+  TORCH_CHECK(update.stride(0) >= 0 && update.stride(1) >= 0, "qmuon: ", op, " update has a negative stride");
+  const int32_t ud = to_qmuon_dtype(update.scalar_type());
+  TORCH_CHECK(ud == QMUON_FLOAT32 || ud == QMUON_BFLOAT16 || ud == QMUON_FLOAT16, "qmuon: ", op,
+              " update must be fp32, bf16 or fp16, got ", update.scalar_type());
+  qmuon_fp32_weight_args a{};
+  a.param = param.data_ptr<float>();
+  a.update = update.data_ptr();
+  a.update_dtype = ud;
+  a.rows = param.size(0);
+  a.cols = param.size(1);
+  a.param_rs = row_stride_of(param);
+  a.update_rs = update.stride(0);
+  a.update_cs = update.stride(1);
+  a.alpha = static_cast<float>(alpha);
+  a.decay = static_cast<float>(decay);
+  return a;
+}
+
 }  // namespace qmuon
 
 #define QMUON_WEIGHT_SCHEMAS(m)                                                                                  \
   m.def("bf16_weight_update_(Tensor(a!) param, Tensor update, float alpha, float decay, int stream, int index0, " \
         "int index_row_stride) -> ()");                                                                          \
-  m.def("bf16_ecc8_weight_update_(Tensor(a!) param, Tensor(b!) ecc, Tensor update, float alpha, float decay) -> ()")
+  m.def("bf16_ecc8_weight_update_(Tensor(a!) param, Tensor(b!) ecc, Tensor update, float alpha, float decay) -> ()"); \
+  m.def("fp32_weight_update_(Tensor(a!) param, Tensor update, float alpha, float decay) -> ()")

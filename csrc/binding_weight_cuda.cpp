@@ -1,4 +1,4 @@
-// CUDA implementations of the bf16 weight-write ops (compiled only when torch has CUDA): the device
+// CUDA implementations of the weight-write ops (bf16 and fp32 weights) (compiled only when torch has CUDA): the device
 // guard and current stream come from torch, the kernel (csrc/cuda/weight_cuda.cu) sees raw pointers.
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -28,10 +28,18 @@ void bf16_ecc8_weight_update_cuda(const at::Tensor& param, const at::Tensor& ecc
            "bf16_ecc8_weight_update_");
 }
 
+void fp32_weight_update_cuda(const at::Tensor& param, const at::Tensor& update, double alpha, double decay) {
+  const c10::cuda::CUDAGuard guard(param.device());
+  const qmuon_fp32_weight_args a = fp32_weight_args(param, update, alpha, decay);
+  const int err = qmuon_cuda_fp32_weight_update(&a, static_cast<void*>(c10::cuda::getCurrentCUDAStream().stream()));
+  TORCH_CHECK(err == 0, "qmuon: CUDA kernel fp32_weight_update_ failed: ", qmuon_cuda_error_string(err));
+}
+
 }  // namespace
 }  // namespace qmuon
 
 TORCH_LIBRARY_IMPL(qmuon_C, CUDA, m) {
   m.impl("bf16_weight_update_", &qmuon::bf16_weight_update_cuda);
   m.impl("bf16_ecc8_weight_update_", &qmuon::bf16_ecc8_weight_update_cuda);
+  m.impl("fp32_weight_update_", &qmuon::fp32_weight_update_cuda);
 }

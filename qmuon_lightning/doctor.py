@@ -272,6 +272,8 @@ def _samples(device: torch.device) -> dict[str, Callable[[], tuple]]:
                                     refa.M8, refa.V8, bs),
         "bf16_weight_update_": lambda: (d(wb), g.clone(), -0.3, 0.999, wstream, 5, cols),
         "bf16_ecc8_weight_update_": lambda: (d(wb), d(ecc), g.clone(), -0.3, 0.999),
+        # fp32 weights, a transposed bf16 update (a tall Newton-Schulz output, read in place)
+        "fp32_weight_update_": lambda: (d(master), g.to(torch.bfloat16).T.contiguous().mT, -0.3, 0.999),
     }
 
 

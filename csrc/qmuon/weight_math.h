@@ -13,6 +13,20 @@ namespace qmuon {
 
 constexpr float kEccQMax = 127.0f;
 
+// fp32 weights: torch's `w.mul_(decay); w.add_(u, alpha=alpha)`, i.e. fma(u, alpha, fp32(w * decay)),
+// one rounding for the add (reference_weight.fp32_weight_update_). torch's CPU add kernel is
+// vec::fmadd(other, alpha, self) in its vector loop and the same expression contracted to an FMA in
+// its scalar tail on AVX2 / AVX-512 builds; nvcc contracts it on CUDA. A torch build that rounds
+// twice (ATEN_CPU_CAPABILITY=default on x86) is detected at run time (ops/_kernels.py,
+// fp32_write_matches_torch) and keeps the reference.
+QMUON_HD float fp32_weight_element(float w, float u, float alpha, float decay) {
+#if defined(__CUDA_ARCH__)
+  return __fmaf_rn(u, alpha, fmul(w, decay));
+#else
+  return __builtin_fmaf(u, alpha, fmul(w, decay));
+#endif
+}
+
 // x = fp32(fp32(w * decay) + fp32(u * alpha))   (reference_weight.new_weight_fp32)
 QMUON_HD float new_weight(float w, float u, float alpha, float decay) { return fadd(fmul(w, decay), fmul(u, alpha)); }
 

@@ -2,9 +2,12 @@
 
 ``param <- decay * param + alpha * update``, computed in fp32 and written once in the parameter's
 own dtype. For fp32 parameters this is exact (``param.mul_(decay); param.add_(update, alpha=alpha)``,
-the arithmetic of ``torch.optim.Muon`` / ``AdamW``). For bf16 parameters stored without an fp32
-master copy (``model.to(torch.bfloat16)``, Lightning ``precision="bf16-true"``) the rounding of that
-one write decides whether small updates survive; ``bf16_update`` names the rule:
+the arithmetic of ``torch.optim.Muon`` / ``AdamW``), done in one pass by
+``torch.ops.qmuon.fp32_weight_update_``, which reads the update in any layout and dtype (a
+transposed bf16 Newton-Schulz output needs neither a contiguous nor an fp32 copy). For bf16
+parameters stored without an fp32 master copy (``model.to(torch.bfloat16)``, Lightning
+``precision="bf16-true"``) the rounding of that one write decides whether small updates survive;
+``bf16_update`` names the rule:
 
 ``"nearest"``
     round to nearest even. 0 extra bytes. An update smaller than half the bf16 gap at the weight
@@ -195,7 +198,8 @@ def apply_update_(param: Tensor, update: Tensor, *, alpha: float, decay: float =
 
     Args:
         param: the weights to change (a view of the parameter's local storage, any shape).
-        update: the update for exactly those weights (same number of elements; fp32, or any float dtype).
+        update: the update for exactly those weights (same number of elements; fp32, or any float dtype;
+            for fp32 weights with a 2-D view, any strides).
         alpha: scale of the update (``-lr * lr_scale`` for Muon, ``-lr`` for AdamW).
         decay: decoupled weight decay factor ``1 - lr * weight_decay`` (1.0: none).
         bf16_update: the rounding rule when ``param`` is bf16 (see :data:`BF16_UPDATES`).
@@ -218,10 +222,18 @@ def apply_update_(param: Tensor, update: Tensor, *, alpha: float, decay: float =
         agree = (param * u) >= 0 if alpha < 0 else (param * u) <= 0
         param.mul_(torch.where(agree, decay, 1.0).to(param.dtype))
         decay = 1.0
+    if param.dtype == torch.float32:
+        p2 = _view_2d(param)
+        if p2 is not None:
+            # One pass over the weights, the update read as it is (a transposed NS output, bf16):
+            # torch's mul_ + add_ arithmetic bit for bit (ops.reference_weight.fp32_weight_update_).
+            u2 = update if update.shape == p2.shape else update.reshape(p2.shape)
+            torch.ops.qmuon.fp32_weight_update_(p2, u2, alpha, decay)
+            return
     if param.dtype == torch.float32 or param.dtype == torch.float64:
         if decay != 1.0:
             param.mul_(decay)
-        param.add_(update.view(param.shape), alpha=alpha)
+        param.add_(update.reshape(param.shape), alpha=alpha)
         return
     if _recorder is not None:
         master = param.float()

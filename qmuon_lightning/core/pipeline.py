@@ -171,8 +171,12 @@ def _dtensor_types() -> tuple[type, ...]:
 def is_dtensor(t: Any) -> bool:
     """Whether ``t`` is a DTensor (FSDP2 parameter or gradient), without importing
     torch.distributed on builds that lack it. Called several times per matrix and step, so the
-    class is looked up once (the import statement alone cost ~16 us a call on a loaded CPU)."""
-    return isinstance(t, Tensor) and type(t) is not Tensor and isinstance(t, _dtensor_types())
+    class is looked up once (the import statement alone cost ~16 us a call on a loaded CPU), and
+    plain tensors and parameters (the common case) answer from their exact type."""
+    tp = type(t)
+    if tp is Tensor or tp is torch.nn.Parameter:
+        return False
+    return isinstance(t, Tensor) and isinstance(t, _dtensor_types())
 
 
 def local(t: Tensor) -> Tensor:
@@ -317,7 +321,8 @@ def _orthogonalize_chunk(chunk: list[NSItem], ns_rows: int, ns_cols: int, s: NSS
         batch = first.source.unsqueeze(0)  # no copy; NS does not write its input
     else:
         batch = torch.empty((size, ns_rows, ns_cols), dtype=s.dtype, device=first.device)
-        batch[len(chunk):].zero_()
+        if pad:
+            batch[len(chunk):].zero_()
         _fill(batch, chunk)
     if pick_ns_method(s.method, ns_rows, ns_cols, str(first.device), s.dtype) == "gram":
         out = newton_schulz_gram(batch, inv_norm, s.schedule, s.steps, dtype=s.dtype)
@@ -478,8 +483,15 @@ def apply_to(param_rows: Tensor, lr: float, first_row: int = 0, *, decay: float 
     where ``p`` and ``O`` agree in sign). ``state``: the parameter's weight-correction tensors (its
     shape); ``rng``: the rounding counter of ``param_rows``' first element."""
 
+    fp32_2d = param_rows.dtype == torch.float32 and param_rows.dim() == 2
+
     def apply(part: MatrixPart, out: Tensor) -> None:
         rows = part.block(param_rows, first_row)
+        if fp32_2d and not cautious and rows.shape == out.shape and (rows.shape[1] <= 1 or rows.stride(1) == 1):
+            # fp32 weights: decay and update in one pass, the (possibly transposed, bf16) output read
+            # in place (core.apply's fp32 path, called directly: this runs once per matrix and step).
+            torch.ops.qmuon.fp32_weight_update_(rows, out, -lr * part.lr_scale, decay)
+            return
         if not out.is_contiguous():
             # NS returns a transposed view for tall matrices (and for (in, out) weights); adding it
             # strided into the parameter is several times slower than transposing it first (5x

@@ -128,6 +128,51 @@ def dense_matches_torch(device: torch.device) -> bool:
     return _lerp_fused[key]
 
 
+_add_fused: dict[str, bool] = {}
+
+
+def fp32_write_matches_torch(device: torch.device) -> bool:
+    """Whether the compiled fp32 weight write reproduces torch's ``param.mul_(decay);
+    param.add_(update, alpha=alpha)`` on this device, bit for bit.
+
+    The kernel rounds the add once (``fma(update, alpha, param * decay)``), as torch's CPU add does on
+    AVX2 / AVX-512 builds (``vec::fmadd`` in the vector loop, the same FMA in the contracted scalar
+    tail) and its CUDA kernel does; on an x86 build without FMA (``ATEN_CPU_CAPABILITY=default``) torch
+    rounds the product and the sum separately. This probe, run once per device type, compares the
+    kernel with torch's own two ops on shapes with vector tails, a transposed update and bf16 / fp32
+    updates (inputs where one and two roundings differ in thousands of elements); on any difference
+    the op stays on the reference (torch's ops), with a warning.
+    """
+    key = device.type
+    if key not in _add_fused:
+        if not _compiled_for(key):  # no compiled kernel on this device: nothing to compare
+            return False
+        if key == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "qmuon_lightning: the fp32 weight-write kernel is probed on its first CUDA call, which cannot happen "
+                "inside a CUDA graph capture. Run one optimizer step eagerly before capturing, or call "
+                "qmuon_lightning.ops._kernels.fp32_write_matches_torch(device) first.")
+        gen = torch.Generator().manual_seed(4321)
+        ok = True
+        for rows, cols, transposed, udt in ((67, 333, False, torch.float32), (67, 333, True, torch.bfloat16),
+                                            (130, 67, True, torch.float32), (5, 1029, False, torch.bfloat16),
+                                            (3, 7, False, torch.float16)):
+            w = torch.randn(rows, cols, generator=gen).to(device)
+            u = torch.randn((cols, rows) if transposed else (rows, cols), generator=gen).to(udt).to(device)
+            u = u.mT if transposed else u
+            a, b = w.clone(), w.clone()
+            torch.ops.qmuon_C.fp32_weight_update_(a, u, -0.0213, 0.9998)
+            b.mul_(0.9998)
+            b.add_(u, alpha=-0.0213)
+            ok = ok and torch.equal(a.view(torch.int32), b.view(torch.int32))
+        _add_fused[key] = ok
+        if not ok:
+            warnings.warn(f"qmuon_lightning: this torch build's {key} add does not round like the compiled fp32 weight "
+                          "write (no FMA); fp32 weights are written with torch's mul_ / add_.",
+                          RuntimeWarning, stacklevel=3)
+    return _add_fused[key]
+
+
 # ---------------------------------------------------------------------------------------------
 # Registration
 # ---------------------------------------------------------------------------------------------

@@ -1,5 +1,6 @@
-"""The ``torch.ops.qmuon`` ops that write bf16 weights: their reference is :mod:`.reference_weight`,
-their compiled twins ``csrc/cpu/weight_cpu.cpp`` and ``csrc/cuda/weight_cuda.cu``.
+"""The ``torch.ops.qmuon`` ops that write weights (bf16 with a rounding rule; fp32 with decay and update
+in one pass): their reference is :mod:`.reference_weight`, their compiled twins
+``csrc/cpu/weight_cpu.cpp`` and ``csrc/cuda/weight_cuda.cu``.
 
 :mod:`._library` calls :func:`declare` with its op decorator before it registers the compiled
 kernels, so these ops are declared (and get their kernels) like every other op, and this module
@@ -33,7 +34,8 @@ def _check(param: Tensor, update: Tensor, op: str) -> None:
 
 
 def declare(_op: Callable[..., Any]) -> dict[str, Any]:
-    """Declare ``qmuon::bf16_weight_update_`` and ``qmuon::bf16_ecc8_weight_update_`` with the op
+    """Declare ``qmuon::bf16_weight_update_``, ``qmuon::bf16_ecc8_weight_update_`` and
+    ``qmuon::fp32_weight_update_`` with the op
     decorator ``_op`` of :mod:`._library`; returns the ops by name."""
 
     @_op(mutates_args=("param",))
@@ -75,4 +77,29 @@ def declare(_op: Callable[..., Any]) -> dict[str, Any]:
                 and _rows_ok(param) and _rows_ok(ecc) and _rows_ok(update) and update.shape == param.shape
                 and ecc.shape == param.shape and update.device == param.device and ecc.device == param.device)
 
-    return {"bf16_weight_update_": bf16_weight_update_, "bf16_ecc8_weight_update_": bf16_ecc8_weight_update_}
+    @_op(mutates_args=("param",))
+    def fp32_weight_update_(param: Tensor, update: Tensor, alpha: float, decay: float) -> None:
+        """``param <- fma(update, alpha, fp32(decay * param))``: torch's ``param.mul_(decay);
+        param.add_(update, alpha=alpha)`` (see :func:`.reference_weight.fp32_weight_update_`) for a 2-D
+        fp32 ``param``; ``update`` of its shape, fp32 / bf16 / fp16, any strides (the compiled kernel
+        reads a transposed update in place, no contiguous or fp32 copy)."""
+        if param.dim() != 2 or param.dtype != torch.float32:
+            raise ValueError(f"qmuon::fp32_weight_update_: param must be a 2-D fp32 tensor, got {param.dim()}-D "
+                             f"{param.dtype}")
+        if update.shape != param.shape:
+            raise ValueError(f"qmuon::fp32_weight_update_: update has shape {tuple(update.shape)}, param "
+                             f"{tuple(param.shape)}")
+        refw.fp32_weight_update_(param, update, alpha, decay)
+
+    @fp32_weight_update_.register_fake
+    def _(param, update, alpha, decay):
+        return None
+
+    @fp32_weight_update_.compiled_when
+    def _(param, update, alpha, decay):
+        return (param.dtype == torch.float32 and update.dtype in _UPDATE_DTYPES and _rows_ok(param)
+                and update.dim() == 2 and update.shape == param.shape and update.device == param.device
+                and K.fp32_write_matches_torch(param.device))
+
+    return {"bf16_weight_update_": bf16_weight_update_, "bf16_ecc8_weight_update_": bf16_ecc8_weight_update_,
+            "fp32_weight_update_": fp32_weight_update_}

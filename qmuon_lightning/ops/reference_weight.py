@@ -73,6 +73,7 @@ __all__ = [
     "ecc8_encode",
     "bf16_weight_update_",
     "bf16_ecc8_weight_update_",
+    "fp32_weight_update_",
 ]
 
 ECC_QMAX = 127.0
@@ -167,3 +168,18 @@ def bf16_ecc8_weight_update_(param: Tensor, ecc: Tensor, update: Tensor, alpha: 
     wb = nearest_bf16(x)
     ecc.copy_(ecc8_encode(x, wb))
     param.copy_(wb)
+
+
+def fp32_weight_update_(param: Tensor, update: Tensor, alpha: float, decay: float) -> None:
+    """``param <- decay * param + alpha * update`` for fp32 weights, as ``torch.optim.Muon`` /
+    ``AdamW`` write it: ``param.mul_(decay); param.add_(update, alpha=alpha)``.
+
+    Per element that is ``fp32(w * decay)``, then torch's add with ``alpha``, which on CPU builds with
+    FMA (AVX2, AVX-512) and on CUDA is one fused multiply-add ``fma(u, alpha, w')``, rounded once (the
+    update, any float dtype, widened exactly to fp32; ``alpha`` and ``decay`` rounded to fp32). The
+    compiled kernel (``csrc/qmuon/weight_math.h``, ``fp32_weight_element``) does the same in one pass
+    over the weights and reads the update with any strides; where torch's add rounds twice
+    (``ATEN_CPU_CAPABILITY=default`` on x86) the op keeps this reference
+    (``qmuon_lightning.ops._kernels.fp32_write_matches_torch``)."""
+    param.mul_(decay)
+    param.add_(update, alpha=alpha)
