@@ -312,3 +312,65 @@ def test_version_1_adamw_state_loads():
     new.load_state_dict(sd)
     st = new.state[new.param_groups[0]["params"][0]]
     assert st["exp_avg_q8"].dtype == torch.int8 and math.isclose(float(st["step"]), 2.0)
+
+
+# ----------------------------------------------------------------------------- stochastic rounding of the moments
+@pytest.mark.parametrize("family", ["int8", "int4"])
+def test_stochastic_rounding_of_quantized_moments(family):
+    """rounding='stochastic' reaches the AdamW groups' quantized moments: the codes differ from
+    nearest rounding's, two runs with one seed are bit-identical, another seed differs, and the run
+    still tracks fp32-moment AdamW (tolerance of test_quantized_families_track_torch_adamw)."""
+    init = _params()
+    runs = {}
+    for name, kw in (("near", {}), ("sr", {"rounding": "stochastic", "seed": 3}),
+                     ("sr2", {"rounding": "stochastic", "seed": 3}), ("sr_other", {"rounding": "stochastic", "seed": 4}),
+                     ("fp32", {"rounding": "stochastic"})):
+        ps = [p.clone().requires_grad_() for p in init]
+        opt = _qmuon(ps, "fp32" if name == "fp32" else family, **kw)
+        _run(opt, ps, range(5))
+        runs[name] = (ps, opt.state[ps[0]])
+    codes = [k for k, v in runs["sr"][1].items() if v.dtype in (torch.int8, torch.uint8)]
+    assert codes, "the embedding-like table has no quantized moments"
+    for k in codes:
+        assert not torch.equal(runs["sr"][1][k], runs["near"][1][k]), k
+        assert torch.equal(runs["sr"][1][k], runs["sr2"][1][k]), k
+        assert not torch.equal(runs["sr"][1][k], runs["sr_other"][1][k]), k
+    for x, y in zip(runs["sr"][0], runs["sr2"][0]):
+        assert torch.equal(x, y)
+    tol = {"int8": 0.02, "int4": 0.3}[family]
+    ref, got = runs["fp32"][0][0], runs["sr"][0][0]
+    assert float((got - ref).detach().norm() / (ref.detach() - init[0]).norm()) < tol
+
+
+@pytest.mark.parametrize("family", ["int8", "int4"])
+def test_stochastic_resume_is_bit_exact(family):
+    """Save mid-run, load into a fresh optimizer, continue: the noise is a function of (seed, parameter,
+    step, element), so the resumed run equals the uninterrupted one bit for bit. The checkpoint's
+    AdamW group records rounding and seed (structural keys: the constructed optimizer's win)."""
+    init = _params()
+    kw = {"rounding": "stochastic", "seed": 11}
+    a = [p.clone().requires_grad_() for p in init]
+    oa = _qmuon(a, family, **kw)
+    _run(oa, a, range(6))
+    b = [p.clone().requires_grad_() for p in init]
+    ob = _qmuon(b, family, **kw)
+    _run(ob, b, range(3))
+    sd = _roundtrip(ob.state_dict())
+    assert sd["param_groups"][0]["rounding"] == "stochastic" and sd["param_groups"][0]["seed"] == 11
+    c = [p.detach().clone().requires_grad_() for p in b]
+    oc = _qmuon(c, family, **kw)
+    oc.load_state_dict(sd)
+    _run(oc, c, range(3, 6))
+    for x, y in zip(a, c):
+        assert torch.equal(x, y), family
+    for k, v in oa.state[a[0]].items():
+        assert torch.equal(v, oc.state[c[0]][k]), k
+
+
+def test_stochastic_moments_and_bf16_weights_draw_distinct_streams():
+    """One (seed, key, step) gives three different streams: Muon momentum, bf16 weights, AdamW moments."""
+    from qmuon_lightning.ops import reference as ref
+    from qmuon_lightning.ops import reference_weight as refw
+
+    s = {ref.noise_stream(0, 1, 2), refw.weight_noise_stream(0, 2, 1), qadamw.moment_noise_stream(0, 2, 1)}
+    assert len(s) == 3

@@ -316,3 +316,12 @@ def test_overflowing_square_leaves_the_rest_of_the_block_training(ext, kinds):
     # AdamW's update of an element whose moments track g is ~lr; frozen elements (v = inf) give 0
     assert (upd[0, :bs][others[0, :bs]].abs() > 1e-5).float().mean() > 0.9, "the outlier's block stays frozen"
     assert (upd[1].abs() > 1e-5).float().mean() > 0.9
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kinds", KINDS)
+def test_cuda_kernel_stochastic_matches_reference(cuda_ext, kinds):
+    for (i, (rows, cols)), bs in itertools.product(enumerate(SHAPES), (32, 256)):
+        for index0 in (0, (1 << 32) - 7):
+            _kernel_vs_reference_stochastic(rows, cols, kinds, bs, torch.bfloat16, seed=i, index0=index0,
+                                            device="cuda")
