@@ -374,3 +374,37 @@ def test_stochastic_moments_and_bf16_weights_draw_distinct_streams():
 
     s = {ref.noise_stream(0, 1, 2), refw.weight_noise_stream(0, 2, 1), qadamw.moment_noise_stream(0, 2, 1)}
     assert len(s) == 3
+
+
+@pytest.mark.parametrize("family", ["int8", "int4"])
+def test_overflowing_gradient_square_freezes_only_its_element(family):
+    """One finite gradient element of 1e20 (its square overflows fp32; finite, so the non-finite
+    policy lets it through): the block scales stay finite, and after the outlier's v has decayed
+    (beta2 = 0.5) the other elements of its block move like fp32-moment AdamW again. Before the
+    FLT_MAX clamp the block's v scale was inf and its other elements never moved again. beta1 = 0
+    keeps m out of it (a spike in m dominates its block's m scale for ~log(1e21) / -log(beta1)
+    steps, a property of any block-scaled m, overflow or not)."""
+    torch.manual_seed(0)
+    p = torch.randn(64, 256, requires_grad=True)
+    q = p.detach().clone().requires_grad_()
+    kw = dict(adamw_lr=1e-3, adamw_betas=(0.0, 0.5), adamw_weight_decay=0.0)
+    opt = QMuon([{"params": [p], "use_muon": False}], adamw_state_format=family, **kw)
+    ref = QMuon([{"params": [q], "use_muon": False}], adamw_state_format="fp32", **kw)
+    gen = torch.Generator().manual_seed(1)
+    for step in range(160):
+        g = torch.randn(64, 256, generator=gen) * 1e-2
+        if step == 0:
+            g[0, 3] = 1e20
+        p.grad, q.grad = g, g.clone()
+        before, before_ref = p.detach().clone(), q.detach().clone()
+        opt.step()
+        ref.step()
+    st = opt.state[p]
+    assert all(torch.isfinite(v).all() for k, v in st.items() if v.dtype == torch.float32), "a scale overflowed"
+    moved = (p.detach() - before)[0, :128]
+    others = torch.ones(128, dtype=torch.bool)
+    others[3] = False
+    assert (moved[others].abs() > 1e-5).float().mean() > 0.9, "the outlier's block stays frozen"
+    # the rest of the block steps like fp32-moment AdamW (same sign of step almost everywhere)
+    want = (q.detach() - before_ref)[0, :128]
+    assert (torch.sign(moved[others]) == torch.sign(want[others])).float().mean() > 0.9
