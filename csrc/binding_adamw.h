@@ -10,7 +10,7 @@
   m.def(                                                                                                      \
       "adamw_q_update_(Tensor grad, Tensor(a!) m_codes, Tensor(b!) m_scale, Tensor(c!) v_codes, "              \
       "Tensor(d!) v_scale, Tensor(e!) update, float beta1, float beta2, float eps, float neg_step_size, "      \
-      "float bias_correction2_sqrt, int m_kind, int v_kind, int block_size) -> ()")
+      "float bias_correction2_sqrt, int m_kind, int v_kind, int block_size, int stream, int index0) -> ()")
 
 namespace qmuon {
 
@@ -23,12 +23,14 @@ inline qmuon_adamw_q_args adamw_q_args(const at::Tensor& grad, const at::Tensor&
                                        const at::Tensor& v_codes, const at::Tensor& v_scale, const at::Tensor& update,
                                        double beta1, double beta2, double eps, double neg_step_size,
                                        double bias_correction2_sqrt, int64_t m_kind, int64_t v_kind,
-                                       int64_t block_size) {
+                                       int64_t block_size, int64_t stream, int64_t index0) {
   TORCH_CHECK(block_size >= 2 && block_size <= kMaxBlockSize && block_size % 2 == 0,
               "qmuon: adamw_q_update_: block_size must be even in [2, ", kMaxBlockSize, "], got ", block_size);
   TORCH_CHECK((m_kind == kAdamM8 || m_kind == kAdamM4) && (v_kind == kAdamV8 || v_kind == kAdamV4),
               "qmuon: adamw_q_update_: bad moment kinds ", m_kind, ", ", v_kind);
   TORCH_CHECK(grad.dim() == 2, "qmuon: adamw_q_update_: grad must be 2-D");
+  TORCH_CHECK(stream < (int64_t{1} << 32), "qmuon: adamw_q_update_: stream must be < 2^32 (or < 0: nearest), got ", stream);
+  TORCH_CHECK(index0 >= 0, "qmuon: adamw_q_update_: index0 must be >= 0, got ", index0);
   const int64_t rows = grad.size(0), cols = grad.size(1), nb = num_blocks(cols, block_size);
   const int32_t gd = to_qmuon_dtype(grad.scalar_type());
   TORCH_CHECK(gd == QMUON_FLOAT32 || gd == QMUON_BFLOAT16 || gd == QMUON_FLOAT16,
@@ -73,6 +75,8 @@ inline qmuon_adamw_q_args adamw_q_args(const at::Tensor& grad, const at::Tensor&
   a.eps = eps;
   a.neg_step_size = neg_step_size;
   a.bias_correction2_sqrt = bias_correction2_sqrt;
+  a.stream = stream;
+  a.index0 = index0;
   return a;
 }
 

@@ -269,7 +269,7 @@ def _samples(device: torch.device) -> dict[str, Callable[[], tuple]]:
             sums(16), 0.9, True, 16, [stream], [11]),
         "adamw_q_update_": lambda: (g.to(torch.bfloat16), d(m8[0]), d(m8[1]), d(v8[0]), d(v8[1]),
                                     torch.empty(rows, cols, device=device), 0.9, 0.95, 1e-8, -1e-3, 0.5,
-                                    refa.M8, refa.V8, bs),
+                                    refa.M8, refa.V8, bs, refa.adamw_noise_stream(7, 1, 3), 3 * cols),
         "bf16_weight_update_": lambda: (d(wb), g.clone(), -0.3, 0.999, wstream, 5, cols),
         "bf16_ecc8_weight_update_": lambda: (d(wb), d(ecc), g.clone(), -0.3, 0.999),
         # fp32 weights, a transposed bf16 update (a tall Newton-Schulz output, read in place)

@@ -3,7 +3,9 @@
 * the state is ``Shard(0)`` DTensors with the global shape (codes and scales in row blocks);
 * the sharded step equals the single-process step bit for bit (row-local blocks, same kernel);
 * ``torch.distributed.checkpoint`` reshards it 2 -> 1 and 1 -> 2 without requantizing (the codes
-  and scales a rank holds after loading are the saved rows, bit for bit)."""
+  and scales a rank holds after loading are the saved rows, bit for bit);
+* with ``rounding="stochastic"`` too: each shard keys the noise of its moments by the global element
+  index (``row_offset * cols``), so the sharded codes are the single process's."""
 
 from __future__ import annotations
 
@@ -32,11 +34,11 @@ class _Net(nn.Module):
         self.gain = nn.Parameter(torch.ones(DIM))  # AdamW, 1-D: fp32 moments
 
 
-def _opt(net: _Net, family: str):
+def _opt(net: _Net, family: str, rounding: str = "nearest"):
     from qmuon_lightning import QMuon
 
     return QMuon([{"params": [net.w]}, {"params": [net.emb, net.gain], "use_muon": False}], lr=0.02,
-                 adamw_lr=1e-2, adamw_state_format=family)
+                 adamw_lr=1e-2, adamw_state_format=family, rounding=rounding, seed=7)
 
 
 def _grads(step: int) -> dict[str, torch.Tensor]:
@@ -71,7 +73,7 @@ def _load(net, opt, path: str, no_dist: bool = False) -> None:
     set_state_dict(net, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
 
 
-def _worker(rank: int, world: int, root: str, family: str) -> dict:
+def _worker(rank: int, world: int, root: str, family: str, rounding: str) -> dict:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -79,7 +81,7 @@ def _worker(rank: int, world: int, root: str, family: str) -> dict:
     mesh = init_device_mesh("cpu", (world,))
     net = _Net()
     fully_shard(net, mesh=mesh)
-    opt = _opt(net, family)
+    opt = _opt(net, family, rounding)
     for s in range(STEPS):
         _set_grads(net, s)
         opt.step()
@@ -91,7 +93,7 @@ def _worker(rank: int, world: int, root: str, family: str) -> dict:
     # 1 -> 2: the single-process checkpoint written by the test, loaded into fresh shards
     net2 = _Net()
     fully_shard(net2, mesh=mesh)
-    opt2 = _opt(net2, family)
+    opt2 = _opt(net2, family, rounding)
     _load(net2, opt2, os.path.join(root, "w1"))
     out["loaded_state"] = {k: local_copy(v) for k, v in opt2.state[net2.emb].items()}
     out["loaded_types"] = {k: type(v).__name__ for k, v in opt2.state[net2.emb].items()}
@@ -101,9 +103,9 @@ def _worker(rank: int, world: int, root: str, family: str) -> dict:
     return out
 
 
-def _single(family: str, steps: int) -> tuple[_Net, object]:
+def _single(family: str, steps: int, rounding: str = "nearest") -> tuple[_Net, object]:
     net = _Net()
-    opt = _opt(net, family)
+    opt = _opt(net, family, rounding)
     for s in range(steps):
         for n, g in _grads(s).items():
             getattr(net, n).grad = g
@@ -111,16 +113,16 @@ def _single(family: str, steps: int) -> tuple[_Net, object]:
     return net, opt
 
 
-@pytest.mark.parametrize("family", ["int8", "int4"])
-def test_sharded_adamw_state_reshards_without_requantizing(tmp_path, family):
+@pytest.mark.parametrize("family,rounding", [("int8", "nearest"), ("int4", "nearest"), ("int8", "stochastic")])
+def test_sharded_adamw_state_reshards_without_requantizing(tmp_path, family, rounding):
     import torch.distributed.checkpoint as dcp
 
     root = str(tmp_path)
-    net1, opt1 = _single(family, STEPS)
+    net1, opt1 = _single(family, STEPS, rounding)
     dcp.save(_sd(net1, opt1), checkpoint_id=os.path.join(root, "w1"), no_dist=True)
     forkable = torch.get_num_threads() == 1 and not dist.is_initialized() and "fork" in mp.get_all_start_methods()
     two = run_workers(_worker, 2, timeout=300, start_method="fork" if forkable else "spawn", root=root,
-                      family=family)
+                      family=family, rounding=rounding)
     # the state is Shard(0) DTensors with the global shape (DCP's resharding relies on it)
     kinds = two[0]["dtensor"]
     codes = "exp_avg_q8" if family == "int8" else "exp_avg_q4"
@@ -134,6 +136,9 @@ def test_sharded_adamw_state_reshards_without_requantizing(tmp_path, family):
         joined = torch.cat([t["state"][k] for t in two])
         assert torch.equal(joined, st1[k]), k
     assert torch.equal(torch.cat([t["params"]["emb"] for t in two]), net1.emb.detach())
+    if rounding == "stochastic":  # the rounding really was stochastic (codes differ from nearest's)
+        net_n, opt_n = _single(family, STEPS)
+        assert not torch.equal(opt_n.state[net_n.emb][codes], st1[codes])
     # 1 -> 2: each rank holds the saved rows unchanged
     for r, t in enumerate(two):
         for k, v in st1.items():
@@ -142,12 +147,12 @@ def test_sharded_adamw_state_reshards_without_requantizing(tmp_path, family):
         assert t["loaded_types"][codes] == "DTensor"
     # ... and continues like the single process (the AdamW parameters; Muon's sharded NS exchanges
     # an int8 carrier, so its bits differ from the single process by design)
-    net_c, opt_c = _single(family, STEPS + 1)
+    net_c, opt_c = _single(family, STEPS + 1, rounding)
     for n in ("emb", "gain"):
         assert torch.equal(two[0]["continued"][n], getattr(net_c, n).detach()), n
     # 2 -> 1: the two-rank checkpoint loads into one unsharded optimizer, rows unchanged
     net3 = _Net()
-    opt3 = _opt(net3, family)
+    opt3 = _opt(net3, family, rounding)
     _load(net3, opt3, os.path.join(root, "w2"), no_dist=True)
     for k, v in st1.items():
         assert torch.equal(opt3.state[net3.emb][k], v), k

@@ -99,13 +99,16 @@ def test_cut_slice_pieces_follow_the_block_grid():
         qadamw.flat_slice_pieces("int8", (37, 300), 11000, 200)
 
 
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
 @pytest.mark.parametrize("family", ["int8", "int4"])
-def test_cut_parameter_equals_whole_except_the_cut_block(family):
+def test_cut_parameter_equals_whole_except_the_cut_block(family, rounding):
     """Two 'ranks' step halves of a 37 x 300 parameter (the cut falls at column 150 of row 18, inside
     the block [0, 256) of that row) piecewise, against single-process QMuon's AdamW step on the whole
-    parameter with the same gradients."""
+    parameter with the same gradients. Stochastic rounding of the moments: each piece passes its
+    first element's index in the whole parameter (as the wrapper does), so it draws the same noise."""
     shape, rows, cols = (37, 300), 37, 300
-    group = {"lr": 3e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1, "state_format": family}
+    group = {"lr": 3e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1, "state_format": family,
+             "rounding": rounding, "seed": 5}
     torch.manual_seed(0)
     p0 = torch.randn(shape)
     whole = p0.clone()
@@ -117,12 +120,13 @@ def test_cut_parameter_equals_whole_except_the_cut_block(family):
     st_cut = [[core_adamw.init_state(family, shape, torch.empty(r, w), "nearest") for _, r, w in ps] for ps in pieces]
     for step in range(STEPS):
         g = torch.randn(shape) * (1 + step)
-        core_adamw.adamw_param_step(whole, g, st_whole, group, global_shape=shape)
+        core_adamw.adamw_param_step(whole, g, st_whole, group, global_shape=shape, key=2)
         for (s, n), ps, sts in zip(slices, pieces, st_cut):
             data, grad = cut.narrow(0, s, n), g.view(-1).narrow(0, s, n)
             for (off, r, w), st in zip(ps, sts):
                 core_adamw.adamw_param_step(data.narrow(0, off, r * w).view(r, w),
-                                            grad.narrow(0, off, r * w).view(r, w), st, group, global_shape=shape)
+                                            grad.narrow(0, off, r * w).view(r, w), st, group, global_shape=shape,
+                                            key=2, first_index=s + off)
     cut = cut.view(shape)
     bs = 256 if family == "int8" else 128
     block = torch.zeros(shape, dtype=torch.bool)

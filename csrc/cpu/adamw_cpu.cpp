@@ -34,17 +34,26 @@ QMUON_HD void load_codes(const uint8_t* __restrict row, int64_t c0, int64_t n, f
   if (n & 1) out[n - 1] = static_cast<float>((b[pairs] & 0x0F) - off);
 }
 
-// Encode n moments x (adamw_stored values) with the block's safe scale into the row of codes at column
-// c0. 4-bit: the codes go to `tmp` first and are then packed two a byte (the high nibble of an odd
-// tail is 0), two loops that vectorize.
+// Encode a block's n moments into the row of codes at column c0: t = their adamw_stored values, x the
+// moments themselves (m: x == t), `scale` the block scale. stream < 0: nearest; else stochastic, the
+// noise of element j keyed by its global index index0 + j. 4-bit: the codes go to `tmp` first and
+// are then packed two a byte (the high nibble of an odd tail is 0), loops that vectorize.
 template <int32_t K>
-QMUON_HD void store_codes(uint8_t* __restrict row, int64_t c0, int64_t n, const float* __restrict x, float safe,
-                          uint8_t* __restrict tmp) {
-  if (!adamw_kind_4bit(K)) {
-    for (int64_t j = 0; j < n; ++j) row[c0 + j] = static_cast<uint8_t>(adamw_code_bits(adamw_encode(x[j], safe, K), K));
-    return;
+QMUON_HD void store_codes(uint8_t* __restrict row, int64_t c0, int64_t n, const float* __restrict t,
+                          const float* __restrict x, float scale, uint8_t* __restrict tmp, int64_t stream,
+                          int64_t index0) {
+  const float safe = scale > 0.0f ? scale : 1.0f;
+  uint8_t* __restrict out = adamw_kind_4bit(K) ? tmp : row + c0;
+  if (stream < 0) {
+    for (int64_t j = 0; j < n; ++j) out[j] = static_cast<uint8_t>(adamw_code_bits(adamw_encode(t[j], safe, K), K));
+  } else {
+    const uint32_t s = adamw_moment_stream(static_cast<uint32_t>(stream), K);
+    for (int64_t j = 0; j < n; ++j) {
+      const float u = uniform_noise(static_cast<uint64_t>(index0 + j), s);
+      out[j] = static_cast<uint8_t>(adamw_code_bits(adamw_encode_stochastic(t[j], x[j], scale, safe, K, u), K));
+    }
   }
-  for (int64_t j = 0; j < n; ++j) tmp[j] = static_cast<uint8_t>(adamw_code_bits(adamw_encode(x[j], safe, K), K));
+  if (!adamw_kind_4bit(K)) return;
   uint8_t* __restrict b = row + (c0 >> 1);
   const int64_t pairs = n >> 1;
   for (int64_t k = 0; k < pairs; ++k) b[k] = static_cast<uint8_t>(tmp[2 * k] | (tmp[2 * k + 1] << 4));
@@ -55,7 +64,7 @@ QMUON_HD void store_codes(uint8_t* __restrict row, int64_t c0, int64_t n, const 
 // branches and g++ can vectorize the element loops (the results are the same for any MK / VK).
 template <typename G, int32_t MK, int32_t VK>
 QMUON_WIDE_VECTORS void adamw_block(const qmuon_adamw_q_args& a, const AdamWConsts& c, int64_t row, int64_t blk, float* __restrict mb,
-                 float* __restrict vb, uint8_t* __restrict tmp) {
+                 float* __restrict vb, float* __restrict tb, uint8_t* __restrict tmp) {
   const int64_t c0 = blk * a.block_size;
   const int64_t n = (a.cols - c0) < a.block_size ? (a.cols - c0) : a.block_size;
   const auto* __restrict g = static_cast<const typename G::storage*>(a.grad) + row * a.grad_rs + c0;
@@ -72,17 +81,17 @@ QMUON_WIDE_VECTORS void adamw_block(const qmuon_adamw_q_args& a, const AdamWCons
   uint32_t m_max = 0, v_max = 0;  // |x| bits: the unsigned order of finite floats' magnitudes
   for (int64_t j = 0; j < n; ++j) {
     up[j] = adamw_element(mb[j], vb[j], G::load(g[j]), c);
-    vb[j] = adamw_stored(vb[j], VK);
-    const uint32_t mbits = abs_bits(mb[j]), vbits = abs_bits(vb[j]);
+    tb[j] = adamw_stored(vb[j], VK);  // the sqrt the update just took (g++ reuses it)
+    const uint32_t mbits = abs_bits(mb[j]), tbits = abs_bits(tb[j]);
     m_max = mbits > m_max ? mbits : m_max;
-    v_max = vbits > v_max ? vbits : v_max;
+    v_max = tbits > v_max ? tbits : v_max;
   }
   const float new_ms = bits_f32(m_max), new_vs = bits_f32(v_max);
-  const float m_safe = new_ms > 0.0f ? new_ms : 1.0f, v_safe = new_vs > 0.0f ? new_vs : 1.0f;
   *ms = new_ms;
   *vs = new_vs;
-  store_codes<MK>(a.m_codes + row * a.m_rs, c0, n, mb, m_safe, tmp);
-  store_codes<VK>(a.v_codes + row * a.v_rs, c0, n, vb, v_safe, tmp);
+  const int64_t index0 = a.index0 + row * a.cols + c0;  // global index of the block's first element
+  store_codes<MK>(a.m_codes + row * a.m_rs, c0, n, mb, mb, new_ms, tmp, a.stream, index0);
+  store_codes<VK>(a.v_codes + row * a.v_rs, c0, n, tb, vb, new_vs, tmp, a.stream, index0);
 }
 
 template <typename G, int32_t MK, int32_t VK>
@@ -94,8 +103,9 @@ void adamw_run(const qmuon_adamw_q_args& a) {
   at::parallel_for(0, total, grain, [&](int64_t begin, int64_t end) {
     float mb[kMaxBlockSize];
     float vb[kMaxBlockSize];
+    float tb[kMaxBlockSize];
     uint8_t tmp[kMaxBlockSize];
-    for (int64_t i = begin; i < end; ++i) adamw_block<G, MK, VK>(a, c, i / nb, i % nb, mb, vb, tmp);
+    for (int64_t i = begin; i < end; ++i) adamw_block<G, MK, VK>(a, c, i / nb, i % nb, mb, vb, tb, tmp);
   });
 }
 

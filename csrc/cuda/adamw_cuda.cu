@@ -14,6 +14,33 @@ namespace {
 
 constexpr int kThreads = 256;
 
+// Code of element j of a block (moment x[j], block scale `scale`): nearest (stream < 0) or stochastic.
+__device__ __forceinline__ uint32_t code_of(const float* x, int64_t j, float scale, float safe, int32_t kind,
+                                            int64_t stream, uint32_t s, int64_t index0) {
+  const float t = adamw_stored(x[j], kind);
+  const float q = stream < 0 ? adamw_encode(t, safe, kind)
+                             : adamw_encode_stochastic(t, x[j], scale, safe, kind,
+                                                       uniform_noise(static_cast<uint64_t>(index0 + j), s));
+  return adamw_code_bits(q, kind);
+}
+
+// Encode the block's n moments into the row of codes at column c0 (4-bit: a thread packs two).
+__device__ __forceinline__ void encode_block(uint8_t* row, int64_t c0, int64_t n, const float* x, float scale,
+                                             int32_t kind, int64_t stream, int64_t index0) {
+  const float safe = scale > 0.0f ? scale : 1.0f;
+  const uint32_t s = stream < 0 ? 0u : adamw_moment_stream(static_cast<uint32_t>(stream), kind);
+  if (!adamw_kind_4bit(kind)) {
+    for (int64_t j = threadIdx.x; j < n; j += kThreads)
+      row[c0 + j] = static_cast<uint8_t>(code_of(x, j, scale, safe, kind, stream, s, index0));
+  } else {
+    for (int64_t j = 2 * threadIdx.x; j < n; j += 2 * kThreads) {
+      const uint32_t lo = code_of(x, j, scale, safe, kind, stream, s, index0);
+      const uint32_t hi = j + 1 < n ? code_of(x, j + 1, scale, safe, kind, stream, s, index0) : 0u;
+      row[(c0 + j) >> 1] = static_cast<uint8_t>(lo | (hi << 4));
+    }
+  }
+}
+
 template <typename G>
 __global__ void adamw_q_kernel(qmuon_adamw_q_args a, AdamWConsts c, int64_t nb) {
   __shared__ float mb[kMaxBlockSize];
@@ -36,9 +63,8 @@ __global__ void adamw_q_kernel(qmuon_adamw_q_args a, AdamWConsts c, int64_t nb) 
     float m = adamw_decode(adamw_load_code(mrow, c0 + j, a.m_kind), m_scale, a.m_kind);
     float v = adamw_decode(adamw_load_code(vrow, c0 + j, a.v_kind), v_scale, a.v_kind);
     up[j] = adamw_element(m, v, G::load(g[j]), c);
-    v = adamw_stored(v, a.v_kind);
     mb[j] = m;
-    vb[j] = v;
+    vb[j] = v;  // the moment itself: the stochastic rounding weighs decoded moments
     m_max = max(m_max, abs_bits(m));
     v_max = max(v_max, abs_bits(v));
   }
@@ -52,34 +78,15 @@ __global__ void adamw_q_kernel(qmuon_adamw_q_args a, AdamWConsts c, int64_t nb) 
     }
     __syncthreads();
   }
-  const float new_ms = bits_f32(red_m[0]), new_vs = bits_f32(red_v[0]);
-  const float m_safe = new_ms > 0.0f ? new_ms : 1.0f, v_safe = new_vs > 0.0f ? new_vs : 1.0f;
+  // adamw_stored is monotone, so the stored quantity of the largest v is the block scale
+  const float new_ms = bits_f32(red_m[0]), new_vs = adamw_stored(bits_f32(red_v[0]), a.v_kind);
   if (threadIdx.x == 0) {
     *ms = new_ms;
     *vs = new_vs;
   }
-  uint8_t* mw = a.m_codes + row * a.m_rs;
-  uint8_t* vw = a.v_codes + row * a.v_rs;
-  if (!adamw_kind_4bit(a.m_kind)) {
-    for (int64_t j = threadIdx.x; j < n; j += kThreads)
-      mw[c0 + j] = static_cast<uint8_t>(adamw_code_bits(adamw_encode(mb[j], m_safe, a.m_kind), a.m_kind));
-  } else {
-    for (int64_t j = 2 * threadIdx.x; j < n; j += 2 * kThreads) {
-      const uint32_t lo = adamw_code_bits(adamw_encode(mb[j], m_safe, a.m_kind), a.m_kind);
-      const uint32_t hi = j + 1 < n ? adamw_code_bits(adamw_encode(mb[j + 1], m_safe, a.m_kind), a.m_kind) : 0u;
-      mw[(c0 + j) >> 1] = static_cast<uint8_t>(lo | (hi << 4));
-    }
-  }
-  if (!adamw_kind_4bit(a.v_kind)) {
-    for (int64_t j = threadIdx.x; j < n; j += kThreads)
-      vw[c0 + j] = static_cast<uint8_t>(adamw_code_bits(adamw_encode(vb[j], v_safe, a.v_kind), a.v_kind));
-  } else {
-    for (int64_t j = 2 * threadIdx.x; j < n; j += 2 * kThreads) {
-      const uint32_t lo = adamw_code_bits(adamw_encode(vb[j], v_safe, a.v_kind), a.v_kind);
-      const uint32_t hi = j + 1 < n ? adamw_code_bits(adamw_encode(vb[j + 1], v_safe, a.v_kind), a.v_kind) : 0u;
-      vw[(c0 + j) >> 1] = static_cast<uint8_t>(lo | (hi << 4));
-    }
-  }
+  const int64_t index0 = a.index0 + row * a.cols + c0;  // global index of the block's first element
+  encode_block(a.m_codes + row * a.m_rs, c0, n, mb, new_ms, a.m_kind, a.stream, index0);
+  encode_block(a.v_codes + row * a.v_rs, c0, n, vb, new_vs, a.v_kind, a.stream, index0);
 }
 
 template <typename G>

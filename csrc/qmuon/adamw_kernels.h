@@ -34,6 +34,8 @@ typedef struct qmuon_adamw_q_args {
   double eps;
   double neg_step_size;
   double bias_correction2_sqrt;
+  int64_t stream;   // < 0: nearest rounding of the codes; else the 32-bit stochastic-rounding stream
+  int64_t index0;   // global (whole-parameter, row-major) index of element (0, 0); row r starts at index0 + r * cols
 } qmuon_adamw_q_args;
 
 // Return 0 or a QMUON_ERR_* code (CPU) / cudaError_t (CUDA, asynchronous on `cuda_stream`).

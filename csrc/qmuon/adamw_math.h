@@ -11,6 +11,11 @@
 //   2  m, 4-bit:     as 0 with 7 levels, nibble = code + 8
 //   3  v, 4-bit:     t = v^(1/4) / max v^(1/4); code = rint(16 t) - 1 in [0, 15]; v = (s s)(s s)
 // The second-moment maps have no zero code: a stored v is 0 only when its whole block is.
+//
+// Rounding of the codes: nearest (adamw_encode), or stochastic (adamw_encode_stochastic): between the
+// two codes around the moment x, the upper with probability (x - x_lo) / (x_hi - x_lo) of their
+// *decoded* values, so the decoded moment is unbiased (E[decode] = x, also through the non-linear
+// maps). Noise: uniform_noise(global element index, adamw_moment_stream(stream, kind)) of block_math.h.
 #pragma once
 
 #include "qmuon/block_math.h"
@@ -27,6 +32,16 @@ QMUON_HD float adamw_levels(int32_t kind) {
 }
 
 QMUON_HD float fabs_bits(float x) { return bits_f32(abs_bits(x)); }
+
+// The largest finite fp32. A finite gradient whose square overflows (|g| > ~1.8e19) would make v
+// infinite, and an infinite block scale freezes every element of its block for good; the new moments
+// are clamped to +-kFltMax instead (NaN passes through; the optimizer never feeds NaN gradients).
+constexpr float kFltMax = 3.40282346638528859812e+38f;
+
+QMUON_HD float clamp_finite(float x) {
+  x = x > kFltMax ? kFltMax : x;
+  return x < -kFltMax ? -kFltMax : x;
+}
 
 QMUON_HD float fsqrt(float x) {
 #if defined(__CUDA_ARCH__)
@@ -60,8 +75,8 @@ QMUON_HD AdamWConsts make_adamw_consts(double beta1, double beta2, double eps, d
 
 // One element: new m, v (in place) and the AdamW update (neg_step * m) / (sqrt(v) / bc2 + eps).
 QMUON_HD float adamw_element(float& m, float& v, float g, const AdamWConsts& c) {
-  m = lerp(m, g, c.to_grad);
-  v = fadd(fmul(v, c.beta2), fmul(fmul(g, c.one_minus_beta2), g));
+  m = clamp_finite(lerp(m, g, c.to_grad));
+  v = clamp_finite(fadd(fmul(v, c.beta2), fmul(fmul(g, c.one_minus_beta2), g)));
   const float denom = fadd(fdiv(fsqrt(v), c.bias_correction2_sqrt), c.eps);
   return fdiv(fmul(m, c.neg_step_size), denom);
 }
@@ -101,6 +116,44 @@ QMUON_HD float adamw_encode(float t, float safe, int32_t kind) {
   q = q > 0.0f ? q : 0.0f;
   const float top = fsub(L, 1.0f);
   return q < top ? q : top;
+}
+
+// The stochastic twin of adamw_encode: t = adamw_stored(x), x the moment itself (m, or v), `scale` the
+// block's scale (0 for an all-zero block), safe = scale > 0 ? scale : 1, noise in [0, 1).
+// The two codes around t: lo = clamp(floor(y), qmin, qmax - 1), hi = lo + 1, with y the continuous
+// code (127 c for m, 256 t / scale - 1 for v); the upper is taken when noise < p, p = (x - x_lo) /
+// (x_hi - x_lo) of the decoded values. Below the smallest v code (no zero code) p < 0: lo, as nearest.
+QMUON_HD float adamw_encode_stochastic(float t, float x, float scale, float safe, int32_t kind, float noise) {
+  const float L = adamw_levels(kind);
+  const float u = fdiv(t, safe);
+  float y, qmin, qmax;
+  if (adamw_kind_signed(kind)) {
+    y = fmul(fdiv(fmul(u, 2.0f), fadd(fabs_bits(u), 1.0f)), L);
+    qmin = -L;
+    qmax = L;
+  } else {
+    y = fsub(fmul(u, L), 1.0f);
+    qmin = 0.0f;
+    qmax = fsub(L, 1.0f);
+  }
+  float lo = round_down(y);
+  lo = lo > qmin ? lo : qmin;
+  const float top = fsub(qmax, 1.0f);
+  lo = lo < top ? lo : top;
+  const float hi = fadd(lo, 1.0f);
+  const float x_lo = adamw_decode(lo, scale, kind);
+  const float gap = fsub(adamw_decode(hi, scale, kind), x_lo);
+  const float p = gap > 0.0f ? fdiv(fsub(x, x_lo), gap) : 0.0f;
+  return noise < p ? hi : lo;
+}
+
+// The noise stream of one moment from the op's stream (reference_adamw.moment_stream): distinct for
+// m and v, so the two roundings of an element draw independent bits.
+constexpr uint32_t kAdamMStreamSalt = 0x68E31DA4u;
+constexpr uint32_t kAdamVStreamSalt = 0xB5297A4Du;
+
+QMUON_HD uint32_t adamw_moment_stream(uint32_t stream, int32_t kind) {
+  return fmix32(stream ^ (adamw_kind_signed(kind) ? kAdamMStreamSalt : kAdamVStreamSalt));
 }
 
 // Storage of one code: the int8 / uint8 byte (8-bit) or the 4-bit nibble (m: code + 8).

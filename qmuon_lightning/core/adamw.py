@@ -30,7 +30,7 @@ from torch import Tensor
 from ..quant import adamw as qadamw
 from .apply import apply_update_, weight_state_init
 
-__all__ = ["DEFAULT_CHUNK_ELEMENTS", "bias_terms", "chunk_rows", "init_state", "adamw_param_step"]
+__all__ = ["DEFAULT_CHUNK_ELEMENTS", "bias_terms", "chunk_rows", "init_state", "moment_stream", "adamw_param_step"]
 
 #: Elements per block of rows (4 MiB of fp32 update): bounds the step's transient memory. 2^22 (16 MiB)
 #: was 0.30 B/param of a 56M-parameter model's whole step (benchmarks/results/train_memory.md);
@@ -58,6 +58,14 @@ def init_state(family: str, global_shape: Sequence[int], p_local: Tensor, bf16_u
     return st
 
 
+def moment_stream(group: dict[str, Any], seed: int, key: int, step: int) -> int:
+    """The op's ``stream`` for the quantized moments: -1 (nearest) unless the group's ``rounding`` is
+    ``"stochastic"``, then the counter stream of (``seed``, parameter ``key``, ``step``)."""
+    if group.get("rounding", "nearest") != "stochastic":
+        return -1
+    return qadamw.moment_noise_stream(seed, key, step)
+
+
 def _row_view(t: Tensor, rows: int) -> Tensor:
     return t.view(rows, -1)
 
@@ -71,12 +79,13 @@ def adamw_param_step(p_local: Tensor, grad: Tensor, state: dict[str, Tensor], gr
     ``first_index``: the flat (row-major) index of ``p_local``'s first element in the whole
     parameter, when ``p_local`` is a ``(rows, width)`` piece of a flat slice rather than whole rows
     (DeepSpeed ZeRO partitions): its row ``r`` then starts at ``first_index + r * width``. Default:
-    ``row_offset * cols``. It keys the stochastic rounding of bf16 weights, so a piece draws the
-    noise of the unsharded parameter.
+    ``row_offset * cols``. It keys the stochastic rounding of bf16 weights and of quantized moments,
+    so a piece draws the noise of the unsharded parameter.
 
     ``group``: ``lr``, ``betas``, ``eps``, ``weight_decay``, ``state_format`` (the family) and,
-    optionally, ``bf16_update`` and ``seed`` (the rounding rule of low-precision weights and the seed
-    of its noise, keyed by the parameter ``key`` and the step)."""
+    optionally, ``bf16_update``, ``rounding`` and ``seed`` (the rounding rule of low-precision weights,
+    that of quantized moments, ``"nearest"`` or ``"stochastic"``, and the seed of their noise, keyed
+    by the parameter ``key`` and the step; the two draw distinct streams)."""
     lr, wd, eps = float(group["lr"]), float(group["weight_decay"]), float(group["eps"])
     beta1, beta2 = (float(b) for b in group["betas"])
     m_fmt, v_fmt = qadamw.moment_formats(group["state_format"], global_shape)
@@ -99,11 +108,13 @@ def adamw_param_step(p_local: Tensor, grad: Tensor, state: dict[str, Tensor], gr
     buf = torch.empty((n, cols), dtype=torch.float32, device=p_local.device)
     seed = int(group.get("seed", 0))
     first = row_offset * cols if first_index is None else int(first_index)
+    stream = moment_stream(group, seed, key, int(step))
     for r0 in range(0, rows, n):
         r1 = min(rows, r0 + n)
         update = buf[: r1 - r0]
         qadamw.update_rows(m_fmt, v_fmt, state, r0, r1, g2d[r0:r1], update, beta1=beta1, beta2=beta2, eps=eps,
-                           neg_step_size=neg_step_size, bias_correction2_sqrt=bc2_sqrt)
+                           neg_step_size=neg_step_size, bias_correction2_sqrt=bc2_sqrt, stream=stream,
+                           index0=first + r0 * cols)
         wstate = {k: _row_view(state[k], rows)[r0:r1] for k in weight_keys if k in state}
         apply_update_(p2d[r0:r1], update, alpha=1.0, decay=decay, bf16_update=rule, state=wstate or None,
                       rng=(seed, key, int(step), first + r0 * cols), cautious=cautious)

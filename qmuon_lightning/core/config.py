@@ -74,7 +74,8 @@ class QMuonConfig:
         state_format: momentum storage (``quant.state.FORMATS``), default ``"int8"``.
         block_size: elements per absmax block along a row; ``None`` takes the format's default.
         rank, grid_block: grasp4's factor rank and grid tile side.
-        rounding: ``"nearest"`` or ``"stochastic"``; seed: its counter-based noise seed.
+        rounding: ``"nearest"`` or ``"stochastic"``, of the quantized Muon momentum and of the AdamW
+            groups' quantized (int8 / int4) moments; seed: its counter-based noise seed.
         nonfinite: ``"skip"`` (leave a parameter and its state untouched for a step with a
             NaN/Inf gradient) or ``"raise"``.
         ns_input: ``"bf16"`` or ``"mxfp8"`` (NS reads the decoded MXFP8 carrier).

@@ -3,7 +3,9 @@ reference), fake and compiled-kernel predicate. :mod:`._library` declares it wit
 place declares every op; this module imports nothing of it, so there is no import cycle).
 
 ``adamw_q_update_``: one fused pass over a block of rows: decode the 8-bit / 4-bit first and second
-moments, update them with the gradient, emit the fp32 AdamW update of those weights, re-encode. The
+moments, update them with the gradient, emit the fp32 AdamW update of those weights, re-encode
+(nearest when ``stream`` < 0, else stochastic rounding keyed by each element's global index
+``index0 + r * cols + c``). The
 reference is :func:`.reference_adamw.adamw_q_update_`; the compiled twins are
 ``csrc/cpu/adamw_cpu.cpp`` and ``csrc/cuda/adamw_cuda.cu`` (maths: ``csrc/qmuon/adamw_math.h``).
 """
@@ -35,16 +37,21 @@ def adamw_q_update_(
     m_kind: int,
     v_kind: int,
     block_size: int,
+    stream: int,
+    index0: int,
 ) -> None:
     """Quantized AdamW moment step of ``grad``'s rows; writes the fp32 update into ``update``
     (see :func:`qmuon_lightning.ops.reference_adamw.adamw_q_update_`)."""
     _check(grad, m_codes, m_scale, v_codes, v_scale, update, m_kind, v_kind, block_size)
+    if stream >= 1 << 32 or index0 < 0:
+        raise ValueError(f"adamw_q_update_: stream must be < 2**32 (or < 0: nearest) and index0 >= 0, got {stream}, "
+                         f"{index0}")
     refa.adamw_q_update_(grad, m_codes, m_scale, v_codes, v_scale, update, beta1, beta2, eps, neg_step_size,
-                         bias_correction2_sqrt, m_kind, v_kind, block_size)
+                         bias_correction2_sqrt, m_kind, v_kind, block_size, stream, index0)
 
 
 def fake(grad, m_codes, m_scale, v_codes, v_scale, update, beta1, beta2, eps, neg_step_size, bias_correction2_sqrt,
-      m_kind, v_kind, block_size):
+      m_kind, v_kind, block_size, stream, index0):
     return None
 
 
@@ -80,7 +87,7 @@ def _rows_ok(t: Tensor) -> bool:
 
 
 def supported(grad, m_codes, m_scale, v_codes, v_scale, update, beta1, beta2, eps, neg_step_size, bias_correction2_sqrt,
-      m_kind, v_kind, block_size):
+      m_kind, v_kind, block_size, stream, index0):
     ts = (grad, m_codes, m_scale, v_codes, v_scale, update)
     return (K.block_ok(block_size) and grad.dtype in K.GRAD_DTYPES and all(_rows_ok(t) for t in ts)
             and all(t.device == grad.device for t in ts))

@@ -28,6 +28,20 @@ kind   bits    map
 
 The scale stored per block is ``max |m|`` (kinds 0, 2) or ``max s`` (kinds 1, 3); a block whose
 scale is 0 decodes to exact zeros (a fresh state, an embedding row no token has touched).
+
+Rounding of the codes: nearest, or stochastic (``stream`` >= 0): between the two codes around the
+moment ``x``, the upper with probability ``(x - x_lo) / (x_hi - x_lo)`` of their *decoded* values, so
+``E[decode(code)] = x`` through the non-linear maps (unbiased in the moment itself, which is what
+the exponential averages accumulate). A ``v`` below its block's smallest code (no zero code) rounds
+up, as nearest does. The noise of an element is the counter hash of :mod:`.reference`
+(``fmix32(global index ^ stream)``) keyed by its index in the whole parameter (``index0 + r * cols +
+c``), with one stream per moment (:func:`moment_stream`) derived from the step's
+:func:`adamw_noise_stream` (distinct from the Muon momentum's and the bf16 weights' streams): a
+resumed run, a row shard and a DeepSpeed partition draw the bits of the single-process run.
+
+Overflow: a finite gradient whose square overflows fp32 (``|g| > ~1.8e19``) would make ``v``
+infinite and its block scale infinite, which freezes every element of the block for good; the new
+moments are clamped to ``+-FLT_MAX`` (:data:`FLT_MAX`) instead.
 """
 
 from __future__ import annotations
@@ -35,7 +49,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .reference import _blocked, _fp32, _lerp_fp32, num_blocks
+from .reference import _MASK32, _blocked, _fp32, _lerp_fp32, fmix32, noise_stream, num_blocks
 
 __all__ = [
     "MOMENT_KINDS",
@@ -48,7 +62,20 @@ __all__ = [
     "encode_moment",
     "decode_moment",
     "adamw_q_update_",
+    "FLT_MAX",
+    "ADAMW_STREAM_SALT",
+    "adamw_noise_stream",
+    "moment_stream",
+    "moment_noise",
 ]
+
+#: The largest finite fp32 (the new moments are clamped to +-FLT_MAX).
+FLT_MAX = float(torch.finfo(torch.float32).max)
+#: Mixed into the AdamW moments' stream: distinct from the Muon momentum's (no salt) and the bf16
+#: weights' (``reference_weight.WEIGHT_STREAM_SALT``) streams of the same (seed, step, key).
+ADAMW_STREAM_SALT = 0x7F4A7C15
+#: Per-moment salts (``kAdamMStreamSalt`` / ``kAdamVStreamSalt`` of csrc/qmuon/adamw_math.h).
+_M_SALT, _V_SALT = 0x68E31DA4, 0xB5297A4D
 
 M8, V8, M4, V4 = 0, 1, 2, 3
 #: kind -> (bits, signed)
@@ -64,6 +91,25 @@ def moment_bits(kind: int) -> int:
 def moment_code_cols(kind: int, cols: int) -> int:
     """Columns of the stored code tensor: ``cols`` (8-bit) or ``ceil(cols / 2)`` (two nibbles a byte)."""
     return cols if moment_bits(kind) == 8 else (cols + 1) // 2
+
+
+def adamw_noise_stream(seed: int, key: int, step: int) -> int:
+    """32-bit stream of the AdamW moments' stochastic rounding of parameter ``key`` at ``step`` (the
+    op's ``stream``; each moment then draws from :func:`moment_stream`)."""
+    return int(fmix32((noise_stream(seed, step, key) ^ ADAMW_STREAM_SALT) & _MASK32))
+
+
+def moment_stream(stream: int, kind: int) -> int:
+    """The stream of moment ``kind`` (m or v) from the op's ``stream``."""
+    return int(fmix32((stream ^ (_M_SALT if MOMENT_KINDS[kind][1] else _V_SALT)) & _MASK32))
+
+
+def moment_noise(rows: int, cols: int, stream: int, index0: int, device: torch.device) -> Tensor:
+    """U[0, 1) fp32 ``(rows, cols)``: the noise of element ``(r, c)``, global index ``index0 + r * cols + c``."""
+    r = torch.arange(rows, device=device, dtype=torch.int64) * cols + int(index0)
+    idx = r[:, None] + torch.arange(cols, device=device, dtype=torch.int64)[None, :]
+    h = fmix32(((idx & _MASK32) ^ (idx >> 32) * 0x27D4EB2F ^ stream) & _MASK32)
+    return (h >> 8).to(torch.float32) * (1.0 / 16777216.0)
 
 
 def _levels(kind: int) -> float:
@@ -111,8 +157,9 @@ def _expand(scale: Tensor, cols: int, block_size: int) -> Tensor:
     return scale.repeat_interleave(block_size, dim=1)[:, :cols]
 
 
-def encode_moment(x: Tensor, kind: int, block_size: int) -> tuple[Tensor, Tensor]:
-    """fp32 ``(rows, cols)`` moment -> ``(codes, scale)`` of ``kind`` (nearest rounding).
+def encode_moment(x: Tensor, kind: int, block_size: int, noise: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """fp32 ``(rows, cols)`` moment -> ``(codes, scale)`` of ``kind``: nearest rounding, or stochastic
+    with ``noise`` (U[0, 1) fp32, ``x``'s shape; :func:`moment_noise`).
 
     ``x`` must be finite, and >= 0 for the second-moment kinds."""
     moment_bits(kind)
@@ -123,33 +170,27 @@ def encode_moment(x: Tensor, kind: int, block_size: int) -> tuple[Tensor, Tensor
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
     u = t / _expand(safe, cols, block_size)
     L = _fp32(_levels(kind))
-    if kind in (M8, M4):
+    signed = kind in (M8, M4)
+    if noise is not None:
+        q = _stochastic_codes(u, x, _expand(scale, cols, block_size), noise, kind, block_size, cols)
+    elif signed:
         c = (u * 2.0) / (u.abs() + 1.0)
         q = torch.round(c * L).clamp_(-L, L)
-        codes = q.to(torch.int8) if kind == M8 else _pack((q + 8.0).to(torch.uint8))
     else:
         q = (torch.round(u * L) - 1.0).clamp_(0.0, L - 1.0)
+    if signed:
+        codes = q.to(torch.int8) if kind == M8 else _pack((q + 8.0).to(torch.uint8))
+    else:
         codes = q.to(torch.uint8) if kind == V8 else _pack(q.to(torch.uint8))
     return codes, scale.contiguous()
 
 
-def decode_moment(codes: Tensor, scale: Tensor, kind: int, block_size: int, cols: int) -> Tensor:
-    """``(codes, scale)`` of ``kind`` -> the fp32 ``(rows, cols)`` moment."""
-    moment_bits(kind)
+def _decode_values(q: Tensor, sc: Tensor, kind: int) -> Tensor:
+    """Code values ``q`` (float) with per-element scales ``sc`` -> the moment (:func:`decode_moment`'s maths)."""
     L = _fp32(_levels(kind))
-    if kind == M8:
-        q = codes.float()
-    elif kind == M4:
-        q = _unpack(codes, cols).float() - 8.0
-    elif kind == V8:
-        q = codes.float()
-    else:
-        q = _unpack(codes, cols).float()
-    sc = _expand(scale.float(), cols, block_size)
     if kind in (M8, M4):
         c = q / L
-        u = c / (2.0 - c.abs())
-        return u * sc
+        return (c / (2.0 - c.abs())) * sc
     s = ((q + 1.0) / L) * sc
     if kind == V8:
         return s * s
@@ -157,10 +198,40 @@ def decode_moment(codes: Tensor, scale: Tensor, kind: int, block_size: int, cols
     return s2 * s2
 
 
+def _stochastic_codes(u: Tensor, x: Tensor, sc: Tensor, noise: Tensor, kind: int, block_size: int,
+                      cols: int) -> Tensor:
+    """Stochastic code values (module docstring): ``u = t / safe``, ``x`` the moment, ``sc`` its block's scale."""
+    L = _fp32(_levels(kind))
+    if kind in (M8, M4):
+        y = ((u * 2.0) / (u.abs() + 1.0)) * L
+        qmin, qmax = -L, L
+    else:
+        y = u * L - 1.0
+        qmin, qmax = 0.0, L - 1.0
+    lo = torch.floor(y).clamp_(qmin, qmax - 1.0)
+    hi = lo + 1.0
+    x_lo = _decode_values(lo, sc, kind)
+    gap = _decode_values(hi, sc, kind) - x_lo
+    p = torch.where(gap > 0, (x - x_lo) / torch.where(gap > 0, gap, torch.ones_like(gap)), torch.zeros_like(gap))
+    return torch.where(noise < p, hi, lo)
+
+
+def decode_moment(codes: Tensor, scale: Tensor, kind: int, block_size: int, cols: int) -> Tensor:
+    """``(codes, scale)`` of ``kind`` -> the fp32 ``(rows, cols)`` moment."""
+    moment_bits(kind)
+    if kind in (M8, V8):
+        q = codes.float()
+    elif kind == M4:
+        q = _unpack(codes, cols).float() - 8.0
+    else:
+        q = _unpack(codes, cols).float()
+    return _decode_values(q, _expand(scale.float(), cols, block_size), kind)
+
+
 def adamw_q_update_(
     grad: Tensor, m_codes: Tensor, m_scale: Tensor, v_codes: Tensor, v_scale: Tensor, update: Tensor,
     beta1: float, beta2: float, eps: float, neg_step_size: float, bias_correction2_sqrt: float,
-    m_kind: int, v_kind: int, block_size: int,
+    m_kind: int, v_kind: int, block_size: int, stream: int = -1, index0: int = 0,
 ) -> None:
     """One AdamW moment step of a ``rows x cols`` block of rows, in place, with the update emitted.
 
@@ -173,18 +244,25 @@ def adamw_q_update_(
     ``neg_step_size = -lr / (1 - beta1 ** step)``: the update is the whole step of
     ``torch.optim.AdamW`` (``param.addcdiv_(m, denom, value=-step_size)``), which the caller adds to
     the weights with ``alpha=1``. The update uses the new fp32 moments (before re-quantization),
-    as bitsandbytes, torchao and FlashOptim do; then m and v are re-encoded (nearest).
+    as bitsandbytes, torchao and FlashOptim do; then m and v are clamped to ``+-FLT_MAX`` and
+    re-encoded: nearest (``stream < 0``), or stochastically with the noise of :func:`moment_noise`
+    (``index0``: the global index of element ``(0, 0)``; row ``r`` starts at ``index0 + r * cols``)
+    in the streams :func:`moment_stream` derives from ``stream``.
     """
     rows, cols = grad.shape
     g = grad.float()
     m = decode_moment(m_codes, m_scale, m_kind, block_size, cols)
     v = decode_moment(v_codes, v_scale, v_kind, block_size, cols)
-    m = _lerp_fp32(m, g, 1.0 - beta1)
-    v = v * _fp32(beta2) + (g * _fp32(1.0 - beta2)) * g
+    m = _lerp_fp32(m, g, 1.0 - beta1).clamp_(-FLT_MAX, FLT_MAX)
+    v = (v * _fp32(beta2) + (g * _fp32(1.0 - beta2)) * g).clamp_(-FLT_MAX, FLT_MAX)
     denom = _sqrt(v) / _fp32(bias_correction2_sqrt) + _fp32(eps)
     update.copy_((m * _fp32(neg_step_size)) / denom)
-    mc, ms = encode_moment(m, m_kind, block_size)
-    vc, vs = encode_moment(v, v_kind, block_size)
+    m_noise = v_noise = None
+    if stream >= 0:
+        m_noise = moment_noise(rows, cols, moment_stream(stream, m_kind), index0, g.device)
+        v_noise = moment_noise(rows, cols, moment_stream(stream, v_kind), index0, g.device)
+    mc, ms = encode_moment(m, m_kind, block_size, m_noise)
+    vc, vs = encode_moment(v, v_kind, block_size, v_noise)
     m_codes.copy_(mc)
     m_scale.copy_(ms)
     v_codes.copy_(vc)

@@ -96,7 +96,8 @@ class QMuon(QMuonStateMixin, Optimizer):
             argument below can be set per group too (``state_format``, ``ns_dtype``, ...).
         lr, weight_decay, momentum, nesterov, ns_coefficients, eps, ns_steps, adjust_lr_fn: Muon.
         ns_dtype: Newton-Schulz precision: ``"auto"``, ``"bf16"``, ``"fp32"``.
-        state_format, block_size, rank, grid_block, rounding, seed: momentum storage.
+        state_format, block_size, rank, grid_block, rounding, seed: momentum storage (``rounding`` and
+            ``seed`` also round the AdamW groups' int8 / int4 moments).
         nonfinite: ``"skip"`` leaves a parameter and its state untouched for a step whose gradient
             holds NaN/Inf (counted in :attr:`nonfinite_skips`); ``"raise"`` raises instead.
         max_nonfinite_skips: ``None`` (unlimited) or the most steps in a row one parameter's update

@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from .. import ops  # noqa: F401  (registers torch.ops.qmuon)
+from ..ops import reference_adamw as _refa
 from .formats.base import STEP, FormatOptions, StateFormat, StateFormatError
 from .registry import FORMATS, get_format
 
@@ -48,6 +49,7 @@ __all__ = [
     "to_torch_adamw_state",
     "describe_adamw_state",
     "update_rows",
+    "moment_noise_stream",
     "flat_slice_pieces",
 ]
 
@@ -201,6 +203,13 @@ def describe_adamw_state(state: Mapping[str, Any]) -> str:
     return " + ".join(f.describe(moment_options(f)) for f in detect_moment_formats(state))
 
 
+def moment_noise_stream(seed: int, key: int, step: int) -> int:
+    """The stochastic-rounding stream of parameter ``key``'s quantized moments at optimizer ``step``
+    (:func:`qmuon_lightning.ops.reference_adamw.adamw_noise_stream`: distinct from the Muon momentum's
+    and the bf16 weights' streams; m and v then draw two streams derived from it)."""
+    return _refa.adamw_noise_stream(seed, key, step)
+
+
 def _rows(t: Tensor, r0: int, r1: int) -> Tensor:
     """Rows ``[r0, r1)`` of a state tensor's ``(rows, cols)`` view (a view: writes reach the state)."""
     return t.view(t.shape[0] if t.ndim else 1, -1)[r0:r1]
@@ -208,11 +217,15 @@ def _rows(t: Tensor, r0: int, r1: int) -> Tensor:
 
 def update_rows(m_fmt: StateFormat, v_fmt: StateFormat, state: Mapping[str, Tensor], r0: int, r1: int,
                 grad: Tensor, update: Tensor, *, beta1: float, beta2: float, eps: float, neg_step_size: float,
-                bias_correction2_sqrt: float) -> None:
+                bias_correction2_sqrt: float, stream: int = -1, index0: int = 0) -> None:
     """Update the moments of rows ``[r0, r1)`` (``grad``: those rows' ``(r1 - r0, cols)`` gradient)
     and write ``update`` (fp32, same shape): the whole AdamW step of those weights without weight
     decay, ``(neg_step_size * m) / (sqrt(v) / bias_correction2_sqrt + eps)``, to be added with
-    ``alpha=1``. ``state``: the parameter's (local) state tensors."""
+    ``alpha=1``. ``state``: the parameter's (local) state tensors.
+
+    ``stream`` >= 0 rounds quantized moments stochastically (``ops.reference_adamw.adamw_noise_stream``),
+    their noise keyed by global element index ``index0 + r * cols + c`` (``index0``: the index of
+    row ``r0``'s first element in the whole parameter); dense moments ignore both."""
     if _dense(m_fmt) and _dense(v_fmt):
         m = _rows(state[m_fmt.spec.keys[0]], r0, r1)
         v = _rows(state[v_fmt.spec.keys[0]], r0, r1)
@@ -238,7 +251,7 @@ def update_rows(m_fmt: StateFormat, v_fmt: StateFormat, state: Mapping[str, Tens
     torch.ops.qmuon.adamw_q_update_(
         grad, _rows(state[mk], r0, r1), _rows(state[ms], r0, r1), _rows(state[vk], r0, r1), _rows(state[vs], r0, r1),
         update, float(beta1), float(beta2), float(eps), float(neg_step_size), float(bias_correction2_sqrt),
-        m_fmt.kind, v_fmt.kind, m_fmt.default_block_size)  # type: ignore[attr-defined]
+        m_fmt.kind, v_fmt.kind, m_fmt.default_block_size, int(stream), int(index0))  # type: ignore[attr-defined]
 
 
 def flat_slice_pieces(family: str, shape: Sequence[int], start: int, length: int) -> list[tuple[int, int, int]] | None:
