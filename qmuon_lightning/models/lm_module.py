@@ -38,6 +38,7 @@ from torch.optim import Optimizer
 
 import lightning as L
 
+from ..core.apply import BF16_UPDATES
 from ..core.config import DEFAULT_CONFIG
 from ..core.variants import row_moment_nbytes
 from ..optim.routing import build_optimizer, route_parameters
@@ -69,6 +70,10 @@ class OptimizerSpec:
         block_size, rank, grid_block, rounding, seed, nonfinite: QMuon options.
         adamw_state_format: how QMuon stores the AdamW moments (``"fp32"``, ``"bf16"``, ``"int8"``,
             ``"int4"``; ``None``: QMuon's default). ``qmuon`` / ``grasp`` only.
+        bf16_update: how an update reaches a bf16 weight (``trainer.precision: bf16-true``, no fp32
+            master copy): ``"nearest"``, ``"stochastic"`` or ``"ecc8"`` (+1 B/param of error-correction
+            state); ``None``: QMuon's default (``"stochastic"``). No effect on fp32 weights. ``qmuon`` /
+            ``grasp`` only.
         gradient_release: step each parameter inside backward and free its gradient
             (:mod:`qmuon_lightning.optim.release`); ``qmuon`` / ``grasp`` only. Set
             ``trainer.gradient_clip_val: null`` and ``accumulate_grad_batches: 1`` with it.
@@ -96,6 +101,7 @@ class OptimizerSpec:
     seed: int = 0
     nonfinite: Literal["skip", "raise"] = "skip"
     adamw_state_format: str | None = None
+    bf16_update: Literal["nearest", "stochastic", "ecc8"] | None = None
     gradient_release: bool = False
     variant: Literal["muon", "normuon"] = "muon"
     normuon_beta2: float = 0.95
@@ -119,11 +125,15 @@ class OptimizerSpec:
             raise ValueError(
                 f"optimizer.name={self.name!r} stores {fixed} momentum; got state_format={self.state_format!r}. "
                 "Use name='qmuon' for other formats")
-        if self.name not in ("qmuon", "grasp") and (self.adamw_state_format is not None or self.gradient_release):
-            raise ValueError(f"optimizer.adamw_state_format and optimizer.gradient_release are QMuon options; "
-                             f"optimizer.name={self.name!r} is a torch baseline. Use name='qmuon' for them")
+        if self.name not in ("qmuon", "grasp") and (self.adamw_state_format is not None or self.gradient_release
+                                                    or self.bf16_update is not None):
+            raise ValueError(f"optimizer.adamw_state_format, optimizer.bf16_update and optimizer.gradient_release are "
+                             f"QMuon options; optimizer.name={self.name!r} is a torch baseline. Use name='qmuon' for them")
         if self.adamw_state_format is not None:
             qadamw.check_adamw_state_format(self.adamw_state_format, "optimizer.adamw_state_format")
+        if self.bf16_update is not None and self.bf16_update not in BF16_UPDATES:
+            raise ValueError(f"optimizer.bf16_update must be one of {BF16_UPDATES} (or null for QMuon's default), "
+                             f"got {self.bf16_update!r}")
         if self.warmup_steps < 0 or not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ValueError("optimizer.warmup_steps must be >= 0 and optimizer.min_lr_ratio in [0, 1]")
 
@@ -200,6 +210,7 @@ def build_lm_optimizer(model: nn.Module, spec: OptimizerSpec, *, verbose: bool =
             normuon_beta2=spec.normuon_beta2, cautious_weight_decay=spec.cautious_weight_decay,
             ns_method=spec.ns_method, verbose=verbose,
             **({"adamw_state_format": spec.adamw_state_format} if spec.adamw_state_format is not None else {}),
+            **({"bf16_update": spec.bf16_update} if spec.bf16_update is not None else {}),
             **({"gradient_release": True} if spec.gradient_release else {}),
         )
     decisions = route_parameters(model)
