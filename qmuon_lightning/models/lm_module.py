@@ -38,7 +38,7 @@ from torch.optim import Optimizer
 
 import lightning as L
 
-from ..core.apply import BF16_UPDATES
+from ..core.apply import BF16_UPDATES, weight_state_init
 from ..core.config import DEFAULT_CONFIG
 from ..core.variants import row_moment_nbytes
 from ..optim.routing import build_optimizer, route_parameters
@@ -387,7 +387,8 @@ def memory_budget(module: DecoderLMModule, *, batch_size: int, seq_len: int, pre
     4-byte ``step`` per tensor; torch Muon: 4 bytes per element). ``tests/test_recipes.py``
     checks the count against the state of a real optimizer after one step. With FSDP every term but activations is divided by ``world_size`` (shards of
     dim 0; the uneven remainder is ignored). ``precision``: ``"bf16-true"`` keeps bf16 weights and
-    gradients (2 + 2 bytes), anything else fp32 (4 + 4) with bf16 autocast.
+    gradients (2 + 2 bytes; QMuon adds the ``bf16_update`` rule's correction state: 1 byte per
+    element under ``"ecc8"``), anything else fp32 (4 + 4) with bf16 autocast.
 
     Activations are an estimate, not a measurement: per layer and token, ``34 * d_model`` bytes
     (Korthikanti et al. 2022, "Reducing Activation Recomputation": a GPT block's tensors kept for
@@ -426,6 +427,11 @@ def memory_budget(module: DecoderLMModule, *, batch_size: int, seq_len: int, pre
                 else:  # QMuon's AdamW moments in their family (fp32 for tensors under 4096 elements)
                     st = qadamw.init_adamw_state(adamw_family, d.shape, d.shape, torch.device("meta"))
                     state += sum(t.numel() * t.element_size() for t in st.values())
+            if wbytes == 2 and spec.name in ("qmuon", "grasp") and d.target != "frozen":
+                # bf16 weights: the write rule's correction state (ecc8: one int8 code per element)
+                rule = spec.bf16_update or DEFAULT_CONFIG.bf16_update
+                ws = weight_state_init(torch.empty(d.shape, dtype=torch.bfloat16, device="meta"), rule)
+                state += sum(t.numel() * t.element_size() for t in ws.values())
     tokens = batch_size * seq_len
     act = cfg.n_layers * tokens * (34 * cfg.d_model + 4 * cfg.hidden) + tokens * 8 * cfg.vocab_size
     out = {
