@@ -10,10 +10,17 @@ same checkpoint names in every folder (no ``-vN`` duplicates), and nothing hidde
 Cases: ``single`` (one ``ModelCheckpoint``, every step, top-1 + last) and ``two`` (issue 20: the
 recipe's ``ModelCheckpoint`` every 4 steps in ``checkpoints/`` plus a user's own every 3 steps in
 ``ck/``, both top-1 + last; a restart must resume from the newest checkpoint of either folder).
+Issue 19's state and weights, each checkpointing every step as ``single``: ``adamw_int4`` (int4
+AdamW moments; every case else keeps QMuon's default int8), ``bf16_stochastic`` / ``bf16_ecc8``
+(``precision: bf16-true``, bf16 weights without an fp32 master, written with that ``bf16_update``;
+ecc8's ``weight_ecc`` codes are compared too), ``release`` (``gradient_release: true``) and
+``bf16_release`` (bf16-true + stochastic + release).
 
     python benchmarks/kill_resume.py                       # 20 kills per world size (1 and 2), both cases
     python benchmarks/kill_resume.py --kills 3 --world-sizes 1 --cases two --no-write   # quick look
     python benchmarks/kill_resume.py --cases two --kills 10 --steps 150 --append        # add a section
+    python benchmarks/kill_resume.py --kills 3 --steps 40 --world-sizes 1 \
+        --cases single,adamw_int4,bf16_stochastic,bf16_ecc8,release,bf16_release --append  # issue 19's cases
 
 Writes ``benchmarks/results/kill_resume.md``. The run setup is tests/_crash.py's (also used by
 tests/test_resume.py, which kills twice per world size).
@@ -42,6 +49,27 @@ _RESUMED = re.compile(r"ckpt_path=auto: (resuming from (\S+) \(global step (\d+)
 CASES = {
     "single": ({"every": 1}, ["checkpoints/last.ckpt"]),
     "two": ({"every": 4, "second": "periodic", "second_every": 3}, ["checkpoints/last.ckpt", "ck/last.ckpt"]),
+    # issue 19: the quantized AdamW state, bf16 weights without an fp32 master, gradient release
+    # (every one checkpointing every step, as "single")
+    "adamw_int4": ({"every": 1, "optimizer": {"adamw_state_format": "int4"}}, ["checkpoints/last.ckpt"]),
+    "bf16_stochastic": ({"every": 1, "precision": "bf16-true", "optimizer": {"bf16_update": "stochastic"}},
+                        ["checkpoints/last.ckpt"]),
+    "bf16_ecc8": ({"every": 1, "precision": "bf16-true", "optimizer": {"bf16_update": "ecc8"}},
+                  ["checkpoints/last.ckpt"]),
+    "release": ({"every": 1, "optimizer": {"gradient_release": True}}, ["checkpoints/last.ckpt"]),
+    "bf16_release": ({"every": 1, "precision": "bf16-true",
+                      "optimizer": {"bf16_update": "stochastic", "gradient_release": True}}, ["checkpoints/last.ckpt"]),
+}
+#: What each case's run stores, for the report (the tiny run's optimizer: int8 QMuon momentum with
+#: stochastic rounding; AdamW moments in QMuon's default format, int8, unless the case says otherwise).
+CASE_SETUP = {
+    "single": "fp32 weights, int8 AdamW moments (default)",
+    "two": "fp32 weights, int8 AdamW moments (default)",
+    "adamw_int4": "fp32 weights, `adamw_state_format: int4`",
+    "bf16_stochastic": "`precision: bf16-true`, `bf16_update: stochastic`, int8 AdamW moments",
+    "bf16_ecc8": "`precision: bf16-true`, `bf16_update: ecc8` (weight_ecc codes in the state), int8 AdamW moments",
+    "release": "fp32 weights, `gradient_release: true`, int8 AdamW moments",
+    "bf16_release": "`precision: bf16-true`, `bf16_update: stochastic`, `gradient_release: true`, int8 AdamW moments",
 }
 
 
@@ -155,7 +183,8 @@ def main() -> int:
                  f"appear (in any folder), then restarted with the same command; after {args.kills} kills the run "
                  "completes. Compared with an uninterrupted run of the same case and world size: every weight and "
                  "optimizer tensor of each folder's `last.ckpt` bit for bit, and the checkpoint names of every folder.")
-    lines.append("")
+    lines += ["", "Cases' training setup: " + "; ".join(f"`{c}`: {CASE_SETUP[c]}" for c in args.cases.split(",")) + ".",
+              ""]
     lines.append("| case | world size | kills | restarts that started over | final step | tensors differing | "
                  "checkpoint names equal | `-vN` names | hidden leftovers | wall time |")
     lines.append("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")

@@ -231,7 +231,8 @@ def run(argv: Sequence[str] | None, merge_recipe: Callable[[Sequence[str], Seque
         tokens = int(cfg["data"]["batch_size"]) * int(cfg["data"]["seq_len"])
         act = c.n_layers * tokens * (34 * c.d_model + 4 * c.hidden) + tokens * 8 * c.vocab_size
         print(f"Activations of this recipe's batch ({cfg['data']['batch_size']} x {cfg['data']['seq_len']} tokens, "
-              f"bf16 autocast): ~{mem.format_bytes(act)} (models.lm_module.memory_budget's estimate)")
+              f"{'bf16' if str(cfg.get('trainer', {}).get('precision')) == 'bf16-true' else 'bf16 autocast'}): "
+              f"~{mem.format_bytes(act)} (models.lm_module.memory_budget's estimate)")
     result = {"model": name, "device": args.device, "n_params": inv.n_params, "n_muon": inv.n_muon,
               "budget": budget, "grow": args.grow, "size_of_given_model": k0,
               "estimates": [e.as_dict() for e in ests],

@@ -33,7 +33,7 @@ trainer:
   {strategy}
   max_steps: {max_steps}
   max_epochs: -1
-  val_check_interval: 5
+{precision}  val_check_interval: 5
   check_val_every_n_epoch: null
   num_sanity_val_steps: 0
   log_every_n_steps: 1
@@ -60,7 +60,7 @@ trainer:
     state_format: int8
     rounding: stochastic
     warmup_steps: 2
-data:
+{optimizer}data:
   seq_len: 16
   batch_size: 2
   max_bytes: 600000
@@ -91,7 +91,8 @@ FOLDERS = ("checkpoints", "ck", "best")
 
 
 def write_config(root: Path, world_size: int, max_steps: int, batches_per_epoch: int = 7, every: int = 1,
-                 second: str | None = None, second_every: int = 2) -> Path:
+                 second: str | None = None, second_every: int = 2, precision: str | None = None,
+                 optimizer: dict[str, Any] | None = None) -> Path:
     """A tiny run under ``root``; an epoch is ``batches_per_epoch`` steps, so a run crosses epoch
     boundaries and restarts land before, on and after them. The first ``ModelCheckpoint`` saves
     every ``every`` steps; ``second`` (a key of :data:`SECOND`) adds another, every ``second_every``
@@ -99,9 +100,12 @@ def write_config(root: Path, world_size: int, max_steps: int, batches_per_epoch:
     root.mkdir(parents=True, exist_ok=True)
     strategy = "strategy: qmuon_fsdp" if world_size > 1 else ""
     extra = "" if second is None else SECOND[second].format(root=root, every=second_every)
+    prec = "" if precision is None else f"  precision: {precision}\n"
+    opt = "".join(f"    {k}: {str(v).lower() if isinstance(v, bool) else v}\n" for k, v in (optimizer or {}).items())
     path = root / "run.yaml"
     path.write_text(CONFIG.format(world=world_size, strategy=strategy, max_steps=max_steps, root=root, every=every,
-                                  second=extra, train_samples=batches_per_epoch * 2 * world_size))
+                                  second=extra, train_samples=batches_per_epoch * 2 * world_size, precision=prec,
+                                  optimizer=opt))
     return path
 
 

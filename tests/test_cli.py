@@ -248,9 +248,12 @@ def test_several_configs_and_dotted_overrides(tmp_path, tiny_cfg, capsys):
         (["--data.source=text"], ["invalid configuration", "data.paths"]),
         (["--model.dmodel=64"], ["dmodel"]),
         (["--data.source=tokens", "--data.paths=[/nonexistent/corpus]"], ["invalid configuration", "qmuon-prepare"]),
+        (["--model.optimizer.bf16_update=ecc7"], ["bf16_update", "ecc7"]),
+        (["--model.optimizer.name=torch_muon", "--model.optimizer.state_format=null",
+          "--model.optimizer.bf16_update=ecc8"], ["invalid configuration", "bf16_update", "torch baseline"]),
     ],
     ids=["unknown-format", "heads-do-not-divide", "grasp-with-int8", "text-without-paths", "typo-key",
-         "tokens-dir-missing"],
+         "tokens-dir-missing", "unknown-bf16-update", "bf16-update-on-torch-baseline"],
 )
 def test_bad_config_gives_clear_error(tmp_path, tiny_cfg, capsys, override, expect):
     cfg = str(tiny_cfg(tmp_path / "run"))
@@ -261,6 +264,33 @@ def test_bad_config_gives_clear_error(tmp_path, tiny_cfg, capsys, override, expe
     for word in expect:
         assert word in err, err
     assert "Traceback" not in err
+
+
+@pytest.mark.qmuon_train
+@pytest.mark.parametrize("rule", ["nearest", "stochastic", "ecc8"])
+def test_config_sets_bf16_update_adamw_state_and_release(tmp_path, tiny_cfg, capsys, rule):
+    """``model.optimizer.bf16_update`` / ``adamw_state_format`` / ``gradient_release`` in a YAML reach
+    the QMuon that ``configure_optimizers`` builds (every group), and a bf16-true run writes its bf16
+    weights with that rule (ecc8: int8 correction codes for each trained matrix)."""
+    extra = tmp_path / "bf16.yaml"
+    extra.write_text(f"trainer:\n  precision: bf16-true\n  gradient_clip_val: null\n"
+                     f"model:\n  optimizer:\n    bf16_update: {rule}\n    adamw_state_format: int4\n"
+                     f"    gradient_release: true\n")
+    cfg = str(tiny_cfg(tmp_path / "run"))
+    out = _print_config(capsys, "--config", cfg, "--config", str(extra))
+    o = out["model"]["optimizer"]
+    assert (o["bf16_update"], o["adamw_state_format"], o["gradient_release"]) == (rule, "int4", True)
+
+    cli = QMuonCLI(args=["fit", "--config", cfg, "--config", str(extra), "--trainer.max_steps=2",
+                         "--trainer.val_check_interval=2"])
+    opt = cli.trainer.optimizers[0]
+    groups = opt.param_groups
+    assert {g["bf16_update"] for g in groups} == {rule}
+    assert {g["state_format"] for g in groups if not g["use_muon"]} == {"int4"}
+    assert all(p.dtype == torch.bfloat16 for p in cli.model.parameters())
+    muon = [p for g in groups if g["use_muon"] for p in g["params"]]
+    has_ecc = [any("ecc" in k for k in opt.state[p]) for p in muon]
+    assert all(has_ecc) if rule == "ecc8" else not any(has_ecc), (rule, [sorted(opt.state[p]) for p in muon])
 
 
 def test_text_and_bin_sources(tmp_path):

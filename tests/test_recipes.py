@@ -142,23 +142,35 @@ def test_recipe(path, capsys, tmp_path):
             # A baseline must not be swapped for QMuon by the strategy.
             assert strategy.optimizer_mode == "keep"
     if path.parent.name == "gb10":
-        assert t["accelerator"] == "cuda" and t["precision"] == "bf16-mixed"
+        # bf16 autocast over fp32 weights, or bf16 weights without an fp32 master (a bf16_update rule)
+        assert t["accelerator"] == "cuda" and t["precision"] in ("bf16-mixed", "bf16-true")
         assert f"runs/gb10/{path.stem}" == t["default_root_dir"]
         assert t["callbacks"][0]["init_args"]["dirpath"] == f"runs/gb10/{path.stem}/checkpoints"
 
 
-@pytest.mark.parametrize("name, state_format, variant", [("qmuon", "int8", "muon"), ("grasp", None, "muon"),
-                                                         ("qmuon", "bf16", "muon"), ("adamw", None, "muon"),
-                                                         ("torch_muon", None, "muon"), ("qmuon", "int8", "normuon")])
-def test_memory_budget_state_is_exact(name, state_format, variant):
+@pytest.mark.parametrize("name, state_format, variant, bf16_update",
+                         [("qmuon", "int8", "muon", None), ("grasp", None, "muon", None),
+                          ("qmuon", "bf16", "muon", None), ("adamw", None, "muon", None),
+                          ("torch_muon", None, "muon", None), ("qmuon", "int8", "normuon", None),
+                          ("qmuon", "int8", "muon", "stochastic"), ("qmuon", "int8", "muon", "ecc8")])
+def test_memory_budget_state_is_exact(name, state_format, variant, bf16_update):
     """memory_budget's optimizer-state bytes == the state tensors a real optimizer holds after a step
-    (NorMuon: its per-row second moment too)."""
+    (NorMuon: its per-row second moment too; bf16 weights (``bf16-true``): the ``bf16_update`` rule's
+    correction codes, none for stochastic, one int8 per element for ecc8)."""
     torch.manual_seed(0)
-    spec = OptimizerSpec(name=name, state_format=state_format, warmup_steps=0, variant=variant)
+    spec = OptimizerSpec(name=name, state_format=state_format, warmup_steps=0, variant=variant, bf16_update=bf16_update)
     module = DecoderLMModule(d_model=64, n_layers=2, n_heads=2, max_seq_len=16, optimizer=spec)
     module.configure_model()
+    precision = "bf16-mixed"
+    if bf16_update is not None:
+        module.model.to(torch.bfloat16)
+        precision = "bf16-true"
     opt = build_lm_optimizer(module.model, spec, verbose=False)
     x = torch.randint(0, 256, (2, 16))
     module._loss((x, x)).backward()
     opt.step()
-    assert sum(optimizer_state_bytes(opt)) == memory_budget(module, batch_size=2, seq_len=16)["optimizer_state"]
+    held = sum(optimizer_state_bytes(opt))
+    assert held == memory_budget(module, batch_size=2, seq_len=16, precision=precision)["optimizer_state"]
+    if bf16_update == "ecc8":  # +1 byte per trained element over the same run without the codes
+        assert held - memory_budget(module, batch_size=2, seq_len=16)["optimizer_state"] == sum(
+            p.numel() for p in module.model.parameters())

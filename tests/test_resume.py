@@ -466,6 +466,31 @@ def test_sigkill_and_auto_restart_is_bit_identical(tmp_path, world_size):
     assert _crash.state_differences(a, b) == []
 
 
+@pytest.mark.qmuon_train
+@pytest.mark.slow
+@pytest.mark.parametrize("rule", ["stochastic", "ecc8"])
+def test_sigkill_restart_bit_identical_with_bf16_weights_and_release(tmp_path, rule):
+    """Issue 19's state and weights through SIGKILL + ``ckpt_path: auto``: ``precision: bf16-true``
+    (bf16 weights, no fp32 master) written with ``bf16_update`` ``rule``, int8 AdamW moments (the
+    default) and gradient release. One kill; the run ends with the uninterrupted run's weights and
+    optimizer state bit for bit (ecc8: its ``weight_ecc`` codes too)."""
+    steps = 12
+    options = {"precision": "bf16-true", "optimizer": {"bf16_update": rule, "gradient_release": True}}
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    _crash.run(_crash.write_config(straight, 1, steps, **options))
+    cfg = _crash.write_config(killed, 1, steps, **options)
+    outcome, log = _crash.run_and_kill(cfg, killed, 4, random.Random(7))
+    assert outcome == "killed", log[-3000:]
+    _crash.run(cfg)
+    a = _crash.load_checkpoint(straight / "checkpoints" / "last.ckpt")
+    b = _crash.load_checkpoint(killed / "checkpoints" / "last.ckpt")
+    assert a["global_step"] == b["global_step"] == steps
+    assert all(v.dtype == torch.bfloat16 for v in a["state_dict"].values() if v.is_floating_point())
+    ecc = [k for k in _crash.tensors({"optimizer_states": a["optimizer_states"]}) if "ecc" in k]
+    assert bool(ecc) == (rule == "ecc8"), ecc
+    assert _crash.state_differences(a, b) == []
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("second", ["periodic", "best"])
 @pytest.mark.parametrize("world_size", [1, 2])

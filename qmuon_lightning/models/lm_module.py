@@ -38,6 +38,7 @@ from torch.optim import Optimizer
 
 import lightning as L
 
+from ..core.apply import BF16_UPDATES, weight_state_init
 from ..core.config import DEFAULT_CONFIG
 from ..core.variants import row_moment_nbytes
 from ..optim.routing import build_optimizer, route_parameters
@@ -69,6 +70,10 @@ class OptimizerSpec:
         block_size, rank, grid_block, rounding, seed, nonfinite: QMuon options.
         adamw_state_format: how QMuon stores the AdamW moments (``"fp32"``, ``"bf16"``, ``"int8"``,
             ``"int4"``; ``None``: QMuon's default). ``qmuon`` / ``grasp`` only.
+        bf16_update: how an update reaches a bf16 weight (``trainer.precision: bf16-true``, no fp32
+            master copy): ``"nearest"``, ``"stochastic"`` or ``"ecc8"`` (+1 B/param of error-correction
+            state); ``None``: QMuon's default (``"stochastic"``). No effect on fp32 weights. ``qmuon`` /
+            ``grasp`` only.
         gradient_release: step each parameter inside backward and free its gradient
             (:mod:`qmuon_lightning.optim.release`); ``qmuon`` / ``grasp`` only. Set
             ``trainer.gradient_clip_val: null`` and ``accumulate_grad_batches: 1`` with it.
@@ -96,6 +101,7 @@ class OptimizerSpec:
     seed: int = 0
     nonfinite: Literal["skip", "raise"] = "skip"
     adamw_state_format: str | None = None
+    bf16_update: Literal["nearest", "stochastic", "ecc8"] | None = None
     gradient_release: bool = False
     variant: Literal["muon", "normuon"] = "muon"
     normuon_beta2: float = 0.95
@@ -119,11 +125,15 @@ class OptimizerSpec:
             raise ValueError(
                 f"optimizer.name={self.name!r} stores {fixed} momentum; got state_format={self.state_format!r}. "
                 "Use name='qmuon' for other formats")
-        if self.name not in ("qmuon", "grasp") and (self.adamw_state_format is not None or self.gradient_release):
-            raise ValueError(f"optimizer.adamw_state_format and optimizer.gradient_release are QMuon options; "
-                             f"optimizer.name={self.name!r} is a torch baseline. Use name='qmuon' for them")
+        if self.name not in ("qmuon", "grasp") and (self.adamw_state_format is not None or self.gradient_release
+                                                    or self.bf16_update is not None):
+            raise ValueError(f"optimizer.adamw_state_format, optimizer.bf16_update and optimizer.gradient_release are "
+                             f"QMuon options; optimizer.name={self.name!r} is a torch baseline. Use name='qmuon' for them")
         if self.adamw_state_format is not None:
             qadamw.check_adamw_state_format(self.adamw_state_format, "optimizer.adamw_state_format")
+        if self.bf16_update is not None and self.bf16_update not in BF16_UPDATES:
+            raise ValueError(f"optimizer.bf16_update must be one of {BF16_UPDATES} (or null for QMuon's default), "
+                             f"got {self.bf16_update!r}")
         if self.warmup_steps < 0 or not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ValueError("optimizer.warmup_steps must be >= 0 and optimizer.min_lr_ratio in [0, 1]")
 
@@ -200,6 +210,7 @@ def build_lm_optimizer(model: nn.Module, spec: OptimizerSpec, *, verbose: bool =
             normuon_beta2=spec.normuon_beta2, cautious_weight_decay=spec.cautious_weight_decay,
             ns_method=spec.ns_method, verbose=verbose,
             **({"adamw_state_format": spec.adamw_state_format} if spec.adamw_state_format is not None else {}),
+            **({"bf16_update": spec.bf16_update} if spec.bf16_update is not None else {}),
             **({"gradient_release": True} if spec.gradient_release else {}),
         )
     decisions = route_parameters(model)
@@ -376,7 +387,8 @@ def memory_budget(module: DecoderLMModule, *, batch_size: int, seq_len: int, pre
     4-byte ``step`` per tensor; torch Muon: 4 bytes per element). ``tests/test_recipes.py``
     checks the count against the state of a real optimizer after one step. With FSDP every term but activations is divided by ``world_size`` (shards of
     dim 0; the uneven remainder is ignored). ``precision``: ``"bf16-true"`` keeps bf16 weights and
-    gradients (2 + 2 bytes), anything else fp32 (4 + 4) with bf16 autocast.
+    gradients (2 + 2 bytes; QMuon adds the ``bf16_update`` rule's correction state: 1 byte per
+    element under ``"ecc8"``), anything else fp32 (4 + 4) with bf16 autocast.
 
     Activations are an estimate, not a measurement: per layer and token, ``34 * d_model`` bytes
     (Korthikanti et al. 2022, "Reducing Activation Recomputation": a GPT block's tensors kept for
@@ -415,6 +427,11 @@ def memory_budget(module: DecoderLMModule, *, batch_size: int, seq_len: int, pre
                 else:  # QMuon's AdamW moments in their family (fp32 for tensors under 4096 elements)
                     st = qadamw.init_adamw_state(adamw_family, d.shape, d.shape, torch.device("meta"))
                     state += sum(t.numel() * t.element_size() for t in st.values())
+            if wbytes == 2 and spec.name in ("qmuon", "grasp") and d.target != "frozen":
+                # bf16 weights: the write rule's correction state (ecc8: one int8 code per element)
+                rule = spec.bf16_update or DEFAULT_CONFIG.bf16_update
+                ws = weight_state_init(torch.empty(d.shape, dtype=torch.bfloat16, device="meta"), rule)
+                state += sum(t.numel() * t.element_size() for t in ws.values())
     tokens = batch_size * seq_len
     act = cfg.n_layers * tokens * (34 * cfg.d_model + 4 * cfg.hidden) + tokens * 8 * cfg.vocab_size
     out = {
