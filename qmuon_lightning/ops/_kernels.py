@@ -85,7 +85,43 @@ def packed_ok(packed: Tensor, cols: int) -> bool:
     return packed.dim() == 2 and packed.dtype == torch.uint8 and cols >= 0 and (cols + 1) // 2 == packed.shape[1]
 
 
+def _probe_once(cache: dict[str, bool], device: torch.device, kernel: str, fn_name: str,
+                probe: Callable[[torch.device], bool], mismatch: str) -> bool:
+    """``cache[device.type]``, computed on the first call by ``probe(device)`` (a bit-for-bit comparison of
+    a compiled kernel with torch's own arithmetic). The probe copies to the device and compares on the
+    host, so it refuses to run inside a CUDA graph capture; ``mismatch`` is the warning when it fails."""
+    key = device.type
+    if key not in cache:
+        if key == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                f"qmuon_lightning: the {kernel} kernel is probed on its first CUDA call, which cannot happen "
+                "inside a CUDA graph capture. Run one optimizer step eagerly before capturing (the warm-up that "
+                f"torch.cuda.graph needs anyway), or call qmuon_lightning.ops._kernels.{fn_name}(device) first.")
+        cache[key] = probe(device)
+        if not cache[key]:
+            warnings.warn(f"qmuon_lightning: this torch build's {key} {mismatch}", RuntimeWarning, stacklevel=4)
+    return cache[key]
+
+
 _lerp_fused: dict[str, bool] = {}
+
+
+def _dense_probe(device: torch.device) -> bool:
+    from . import reference as ref
+
+    gen = torch.Generator().manual_seed(1234)
+    ok = True
+    for buf_dtype in DENSE_BUF_DTYPES:
+        buf = torch.randn(5, 333, generator=gen).to(buf_dtype).to(device)
+        grad = torch.randn(5, 333, generator=gen).to(device)
+        r_buf, r_grad = buf.clone(), grad.clone()
+        sums = [torch.empty(5, 2, device=device)]
+        torch.ops.qmuon_C.dense_momentum_update_multi_([buf], [grad], sums, 0.95, True, 256, [-1], [0])
+        ref.dense_momentum_update_(r_buf, r_grad, beta=0.95, nesterov=True, block_size=256)
+        bits = torch.int16 if buf_dtype == torch.bfloat16 else torch.int32
+        ok = ok and torch.equal(buf.view(bits), r_buf.view(bits))
+        ok = ok and torch.equal(grad.view(torch.int32), r_grad.view(torch.int32))
+    return ok
 
 
 def dense_matches_torch(device: torch.device) -> bool:
@@ -97,38 +133,29 @@ def dense_matches_torch(device: torch.device) -> bool:
     probe, run once per device type, compares the kernel with the reference where the two roundings
     differ, and the dense op stays on the reference if they disagree.
     """
-    key = device.type
-    if key not in _lerp_fused:
-        if key == "cuda" and torch.cuda.is_current_stream_capturing():
-            # The probe copies host -> device and compares on the host: impossible inside a capture.
-            raise RuntimeError(
-                "qmuon_lightning: the dense momentum kernel is probed on its first CUDA call, which cannot happen "
-                "inside a CUDA graph capture. Run one optimizer step eagerly before capturing (the warm-up that "
-                "torch.cuda.graph needs anyway), or call qmuon_lightning.ops._kernels.dense_matches_torch(device) "
-                "first.")
-        from . import reference as ref
-
-        gen = torch.Generator().manual_seed(1234)
-        ok = True
-        for buf_dtype in DENSE_BUF_DTYPES:
-            buf = torch.randn(5, 333, generator=gen).to(buf_dtype).to(device)
-            grad = torch.randn(5, 333, generator=gen).to(device)
-            r_buf, r_grad = buf.clone(), grad.clone()
-            sums = [torch.empty(5, 2, device=device)]
-            torch.ops.qmuon_C.dense_momentum_update_multi_([buf], [grad], sums, 0.95, True, 256, [-1], [0])
-            ref.dense_momentum_update_(r_buf, r_grad, beta=0.95, nesterov=True, block_size=256)
-            bits = torch.int16 if buf_dtype == torch.bfloat16 else torch.int32
-            ok = ok and torch.equal(buf.view(bits), r_buf.view(bits))
-            ok = ok and torch.equal(grad.view(torch.int32), r_grad.view(torch.int32))
-        _lerp_fused[key] = ok
-        if not ok:
-            warnings.warn(f"qmuon_lightning: this torch build's {key} lerp does not round like the compiled dense "
-                          "update (no FMA); fp32/bf16 momentum uses the pure-PyTorch reference.",
-                          RuntimeWarning, stacklevel=3)
-    return _lerp_fused[key]
+    return _probe_once(_lerp_fused, device, "dense momentum", "dense_matches_torch", _dense_probe,
+                       "lerp does not round like the compiled dense update (no FMA); fp32/bf16 momentum uses the "
+                       "pure-PyTorch reference.")
 
 
 _add_fused: dict[str, bool] = {}
+
+
+def _fp32_write_probe(device: torch.device) -> bool:
+    gen = torch.Generator().manual_seed(4321)
+    ok = True
+    for rows, cols, transposed, udt in ((67, 333, False, torch.float32), (67, 333, True, torch.bfloat16),
+                                        (130, 67, True, torch.float32), (5, 1029, False, torch.bfloat16),
+                                        (3, 7, False, torch.float16)):
+        w = torch.randn(rows, cols, generator=gen).to(device)
+        u = torch.randn((cols, rows) if transposed else (rows, cols), generator=gen).to(udt).to(device)
+        u = u.mT if transposed else u
+        a, b = w.clone(), w.clone()
+        torch.ops.qmuon_C.fp32_weight_update_(a, u, -0.0213, 0.9998)
+        b.mul_(0.9998)
+        b.add_(u, alpha=-0.0213)
+        ok = ok and torch.equal(a.view(torch.int32), b.view(torch.int32))
+    return ok
 
 
 def fp32_write_matches_torch(device: torch.device) -> bool:
@@ -143,34 +170,11 @@ def fp32_write_matches_torch(device: torch.device) -> bool:
     updates (inputs where one and two roundings differ in thousands of elements); on any difference
     the op stays on the reference (torch's ops), with a warning.
     """
-    key = device.type
-    if key not in _add_fused:
-        if not _compiled_for(key):  # no compiled kernel on this device: nothing to compare
-            return False
-        if key == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(
-                "qmuon_lightning: the fp32 weight-write kernel is probed on its first CUDA call, which cannot happen "
-                "inside a CUDA graph capture. Run one optimizer step eagerly before capturing, or call "
-                "qmuon_lightning.ops._kernels.fp32_write_matches_torch(device) first.")
-        gen = torch.Generator().manual_seed(4321)
-        ok = True
-        for rows, cols, transposed, udt in ((67, 333, False, torch.float32), (67, 333, True, torch.bfloat16),
-                                            (130, 67, True, torch.float32), (5, 1029, False, torch.bfloat16),
-                                            (3, 7, False, torch.float16)):
-            w = torch.randn(rows, cols, generator=gen).to(device)
-            u = torch.randn((cols, rows) if transposed else (rows, cols), generator=gen).to(udt).to(device)
-            u = u.mT if transposed else u
-            a, b = w.clone(), w.clone()
-            torch.ops.qmuon_C.fp32_weight_update_(a, u, -0.0213, 0.9998)
-            b.mul_(0.9998)
-            b.add_(u, alpha=-0.0213)
-            ok = ok and torch.equal(a.view(torch.int32), b.view(torch.int32))
-        _add_fused[key] = ok
-        if not ok:
-            warnings.warn(f"qmuon_lightning: this torch build's {key} add does not round like the compiled fp32 weight "
-                          "write (no FMA); fp32 weights are written with torch's mul_ / add_.",
-                          RuntimeWarning, stacklevel=3)
-    return _add_fused[key]
+    if device.type not in _add_fused and not _compiled_for(device.type):
+        return False  # no compiled kernel on this device: nothing to compare
+    return _probe_once(_add_fused, device, "fp32 weight-write", "fp32_write_matches_torch", _fp32_write_probe,
+                       "add does not round like the compiled fp32 weight write (no FMA); fp32 weights are written "
+                       "with torch's mul_ / add_.")
 
 
 # ---------------------------------------------------------------------------------------------
