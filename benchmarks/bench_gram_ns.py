@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
 import time
 
 import torch
 
+from _common import cpu_name
 from qmuon_lightning.core.gram_newton_schulz import newton_schulz_gram, pick_ns_method
 from qmuon_lightning.core.newton_schulz import newton_schulz_folded, resolve_schedule
 
@@ -36,17 +36,6 @@ def gradlike(rows: int, cols: int, batch: int, gen: torch.Generator) -> torch.Te
 def sigma_err(o: torch.Tensor) -> float:
     """Mean over the batch of the mean |sigma_i - 1| over the singular values (float64 SVD)."""
     return statistics.mean((torch.linalg.svdvals(m.double()) - 1).abs().mean().item() for m in o)
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def time_pair(g, inv, sch, steps, dtype, reps):
@@ -92,7 +81,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     gen = torch.Generator().manual_seed(0)
-    print(f"CPU: {cpu_model()}; {os.cpu_count()} CPUs; torch {torch.__version__}; "
+    print(f"CPU: {cpu_name()}; {os.cpu_count()} CPUs; torch {torch.__version__}; "
           f"ATen CPU capability {torch.backends.cpu.get_cpu_capability()}")
     print(f"{args.threads} thread(s), median of {args.reps} interleaved repetitions; "
           f"1-min load at start {os.getloadavg()[0]:.1f}")
