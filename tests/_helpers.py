@@ -9,6 +9,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -178,6 +179,25 @@ def subprocess_env(**extra: str) -> dict[str, str]:
     env["OMP_NUM_THREADS"] = "1"
     env.update(extra)
     return env
+
+
+def torchrun_cmd(nproc: int | str, script: str | Path, *args: str) -> list[str]:
+    """``python -m torch.distributed.run`` starting ``nproc`` local processes of ``script`` with
+    ``args``, rendezvous on 127.0.0.1 at a free port (run it with :func:`run_launcher`)."""
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr",
+            "127.0.0.1", "--master_port", str(free_port()), str(script), *map(str, args)]
+
+
+def ds_gathered(module: torch.nn.Module) -> list[torch.Tensor]:
+    """Copies of ``module``'s full parameters; under DeepSpeed ZeRO-3 (parameters with ``ds_shape``)
+    gathered from their partitions first."""
+    import deepspeed
+
+    params = list(module.parameters())
+    if not hasattr(params[0], "ds_shape"):
+        return [p.detach().clone() for p in params]
+    with deepspeed.zero.GatheredParameters(params):
+        return [p.detach().clone() for p in params]
 
 
 def run_launcher(cmd: list[str], *, timeout: float, env: dict[str, str] | None = None, cwd: str | Path | None = None,

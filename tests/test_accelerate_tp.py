@@ -180,10 +180,9 @@ def _main(out: Path) -> None:
 
 @pytest.mark.slow
 def test_accelerate_fsdp2_tp_matches_single_process(tmp_path: Path) -> None:
-    from _helpers import free_port, run_launcher, subprocess_env
+    from _helpers import run_launcher, subprocess_env, torchrun_cmd
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--master_addr", "127.0.0.1",
-           "--master_port", str(free_port()), str(Path(__file__).resolve()), "--worker", str(tmp_path)]
+    cmd = torchrun_cmd(4, Path(__file__).resolve(), "--worker", str(tmp_path))
     run_launcher(cmd, timeout=300, env=subprocess_env(PYTHONWARNINGS="ignore"), what="4-process Accelerate FSDP2 x TP")
     res = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(4)]
     r0 = res[0]

@@ -44,6 +44,7 @@ from _helpers import (  # tests/ is on sys.path: pytest's prepend mode, or this 
     REPO,
     assert_same,
     free_port,
+    torchrun_cmd,
     momentum_fp32,
     ns_float64,
     run_launcher,
@@ -696,8 +697,7 @@ def _lightning_run(rank: int) -> dict:
 @pytest.fixture(scope="module")
 def two_process_run(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("ds")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(WORLD), "--master_addr", "127.0.0.1",
-           "--master_port", str(free_port()), str(Path(__file__).resolve()), "--worker", str(out)]
+    cmd = torchrun_cmd(str(WORLD), Path(__file__).resolve(), "--worker", str(out))
     log = run_launcher(cmd, timeout=600, env=subprocess_env(DS_ACCELERATOR="cpu"), what="2-process DeepSpeed worker")
     ranks = [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(WORLD)]
     assert [r["rank"] for r in ranks] == list(range(WORLD))

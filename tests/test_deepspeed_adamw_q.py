@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from _helpers import REPO, free_port, run_launcher, subprocess_env
+from _helpers import REPO, ds_gathered, run_launcher, subprocess_env, torchrun_cmd
 
 sys.path.insert(0, str(REPO))
 
@@ -194,16 +194,6 @@ def test_version1_fp32_slice_state_loads_into_int8_pieces():
 
 
 # ============================================================================ worker
-def _gathered(module) -> list[torch.Tensor]:
-    import deepspeed
-
-    params = list(module.parameters())
-    if not hasattr(params[0], "ds_shape"):
-        return [p.detach().clone() for p in params]
-    with deepspeed.zero.GatheredParameters(params):
-        return [p.detach().clone() for p in params]
-
-
 def _engine(stage: int, seed: int = 0):
     model = Net(seed)
     cfg = {k: (dict(v) if isinstance(v, dict) else v) for k, v in CFG.items()}
@@ -218,7 +208,7 @@ def _train(engine, steps) -> list[list[torch.Tensor]]:
         x = _batch(step)  # the same batch on both ranks
         engine.backward(_loss(engine(x), x))
         engine.step()
-        out.append(_gathered(engine.module))
+        out.append(ds_gathered(engine.module))
     return out
 
 
@@ -229,7 +219,7 @@ def _slice_state(opt) -> dict:
 def _stage_run(stage: int, out_dir: str, rank: int) -> dict:
     d = os.path.join(out_dir, f"ckpt{stage}")
     engine, opt = _engine(stage)
-    res = {"init": _gathered(engine.module), "zero_class": type(engine.optimizer).__name__,
+    res = {"init": ds_gathered(engine.module), "zero_class": type(engine.optimizer).__name__,
            "holders": {p.index: [None if h is None else (h.start, h.length) for h in p.holders] for p in opt._params},
            "pieces": {i: list(v) for i, v in opt._pieces.items()}}
     res["params"] = _train(engine, range(CKPT_AT))
@@ -260,8 +250,7 @@ def worker(out_dir: str) -> None:
 @pytest.fixture(scope="module")
 def run(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("adamw_q")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(WORLD), "--master_addr", "127.0.0.1",
-           "--master_port", str(free_port()), str(Path(__file__).resolve()), "--worker", str(out)]
+    cmd = torchrun_cmd(str(WORLD), Path(__file__).resolve(), "--worker", str(out))
     run_launcher(cmd, timeout=600, env=subprocess_env(DS_ACCELERATOR="cpu"), what="2-process int8-AdamW worker")
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
 

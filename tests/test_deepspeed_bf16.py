@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from _helpers import REPO, free_port, run_launcher, subprocess_env
+from _helpers import REPO, ds_gathered, run_launcher, subprocess_env, torchrun_cmd
 
 sys.path.insert(0, str(REPO))
 
@@ -197,16 +197,6 @@ def test_ecc8_codes_validated_on_load():
 
 
 # ============================================================================ worker
-def _gathered(module) -> list[torch.Tensor]:
-    import deepspeed
-
-    params = list(module.parameters())
-    if not hasattr(params[0], "ds_shape"):
-        return [p.detach().clone() for p in params]
-    with deepspeed.zero.GatheredParameters(params):
-        return [p.detach().clone() for p in params]
-
-
 def _engine(stage: int, rule: str, seed: int = 0):
     model = Net(seed)
     cfg = {k: (dict(v) if isinstance(v, dict) else v) for k, v in CFG.items()}
@@ -221,7 +211,7 @@ def _train(engine, steps) -> list[list[torch.Tensor]]:
         x = _batch(step)  # the same batch on both ranks
         engine.backward(_loss(engine(x), x))
         engine.step()
-        out.append(_gathered(engine.module))
+        out.append(ds_gathered(engine.module))
     return out
 
 
@@ -241,7 +231,7 @@ def _run(stage: int, rule: str, out_dir: str, resume: bool) -> dict:
     engine, opt = _engine(stage, rule)
     # the flat partitions DeepSpeed hands the optimizer (ZeRO-3: one per sub-group, also between steps)
     master = opt._flats if opt._mode == "zero3" else [g["params"][0] for g in opt._all_groups if g["params"]]
-    res = {"init": _gathered(engine.module), "zero_class": type(engine.optimizer).__name__,
+    res = {"init": ds_gathered(engine.module), "zero_class": type(engine.optimizer).__name__,
            "master_dtypes": [str(t.dtype) for t in master], "grad_dtype": str(opt._grad_dtype),
            "holders": {p.index: [None if h is None else (h.start, h.length) for h in p.holders] for p in opt._params}}
     if resume:
@@ -327,8 +317,7 @@ def worker(out_dir: str) -> None:
 @pytest.fixture(scope="module")
 def run(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("ds_bf16")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(WORLD), "--master_addr", "127.0.0.1",
-           "--master_port", str(free_port()), str(Path(__file__).resolve()), "--worker", str(out)]
+    cmd = torchrun_cmd(str(WORLD), Path(__file__).resolve(), "--worker", str(out))
     run_launcher(cmd, timeout=600, env=subprocess_env(DS_ACCELERATOR="cpu"), what="2-process bf16-master worker")
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
 

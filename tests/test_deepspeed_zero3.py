@@ -40,7 +40,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from _helpers import REPO, assert_same, free_port, run_launcher, subprocess_env
+from _helpers import REPO, assert_same, ds_gathered, run_launcher, subprocess_env, torchrun_cmd
 
 sys.path.insert(0, str(REPO))
 
@@ -112,17 +112,6 @@ def _cfg(stage: int, **zero) -> dict:
     return cfg
 
 
-def _gathered(module) -> list[torch.Tensor]:
-    """The full parameters (stage 3: all-gathered, a collective)."""
-    import deepspeed
-
-    params = list(module.parameters())
-    if not hasattr(params[0], "ds_shape"):
-        return _params(module)
-    with deepspeed.zero.GatheredParameters(params):
-        return [p.detach().clone() for p in params]
-
-
 def _capture_grads(opt) -> list[dict[int, torch.Tensor]]:
     """Record, per optimizer step, the flat fp32 gradient of every sub-group DeepSpeed hands to
     ``step()`` (before the wrapper reads it). Returns the list the records go to."""
@@ -192,14 +181,14 @@ def _z3_run(rank: int, zero_init: bool, bf16: bool = False, family: str = "decod
            "true_ndim2": sum(len(true_shape(p)) >= 2 for p in model.parameters())}
     engine, opt, _, _ = qds.initialize(model, opt, cfg)
     grads = _capture_grads(opt)
-    out["init"] = _gathered(engine.module)
+    out["init"] = ds_gathered(engine.module)
     out["params"], out["ns_items"] = [], []
     for step in range(steps):
         x = batch(step, rank)
         engine.backward(loss(engine, x))
         engine.step()
         out["ns_items"].append(dict(opt.ns_items))
-        out["params"].append(_gathered(engine.module))
+        out["params"].append(ds_gathered(engine.module))
     out.update(grads=grads, state=_state(opt), zero_class=type(engine.optimizer).__name__, ds_layout=_ds_layout(engine),
                muon_numel=sum(p.numel for p in opt._params if p.muon), **_layout(opt))
     return out
@@ -212,14 +201,14 @@ def _gas_run(rank: int) -> dict:
     model = _model()
     engine, opt, _, _ = qds.initialize(model, ql.build_optimizer(model, **OPT_KW), cfg)
     grads = _capture_grads(opt)
-    out = {"init": _gathered(engine.module), "params": [], "ns_items": []}
+    out = {"init": ds_gathered(engine.module), "params": [], "ns_items": []}
     for step in range(STEPS):
         for m in range(2):
             x = _batch(10 + 2 * step + m, rank)
             engine.backward(_loss(engine(x), x))
             engine.step()
         out["ns_items"].append(dict(opt.ns_items))
-        out["params"].append(_gathered(engine.module))
+        out["params"].append(ds_gathered(engine.module))
     out.update(grads=grads, state=_state(opt), ds_layout=_ds_layout(engine), **_layout(opt))
     return out
 
@@ -234,16 +223,16 @@ def _ckpt_run(rank: int, out_dir: str) -> dict:
     e, opt = engine(0)
     _run(e, opt, rank, range(CKPT_AT))
     e.save_checkpoint(d, tag="t")
-    at_save = {"params": _gathered(e.module), "state": _state(opt)}
+    at_save = {"params": ds_gathered(e.module), "state": _state(opt)}
     _run(e, opt, rank, range(CKPT_AT, CKPT_STEPS))
-    straight = {"params": _gathered(e.module), "state": _state(opt)}
+    straight = {"params": ds_gathered(e.module), "state": _state(opt)}
     del e, opt
     e, opt = engine(123)
-    fresh = _gathered(e.module)
+    fresh = ds_gathered(e.module)
     qds.load_checkpoint(e, d, tag="t")
-    loaded = {"params": _gathered(e.module), "state": _state(opt)}
+    loaded = {"params": ds_gathered(e.module), "state": _state(opt)}
     _run(e, opt, rank, range(CKPT_AT, CKPT_STEPS))
-    resumed = {"params": _gathered(e.module), "state": _state(opt)}
+    resumed = {"params": ds_gathered(e.module), "state": _state(opt)}
     return {"dir": d, "fresh": fresh, "at_save": at_save, "straight": straight, "loaded": loaded, "resumed": resumed,
             **_layout(opt)}
 
@@ -289,13 +278,13 @@ def _lightning_run(rank: int, out_dir: str) -> dict:
             self.rec = rec
 
         def on_train_start(self, trainer, module):
-            self.rec["init"] = _gathered(module.model)
+            self.rec["init"] = ds_gathered(module.model)
             self.rec["grads"] = _capture_grads(trainer.strategy.qmuon_optimizer)
             self.rec["ds_layout"] = _ds_layout(trainer.strategy.deepspeed_engine)
             self.rec["params"] = []
 
         def on_train_batch_end(self, trainer, module, *args):
-            self.rec["params"].append(_gathered(module.model))
+            self.rec["params"].append(ds_gathered(module.model))
 
     def fit(max_steps, rec, ckpt_path=None):
         strategy = qsd.QMuonDeepSpeedStrategy(stage=3, config={
@@ -375,8 +364,7 @@ def worker_world_1(out_dir: str) -> None:
 @pytest.fixture(scope="module")
 def z3_run(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("z3")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(WORLD), "--master_addr", "127.0.0.1",
-           "--master_port", str(free_port()), str(Path(__file__).resolve()), "--worker", str(out)]
+    cmd = torchrun_cmd(str(WORLD), Path(__file__).resolve(), "--worker", str(out))
     log = run_launcher(cmd, timeout=600, env=subprocess_env(DS_ACCELERATOR="cpu"), what="2-process ZeRO-3 worker")
     ranks = [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(WORLD)]
     assert [r["rank"] for r in ranks] == list(range(WORLD))
@@ -642,8 +630,7 @@ def test_zero3_checkpoint_resume_is_bit_exact(z3_run):
 
 def test_zero3_other_world_size_is_refused_with_the_fix(z3_run):
     out = z3_run["out"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_addr", "127.0.0.1",
-           "--master_port", str(free_port()), str(Path(__file__).resolve()), "--world-1", str(out)]
+    cmd = torchrun_cmd(1, Path(__file__).resolve(), "--world-1", str(out))
     run_launcher(cmd, timeout=300, env=subprocess_env(DS_ACCELERATOR="cpu"), what="1-process ZeRO-3 resume")
     res = torch.load(out / "world1.pt", weights_only=True)
     assert res["saved_world_size"] == WORLD

@@ -664,13 +664,12 @@ def _worker_main(out: Path) -> None:
 
 @pytest.fixture(scope="module")
 def two_process_run(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    from _helpers import free_port
+    from _helpers import torchrun_cmd
 
     pytest.importorskip("deepspeed")
     pytest.importorskip("accelerate")
     out = tmp_path_factory.mktemp("hf_layers")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(free_port()), str(Path(__file__).resolve()), "--worker", str(out)]
+    cmd = torchrun_cmd(2, Path(__file__).resolve(), "--worker", str(out))
     run_launcher(cmd, timeout=900, env=subprocess_env(DS_ACCELERATOR="cpu", PYTHONWARNINGS="ignore"),
                  what="2-process HF worker (DeepSpeed, Accelerate, Trainer, Fabric)")
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]

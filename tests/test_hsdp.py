@@ -367,10 +367,9 @@ def _trainer_main(out: Path) -> None:
 def test_trainer_hsdp_trains_and_resumes(tmp_path: Path) -> None:
     """QMuonFSDPStrategy(replicate_size=2) on 4 processes: HSDP placements, each rank runs <= 1/4
     + 10% of the NS cost, and a resume from the sharded checkpoint of epoch 0 is bit-exact."""
-    from _helpers import free_port, run_launcher, subprocess_env
+    from _helpers import torchrun_cmd, run_launcher, subprocess_env
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--master_addr", "127.0.0.1",
-           "--master_port", str(free_port()), str(Path(__file__).resolve()), "--trainer", str(tmp_path)]
+    cmd = torchrun_cmd(4, Path(__file__).resolve(), "--trainer", str(tmp_path))
     run_launcher(cmd, timeout=600, env=subprocess_env(PYTHONWARNINGS="ignore"), what="4-process HSDP Trainer")
     res = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(4)]
     for r in res:
@@ -569,11 +568,10 @@ def _drivers_main(out: Path) -> None:
 
 @pytest.fixture(scope="module")
 def drivers_run(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    from _helpers import free_port, run_launcher, subprocess_env
+    from _helpers import torchrun_cmd, run_launcher, subprocess_env
 
     out = tmp_path_factory.mktemp("hsdp_drivers")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--master_addr", "127.0.0.1",
-           "--master_port", str(free_port()), str(Path(__file__).resolve()), "--drivers", str(out)]
+    cmd = torchrun_cmd(4, Path(__file__).resolve(), "--drivers", str(out))
     run_launcher(cmd, timeout=600, env=subprocess_env(PYTHONWARNINGS="ignore"), what="4-process HSDP Fabric/Accelerate")
     return [torch.load(out / f"drivers_rank{r}.pt", weights_only=False) for r in range(4)]
 

@@ -588,11 +588,10 @@ def _worker2_main(out: Path) -> None:
 
 @pytest.fixture(scope="module")
 def two_process_run(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    from _helpers import free_port
+    from _helpers import torchrun_cmd
 
     out = tmp_path_factory.mktemp("moe")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(free_port()), str(Path(__file__).resolve()), "--worker", str(out)]
+    cmd = torchrun_cmd(2, Path(__file__).resolve(), "--worker", str(out))
     run_launcher(cmd, timeout=900, env=subprocess_env(PYTHONWARNINGS="ignore"),
                  what="2-process MoE worker (Trainer, Fabric)")
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
@@ -621,11 +620,10 @@ def test_fabric_qmuon_fsdp_moe_trains_and_resumes(two_process_run: list[dict], f
 
 @pytest.fixture(scope="module")
 def second_run(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    from _helpers import free_port
+    from _helpers import torchrun_cmd
 
     out = tmp_path_factory.mktemp("moe2")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(free_port()), str(Path(__file__).resolve()), "--worker2", str(out)]
+    cmd = torchrun_cmd(2, Path(__file__).resolve(), "--worker2", str(out))
     run_launcher(cmd, timeout=900, env=subprocess_env(PYTHONWARNINGS="ignore"),
                  what="2-process MoE worker (Trainer Mixtral, Fabric Qwen3-MoE / gpt-oss)")
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]

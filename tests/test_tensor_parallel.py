@@ -458,10 +458,9 @@ def test_trainer_tensor_parallel_trains_and_resumes(tmp_path: Path) -> None:
     """QMuonFSDPStrategy(data_parallel_size=2, tensor_parallel_size=2) with a configure_model that
     applies the TP plan: QMuon steps the colwise / rowwise DTensors, the Newton-Schulz work is dealt
     over all 4 ranks, and a resume from the sharded checkpoint of epoch 0 is bit-exact."""
-    from _helpers import free_port, run_launcher, subprocess_env
+    from _helpers import torchrun_cmd, run_launcher, subprocess_env
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--master_addr", "127.0.0.1",
-           "--master_port", str(free_port()), str(Path(__file__).resolve()), "--trainer", str(tmp_path)]
+    cmd = torchrun_cmd(4, Path(__file__).resolve(), "--trainer", str(tmp_path))
     run_launcher(cmd, timeout=600, env=subprocess_env(PYTHONWARNINGS="ignore"), what="4-process FSDP x TP Trainer")
     res = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(4)]
     for r in res:
