@@ -483,21 +483,14 @@ def apply_to(param_rows: Tensor, lr: float, first_row: int = 0, *, decay: float 
     where ``p`` and ``O`` agree in sign). ``state``: the parameter's weight-correction tensors (its
     shape); ``rng``: the rounding counter of ``param_rows``' first element."""
 
-    fp32_2d = param_rows.dtype == torch.float32 and param_rows.dim() == 2
-
     def apply(part: MatrixPart, out: Tensor) -> None:
         rows = part.block(param_rows, first_row)
-        if fp32_2d and not cautious and rows.shape == out.shape and (rows.shape[1] <= 1 or rows.stride(1) == 1):
-            # fp32 weights: decay and update in one pass, the (possibly transposed, bf16) output read
-            # in place (core.apply's fp32 path, called directly: this runs once per matrix and step).
-            torch.ops.qmuon.fp32_weight_update_(rows, out, -lr * part.lr_scale, decay)
-            return
-        if not out.is_contiguous():
-            # NS returns a transposed view for tall matrices (and for (in, out) weights); adding it
-            # strided into the parameter is several times slower than transposing it first (5x
-            # measured for 1024 x 256).
+        if rows.dtype != torch.float32 and not out.is_contiguous():
+            # NS returns a transposed view for tall matrices (and for (in, out) weights); the bf16 /
+            # fp16 writes take it contiguous (fp32 weights read it in place: core.apply).
             out = out.contiguous()
-        apply_update_(rows, out.view(rows.shape), alpha=-lr * part.lr_scale, decay=decay, bf16_update=bf16_update,
+        apply_update_(rows, out if out.shape == rows.shape else out.reshape(rows.shape), alpha=-lr * part.lr_scale,
+                      decay=decay, bf16_update=bf16_update,
                       state={k: part.block(v, first_row) for k, v in state.items()} if state else None,
                       rng=block_rng(rng, param_rows, rows), cautious=cautious)
 
