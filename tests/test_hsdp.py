@@ -293,6 +293,17 @@ def test_replicate_size_is_checked_when_the_strategy_is_built() -> None:
     assert QMuonFabricStrategy(replicate_size=2)._replicate_size == 2
 
 
+def _reconstruction_loss(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """:func:`make_model`'s forward (two linears, the expert bank, four linears) and its loss."""
+    h = x
+    for lin in model.layers[:2]:
+        h = torch.tanh(lin(h))
+    y = model.experts(h)
+    for lin in model.layers[2:]:
+        y = torch.tanh(lin(y))
+    return (y - x).square().mean()
+
+
 # ---------------------------------------------------- Trainer(strategy=QMuonFSDPStrategy(replicate_size=2)), 4 processes
 def _trainer_main(out: Path) -> None:
     """Worker of the 4-process launch: fit 2 epochs with HSDP 2 x 2, then resume from epoch 0."""
@@ -313,14 +324,7 @@ def _trainer_main(out: Path) -> None:
             self.model = make_model(seed)
 
         def training_step(self, batch: Any, _: int) -> torch.Tensor:
-            x = batch[0]
-            h = x
-            for lin in self.model.layers[:2]:
-                h = torch.tanh(lin(h))
-            y = self.model.experts(h)
-            for lin in self.model.layers[2:]:
-                y = torch.tanh(lin(y))
-            return (y - x).square().mean()
+            return _reconstruction_loss(self.model, batch[0])
 
         def configure_optimizers(self) -> Any:
             return torch.optim.AdamW(self.parameters(), lr=3e-3)
@@ -396,13 +400,7 @@ class Net(torch.nn.Module):
         self.model = make_model(seed)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x
-        for lin in self.model.layers[:2]:
-            h = torch.tanh(lin(h))
-        y = self.model.experts(h)
-        for lin in self.model.layers[2:]:
-            y = torch.tanh(lin(y))
-        return (y - x).square().mean()
+        return _reconstruction_loss(self.model, x)
 
 
 def _batch(step: int, rank: int) -> torch.Tensor:

@@ -586,15 +586,24 @@ def _worker2_main(out: Path) -> None:
     exit_after_distributed_run()
 
 
-@pytest.fixture(scope="module")
-def two_process_run(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+def _launch(out: Path, flag: str, what: str) -> list[dict[str, Any]]:
+    """Run this file's ``flag`` worker on 2 processes; each rank's results."""
     from _helpers import torchrun_cmd
 
-    out = tmp_path_factory.mktemp("moe")
-    cmd = torchrun_cmd(2, Path(__file__).resolve(), "--worker", str(out))
-    run_launcher(cmd, timeout=900, env=subprocess_env(PYTHONWARNINGS="ignore"),
-                 what="2-process MoE worker (Trainer, Fabric)")
+    run_launcher(torchrun_cmd(2, Path(__file__).resolve(), flag, str(out)), timeout=900,
+                 env=subprocess_env(PYTHONWARNINGS="ignore"), what=what)
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+
+
+def _assert_trainer_run(run: dict[str, Any], rank: int) -> None:
+    assert run["steps"] == 4 and run["mismatches"] == [], f"rank {rank}: {run['mismatches']}"
+    assert run["banks"] == sorted(f"model.model.layers.{i}.mlp.experts.{a}" for i in range(LAYERS)
+                                  for a in ("gate_up_proj", "down_proj"))
+
+
+@pytest.fixture(scope="module")
+def two_process_run(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return _launch(tmp_path_factory.mktemp("moe"), "--worker", "2-process MoE worker (Trainer, Fabric)")
 
 
 @pytest.mark.slow
@@ -602,9 +611,7 @@ def two_process_run(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, 
 def test_trainer_qmuon_fsdp_moe_trains_and_resumes(two_process_run: list[dict], family: str) -> None:
     for r, res in enumerate(two_process_run):
         run = res[f"trainer_{family}"]
-        assert run["steps"] == 4 and run["mismatches"] == [], f"rank {r}: {run['mismatches']}"
-        assert run["banks"] == sorted(f"model.model.layers.{i}.mlp.experts.{a}" for i in range(LAYERS)
-                                      for a in ("gate_up_proj", "down_proj"))
+        _assert_trainer_run(run, r)
         assert_targets(run["report"], f"{family} Trainer rank {r}")
 
 
@@ -620,13 +627,8 @@ def test_fabric_qmuon_fsdp_moe_trains_and_resumes(two_process_run: list[dict], f
 
 @pytest.fixture(scope="module")
 def second_run(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    from _helpers import torchrun_cmd
-
-    out = tmp_path_factory.mktemp("moe2")
-    cmd = torchrun_cmd(2, Path(__file__).resolve(), "--worker2", str(out))
-    run_launcher(cmd, timeout=900, env=subprocess_env(PYTHONWARNINGS="ignore"),
-                 what="2-process MoE worker (Trainer Mixtral, Fabric Qwen3-MoE / gpt-oss)")
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    return _launch(tmp_path_factory.mktemp("moe2"), "--worker2",
+                   "2-process MoE worker (Trainer Mixtral, Fabric Qwen3-MoE / gpt-oss)")
 
 
 @pytest.mark.slow
@@ -635,9 +637,7 @@ def test_trainer_and_fabric_cover_every_moe_family(second_run: list[dict]) -> No
     both the Trainer strategy and Fabric (2 processes), every expert block on target."""
     for r, res in enumerate(second_run):
         run = res["trainer_mixtral"]
-        assert run["steps"] == 4 and run["mismatches"] == [], f"rank {r}: {run['mismatches']}"
-        assert run["banks"] == sorted(f"model.model.layers.{i}.mlp.experts.{a}" for i in range(LAYERS)
-                                      for a in ("gate_up_proj", "down_proj"))
+        _assert_trainer_run(run, r)
         assert_targets(run["report"], f"mixtral Trainer rank {r}")
         for family in ("qwen3_moe", "gpt_oss"):
             run = res[f"fabric_{family}"]
