@@ -510,7 +510,9 @@ class WholeMatrixZeroOptimizer(ZeroStateMixin, Optimizer):
     def _finite_params(self, params: list[_Param], views: list[tuple[Tensor, Tensor | None] | None]) -> set[int]:
         """Indices of parameters (of ``params``) whose averaged gradient is finite on every rank (one
         all-reduce of a flag per parameter); raises on every rank for a bad gradient in a
-        ``nonfinite="raise"`` group before this call changes anything."""
+        ``nonfinite="raise"`` group before this call changes anything. The same all-reduce carries each
+        Muon matrix's momentum step from its owner, so ``self._muon_step`` (the step every rank holding a
+        slice keys its bf16 stochastic rounding by) costs no collective of its own."""
         idx, grads = [], []
         for info in params:
             v = views[info.index]
@@ -527,14 +529,13 @@ class WholeMatrixZeroOptimizer(ZeroStateMixin, Optimizer):
             if info.muon and info.owner == self._rank:
                 st = self._inner.state.get(self._proxies[info.index])
                 if st and "step" in st:
-                    steps[info.index] = float(st["step"].item())
+                    steps[info.index] = st["step"]  # a tensor copy: no host sync per matrix
         if grads:
             flags = torch.tensor([0.0 if ok else 1.0 for ok in pipeline.finite_flags(grads)], dtype=bad.dtype,
                                  device=self._device)
             where = torch.tensor(idx, device=self._device)
             bad[where] = flags
             present[where] = 1.0
-        present[-1] = 0.0
         both = torch.stack([bad, present, steps])
         if self._world > 1:
             dist.all_reduce(both, group=self._group)
