@@ -439,7 +439,13 @@ class CpuInfo:
 
     @property
     def emulated(self) -> bool:
-        return bool(self.bf16_flags) and self.native_bf16 is False
+        """bf16 GEMMs run emulated (no bf16 instructions, or ATen / oneDNN capped below them): the
+        case of the "<= 0.1x torch.optim.Muon" target. A CPU whose bf16 instructions are merely
+        slower than fp32 (an Intel AVX512-BF16 without AMX) makes ``"auto"`` pick fp32 too, but
+        torch.optim.Muon's bf16 there is not emulated."""
+        isa = self.env.get("ONEDNN_MAX_CPU_ISA", "").upper()
+        capped = bool(isa) and isa != "ALL" and "BF16" not in isa and "AMX" not in isa
+        return not self.bf16_flags or not self.capability.upper().startswith("AVX512") or capped
 
 
 def cpu_info() -> CpuInfo:
@@ -470,9 +476,11 @@ def cpu_lines(c: CpuInfo) -> list[str]:
         f"- CPU: {c.model}; ATen CPU capability **{c.capability}**; bf16 flags in /proc/cpuinfo: "
         f"{', '.join(c.bf16_flags) or 'none'}; environment: {env}",
     ]
-    if c.emulated:
+    if c.emulated and c.bf16_flags:
         lines.append("- **Emulated CPU without native bf16 matmul:** the CPU has bf16 instructions, but the environment "
                      "caps ATen / oneDNN below them, so bf16 GEMMs run emulated as on an AVX2-only CPU.")
+    elif c.emulated:
+        lines.append("- **No bf16 instructions:** bf16 GEMMs run emulated.")
     if c.env.get(NS_DTYPE_ENV):
         lines.append(f"- `ns_dtype=\"auto\"` -> **{c.auto}**, pinned by `{NS_DTYPE_ENV}={c.env[NS_DTYPE_ENV]}` "
                      f"(the instruction-set rule would say: {c.reason})")
@@ -505,11 +513,11 @@ def targets(times: dict[str, list[float]], c: CpuInfo) -> list[dict]:
         row(f"default within {T_VS_EXPLICIT:.2f}x of the faster explicit ns_dtype "
             f"(`{'bf16' if faster == BF16 else 'fp32'}`, lower median)", DEFAULT, faster, T_VS_EXPLICIT)
     if DEFAULT in times and BASELINE in times:
-        if c.native_bf16 is False:
+        if c.emulated:
             row(f"no native bf16 matmul: default <= {T_NO_BF16:.1f}x torch.optim.Muon", DEFAULT, BASELINE, T_NO_BF16)
         else:
             row(f"no native bf16 matmul: default <= {T_NO_BF16:.1f}x torch.optim.Muon", DEFAULT, BASELINE, T_NO_BF16,
-                applicable=False, note="this CPU has native bf16 matmul; see the AVX2-capped run")
+                applicable=False, note="this CPU has native bf16 matmul (bf16 GEMMs not emulated); see the AVX2-capped run")
     if c.env.get(NS_DTYPE_ENV):
         for t in out:
             t["note"] = (t["note"] + "; " if t["note"] else "") + f"default pinned by {NS_DTYPE_ENV}"

@@ -463,6 +463,32 @@ def test_real_probe_is_deterministic_and_names_its_reason(fresh_dtype_cache):
     assert ns._probe_cpu_bf16() == (fast, reason)
 
 
+@pytest.mark.parametrize("vendor, flags, isa, want", [
+    ("GenuineIntel", {"avx512_bf16", "amx_bf16", "amx_tile"}, "", True),  # Sapphire / Emerald Rapids
+    # AVX512-BF16 without AMX (Cooper Lake, or a VM hiding AMX): measured 1.65-2.0x slower than fp32
+    ("GenuineIntel", {"avx512_bf16"}, "", False),
+    ("GenuineIntel", {"avx512_bf16", "amx_bf16"}, "AVX512_CORE_BF16", False),  # oneDNN kept off AMX
+    ("GenuineIntel", {"avx512_bf16", "amx_bf16"}, "AVX512_CORE_AMX", True),
+    ("AuthenticAMD", {"avx512_bf16"}, "", True),  # EPYC Zen 4: measured 0.49-0.61x the fp32 time
+    ("AuthenticAMD", {"avx512_bf16"}, "AVX2", False),
+    ("AuthenticAMD", set(), "", False),
+])
+def test_x86_rule_needs_amx_on_intel(monkeypatch, vendor, flags, isa, want):
+    """Which x86 CPUs ``"auto"`` trusts with bf16 NS: the rule is the measured table of
+    docs/newton_schulz.md, applied to the instruction set (flags, vendor, oneDNN cap)."""
+    monkeypatch.setattr(ns.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(ns, "cpu_flags", lambda: set(flags))
+    monkeypatch.setattr(ns, "_cpu_vendor", lambda: vendor)
+    monkeypatch.setattr(ns.torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    if isa:
+        monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", isa)
+    else:
+        monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    native, reason = ns._probe_cpu_bf16()
+    assert native is want, reason
+    assert vendor in reason
+
+
 def test_measured_ratio_helper_restores_threads():
     t16, t32 = ns.measure_cpu_bf16_ratio(n=64, reps=2)
     assert t16 > 0 and t32 > 0

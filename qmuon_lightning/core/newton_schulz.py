@@ -341,6 +341,18 @@ def _cpu_model() -> str:
     return "unknown CPU"
 
 
+def _cpu_vendor() -> str:
+    """``vendor_id`` from /proc/cpuinfo (``GenuineIntel``, ``AuthenticAMD``, ...; "" if unknown)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
 def _cpu_description() -> str:
     model, flags = _cpu_model(), cpu_flags()
     bf16 = sorted(f for f in flags if f in ("avx512_bf16", "amx_bf16", "amx_tile"))
@@ -357,10 +369,13 @@ def _probe_cpu_bf16() -> tuple[bool, str]:
     A rule on the CPU's instruction set, not a timing: every rank of a job and a resumed run must
     make the same choice (a sharded step exchanges NS results in the NS dtype, and a resume is only
     bit-exact with the same arithmetic), and a timing near the threshold could flip between
-    processes. Native: x86 with AVX512-BF16 or AMX-BF16 that ATen and oneDNN may use (capability
-    AVX512, ``ONEDNN_MAX_CPU_ISA`` unset or admitting bf16), or Arm with the BF16 extension.
+    processes. Native (ATen capability AVX512 and ``ONEDNN_MAX_CPU_ISA`` unset or admitting it):
+    x86 with AMX-BF16; an AMD x86 with AVX512-BF16; Arm with the BF16 extension. An Intel CPU whose
+    only bf16 instructions are AVX512-BF16 (Cooper Lake, or a virtual machine that hides AMX) is not:
+    its two 512-bit FMA ports make fp32 GEMMs faster than oneDNN's AVX512-BF16 ones.
     Measured bf16 / fp32 time of a 256 x 256 matmul (:func:`measure_cpu_bf16_ratio`): 0.49-0.61 on
-    an AVX512-BF16 EPYC, 17-52 with ATen / oneDNN capped at AVX2 (docs/newton_schulz.md).
+    an AVX512-BF16 EPYC, 1.65-2.0 on an AVX512-BF16 Xeon with AMX hidden (5-step NS 1.67x slower),
+    17-52 with ATen / oneDNN capped at AVX2 (docs/newton_schulz.md).
     """
     flags = cpu_flags()
     try:
@@ -371,16 +386,22 @@ def _probe_cpu_bf16() -> tuple[bool, str]:
     machine = platform.machine().lower()
     if machine in ("x86_64", "amd64"):
         has = sorted(f for f in flags if f in ("avx512_bf16", "amx_bf16"))
-        isa_ok = not isa or isa == "ALL" or "BF16" in isa or "AMX" in isa
-        native = bool(has) and cap.upper().startswith("AVX512") and isa_ok
-        why = (f"x86 bf16 instructions: {', '.join(has) or 'none'}; ATen CPU capability {cap}; "
-               f"ONEDNN_MAX_CPU_ISA={isa or 'unset'}")
+        vendor = _cpu_vendor()
+        amx = "amx_bf16" in flags and (not isa or isa == "ALL" or "AMX" in isa)
+        # AVX512-BF16 alone beats fp32 only where fp32 FMAs are narrow (AMD's double-pumped 256-bit units).
+        avx512_bf16 = ("avx512_bf16" in flags and vendor == "AuthenticAMD"
+                       and (not isa or isa == "ALL" or "BF16" in isa or "AMX" in isa))
+        native = (amx or avx512_bf16) and cap.upper().startswith("AVX512")
+        why = (f"x86 bf16 instructions: {', '.join(has) or 'none'} ({vendor}"
+               f"{'; AVX512-BF16 without AMX is slower than fp32 on Intel' if vendor == 'GenuineIntel' and has and not amx else ''}); "
+               f"ATen CPU capability {cap}; ONEDNN_MAX_CPU_ISA={isa or 'unset'}")
     elif machine in ("aarch64", "arm64"):
         native = "bf16" in flags
         why = f"Arm BF16 extension: {'yes' if native else 'no'}; ATen CPU capability {cap}"
     else:
         native, why = False, f"{machine}: no known native bf16 matmul"
-    verdict = "native bf16 matmul" if native else "no native bf16 matmul (bf16 GEMMs would be emulated)"
+    verdict = ("native bf16 matmul, faster than fp32" if native
+               else "no bf16 matmul faster than fp32 (emulated, or slower than the fp32 FMAs)")
     return native, f"{verdict} ({why}); {_cpu_description()}"
 
 
