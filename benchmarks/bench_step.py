@@ -21,7 +21,10 @@ Targets (judged per matrix set on the median of per-round ratios)
 2. ``qmuon-int8-noparts`` within 1.15x of the faster (lower median) of ``-nsbf16`` / ``-nsfp32``;
 3. on a CPU without native bf16 matmul: ``qmuon-int8-noparts`` <= 0.1x ``torch.optim.Muon``
    (reported as not applicable where bf16 matmul is native; emulate such a CPU with
-   ``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2``).
+   ``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2``);
+4. with ``ns-floor`` / ``ns-floor-auto`` in ``--optimizers``: ``qmuon-int8-noparts`` <= 1.05x the bare
+   batched Newton-Schulz of the same matrices, standard iteration (the issue's floor) / the
+   iteration the default ``ns_method="auto"`` runs (the floor of the default's own NS work).
 
 Method
 ------
@@ -90,7 +93,9 @@ NS_DTYPE_ENV = getattr(ns_mod, "NS_DTYPE_ENV", "QMUON_NS_DTYPE")
 #: elements) and a 4x bigger set.
 PRESETS = {"default": ((256, 4), (512, 4)), "small": ((512, 4),), "gpt-small": ((768, 12),)}
 BASELINE = "torch.Muon"
-FLOOR = "ns-floor"  # bare batched Newton-Schulz of the same matrices (NSFloor)
+FLOOR = "ns-floor"  # bare batched Newton-Schulz of the same matrices (NSFloor), standard iteration
+FLOOR_AUTO = "ns-floor-auto"  # the same with the iteration ns_method="auto" picks per shape (gram where it pays)
+T_FLOOR = 1.05  # issue 23: the default step <= 1.05x the bare batched-NS floor
 DEFAULT = "qmuon-int8-noparts"  # QMuon int8, default ns_dtype ("auto"), same NS work as torch.optim.Muon
 BF16 = DEFAULT + "-nsbf16"
 FP32 = DEFAULT + "-nsfp32"
@@ -220,6 +225,8 @@ class Runner:
             self.opt = torch.optim.Muon(self.params)
         elif name == FLOOR:
             self.opt = NSFloor(self.params)
+        elif name == FLOOR_AUTO:
+            self.opt = NSFloor(self.params, method="auto")
         elif name == "torch.AdamW":
             self.opt = torch.optim.AdamW(self.params)
         elif name.startswith("qmuon-"):
@@ -233,12 +240,15 @@ class Runner:
         """(NS dtype, NS coefficients) this optimizer runs, as shown in the table."""
         if self.name == "torch.Muon":
             return "bf16 (always)", "muon"
+        if isinstance(self.opt, NSFloor):
+            return f"auto → {_dtype_name(self.opt._dtype)}", f"muon ({self.opt._method})"
         if not isinstance(self.opt, QMuon):
             return "-", "-"
         g = self.opt.param_groups[0]
         req = g.get("ns_dtype", "bf16")
         coeffs = g.get("ns_coefficients", "muon")
         coeffs = coeffs if isinstance(coeffs, str) else "custom"
+        coeffs = f"{coeffs} ({g.get('ns_method', 'standard')})"
         if ns_mod is None:
             return str(req), coeffs
         res = _dtype_name(ns_mod.resolve_ns_dtype(req, "cpu"))
@@ -262,16 +272,27 @@ class Runner:
 
 class NSFloor:
     """The bare batched Newton-Schulz of the same matrices (the step's floor): every same-shape
-    gradient stacked into one batch (no cap), ``newton_schulz_folded`` in the ``"auto"`` NS dtype,
-    nothing else (no momentum, no apply)."""
+    gradient stacked into one batch (no cap), in the ``"auto"`` NS dtype, nothing else (no
+    momentum, no apply). ``method="standard"``: ``newton_schulz_folded`` on every shape (the
+    issue's floor, torch.optim.Muon's iteration); ``"auto"``: the iteration ``ns_method="auto"``
+    picks per shape (``newton_schulz_gram`` where it pays), i.e. the NS the default step runs."""
 
-    def __init__(self, params) -> None:
+    def __init__(self, params, method: str = "standard") -> None:
         from qmuon_lightning.core.newton_schulz import newton_schulz_folded, resolve_ns_dtype, resolve_schedule
 
         self.params = params
         self._ns, self._sch = newton_schulz_folded, resolve_schedule("muon", 5)
         self._dtype = resolve_ns_dtype("auto", "cpu")
-        self.param_groups = [{"params": params, "ns_dtype": "auto", "ns_coefficients": "muon"}]
+        self._method = method
+        self.param_groups = [{"params": params, "ns_dtype": "auto", "ns_coefficients": "muon", "ns_method": method}]
+
+    def _iteration(self, rows: int, cols: int):
+        if self._method == "standard":
+            return self._ns
+        from qmuon_lightning.core.gram_newton_schulz import newton_schulz_gram, pick_ns_method
+
+        picked = pick_ns_method(self._method, rows, cols, "cpu", self._dtype, self._sch)
+        return newton_schulz_gram if picked == "gram" else self._ns
 
     def step(self) -> None:
         by_shape: dict = {}
@@ -280,7 +301,7 @@ class NSFloor:
         for gs in by_shape.values():
             batch = torch.stack(gs)
             inv = batch.flatten(1).norm(dim=1).clamp_min(1e-7).reciprocal()
-            self._ns(batch, inv, self._sch, 5, dtype=self._dtype)
+            self._iteration(*batch.shape[1:])(batch, inv, self._sch, 5, dtype=self._dtype)
 
 
 def make_pool(specs, n: int, seed: int) -> list[list[torch.Tensor]]:
@@ -518,6 +539,12 @@ def targets(times: dict[str, list[float]], c: CpuInfo) -> list[dict]:
         else:
             row(f"no native bf16 matmul: default <= {T_NO_BF16:.1f}x torch.optim.Muon", DEFAULT, BASELINE, T_NO_BF16,
                 applicable=False, note="this CPU has native bf16 matmul (bf16 GEMMs not emulated); see the AVX2-capped run")
+    if DEFAULT in times and FLOOR in times:
+        row(f"default <= {T_FLOOR:.2f}x the bare batched-NS floor (standard iteration: the issue's floor)",
+            DEFAULT, FLOOR, T_FLOOR)
+    if DEFAULT in times and FLOOR_AUTO in times:
+        row(f"default <= {T_FLOOR:.2f}x the floor running the default's own iteration (`ns_method=\"auto\"`)",
+            DEFAULT, FLOOR_AUTO, T_FLOOR)
     if c.env.get(NS_DTYPE_ENV):
         for t in out:
             t["note"] = (t["note"] + "; " if t["note"] else "") + f"default pinned by {NS_DTYPE_ENV}"
@@ -577,7 +604,7 @@ def run_config(d: int, layers: int, steps: int, names: list[str], args, c: CpuIn
             f"{sum(a <= b for a, b in zip(times[n], base))}/{len(t)}", f"{statistics.median(faults[n]):,.0f}",
         ])
     table = md_table(
-        ["optimizer", "NS dtype", "NS coefficients", "median ms/step", "p25 - p75 ms", "min ms",
+        ["optimizer", "NS dtype", "NS coefficients (method)", "median ms/step", "p25 - p75 ms", "min ms",
          "ratio of medians vs torch.Muon", "median per-round ratio vs torch.Muon", "rounds <= torch.Muon",
          "minor page faults / step"],
         rows, align=["l", "l", "l"] + ["r"] * 7,
@@ -694,7 +721,7 @@ def main() -> int:
         try:
             if n.startswith("qmuon-"):
                 parse_qmuon_name(n)
-            elif n not in ("torch.Muon", "torch.AdamW", FLOOR):
+            elif n not in ("torch.Muon", "torch.AdamW", FLOOR, FLOOR_AUTO):
                 raise ValueError(_unknown(n))
         except ValueError as e:
             raise SystemExit(str(e)) from None

@@ -105,6 +105,53 @@ def test_qmuon_ns_method_runs_gram_and_resumes():
     assert all(torch.equal(a, b) for a, b in zip(ps_g, ps2))
 
 
+def test_auto_keeps_bf16_polar_express_on_the_standard_iteration():
+    """bf16 gram with Polar Express measured 3-6x standard's mean |sigma - 1|: "auto" (the default)
+    keeps it standard; the "muon" schedule at any length, and fp32 with any schedule, may pick gram."""
+    m = GRAM_AUTO_MIN_SIDE
+    pe, mu = resolve_schedule("polar_express", 6), resolve_schedule("muon", 7)
+    assert pick_ns_method("auto", m, 4 * m, "cpu", torch.bfloat16, pe) == "standard"
+    assert pick_ns_method("auto", m, 4 * m, "cpu", torch.bfloat16, mu) == "gram"
+    assert pick_ns_method("auto", m, 4 * m, "cpu", torch.float32, pe) == "gram"
+    assert pick_ns_method("gram", m, 4 * m, "cpu", torch.bfloat16, pe) == "gram"  # explicit: honoured
+
+
+def test_default_is_auto_and_pre_ns_method_checkpoints_resume_standard():
+    """The default ``ns_method`` is "auto"; a QMuon checkpoint saved before the option existed (no
+    ``ns_method`` in its groups) resumes with the standard iteration it ran, bit for bit, and a
+    checkpoint that names its method keeps it."""
+    torch.manual_seed(0)
+    p0 = [0.02 * torch.randn(64, 256)]  # fp32 NS would pick gram (aspect 4, short side 64)
+
+    def run(opt, ps, gen, steps):
+        for _ in range(steps):
+            for p in ps:
+                p.grad = torch.randn(p.shape, generator=gen)
+            opt.step()
+
+    ps = [torch.nn.Parameter(p.clone()) for p in p0]
+    opt = QMuon(ps, ns_dtype="fp32", ns_method="standard")
+    gen = torch.Generator().manual_seed(1)
+    run(opt, ps, gen, 2)
+    sd = copy.deepcopy(opt.state_dict())
+    for g in sd["param_groups"]:
+        del g["ns_method"]  # as written before the option existed
+    saved, state = [p.detach().clone() for p in ps], gen.get_state()
+    run(opt, ps, gen, 2)
+    for want in ("standard", "gram"):
+        ps2 = [torch.nn.Parameter(s.clone()) for s in saved]
+        opt2 = QMuon(ps2, ns_dtype="fp32")
+        assert opt2.param_groups[0]["ns_method"] == "auto"
+        if want == "gram":
+            sd = copy.deepcopy(sd)
+            sd["param_groups"][0]["ns_method"] = "gram"
+        opt2.load_state_dict(sd)
+        assert opt2.param_groups[0]["ns_method"] == want
+        gen.set_state(state)
+        run(opt2, ps2, gen, 2)
+        assert torch.equal(ps2[0], ps[0]) is (want == "standard")
+
+
 def test_bad_ns_method_raises():
     with pytest.raises(ValueError, match="ns_method must be one of"):
         QMuon([torch.nn.Parameter(torch.randn(4, 4))], ns_method="fast")

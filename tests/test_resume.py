@@ -19,6 +19,7 @@
 
 from __future__ import annotations
 
+import logging
 import random
 import re
 import shutil
@@ -435,6 +436,42 @@ def test_restart_continues_the_last_checkpoint_name(tmp_path):
         fit(folder, *extra)
     assert sorted(p.name for p in (tmp_path / "plain").iterdir()) == ["last-v1.ckpt", "last.ckpt"]
     assert sorted(p.name for p in (tmp_path / "continued").iterdir()) == ["last.ckpt"]
+
+
+def test_restart_after_a_kill_between_the_final_saves_rewrites_last(tmp_path):
+    """A kill after the final step's periodic checkpoint and before its ``last.ckpt`` (seen in
+    test_sigkill_and_auto_restart_is_bit_identical under load) leaves ``last.ckpt`` one step behind,
+    and the restart has no step left to save: resumed by Lightning from the newest file, the run ends
+    with the stale ``last.ckpt``; ``ckpt_path="auto"`` writes it again from that file first."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    def trainer(folder: Path) -> L.Trainer:
+        cb = ModelCheckpoint(dirpath=folder, save_last=True, save_top_k=-1, every_n_train_steps=1)
+        return L.Trainer(accelerator="cpu", max_steps=3, logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, callbacks=[cb])
+
+    def step_of(path: Path) -> int:
+        return torch.load(path, weights_only=False)["global_step"]
+
+    for name in ("plain", "auto"):
+        folder = tmp_path / name
+        trainer(folder).fit(BoringModel())
+        assert step_of(folder / "last.ckpt") == 3
+        shutil.copyfile(folder / "epoch=0-step=2.ckpt", folder / "last.ckpt")  # the kill's leftover
+        t = trainer(folder)
+        newest = str(folder / "epoch=0-step=3.ckpt")
+        if name == "auto":
+            with pytest.warns(UserWarning, match=r"last.ckpt held step 2, older than epoch=0-step=3.ckpt \(step 3\)"):
+                chosen = resolve_ckpt_path(t, "auto")
+        else:
+            chosen = newest
+        assert chosen == newest
+        t.fit(BoringModel(), ckpt_path=chosen)
+        assert step_of(folder / "last.ckpt") == (3 if name == "auto" else 2), name
+    got, want = (torch.load(tmp_path / "auto" / f, weights_only=False) for f in ("last.ckpt", "epoch=0-step=3.ckpt"))
+    assert all(torch.equal(got["state_dict"][k], v) for k, v in want["state_dict"].items())
+    assert sorted(p.name for p in (tmp_path / "auto").iterdir()) == sorted(p.name for p in (tmp_path / "plain").iterdir())
 
 
 # ------------------------------------------------------------------------------ SIGKILL, end to end

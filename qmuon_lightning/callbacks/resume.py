@@ -31,8 +31,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 
 from ..distributed.resume import (
     CheckpointScan, IncompleteCheckpointError, checkpoint_metadata, checkpoint_problem, checkpoint_step,
-    lacks_training_state, newest_complete, recover_interrupted_saves, require_complete, scan_checkpoints,
-    untracked_checkpoints,
+    lacks_training_state, newest_complete, publish_directory, recover_interrupted_saves, require_complete,
+    scan_checkpoints, staging_path, untracked_checkpoints,
 )
 
 __all__ = ["ContinueCheckpointNames", "EpochBoundaryResume", "checkpoint_folders", "resolve_ckpt_path"]
@@ -173,6 +173,39 @@ def _adopt_or_report_untracked(folder: CheckpointFolder, chosen: Path, resumed_s
             "need them.")
 
 
+def _refresh_stale_last(folder: CheckpointFolder, chosen: Path, step: Optional[int]) -> None:
+    """Write ``chosen`` over the ``last`` checkpoint of the callback that saved it when that ``last``
+    holds an earlier step: the run was killed between the callback's periodic save and its ``last``
+    save of one step (Lightning writes both, in that order, whenever the callback saves). The next
+    save would rewrite ``last``, but a run killed so at its final step has none: the restart ends at
+    once and ``last`` would stay one save behind the uninterrupted run's. Copied to a hidden staging
+    name, then published (a kill meanwhile leaves the old ``last`` or the new one, never neither)."""
+    if step is None or chosen.parent != folder.path:
+        return
+    for cb in folder.callbacks:
+        if (not cb.save_last or "{" in cb.CHECKPOINT_NAME_LAST or _is_last_name(cb, chosen)
+                or _name_pattern(cb, cb.filename).fullmatch(chosen.name) is None):
+            continue
+        last = folder.path / f"{cb.CHECKPOINT_NAME_LAST}{cb.FILE_EXTENSION}"
+        if last.is_symlink() or not last.exists() or checkpoint_problem(last) is not None:
+            continue
+        saved = checkpoint_step(last)
+        if saved is None or saved >= step:
+            continue
+        # the staging names recover_interrupted_saves finishes or removes after a kill
+        staging = staging_path(last) if chosen.is_dir() else last.with_name(f"{last.name}.partial")
+        if staging.exists() or staging.is_symlink():
+            _remove(staging)
+        if chosen.is_dir():
+            shutil.copytree(chosen, staging)
+        else:
+            shutil.copyfile(chosen, staging)
+        publish_directory(staging, last)  # flushed, then renamed over (a file: the same two renames)
+        rank_zero_warn(f"ckpt_path=auto: {last} held step {saved}, older than {chosen.name} (step {step}) saved by "
+                       "the same callback: the run was killed between the two saves of that step; "
+                       f"{last.name} was written again from {chosen.name}")
+
+
 def _resumable(scan: CheckpointScan) -> tuple[CheckpointScan, int]:
     """``scan`` without weights-only checkpoints (Lightning cannot resume a fit from them), and
     how many there were."""
@@ -240,6 +273,8 @@ def resolve_ckpt_path(trainer: Any, ckpt_path: Optional[str]) -> Optional[str]:
     rank_zero_info(f"ckpt_path=auto: resuming from {chosen} (global step {step}), the newest of {scanned}")
     for folder in folders:
         _adopt_or_report_untracked(folder, chosen, step, ckpt_path)
+        if rank_zero_only.rank == 0:
+            _refresh_stale_last(folder, chosen, step)
     return str(chosen)
 
 

@@ -96,10 +96,13 @@ class QMuonConfig:
             modded-nanogpt's default).
         cautious_weight_decay: decay only the weights whose update agrees with them in sign
             (Muon and AdamW groups; default False).
-        ns_method: ``"standard"`` (default), ``"gram"`` (iterate on the Gram matrix of a
-            rectangular update, :mod:`qmuon_lightning.core.gram_newton_schulz`) or ``"auto"`` (gram
-            on CPU where it measured faster: bf16 from 4:1 with a short side >= 192, fp32 from 3:1
-            with a short side >= 64; :func:`~qmuon_lightning.core.gram_newton_schulz.pick_ns_method`).
+        ns_method: ``"auto"`` (default: gram on CPU where it measured faster and as accurate: fp32
+            from 3:1 with a short side >= 64, bf16 from 4:1 with a short side >= 192 and the
+            ``"muon"`` coefficients; the standard iteration elsewhere, CUDA included;
+            :func:`~qmuon_lightning.core.gram_newton_schulz.pick_ns_method`), ``"standard"`` or
+            ``"gram"`` (iterate on the Gram matrix of every rectangular update,
+            :mod:`qmuon_lightning.core.gram_newton_schulz`). A checkpoint saved before ``ns_method``
+            existed resumes with ``"standard"``, the iteration it ran.
     AdamW (embeddings, head, 1-D tensors): adamw_lr 3e-4, adamw_betas (0.9, 0.95),
         adamw_eps 1e-8, adamw_weight_decay 0.1 (the usual GPT pretraining values).
         adamw_state_format: how the AdamW moments are stored: ``"fp32"`` (``torch.optim.AdamW``'s
@@ -139,7 +142,7 @@ class QMuonConfig:
     variant: str = "muon"
     normuon_beta2: float = NORMUON_BETA2
     cautious_weight_decay: bool = False
-    ns_method: str = "standard"
+    ns_method: str = "auto"
 
     def __post_init__(self) -> None:
         # Hashable, canonical forms (YAML and JSON give lists).
@@ -293,7 +296,7 @@ def validate_muon_group(group: dict[str, Any], where: str) -> None:
     if not _real(b2) or not 0.0 <= b2 < 1.0:
         raise bad(f"normuon_beta2 must be in [0, 1), got {b2!r}")
     _check_cautious(group, bad)
-    if group.setdefault("ns_method", "standard") not in NS_METHODS:
+    if group.setdefault("ns_method", "auto") not in NS_METHODS:
         raise bad(f"ns_method must be one of {NS_METHODS}, got {group['ns_method']!r}")
     validate_format_overrides(group, where)
     parts = group.get("parts")

@@ -192,7 +192,7 @@ class NSSettings:
     steps: int
     dtype: torch.dtype
     carrier: str  # "bf16": the NS input as it is; "mxfp8": its decoded MXFP8 carrier (quant.mxfp8)
-    method: str = "standard"  # core.gram_newton_schulz.NS_METHODS
+    method: str = "auto"  # core.gram_newton_schulz.NS_METHODS
 
 
 def ns_settings(group: dict[str, Any], device: torch.device) -> NSSettings:
@@ -203,7 +203,7 @@ def ns_settings(group: dict[str, Any], device: torch.device) -> NSSettings:
         steps=steps,
         dtype=resolve_ns_dtype(group.get("ns_dtype", "auto"), device),
         carrier=group.get("ns_input", "bf16"),
-        method=group.get("ns_method", "standard"),
+        method=group.get("ns_method", "auto"),
     )
 
 
@@ -324,7 +324,7 @@ def _orthogonalize_chunk(chunk: list[NSItem], ns_rows: int, ns_cols: int, s: NSS
         if pad:
             batch[len(chunk):].zero_()
         _fill(batch, chunk)
-    if pick_ns_method(s.method, ns_rows, ns_cols, str(first.device), s.dtype) == "gram":
+    if pick_ns_method(s.method, ns_rows, ns_cols, str(first.device), s.dtype, s.schedule) == "gram":
         out = newton_schulz_gram(batch, inv_norm, s.schedule, s.steps, dtype=s.dtype)
     else:
         out = newton_schulz_folded(batch, inv_norm, s.schedule, s.steps, dtype=s.dtype)

@@ -106,7 +106,7 @@ class OptimizerSpec:
     variant: Literal["muon", "normuon"] = "muon"
     normuon_beta2: float = 0.95
     cautious_weight_decay: bool = False
-    ns_method: Literal["standard", "gram", "auto"] = "standard"
+    ns_method: Literal["standard", "gram", "auto"] = "auto"
     adamw_lr: float = 3e-3
     adamw_betas: tuple[float, float] = (0.9, 0.95)
     adamw_eps: float = 1e-8

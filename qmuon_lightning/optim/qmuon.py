@@ -120,8 +120,9 @@ class QMuon(QMuonStateMixin, Optimizer):
             normuon_beta2: its EMA factor.
         cautious_weight_decay: decay only where the update and the weight agree in sign (Muon and
             AdamW groups).
-        ns_method: ``"standard"``, ``"gram"`` or ``"auto"`` (Gram Newton-Schulz for elongated
-            matrices: :mod:`qmuon_lightning.core.gram_newton_schulz`).
+        ns_method: ``"auto"`` (default: Gram Newton-Schulz on CPU for elongated matrices where it
+            measured faster), ``"standard"`` or ``"gram"``
+            (:mod:`qmuon_lightning.core.gram_newton_schulz`).
         batch_budget: Newton-Schulz batches hold at most this many times the largest matrix's
             elements, or :data:`~qmuon_lightning.core.pipeline.BATCH_STEP_SHARE` of all Muon
             elements if more (on CPU at most 2^20 elements; :class:`~qmuon_lightning.core.pipeline.BatchSizes`).

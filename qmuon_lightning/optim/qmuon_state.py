@@ -33,6 +33,11 @@ __all__ = ["QMuonStateMixin", "FORMAT_VERSION", "LAYOUT_HINT"]
 #: ``torch.optim.AdamW``'s fp32 ``exp_avg`` / ``exp_avg_sq`` and converts on load.
 FORMAT_VERSION = 2
 
+#: Options whose default changed, with the value a QMuon checkpoint that lacks them ran with: such a
+#: checkpoint resumes the arithmetic it was saved with (other absent options take today's value).
+#: ``ns_method``: added with ``"standard"`` as the default, which became ``"auto"`` later.
+SAVED_RUN_DEFAULTS: dict[str, Any] = {"ns_method": "standard"}
+
 #: What a parameter-group mismatch on load may come from since build_optimizer groups Muon matrices
 #: by layer layout, and how to load such a checkpoint.
 LAYOUT_HINT = (
@@ -89,6 +94,9 @@ class QMuonStateMixin:
             merged = {k: v for k, v in saved.items() if k != "qmuon_version"}
             for k in STRUCTURAL_KEYS:
                 merged[k] = cur[k]
+            if "state_format" in saved:  # a QMuon checkpoint: options whose default changed keep what the run ran
+                for k, v in SAVED_RUN_DEFAULTS.items():
+                    merged.setdefault(k, v)
             for k, v in cur.items():  # options added after the checkpoint was written take today's value
                 if k != FORMAT_OVERRIDES:
                     merged.setdefault(k, v)
