@@ -754,9 +754,12 @@ def main() -> int:
     lines = head + cpu_lines(c) + [
         "",
         f"Optimizers: {', '.join(f'`{n}`' for n in names)}. `{DEFAULT}` is QMuon int8 with its defaults "
-        "(`ns_dtype=\"auto\"`, `ns_coefficients=\"muon\"`, block_size 256, nearest rounding) in one group without "
-        "`parts`, i.e. the same Newton-Schulz work as `torch.optim.Muon` (fused qkv orthogonalized whole); "
-        "`-nsbf16` / `-nsfp32` pin `ns_dtype`, `-polar_express` sets `ns_coefficients`. Every optimizer owns a copy of "
+        "(`ns_dtype=\"auto\"`, `ns_coefficients=\"muon\"`, `ns_method=\"auto\"`, block_size 256, nearest rounding) in "
+        "one group without `parts`, i.e. the same matrices as `torch.optim.Muon` (fused qkv orthogonalized whole; "
+        "`-standard` also runs its iteration, while `\"auto\"` may pick Gram Newton-Schulz for elongated ones); "
+        "`-nsbf16` / `-nsfp32` pin `ns_dtype`, `-polar_express` sets `ns_coefficients`, `-standard` / `-gram` / `-auto` "
+        "`ns_method`; `ns-floor` / `ns-floor-auto` are the bare batched Newton-Schulz of the same matrices (standard "
+        "iteration / the iteration `\"auto\"` picks), no momentum and no weight write. Every optimizer owns a copy of "
         f"the same matrices; in each round every optimizer takes one `step()` (round-robin, rotating start) after its "
         f"`.grad` tensors are restored from a pool of {args.pool} pre-generated random gradient sets (not timed). "
         f"Total run time {elapsed:.0f}s.",
