@@ -278,6 +278,7 @@ class NSFloor:
     picks per shape (``newton_schulz_gram`` where it pays), i.e. the NS the default step runs."""
 
     def __init__(self, params, method: str = "standard") -> None:
+        from qmuon_lightning.core.gram_newton_schulz import newton_schulz_gram, pick_ns_method
         from qmuon_lightning.core.newton_schulz import newton_schulz_folded, resolve_ns_dtype, resolve_schedule
 
         self.params = params
@@ -285,23 +286,19 @@ class NSFloor:
         self._dtype = resolve_ns_dtype("auto", "cpu")
         self._method = method
         self.param_groups = [{"params": params, "ns_dtype": "auto", "ns_coefficients": "muon", "ns_method": method}]
-
-    def _iteration(self, rows: int, cols: int):
-        if self._method == "standard":
-            return self._ns
-        from qmuon_lightning.core.gram_newton_schulz import newton_schulz_gram, pick_ns_method
-
-        picked = pick_ns_method(self._method, rows, cols, "cpu", self._dtype, self._sch)
-        return newton_schulz_gram if picked == "gram" else self._ns
+        # decided before timing, per shape: the floor's step runs NS only
+        self._iterations = {tuple(p.shape): newton_schulz_gram if pick_ns_method(
+            method, p.shape[0], p[0].numel(), "cpu", self._dtype, self._sch) == "gram" else newton_schulz_folded
+            for p in params}
 
     def step(self) -> None:
         by_shape: dict = {}
         for p in self.params:
             by_shape.setdefault(tuple(p.shape), []).append(p.grad.view(p.shape[0], -1))
-        for gs in by_shape.values():
+        for shape, gs in by_shape.items():
             batch = torch.stack(gs)
             inv = batch.flatten(1).norm(dim=1).clamp_min(1e-7).reciprocal()
-            self._iteration(*batch.shape[1:])(batch, inv, self._sch, 5, dtype=self._dtype)
+            self._iterations[shape](batch, inv, self._sch, 5, dtype=self._dtype)
 
 
 def make_pool(specs, n: int, seed: int) -> list[list[torch.Tensor]]:

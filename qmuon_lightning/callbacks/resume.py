@@ -193,13 +193,14 @@ def _refresh_stale_last(folder: CheckpointFolder, chosen: Path, step: Optional[i
         if saved is None or saved >= step:
             continue
         # the staging names recover_interrupted_saves finishes or removes after a kill
-        staging = staging_path(last) if chosen.is_dir() else last.with_name(f"{last.name}.partial")
+        if chosen.is_dir():
+            staging = staging_path(last)
+            copy = shutil.copytree
+        else:
+            staging, copy = last.with_name(f"{last.name}.partial"), shutil.copyfile
         if staging.exists() or staging.is_symlink():
             _remove(staging)
-        if chosen.is_dir():
-            shutil.copytree(chosen, staging)
-        else:
-            shutil.copyfile(chosen, staging)
+        copy(chosen, staging)
         publish_directory(staging, last)  # flushed, then renamed over (a file: the same two renames)
         rank_zero_warn(f"ckpt_path=auto: {last} held step {saved}, older than {chosen.name} (step {step}) saved by "
                        "the same callback: the run was killed between the two saves of that step; "

@@ -318,39 +318,30 @@ _PROBE_N = 256
 _PROBE_REPS = 5
 
 
-def cpu_flags() -> set[str]:
-    """The CPU's feature flags (``flags`` on x86, ``Features`` on Arm) from /proc/cpuinfo."""
+def _cpuinfo_field(*keys: str) -> str | None:
+    """The value of the first /proc/cpuinfo line starting with one of ``keys`` (None if absent)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith(("flags", "Features")):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
+                if line.startswith(keys):
                     return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return "unknown CPU"
+    return None
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags (``flags`` on x86, ``Features`` on Arm) from /proc/cpuinfo."""
+    return set((_cpuinfo_field("flags", "Features") or "").split())
+
+
+def _cpu_model() -> str:
+    return _cpuinfo_field("model name") or "unknown CPU"
 
 
 def _cpu_vendor() -> str:
     """``vendor_id`` from /proc/cpuinfo (``GenuineIntel``, ``AuthenticAMD``, ...; "" if unknown)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("vendor_id"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
+    return _cpuinfo_field("vendor_id") or ""
 
 
 def _cpu_description() -> str:
