@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Subset
 
@@ -165,3 +166,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
 
 if __name__ == "__main__":
     main(sys.argv[1:])
+    # Tear the process group down before the interpreter exits: left to static destructors, gloo's
+    # threads can abort a finished run ("terminate called without an active exception", exit -6).
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
