@@ -47,11 +47,11 @@ import sys
 import warnings
 from typing import Any, Sequence
 
-try:  # the `cli` extra (not a core dependency: LitGPT 0.5.x caps jsonargparse at 4.41; see pyproject.toml)
+try:  # a core dependency; missing only where qmuon-lightning was installed with --no-deps (LitGPT's environment)
     from jsonargparse import set_parsing_settings
 except ImportError as _err:  # pragma: no cover - depends on the environment
-    raise ImportError("qmuon-train needs jsonargparse >= 4.53: pip install 'qmuon-lightning[cli]' "
-                      f"(or pip install -U 'jsonargparse[signatures]>=4.53') ({_err})") from _err
+    raise ImportError("qmuon-train needs jsonargparse >= 4.53: pip install -U 'jsonargparse[signatures]>=4.53' "
+                      f"({_err})") from _err
 
 try:  # not part of jsonargparse's public names; only used to restore the setting after parsing
     from jsonargparse._common import get_parsing_setting
@@ -80,8 +80,8 @@ def _tensorboard_available() -> bool:
 
 def cli_dependency_problem() -> str | None:
     """Why ``qmuon-train`` cannot parse its configs in this environment (``None`` when it can): it
-    needs jsonargparse's ``omegaconf_absolute_to_relative_paths`` setting (jsonargparse >= 4.53),
-    which the ``cli`` extra installs. LitGPT 0.5.x pins jsonargparse <= 4.41."""
+    needs jsonargparse's ``omegaconf_absolute_to_relative_paths`` setting (jsonargparse >= 4.53, a core
+    dependency). LitGPT 0.5.x pins jsonargparse <= 4.41, so its environment (docs/litgpt.md) lacks it."""
     import inspect
 
     if "omegaconf_absolute_to_relative_paths" in inspect.signature(set_parsing_settings).parameters:
@@ -93,8 +93,9 @@ def cli_dependency_problem() -> str | None:
     except importlib.metadata.PackageNotFoundError:  # pragma: no cover
         version = "unknown"
     return (f"qmuon-train needs jsonargparse >= 4.53 (omegaconf+ mode with absolute interpolation paths); this "
-            f"environment has jsonargparse {version}: pip install 'qmuon-lightning[cli]'. LitGPT 0.5.x caps "
-            "jsonargparse at 4.41, so qmuon-train and LitGPT need separate environments")
+            f"environment has jsonargparse {version}: pip install -U 'jsonargparse[signatures]>=4.53'. LitGPT "
+            "0.5.x caps jsonargparse at 4.41, so qmuon-train and LitGPT need separate environments "
+            "(docs/litgpt.md)")
 
 
 class QMuonCLI(LightningCLI):

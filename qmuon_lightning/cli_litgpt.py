@@ -280,7 +280,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         # litgpt.__main__.main calls jsonargparse's set_config_read_mode(urls_enabled=True), which
         # imports requests; litgpt 0.5.13 lists it only in its `extra` extra, so `litgpt` fails too.
         raise SystemExit("qmuon-litgpt: LitGPT's CLI needs `requests` (litgpt 0.5.13 lists it only in litgpt[extra]): "
-                         "pip install requests (or pip install 'qmuon-lightning[litgpt]')")
+                         "pip install requests")
     litgpt_args, opts = split_qmuon_args(args[1:])
     inherited = json.loads(os.environ.get(OPTIONS_ENV) or "{}")
     opts = {**inherited, **opts}

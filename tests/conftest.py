@@ -54,8 +54,8 @@ def pytest_collection_modifyitems(config, items):
     so GPU tests only need the marker and cannot silently run on CPU.
 
     Tests marked ``qmuon_train`` parse configs with ``qmuon-train``'s LightningCLI, which needs
-    the ``cli`` extra's jsonargparse (>= 4.53). In an environment without it (one with LitGPT 0.5.x,
-    which caps jsonargparse at 4.41) they skip, with the reason, instead of failing on the install."""
+    jsonargparse >= 4.53 (a core dependency). In LitGPT's environment (LitGPT 0.5.x caps jsonargparse
+    at 4.41; qmuon-lightning goes in with --no-deps, docs/litgpt.md) they skip, with the reason, instead of failing on the install."""
     from qmuon_lightning.cli import cli_dependency_problem
 
     problem = cli_dependency_problem()

@@ -1,8 +1,8 @@
 """LitGPT: its fused ``attn.qkv`` read as q, k, v; learning rates that survive loops writing one lr
 into every group; the ``qmuon-litgpt`` launcher (train, resume, ``litgpt generate``), offline.
 
-The LitGPT tests need ``litgpt`` (``pip install 'qmuon-lightning[litgpt]'``; checked with 0.5.13)
-and skip cleanly without it; the learning-rate and legacy-layout tests do not need it.
+The LitGPT tests need ``litgpt`` (an environment of its own: docs/litgpt.md, .ci/run-litgpt; checked
+with 0.5.13) and skip cleanly without it; the learning-rate and legacy-layout tests do not need it.
 
 Yardstick of the per-layer test: each logical layer's update against ``torch.optim.Muon`` stepping
 that layer alone with the same gradient (lr 0.02, "original" adjustment, no weight decay). The
@@ -34,8 +34,8 @@ from qmuon_lightning.cli_litgpt import split_qmuon_args  # noqa: E402
 from qmuon_lightning.optim import format_routing_table, route_parameters  # noqa: E402
 
 HAVE_LITGPT = importlib.util.find_spec("litgpt") is not None
-needs_litgpt = pytest.mark.skipif(not HAVE_LITGPT, reason="litgpt is not installed (pip install "
-                                  "'qmuon-lightning[litgpt]'; tested with litgpt 0.5.13)")
+needs_litgpt = pytest.mark.skipif(not HAVE_LITGPT, reason="litgpt is not installed (its environment: "
+                                  "docs/litgpt.md, .ci/run-litgpt; tested with litgpt 0.5.13)")
 
 LR, ADAMW_LR = 0.02, 1e-3
 MIN_COSINE, NORM_TOL = 0.99, 0.10
