@@ -113,7 +113,7 @@ def ensure_backend() -> str:
     """Build / load the compiled ``torch.ops.qmuon`` kernels now (not inside a timed region) and
     return the backend name (``reference``, ``cpu-extension``, ...)."""
     try:
-        from qmuon_lightning import ops
+        from qmuon import ops
 
         return ops.backend()
     except Exception as e:  # pragma: no cover - informational only

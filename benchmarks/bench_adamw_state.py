@@ -6,7 +6,7 @@ Compared, on one DecoderLM (untied embedding and head: the AdamW parameters), in
   whole AdamW group (fp32 moments; the foreach path on CUDA, the single-tensor path on CPU), whose
   temporaries are whole tensors (``sqrt(v)`` and its quotient for the largest tensor at once);
 * ``fp32`` / ``bf16`` / ``int8`` / ``int4``: QMuon int8 with ``adamw_state_format=...``, stepped per
-  tensor in bounded row blocks (:mod:`qmuon_lightning.core.adamw`).
+  tensor in bounded row blocks (:mod:`qmuon.core.adamw`).
 
 Memory: PyTorch's ``MemTracker`` over whole training steps (forward, backward, ``optimizer.step()``,
 ``zero_grad``); the peak's live bytes split into weights / grads / optimizer state / step
@@ -189,7 +189,7 @@ def main() -> int:
     largest = max(model.parameters(), key=lambda p: p.numel())
     # the largest tensor's working set in the new step: its fp32 update block and sqrt(v) block
     # (dense moments), bounded by core.adamw.DEFAULT_CHUNK_ELEMENTS elements per block
-    from qmuon_lightning.core.adamw import DEFAULT_CHUNK_ELEMENTS, chunk_rows
+    from qmuon.core.adamw import DEFAULT_CHUNK_ELEMENTS, chunk_rows
 
     rows, cols = largest.shape[0], largest.numel() // largest.shape[0]
     block = chunk_rows(rows, cols) * cols * 4

@@ -18,9 +18,9 @@ import time
 
 import torch
 
-from qmuon_lightning import QMuon
-from qmuon_lightning.core import pipeline
-from qmuon_lightning.core.newton_schulz import newton_schulz_folded, resolve_ns_dtype, resolve_schedule
+from qmuon import QMuon
+from qmuon.core import pipeline
+from qmuon.core.newton_schulz import newton_schulz_folded, resolve_ns_dtype, resolve_schedule
 
 
 def main() -> None:

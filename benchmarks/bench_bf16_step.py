@@ -92,8 +92,8 @@ def components(model_name: str, reps: int) -> dict[str, dict[str, float]]:
     moments, update, weight write) and the weight write of every Muon matrix (``core.apply.apply_update_``
     of a fixed update), per weight / state setting."""
     import qmuon_lightning
-    from qmuon_lightning.core import adamw as cadamw
-    from qmuon_lightning.core import apply as capply
+    from qmuon.core import adamw as cadamw
+    from qmuon.core import apply as capply
 
     torch.manual_seed(0)
     model = build_model(model_name)
@@ -196,7 +196,7 @@ def child(model_name: str, reps: int, skip: tuple[str, ...] = ()) -> dict:
 def child_main(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     backend = ensure_backend()
-    from qmuon_lightning.ops import _extension
+    from qmuon.ops import _extension
 
     out = {"backend": backend, "qmuon_cpu_loops": _extension.cpu_vector_isa(), "models": []}
     for m in args.models.split(","):

@@ -66,7 +66,7 @@ def _worker(rank: int, world: int, store: str, d_model: int, n_layers: int, warm
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor, Shard
 
-    import qmuon_lightning as ql
+    import qmuon
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
@@ -92,8 +92,8 @@ def _worker(rank: int, world: int, store: str, d_model: int, n_layers: int, warm
     for fwd, ret in CONFIGS:
         sharded, ref = module(), module()
         fully_shard(sharded, mesh=mesh)
-        opt = ql.QMuon(groups(sharded), lr=0.02, weight_decay=0.0, comm_carrier=fwd, comm_return=ret)
-        ref_opt = ql.QMuon(groups(ref), lr=0.02, weight_decay=0.0)
+        opt = qmuon.QMuon(groups(sharded), lr=0.02, weight_decay=0.0, comm_carrier=fwd, comm_return=ret)
+        ref_opt = qmuon.QMuon(groups(ref), lr=0.02, weight_decay=0.0)
         t_sh, t_ref, cos, stats = [], [], [], None
         for s in range(warmup + steps):
             grads = _grads(shapes, s)

@@ -72,12 +72,12 @@ def _nbytes(tensors: list[torch.Tensor], seen: set[int]) -> int:
 def _worker(rank: int, world: int, stage: int, master_bf16: bool, adamw: str, rule: str, vocab: int, hidden: int,
             layers: int) -> dict[str, Any]:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
-    import qmuon_lightning as ql
-    from qmuon_lightning.integrations import deepspeed as qds
+    import qmuon
+    from qmuon.integrations import deepspeed as qds
 
     model = llama(vocab, hidden, layers)
     n_params = sum(p.numel() for p in model.parameters())
-    opt = ql.build_optimizer(model, state_format="int8", adamw_state_format=adamw, bf16_update=rule, verbose=False)
+    opt = qmuon.build_optimizer(model, state_format="int8", adamw_state_format=adamw, bf16_update=rule, verbose=False)
     bf16 = {"enabled": True}
     if master_bf16:
         bf16.update(bf16_master_weights_and_grads=True, bf16_optimizer_states=True)

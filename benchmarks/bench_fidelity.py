@@ -38,8 +38,8 @@ from _common import cpu_name, default_threads, ensure_backend  # noqa: E402
 from qmuon_lightning import QMuon, build_optimizer  # noqa: E402
 from qmuon_lightning.data import RandomWindowDataset, build_stdlib_corpus, fixed_windows  # noqa: E402
 from qmuon_lightning.models import DecoderLM  # noqa: E402
-from qmuon_lightning.optim.routing import route_parameters  # noqa: E402
-from qmuon_lightning.quant.fidelity import cosine  # noqa: E402
+from qmuon.optim.routing import route_parameters  # noqa: E402
+from qmuon.quant.fidelity import cosine  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 QFORMATS = ("fp32", "bf16", "int8", "int4", "e0m3", "grasp4")

@@ -32,7 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's package
 
 import qmuon_lightning  # noqa: E402,F401  (registers torch.ops.qmuon)
-from qmuon_lightning.ops import _extension, _kernels  # noqa: E402
+from qmuon.ops import _extension, _kernels  # noqa: E402
 
 SHAPES = [(768, 256), (1024, 256), (256, 1024), (256, 256)]
 
@@ -53,7 +53,7 @@ def step_ab(rounds: int) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from bench_step import NSFloor
 
-    import qmuon_lightning as ql
+    import qmuon
 
     shapes = [(768, 256), (256, 256), (1024, 256), (256, 1024)] * 4
 
@@ -68,7 +68,7 @@ def step_ab(rounds: int) -> None:
     runs["floor"] = (ps, NSFloor(ps))
     for name in ("fused write", "torch mul_ + add_"):
         ps = params()
-        runs[name] = (ps, ql.QMuon([{"params": ps, "use_muon": True}], lr=0.02, weight_decay=0.01))
+        runs[name] = (ps, qmuon.QMuon([{"params": ps, "use_muon": True}], lr=0.02, weight_decay=0.01))
     for ps, _ in runs.values():
         for p in ps:
             p.grad = torch.zeros_like(p)

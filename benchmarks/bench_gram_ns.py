@@ -21,8 +21,8 @@ import time
 import torch
 
 from _common import cpu_name
-from qmuon_lightning.core.gram_newton_schulz import newton_schulz_gram, pick_ns_method
-from qmuon_lightning.core.newton_schulz import newton_schulz_folded, resolve_schedule
+from qmuon.core.gram_newton_schulz import newton_schulz_gram, pick_ns_method
+from qmuon.core.newton_schulz import newton_schulz_folded, resolve_schedule
 
 DEFAULT_SHAPES = "512x512,768x256,256x768,1024x256,256x1024,3072x768,768x3072"
 

@@ -97,7 +97,7 @@ def _worker(rank: int, world: int, shape: tuple[int, ...], kind: str, d: int, la
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    import qmuon_lightning as ql
+    import qmuon
 
     names = ("dp", "tp") if kind == "tp" else ("replicate", "shard")[-len(shape):]
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
@@ -110,7 +110,7 @@ def _worker(rank: int, world: int, shape: tuple[int, ...], kind: str, d: int, la
         fully_shard(b, mesh=mesh["dp"] if kind == "tp" else mesh)
     # rowwise shards of d=128 hold 64 columns: momentum blocks of 64 (the dense rows, both meshes)
     block = {"block_size": 64} if kind in ("tp", "dense") else {}
-    opt = ql.build_optimizer(model, lr=0.02, state_format="int8", comm_carrier=carrier, comm_return=carrier,
+    opt = qmuon.build_optimizer(model, lr=0.02, state_format="int8", comm_carrier=carrier, comm_return=carrier,
                              verbose=False, **block)
     for step in range(2):
         g = torch.Generator().manual_seed(step)
@@ -167,15 +167,15 @@ def _zero_worker(rank: int, world: int, stage: int, d: int, layers: int) -> dict
     import os
 
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
-    import qmuon_lightning as ql
-    from qmuon_lightning.distributed.plan import ns_cost
-    from qmuon_lightning.integrations import deepspeed as qds
+    import qmuon
+    from qmuon.distributed.plan import ns_cost
+    from qmuon.integrations import deepspeed as qds
 
     counter = {"in_step": 0, "step": 0, "other": 0}
     _count_all_to_all(rank, counter)
     torch.manual_seed(0)
     model = DenseStack(d, layers)
-    opt = ql.build_optimizer(model, lr=0.02, state_format="int8", block_size=64, verbose=False)
+    opt = qmuon.build_optimizer(model, lr=0.02, state_format="int8", block_size=64, verbose=False)
     cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "steps_per_print": 10 ** 9,
            "gradient_clipping": 0.0, "zero_optimization": {"stage": stage}}
     engine, opt, _, _ = qds.initialize(model, opt, cfg)

@@ -48,7 +48,7 @@ def child(cfg: dict[str, Any]) -> dict[str, Any]:
     from _common import build_compared_optimizers
 
     torch.set_num_threads(cfg["threads"])
-    qmuon_lightning.ops.backend()  # build / load the kernels before the measured region
+    qmuon.ops.backend()  # build / load the kernels before the measured region
     torch.manual_seed(cfg["seed"])
     model = DecoderLM(vocab_size=cfg["vocab"], d_model=cfg["d_model"], n_layers=cfg["layers"],
                       n_heads=cfg["heads"], max_seq_len=cfg["seq"])
@@ -104,7 +104,7 @@ def timing_child(cfg: dict[str, Any]) -> dict[str, Any]:
     from qmuon_lightning.models.decoder_lm import DecoderLM
 
     torch.set_num_threads(cfg["threads"])
-    qmuon_lightning.ops.backend()
+    qmuon.ops.backend()
     models, opts = [], []
     for release in (False, True):
         torch.manual_seed(cfg["seed"])

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import RESULTS_DIR, default_threads, ensure_backend, gpt_matrices, header_lines, make_params, md_table, qmuon_param_groups  # noqa: E402
 
 from qmuon_lightning import QMuon  # noqa: E402
-from qmuon_lightning.ops import reference as ref  # noqa: E402
+from qmuon.ops import reference as ref  # noqa: E402
 
 TARGET_INT8 = 1.02  # bytes per parameter
 DEFAULT_BLOCK = 256

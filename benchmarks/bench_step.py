@@ -73,15 +73,15 @@ from torch.profiler import ProfilerActivity, profile, record_function
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import RESULTS_DIR, cpu_name, default_threads, ensure_backend, gpt_matrices, header_lines, make_params, md_table, qmuon_param_groups  # noqa: E402
 
-import qmuon_lightning.optim.qmuon as qmuon_mod  # noqa: E402
+import qmuon.optim.qmuon as qmuon_mod  # noqa: E402
 from qmuon_lightning import QMuon  # noqa: E402
 
-try:  # the refactored QMuon: the step runs through qmuon_lightning.core.pipeline
-    import qmuon_lightning.core.pipeline as pipeline_mod  # noqa: E402
+try:  # the refactored QMuon: the step runs through qmuon.core.pipeline
+    import qmuon.core.pipeline as pipeline_mod  # noqa: E402
 except ImportError:  # pragma: no cover - older checkouts
     pipeline_mod = None
 try:
-    from qmuon_lightning.core import newton_schulz as ns_mod  # noqa: E402
+    from qmuon.core import newton_schulz as ns_mod  # noqa: E402
 except ImportError:  # pragma: no cover - older checkouts (no ns_dtype)
     ns_mod = None
 
@@ -278,8 +278,8 @@ class NSFloor:
     picks per shape (``newton_schulz_gram`` where it pays), i.e. the NS the default step runs."""
 
     def __init__(self, params, method: str = "standard") -> None:
-        from qmuon_lightning.core.gram_newton_schulz import newton_schulz_gram, pick_ns_method
-        from qmuon_lightning.core.newton_schulz import newton_schulz_folded, resolve_ns_dtype, resolve_schedule
+        from qmuon.core.gram_newton_schulz import newton_schulz_gram, pick_ns_method
+        from qmuon.core.newton_schulz import newton_schulz_folded, resolve_ns_dtype, resolve_schedule
 
         self.params = params
         self._ns, self._sch = newton_schulz_folded, resolve_schedule("muon", 5)
@@ -647,15 +647,15 @@ def run_config(d: int, layers: int, steps: int, names: list[str], args, c: CpuIn
     if args.profile_steps > 0:
         prof_names = [n for n in names if n != "torch.AdamW"]
         bd = profile_breakdown(specs, prof_names, pool, args.profile_steps, args.seed, log)
-        ns_where = ("`qmuon_lightning.core.pipeline.newton_schulz_folded` (QMuon)" if pipeline_mod is not None
-                    else "`qmuon_lightning.optim.qmuon.newton_schulz_folded` (QMuon)")
+        ns_where = ("`qmuon.core.pipeline.newton_schulz_folded` (QMuon)" if pipeline_mod is not None
+                    else "`qmuon.optim.qmuon.newton_schulz_folded` (QMuon)")
         prof_md += [
             f"### Where the step goes (d={d}, {layers} layers)",
             "",
             f"`torch.profiler` (CPU), {args.profile_steps} profiled step(s) per optimizer, interleaved; mean ms per step "
             "of each phase (profiled steps are slightly slower than unprofiled ones). QMuon phases come from "
             "`record_function` ranges added by a benchmark-only subclass (`_updatable_params`, `_muon_group_step`) and "
-            f"module-level wrappers (`qmuon_lightning.core.pipeline.orthogonalize`); the NS ranges wrap {ns_where} and "
+            f"module-level wrappers (`qmuon.core.pipeline.orthogonalize`); the NS ranges wrap {ns_where} and "
             "`torch.optim._muon._zeropower_via_newtonschulz`.",
             "",
         ]

@@ -3,7 +3,7 @@ GPT-shaped :class:`~qmuon_lightning.models.DecoderLM`, per optimizer, each in a 
 
 Every optimizer runs in its own child process with the same imports and the same process layout:
 ``import torch, qmuon_lightning`` (which imports Lightning), load the compiled ``torch.ops.qmuon``
-kernels (``qmuon_lightning.ops.backend()``; ``--no-preload-extension`` leaves that to QMuon's first
+kernels (``qmuon.ops.backend()``; ``--no-preload-extension`` leaves that to QMuon's first
 step), build the same model with the same seed, the same batch (``batch x seq`` random tokens), then
 ``--steps`` training steps. Only the optimizer differs:
 
@@ -168,7 +168,7 @@ def child(cfg: dict[str, Any]) -> dict[str, Any]:
     torch.set_num_threads(cfg["threads"])
     out["rss_imports"] = _rss()
     if cfg["preload_extension"]:
-        from qmuon_lightning import ops
+        from qmuon import ops
 
         out["backend"] = ops.backend()
     out["rss_extension"] = _rss()
@@ -318,7 +318,7 @@ def _check_qmuon_kwargs(kwargs: dict[str, Any], where: str) -> None:
     """Fail before any child starts: unknown names, names the script sets, or values QMuon rejects."""
     import torch
 
-    from qmuon_lightning import build_optimizer
+    from qmuon import build_optimizer
     from qmuon_lightning.models.decoder_lm import DecoderLM
 
     sig = inspect.signature(build_optimizer)

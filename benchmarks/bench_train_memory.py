@@ -94,7 +94,7 @@ def child(cfg: dict[str, Any]) -> dict[str, Any]:
     from qmuon_lightning import memory as mem
 
     torch.set_num_threads(cfg["threads"])
-    qmuon_lightning.ops.backend()  # build / load the kernels before the measured region
+    qmuon.ops.backend()  # build / load the kernels before the measured region
     torch.manual_seed(cfg["seed"])
     label = cfg["setup"]
     bf16 = label in TORCHAO or _setups()[label].weights == "bf16"

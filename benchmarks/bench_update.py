@@ -45,9 +45,9 @@ from typing import Callable
 
 import torch
 
-import qmuon_lightning.ops as qops
-from qmuon_lightning.ops import reference as ref
-from qmuon_lightning.ops._extension import cpu_vector_isa
+import qmuon.ops as qops
+from qmuon.ops import reference as ref
+from qmuon.ops._extension import cpu_vector_isa
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import header_lines  # noqa: E402
@@ -84,7 +84,7 @@ BS4 = 128  # int4 default block (quant/state.py); e0m3 sums of squares use the s
 def _add_4bit_cases(cases, state, rows, cols, beta, stream, device, compiled: bool, with_reference: bool):
     """Add the int4 / e0m3 / dense update cases (and equal-byte copies, references) to `cases`;
     return the table rows to report: (name, copy case, reference case or None)."""
-    from qmuon_lightning.ops import reference_4bit as ref4
+    from qmuon.ops import reference_4bit as ref4
 
     numel = rows * cols
     m0 = torch.randn(rows, cols, generator=torch.Generator(device).manual_seed(1), device=device) * 1e-3

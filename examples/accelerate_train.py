@@ -3,7 +3,7 @@
 The model is :class:`qmuon_lightning.models.DecoderLM` (vocabulary: the 256 byte values), the data
 the Python standard library's own ``*.py`` sources (:mod:`qmuon_lightning.data.bytes_corpus`, no
 download), the optimizer QMuon with 8-bit momentum built by
-:func:`qmuon_lightning.integrations.accelerate.prepare_qmuon`. It logs the training loss (printed,
+:func:`qmuon.integrations.accelerate.prepare_qmuon`. It logs the training loss (printed,
 and to TensorBoard under ``--output-dir`` with ``--log-with tensorboard``), saves
 ``accelerator.save_state`` checkpoints every ``--save-every`` steps and at the end, and continues
 from one with ``--resume latest`` (or a checkpoint path) bit-exactly.
@@ -47,9 +47,9 @@ from accelerate.utils import set_seed
 
 from qmuon_lightning.data.bytes_corpus import RandomWindowDataset, build_stdlib_corpus, fixed_windows
 from qmuon_lightning.demo import evaluate
-from qmuon_lightning.integrations.accelerate import check_state_keys, prepare_qmuon, unwrap_qmuon
+from qmuon.integrations.accelerate import check_state_keys, prepare_qmuon, unwrap_qmuon
 from qmuon_lightning.models import DecoderLM
-from qmuon_lightning.quant.state import STATE_FORMATS
+from qmuon.quant.state import STATE_FORMATS
 
 VOCAB = 256
 

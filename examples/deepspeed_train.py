@@ -3,7 +3,7 @@
 The model is :class:`qmuon_lightning.models.DecoderLM` (vocabulary: the 256 byte values), the data
 the Python standard library's own ``*.py`` sources (:mod:`qmuon_lightning.data.bytes_corpus`, no
 download), the optimizer QMuon with 8-bit momentum, handed to DeepSpeed by
-:func:`qmuon_lightning.integrations.deepspeed.initialize`: every Muon matrix is orthogonalized whole,
+:func:`qmuon.integrations.deepspeed.initialize`: every Muon matrix is orthogonalized whole,
 once per step, on one owner rank, and its quantized momentum lives only there.
 
 Two CPU processes (DeepSpeed's CPU accelerator, gloo)::
@@ -39,14 +39,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-import qmuon_lightning as ql
-from qmuon_lightning.distributed import exit_after_distributed_run
+import qmuon
+from qmuon.distributed import exit_after_distributed_run
 from qmuon_lightning.data.bytes_corpus import RandomWindowDataset, build_stdlib_corpus, fixed_windows
-from qmuon_lightning.integrations import deepspeed as qds
+from qmuon.integrations import deepspeed as qds
 from qmuon_lightning.models import DecoderLM
 from qmuon_lightning.models.decoder_lm import DecoderLMConfig
-from qmuon_lightning.core.plan import true_shape
-from qmuon_lightning.quant.state import STATE_FORMATS
+from qmuon.core.plan import true_shape
+from qmuon.quant.state import STATE_FORMATS
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 VOCAB = 256
@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> dict:
             model = DecoderLM(model_config)
     else:
         model = DecoderLM(model_config)
-    opt = ql.build_optimizer(model, lr=args.lr, weight_decay=args.weight_decay, state_format=args.state_format,
+    opt = qmuon.build_optimizer(model, lr=args.lr, weight_decay=args.weight_decay, state_format=args.state_format,
                              adamw_lr=args.adamw_lr, verbose=False)
     # Full shapes (zero.Init leaves each parameter an empty 1-D tensor with the shape in ds_shape).
     muon_elems = sum(true_shape(p).numel() for g in opt.param_groups if g["use_muon"] for p in g["params"])

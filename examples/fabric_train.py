@@ -1,7 +1,7 @@
 """Train a small byte-level language model with QMuon under Lightning Fabric (``strategy="qmuon_fsdp"``).
 
 A plain Fabric loop: ``fabric.setup_module`` shards the model (FSDP2, one unit per block, then the
-model) with no ``parallelize_fn``, ``fabric.setup_optimizers(ql.build_optimizer(model, ...))``
+model) with no ``parallelize_fn``, ``fabric.setup_optimizers(qmuon.build_optimizer(model, ...))``
 trains it with 8-bit (or 4-bit) Muon momentum, and ``fabric.save`` / ``fabric.load`` write and read
 sharded checkpoint directories (or, with ``--consolidated``, single files) that resume bit-exactly
 on the same number of processes and reshard to another. The data: the Python standard library's
@@ -34,10 +34,10 @@ from torch.utils.data import DataLoader, Subset
 import lightning as L
 from lightning.fabric.strategies import STRATEGY_REGISTRY
 
-import qmuon_lightning as ql
+import qmuon
 from qmuon_lightning.data.bytes_corpus import RandomWindowDataset, build_stdlib_corpus, fixed_windows
 from qmuon_lightning.demo import evaluate
-from qmuon_lightning.distributed.resume import find_resumable_checkpoint
+from qmuon.distributed.resume import find_resumable_checkpoint
 from qmuon_lightning.models import DecoderLM
 
 VOCAB = 256
@@ -103,7 +103,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
                       max_seq_len=args.seq_len)
     model = fabric.setup_module(model)  # the strategy shards it: blocks, then the model
     state_format = args.state_format or fabric.strategy.optimizer_kwargs.get("state_format", "int8")
-    optimizer = fabric.setup_optimizers(ql.build_optimizer(
+    optimizer = fabric.setup_optimizers(qmuon.build_optimizer(
         model, lr=args.lr, weight_decay=args.weight_decay, state_format=state_format,
         adamw_lr=args.adamw_lr, adamw_weight_decay=args.weight_decay, verbose=fabric.global_rank == 0,
     ))

@@ -32,7 +32,7 @@ Built on :class:`lightning.pytorch.cli.LightningCLI`::
   when there is none; the same command restarts a killed run (by hand, ``torchrun --max-restarts``,
   a scheduler), and the callbacks continue their checkpoint names (no ``last-v1.ckpt``). ``last``
   also skips incomplete files, and an explicit path that is incomplete fails naming what is missing
-  (:mod:`qmuon_lightning.callbacks.resume`, :mod:`qmuon_lightning.distributed.resume`,
+  (:mod:`qmuon_lightning.callbacks.resume`, :mod:`qmuon.distributed.resume`,
   docs/reliability.md).
 * The progress bar (unless one is configured or ``enable_progress_bar: false``) is
   from :func:`~qmuon_lightning.callbacks.progress.default_progress_bar`: it shows the epochs the run will
@@ -66,7 +66,7 @@ from .callbacks.progress import default_progress_bar
 from .callbacks.resume import ContinueCheckpointNames, EpochBoundaryResume, resolve_ckpt_path
 from .callbacks.summary import TrainSummary
 from .data.datamodule import ByteLMDataModule
-from .distributed.process_group import exit_after_distributed_run
+from qmuon.distributed.process_group import exit_after_distributed_run
 from .models.lm_module import DecoderLMModule
 
 __all__ = ["QMuonCLI", "main", "estimate_main", "merged_config", "resolve_ckpt_path", "cli_dependency_problem"]

@@ -13,7 +13,7 @@ changes:
   :class:`~qmuon_lightning.strategies.QMuonFabricStrategy` instead of ``"auto"`` / LitGPT's FSDP
   (on any number of processes, CPU or GPU). Its ``setup_optimizers`` replaces LitGPT's AdamW by
   :func:`~qmuon_lightning.build_optimizer` on the sharded model: hidden matrices (LitGPT's fused
-  ``attn.qkv`` read as q, k, v: :mod:`qmuon_lightning.optim.litgpt_layouts`) go to Muon, the
+  ``attn.qkv`` read as q, k, v: :mod:`qmuon.optim.litgpt_layouts`) go to Muon, the
   embedding, head, norms and biases to AdamW with LitGPT's AdamW settings (``--optimizer.lr`` is the
   AdamW lr; ``--qmuon.lr`` the Muon lr).
 * **Learning rates.** LitGPT's pretrain loop writes one lr (its schedule of
@@ -24,7 +24,7 @@ changes:
   generate / evaluate / convert_from_litgpt`` read them; ``--qmuon.sharded_checkpoint true`` writes
   sharded directories instead (resumable by this launcher only, on any number of processes).
 
-``--qmuon.<key> <value>`` (or ``=value``): any :class:`~qmuon_lightning.core.config.QMuonConfig`
+``--qmuon.<key> <value>`` (or ``=value``): any :class:`~qmuon.core.config.QMuonConfig`
 field (``state_format``, ``lr``, ``weight_decay``, ``block_size``, ...), ``lr_ratios``
 (``hold`` / ``warn`` / ``off``), ``shard_policy``, ``sharded_checkpoint``. Values are read as YAML
 scalars (``0.02``, ``true``, ``null``).
@@ -54,8 +54,8 @@ import yaml
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
-from .core.config import QMuonConfig
-from .optim.qmuon import QMuon
+from qmuon.core.config import QMuonConfig
+from qmuon.optim.qmuon import QMuon
 from .strategies.fabric import QMuonFabricStrategy
 from .strategies.sharding import resolve_policy
 

@@ -7,7 +7,7 @@ values) on the Python standard library's own ``*.py`` sources with
 validation loss measured on a fixed set of held-out windows before and after training, training
 throughput, and the Muon optimizer state size against fp32 momentum.
 
-Flags: ``--state-format`` (one of ``qmuon_lightning.quant.state.STATE_FORMATS``), ``--max-steps``,
+Flags: ``--state-format`` (one of ``qmuon.quant.state.STATE_FORMATS``), ``--max-steps``,
 ``--batch-size``, ``--seq-len``, ``--out-dir``, ``--seed`` (and a few model and learning-rate
 knobs, see ``--help``).
 """
@@ -32,8 +32,8 @@ from lightning.pytorch.loggers import CSVLogger
 
 from .data.bytes_corpus import RandomWindowDataset, build_stdlib_corpus, fixed_windows
 from .models import DecoderLM
-from .optim.routing import build_optimizer
-from .quant.state import STATE_FORMATS
+from qmuon.optim.routing import build_optimizer
+from qmuon.quant.state import STATE_FORMATS
 
 __all__ = ["DemoModule", "DemoResult", "build_parser", "main", "run"]
 

@@ -108,7 +108,7 @@ def version_checks() -> list[Check]:
 
 def build_check() -> tuple[Check, Any]:
     """Load (or build) the extension; say which backend serves the ops and why."""
-    from qmuon_lightning.ops import _extension
+    from qmuon.ops import _extension
 
     cached = None
     try:
@@ -147,7 +147,7 @@ def _build_fix(reason: str) -> str:
         return "install the CUDA toolkit matching torch.version.cuda and set CUDA_HOME"
     if "ninja" in r:
         return "pip install ninja"
-    return ("see the compiler error above; `python -m qmuon_lightning.ops.build --verbose` shows the commands "
+    return ("see the compiler error above; `python -m qmuon.ops.build --verbose` shows the commands "
             "(QMUON_BACKEND=reference runs the pure-PyTorch kernels meanwhile)")
 
 
@@ -188,12 +188,12 @@ def device_checks(device: torch.device) -> list[Check]:
                           f"{device}: {name}, compute capability {cap[0]}.{cap[1]}, "
                           f"{torch.cuda.device_count()} GPU(s); {why}",
                           "" if ok else f"export TORCH_CUDA_ARCH_LIST='{cap[0]}.{cap[1]}+PTX' and rebuild "
-                          "(python -m qmuon_lightning.ops.build)"))
+                          "(python -m qmuon.ops.build)"))
     else:
         rows.append(Check("device", INFO, "cpu (no CUDA device visible)" if not torch.cuda.is_available()
                           else "cpu (asked for with --device cpu)"))
     try:
-        from qmuon_lightning.core.newton_schulz import resolve_ns_dtype
+        from qmuon.core.newton_schulz import resolve_ns_dtype
 
         dt = resolve_ns_dtype("auto", device)
         env = os.environ.get("QMUON_NS_DTYPE")
@@ -210,10 +210,10 @@ def device_checks(device: torch.device) -> list[Check]:
 # ---------------------------------------------------------------------------------------------
 def _samples(device: torch.device) -> dict[str, Callable[[], tuple]]:
     """Arguments of one call of each op (built fresh per call: the updates mutate them)."""
-    from qmuon_lightning.ops import reference as ref
-    from qmuon_lightning.ops import reference_4bit as ref4
-    from qmuon_lightning.ops import reference_adamw as refa
-    from qmuon_lightning.ops import reference_weight as refw
+    from qmuon.ops import reference as ref
+    from qmuon.ops import reference_4bit as ref4
+    from qmuon.ops import reference_adamw as refa
+    from qmuon.ops import reference_weight as refw
 
     gen = torch.Generator().manual_seed(20260)
     rows, cols, bs = 37, 300, 64  # a partial last block, an odd number of rows
@@ -324,8 +324,8 @@ def _compare_call(op: Any, args_a: tuple, args_b: tuple) -> str | None:
 
 
 def op_checks(device: torch.device, status: Any) -> list[Check]:
-    from qmuon_lightning.ops import _kernels
-    from qmuon_lightning.ops._library import OPS
+    from qmuon.ops import _kernels
+    from qmuon.ops._library import OPS
 
     compiled = status is not None and (status.cuda if device.type == "cuda" else status.cpu)
     samples = _samples(device)
@@ -365,7 +365,7 @@ def op_checks(device: torch.device, status: Any) -> list[Check]:
 def _op_fix(text: str) -> str:
     if "no kernel image" in text:
         cap = torch.cuda.get_device_capability() if torch.cuda.is_available() else ("X", "Y")
-        return f"export TORCH_CUDA_ARCH_LIST='{cap[0]}.{cap[1]}+PTX' and rebuild (python -m qmuon_lightning.ops.build)"
+        return f"export TORCH_CUDA_ARCH_LIST='{cap[0]}.{cap[1]}+PTX' and rebuild (python -m qmuon.ops.build)"
     if "out of memory" in text:
         return "free GPU memory (another process holds it) and rerun"
     return "a kernel error: report this table; QMUON_BACKEND=reference is the workaround"
@@ -407,9 +407,9 @@ def bandwidth_checks(device: torch.device, numel: int, reps: int) -> list[Check]
     """Each format's fused update (bf16 grad, nearest rounding, sums of squares) on one matrix of
     ``numel`` elements, in GB/s of the bytes it must move, and as a fraction of ``copy_`` moving the
     same number of bytes in the same run."""
-    from qmuon_lightning.ops import reference as ref
-    from qmuon_lightning.ops import reference_4bit as ref4
-    from qmuon_lightning.ops._library import empty_block_sumsq
+    from qmuon.ops import reference as ref
+    from qmuon.ops import reference_4bit as ref4
+    from qmuon.ops._library import empty_block_sumsq
 
     cols = 4096
     rows = max(1, numel // cols)

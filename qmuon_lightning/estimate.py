@@ -87,7 +87,7 @@ def recipe_setup(cfg: dict[str, Any]) -> mem.Setup | None:
     weights = "bf16" if str(cfg.get("trainer", {}).get("precision", "")).startswith("bf16-true") else "fp32"
     if name in ("adamw", "torch_muon"):
         return mem.Setup(f"recipe ({name})", name, {}, weights)
-    from .core.config import QMuonConfig
+    from qmuon.core.config import QMuonConfig
 
     keys = set(QMuonConfig.field_names()) | {"gradient_release"}
     opts = {k: v for k, v in spec.items() if k in keys and v is not None and k not in ("lr", "weight_decay")}

@@ -36,7 +36,7 @@ def _entry(fn: Callable[..., Any], rank: int, world_size: int, tmp: str, kwargs:
         )
         out = fn(rank, world_size, **kwargs)
         torch.save(out, os.path.join(tmp, f"result{rank}.pt"))
-        from qmuon_lightning.distributed import exit_after_distributed_run
+        from qmuon.distributed import exit_after_distributed_run
 
         exit_after_distributed_run()  # exits with 0; returns only if fn already shut the group down
     except BaseException:

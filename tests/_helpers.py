@@ -91,7 +91,7 @@ def roundtrip_state_dict(sd: dict) -> dict:
 
 def momentum_fp32(opt, p) -> torch.Tensor:
     """Dequantized fp32 momentum of parameter ``p`` in a QMuon optimizer (any format)."""
-    from qmuon_lightning.quant import dequantize_momentum, format_options
+    from qmuon.quant import dequantize_momentum, format_options
 
     group = next(g for g in opt.param_groups if any(q is p for q in g["params"]))
     return dequantize_momentum(opt.state[p], opts=format_options(group), cols=p.numel() // p.shape[0])
@@ -239,7 +239,7 @@ def momentum(rows: int, cols: int, seed: int = 0, device: str | torch.device = "
 
 def nan_sums(grads: list[torch.Tensor], block_size: int) -> list[torch.Tensor]:
     """NaN-filled per-block sum-of-squares outputs for an update op (the op must overwrite every one)."""
-    from qmuon_lightning.ops import reference as ref
+    from qmuon.ops import reference as ref
 
     return [torch.full((g.shape[0], ref.num_blocks(g.shape[1], block_size)), float("nan"), device=g.device)
             for g in grads]
@@ -248,7 +248,7 @@ def nan_sums(grads: list[torch.Tensor], block_size: int) -> list[torch.Tensor]:
 def noise_or_none(x: torch.Tensor, stream: int, offset: int) -> torch.Tensor | None:
     """The reference uniform rounding noise for ``x`` (stream ``stream``, element offset ``offset``),
     or None for round-to-nearest (``stream < 0``)."""
-    from qmuon_lightning.ops import reference as ref
+    from qmuon.ops import reference as ref
 
     return None if stream < 0 else ref.uniform_noise(*x.shape, stream, offset, x.device)
 
@@ -267,7 +267,7 @@ def fsdp_scenario_main(scenario_fn, prefix: str) -> None:
         raise SystemExit(f"unknown scenario {scenario!r}; the only one is 'fsdp'")
     result = scenario_fn(out_dir)
     (out_dir / f"{prefix}_rank{result['rank']}.json").write_text(json.dumps(result, indent=1, default=str))
-    from qmuon_lightning.distributed import exit_after_distributed_run
+    from qmuon.distributed import exit_after_distributed_run
 
     exit_after_distributed_run()  # see its docstring
 

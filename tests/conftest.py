@@ -30,9 +30,9 @@ requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs 
 
 @pytest.fixture(scope="session")
 def ext():
-    """The loaded compiled kernels (``qmuon_lightning.ops._extension.status()``); the test skips, with
+    """The loaded compiled kernels (``qmuon.ops._extension.status()``); the test skips, with
     the reason, where they cannot be built (or ``QMUON_BACKEND=reference`` asks for none)."""
-    from qmuon_lightning.ops import _extension
+    from qmuon.ops import _extension
 
     st = _extension.status()
     if not st.cpu:

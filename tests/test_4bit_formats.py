@@ -12,12 +12,12 @@ import torch
 from torch import nn
 from torch.library import opcheck
 
-from qmuon_lightning import GraspMuon, QMuon
-from qmuon_lightning.ops import reference_4bit as ref4
-from qmuon_lightning.optim.fidelity import per_layer_update_cosine
-from qmuon_lightning.quant import fidelity
-from qmuon_lightning.quant import grasp as qgrasp
-from qmuon_lightning.quant import state as qstate
+from qmuon import QMuon
+from qmuon.ops import reference_4bit as ref4
+from qmuon.optim.fidelity import per_layer_update_cosine
+from qmuon.quant import fidelity
+from qmuon.quant import grasp as qgrasp
+from qmuon.quant import state as qstate
 
 FP32_U = 2.0**-24
 
@@ -210,7 +210,7 @@ def test_grasp_state_tracks_the_momentum_subspace_across_steps():
     u, _ = torch.linalg.qr(torch.randn(rows, k, generator=g))
     v, _ = torch.linalg.qr(torch.randn(cols, k, generator=g))
     w = nn.Parameter(torch.zeros(rows, cols))
-    opt = GraspMuon([w], lr=0.0, rank=k, grid_block=16)
+    opt = QMuon([w], state_format="grasp4", lr=0.0, rank=k, grid_block=16)
     for _ in range(6):
         coef = torch.tensor([8.0, 6.0, 4.0, 3.0]) * (1 + 0.1 * torch.randn(k, generator=g))
         w.grad = (u * coef) @ v.T + 0.05 * torch.randn(rows, cols, generator=g)
@@ -228,7 +228,8 @@ def test_grasp_first_step_init_is_seeded_and_reproducible():
     torch.manual_seed(0)
     a, b = nn.Parameter(torch.randn(40, 24)), nn.Parameter(torch.randn(40, 24))
     b.data.copy_(a.data)
-    oa, ob = GraspMuon([a], seed=3, grid_block=16), GraspMuon([b], seed=3, grid_block=16)
+    oa, ob = (QMuon([a], state_format="grasp4", seed=3, grid_block=16),
+              QMuon([b], state_format="grasp4", seed=3, grid_block=16))
     grad = torch.randn(40, 24)
     for p, o in ((a, oa), (b, ob)):
         p.grad = grad.clone()
@@ -247,7 +248,7 @@ def test_bytes_per_param_on_gpt_small_shapes(shape):
     assert qstate.momentum_nbytes("e0m3", rows, cols) / n == pytest.approx(0.5 + 1 / 16, abs=1e-5)
     # what an optimizer really allocates (every tensor, step included) matches
     w = nn.Parameter(torch.zeros(shape))
-    opt = GraspMuon([w])
+    opt = QMuon([w], state_format="grasp4")
     w.grad = torch.randn(shape) * 1e-3
     opt.step()
     assert (opt.state_nbytes() - 4) / n <= 0.58
@@ -276,7 +277,7 @@ def test_new_formats_train_and_ns_input_matches_fp32_momentum_formula(fmt, round
 def test_default_block_size_per_format():
     for fmt, bs in (("int8", 256), ("int4", 128), ("e0m3", 256), ("grasp4", 256)):
         assert QMuon([nn.Parameter(torch.zeros(4, 8))], state_format=fmt).param_groups[0]["block_size"] == bs
-    g = GraspMuon([nn.Parameter(torch.zeros(4, 8))]).param_groups[0]
+    g = QMuon([nn.Parameter(torch.zeros(4, 8))], state_format="grasp4").param_groups[0]
     assert (g["state_format"], g["rank"], g["grid_block"]) == ("grasp4", 4, 32)
 
 
@@ -310,7 +311,7 @@ def test_opcheck_4bit_elementwise_ops():
 
 
 def test_opcheck_4bit_momentum_updates():
-    from qmuon_lightning import ops
+    from qmuon import ops
 
     gen = torch.Generator().manual_seed(10)
     grads = [torch.randn(4, 40, generator=gen), torch.randn(3, 64, generator=gen)]
@@ -354,7 +355,7 @@ def test_grasp4_update_cosine_beats_int4_on_realistic_gradients():
 
 @pytest.mark.parametrize("shape", [(768, 768), (2304, 768), (33, 17)])
 def test_bytes_per_element_formula_matches_the_registry(shape):
-    from qmuon_lightning.ops.reference import bytes_per_element
+    from qmuon.ops.reference import bytes_per_element
 
     rows, cols = shape
     for fmt in qstate.STATE_FORMATS:
@@ -406,7 +407,7 @@ def test_grasp4_block_sums_of_a_partial_block_have_the_reference_bits():
     """A row width that is not a multiple of the block size is padded to whole blocks in one reused
     buffer (not a padded copy and its square per row chunk): the block sums are those of
     ``ref.block_sumsq`` on the same NS input, bit for bit."""
-    from qmuon_lightning.ops import reference as ref
+    from qmuon.ops import reference as ref
 
     fmt = qstate.get_format("grasp4")
     rows, cols = 700, 200  # 327 rows per chunk of 2^16 elements: 3 chunks, the last partial

@@ -1,4 +1,4 @@
-"""QMuon under Hugging Face Accelerate: qmuon_lightning.integrations.accelerate and
+"""QMuon under Hugging Face Accelerate: qmuon.integrations.accelerate and
 examples/accelerate_train.py.
 
 In-process tests run one process (``Accelerator(cpu=True)``, distributed type ``NO``). The DDP test
@@ -30,9 +30,9 @@ from accelerate import Accelerator  # noqa: E402
 from accelerate.state import AcceleratorState, GradientState  # noqa: E402
 from accelerate.utils import DistributedType  # noqa: E402
 
-import qmuon_lightning as ql  # noqa: E402
+import qmuon  # noqa: E402
 from _helpers import REPO, assert_same, free_port, run_launcher, subprocess_env  # noqa: E402
-from qmuon_lightning.integrations.accelerate import (  # noqa: E402
+from qmuon.integrations.accelerate import (  # noqa: E402
     UnsupportedAccelerateConfig,
     check_accelerator,
     check_configuration,
@@ -138,7 +138,7 @@ def fresh_accelerate():
 @pytest.mark.parametrize(
     "kind, kwargs, fragment",
     [
-        ("DEEPSPEED", {}, "qmuon_lightning.integrations.deepspeed"),
+        ("DEEPSPEED", {}, "qmuon.integrations.deepspeed"),
         ("FSDP", {"fsdp_version": 1}, "fsdp_version=2"),
         ("MEGATRON_LM", {}, "plain local tensors"),
         ("XLA", {}, "XLA"),
@@ -159,8 +159,8 @@ def test_supported_configurations_pass(kind: Any, mp: str) -> None:
 
 
 def test_fsdp2_needs_the_sharded_step_and_a_fresh_optimizer() -> None:
-    if importlib.util.find_spec("qmuon_lightning.distributed") is None:
-        with pytest.raises(UnsupportedAccelerateConfig, match="qmuon_lightning.distributed"):
+    if importlib.util.find_spec("qmuon.distributed") is None:
+        with pytest.raises(UnsupportedAccelerateConfig, match="qmuon.distributed"):
             check_configuration("FSDP", fsdp_version=2)
         return
     check_configuration("FSDP", fsdp_version=2)
@@ -194,7 +194,7 @@ def test_state_is_lazy_and_keyed_to_the_prepared_parameters(fresh_accelerate) ->
     acc = Accelerator(cpu=True)
     model, opt = prepare_qmuon(acc, tiny_model(0), state_format="int8", verbose=False)
     qm = unwrap_qmuon(opt)
-    assert type(opt).__name__ == "AcceleratedOptimizer" and isinstance(qm, ql.QMuon)
+    assert type(opt).__name__ == "AcceleratedOptimizer" and isinstance(qm, qmuon.QMuon)
     assert sum(len(s) for s in qm.state.values()) == 0, "state must not exist before the first step"
     group_params = [p for g in qm.param_groups for p in g["params"]]
     assert {id(p) for p in group_params} == {id(p) for p in model.parameters()}
@@ -214,7 +214,7 @@ def test_plain_prepare_recipe_works_too(fresh_accelerate) -> None:
     """The issue's one-liner, without the helper."""
     acc = Accelerator(cpu=True)
     model = tiny_model(0)
-    model, opt = acc.prepare(model, ql.build_optimizer(model, verbose=False))
+    model, opt = acc.prepare(model, qmuon.build_optimizer(model, verbose=False))
     losses = train(acc, model, opt, range(2))
     assert all(math.isfinite(v) for v in losses)
     check_state_keys(model, opt)
@@ -325,7 +325,7 @@ def _torchrun(mode: str, out_dir: Path, nproc: int, extra: list[str] | None = No
     """Run this file's worker under torchrun; return each rank's JSON report."""
     # Use the kernels this process already resolved: both ranks then load a built extension (or
     # the reference) instead of racing to build it.
-    backend = "reference" if ql.ops.backend() == "reference" else os.environ.get("QMUON_BACKEND", "auto")
+    backend = "reference" if qmuon.ops.backend() == "reference" else os.environ.get("QMUON_BACKEND", "auto")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--nnodes", "1",
            "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
            str(Path(__file__).resolve()), "--worker", mode, "--out", str(out_dir), *(extra or [])]
@@ -433,7 +433,7 @@ def _worker_fsdp2(out: Path, state_dict_type: str, force_on_cpu: bool) -> dict[s
     # prepare swaps the optimizer's parameters for DTensors; compare the sharded run with
     # one-process QMuon on the same global batches.
     ref_model = tiny_model(0).to(acc.device)
-    ref_opt = ql.build_optimizer(ref_model, verbose=False)
+    ref_opt = qmuon.build_optimizer(ref_model, verbose=False)
     init = {n: p.detach().clone() for n, p in ref_model.named_parameters()}
     model, opt = prepare_qmuon(acc, tiny_model(0), verbose=False)
     qm = unwrap_qmuon(opt)
@@ -481,7 +481,7 @@ def _worker_main(argv: list[str]) -> None:
         rep = {f"fsdp2_{args.state_dict_type}": _worker_fsdp2(out, args.state_dict_type, force_on_cpu=False)}
     rank = int(os.environ.get("RANK", "0"))
     (out / f"rank{rank}.json").write_text(json.dumps(rep, default=str))
-    from qmuon_lightning.distributed import exit_after_distributed_run
+    from qmuon.distributed import exit_after_distributed_run
 
     exit_after_distributed_run()  # see its docstring
 

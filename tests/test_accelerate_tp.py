@@ -37,8 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 pytest.importorskip("accelerate")
 pytest.importorskip("transformers")
 
-import qmuon_lightning as ql  # noqa: E402
-from qmuon_lightning.integrations.accelerate import (  # noqa: E402
+import qmuon  # noqa: E402
+from qmuon.integrations.accelerate import (  # noqa: E402
     UnsupportedAccelerateConfig,
     accelerate_tp_blocker,
     check_configuration,
@@ -123,7 +123,7 @@ def _main(out: Path) -> None:
     from transformers import LlamaForCausalLM
     from transformers.distributed.tensor_parallel import apply_tensor_parallelism
 
-    from qmuon_lightning.integrations.accelerate import prepare_qmuon, unwrap_qmuon
+    from qmuon.integrations.accelerate import prepare_qmuon, unwrap_qmuon
 
     torch.set_num_threads(1)
     rank = int(os.environ["RANK"])
@@ -150,7 +150,7 @@ def _main(out: Path) -> None:
     model, opt = prepare_qmuon(acc, model, **kw)
     qm = unwrap_qmuon(opt)
     whole = make_llama()
-    o_whole = ql.build_optimizer(whole, **kw)
+    o_whole = qmuon.build_optimizer(whole, **kw)
     wp = dict(whole.named_parameters())
     named = {n.removeprefix("module."): p for n, p in model.named_parameters()}
     res["placements"] = {n: str(tuple(p.placements)) for n, p in named.items()}
@@ -173,7 +173,7 @@ def _main(out: Path) -> None:
     res["muon"] = sorted(n for g in qm.param_groups if g["use_muon"] for n in g["param_names"])
     res["stats"] = dict(qm.comm_stats)
     torch.save(res, out / f"rank{rank}.pt")
-    from qmuon_lightning.distributed import exit_after_distributed_run
+    from qmuon.distributed import exit_after_distributed_run
 
     exit_after_distributed_run()
 

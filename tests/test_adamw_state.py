@@ -14,11 +14,11 @@ import pytest
 import torch
 from torch import nn
 
-from qmuon_lightning import QMuon, build_optimizer
-from qmuon_lightning.core import adamw as core_adamw
-from qmuon_lightning.optim.qmuon import FORMAT_VERSION
-from qmuon_lightning.quant import adamw as qadamw
-from qmuon_lightning.quant import state as qstate
+from qmuon import QMuon, build_optimizer
+from qmuon.core import adamw as core_adamw
+from qmuon.optim.qmuon import FORMAT_VERSION
+from qmuon.quant import adamw as qadamw
+from qmuon.quant import state as qstate
 
 FAMILIES = ("fp32", "bf16", "int8", "int4")
 HP = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
@@ -404,8 +404,8 @@ def test_stochastic_resume_is_bit_exact(family):
 
 def test_stochastic_moments_and_bf16_weights_draw_distinct_streams():
     """One (seed, key, step) gives three different streams: Muon momentum, bf16 weights, AdamW moments."""
-    from qmuon_lightning.ops import reference as ref
-    from qmuon_lightning.ops import reference_weight as refw
+    from qmuon.ops import reference as ref
+    from qmuon.ops import reference_weight as refw
 
     s = {ref.noise_stream(0, 1, 2), refw.weight_noise_stream(0, 2, 1), qadamw.moment_noise_stream(0, 2, 1)}
     assert len(s) == 3

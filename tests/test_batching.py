@@ -9,8 +9,8 @@ import dataclasses
 
 import torch
 
-from qmuon_lightning.core import pipeline
-from qmuon_lightning.core.newton_schulz import resolve_schedule
+from qmuon.core import pipeline
+from qmuon.core.newton_schulz import resolve_schedule
 
 
 def _chunks(shapes, monkeypatch, batch_budget=1.0):

@@ -17,11 +17,11 @@ import pytest
 import torch
 from torch import nn
 
-import qmuon_lightning as ql
-from qmuon_lightning.core import apply as wa
-from qmuon_lightning.ops import _kernels as K
-from qmuon_lightning.ops import reference_weight as refw
-from qmuon_lightning.quant import state as qstate
+import qmuon
+from qmuon.core import apply as wa
+from qmuon.ops import _kernels as K
+from qmuon.ops import reference_weight as refw
+from qmuon.quant import state as qstate
 
 RULES = ("nearest", "stochastic", "ecc8")
 
@@ -44,7 +44,7 @@ def _weights(rows: int, cols: int, seed: int) -> torch.Tensor:
 
 
 def _compiled() -> bool:
-    from qmuon_lightning.ops import _extension
+    from qmuon.ops import _extension
 
     return _extension.status().cpu
 
@@ -78,7 +78,7 @@ def test_stochastic_rounding_brackets_and_is_unbiased():
 
 
 def test_stochastic_noise_differs_from_momentum_noise():
-    from qmuon_lightning.ops import reference as ref
+    from qmuon.ops import reference as ref
 
     assert refw.weight_noise_stream(0, 5, 1) != ref.noise_stream(0, 1, 5)
     assert len({refw.weight_noise_stream(0, k, s) for k in range(20) for s in range(20)}) == 400
@@ -204,9 +204,9 @@ def test_bad_arguments_are_named():
     with pytest.raises(ValueError, match="supports 'nearest' only"):
         wa.apply_update_(w.half(), torch.zeros(4, 4), alpha=1.0, bf16_update="ecc8", state={})
     with pytest.raises(ValueError, match="bf16_update must be one of"):
-        ql.QMuon([nn.Parameter(torch.zeros(4, 4))], bf16_update="round")
+        qmuon.QMuon([nn.Parameter(torch.zeros(4, 4))], bf16_update="round")
     with pytest.raises(ValueError, match="bf16_update must be one of"):
-        ql.QMuon([{"params": [nn.Parameter(torch.zeros(4))], "use_muon": False, "bf16_update": "x"}])
+        qmuon.QMuon([{"params": [nn.Parameter(torch.zeros(4))], "use_muon": False, "bf16_update": "x"}])
 
 
 # --------------------------------------------------------------------------- kernels vs reference
@@ -287,7 +287,7 @@ def test_ops_run_the_reference_on_layouts_the_kernels_lack():
 def test_cuda_kernels_equal_reference_bit_for_bit(update_dtype):
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
-    from qmuon_lightning.ops import _extension
+    from qmuon.ops import _extension
 
     if not _extension.status().cuda:
         pytest.skip(f"no CUDA kernels: {_extension.status().reason}")
@@ -334,7 +334,7 @@ class _Tiny(nn.Module):
 
 
 def _opt(model, **kw):
-    return ql.build_optimizer(model, lr=0.02, adamw_lr=3e-3, verbose=False, fused_parts={r"qkv\.weight$": (32, 32, 32)},
+    return qmuon.build_optimizer(model, lr=0.02, adamw_lr=3e-3, verbose=False, fused_parts={r"qkv\.weight$": (32, 32, 32)},
                               **kw)
 
 
@@ -474,18 +474,18 @@ def test_stall_report_names_the_frozen_parameters():
     """Weights ~0.1 and AdamW steps of ~3e-5 (< ulp/2 = 2**-12 for |w| in [1/16, 1/8)): the AdamW
     parameters are reported as stalled; with Muon's larger steps the Muon matrices much less."""
     model = _Tiny()
-    opt = ql.build_optimizer(model, lr=0.02, adamw_lr=3e-5, verbose=False, bf16_update="stochastic")
+    opt = qmuon.build_optimizer(model, lr=0.02, adamw_lr=3e-5, verbose=False, bf16_update="stochastic")
     x, y = _batch(0)
     nn.functional.cross_entropy(model(x).float().flatten(0, 1), y.flatten()).backward()
-    rows = ql.optim.bf16_stall_report(opt, model.named_parameters())
+    rows = qmuon.optim.bf16_stall_report(opt, model.named_parameters())
     share = {r["param"]: r["share"] for r in rows}
     assert set(share) == {n for n, _ in model.named_parameters()}
     assert share["emb.weight"] > 0.5 and share["head.weight"] > 0.5
     assert share["l2.weight"] < share["head.weight"]
     fp32 = _Tiny(torch.float32)
-    o32 = ql.build_optimizer(fp32, verbose=False)
+    o32 = qmuon.build_optimizer(fp32, verbose=False)
     nn.functional.cross_entropy(fp32(x).flatten(0, 1), y.flatten()).backward()
-    assert ql.optim.bf16_stall_report(o32, fp32.named_parameters()) == []
+    assert qmuon.optim.bf16_stall_report(o32, fp32.named_parameters()) == []
 
 
 def test_weight_state_bytes_are_one_per_parameter():
@@ -505,8 +505,8 @@ def test_strategy_and_config_check_bf16_update():
     with pytest.raises(ValueError, match="bf16_update must be one of"):
         QMuonFSDPStrategy(optimizer_kwargs={"bf16_update": "stochastic-ish"})
     QMuonFSDPStrategy(optimizer_kwargs={"bf16_update": "ecc8"})
-    assert ql.QMuonConfig().bf16_update == "stochastic"
-    assert ql.QMuonConfig.from_kwargs(bf16_update="ecc8").adamw_group_defaults()["bf16_update"] == "ecc8"
+    assert qmuon.QMuonConfig().bf16_update == "stochastic"
+    assert qmuon.QMuonConfig.from_kwargs(bf16_update="ecc8").adamw_group_defaults()["bf16_update"] == "ecc8"
 
 
 def test_stall_monitor_in_a_trainer():
@@ -524,7 +524,7 @@ def test_stall_monitor_in_a_trainer():
             return nn.functional.cross_entropy(self.net(x).float().flatten(0, 1), y.flatten())
 
         def configure_optimizers(self):
-            return ql.build_optimizer(self.net, lr=0.02, adamw_lr=3e-5, verbose=False)
+            return qmuon.build_optimizer(self.net, lr=0.02, adamw_lr=3e-5, verbose=False)
 
     xs = torch.stack([_batch(s)[0] for s in range(4)]).flatten(0, 1)
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(xs, (7 * xs + 3) % 50), batch_size=8)
@@ -574,7 +574,7 @@ SHARD_KW = dict(lr=0.02, weight_decay=0.1, adamw_lr=1e-2, comm_carrier="bf16", c
 
 
 def _shard_opt(net, rule):
-    return ql.QMuon(_shard_groups(net), bf16_update=rule, **SHARD_KW)
+    return qmuon.QMuon(_shard_groups(net), bf16_update=rule, **SHARD_KW)
 
 
 def _worker_bf16(rank: int, world: int, root: str) -> dict:
@@ -742,7 +742,7 @@ def test_accelerate_bf16_model_resumes_bit_exact(tmp_path, rule):
     from accelerate.state import AcceleratorState, GradientState
     from test_accelerate import snapshot, tiny_model, train
 
-    from qmuon_lightning.integrations.accelerate import prepare_qmuon
+    from qmuon.integrations.accelerate import prepare_qmuon
 
     def run(seed, load=None, save=None):
         AcceleratorState._reset_state(True)

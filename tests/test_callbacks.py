@@ -22,7 +22,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 
 from _helpers import fsdp_scenario_main, run_launcher, subprocess_env
-from qmuon_lightning import QMuon, build_optimizer
+from qmuon import QMuon, build_optimizer
 from qmuon_lightning.callbacks import (
     MANIFEST_KEY,
     OptimizerStepProfiler,
@@ -38,9 +38,9 @@ from qmuon_lightning.callbacks import (
 from qmuon_lightning.callbacks import checkpoint as ckpt_mod
 from qmuon_lightning.data.bytes_corpus import RandomWindowDataset
 from qmuon_lightning.demo import DemoModule
-from qmuon_lightning.quant import state as qstate
-from qmuon_lightning.optim.fidelity import per_layer_update_cosine
-from qmuon_lightning.quant.fidelity import synthetic_gradients
+from qmuon.quant import state as qstate
+from qmuon.optim.fidelity import per_layer_update_cosine
+from qmuon.quant.fidelity import synthetic_gradients
 
 SEQ = 16
 BATCH = 4
@@ -479,7 +479,7 @@ def _fsdp_fit(out: Path, steps: int, callbacks: list, resume: str | None = None)
 def _fsdp_scenario(out: Path) -> dict:
     import torch.distributed as dist
 
-    from qmuon_lightning.distributed.checkpoint import full_state_dict
+    from qmuon.distributed.checkpoint import full_state_dict
 
     mc = ModelCheckpoint(dirpath=out / "ckpt", every_n_train_steps=2, save_top_k=-1)
     qc = QuantizedStateCheckpoint(dirpath=out / "q")

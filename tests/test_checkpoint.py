@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 from _helpers import QMAX, blocked_absmax, expand_blocks, momentum_fp32, roundtrip_state_dict
-from qmuon_lightning import QMuon, build_optimizer
-from qmuon_lightning.optim import FORMAT_VERSION
+from qmuon import QMuon, build_optimizer
+from qmuon.optim import FORMAT_VERSION
 
 FP32_U = 2.0**-24
 
@@ -181,7 +181,7 @@ def test_migrate_8bit_to_fp32_and_between_8bit_formats():
 # --------------------------------------------------------------------------- 4-bit migration
 @pytest.mark.parametrize("fmt", ["int4", "e0m3", "grasp4"])
 def test_migrate_torch_muon_to_4bit_and_back(fmt):
-    from qmuon_lightning.ops import reference_4bit as ref4
+    from qmuon.ops import reference_4bit as ref4
 
     shapes = [(24, 80), (16, 17)]  # 17 columns: an odd count (half-filled last byte)
     ps, torch_opt = _torch_muon_run(shapes)

@@ -1,4 +1,4 @@
-"""QMuon under DeepSpeed (qmuon_lightning.integrations.deepspeed, strategies.deepspeed).
+"""QMuon under DeepSpeed (qmuon.integrations.deepspeed, strategies.deepspeed).
 
 In-process tests cover configuration errors, ownership dealing, partition arithmetic and the
 single-process path.
@@ -56,9 +56,9 @@ sys.path.insert(0, str(REPO))
 
 deepspeed = pytest.importorskip("deepspeed") if __name__ != "__main__" else None
 
-import qmuon_lightning as ql  # noqa: E402
-from qmuon_lightning.core.newton_schulz import resolve_ns_dtype, resolve_schedule  # noqa: E402
-from qmuon_lightning.integrations import deepspeed as qds  # noqa: E402
+import qmuon  # noqa: E402
+from qmuon.core.newton_schulz import resolve_ns_dtype, resolve_schedule  # noqa: E402
+from qmuon.integrations import deepspeed as qds  # noqa: E402
 from qmuon_lightning.models.decoder_lm import DecoderLM, DecoderLMConfig  # noqa: E402
 
 VOCAB = 64
@@ -130,7 +130,7 @@ def test_class_name_keeps_deepspeed_muon_code_away():
     # and parameters carry use_muon: neither may be true, or matrices would be orthogonalized twice.
     assert "muon" not in qds.WholeMatrixZeroOptimizer.__name__.lower()
     model = _model()
-    qm = ql.build_optimizer(model, **OPT_KW)
+    qm = qmuon.build_optimizer(model, **OPT_KW)
     qm_first = qm.param_groups[0]["params"][0]
     opt = qds.WholeMatrixZeroOptimizer(qm)
     assert opt.param_groups[0] is qm.param_groups[0]
@@ -233,13 +233,13 @@ def test_routing_reads_zero3_true_shapes():
     """A parameter DeepSpeed ZeRO-3 partitioned is an empty 1-D tensor whose shape is in ds_shape
     (zero.Init): routing, QMuon's checks and the wrapper's plans read ds_shape, so the Muon
     parameters are the plain model's (routing by p.shape would give Muon nothing: #8438)."""
-    plain = ql.build_optimizer(_model(), **OPT_KW)
+    plain = qmuon.build_optimizer(_model(), **OPT_KW)
     model = _model()
     for p in model.parameters():
         p.ds_shape = p.shape
         p.data = torch.empty(0)
     assert not any(p.ndim >= 2 for p in model.parameters())
-    opt = ql.build_optimizer(model, **OPT_KW)
+    opt = qmuon.build_optimizer(model, **OPT_KW)
     assert [(d.name, d.target, d.shape, d.parts) for d in opt.routing] == \
         [(d.name, d.target, d.shape, d.parts) for d in plain.routing]
     wrapper = qds.WholeMatrixZeroOptimizer(opt)
@@ -255,8 +255,8 @@ def test_single_process_matches_qmuon_bit_exact():
     same optimizer state (quantized momentum and AdamW moments)."""
     torch.manual_seed(0)
     m1, m2 = _model(), _model()
-    o1 = ql.build_optimizer(m1, **OPT_KW)
-    o2 = qds.WholeMatrixZeroOptimizer(ql.build_optimizer(m2, **OPT_KW))
+    o1 = qmuon.build_optimizer(m1, **OPT_KW)
+    o2 = qds.WholeMatrixZeroOptimizer(qmuon.build_optimizer(m2, **OPT_KW))
     for step in range(3):
         x = _batch(step, 0)
         for m, o in ((m1, o1), (m2, o2)):
@@ -281,7 +281,7 @@ def test_single_process_matches_qmuon_bit_exact():
 @pytest.mark.parametrize("policy", ["skip", "raise"])
 def test_nonfinite_gradient_policies(policy):
     model = _model()
-    opt = qds.WholeMatrixZeroOptimizer(ql.build_optimizer(model, **{**OPT_KW, "nonfinite": policy}))
+    opt = qds.WholeMatrixZeroOptimizer(qmuon.build_optimizer(model, **{**OPT_KW, "nonfinite": policy}))
     x = _batch(0, 0)
     _loss(model(x), x).backward()
     bad = model.blocks[0].attn.proj.weight
@@ -295,7 +295,7 @@ def test_nonfinite_gradient_policies(policy):
         return
     # The same gradients to a plain QMuon, the bad one removed: the wrapper's step must be that step.
     ref = _model()
-    ref_opt = ql.build_optimizer(ref, **OPT_KW)
+    ref_opt = qmuon.build_optimizer(ref, **OPT_KW)
     for name, p in ref.named_parameters():
         g = dict(model.named_parameters())[name].grad
         p.grad = None if name == "blocks.0.attn.proj.weight" else g.clone()
@@ -308,26 +308,26 @@ def test_nonfinite_gradient_policies(policy):
 
 def test_state_dict_refuses_another_layout():
     model = _model()
-    opt = qds.WholeMatrixZeroOptimizer(ql.build_optimizer(model, **OPT_KW))
+    opt = qds.WholeMatrixZeroOptimizer(qmuon.build_optimizer(model, **OPT_KW))
     x = _batch(0, 0)
     _loss(model(x), x).backward()
     opt.step()
     sd = opt.state_dict()
     assert sd["qmuon_deepspeed"]["inner"]["state"][0]["momentum_codes"].dtype == torch.int8
-    other = qds.WholeMatrixZeroOptimizer(ql.build_optimizer(_model(), **OPT_KW))
+    other = qds.WholeMatrixZeroOptimizer(qmuon.build_optimizer(_model(), **OPT_KW))
     other.load_state_dict(sd)  # same layout: fine, and the state is restored bit for bit
     for mine, theirs in zip(opt._proxies, other._proxies):
         assert_same(dict(other.inner.state[theirs]), dict(opt.inner.state[mine]), "restored state")
     bad = {**sd, "qmuon_deepspeed": {**sd["qmuon_deepspeed"], "world_size": 2}}
     with pytest.raises(ValueError, match="same number of processes and ZeRO stage"):
         other.load_state_dict(bad)
-    with pytest.raises(ValueError, match="not written by qmuon_lightning's DeepSpeed integration"):
-        other.load_state_dict(ql.build_optimizer(_model(), **OPT_KW).state_dict())
+    with pytest.raises(ValueError, match="not written by qmuon's DeepSpeed integration"):
+        other.load_state_dict(qmuon.build_optimizer(_model(), **OPT_KW).state_dict())
 
 
 def test_wrapping_a_used_qmuon_is_refused():
     model = _model()
-    opt = ql.build_optimizer(model, **OPT_KW)
+    opt = qmuon.build_optimizer(model, **OPT_KW)
     x = _batch(0, 0)
     _loss(model(x), x).backward()
     opt.step()
@@ -368,7 +368,7 @@ def _reference(steps: int, bf16: bool = False, **ns) -> dict:
     per QMuon index its group and position in ``model.parameters()``.
     """
     model = _model()
-    opt = ql.build_optimizer(model, **OPT_KW, **ns)
+    opt = qmuon.build_optimizer(model, **OPT_KW, **ns)
     run = model
     if bf16:
         run = copy.deepcopy(model).bfloat16()
@@ -512,7 +512,7 @@ def _engine(stage: int, seed: int = 0, bf16: bool = False, **ns):
     cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "steps_per_print": 10 ** 9,
            "gradient_clipping": 0.0, "bf16": {"enabled": bf16},
            "zero_optimization": {"stage": stage, "reduce_bucket_size": 500, "allgather_bucket_size": 500}}
-    engine, opt, _, _ = qds.initialize(model, ql.build_optimizer(model, **OPT_KW, **ns), cfg)
+    engine, opt, _, _ = qds.initialize(model, qmuon.build_optimizer(model, **OPT_KW, **ns), cfg)
     return engine, opt
 
 
@@ -545,7 +545,7 @@ def _state(opt) -> dict:
     """What this rank's wrapper holds: ``muon`` (index -> the inner QMuon's state of an owned matrix
     plus its dequantized fp32 momentum) and ``adamw`` (index -> (offset of the slice in the
     flattened parameter, state of the slice))."""
-    from qmuon_lightning.quant import dequantize_momentum, format_options
+    from qmuon.quant import dequantize_momentum, format_options
 
     muon, adamw = {}, {}
     for info, proxy in zip(opt._params, opt._proxies):
@@ -634,7 +634,7 @@ def worker(out_dir: str) -> None:
     res["ops_at_end"] = {"shm_comm_op": repr(getattr(ds_comm.cdb, "shm_comm_op", "missing")),
                          "compatible": sorted(k for k, v in ds_ops.__compatible_ops__.items() if v)}
     torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
-    from qmuon_lightning.distributed import exit_after_distributed_run
+    from qmuon.distributed import exit_after_distributed_run
 
     exit_after_distributed_run()  # see its docstring
 
@@ -666,7 +666,7 @@ def _lightning_run(rank: int) -> dict:
             return _loss(self.model(x), x)
 
         def configure_optimizers(self):
-            return ql.build_optimizer(self.model, **OPT_KW)
+            return qmuon.build_optimizer(self.model, **OPT_KW)
 
         def train_dataloader(self):
             return torch.utils.data.DataLoader(Batches(), batch_size=1, shuffle=False)

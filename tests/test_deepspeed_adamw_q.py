@@ -1,7 +1,7 @@
 """Quantized AdamW moments under DeepSpeed ZeRO (``adamw_state_format="int8"``).
 
 ZeRO 1/2/3 hand the optimizer flat 1-D slices of the AdamW parameters. The wrapper cuts each slice
-on the whole parameter's block grid (:func:`qmuon_lightning.quant.adamw.flat_slice_pieces`) and
+on the whole parameter's block grid (:func:`qmuon.quant.adamw.flat_slice_pieces`) and
 steps every piece with QMuon's own AdamW step, so each block that lies wholly in one rank's slice
 holds the moments single-process QMuon gives it, bit for bit.
 
@@ -30,10 +30,10 @@ sys.path.insert(0, str(REPO))
 if __name__ != "__main__":
     pytest.importorskip("deepspeed")
 
-import qmuon_lightning as ql  # noqa: E402
-from qmuon_lightning.core import adamw as core_adamw  # noqa: E402
-from qmuon_lightning.integrations import deepspeed as qds  # noqa: E402
-from qmuon_lightning.quant import adamw as qadamw  # noqa: E402
+import qmuon  # noqa: E402
+from qmuon.core import adamw as core_adamw  # noqa: E402
+from qmuon.integrations import deepspeed as qds  # noqa: E402
+from qmuon.quant import adamw as qadamw  # noqa: E402
 
 WORLD = 2
 STEPS = 4
@@ -145,8 +145,8 @@ def test_single_process_wrapper_int8_adamw_bit_exact():
     """Without DeepSpeed (stage 0 semantics, one process) the wrapper's AdamW with int8 moments is
     QMuon's: the same parameters and the same quantized state."""
     m1, m2 = Net(), Net()
-    o1 = ql.QMuon(_groups(m1), **KW)
-    o2 = qds.WholeMatrixZeroOptimizer(ql.QMuon(_groups(m2), **KW))
+    o1 = qmuon.QMuon(_groups(m1), **KW)
+    o2 = qds.WholeMatrixZeroOptimizer(qmuon.QMuon(_groups(m2), **KW))
     for step in range(3):
         x = _batch(step)
         for m, o in ((m1, o1), (m2, o2)):
@@ -168,7 +168,7 @@ def test_version1_fp32_slice_state_loads_into_int8_pieces():
     """A version-1 checkpoint (fp32 moments of the flat slices in the inner QMuon) loads into a run
     with int8 AdamW: each slice's moments are cut into the pieces and quantized (within one code)."""
     m1, m2 = Net(), Net()
-    o1 = qds.WholeMatrixZeroOptimizer(ql.QMuon(_groups(m1), **{**KW, "adamw_state_format": "fp32"}))
+    o1 = qds.WholeMatrixZeroOptimizer(qmuon.QMuon(_groups(m1), **{**KW, "adamw_state_format": "fp32"}))
     for step in range(2):
         x = _batch(step)
         _loss(m1(x), x).backward()
@@ -178,7 +178,7 @@ def test_version1_fp32_slice_state_loads_into_int8_pieces():
     sd["qmuon_deepspeed"]["version"] = 1
     del sd["qmuon_deepspeed"]["adamw_slices"]
     fp32 = {i: dict(sd["qmuon_deepspeed"]["inner"]["state"][i]) for i in (1, 2)}
-    o2 = qds.WholeMatrixZeroOptimizer(ql.QMuon(_groups(m2), **KW))
+    o2 = qds.WholeMatrixZeroOptimizer(qmuon.QMuon(_groups(m2), **KW))
     o2.load_state_dict(sd)
     assert o2.param_groups[1]["state_format"] == "int8"  # this run's format, not the checkpoint's
     for i in (1, 2):
@@ -198,7 +198,7 @@ def _engine(stage: int, seed: int = 0):
     model = Net(seed)
     cfg = {k: (dict(v) if isinstance(v, dict) else v) for k, v in CFG.items()}
     cfg["zero_optimization"] = {"stage": stage}
-    engine, opt, _, _ = qds.initialize(model, ql.QMuon(_groups(model), **KW), cfg)
+    engine, opt, _, _ = qds.initialize(model, qmuon.QMuon(_groups(model), **KW), cfg)
     return engine, opt
 
 
@@ -242,7 +242,7 @@ def worker(out_dir: str) -> None:
     rank = int(os.environ["RANK"])
     res = {"rank": rank, **{stage: _stage_run(stage, out_dir, rank) for stage in (1, 2, 3)}}
     torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
-    from qmuon_lightning.distributed import exit_after_distributed_run
+    from qmuon.distributed import exit_after_distributed_run
 
     exit_after_distributed_run()
 
@@ -260,7 +260,7 @@ def _reference(init: list[torch.Tensor]) -> list[list[torch.Tensor]]:
     with torch.no_grad():
         for p, v in zip(model.parameters(), init):
             p.copy_(v)
-    opt = ql.QMuon(_groups(model), **KW)
+    opt = qmuon.QMuon(_groups(model), **KW)
     out = []
     for step in range(STEPS):
         x = _batch(step)

@@ -36,8 +36,8 @@ sys.path.insert(0, str(REPO))
 if __name__ != "__main__":
     pytest.importorskip("deepspeed")
 
-import qmuon_lightning as ql  # noqa: E402
-from qmuon_lightning.integrations import deepspeed as qds  # noqa: E402
+import qmuon  # noqa: E402
+from qmuon.integrations import deepspeed as qds  # noqa: E402
 
 WORLD = 2
 STEPS = 4
@@ -91,13 +91,13 @@ def _loss(logits: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), x[:, 1:].reshape(-1))
 
 
-def _reference(init: list[torch.Tensor], rule: str, steps: int = STEPS) -> tuple[list, ql.QMuon, Net]:
+def _reference(init: list[torch.Tensor], rule: str, steps: int = STEPS) -> tuple[list, qmuon.QMuon, Net]:
     """Single-process QMuon on the bf16 model (``model.to(torch.bfloat16)``) from ``init``."""
     model = Net().to(torch.bfloat16)
     with torch.no_grad():
         for p, v in zip(model.parameters(), init):
             p.copy_(v)
-    opt = ql.QMuon(_groups(model), **KW, bf16_update=rule)
+    opt = qmuon.QMuon(_groups(model), **KW, bf16_update=rule)
     out = []
     for step in range(steps):
         x = _batch(step)
@@ -114,8 +114,8 @@ def test_unattached_wrapper_on_bf16_model_equals_qmuon(rule):
     """Without DeepSpeed (one process, ZeRO-0 semantics) the wrapper steps a bf16 model as QMuon
     does: the same bits and, under ecc8, the same correction codes (Muon slices and AdamW pieces)."""
     m1, m2 = Net().to(torch.bfloat16), Net().to(torch.bfloat16)
-    o1 = ql.QMuon(_groups(m1), **KW, bf16_update=rule)
-    o2 = qds.WholeMatrixZeroOptimizer(ql.QMuon(_groups(m2), **KW, bf16_update=rule))
+    o1 = qmuon.QMuon(_groups(m1), **KW, bf16_update=rule)
+    o2 = qds.WholeMatrixZeroOptimizer(qmuon.QMuon(_groups(m2), **KW, bf16_update=rule))
     p0 = [p.detach().clone() for p in m1.parameters()]
     for step in range(3):
         x = _batch(step)
@@ -141,8 +141,8 @@ def test_skipped_nonfinite_update_keeps_the_rounding_counter_in_step():
     """A NaN gradient skips that matrix on the step (QMuon's own momentum step does not advance), so
     the next stochastic write of its slices uses the same counter as single-process QMuon's."""
     m1, m2 = Net().to(torch.bfloat16), Net().to(torch.bfloat16)
-    o1 = ql.QMuon(_groups(m1), **KW, bf16_update="stochastic")
-    o2 = qds.WholeMatrixZeroOptimizer(ql.QMuon(_groups(m2), **KW, bf16_update="stochastic"))
+    o1 = qmuon.QMuon(_groups(m1), **KW, bf16_update="stochastic")
+    o2 = qds.WholeMatrixZeroOptimizer(qmuon.QMuon(_groups(m2), **KW, bf16_update="stochastic"))
     for step in range(3):
         x = _batch(step)
         for m, o in ((m1, o1), (m2, o2)):
@@ -162,11 +162,11 @@ def test_ecc8_codes_validated_on_load():
     """Saved and resumed under "ecc8", a checkpoint without a slice's codes is incomplete
     (StateFormatError naming the slice); codes of the wrong size too. A checkpoint saved under
     "stochastic" loads into an "ecc8" run (codes start at zero at the next step)."""
-    from qmuon_lightning.quant import StateFormatError
+    from qmuon.quant import StateFormatError
 
     def stepped(rule):
         m = Net().to(torch.bfloat16)
-        o = qds.WholeMatrixZeroOptimizer(ql.QMuon(_groups(m), **KW, bf16_update=rule))
+        o = qds.WholeMatrixZeroOptimizer(qmuon.QMuon(_groups(m), **KW, bf16_update=rule))
         x = _batch(0)
         _loss(m(x), x).backward()
         o.step()
@@ -201,7 +201,7 @@ def _engine(stage: int, rule: str, seed: int = 0):
     model = Net(seed)
     cfg = {k: (dict(v) if isinstance(v, dict) else v) for k, v in CFG.items()}
     cfg["zero_optimization"] = {"stage": stage}
-    engine, opt, _, _ = qds.initialize(model, ql.QMuon(_groups(model), **KW, bf16_update=rule), cfg)
+    engine, opt, _, _ = qds.initialize(model, qmuon.QMuon(_groups(model), **KW, bf16_update=rule), cfg)
     return engine, opt
 
 
@@ -275,7 +275,7 @@ def _lightning_run(rank: int) -> dict:
             return _loss(self.model(x), x)
 
         def configure_optimizers(self):
-            return ql.QMuon(_groups(self.model), **KW, bf16_update="stochastic")
+            return qmuon.QMuon(_groups(self.model), **KW, bf16_update="stochastic")
 
         def train_dataloader(self):
             return torch.utils.data.DataLoader(Batches(), batch_size=1, shuffle=False)
@@ -308,7 +308,7 @@ def worker(out_dir: str) -> None:
         res[(stage, "ecc8")] = _run(stage, "ecc8", out_dir, resume=False)
     res["lightning"] = _lightning_run(rank)
     torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
-    from qmuon_lightning.distributed import exit_after_distributed_run
+    from qmuon.distributed import exit_after_distributed_run
 
     exit_after_distributed_run()
 
@@ -322,7 +322,7 @@ def run(tmp_path_factory) -> list[dict]:
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
 
 
-def _assert_codes(ranks: list[dict], key: str, opt: ql.QMuon, model: Net) -> None:
+def _assert_codes(ranks: list[dict], key: str, opt: qmuon.QMuon, model: Net) -> None:
     """The ranks' weight_ecc slices / pieces, put back at their element offsets, are the reference's."""
     params = list(model.parameters())
     by_index = [p for g in opt.param_groups for p in g["params"]]

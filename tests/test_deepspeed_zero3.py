@@ -1,4 +1,4 @@
-"""QMuon under DeepSpeed ZeRO stage 3 (qmuon_lightning.integrations.deepspeed, 2 CPU processes).
+"""QMuon under DeepSpeed ZeRO stage 3 (qmuon.integrations.deepspeed, 2 CPU processes).
 
 One 2-process launch (``torch.distributed.run``, gloo, DeepSpeed's CPU accelerator) runs every
 stage-3 scenario; a 1-process launch then tries to resume its checkpoint. This file is also the
@@ -47,9 +47,9 @@ sys.path.insert(0, str(REPO))
 if __name__ != "__main__":
     pytest.importorskip("deepspeed")
 
-import qmuon_lightning as ql  # noqa: E402
-from qmuon_lightning.core.plan import plan_param, true_shape  # noqa: E402
-from qmuon_lightning.integrations import deepspeed as qds  # noqa: E402
+import qmuon  # noqa: E402
+from qmuon.core.plan import plan_param, true_shape  # noqa: E402
+from qmuon.integrations import deepspeed as qds  # noqa: E402
 from test_deepspeed import OPT_KW, _batch, _check_ns_items, _check_state, _layout, _loss, _model, _params, \
     _qmuon_params, _ref_state, _state  # noqa: E402
 
@@ -174,7 +174,7 @@ def _z3_run(rank: int, zero_init: bool, bf16: bool = False, family: str = "decod
             model = make()
     else:
         model = make()
-    opt = ql.build_optimizer(model, **kw)
+    opt = qmuon.build_optimizer(model, **kw)
     out = {"routing": [(d.name, d.target) for d in opt.routing],
            # What routing by p.shape would see: under zero.Init no parameter has 2 dims.
            "shape_ndim2": sum(p.ndim >= 2 for p in model.parameters()),
@@ -199,7 +199,7 @@ def _gas_run(rank: int) -> dict:
     cfg = _cfg(3)
     cfg["gradient_accumulation_steps"] = 2
     model = _model()
-    engine, opt, _, _ = qds.initialize(model, ql.build_optimizer(model, **OPT_KW), cfg)
+    engine, opt, _, _ = qds.initialize(model, qmuon.build_optimizer(model, **OPT_KW), cfg)
     grads = _capture_grads(opt)
     out = {"init": ds_gathered(engine.module), "params": [], "ns_items": []}
     for step in range(STEPS):
@@ -218,7 +218,7 @@ def _ckpt_run(rank: int, out_dir: str) -> dict:
 
     def engine(seed):
         model = _model(seed)
-        return qds.initialize(model, ql.build_optimizer(model, **OPT_KW), _cfg(3))[:2]
+        return qds.initialize(model, qmuon.build_optimizer(model, **OPT_KW), _cfg(3))[:2]
 
     e, opt = engine(0)
     _run(e, opt, rank, range(CKPT_AT))
@@ -266,7 +266,7 @@ def _lightning_run(rank: int, out_dir: str) -> dict:
 
         def configure_optimizers(self):
             seen["shape_ndim2"] = sum(p.ndim >= 2 for p in self.model.parameters())
-            opt = ql.build_optimizer(self.model, **OPT_KW)
+            opt = qmuon.build_optimizer(self.model, **OPT_KW)
             seen["routing"] = [(d.name, d.target) for d in opt.routing]
             return opt
 
@@ -316,7 +316,7 @@ def worker(out_dir: str) -> None:
     rank = int(os.environ["RANK"])
     res: dict = {"rank": rank}
     model = _model()
-    engine, opt, _, _ = qds.initialize(model, ql.build_optimizer(model, **OPT_KW), _cfg(2))
+    engine, opt, _, _ = qds.initialize(model, qmuon.build_optimizer(model, **OPT_KW), _cfg(2))
     res["z2"] = {"params": [], "muon_numel": sum(p.numel for p in opt._params if p.muon), **_layout(opt)}
     for step in range(STEPS):
         _run(engine, opt, rank, [step])
@@ -331,7 +331,7 @@ def worker(out_dir: str) -> None:
     res["ckpt"] = _ckpt_run(rank, out_dir)
     res["lightning"] = _lightning_run(rank, out_dir)
     torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
-    from qmuon_lightning.distributed import exit_after_distributed_run
+    from qmuon.distributed import exit_after_distributed_run
 
     exit_after_distributed_run()
 
@@ -341,7 +341,7 @@ def worker_world_1(out_dir: str) -> None:
     torch.set_num_threads(1)
     d = os.path.join(out_dir, "ckpt")
     model = _model()
-    engine, opt, _, _ = qds.initialize(model, ql.build_optimizer(model, **OPT_KW), _cfg(3))
+    engine, opt, _, _ = qds.initialize(model, qmuon.build_optimizer(model, **OPT_KW), _cfg(3))
     res = {"saved_world_size": qds.saved_world_size(d, "t")}
     for key, load in (("qds", lambda: qds.load_checkpoint(engine, d, tag="t")),
                       ("engine", lambda: engine.load_checkpoint(d, tag="t")),
@@ -355,7 +355,7 @@ def worker_world_1(out_dir: str) -> None:
         except Exception as e:  # noqa: BLE001
             res[key] = f"{type(e).__name__}: {e}"
     torch.save(res, os.path.join(out_dir, "world1.pt"))
-    from qmuon_lightning.distributed import exit_after_distributed_run
+    from qmuon.distributed import exit_after_distributed_run
 
     exit_after_distributed_run()
 
@@ -408,7 +408,7 @@ def _reference(init: list[torch.Tensor], grads: list[list[torch.Tensor]], family
     with torch.no_grad():
         for p, w in zip(model.parameters(), init):
             p.copy_(w)
-    opt = ql.build_optimizer(model, **kw)
+    opt = qmuon.build_optimizer(model, **kw)
     order = [p for _, p in _qmuon_params(opt)]
     trace = {"params": [], "state": []}
     for step_grads in grads:
@@ -468,7 +468,7 @@ def test_zero3_muon_count_equals_model_and_zero2(z3_run):
     """Routing reads the true shapes: under zero.Init every parameter is an empty 1-D tensor (routing by
     p.shape would give Muon nothing), yet the Muon parameters are the model's matrices, the same as
     ZeRO-2's and the plain model's."""
-    plain = ql.build_optimizer(_model(), **OPT_KW)
+    plain = qmuon.build_optimizer(_model(), **OPT_KW)
     want_routing = [(d.name, d.target) for d in plain.routing]
     want_numel = sum(p.numel() for g in plain.param_groups if g["use_muon"] for p in g["params"])
     assert want_numel > 0
@@ -510,7 +510,7 @@ def _one_ulp_perturbed_run(seed: int) -> list[torch.Tensor]:
     at most one fp32 ulp (random sign, or kept), STEPS steps: the weights at the end. The yardstick of
     :data:`UPDATE_RTOL`: what last-bit gradient differences alone do to the update."""
     model = _model()
-    opt = ql.build_optimizer(model, **OPT_KW)
+    opt = qmuon.build_optimizer(model, **OPT_KW)
     gen = torch.Generator().manual_seed(seed)
     for step in range(STEPS):
         per_rank = []
@@ -544,7 +544,7 @@ def test_zero3_hf_models_under_zero_init(z3_run, family):
     to single-process QMuon on their own gradients."""
     runs = _scenario(z3_run, f"hf_{family}")
     make, _, _, kw = _family(family)
-    plain = ql.build_optimizer(make(), **kw)
+    plain = qmuon.build_optimizer(make(), **kw)
     for r in runs:
         assert r["shape_ndim2"] == 0 and r["routing"] == [(d.name, d.target) for d in plain.routing]
         assert r["muon_numel"] == sum(p.numel() for g in plain.param_groups if g["use_muon"] for p in g["params"])

@@ -92,7 +92,7 @@ def _merge_shards(per_rank: list):
 
 
 def _worker_direct(rank: int, world: int, configs: list[dict]) -> dict:
-    import qmuon_lightning as ql
+    import qmuon
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (world,))
@@ -104,8 +104,8 @@ def _worker_direct(rank: int, world: int, configs: list[dict]) -> dict:
         _shard(net, mesh)
         kw = dict(lr=0.02, weight_decay=0.1, adamw_lr=1e-2, **cfg)
         comm = {k: kw.pop(k) for k in ("comm_carrier", "comm_return") if k in kw}
-        opt_ref = ql.QMuon(_groups(ref), **kw)
-        opt = ql.QMuon(_groups(net), **kw, **comm)
+        opt_ref = qmuon.QMuon(_groups(ref), **kw)
+        opt = qmuon.QMuon(_groups(net), **kw, **comm)
         stats = []
         step_side_by_side(ref, opt_ref, net, opt, _grads, STEPS, after_step=lambda s: stats.append(
             dict(opt.comm_stats, comm_bytes_last_step=opt.comm_bytes_last_step)))
@@ -155,9 +155,9 @@ VARIANT_KW = {"variant": "normuon", "cautious_weight_decay": True}
 
 
 def _opt(model, **kw):
-    import qmuon_lightning as ql
+    import qmuon
 
-    return ql.build_optimizer(model, lr=0.02, adamw_lr=1e-2, verbose=False, **{**VARIANT_KW, **kw})
+    return qmuon.build_optimizer(model, lr=0.02, adamw_lr=1e-2, verbose=False, **{**VARIANT_KW, **kw})
 
 
 def _sharded_lm(mesh):
@@ -205,7 +205,7 @@ def _full_params(model):
 def _worker_train(rank: int, world: int, root: str, load_from: str | None, comm: dict) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
-    from qmuon_lightning.distributed import full_state_dict
+    from qmuon.distributed import full_state_dict
 
     mesh = init_device_mesh("cpu", (world,))
     out: dict = {}
@@ -248,8 +248,8 @@ def _worker_train(rank: int, world: int, root: str, load_from: str | None, comm:
     set_state_dict(model, opt, model_state_dict=full_msd, optim_state_dict=full_osd, options=full_opts)
     _train_steps(model, opt, range(TRAIN_STEPS, TRAIN_STEPS + CONT_STEPS), rank, world)
     out["resume_full_params"] = _full_params(model)
-    # resume from our consolidated state dict (qmuon_lightning.distributed.load_full_state_dict)
-    from qmuon_lightning.distributed import load_full_state_dict
+    # resume from our consolidated state dict (qmuon.distributed.load_full_state_dict)
+    from qmuon.distributed import load_full_state_dict
 
     model = _sharded_lm(mesh)
     opt = _opt(model, **comm)
@@ -272,11 +272,11 @@ def _worker_train(rank: int, world: int, root: str, load_from: str | None, comm:
 def _worker_unsupported(mesh) -> str:
     """A DTensor layout sharded QMuon does not handle (Replicate, not FSDP2's Shard(0)); every state
     format is supported sharded (grasp4 / e0m3: tests/test_distributed_4bit.py)."""
-    import qmuon_lightning as ql
+    import qmuon
     from torch.distributed.tensor import Replicate, distribute_tensor
 
     w = nn.Parameter(distribute_tensor(torch.randn(8, 40), mesh, [Replicate()]))
-    opt = ql.QMuon([{"params": [w]}])
+    opt = qmuon.QMuon([{"params": [w]}])
     w.grad = distribute_tensor(torch.randn(8, 40), mesh, [Replicate()])
     try:
         opt.step()
@@ -288,11 +288,11 @@ def _worker_unsupported(mesh) -> str:
 def _worker_collective_skips(mesh, rank: int) -> dict:
     """A NaN in rank 1's rows only, a gradient on rank 0 only, and nonfinite='raise': every rank
     must take the same decision (or the next collective would hang)."""
-    import qmuon_lightning as ql
+    import qmuon
 
     net = _Net()
     _shard(net, mesh)
-    opt = ql.QMuon(_groups(net), lr=0.02)
+    opt = qmuon.QMuon(_groups(net), lr=0.02)
     before = {n: local_copy(p) for n, p in net.named_parameters()}
     grads = _grads(net, 0)
     grads["b"][4, 7] = float("nan")  # row 4 lives on rank 1
@@ -303,7 +303,7 @@ def _worker_collective_skips(mesh, rank: int) -> dict:
     after = {n: local_copy(p) for n, p in net.named_parameters()}
     out = {"skips": opt.nonfinite_skips, "b_unchanged": torch.equal(before["b"], after["b"]),
            "a_changed": not torch.equal(before["a"], after["a"]), "b_state": net.b in opt.state}
-    opt_raise = ql.QMuon(_groups(net), lr=0.02, nonfinite="raise")
+    opt_raise = qmuon.QMuon(_groups(net), lr=0.02, nonfinite="raise")
     set_grads(net, grads, True)
     try:
         opt_raise.step()
@@ -398,9 +398,9 @@ def _displacement_rel(after: dict, after_ref: dict, before: dict) -> dict[str, f
 
 
 def test_carrier_names_match_qmuon():
-    from qmuon_lightning.core.config import COMM_CARRIERS, COMM_RETURNS
-    from qmuon_lightning.distributed import CARRIERS, RETURN_CARRIERS
-    from qmuon_lightning.optim import qmuon
+    from qmuon.core.config import COMM_CARRIERS, COMM_RETURNS
+    from qmuon.distributed import CARRIERS, RETURN_CARRIERS
+    from qmuon.optim import qmuon
 
     assert COMM_CARRIERS == CARRIERS and COMM_RETURNS == RETURN_CARRIERS
     with pytest.raises(ValueError, match="comm_carrier"):
@@ -411,7 +411,7 @@ def test_carrier_names_match_qmuon():
 def test_carrier_is_row_local(name):
     """Encoding row pieces separately decodes to exactly the encoding of the whole matrix (so the
     result does not depend on the sharding), and the int8 error is within half a code step."""
-    from qmuon_lightning.distributed import get_carrier
+    from qmuon.distributed import get_carrier
 
     c = get_carrier(name)
     x = torch.randn(7, 300, generator=torch.Generator().manual_seed(3)) * torch.logspace(-3, 0, 7)[:, None]
@@ -429,8 +429,8 @@ def test_carrier_is_row_local(name):
 
 
 def test_plan_owners_balances_and_is_deterministic():
-    from qmuon_lightning.distributed.plan import ShardItem, plan_owners
-    from qmuon_lightning.quant.layout import RowLayout, chunk_ranges
+    from qmuon.distributed.plan import ShardItem, plan_owners
+    from qmuon.quant.layout import RowLayout, chunk_ranges
 
     items = []
     for rows in (64, 64, 64, 64, 3, 1):

@@ -52,12 +52,12 @@ def _grads(net, step):
 
 
 def _sharded(mesh, state_format="grasp4", **kw):
-    import qmuon_lightning as ql
+    import qmuon
     from torch.distributed.fsdp import fully_shard
 
     net = _Net()
     fully_shard(net, mesh=mesh)
-    return net, ql.QMuon(_groups(net), lr=0.02, weight_decay=0.1, state_format=state_format,
+    return net, qmuon.QMuon(_groups(net), lr=0.02, weight_decay=0.1, state_format=state_format,
                          comm_carrier="bf16", comm_return="bf16", **kw)
 
 
@@ -75,18 +75,18 @@ def _dcp(model, opt, path, load):
 
 
 def _worker(rank: int, world: int, root: str) -> dict:
-    import qmuon_lightning as ql
-    from qmuon_lightning.distributed import full_state_dict
+    import qmuon
+    from qmuon.distributed import full_state_dict
     from torch.distributed.device_mesh import init_device_mesh
 
-    from qmuon_lightning.ops import _extension, _kernels
+    from qmuon.ops import _extension, _kernels
 
     mesh = init_device_mesh("cpu", (world,))
     out: dict = {"compiled_cpu": bool(_extension.status().cpu)}
     served_before = _kernels.served.copy()
     # --- sharded vs single process, same gradients
     ref = _Net()
-    opt_ref = ql.QMuon(_groups(ref), lr=0.02, weight_decay=0.1, state_format="grasp4")
+    opt_ref = qmuon.QMuon(_groups(ref), lr=0.02, weight_decay=0.1, state_format="grasp4")
     net, opt = _sharded(mesh)
     step_side_by_side(ref, opt_ref, net, opt, _grads, STEPS)
     out["params"] = {n: full_copy(p) for n, p in net.named_parameters()}
@@ -117,7 +117,7 @@ def _worker(rank: int, world: int, root: str) -> dict:
     from torch.distributed.fsdp import fully_shard
 
     fully_shard(bad, mesh=mesh)
-    opt_bad = ql.QMuon([{"params": [bad.weight], "param_names": ["w"]}], state_format="grasp4")
+    opt_bad = qmuon.QMuon([{"params": [bad.weight], "param_names": ["w"]}], state_format="grasp4")
     before = local_copy(bad.weight)
     bad.weight.grad = torch.ones_like(bad.weight)
     try:
@@ -127,7 +127,7 @@ def _worker(rank: int, world: int, root: str) -> dict:
         out["unaligned"] = str(e)
     out["unaligned_unchanged"] = torch.equal(before, local_copy(bad.weight)) and not opt_bad.state
     # --- the consolidated grasp4 state loads onto 2 ranks (plain full tensors sliced per rank)
-    from qmuon_lightning.distributed import load_full_state_dict
+    from qmuon.distributed import load_full_state_dict
 
     net3, opt3 = _sharded(mesh)
     with torch.no_grad():
@@ -142,7 +142,7 @@ def _worker(rank: int, world: int, root: str) -> dict:
     # --- e0m3: nearest and stochastic rounding, sharded vs single process
     for rounding in ("nearest", "stochastic"):
         ref_e = _Net()
-        opt_re = ql.QMuon(_groups(ref_e), lr=0.02, weight_decay=0.1, state_format="e0m3", rounding=rounding)
+        opt_re = qmuon.QMuon(_groups(ref_e), lr=0.02, weight_decay=0.1, state_format="e0m3", rounding=rounding)
         net_e, opt_e = _sharded(mesh, state_format="e0m3", rounding=rounding)
         step_side_by_side(ref_e, opt_re, net_e, opt_e, _grads, STEPS)
         out["e0m3_" + rounding] = {
@@ -201,8 +201,8 @@ def test_sharded_grasp4_matches_single_process(runs):
     moves by at most a residual quantization step there. We bound the decoded momentum by 1 % and
     the parameter displacement by 1 % relative, and require at least 99 % identical residual codes.
     """
-    from qmuon_lightning.quant import state as qstate
-    from qmuon_lightning.quant.state import FormatOptions
+    from qmuon.quant import state as qstate
+    from qmuon.quant.state import FormatOptions
 
     r = runs["two"][0]
     fmt = qstate.get_format("grasp4")
@@ -238,13 +238,13 @@ def test_dcp_resume_bit_exact_same_world_size(runs):
 def test_reshard_2_to_1(runs):
     """The 2-rank DCP checkpoint loads into a single-process grasp4 QMuon with the same state bits
     (the global layout of every tensor is the unsharded one)."""
-    import qmuon_lightning as ql
+    import qmuon
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     r = runs["two"][0]
     net = _Net()
-    opt = ql.QMuon(_groups(net), lr=0.02, weight_decay=0.1, state_format="grasp4")
+    opt = qmuon.QMuon(_groups(net), lr=0.02, weight_decay=0.1, state_format="grasp4")
     msd, osd = get_state_dict(net, opt)
     sd = {"model": msd, "optim": osd}
     dcp.load(sd, checkpoint_id=os.path.join(runs["root"], "w2"), no_dist=True)

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from qmuon_lightning import doctor
-from qmuon_lightning.ops import _extension
+from qmuon.ops import _extension
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -51,7 +51,7 @@ def test_doctor_cpu_path_passes_within_a_minute(ext, tmp_path):
     rows = json.loads(out.read_text())
     by_name = {r["name"]: r for r in rows}
     assert by_name["build"]["result"] == "PASS" and "cpu" in by_name["build"]["detail"]
-    from qmuon_lightning.ops._library import OPS
+    from qmuon.ops._library import OPS
 
     compiled_ops = [n for n, op in OPS.items() if op.supported is not None]
     for name in compiled_ops:
@@ -95,7 +95,7 @@ def test_doctor_reports_a_broken_build(ext, tmp_path):
 def test_doctor_under_extension_mode_names_the_cause(monkeypatch):
     """QMUON_BACKEND=extension and a loader that fails: a FAIL row carrying the loader's message."""
     def broken(verbose=False):
-        raise RuntimeError("qmuon_lightning: QMUON_BACKEND=extension but building/loading the compiled kernels "
+        raise RuntimeError("qmuon: QMUON_BACKEND=extension but building/loading the compiled kernels "
                            "failed: ninja: build stopped: subcommand failed")
 
     monkeypatch.setattr(_extension, "status", broken)

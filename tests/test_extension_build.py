@@ -1,11 +1,11 @@
-"""When the kernel build runs, and that it says so (qmuon_lightning.ops._extension)."""
+"""When the kernel build runs, and that it says so (qmuon.ops._extension)."""
 
 from __future__ import annotations
 
 import os
 import shutil
 
-from qmuon_lightning.ops import _extension as ext
+from qmuon.ops import _extension as ext
 
 
 def test_build_key_differs_between_checkouts_with_identical_sources(tmp_path, monkeypatch):

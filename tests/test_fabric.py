@@ -29,7 +29,7 @@ import lightning as L
 import lightning.fabric.strategies.model_parallel as lightning_mp
 from lightning.fabric.strategies import STRATEGY_REGISTRY
 
-import qmuon_lightning as ql
+import qmuon
 from _dist import run_workers
 from _helpers import REPO, assert_same, run_launcher, subprocess_env
 from qmuon_lightning.models import DecoderLM
@@ -93,7 +93,7 @@ def test_bad_arguments_fail_at_construction(kwargs: dict, match: str) -> None:
 def test_optimizer_before_the_model_is_refused() -> None:
     s = QMuonFabricStrategy()
     with pytest.raises(RuntimeError, match="set up the model before the optimizer"):
-        s.setup_optimizer(ql.build_optimizer(TinyNet(), verbose=False))
+        s.setup_optimizer(qmuon.build_optimizer(TinyNet(), verbose=False))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -119,7 +119,7 @@ def _fabric(rank: int, world: int, strategy: Any = "qmuon_fsdp") -> L.Fabric:
 def _setup(fabric: L.Fabric, seed: int, d_model: int = D, **kw: Any) -> tuple[Any, Any]:
     torch.manual_seed(seed)
     model = fabric.setup_module(TinyNet(d_model))
-    opt = fabric.setup_optimizers(ql.build_optimizer(model, verbose=False, **{**OPT_KW, **kw}))
+    opt = fabric.setup_optimizers(qmuon.build_optimizer(model, verbose=False, **{**OPT_KW, **kw}))
     return model, opt
 
 
@@ -224,7 +224,7 @@ def _two(rank: int, world: int, root: str) -> dict[str, Any]:
         res["layout_error"] = str(e)
     res["untouched_after_refusal"] = _same(before, _local(model, opt))
     try:
-        fabric.setup_optimizers(ql.build_optimizer(TinyNet(), verbose=False))
+        fabric.setup_optimizers(qmuon.build_optimizer(TinyNet(), verbose=False))
         res["stale_error"] = None
     except ValueError as e:
         res["stale_error"] = str(e)
@@ -277,7 +277,7 @@ def _two(rank: int, world: int, root: str) -> dict[str, Any]:
     # A QMuon whose format differs from the preset's is kept, with a warning naming both.
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        kept = grasp.setup_optimizers(ql.build_optimizer(grasp.setup_module(TinyNet(64)), verbose=False))
+        kept = grasp.setup_optimizers(qmuon.build_optimizer(grasp.setup_module(TinyNet(64)), verbose=False))
     res["kept_format"] = sorted({str(g["state_format"]) for g in kept.param_groups if g["use_muon"]})
     res["preset_warning"] = [str(w.message) for w in caught if "configured with state_format" in str(w.message)]
     # An AdamW with a scheduler attached cannot be replaced silently.

@@ -30,11 +30,11 @@ import lightning as L
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from _helpers import fsdp_scenario_main, run_launcher, subprocess_env
-from qmuon_lightning import QMuon, build_optimizer
+from qmuon import QMuon, build_optimizer
 from qmuon_lightning.callbacks import QuantFidelityError, QuantFidelityMonitor, QuantizedStateCheckpoint
 from qmuon_lightning.callbacks.summary import TrainSummary
-from qmuon_lightning.optim.fidelity import per_layer_update_cosine
-from qmuon_lightning.quant import state as qstate
+from qmuon.optim.fidelity import per_layer_update_cosine
+from qmuon.quant import state as qstate
 
 D = 64
 ADV = "net.2.weight"
@@ -78,7 +78,7 @@ class GuardedMLP(L.LightningModule):
         p = self.net[2].weight
         g = self.adv[self.global_step].to(p.dtype)
         if hasattr(p.grad, "to_local"):  # FSDP2: this rank's rows
-            from qmuon_lightning.quant.layout import global_row_offset
+            from qmuon.quant.layout import global_row_offset
 
             local = p.grad.to_local()
             a = global_row_offset(p)

@@ -1,4 +1,4 @@
-"""Every momentum format through the one :class:`~qmuon_lightning.quant.StateFormat` interface:
+"""Every momentum format through the one :class:`~qmuon.quant.StateFormat` interface:
 init / update / dequantize / encode / validate / nbytes / describe / placement for each registered
 format, conversion between every pair (with the resume-compatibility rules), a format registered
 by a test that works through ``QMuon(state_format=...)`` without touching any other module, and a
@@ -17,11 +17,11 @@ import pytest
 import torch
 
 from _helpers import roundtrip_state_dict
-from qmuon_lightning import QMuon
-from qmuon_lightning.ops import reference as ref
-from qmuon_lightning.quant import fidelity
-from qmuon_lightning.quant import state as qstate
-from qmuon_lightning.quant.formats.base import PLACEMENTS, STEP, FormatOptions, FormatSpec, StateFormat
+from qmuon import QMuon
+from qmuon.ops import reference as ref
+from qmuon.quant import fidelity
+from qmuon.quant import state as qstate
+from qmuon.quant.formats.base import PLACEMENTS, STEP, FormatOptions, FormatSpec, StateFormat
 
 BUILTIN = tuple(qstate.STATE_FORMATS)  # the momentum formats (FORMATS also holds the ecc8 weight correction)
 MOMENTUM = {n: f for n, f in qstate.FORMATS.items() if f.role == qstate.MOMENTUM}

@@ -17,10 +17,10 @@ import pytest
 import torch
 from torch import nn
 
-import qmuon_lightning as ql
-from qmuon_lightning.core import apply as wa
-from qmuon_lightning.ops import _kernels as K
-from qmuon_lightning.ops import reference_weight as refw
+import qmuon
+from qmuon.core import apply as wa
+from qmuon.ops import _kernels as K
+from qmuon.ops import reference_weight as refw
 
 SHAPES = [(1, 1), (1, 37), (37, 1), (7, 13), (33, 17), (65, 130), (129, 257), (256, 1024), (1024, 256)]
 
@@ -179,7 +179,7 @@ def _run(monkeypatch, fused: bool, steps: int = 3, **kw) -> list[torch.Tensor]:
     torch.manual_seed(0)
     net = _Net()
     # qkv as three fused parts, "wide" stored (in, out) (NS on its transpose), conv 4-D, biases AdamW
-    opt = ql.build_optimizer(net, lr=0.02, weight_decay=0.1, adamw_lr=3e-3, verbose=False,
+    opt = qmuon.build_optimizer(net, lr=0.02, weight_decay=0.1, adamw_lr=3e-3, verbose=False,
                              fused_parts={r"qkv\.weight$": (32, 32, 32)}, orientations={r"wide\.weight$": "in_out"},
                              **kw)
     gen = torch.Generator().manual_seed(1)

@@ -27,9 +27,9 @@ import pytest
 import torch
 
 from _helpers import assert_bits_equal, assert_sumsq_close, float_bits
-from qmuon_lightning.ops import reference as ref
-from qmuon_lightning.ops import reference_4bit as ref4
-from qmuon_lightning.ops._library import OPS
+from qmuon.ops import reference as ref
+from qmuon.ops import reference_4bit as ref4
+from qmuon.ops._library import OPS
 
 OP = {"q8": "q8_momentum_update_multi_", "int4": "int4_momentum_update_multi_",
       "e0m3": "e0m3_momentum_update_multi_", "dense": "dense_momentum_update_multi_",

@@ -8,10 +8,10 @@ import copy
 import pytest
 import torch
 
-from qmuon_lightning import QMuon
-from qmuon_lightning.core.gram_newton_schulz import (GRAM_AUTO_ASPECT, GRAM_AUTO_MIN_SIDE, GRAM_AUTO_MIN_SIDE_FP32,
+from qmuon import QMuon
+from qmuon.core.gram_newton_schulz import (GRAM_AUTO_ASPECT, GRAM_AUTO_MIN_SIDE, GRAM_AUTO_MIN_SIDE_FP32,
                                                      default_restarts, newton_schulz_gram, pick_ns_method)
-from qmuon_lightning.core.newton_schulz import newton_schulz_folded, newton_schulz_reference, resolve_schedule
+from qmuon.core.newton_schulz import newton_schulz_folded, newton_schulz_reference, resolve_schedule
 
 SHAPES = [(64, 256), (256, 64), (96, 192)]
 SCHEDULES = [("muon", 5), ("polar_express", 6)]

@@ -7,7 +7,7 @@ import platform
 import pytest
 import torch
 
-from qmuon_lightning.ops.heap import heap_release_available, release_freed_heap
+from qmuon.ops.heap import heap_release_available, release_freed_heap
 
 
 def _rss() -> int:

@@ -40,10 +40,10 @@ transformers = pytest.importorskip("transformers") if __name__ != "__main__" els
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import qmuon_lightning as ql  # noqa: E402
+import qmuon  # noqa: E402
 from _dist import run_workers  # noqa: E402
 from _helpers import assert_same, fabric_resume_scenario, run_launcher, subprocess_env  # noqa: E402
-from qmuon_lightning.optim import format_routing_table, route_parameters  # noqa: E402
+from qmuon.optim import format_routing_table, route_parameters  # noqa: E402
 
 VOCAB, D, HEADS, LAYERS, SEQ, BATCH = 256, 64, 4, 2, 32, 4
 LR = 0.02
@@ -129,7 +129,7 @@ def first_step_report(family: str, **build: Any) -> dict[str, tuple[float, float
     """One QMuon step (fp32 momentum, bf16 NS, no weight decay) on a tiny model: per logical layer,
     (cosine, norm ratio) of its update against torch.optim.Muon on the (out, in) layer."""
     model = make_model(family)
-    opt = ql.build_optimizer(model, lr=LR, weight_decay=0.0, state_format="fp32", ns_dtype="bf16", verbose=False,
+    opt = qmuon.build_optimizer(model, lr=LR, weight_decay=0.0, state_format="fp32", ns_dtype="bf16", verbose=False,
                              **build)
     lm_loss(model, tokens()).backward()
     params = dict(model.named_parameters())
@@ -168,7 +168,7 @@ def test_gpt2_routing_table_shows_orientation_and_column_parts() -> None:
     row = next(line for line in table.splitlines() if line.startswith("transformer.h.0.mlp.c_fc.weight"))
     assert "in_out" in row and "parts" not in row
     # build_optimizer: one group per layout, each carrying it.
-    opt = ql.build_optimizer(model, verbose=False)
+    opt = qmuon.build_optimizer(model, verbose=False)
     layouts = {(g["parts"], g["parts_axis"], g["orientation"]): g["param_names"] for g in opt.param_groups
                if g["use_muon"]}
     assert set(layouts) == {((D, D, D), 1, "in_out"), (None, 0, "in_out")}
@@ -188,7 +188,7 @@ def test_linear_families_route_as_out_in(family: str, tie: bool) -> None:
         assert "lm_head.weight" not in decisions  # the embedding, listed once
     else:
         assert decisions["lm_head.weight"].target == "adamw"
-    opt = ql.build_optimizer(model, verbose=False)
+    opt = qmuon.build_optimizer(model, verbose=False)
     assert [(g["parts"], g["orientation"]) for g in opt.param_groups if g["use_muon"]] == [(None, "out_in")]
 
 
@@ -223,13 +223,13 @@ def test_single_process_checkpoint_resume_is_bit_exact_and_old_groups_load() -> 
 
     kw = dict(lr=LR, state_format="int8", verbose=False)
     m1 = make_model("gpt2")
-    o1 = ql.build_optimizer(m1, **kw)
+    o1 = qmuon.build_optimizer(m1, **kw)
     run(range(1), m1, o1)
     saved = copy.deepcopy((m1.state_dict(), o1.state_dict()))
     run(range(1, 3), m1, o1)
     for strip in (False, True):
         m2 = make_model("gpt2", seed=7)
-        o2 = ql.build_optimizer(m2, **kw)
+        o2 = qmuon.build_optimizer(m2, **kw)
         model_sd, opt_sd = copy.deepcopy(saved)
         if strip:
             for g in opt_sd["param_groups"]:
@@ -250,7 +250,7 @@ def test_checkpoint_from_before_layout_routing_gets_a_clear_error_and_loads_with
     checkpoint loads."""
     old_routing = dict(orientations={r"\.c_\w+\.weight$": "out_in"}, fused_parts={r"c_attn\.weight$": None})
     model = make_model("gpt2")
-    old = ql.build_optimizer(model, verbose=False, **old_routing)
+    old = qmuon.build_optimizer(model, verbose=False, **old_routing)
     muon = [g for g in old.param_groups if g["use_muon"]]
     assert len(muon) == 1 and (muon[0]["parts"], muon[0]["orientation"]) == (None, "out_in")
     assert len(muon[0]["params"]) == 4 * LAYERS  # c_attn, attn.c_proj, c_fc, mlp.c_proj
@@ -261,21 +261,21 @@ def test_checkpoint_from_before_layout_routing_gets_a_clear_error_and_loads_with
         g.pop("parts_axis")
         g.pop("orientation")
     with pytest.raises(ValueError, match="parameter groups") as e:
-        ql.build_optimizer(make_model("gpt2"), verbose=False).load_state_dict(copy.deepcopy(sd))
+        qmuon.build_optimizer(make_model("gpt2"), verbose=False).load_state_dict(copy.deepcopy(sd))
     assert "fused_parts={r'c_attn\\.weight$': None}" in str(e.value)
-    ql.build_optimizer(make_model("gpt2"), verbose=False, **old_routing).load_state_dict(sd)
+    qmuon.build_optimizer(make_model("gpt2"), verbose=False, **old_routing).load_state_dict(sd)
 
 
 def test_mxfp8_input_encodes_the_stored_block_and_runs_ns_on_the_layer() -> None:
     """ns_input="mxfp8" on a column part of an (in, out) weight (GPT-2's q): the MXFP8 carrier of
     the stored block (blocks along stored rows, what a sharded rank can encode alone), Newton-Schulz
     on its transpose, the lr factor of the (out, in) shape: rebuilt by hand, bit for bit."""
-    from qmuon_lightning.core.newton_schulz import newton_schulz_folded
-    from qmuon_lightning.core.plan import lr_scale
-    from qmuon_lightning.quant.mxfp8 import mxfp8_roundtrip_normalized
+    from qmuon.core.newton_schulz import newton_schulz_folded
+    from qmuon.core.plan import lr_scale
+    from qmuon.quant.mxfp8 import mxfp8_roundtrip_normalized
 
     model = make_model("gpt2")
-    opt = ql.build_optimizer(model, lr=LR, weight_decay=0.0, state_format="fp32", ns_dtype="bf16", ns_input="mxfp8",
+    opt = qmuon.build_optimizer(model, lr=LR, weight_decay=0.0, state_format="fp32", ns_dtype="bf16", ns_input="mxfp8",
                              verbose=False)
     lm_loss(model, tokens()).backward()
     w = model.transformer.h[0].attn.c_attn.weight
@@ -311,7 +311,7 @@ def test_declared_orientation_and_axis_parts_on_a_plain_module() -> None:
                                 torch.nn.Linear(16, 8))
     (d,) = [d for d in route_parameters(model) if d.name == "0.weight"]
     assert (d.parts, d.parts_axis, d.orientation) == ((16, 32), 1, "in_out")
-    opt = ql.build_optimizer(model, lr=LR, weight_decay=0.0, state_format="fp32", ns_dtype="bf16", verbose=False)
+    opt = qmuon.build_optimizer(model, lr=LR, weight_decay=0.0, state_format="fp32", ns_dtype="bf16", verbose=False)
     model(torch.randn(256, 48)).square().mean().backward()
     w0, g = model[0].weight.detach().clone(), model[0].weight.grad.clone()
     lin0, lin_g = model[2].weight.detach().clone(), model[2].weight.grad.clone()
@@ -343,9 +343,9 @@ def test_bad_orientations_name_the_fix() -> None:
         route_parameters(conv, orientations={"weight": "in_out"})
     p = torch.nn.Parameter(torch.randn(4, 6))
     with pytest.raises(ValueError, match=r"parts \(2, 2\) sum to 4 columns \(parts_axis=1\) but parameter #0 has 6"):
-        ql.QMuon([{"params": [p], "parts": (2, 2), "parts_axis": 1}])
+        qmuon.QMuon([{"params": [p], "parts": (2, 2), "parts_axis": 1}])
     with pytest.raises(ValueError, match="orientation must be one of"):
-        ql.QMuon([{"params": [p], "orientation": "transposed"}])
+        qmuon.QMuon([{"params": [p], "orientation": "transposed"}])
 
 
 # ------------------------------------------------------------------------- sharded (fully_shard)
@@ -365,7 +365,7 @@ def _sharded_worker(rank: int, world: int, family: str) -> dict[str, Any]:
         for block in layers:
             fully_shard(block)
         fully_shard(sharded)
-        o_whole, o_sharded = ql.build_optimizer(whole, **kw), ql.build_optimizer(sharded, **kw)
+        o_whole, o_sharded = qmuon.build_optimizer(whole, **kw), qmuon.build_optimizer(sharded, **kw)
         sp = dict(sharded.named_parameters())
         init = {n: p.detach().clone() for n, p in whole.named_parameters()}
         first: dict[str, torch.Tensor] = {}
@@ -454,7 +454,7 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 
 def _worker_deepspeed(rank: int) -> dict[str, Any]:
-    from qmuon_lightning.integrations import deepspeed as qds
+    from qmuon.integrations import deepspeed as qds
 
     res: dict[str, Any] = {}
     for stage in (0, 2):
@@ -462,7 +462,7 @@ def _worker_deepspeed(rank: int) -> dict[str, Any]:
         cfg = {"train_micro_batch_size_per_gpu": BATCH, "gradient_accumulation_steps": 1, "steps_per_print": 10 ** 9,
                "gradient_clipping": 0.0, "zero_optimization": {"stage": stage, "reduce_bucket_size": 500,
                                                                "allgather_bucket_size": 500}}
-        engine, opt, _, _ = qds.initialize(model, ql.build_optimizer(model, **DS_KW), cfg)
+        engine, opt, _, _ = qds.initialize(model, qmuon.build_optimizer(model, **DS_KW), cfg)
         for step in range(DS_STEPS):
             x = tokens(step, rank)
             engine.backward(lm_loss(engine, x))
@@ -481,7 +481,7 @@ def _worker_accelerate(out: Path, family: str) -> dict[str, Any]:
     from accelerate.state import PartialState
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 
-    from qmuon_lightning.integrations.accelerate import prepare_qmuon
+    from qmuon.integrations.accelerate import prepare_qmuon
 
     def make() -> Accelerator:
         # Accelerate's FSDP2 code forced on CPU (gloo), as tests/test_accelerate.py does.
@@ -506,7 +506,7 @@ def _worker_accelerate(out: Path, family: str) -> dict[str, Any]:
                 first["after"] = {n: _full(p.detach()).clone() for n, p in model.named_parameters()}
 
     def snap(model: Any, opt: Any) -> dict[str, torch.Tensor]:
-        from qmuon_lightning.integrations.accelerate import unwrap_qmuon
+        from qmuon.integrations.accelerate import unwrap_qmuon
 
         qm = unwrap_qmuon(opt)
         snap = {f"param/{n}": _full(p.detach()).clone() for n, p in model.named_parameters()}
@@ -630,7 +630,7 @@ def _worker_fabric(out: Path, family: str) -> dict[str, Any]:
         fabric = L.Fabric(accelerator="cpu", devices=2, strategy=QMuonFabricStrategy())
         fabric.launch()
         model = fabric.setup_module(make_model(family, seed))
-        opt = fabric.setup_optimizers(ql.build_optimizer(model, **TRAINER_KW[family], verbose=False))
+        opt = fabric.setup_optimizers(qmuon.build_optimizer(model, **TRAINER_KW[family], verbose=False))
         return fabric, model, opt
 
     ckpt = out / f"fabric_{family}"
@@ -657,7 +657,7 @@ def _worker_main(out: Path) -> None:
     for family in FAMILIES:
         res[f"fabric_{family}"] = _worker_fabric(out, family)
     torch.save(res, out / f"rank{rank}.pt")
-    from qmuon_lightning.distributed import exit_after_distributed_run
+    from qmuon.distributed import exit_after_distributed_run
 
     exit_after_distributed_run()
 
@@ -678,7 +678,7 @@ def two_process_run(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, 
 def _ds_reference() -> dict[str, torch.Tensor]:
     """Single-process QMuon on DeepSpeed's gradient (the mean of both ranks' micro-batch gradients)."""
     model = _ds_model()
-    opt = ql.build_optimizer(model, **DS_KW)
+    opt = qmuon.build_optimizer(model, **DS_KW)
     for step in range(DS_STEPS):
         grads = []
         for r in range(2):

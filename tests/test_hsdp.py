@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import qmuon_lightning as ql  # noqa: E402
+import qmuon  # noqa: E402
 from _dist import run_workers  # noqa: E402
 from _helpers import assert_same  # noqa: E402
 
@@ -91,7 +91,7 @@ def _worker(rank: int, world: int, ckpt: str) -> dict[str, Any]:
     kw = dict(lr=LR, weight_decay=0.01, state_format="int8", verbose=False)
     model = make_model()
     fully_shard(model, mesh=mesh)
-    opt = ql.build_optimizer(model, **kw)
+    opt = qmuon.build_optimizer(model, **kw)
     for step in range(2):
         _grads(model, step)
         opt.step()
@@ -110,14 +110,14 @@ def _worker(rank: int, world: int, ckpt: str) -> dict[str, Any]:
         vkw = dict(kw, variant=variant)
         make = make_model if variant == "muon" else make_normuon_model
         ref = make()
-        o_ref = ql.build_optimizer(ref, **vkw)
+        o_ref = qmuon.build_optimizer(ref, **vkw)
         for step in range(3):
             _grads(ref, step)
             o_ref.step()
         saver = make()
         if meshes[src] is not None:
             fully_shard(saver, mesh=meshes[src])
-        o_saver = ql.build_optimizer(saver, **vkw)
+        o_saver = qmuon.build_optimizer(saver, **vkw)
         _grads(saver, 0)
         o_saver.step()
         path = f"{ckpt}_{src}_{dst}_{variant}"
@@ -126,7 +126,7 @@ def _worker(rank: int, world: int, ckpt: str) -> dict[str, Any]:
         m = make(seed=5)
         if meshes[dst] is not None:
             fully_shard(m, mesh=meshes[dst])
-        o = ql.build_optimizer(m, **vkw)
+        o = qmuon.build_optimizer(m, **vkw)
         sd = {"model": get_model_state_dict(m), "optim": get_optimizer_state_dict(m, o)}
         dcp.load(sd, checkpoint_id=path)
         set_model_state_dict(m, sd["model"])
@@ -150,7 +150,7 @@ def _worker(rank: int, world: int, ckpt: str) -> dict[str, Any]:
     for label in ("2x2", "4"):
         whole, sharded = make_normuon_model(), make_normuon_model()
         fully_shard(sharded, mesh=meshes[label])
-        o_whole, o_sharded = ql.build_optimizer(whole, **kw), ql.build_optimizer(sharded, **kw)
+        o_whole, o_sharded = qmuon.build_optimizer(whole, **kw), qmuon.build_optimizer(sharded, **kw)
         sp = dict(sharded.named_parameters())
         for step in range(3):
             _grads(whole, step)
@@ -172,7 +172,7 @@ def _worker(rank: int, world: int, ckpt: str) -> dict[str, Any]:
                   comm_return="bf16", verbose=False)
         whole, sharded = make_model(), make_model()
         fully_shard(sharded, mesh=mesh)
-        o_whole, o_sharded = ql.build_optimizer(whole, **kw), ql.build_optimizer(sharded, **kw)
+        o_whole, o_sharded = qmuon.build_optimizer(whole, **kw), qmuon.build_optimizer(sharded, **kw)
         sp = dict(sharded.named_parameters())
         out["placements"] = {n: str(tuple(p.placements)) for n, p in sp.items()}
         for step in range(2):
@@ -239,7 +239,7 @@ def _placement_errors(rank: int, world: int) -> dict[str, str]:
         if pe is not None:
             m.emb.weight = torch.nn.Parameter(distribute_tensor(m.emb.weight.detach(), mesh_e or mesh_w, pe))
         try:
-            opt = ql.build_optimizer(m, verbose=False)
+            opt = qmuon.build_optimizer(m, verbose=False)
             for q in m.parameters():
                 q.grad = torch.zeros_like(q)
             opt.step()
@@ -362,7 +362,7 @@ def _trainer_main(out: Path) -> None:
     except AssertionError as e:
         res["mismatch"] = str(e)
     torch.save(res, out / f"rank{rank}.pt")
-    from qmuon_lightning.distributed import exit_after_distributed_run
+    from qmuon.distributed import exit_after_distributed_run
 
     exit_after_distributed_run()
 
@@ -427,7 +427,7 @@ def _steps_against_whole(named: dict[str, torch.Tensor], opt: Any, backward: Any
     single-process twin with the full gradients the sharded model got: parameters compared after
     every step, bit for bit."""
     ref = Net()
-    o_ref = ql.build_optimizer(ref, **DRIVER_KW)
+    o_ref = qmuon.build_optimizer(ref, **DRIVER_KW)
     rp = dict(ref.named_parameters())
     with torch.no_grad():
         for n, p in named.items():
@@ -458,7 +458,7 @@ def _fabric_hsdp(out: Path, rank: int) -> dict[str, Any]:
                           strategy=QMuonFabricStrategy(replicate_size=2, shard_policy=["Linear", "ToyExperts"]))
         fabric.launch()
         model = fabric.setup_module(Net(seed))
-        return fabric, model, fabric.setup_optimizers(ql.build_optimizer(model, **DRIVER_KW))
+        return fabric, model, fabric.setup_optimizers(qmuon.build_optimizer(model, **DRIVER_KW))
 
     fabric, model, opt = make(0)
     named = dict(model.module.named_parameters())
@@ -497,7 +497,7 @@ def _accelerate_hsdp(out: Path, rank: int) -> dict[str, Any]:
     from accelerate.state import AcceleratorState, GradientState, PartialState
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 
-    from qmuon_lightning.integrations.accelerate import prepare_qmuon, unwrap_qmuon
+    from qmuon.integrations.accelerate import prepare_qmuon, unwrap_qmuon
 
     def make(seed: int) -> tuple[Any, Any, Any]:
         AcceleratorState._reset_state(True)
@@ -559,7 +559,7 @@ def _drivers_main(out: Path) -> None:
     else:
         res["accelerate"] = _accelerate_hsdp(out, rank)
     torch.save(res, out / f"drivers_rank{rank}.pt")
-    from qmuon_lightning.distributed import exit_after_distributed_run
+    from qmuon.distributed import exit_after_distributed_run
 
     exit_after_distributed_run()
 

@@ -1,4 +1,4 @@
-"""Compiled kernels (csrc/) against the pure-PyTorch reference (qmuon_lightning/ops/reference.py).
+"""Compiled kernels (csrc/) against the pure-PyTorch reference (qmuon/ops/reference.py).
 
 Contract: identical codes, absmax and grad (Newton-Schulz input) bits; per-block sums of squares
 equal up to fp32 summation order, i.e. within ``sumsq_rtol(block_size)`` relative error (both sides
@@ -21,10 +21,10 @@ from pathlib import Path
 import pytest
 import torch
 
-import qmuon_lightning.ops as qops
+import qmuon.ops as qops
 from _helpers import REPO, assert_bits_equal, assert_sumsq_close, make_grad, noise_or_none
-from qmuon_lightning.ops import _extension
-from qmuon_lightning.ops import reference as ref
+from qmuon.ops import _extension
+from qmuon.ops import reference as ref
 
 SHAPES = [(1, 1), (3, 5), (37, 300), (129, 513)]
 GRAD_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -120,12 +120,12 @@ def test_public_op_dispatches_to_compiled_kernel(ext):
 
 def test_reference_switch_and_prebuild_command(ext):
     env = dict(os.environ, QMUON_BACKEND="reference")
-    code = ("import torch, qmuon_lightning.ops as o; print(o.backend()); "
+    code = ("import torch, qmuon.ops as o; print(o.backend()); "
             "print(hasattr(torch.ops.qmuon_C, 'q8_momentum_update_multi_'))")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["reference", "False"], out.stdout + out.stderr
     env["QMUON_BACKEND"] = "auto"
-    out = subprocess.run([sys.executable, "-m", "qmuon_lightning.ops.build"], env=env, capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "qmuon.ops.build"], env=env, capture_output=True,
                          text=True, check=True)
     assert f"backend: {ext.backend}" in out.stdout, out.stdout + out.stderr
     assert "found in sys.modules" not in out.stderr, out.stderr  # no runpy double-import warning
@@ -137,11 +137,11 @@ def test_prebuild_command_fails_when_the_build_fails(mode, tmp_path):
     # An -march the compiler rejects makes the build fail (fast: the first compile errors out); a
     # private TORCH_EXTENSIONS_DIR keeps the failed build out of the shared cache.
     env = dict(os.environ, QMUON_BACKEND=mode, QMUON_CPU_ARCH="no-such-cpu", TORCH_EXTENSIONS_DIR=str(tmp_path))
-    out = subprocess.run([sys.executable, "-m", "qmuon_lightning.ops.build"], env=env, capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "qmuon.ops.build"], env=env, capture_output=True,
                          text=True, timeout=300)
     assert out.returncode == 1, out.stdout + out.stderr
     if mode == "extension":
-        assert "error: qmuon_lightning: QMUON_BACKEND=extension but building/loading" in out.stderr, out.stderr
+        assert "error: qmuon: QMUON_BACKEND=extension but building/loading" in out.stderr, out.stderr
         assert "Traceback" not in out.stderr
     else:
         assert "backend: reference" in out.stdout and "building/loading the compiled kernels failed" in out.stdout

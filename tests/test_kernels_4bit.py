@@ -1,5 +1,5 @@
 """Compiled 4-bit and dense-format kernels (csrc/cpu/q4_cpu.cpp, csrc/cuda/q4_cuda.cu) against the
-pure-PyTorch references (qmuon_lightning/ops/reference_4bit.py, reference.dense_momentum_update_).
+pure-PyTorch references (qmuon/ops/reference_4bit.py, reference.dense_momentum_update_).
 
 Contract (as for the 8-bit kernels in test_kernels.py): identical codes, scales, tensor scales, grads
 (the Newton-Schulz input) and momentum buffers, bit for bit; per-block sums of squares equal up to
@@ -21,9 +21,9 @@ import pytest
 import torch
 
 from _helpers import assert_bits_equal, assert_sumsq_close, make_grad, momentum, nan_sums, noise_or_none
-from qmuon_lightning.ops import _kernels
-from qmuon_lightning.ops import reference as ref
-from qmuon_lightning.ops import reference_4bit as ref4
+from qmuon.ops import _kernels
+from qmuon.ops import reference as ref
+from qmuon.ops import reference_4bit as ref4
 
 SHAPES = [(1, 1), (1, 2), (3, 5), (2, 17), (37, 300), (65, 513)]
 GRAD_DTYPES = [torch.float32, torch.bfloat16, torch.float16]

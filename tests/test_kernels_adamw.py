@@ -12,8 +12,8 @@ import itertools
 import pytest
 import torch
 
-from qmuon_lightning.ops import _kernels as K
-from qmuon_lightning.ops import reference_adamw as refa
+from qmuon.ops import _kernels as K
+from qmuon.ops import reference_adamw as refa
 
 KINDS = [(refa.M8, refa.V8), (refa.M4, refa.V4), (refa.M8, refa.V4)]
 GRAD_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -149,7 +149,7 @@ def test_cuda_kernel_matches_reference(cuda_ext, kinds, gdt):
 @pytest.mark.cuda
 def test_cuda_optimizer_step_matches_cpu(cuda_ext):
     """QMuon's int8 / int4 AdamW step on CUDA equals the CPU step bit for bit (same kernel maths)."""
-    from qmuon_lightning import QMuon
+    from qmuon import QMuon
 
     for fam in ("int8", "int4"):
         params = {}
@@ -238,7 +238,7 @@ def test_stochastic_row_pieces_draw_the_whole_parameters_noise(ext):
 
 def _new_moments(state, grad, kinds, bs, hyper=HYPER):
     """The fp32 moments before re-encoding (the reference's first half, recomputed here)."""
-    from qmuon_lightning.ops.reference import _fp32, _lerp_fp32
+    from qmuon.ops.reference import _fp32, _lerp_fp32
 
     rows, cols = grad.shape
     m = refa.decode_moment(state[0], state[1], kinds[0], bs, cols)

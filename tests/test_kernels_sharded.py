@@ -22,9 +22,9 @@ import torch
 from torch.library import opcheck
 
 from _helpers import assert_bits_equal, assert_sumsq_close, make_grad, momentum, nan_sums, noise_or_none
-from qmuon_lightning.ops import _kernels, _library
-from qmuon_lightning.ops import reference as ref
-from qmuon_lightning.ops import reference_4bit as ref4
+from qmuon.ops import _kernels, _library
+from qmuon.ops import reference as ref
+from qmuon.ops import reference_4bit as ref4
 
 SHAPES = [(1, 1), (3, 5), (2, 17), (37, 300), (65, 513)]
 GRAD_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -46,7 +46,7 @@ def _reference(name):
 
 
 # ---------------------------------------------------------------------------------------------
-# references: the Python versions in qmuon_lightning.distributed, the composition
+# references: the Python versions in qmuon.distributed, the composition
 # ---------------------------------------------------------------------------------------------
 # The pure-PyTorch versions these ops replace, as they stood in distributed/grasp_sharded.py and
 # distributed/e0m3_sharded.py (commit d92a0c4): the references must keep their bytes.

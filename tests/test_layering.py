@@ -1,42 +1,64 @@
-"""The package's layers import one way, with no cycles (imports inside functions count).
+"""The two packages' layers import one way, with no cycles (imports inside functions count).
 
-``csrc -> ops -> quant -> core -> optim / distributed / integrations -> strategies / callbacks ->
-cli``; modules at the top of the package (``demo``, ``plotting``, ``models``, ``data``) sit where
-the table below puts them. The test reads every module's source with ``ast`` (no import needed), so
-a lazy ``from ..distributed import x`` inside a function is an edge like any other; only imports
-under ``if TYPE_CHECKING:`` (annotations) are not.
+``qmuon`` (the optimizer, torch only): ``ops -> quant -> core -> distributed -> optim ->
+integrations``. ``qmuon_lightning`` (the kit) sits on top: ``models / data -> memory / strategies
+-> callbacks -> cli / doctor / ...``. ``qmuon`` never imports ``qmuon_lightning``. A module may import
+its own subpackage or a lower layer; two different subpackages of one layer may not import each
+other, except the pairs in :data:`SIBLING_EXCEPTIONS`, each with its reason. The test reads every
+module's source with ``ast`` (no import needed), so a lazy ``from ..distributed import x`` inside a
+function is an edge like any other; only imports under ``if TYPE_CHECKING:`` (annotations) are not.
 """
 
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
+import qmuon
 import qmuon_lightning
 
-PKG = Path(qmuon_lightning.__file__).parent
+ROOT = Path(qmuon.__file__).parent.parent
+PACKAGES = ("qmuon", "qmuon_lightning")
+assert Path(qmuon_lightning.__file__).parent.parent == ROOT
 
-#: Layer of each subpackage / top-level module; a module may import its own layer or lower ones.
+#: Layer of each subpackage / top-level module of both packages; the kit's layers are all above the library's.
 LAYERS = {
-    "ops": 0,
-    "quant": 1,
-    "core": 2,
-    "optim": 3, "distributed": 3, "integrations": 3, "models": 3, "data": 3,
-    "strategies": 4, "callbacks": 4, "plotting": 4, "demo": 4, "memory": 4,
-    "cli": 5, "doctor": 5, "cli_litgpt": 5, "estimate": 5,
+    "qmuon.ops": 0,
+    "qmuon.quant": 1,
+    "qmuon.core": 2,
+    "qmuon.distributed": 3,
+    "qmuon.optim": 4,
+    "qmuon.integrations": 5,
+    "qmuon_lightning.models": 10, "qmuon_lightning.data": 10,
+    "qmuon_lightning.memory": 11, "qmuon_lightning.strategies": 11, "qmuon_lightning.demo": 11,
+    "qmuon_lightning.callbacks": 12, "qmuon_lightning.plotting": 12,
+    "qmuon_lightning.estimate": 13, "qmuon_lightning.doctor": 13,
+    "qmuon_lightning.cli": 14, "qmuon_lightning.cli_litgpt": 14,
 }
+
+#: Imports between two subpackages of one layer that the design allows, and why.
+SIBLING_EXCEPTIONS: dict[tuple[str, str], str] = {}
+
+FRAMEWORKS = ("lightning", "pytorch_lightning", "lightning_fabric", "omegaconf", "jsonargparse", "transformers",
+              "accelerate", "deepspeed", "trl", "peft")
 
 
 def _module_name(path: Path) -> str:
-    rel = path.relative_to(PKG.parent).with_suffix("")
-    parts = list(rel.parts)
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
     if parts[-1] == "__init__":
         parts.pop()
     return ".".join(parts)
 
 
+def _is_module(dotted: str) -> bool:
+    path = ROOT / dotted.replace(".", "/")
+    return path.with_suffix(".py").exists() or path.is_dir()
+
+
 def _imports(path: Path) -> set[str]:
-    """Absolute names of the ``qmuon_lightning`` modules ``path`` imports (anywhere in the file)."""
+    """Absolute names of the ``qmuon`` / ``qmuon_lightning`` modules ``path`` imports (anywhere in the file)."""
     name = _module_name(path)
     package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
     out: set[str] = set()
@@ -49,7 +71,7 @@ def _imports(path: Path) -> set[str]:
         if id(node) in typing_only:
             continue
         if isinstance(node, ast.Import):
-            out.update(a.name for a in node.names if a.name.startswith("qmuon_lightning"))
+            out.update(a.name for a in node.names if a.name.split(".")[0] in PACKAGES)
         elif isinstance(node, ast.ImportFrom):
             if node.level:
                 base = package.split(".")
@@ -57,48 +79,60 @@ def _imports(path: Path) -> set[str]:
                 mod = ".".join(base + ([node.module] if node.module else []))
             else:
                 mod = node.module or ""
-            if not mod.startswith("qmuon_lightning"):
+            if mod.split(".")[0] not in PACKAGES:
                 continue
             out.add(mod)
-            for a in node.names:  # `from . import ops` names a module
-                if (PKG.parent / (mod + "." + a.name).replace(".", "/")).with_suffix(".py").exists() or (
-                        PKG.parent / (mod + "." + a.name).replace(".", "/")).is_dir():
-                    out.add(mod + "." + a.name)
+            out.update(f"{mod}.{a.name}" for a in node.names if _is_module(f"{mod}.{a.name}"))  # `from . import ops`
     return out
 
 
-def _layer(module: str) -> int | None:
+def _unit(module: str) -> str | None:
+    """The layered unit of a module (``qmuon.optim``, ``qmuon_lightning.cli``); None for a package
+    root (it re-exports its public API) and private top-level modules."""
     parts = module.split(".")
-    if len(parts) < 2:
-        return None  # the package root re-exports its public API
-    top = parts[1]
-    if top.startswith("_"):
+    if len(parts) < 2 or parts[1].startswith("_"):
         return None
-    return LAYERS.get(top)
+    return ".".join(parts[:2])
 
 
 def _graph() -> dict[str, set[str]]:
-    return {_module_name(p): _imports(p) for p in PKG.rglob("*.py")}
+    return {_module_name(p): _imports(p) for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")}
 
 
 def test_every_subpackage_has_a_layer():
-    tops = {p.name if p.is_dir() else p.stem for p in PKG.iterdir()
-            if (p.is_dir() and (p / "__init__.py").exists()) or (p.suffix == ".py" and p.stem != "__init__")}
-    missing = sorted(t for t in tops if not t.startswith("_") and t not in LAYERS)
+    units = {f"{pkg}.{p.name if p.is_dir() else p.stem}" for pkg in PACKAGES for p in (ROOT / pkg).iterdir()
+             if (p.is_dir() and (p / "__init__.py").exists()) or (p.suffix == ".py" and p.stem != "__init__")}
+    missing = sorted(u for u in units if _unit(u) and u not in LAYERS)
     assert not missing, f"add {missing} to LAYERS in this test"
 
 
 def test_imports_flow_one_way():
     back = []
     for mod, deps in _graph().items():
-        lm = _layer(mod)
-        if lm is None:
+        if mod.split(".")[0] == "qmuon" and any(d.split(".")[0] == "qmuon_lightning" for d in deps):
+            back.append(f"{mod} (the library) imports the kit: {sorted(d for d in deps if d.startswith('qmuon_lightning'))}")
+        um = _unit(mod)
+        if um is None:
             continue
         for dep in deps:
-            ld = _layer(dep)
-            if ld is not None and ld > lm:
-                back.append(f"{mod} (layer {lm}) imports {dep} (layer {ld})")
+            ud = _unit(dep)
+            if ud is None or ud == um:
+                continue
+            if LAYERS[ud] > LAYERS[um]:
+                back.append(f"{mod} (layer {LAYERS[um]}) imports {dep} (layer {LAYERS[ud]})")
+            elif LAYERS[ud] == LAYERS[um] and (um, ud) not in SIBLING_EXCEPTIONS:
+                back.append(f"{mod} imports {dep}, a sibling of the same layer {LAYERS[um]} (move the shared code "
+                            "down a layer, or list the pair in SIBLING_EXCEPTIONS with its reason)")
     assert not back, "imports against the layer order:\n" + "\n".join(sorted(back))
+
+
+def test_import_qmuon_loads_no_framework():
+    """The optimizer library imports torch only: none of the frameworks it integrates with (an
+    integration module, ``qmuon.integrations.accelerate`` say, imports its framework when imported)."""
+    code = ("import sys, qmuon, qmuon.optim, qmuon.distributed, qmuon.integrations; "
+            f"print(sorted({{m.split('.')[0] for m in sys.modules}} & set({FRAMEWORKS!r})))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
 
 
 def test_no_import_cycles_between_modules():

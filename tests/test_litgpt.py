@@ -28,10 +28,10 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import qmuon_lightning as ql  # noqa: E402
+import qmuon  # noqa: E402
 from _helpers import REPO, run_launcher, subprocess_env  # noqa: E402
 from qmuon_lightning.cli_litgpt import split_qmuon_args  # noqa: E402
-from qmuon_lightning.optim import format_routing_table, route_parameters  # noqa: E402
+from qmuon.optim import format_routing_table, route_parameters  # noqa: E402
 
 HAVE_LITGPT = importlib.util.find_spec("litgpt") is not None
 needs_litgpt = pytest.mark.skipif(not HAVE_LITGPT, reason="litgpt is not installed (its environment: "
@@ -42,10 +42,10 @@ MIN_COSINE, NORM_TOL = 0.99, 0.10
 
 
 # ------------------------------------------------------------------------------ learning rates
-def _two_group_opt(mode: str) -> tuple[ql.QMuon, nn.Module]:
+def _two_group_opt(mode: str) -> tuple[qmuon.QMuon, nn.Module]:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Embedding(32, 16), nn.Linear(16, 16, bias=True), nn.Linear(16, 32, bias=False))
-    opt = ql.build_optimizer(model, lr=LR, adamw_lr=ADAMW_LR, state_format="fp32", verbose=False, lr_ratios=mode)
+    opt = qmuon.build_optimizer(model, lr=LR, adamw_lr=ADAMW_LR, state_format="fp32", verbose=False, lr_ratios=mode)
     return opt, model
 
 
@@ -54,7 +54,7 @@ def _loss(model: nn.Module) -> torch.Tensor:
     return F.cross_entropy(model(x).view(-1, 32), x.view(-1))
 
 
-def _foreign_step(opt: ql.QMuon, model: nn.Module, lr: float) -> None:
+def _foreign_step(opt: qmuon.QMuon, model: nn.Module, lr: float) -> None:
     """What LitGPT's pretrain loop does before each step (pretrain.py: ``for param_group in
     optimizer.param_groups: param_group["lr"] = lr``)."""
     for g in opt.param_groups:
@@ -130,9 +130,9 @@ class CausalSelfAttention(nn.Module):  # LitGPT < 0.5's layout: one `attn` Linea
 def test_legacy_interleaved_layout_is_refused_with_the_fix():
     model = nn.ModuleDict({"attn": CausalSelfAttention(legacy=True)})
     with pytest.raises(ValueError, match=r"interleaved per query group.*litgpt >= 0\.5.*fused_parts"):
-        ql.build_optimizer(model, verbose=False)
+        qmuon.build_optimizer(model, verbose=False)
     # the user's declaration wins: one matrix, as asked
-    opt = ql.build_optimizer(model, verbose=False, fused_parts={r"attn\.attn\.weight$": None})
+    opt = qmuon.build_optimizer(model, verbose=False, fused_parts={r"attn\.attn\.weight$": None})
     assert all(g.get("parts") is None for g in opt.param_groups)
     # one query group (MQA): interleaved == contiguous, read as q, k, v
     mqa = nn.ModuleDict({"attn": CausalSelfAttention(n_head=4, groups=1, legacy=True)})
@@ -143,7 +143,7 @@ def test_legacy_interleaved_layout_is_refused_with_the_fix():
 def test_qkv_rows_that_disagree_with_the_config_are_refused():
     model = nn.ModuleDict({"attn": CausalSelfAttention(legacy=False, rows=40)})
     with pytest.raises(ValueError, match=r"qkv has 40 rows, but its config gives q, k, v of \[32, 16, 16\]"):
-        ql.build_optimizer(model, verbose=False)
+        qmuon.build_optimizer(model, verbose=False)
 
 
 # ------------------------------------------------------------------------------ routing on LitGPT
@@ -185,7 +185,7 @@ def _per_layer_agreement(**build_kwargs) -> dict[str, tuple[float, float]]:
     _gpt_grads(model)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-    opt = ql.build_optimizer(model, lr=LR, weight_decay=0.0, verbose=False, **build_kwargs)
+    opt = qmuon.build_optimizer(model, lr=LR, weight_decay=0.0, verbose=False, **build_kwargs)
     opt.step()
     after = dict(model.named_parameters())
     out = {}
@@ -244,7 +244,7 @@ def test_lora_qkv_adapters_are_split_per_enabled_matrix():
     assert d["transformer.h.0.attn.qkv.linear.weight"].target == "frozen"
     assert d["transformer.h.0.attn.qkv.lora_A"].parts == (4, 4)  # r rows per enabled matrix (q, v)
     assert d["transformer.h.0.attn.qkv.lora_B"].parts == (64, 32)  # q rows, v rows
-    opt = ql.build_optimizer(model, verbose=False)
+    opt = qmuon.build_optimizer(model, verbose=False)
     _gpt_grads(model)
     opt.step()
 

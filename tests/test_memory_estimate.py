@@ -15,7 +15,7 @@ import torch
 
 from qmuon_lightning import memory as mem
 from qmuon_lightning.models.decoder_lm import DecoderLM
-from qmuon_lightning.quant import state as qstate
+from qmuon.quant import state as qstate
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*LeafSpec")
 

@@ -29,12 +29,12 @@ transformers = pytest.importorskip("transformers") if __name__ != "__main__" els
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import qmuon_lightning as ql  # noqa: E402
+import qmuon  # noqa: E402
 from _dist import run_workers  # noqa: E402
 from _helpers import assert_same, fabric_resume_scenario, roundtrip_state_dict, run_launcher, subprocess_env  # noqa: E402
 from _moe import (D, EXPERTS, INTER, LAYERS, LR, MOE_FAMILIES, compare, expert_blocks, expert_report,  # noqa: E402
                   lm_loss, make_moe, tokens, torch_muon_update)
-from qmuon_lightning.optim import RoutingRule, format_routing_table, route_parameters  # noqa: E402
+from qmuon.optim import RoutingRule, format_routing_table, route_parameters  # noqa: E402
 
 MIN_COSINE, NORM_TOL = 0.99, 0.10
 EXACT_KW = dict(lr=LR, weight_decay=0.0, state_format="fp32", ns_dtype="bf16", verbose=False)
@@ -47,7 +47,7 @@ def assert_targets(report: dict[str, tuple[float, float]], what: str) -> None:
 
 def first_step(family: str, batch: int = 8, **build: Any) -> dict[str, tuple[float, float]]:
     model = make_moe(family)
-    opt = ql.build_optimizer(model, **{**EXACT_KW, **build})
+    opt = qmuon.build_optimizer(model, **{**EXACT_KW, **build})
     lm_loss(model, tokens(batch=batch)).backward()
     params = dict(model.named_parameters())
     before = {n: p.detach().clone() for n, p in params.items()}
@@ -83,7 +83,7 @@ def test_routing_table_of_moe_families(family: str) -> None:
     row = next(line for line in table.splitlines() if line.startswith("model.layers.0.mlp.experts.gate_up_proj "))
     assert f"bank={EXPERTS} parts=[{INTER}, {INTER}]" in row
     assert ("dim=1 interleaved" in row and "in_out" in row) if gpt_oss else "out_in" in row
-    opt = ql.build_optimizer(model, verbose=False)
+    opt = qmuon.build_optimizer(model, verbose=False)
     banks = [g for g in opt.param_groups if g["use_muon"] and g["bank_dims"]]
     assert sorted(n for g in banks for n in g["param_names"]) == sorted(
         f"model.layers.{i}.mlp.experts.{a}" for i in range(LAYERS) for a in ("gate_up_proj", "down_proj"))
@@ -108,7 +108,7 @@ def test_declared_banks_and_router_override() -> None:
     assert d.bank_dims == 0
     with pytest.raises(ValueError, match=r"bank dims must be an int .* has shape \(3, 2, 8, 4\), got 1"):
         route_parameters(m, banks={r"w_in$": 1})
-    opt = ql.build_optimizer(m, verbose=False, **{k: v for k, v in EXACT_KW.items() if k != "verbose"})
+    opt = qmuon.build_optimizer(m, verbose=False, **{k: v for k, v in EXACT_KW.items() if k != "verbose"})
     w = m.experts.w_in
     w.grad = torch.randn_like(w)
     w0, g = w.detach().clone(), w.grad.clone()
@@ -120,7 +120,7 @@ def test_declared_banks_and_router_override() -> None:
             assert cos >= 0.999 and abs(ratio - 1) < 0.02, (i, j, cos, ratio)
     model = make_moe("qwen3_moe")
     rules = (RoutingRule("muon", module_class_regex="Router$", reason="router on Muon"),
-             *ql.optim.routing.DEFAULT_RULES)
+             *qmuon.optim.routing.DEFAULT_RULES)
     decisions = {d.name: d for d in route_parameters(model, rules)}
     assert decisions["model.layers.0.mlp.gate.weight"].target == "muon"
 
@@ -131,8 +131,8 @@ def test_formats_that_mix_rows_are_refused_for_banks() -> None:
     model = make_moe("mixtral")
     for fmt in ("grasp4", "e0m3"):
         with pytest.raises(ValueError, match=f"state_format '{fmt}' keeps statistics over the whole stored matrix"):
-            ql.build_optimizer(model, state_format=fmt, verbose=False)
-    opt = ql.build_optimizer(model, state_format="grasp4", bank_state_format="int8", verbose=False)
+            qmuon.build_optimizer(model, state_format=fmt, verbose=False)
+    opt = qmuon.build_optimizer(model, state_format="grasp4", bank_state_format="int8", verbose=False)
     formats = {g["state_format"] for g in opt.param_groups if g["use_muon"] and g["bank_dims"]}
     plain = {g["state_format"] for g in opt.param_groups if g["use_muon"] and not g["bank_dims"]}
     assert (formats, plain) == ({"int8"}, {"grasp4"})
@@ -166,7 +166,7 @@ def test_expert_without_tokens_decays_and_stays_finite() -> None:
     torch.manual_seed(0)
     for fmt in ("fp32", "int8"):
         w = torch.nn.Parameter(torch.randn(4, 2 * 8, 12))
-        opt = ql.QMuon([{"params": [w], "bank_dims": 1, "parts": (8, 8)}], lr=LR, weight_decay=0.0,
+        opt = qmuon.QMuon([{"params": [w], "bank_dims": 1, "parts": (8, 8)}], lr=LR, weight_decay=0.0,
                        state_format=fmt)
         g = torch.randn_like(w)
         g[1] = 0.0  # expert 1: no tokens at step 1
@@ -176,13 +176,13 @@ def test_expert_without_tokens_decays_and_stays_finite() -> None:
         assert torch.isfinite(w).all()
         assert torch.equal(w.detach()[1], w0[1])  # zero momentum: no update, no NaN
         assert not torch.equal(w.detach()[0], w0[0])
-        m1 = ql.quant.dequantize_momentum(opt.state[w]).view(4, -1).clone()
+        m1 = qmuon.quant.dequantize_momentum(opt.state[w]).view(4, -1).clone()
         g2 = torch.randn_like(w)
         g2[2] = 0.0  # expert 2: no tokens at step 2 (momentum from step 1)
         w.grad = g2
         w1 = w.detach().clone()
         opt.step()
-        m2 = ql.quant.dequantize_momentum(opt.state[w]).view(4, -1)
+        m2 = qmuon.quant.dequantize_momentum(opt.state[w]).view(4, -1)
         tol = 0 if fmt == "fp32" else 2 * m1[2].abs().max().item() / 127  # one int8 step of each encoding
         assert (m2[2] - 0.95 * m1[2]).abs().max().item() <= tol + 1e-7
         assert torch.isfinite(w).all() and not torch.equal(w.detach()[2], w1[2])
@@ -207,8 +207,8 @@ def test_normuon_on_a_bank_is_normuon_per_expert_matrix(layout: str) -> None:
                  "orientation": "in_out"}
         views = [lambda t, e=e: t[e][:, 0::2].T for e in range(E)] + [lambda t, e=e: t[e][:, 1::2].T for e in range(E)]
     singles = [torch.nn.Parameter(v(bank.detach()).clone().contiguous()) for v in views]
-    o_bank = ql.QMuon([group], **kw)
-    o_single = ql.QMuon([{"params": singles}], **kw)
+    o_bank = qmuon.QMuon([group], **kw)
+    o_single = qmuon.QMuon([{"params": singles}], **kw)
     for step in range(3):
         g = torch.randn(bank.shape, generator=torch.Generator().manual_seed(step))
         if step == 1:
@@ -228,7 +228,7 @@ def test_normuon_on_a_bank_is_normuon_per_expert_matrix(layout: str) -> None:
     # the bank's second moment survives a checkpoint (torch.save / weights_only load) and the resumed
     # bank keeps stepping like the uninterrupted one
     resumed = torch.nn.Parameter(bank.detach().clone())
-    o_resumed = ql.QMuon([{**group, "params": [resumed]}], **kw)
+    o_resumed = qmuon.QMuon([{**group, "params": [resumed]}], **kw)
     o_resumed.load_state_dict(roundtrip_state_dict(o_bank.state_dict()))
     g = torch.randn(bank.shape, generator=torch.Generator().manual_seed(9))
     bank.grad, resumed.grad = g, g.clone()
@@ -245,7 +245,7 @@ def test_fidelity_tracker_measures_banks_per_expert() -> None:
     from qmuon_lightning.callbacks.fidelity import UpdateFidelityTracker
 
     model = make_moe("gpt_oss")
-    opt = ql.build_optimizer(model, lr=LR, state_format="int8", verbose=False)
+    opt = qmuon.build_optimizer(model, lr=LR, state_format="int8", verbose=False)
     tracker = UpdateFidelityTracker(opt, params=r"experts\.")
     cos: dict[str, float] = {}
     for step in range(2):
@@ -261,11 +261,11 @@ def test_fidelity_tracker_measures_banks_per_expert() -> None:
 def test_deepspeed_wrapper_steps_banks_like_qmuon() -> None:
     """The DeepSpeed wrapper (one process, no engine) applies a bank member's fused parts once:
     gpt-oss (interleaved gate / up, bias banks on AdamW) steps bit for bit like QMuon."""
-    qds = pytest.importorskip("qmuon_lightning.integrations.deepspeed")
+    qds = pytest.importorskip("qmuon.integrations.deepspeed")
     # fp32 AdamW moments: the DeepSpeed wrapper keeps them (flat ZeRO slices cannot hold row blocks)
     kw = dict(lr=LR, state_format="int8", rounding="stochastic", adamw_state_format="fp32", verbose=False)
     m1, m2 = make_moe("gpt_oss"), make_moe("gpt_oss")
-    o1, o2 = ql.build_optimizer(m1, **kw), qds.WholeMatrixZeroOptimizer(ql.build_optimizer(m2, **kw))
+    o1, o2 = qmuon.build_optimizer(m1, **kw), qds.WholeMatrixZeroOptimizer(qmuon.build_optimizer(m2, **kw))
     for step in range(2):
         for m, o in ((m1, o1), (m2, o2)):
             lm_loss(m, tokens(step)).backward()
@@ -290,7 +290,7 @@ def _sharded_worker(rank: int, world: int, families: tuple[str, ...]) -> dict[st
             for block in sharded.model.layers:
                 fully_shard(block)
             fully_shard(sharded)
-            o_whole, o_sharded = ql.build_optimizer(whole, **kw), ql.build_optimizer(sharded, **kw)
+            o_whole, o_sharded = qmuon.build_optimizer(whole, **kw), qmuon.build_optimizer(sharded, **kw)
             sp = dict(sharded.named_parameters())
             for step in range(2):
                 lm_loss(whole, tokens(step, batch=8)).backward()
@@ -346,7 +346,7 @@ def _bank_only_worker(rank: int, world: int, tmp: str) -> dict[str, Any]:
     kw = dict(EXACT_KW, state_format="int8", comm_carrier="bf16", comm_return="bf16")
     whole, sharded = Bank(), Bank()
     fully_shard(sharded)
-    o_whole, o_sharded = ql.build_optimizer(whole, **kw), ql.build_optimizer(sharded, **kw)
+    o_whole, o_sharded = qmuon.build_optimizer(whole, **kw), qmuon.build_optimizer(sharded, **kw)
     sp = dict(sharded.named_parameters())
     sent = []
     for step in range(2):
@@ -366,7 +366,7 @@ def _bank_only_worker(rank: int, world: int, tmp: str) -> dict[str, Any]:
     dcp.save({"optim": get_optimizer_state_dict(sharded, o_sharded)}, checkpoint_id=tmp)
     fresh = Bank()
     fully_shard(fresh)
-    o_fresh = ql.build_optimizer(fresh, **kw)
+    o_fresh = qmuon.build_optimizer(fresh, **kw)
     sd = {"optim": get_optimizer_state_dict(fresh, o_fresh)}
     dcp.load(sd, checkpoint_id=tmp)
     set_optimizer_state_dict(fresh, o_fresh, sd["optim"])
@@ -509,7 +509,7 @@ def _worker_fabric(out: Path, family: str, silent: bool = False) -> dict[str, An
             with torch.no_grad():
                 module.model.layers[SILENT[0]].mlp.router.bias[SILENT[1]] = -1e4
         model = fabric.setup_module(module)
-        opt = fabric.setup_optimizers(ql.build_optimizer(model, **STRATEGY_KW, verbose=False))
+        opt = fabric.setup_optimizers(qmuon.build_optimizer(model, **STRATEGY_KW, verbose=False))
         return fabric, model, opt
 
     ckpt = out / f"fabric_{family}"
@@ -565,7 +565,7 @@ def _worker_main(out: Path) -> None:
     for family in FABRIC_MOE:
         res[f"fabric_{family}"] = _worker_fabric(out, family)
     torch.save(res, out / f"rank{rank}.pt")
-    from qmuon_lightning.distributed import exit_after_distributed_run
+    from qmuon.distributed import exit_after_distributed_run
 
     exit_after_distributed_run()
 
@@ -581,7 +581,7 @@ def _worker2_main(out: Path) -> None:
                            "fabric_qwen3_moe": _worker_fabric(out, "qwen3_moe"),
                            "fabric_gpt_oss": _worker_fabric(out, "gpt_oss", silent=True)}
     torch.save(res, out / f"rank{rank}.pt")
-    from qmuon_lightning.distributed import exit_after_distributed_run
+    from qmuon.distributed import exit_after_distributed_run
 
     exit_after_distributed_run()
 

@@ -3,7 +3,7 @@ Newton-Schulz input carrier.
 
 The codec is checked bit for bit against a float64 reference that re-derives the OCP rule
 (``e = floor(log2 amax) - 8``, saturation at 448, round-to-nearest-even onto the E4M3 grid) and
-against the error bound derived in :mod:`qmuon_lightning.quant.mxfp8`.
+against the error bound derived in :mod:`qmuon.quant.mxfp8`.
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from _helpers import NS_COEFFICIENTS
-from qmuon_lightning import QMuon
-from qmuon_lightning.core.newton_schulz import newton_schulz_folded
-from qmuon_lightning.quant import mxfp8 as mx
-from qmuon_lightning.quant.fidelity import cosine, synthetic_gradients
+from qmuon import QMuon
+from qmuon.core.newton_schulz import newton_schulz_folded
+from qmuon.quant import mxfp8 as mx
+from qmuon.quant.fidelity import cosine, synthetic_gradients
 
 
 # E4M3 (fn) grid: every code's value (decoding an 8-bit float is a table lookup); non-negative finite ones.

@@ -1,4 +1,4 @@
-"""The Newton-Schulz engine (qmuon_lightning.core.newton_schulz): schedules (incl. Polar Express),
+"""The Newton-Schulz engine (qmuon.core.newton_schulz): schedules (incl. Polar Express),
 the NS dtype choice, the folded iteration in bf16 and fp32.
 
 Every tolerance states where it comes from (a measurement on this suite's matrices, a unit
@@ -23,8 +23,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from _helpers import float_bits
-import qmuon_lightning.core.newton_schulz as ns
-from qmuon_lightning.core.newton_schulz import (
+import qmuon.core.newton_schulz as ns
+from qmuon.core.newton_schulz import (
     MUON_COEFFICIENTS,
     NS_PRESETS,
     POLAR_EXPRESS_COEFFICIENTS,
@@ -59,7 +59,7 @@ def _inv_norm(batch: torch.Tensor, eps: float = 1e-7) -> torch.Tensor:
 
 # ------------------------------------------------------------------------------------ today's NS
 def _legacy_folded(g, inv_norm, coefficients, steps):
-    """Frozen copy of qmuon_lightning/optim/newton_schulz.py::newton_schulz_folded as of commit
+    """Frozen copy of qmuon/optim/newton_schulz.py::newton_schulz_folded as of commit
     d92a0c4 (the implementation this engine replaces), so the bit-identity test survives its removal."""
     a, b, c = coefficients
     x = g if g.dtype == torch.bfloat16 else g.to(torch.bfloat16)

@@ -19,9 +19,9 @@ from torch.utils.data import DataLoader, TensorDataset
 import lightning as L
 
 from _helpers import fsdp_scenario_main, run_launcher, subprocess_env
-from qmuon_lightning import NonFiniteGradientError, QMuon, QMuonConfig, build_optimizer
+from qmuon import NonFiniteGradientError, QMuon, QMuonConfig, build_optimizer
 from qmuon_lightning.callbacks.summary import TrainSummary
-from qmuon_lightning.quant import state as qstate
+from qmuon.quant import state as qstate
 
 D = 64
 

@@ -1,4 +1,4 @@
-"""The prototype-named functional API (qmuon_lightning.ops) and the torch.ops.qmuon operators."""
+"""The prototype-named functional API (qmuon.ops) and the torch.ops.qmuon operators."""
 
 from __future__ import annotations
 
@@ -12,11 +12,11 @@ import torch
 from torch.library import opcheck
 
 from _helpers import QMAX, expand_blocks
-from qmuon_lightning import ops
-from qmuon_lightning.ops import _extension, _kernels
-from qmuon_lightning.ops import reference as ref
-from qmuon_lightning.ops import reference_4bit as ref4
-from qmuon_lightning.ops import (
+from qmuon import ops
+from qmuon.ops import _extension, _kernels
+from qmuon.ops import reference as ref
+from qmuon.ops import reference_4bit as ref4
+from qmuon.ops import (
     QuantizedMuonNormSegment as Seg,
     QuantizedMuonState,
     build_quantized_muon_norm_plan,

@@ -1,5 +1,6 @@
-"""Packaging: the kernel sources (top-level csrc/) ship in the wheel as qmuon_lightning/_csrc, and an
-installed (non-editable) package finds them there."""
+"""Packaging: one distribution ships two packages, qmuon (the optimizer) and qmuon_lightning (the kit); the
+kernel sources (top-level csrc/) ship in the wheel as qmuon/_csrc, and an installed (non-editable) package finds
+them there."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ import pytest
 
 from _helpers import REPO
 
-PKG = "qmuon_lightning"
+PKG = "qmuon"  # the library, which holds the kernel sources
+PACKAGES = ("qmuon", "qmuon_lightning")
 SOURCE_SUFFIXES = {".h", ".cpp", ".cu"}
 
 tomllib = pytest.importorskip("tomllib" if sys.version_info >= (3, 11) else "tomli")
@@ -34,7 +36,7 @@ def test_pyproject_lists_every_package():
     # The list is explicit (automatic discovery cannot be combined with the csrc -> _csrc mapping),
     # so a new subpackage must be added to it.
     cfg = _setuptools_config()
-    on_disk = {".".join(p.parent.relative_to(REPO).parts) for p in (REPO / PKG).rglob("__init__.py")
+    on_disk = {".".join(p.parent.relative_to(REPO).parts) for pkg in PACKAGES for p in (REPO / pkg).rglob("__init__.py")
                if "__pycache__" not in p.parts}
     assert set(cfg["packages"]) == on_disk | {f"{PKG}._csrc"}
     assert cfg["package-dir"] == {f"{PKG}._csrc": "csrc"}
@@ -67,7 +69,7 @@ def test_wheel_ships_kernel_sources_and_installed_package_finds_them(tmp_path):
     ignore = shutil.ignore_patterns("__pycache__", "*.egg-info", "*.o")
     for name in ("pyproject.toml", "README.md"):
         shutil.copy2(REPO / name, src / name)
-    for name in (PKG, "csrc"):
+    for name in (*PACKAGES, "csrc"):
         shutil.copytree(REPO / name, src / name, ignore=ignore)
     dist = tmp_path / "dist"
     res = subprocess.run([sys.executable, "-m", "pip", "wheel", str(src), "-w", str(dist), "--no-deps",
@@ -83,17 +85,17 @@ def test_wheel_ships_kernel_sources_and_installed_package_finds_them(tmp_path):
         zf.extractall(site)
     # The unpacked wheel (first on sys.path, before the editable checkout) uses its own sources.
     env = dict(os.environ, PYTHONPATH=str(site), QMUON_BACKEND="reference")
-    code = ("import qmuon_lightning.ops._extension as e, qmuon_lightning as q; "
-            "print(q.__file__); print(e.csrc_dir())")
+    code = ("import qmuon.ops._extension as e, qmuon, qmuon_lightning as q; "
+            "print(qmuon.__file__); print(q.__file__); print(e.csrc_dir())")
     out = subprocess.run([sys.executable, "-c", code], env=env, cwd=tmp_path, capture_output=True, text=True,
                          check=True)
-    pkg_file, csrc = out.stdout.split()
-    assert Path(pkg_file).is_relative_to(site), out.stdout
+    lib_file, kit_file, csrc = out.stdout.split()
+    assert Path(lib_file).is_relative_to(site) and Path(kit_file).is_relative_to(site), out.stdout
     assert Path(csrc) == site / PKG / "_csrc" and (Path(csrc) / "binding.cpp").is_file()
 
 
 def test_source_checkout_falls_back_to_csrc():
-    from qmuon_lightning.ops import _extension
+    from qmuon.ops import _extension
 
     installed, checkout = _extension._source_dirs()
     assert installed.name == "_csrc" and checkout.name == "csrc"

@@ -22,7 +22,7 @@ import pytest
 import torch
 from torch import nn
 
-import qmuon_lightning as ql
+import qmuon
 
 tao = pytest.importorskip("torchao.optim", reason="torchao is in the [test] extra: pip install -e '.[test]'")
 
@@ -51,8 +51,8 @@ def _train(make_optimizer) -> tuple[list[torch.Tensor], list[torch.Tensor], floa
 
 
 def _qmuon_adamw(state_format: str):
-    def make(model: nn.Module) -> ql.QMuon:
-        return ql.QMuon([{"params": list(model.parameters()), "use_muon": False}], adamw_lr=HP["lr"],
+    def make(model: nn.Module) -> qmuon.QMuon:
+        return qmuon.QMuon([{"params": list(model.parameters()), "use_muon": False}], adamw_lr=HP["lr"],
                         adamw_betas=HP["betas"], adamw_weight_decay=HP["weight_decay"],
                         adamw_state_format=state_format)
     return make

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from qmuon_lightning.distributed import shut_down_process_group
+from qmuon.distributed import shut_down_process_group
 
 from _dist import run_workers
 from _helpers import free_port
@@ -31,7 +31,7 @@ def test_two_processes_wait_then_destroy():
 
 _EXIT_SCRIPT = """
 import os, sys, torch, torch.distributed as dist
-from qmuon_lightning.distributed import exit_after_distributed_run
+from qmuon.distributed import exit_after_distributed_run
 exit_after_distributed_run()  # no group yet: returns
 dist.init_process_group("gloo")
 t = torch.ones(1)

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from _helpers import QMAX, blocked_absmax, expand_blocks, momentum_fp32, realistic_grads
-from qmuon_lightning import QMuon
-from qmuon_lightning.ops import QuantizedMuonState, quantized_muon_momentum_update_multi_
-from qmuon_lightning.ops import reference as ref
+from qmuon import QMuon
+from qmuon.ops import QuantizedMuonState, quantized_muon_momentum_update_multi_
+from qmuon.ops import reference as ref
 
 FP32_U = 2.0**-24  # fp32 unit roundoff
 

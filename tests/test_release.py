@@ -1,4 +1,4 @@
-"""Gradient release (``build_optimizer(..., gradient_release=True)``, :mod:`qmuon_lightning.optim.release`).
+"""Gradient release (``build_optimizer(..., gradient_release=True)``, :mod:`qmuon.optim.release`).
 
 Each parameter is stepped inside backward by its post-accumulate-grad hook and its gradient freed.
 The arithmetic per parameter is the one ``step()`` runs (``QMuon.step_params``), so a run with
@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import qmuon_lightning as ql
-from qmuon_lightning.optim.release import GradientRelease, check_trainer_compatible, release_of
+import qmuon
+from qmuon.optim.release import GradientRelease, check_trainer_compatible, release_of
 
 VOCAB, SEQ, BATCH = 48, 8, 4
 
@@ -76,11 +76,11 @@ def loss_of(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(out[:, :-1].reshape(-1, VOCAB), x[:, 1:].reshape(-1))
 
 
-def build(model: nn.Module, release: bool, **kw) -> ql.QMuon:
-    return ql.build_optimizer(model, lr=0.02, adamw_lr=3e-3, verbose=False, gradient_release=release, **kw)
+def build(model: nn.Module, release: bool, **kw) -> qmuon.QMuon:
+    return qmuon.build_optimizer(model, lr=0.02, adamw_lr=3e-3, verbose=False, gradient_release=release, **kw)
 
 
-def train(model: nn.Module, opt: ql.QMuon, steps: range, *, sched=None, closure: bool = False,
+def train(model: nn.Module, opt: qmuon.QMuon, steps: range, *, sched=None, closure: bool = False,
           check_released: bool = False) -> list[float]:
     losses = []
     for s in steps:
@@ -112,7 +112,7 @@ def assert_same(a: nn.Module, b: nn.Module) -> None:
         assert torch.equal(p, q), f"{n}: max |diff| {(p - q).abs().max().item():.3g}"
 
 
-def assert_same_state(oa: ql.QMuon, ob: ql.QMuon) -> None:
+def assert_same_state(oa: qmuon.QMuon, ob: qmuon.QMuon) -> None:
     sa, sb = oa.state_dict()["state"], ob.state_dict()["state"]
     assert sa.keys() == sb.keys()
     for k in sa:
@@ -231,7 +231,7 @@ def _poison(model: nn.Module, name: str, steps: set[int], counter: list[int]) ->
     p.register_hook(hook)
 
 
-def _count_steps(opt: ql.QMuon, counter: list[int]) -> None:
+def _count_steps(opt: qmuon.QMuon, counter: list[int]) -> None:
     opt.register_step_post_hook(lambda *_: counter.__setitem__(0, counter[0] + 1))
 
 
@@ -274,7 +274,7 @@ def test_nonfinite_raise_and_max_skips_raise_inside_backward() -> None:
     _poison(m, "up.weight", {0, 1}, counter)
     _count_steps(opt, counter)
     train(m, opt, range(1))
-    with pytest.raises(ql.NonFiniteGradientError, match="max_nonfinite_skips=1"):
+    with pytest.raises(qmuon.NonFiniteGradientError, match="max_nonfinite_skips=1"):
         train(m, opt, range(1, 2))
 
 
@@ -297,13 +297,13 @@ def test_setup_refusals_name_the_reason_and_the_fix() -> None:
     check_trainer_compatible(accumulate_grad_batches=1, gradient_clip_val=None, scaler=None)
     m = small()
     with pytest.raises(ValueError, match="gradient_release=True only"):
-        ql.build_optimizer(m, verbose=False, release_clip_norm=1.0)
+        qmuon.build_optimizer(m, verbose=False, release_clip_norm=1.0)
     with pytest.raises(TypeError, match="True or False"):
-        ql.build_optimizer(m, verbose=False, gradient_release="yes")
+        qmuon.build_optimizer(m, verbose=False, gradient_release="yes")
     with pytest.raises(ValueError, match="already has gradient release"):
-        ql.optim.attach_gradient_release(build(m, True))
+        qmuon.optim.attach_gradient_release(build(m, True))
     with pytest.raises(ValueError, match="positive finite"):
-        ql.optim.attach_gradient_release(build(m, False), clip_norm=-1.0)
+        qmuon.optim.attach_gradient_release(build(m, False), clip_norm=-1.0)
 
 
 def test_strategy_optimizer_kwargs_accept_release() -> None:
@@ -368,13 +368,13 @@ def _fsdp_worker(rank: int, world: int, root: str) -> dict:
         tok = tok[rank * 2: rank * 2 + 2]
         return tok[:, :-1], tok[:, 1:]
 
-    def opt_of(m: nn.Module, release: bool) -> ql.QMuon:
-        return ql.build_optimizer(m, lr=0.02, adamw_lr=1e-2, verbose=False, state_format="int8",
+    def opt_of(m: nn.Module, release: bool) -> qmuon.QMuon:
+        return qmuon.build_optimizer(m, lr=0.02, adamw_lr=1e-2, verbose=False, state_format="int8",
                                   comm_carrier="bf16", comm_return="bf16", gradient_release=release)
 
     out: dict = {"freed": [], "units": []}
 
-    def run(m: nn.Module, o: ql.QMuon, steps: range, release: bool) -> None:
+    def run(m: nn.Module, o: qmuon.QMuon, steps: range, release: bool) -> None:
         for s in steps:
             x, y = batch(s)
             o.zero_grad(set_to_none=True)
@@ -565,7 +565,7 @@ def test_accelerate_prepare_qmuon_with_release_equals_without() -> None:
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState, GradientState
 
-    from qmuon_lightning.integrations.accelerate import prepare_qmuon, unwrap_qmuon
+    from qmuon.integrations.accelerate import prepare_qmuon, unwrap_qmuon
 
     def run(release: bool, **acc_kw):
         AcceleratorState._reset_state(True)
@@ -604,7 +604,7 @@ def test_accelerate_clipping_under_release_raises_and_plain_clipping_still_works
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState, GradientState
 
-    from qmuon_lightning.integrations.accelerate import prepare_qmuon
+    from qmuon.integrations.accelerate import prepare_qmuon
 
     def fresh() -> Accelerator:
         AcceleratorState._reset_state(True)
@@ -726,7 +726,7 @@ def test_fabric_with_release_equals_without_and_refuses_clipping() -> None:
 
 def test_deepspeed_wrapper_refuses_release() -> None:
     pytest.importorskip("deepspeed")
-    from qmuon_lightning.integrations import deepspeed as qds
+    from qmuon.integrations import deepspeed as qds
 
     with pytest.raises(ValueError, match="cannot combine with DeepSpeed ZeRO"):
         qds.WholeMatrixZeroOptimizer(build(small(), True))

@@ -5,7 +5,7 @@
 * Lightning restores that state itself: in-process fits stopped at steps before, on and after an
   epoch boundary and resumed end bit-identical to an uninterrupted fit, with the same checkpoint
   names (so the same epoch count).
-* :mod:`qmuon_lightning.distributed.resume`: incomplete files and sharded directories are named
+* :mod:`qmuon.distributed.resume`: incomplete files and sharded directories are named
   as such, never chosen by ``auto`` / ``last``, and refused with the reason when given explicitly;
   a killed sharded save is finished or removed.
 * End to end (slow): ``qmuon-train`` killed with SIGKILL at random moments while checkpointing
@@ -34,7 +34,7 @@ import _crash
 from qmuon_lightning.cli import QMuonCLI, resolve_ckpt_path
 from qmuon_lightning.data import ByteLMDataModule
 from qmuon_lightning.data.datamodule import ResumableWindowLoader, TokenWindowDataset, WindowSampler
-from qmuon_lightning.distributed.resume import (
+from qmuon.distributed.resume import (
     IncompleteCheckpointError, checkpoint_problem, find_resumable_checkpoint, publish_directory,
     recover_interrupted_saves, require_complete, scan_checkpoints, staging_path, untracked_checkpoints,
 )
@@ -583,7 +583,7 @@ def test_sigkill_with_two_checkpoint_callbacks_is_bit_identical(tmp_path, world_
 
 # ------------------------------------------------------------------- the documented Fabric / Accelerate loops
 def _tiny_model_and_opt():
-    from qmuon_lightning import build_optimizer
+    from qmuon import build_optimizer
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 16))

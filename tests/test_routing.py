@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from qmuon_lightning import QMuon, RoutingRule, build_optimizer, route_parameters
-from qmuon_lightning.optim import DEFAULT_RULES, format_routing_table
+from qmuon import QMuon, RoutingRule, build_optimizer, route_parameters
+from qmuon.optim import DEFAULT_RULES, format_routing_table
 
 E, V, FF = 16, 50, 32
 

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from _helpers import QMAX, expand_blocks, momentum_fp32, ns_float64, torch_adjusted_lr
-from qmuon_lightning import QMuon
+from qmuon import QMuon
 
 FP32_U = 2.0**-24
 BETA = 0.95

@@ -27,7 +27,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 import qmuon_lightning  # noqa: F401  (registers the strategies)
 from _helpers import assert_same, run_launcher, subprocess_env
-from qmuon_lightning import QMuon
+from qmuon import QMuon
 from qmuon_lightning.models import DecoderLM
 from qmuon_lightning.strategies import PRESETS, QMuonFSDPStrategy, select_blocks, select_roots
 from qmuon_lightning.strategies import optimizer_swap as swap
@@ -890,7 +890,7 @@ def _worker_main(argv: list[str]) -> int:
 
 if __name__ == "__main__":
     code = _worker_main(sys.argv[1:])
-    from qmuon_lightning.distributed import exit_after_distributed_run
+    from qmuon.distributed import exit_after_distributed_run
 
     exit_after_distributed_run()  # see its docstring
     sys.exit(code)

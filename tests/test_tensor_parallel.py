@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import qmuon_lightning as ql  # noqa: E402
+import qmuon  # noqa: E402
 from _dist import run_workers  # noqa: E402
 
 LR = 0.02
@@ -101,7 +101,7 @@ def _train(mesh: Any, kw: dict[str, Any], steps: int, save_at: int | None = None
 
         tp = fully_shard(model, mesh=mesh)
     whole = make_llama()
-    o_tp, o_whole = ql.build_optimizer(tp, **kw), ql.build_optimizer(whole, **kw)
+    o_tp, o_whole = qmuon.build_optimizer(tp, **kw), qmuon.build_optimizer(whole, **kw)
     wp = dict(whole.named_parameters())
     out: dict[str, Any] = {"placements": {n: str(tuple(p.placements)) for n, p in tp.named_parameters()},
                            "params_equal": [], "state_equal": [], "losses": [], "grads": []}
@@ -156,7 +156,7 @@ def _resume(ckpt: str, grads: list[dict[str, torch.Tensor]], first: int, mesh1d:
         for layer in m.model.layers:
             fully_shard(layer, mesh=mesh1d)
         fully_shard(m, mesh=mesh1d)
-    o = ql.build_optimizer(m, **KW, **BF16_WIRE)
+    o = qmuon.build_optimizer(m, **KW, **BF16_WIRE)
     sd = {"model": get_model_state_dict(m), "optim": get_optimizer_state_dict(m, o)}
     dcp.load(sd, checkpoint_id=ckpt)
     set_model_state_dict(m, sd["model"])
@@ -199,7 +199,7 @@ def _fused_parts(mesh: Any) -> dict[str, Any]:
                                         "conv": RowwiseParallel()})
     fully_shard(tp, mesh=mesh["dp"])
     kw = dict(KW, state_format="int8", **BF16_WIRE)
-    o_tp, o_whole = ql.build_optimizer(tp, **kw), ql.build_optimizer(whole, **kw)
+    o_tp, o_whole = qmuon.build_optimizer(tp, **kw), qmuon.build_optimizer(whole, **kw)
     tpp = dict(tp.named_parameters())
     for step in range(2):
         g = torch.Generator().manual_seed(10 + step)
@@ -310,7 +310,7 @@ def _placement_error(rank: int, world: int) -> str:
     mesh = init_device_mesh("cpu", (1,))
     lin = torch.nn.Linear(8, 8, bias=False)
     lin.weight = torch.nn.Parameter(distribute_tensor(lin.weight.detach(), mesh, [Shard(1)]))
-    opt = ql.QMuon([{"params": [lin.weight], "param_names": ["proj.weight"]}], lr=LR)
+    opt = qmuon.QMuon([{"params": [lin.weight], "param_names": ["proj.weight"]}], lr=LR)
     lin.weight.grad = distribute_tensor(torch.ones(8, 8), mesh, [Shard(1)])
     try:
         opt.step()
@@ -350,7 +350,7 @@ def _fabric_worker(rank: int, world: int) -> dict[str, Any]:
     model = fabric.setup_module(make_llama())
     opt = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=3e-3))
     whole = make_llama()
-    o_whole = ql.build_optimizer(whole, **kw, verbose=False)
+    o_whole = qmuon.build_optimizer(whole, **kw, verbose=False)
     wp = dict(whole.named_parameters())
     equal = []
     ids = batch(rank // 2)  # one batch per data-parallel rank
@@ -448,7 +448,7 @@ def _trainer_main(out: Path) -> None:
     except AssertionError as e:
         res["mismatch"] = str(e)
     torch.save(res, out / f"rank{rank}.pt")
-    from qmuon_lightning.distributed import exit_after_distributed_run
+    from qmuon.distributed import exit_after_distributed_run
 
     exit_after_distributed_run()
 

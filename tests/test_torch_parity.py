@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from _helpers import ns_float64, torch_adjusted_lr
-from qmuon_lightning import QMuon
+from qmuon import QMuon
 
 SHAPES = {"tall": (64, 32), "wide": (32, 64), "square": (48, 48), "odd": (37, 53)}
 LR, WD, BETA = 0.02, 0.1, 0.95

@@ -11,9 +11,9 @@ import torch
 from torch import nn
 
 from _helpers import assert_same, roundtrip_state_dict
-from qmuon_lightning import QMuon
-from qmuon_lightning.optim import FORMAT_VERSION
-from qmuon_lightning.quant import StateFormatError
+from qmuon import QMuon
+from qmuon.optim import FORMAT_VERSION
+from qmuon.quant import StateFormatError
 
 
 def _mat(*shape):
@@ -178,7 +178,7 @@ def test_load_newer_version():
     sd = roundtrip_state_dict(opt.state_dict())
     sd["param_groups"][0]["qmuon_version"] = FORMAT_VERSION + 1
     _, target = _trained(steps=0)
-    with pytest.raises(ValueError, match=rf"version {FORMAT_VERSION + 1}, newer than this qmuon_lightning \({FORMAT_VERSION}\)"):
+    with pytest.raises(ValueError, match=rf"version {FORMAT_VERSION + 1}, newer than this qmuon \({FORMAT_VERSION}\)"):
         target.load_state_dict(sd)
 
 

@@ -1,4 +1,4 @@
-"""NorMuon and cautious weight decay (qmuon_lightning.core.variants) against pure-PyTorch references
+"""NorMuon and cautious weight decay (qmuon.core.variants) against pure-PyTorch references
 of the published algorithms, on every state format, through checkpoints."""
 
 from __future__ import annotations
@@ -8,11 +8,11 @@ import copy
 import pytest
 import torch
 
-from qmuon_lightning import QMuon, QMuonConfig, build_optimizer
-from qmuon_lightning.core.newton_schulz import newton_schulz_reference
-from qmuon_lightning.core.plan import lr_scale
-from qmuon_lightning.core.variants import NORMUON_STATE, RowMoment, normuon_scale
-from qmuon_lightning.quant import state as qstate
+from qmuon import QMuon, QMuonConfig, build_optimizer
+from qmuon.core.newton_schulz import newton_schulz_reference
+from qmuon.core.plan import lr_scale
+from qmuon.core.variants import NORMUON_STATE, RowMoment, normuon_scale
+from qmuon.quant import state as qstate
 
 LR, WD, MU, BETA2 = 0.02, 0.1, 0.95, 0.95
 STEPS = 4

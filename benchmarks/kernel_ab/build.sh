@@ -4,7 +4,7 @@
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 CSRC="$HERE/../../csrc"
-# The flags of the JIT build (qmuon_lightning/ops/_extension.py), with a stand-in ATen/Parallel.h.
+# The flags of the JIT build (qmuon/ops/_extension.py), with a stand-in ATen/Parallel.h.
 CF=(-O3 -ffp-contract=off -fopenmp -march="${QMUON_CPU_ARCH:-native}" -std=c++20 -I"$HERE/shim")
 RENAME=(-Dqmuon_cpu_quantize_rows=quantize_rows_X -Dqmuon_cpu_dequantize_rows=dequantize_rows_X
         -Dqmuon_cpu_vector_isa=vector_isa_X)

@@ -6,9 +6,9 @@ tensor at once, the bias-corrected copies, ...): at GPT-2-small width they were 
 elements (whole rows), and a block's transient is its fp32 update (and, for dense moments, the
 ``sqrt(v)`` denominator): the step's transient memory is bounded by one block, whatever the model.
 
-Per block: the moments are updated and the update emitted by :func:`qmuon_lightning.quant.adamw.update_rows`
+Per block: the moments are updated and the update emitted by :func:`qmuon.quant.adamw.update_rows`
 (the fused quantized kernel, or torch's ops in ``torch.optim.AdamW``'s order for dense moments), and
-the weights are written only through :func:`qmuon_lightning.core.apply.apply_update_`
+the weights are written only through :func:`qmuon.core.apply.apply_update_`
 (``param <- (1 - lr wd) param + update``), the one place both groups write weights.
 
 Maths (``torch.optim.AdamW``, decoupled weight decay, no amsgrad), with ``t`` the step count::
@@ -52,7 +52,7 @@ def chunk_rows(rows: int, cols: int, chunk_elements: int = DEFAULT_CHUNK_ELEMENT
 
 def init_state(family: str, global_shape: Sequence[int], p_local: Tensor, bf16_update: str) -> dict[str, Tensor]:
     """Zero moments for a parameter (``p_local``: its local rows), plus the weight-writing state
-    its ``bf16_update`` rule keeps (:func:`~qmuon_lightning.core.apply.weight_state_init`)."""
+    its ``bf16_update`` rule keeps (:func:`~qmuon.core.apply.weight_state_init`)."""
     st = qadamw.init_adamw_state(family, global_shape, p_local.shape, p_local.device)
     st.update(weight_state_init(p_local, bf16_update))
     return st

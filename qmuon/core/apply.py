@@ -13,7 +13,7 @@ parameters stored without an fp32 master copy (``model.to(torch.bfloat16)``, Lig
     round to nearest even. 0 extra bytes. An update smaller than half the bf16 gap at the weight
     (``|update| < ulp(w) / 2``, about ``|w| / 512``) is lost every step: with lr 3e-4 an AdamW
     update (~lr) cannot move any weight above ~0.15 in magnitude. Fine for short fine-tunes with
-    large steps; :func:`qmuon_lightning.optim.stalled_updates` reports the share of elements it
+    large steps; :func:`qmuon.optim.stalled_updates` reports the share of elements it
     would freeze.
 ``"stochastic"`` (default)
     counter-based stochastic rounding: unbiased in expectation, 0 extra bytes, and reproducible:
@@ -28,7 +28,7 @@ Decoupled weight decay is part of the same single rounding: ``x = decay * w + al
 then one write (a separate bf16 ``mul_`` would round twice and, for nearest rounding, lose the decay
 entirely: ``1 - lr * wd`` rounds to 1 in bf16 for ``lr * wd < 2**-9``).
 
-The arithmetic and the bit-level rules: :mod:`qmuon_lightning.ops.reference_weight`; the fused
+The arithmetic and the bit-level rules: :mod:`qmuon.ops.reference_weight`; the fused
 kernels: ``torch.ops.qmuon.bf16_weight_update_`` / ``bf16_ecc8_weight_update_``. Parameters of
 other dtypes (fp16) support ``"nearest"`` only.
 
@@ -108,7 +108,7 @@ def record_stalls() -> Iterator[StallCounts]:
     """Within the block, every write to a low-precision (bf16 / fp16) weight also counts the elements
     whose update nearest rounding would lose (:class:`StallCounts`), whatever the rule in use. Costs
     one fp32 copy of each written block; meant for a periodic numerics check
-    (:func:`qmuon_lightning.optim.bf16_stall_report`), not every step."""
+    (:func:`qmuon.optim.bf16_stall_report`), not every step."""
     global _recorder
     prev, _recorder = _recorder, StallCounts()
     try:
@@ -146,7 +146,7 @@ def weight_state_init(param: Tensor, bf16_update: str) -> dict[str, Tensor]:
 
 
 def check_weight_state(param: Tensor, state: dict[str, Any], bf16_update: str, where: str) -> None:
-    """Raise :class:`~qmuon_lightning.quant.StateFormatError` when a loaded state lacks the
+    """Raise :class:`~qmuon.quant.StateFormatError` when a loaded state lacks the
     correction tensors ``bf16_update`` needs, or holds them with the wrong dtype or shape
     (``param``: the local tensor the state belongs to)."""
     fmt = qstate.weight_format(bf16_update)
@@ -206,7 +206,7 @@ def apply_update_(param: Tensor, update: Tensor, *, alpha: float, decay: float =
         state: views of the parameter's weight-correction state matching ``param``
             (from :func:`weight_state_init`), when the rule keeps any.
         cautious: cautious weight decay: ``decay`` applies only where the weight and the step
-            ``alpha * update`` have opposite signs (:mod:`qmuon_lightning.core.variants`).
+            ``alpha * update`` have opposite signs (:mod:`qmuon.core.variants`).
         rng: ``(seed, key, step, first_element_index)``: the counter of rounding noise, when the
             rule draws any. Element ``(r, c)`` of ``param``'s 2-D view (rows, trailing elements)
             draws the bits of global index ``first + r * stride(0) + c``: its flat position in

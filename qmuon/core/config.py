@@ -1,7 +1,7 @@
 """One typed configuration for QMuon, and one compatibility check for resuming its state.
 
-:class:`QMuonConfig` holds every argument of :class:`~qmuon_lightning.QMuon` with the single set
-of defaults that ``QMuon``, :func:`~qmuon_lightning.build_optimizer`, the ``qmuon_fsdp``
+:class:`QMuonConfig` holds every argument of :class:`~qmuon.QMuon` with the single set
+of defaults that ``QMuon``, :func:`~qmuon.build_optimizer`, the ``qmuon_fsdp``
 strategy's ``optimizer_kwargs`` and the checkpoint manifest share. Validation lives here too, so a
 bad value fails when a strategy is constructed (before processes start), with the same message
 the optimizer would give, and without building a throwaway optimizer.
@@ -81,15 +81,15 @@ class QMuonConfig:
         ns_input: ``"bf16"`` or ``"mxfp8"`` (NS reads the decoded MXFP8 carrier).
         max_nonfinite_skips: with ``nonfinite="skip"``, the most optimizer steps in a row that one
             parameter's update may be skipped for a non-finite gradient; one more raises
-            :class:`~qmuon_lightning.NonFiniteGradientError` naming the parameters. A finite
+            :class:`~qmuon.NonFiniteGradientError` naming the parameters. A finite
             update resets the parameter's count. ``None`` (default): unlimited, as before.
     Weights: bf16_update: how an update reaches a parameter stored in bf16 (``model.to(torch.bfloat16)``,
         Lightning ``precision="bf16-true"``), in the Muon and the AdamW groups alike:
         ``"stochastic"`` (default: counter-based stochastic rounding, 0 extra bytes),
         ``"ecc8"`` (an int8 error-correction code per weight, +1 B/param, ~16-bit master weight) or
-        ``"nearest"`` (loses updates below half a bf16 gap); see :mod:`qmuon_lightning.core.apply`.
+        ``"nearest"`` (loses updates below half a bf16 gap); see :mod:`qmuon.core.apply`.
         fp32 parameters ignore it.
-    Variants (:mod:`qmuon_lightning.core.variants`):
+    Variants (:mod:`qmuon.core.variants`):
         variant: ``"muon"`` (default) or ``"normuon"`` (a per-output-row second moment of the
             orthogonalized update rescales its rows, Frobenius norm kept; fp32 state of one value
             per row beside the momentum). normuon_beta2: its EMA factor (0.95, dion's and
@@ -99,15 +99,15 @@ class QMuonConfig:
         ns_method: ``"auto"`` (default: gram on CPU where it measured faster and as accurate: fp32
             from 3:1 with a short side >= 64, bf16 from 4:1 with a short side >= 192 and the
             ``"muon"`` coefficients; the standard iteration elsewhere, CUDA included;
-            :func:`~qmuon_lightning.core.gram_newton_schulz.pick_ns_method`), ``"standard"`` or
+            :func:`~qmuon.core.gram_newton_schulz.pick_ns_method`), ``"standard"`` or
             ``"gram"`` (iterate on the Gram matrix of every rectangular update,
-            :mod:`qmuon_lightning.core.gram_newton_schulz`). A checkpoint saved before ``ns_method``
+            :mod:`qmuon.core.gram_newton_schulz`). A checkpoint saved before ``ns_method``
             existed resumes with ``"standard"``, the iteration it ran.
     AdamW (embeddings, head, 1-D tensors): adamw_lr 3e-4, adamw_betas (0.9, 0.95),
         adamw_eps 1e-8, adamw_weight_decay 0.1 (the usual GPT pretraining values).
         adamw_state_format: how the AdamW moments are stored: ``"fp32"`` (``torch.optim.AdamW``'s
         state), ``"bf16"``, ``"int8"`` or ``"int4"`` (blockwise, row blocks; see
-        :mod:`qmuon_lightning.quant.adamw` and docs/formats.md). 1-D tensors and tensors under 4096
+        :mod:`qmuon.quant.adamw` and docs/formats.md). 1-D tensors and tensors under 4096
         elements keep fp32 moments. A group may set its own (``{"params": ..., "use_muon": False,
         "state_format": "fp32"}``), e.g. to keep one parameter at full precision.
     Sharded parameters: comm_carrier / comm_return: encodings of the distributed NS exchange.
@@ -430,7 +430,7 @@ def check_resume(saved: Mapping[str, Any], current: Mapping[str, Any], *, where:
     check ``QMuon.load_state_dict``, ``QuantizedStateCheckpoint`` and the strategy make).
 
     Same layout: fine (returns None). Options that must match for the codes to be kept (the rule
-    is :func:`qmuon_lightning.quant.registry.layout_conflicts`: e.g. int8 saved with
+    is :func:`qmuon.quant.registry.layout_conflicts`: e.g. int8 saved with
     ``block_size=128``, resumed with 256) differ: always :class:`ResumeMismatch`, naming the
     constructor argument that resumes it. Another format: allowed only when
     ``allow_format_change`` (the momentum is dequantized and re-encoded: returns a note saying

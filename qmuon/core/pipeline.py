@@ -11,8 +11,8 @@ One Muon step is::
     -> apply  (p = decay * p - lr * lr_scale * O; decay 1 - lr wd, or only where p and O agree in
                sign with cautious weight decay)
 
-:class:`~qmuon_lightning.QMuon` (one process), the sharded step
-(:mod:`qmuon_lightning.distributed.orthogonalize`: the owner rank of a matrix runs
+:class:`~qmuon.QMuon` (one process), the sharded step
+(:mod:`qmuon.distributed.orthogonalize`: the owner rank of a matrix runs
 :func:`orthogonalize` on matrices assembled from every rank's rows), the DeepSpeed driver and the
 fidelity monitor all go through these functions; they differ only in where an item's NS input
 comes from (:attr:`NSItem.source` / :attr:`NSItem.load`) and where its output goes
@@ -478,7 +478,7 @@ def apply_to(param_rows: Tensor, lr: float, first_row: int = 0, *, decay: float 
              rng: Rng | None = None) -> Callable[[MatrixPart, Tensor], None]:
     """The default ``apply`` of :func:`local_items`: ``p[block] = decay * p[block] - lr * lr_scale * O``
     on the parameter ``param_rows`` (any ndim; 2-D when parts split the columns; its stored rows start
-    at global row ``first_row``), written through :func:`~qmuon_lightning.core.apply.apply_update_`
+    at global row ``first_row``), written through :func:`~qmuon.core.apply.apply_update_`
     (one rounding for bf16 weights, decoupled weight decay included; ``cautious``: the decay only
     where ``p`` and ``O`` agree in sign). ``state``: the parameter's weight-correction tensors (its
     shape); ``rng``: the rounding counter of ``param_rows``' first element."""

@@ -23,7 +23,7 @@ owner transposes, when it runs Newton-Schulz on the layer's ``(out, in)`` matrix
    per-row-block sums of squares of those rows (``4 / block_size`` bytes per element).
 5. **Orthogonalize** (owner): the owner sums the block sums of each whole matrix in the same
    order as single-process QMuon (so ``1 / ||G||`` is bit-identical) and hands its matrices to
-   :func:`qmuon_lightning.core.pipeline.orthogonalize`, the batching every driver uses; each
+   :func:`qmuon.core.pipeline.orthogonalize`, the batching every driver uses; each
    matrix is decoded from the received rows straight into its batch slot, and each result is
    encoded into the return buffer as soon as its batch is done, so no rank holds more than one
    batch of whole matrices at a time.
@@ -34,14 +34,14 @@ owner transposes, when it runs Newton-Schulz on the layer's ``(out, in)`` matrix
 NorMuon (``variant="normuon"``): the second moment has one fp32 value per output row and, for
 ``(out, in)`` weights, lives with the rows like the momentum (``Shard(0)``, so DCP reshards it).
 Each rank's rows of it ride with its NS input to the owner (4 bytes per row), the owner rescales
-the whole matrix's result (:func:`~qmuon_lightning.core.variants.normuon_scale`, the rescale needs
+the whole matrix's result (:func:`~qmuon.core.variants.normuon_scale`, the rescale needs
 the whole matrix's norm) before encoding the return, and the updated rows ride back with it: no
 extra collective. ``(in, out)`` weights (neurons = stored columns) are refused for now, except
 in expert banks: a member's second moment (its neurons in either orientation) sits in the stored
 row that holds the member, so it stays with the expert and is updated where the expert is
 orthogonalized; under HSDP the owner shares it with the member's result over the replicate dim.
 
-Banks (mixture-of-experts layers stored ``(E, out, in)``, :mod:`qmuon_lightning.core.plan`) keep one
+Banks (mixture-of-experts layers stored ``(E, out, in)``, :mod:`qmuon.core.plan`) keep one
 stored row per expert, so ``Shard(0)`` always puts whole experts on a rank (an uneven split, 8
 experts on 3 ranks, moves whole experts: 3 + 3 + 2). Each rank orthogonalizes its own experts'
 matrices locally, as single-process QMuon does (same NS input, same norm, same batching rule):

@@ -129,7 +129,7 @@ def require_complete(path: PathLike) -> Path:
     if problem is not None:
         raise IncompleteCheckpointError(
             f"cannot resume from {path}: {problem}. Pick an older checkpoint, or let qmuon-train choose the newest "
-            "complete one with --ckpt_path auto (qmuon_lightning.distributed.resume.find_resumable_checkpoint)")
+            "complete one with --ckpt_path auto (qmuon.distributed.resume.find_resumable_checkpoint)")
     return Path(path)
 
 

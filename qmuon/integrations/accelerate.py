@@ -2,9 +2,9 @@
 
 The plain recipe already works::
 
-    model, opt = accelerator.prepare(model, qmuon_lightning.build_optimizer(model, ...))
+    model, opt = accelerator.prepare(model, qmuon.build_optimizer(model, ...))
 
-because :class:`~qmuon_lightning.QMuon` creates its state lazily, in the first ``step()``, keyed by
+because :class:`~qmuon.QMuon` creates its state lazily, in the first ``step()``, keyed by
 the parameter objects that the param groups hold *at that moment*. That matters because
 ``Accelerator.prepare`` may replace the parameters inside the optimizer:
 
@@ -16,11 +16,11 @@ the parameter objects that the param groups hold *at that moment*. That matters 
 - FSDP2 (``fsdp_version=2``): ``prepare`` shards the model with ``fully_shard`` and rewrites
   ``optimizer.param_groups[i]["params"]`` in place with the new ``DTensor`` parameters. Any state
   created before that would be keyed by the dead, unsharded tensors; lazily created state is keyed
-  by the ``DTensor`` s. QMuon's sharded step lives in :mod:`qmuon_lightning.distributed`.
+  by the ``DTensor`` s. QMuon's sharded step lives in :mod:`qmuon.distributed`.
 
 :func:`prepare_qmuon` is the opt-in helper around that recipe: it refuses configurations that
 cannot work (with the reason and the fix), builds the optimizer with
-:func:`~qmuon_lightning.build_optimizer`, prepares it together with the model, and checks that the
+:func:`~qmuon.build_optimizer`, prepares it together with the model, and checks that the
 optimizer now points at the prepared model's parameters and holds no state yet.
 :func:`check_state_keys` makes the same check at any later time (after steps, after
 ``load_state``).
@@ -49,7 +49,7 @@ try:
     from accelerate.utils import DistributedType
 except ImportError as e:  # pragma: no cover - exercised only without the extra installed
     raise ImportError(
-        "qmuon_lightning.integrations.accelerate needs Hugging Face Accelerate: "
+        "qmuon.integrations.accelerate needs Hugging Face Accelerate: "
         "pip install 'qmuon-lightning[accelerate]' (or pip install accelerate)"
     ) from e
 
@@ -120,7 +120,7 @@ def check_configuration(
         raise UnsupportedAccelerateConfig(
             "Accelerate's DeepSpeed plugin is not supported with QMuon: ZeRO hands the client optimizer flat "
             "1-D partitions, so Muon never sees a matrix (and with optimizer offload DeepSpeed replaces the "
-            "optimizer). Use qmuon_lightning.integrations.deepspeed with the DeepSpeed engine instead (see "
+            "optimizer). Use qmuon.integrations.deepspeed with the DeepSpeed engine instead (see "
             "docs/deepspeed.md), or train with DDP or FSDP2 (fsdp_version=2) under Accelerate"
         )
     if kind == "MEGATRON_LM":
@@ -159,10 +159,10 @@ def check_configuration(
                 "fsdp_version=2), `fsdp_version: 2` in the accelerate config, or `accelerate launch --use_fsdp "
                 "--fsdp_version 2`"
             )
-        if importlib.util.find_spec("qmuon_lightning.distributed") is None:
+        if importlib.util.find_spec("qmuon.distributed") is None:
             raise UnsupportedAccelerateConfig(
-                "FSDP2 needs QMuon's sharded step (qmuon_lightning.distributed), which this installation "
-                "lacks; upgrade qmuon_lightning or train with DDP"
+                "FSDP2 needs QMuon's sharded step (qmuon.distributed), which this installation "
+                "lacks; upgrade qmuon-lightning or train with DDP"
             )
         if optimizer_has_state:
             raise UnsupportedAccelerateConfig(
@@ -362,7 +362,7 @@ def prepare_qmuon(
         objects: anything else to prepare in the same call (data loaders, ...).
         lr_scheduler: optional ``optimizer -> scheduler`` factory, called with the QMuon before
             ``prepare`` so the scheduler is prepared (and checkpointed by ``save_state``) with it.
-        build_optimizer_kwargs: passed to :func:`qmuon_lightning.build_optimizer` (``lr``,
+        build_optimizer_kwargs: passed to :func:`qmuon.build_optimizer` (``lr``,
             ``state_format``, ``rounding``, ...); ``verbose`` defaults to "main process only".
             With ``gradient_release=True``, ``accelerator.clip_grad_norm_`` /
             ``clip_grad_value_`` raise for the released parameters

@@ -175,7 +175,7 @@ def quantized_muon_momentum_update_multi_and_normalize_groups_(
     With ``tp_group`` the ``num_groups`` sums are all-reduced so every rank sees global norms.
     With ``normalize`` every block of every grad is divided by its group's norm; with
     ``normalize=False`` the grads keep the raw NS input and the caller folds ``1 / norm`` into
-    Newton-Schulz (what :class:`qmuon_lightning.QMuon` does). Returns the per-group sums of squares.
+    Newton-Schulz (what :class:`qmuon.QMuon` does). Returns the per-group sums of squares.
     """
     sums = _update(states, grads, beta, nesterov, rounding, seed, step, row_offsets)
     group_sumsq = reduce_block_sumsq(sums, plan)

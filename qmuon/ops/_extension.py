@@ -1,9 +1,9 @@
 """Build and load the compiled kernels in ``csrc/`` (the ``qmuon_C`` operator library).
 
 This module only builds and loads; :mod:`._kernels` registers the loaded kernels on the
-``torch.ops.qmuon`` ops (declared in :mod:`._library`), and ``python -m qmuon_lightning.ops.build``
+``torch.ops.qmuon`` ops (declared in :mod:`._library`), and ``python -m qmuon.ops.build``
 (:mod:`.build`) is the command-line front end. Nothing is built at import: the first call of a
-compiled kernel, :func:`status` or ``qmuon_lightning.ops.backend()`` builds (or loads the cached
+compiled kernel, :func:`status` or ``qmuon.ops.backend()`` builds (or loads the cached
 build); if that fails the ops run the pure-PyTorch reference and a warning says why, once.
 
 Sources (``csrc/``)
@@ -13,7 +13,7 @@ Sources (``csrc/``)
 ``cpu/*.cpp``, ``cuda/*.cu`` the kernels (the ``.cu`` files see no torch header)
 ``binding*.cpp``, ``binding*.h``  the ``qmuon_C`` schemas, argument checks and CPU / CUDA implementations
 
-An installed wheel ships ``csrc/`` as ``qmuon_lightning/_csrc`` (pyproject.toml maps it into the
+An installed wheel ships ``csrc/`` as ``qmuon/_csrc`` (pyproject.toml maps it into the
 package); a source checkout uses the repository's ``csrc/`` (:func:`csrc_dir`).
 
 Build
@@ -95,7 +95,7 @@ _status: ExtensionStatus | None = None
 
 def _source_dirs() -> tuple[Path, ...]:
     """Where the kernel sources may be: ``$QMUON_CSRC_DIR`` when set (a patched copy; qmuon-doctor's
-    tests point it at a broken one), else ``qmuon_lightning/_csrc`` of an installed wheel (the
+    tests point it at a broken one), else ``qmuon/_csrc`` of an installed wheel (the
     repository's ``csrc/`` mapped into the package, see pyproject.toml), then ``csrc/`` next to the
     package in a source checkout / editable install."""
     override = os.environ.get("QMUON_CSRC_DIR", "").strip()
@@ -223,12 +223,12 @@ def _build_and_load(with_cuda: bool, verbose: bool) -> str:
     reason = _build_reason(so, inputs)
     if reason:
         what = "CPU and CUDA" if with_cuda else "CPU"
-        print(f"qmuon_lightning: compiling the {what} kernels (csrc/) into {spec['build_directory']}: "
+        print(f"qmuon: compiling the {what} kernels (csrc/) into {spec['build_directory']}: "
               f"{reason} ...", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
     path = load(is_python_module=False, verbose=verbose, **spec)
     if reason:
-        print(f"qmuon_lightning: kernels built in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+        print(f"qmuon: kernels built in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
     return str(path) if path else so
 
 
@@ -247,7 +247,7 @@ def _load(verbose: bool) -> ExtensionStatus:
         return ExtensionStatus("reference", "QMUON_BACKEND=reference")
     if not (csrc_dir() / "binding.cpp").is_file():
         reason = (f"kernel sources not found at {csrc_dir()} (reinstall qmuon-lightning, whose wheel ships "
-                  "them as qmuon_lightning/_csrc, or use a source checkout)")
+                  "them as qmuon/_csrc, or use a source checkout)")
         return _fail(mode, reason)
     verbose = verbose or os.environ.get("QMUON_BUILD_VERBOSE", "") == "1"
     want_cuda, cuda_reason = _cuda_wanted()
@@ -270,9 +270,9 @@ def _load(verbose: bool) -> ExtensionStatus:
 
 def _fail(mode: str, reason: str) -> ExtensionStatus:
     if mode == "extension":
-        raise RuntimeError(f"qmuon_lightning: QMUON_BACKEND=extension but {reason}")
+        raise RuntimeError(f"qmuon: QMUON_BACKEND=extension but {reason}")
     warnings.warn(
-        f"qmuon_lightning: using the pure-PyTorch reference kernels because {reason}. "
+        f"qmuon: using the pure-PyTorch reference kernels because {reason}. "
         "Set QMUON_BACKEND=reference to skip the build (and this warning).",
         RuntimeWarning,
         stacklevel=4,
@@ -282,9 +282,9 @@ def _fail(mode: str, reason: str) -> ExtensionStatus:
 
 def _partial(mode: str, st: ExtensionStatus) -> ExtensionStatus:
     if mode == "extension" and torch.cuda.is_available():
-        raise RuntimeError(f"qmuon_lightning: QMUON_BACKEND=extension but no CUDA kernels: {st.reason}")
+        raise RuntimeError(f"qmuon: QMUON_BACKEND=extension but no CUDA kernels: {st.reason}")
     warnings.warn(
-        f"qmuon_lightning: CUDA tensors use the pure-PyTorch reference kernels because {st.reason}.",
+        f"qmuon: CUDA tensors use the pure-PyTorch reference kernels because {st.reason}.",
         RuntimeWarning,
         stacklevel=4,
     )

@@ -94,12 +94,12 @@ def _probe_once(cache: dict[str, bool], device: torch.device, kernel: str, fn_na
     if key not in cache:
         if key == "cuda" and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(
-                f"qmuon_lightning: the {kernel} kernel is probed on its first CUDA call, which cannot happen "
+                f"qmuon: the {kernel} kernel is probed on its first CUDA call, which cannot happen "
                 "inside a CUDA graph capture. Run one optimizer step eagerly before capturing (the warm-up that "
-                f"torch.cuda.graph needs anyway), or call qmuon_lightning.ops._kernels.{fn_name}(device) first.")
+                f"torch.cuda.graph needs anyway), or call qmuon.ops._kernels.{fn_name}(device) first.")
         cache[key] = probe(device)
         if not cache[key]:
-            warnings.warn(f"qmuon_lightning: this torch build's {key} {mismatch}", RuntimeWarning, stacklevel=4)
+            warnings.warn(f"qmuon: this torch build's {key} {mismatch}", RuntimeWarning, stacklevel=4)
     return cache[key]
 
 

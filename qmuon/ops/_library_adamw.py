@@ -41,7 +41,7 @@ def adamw_q_update_(
     index0: int,
 ) -> None:
     """Quantized AdamW moment step of ``grad``'s rows; writes the fp32 update into ``update``
-    (see :func:`qmuon_lightning.ops.reference_adamw.adamw_q_update_`)."""
+    (see :func:`qmuon.ops.reference_adamw.adamw_q_update_`)."""
     _check(grad, m_codes, m_scale, v_codes, v_scale, update, m_kind, v_kind, block_size)
     if stream >= 1 << 32 or index0 < 0:
         raise ValueError(f"adamw_q_update_: stream must be < 2**32 (or < 0: nearest) and index0 >= 0, got {stream}, "

@@ -1,6 +1,6 @@
 """Prebuild the compiled kernels and report which backend ``torch.ops.qmuon`` uses.
 
-    python -m qmuon_lightning.ops.build [--verbose]
+    python -m qmuon.ops.build [--verbose]
 
 Builds the extension from ``csrc/`` (or loads the cached build; see :mod:`._extension` for where
 the sources and the build live and for the environment variables), then prints ``backend: ...``
@@ -21,15 +21,15 @@ from __future__ import annotations
 import argparse
 import sys
 
-from qmuon_lightning.ops import _extension
+from qmuon.ops import _extension
 
 __all__ = ["main"]
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m qmuon_lightning.ops.build",
-        description="Build (or load the cached build of) the qmuon_lightning compiled kernels and report "
+        prog="python -m qmuon.ops.build",
+        description="Build (or load the cached build of) the qmuon compiled kernels and report "
                     "which backend torch.ops.qmuon uses.")
     parser.add_argument("--verbose", action="store_true", help="show the compiler commands")
     args = parser.parse_args(argv)

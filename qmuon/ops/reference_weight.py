@@ -180,6 +180,6 @@ def fp32_weight_update_(param: Tensor, update: Tensor, alpha: float, decay: floa
     compiled kernel (``csrc/qmuon/weight_math.h``, ``fp32_weight_element``) does the same in one pass
     over the weights and reads the update with any strides; where torch's add rounds twice
     (``ATEN_CPU_CAPABILITY=default`` on x86) the op keeps this reference
-    (``qmuon_lightning.ops._kernels.fp32_write_matches_torch``)."""
+    (``qmuon.ops._kernels.fp32_write_matches_torch``)."""
     param.mul_(decay)
     param.add_(update, alpha=alpha)

@@ -1,9 +1,9 @@
 """What QMuon does for parameters stored in bf16 without an fp32 master copy (both groups): their
 weight-correction state (created, dropped, sharded, validated on load), how each step's update is
-written (:class:`~qmuon_lightning.core.apply.WeightWrite`: the group's ``bf16_update``, the state's
-local views, the stochastic-rounding counter); the AdamW step (:mod:`qmuon_lightning.core.adamw`)
+written (:class:`~qmuon.core.apply.WeightWrite`: the group's ``bf16_update``, the state's
+local views, the stochastic-rounding counter); the AdamW step (:mod:`qmuon.core.adamw`)
 writes through the same rules. The rules themselves:
-:mod:`qmuon_lightning.core.apply`; the page: docs/bf16_weights.md."""
+:mod:`qmuon.core.apply`; the page: docs/bf16_weights.md."""
 
 from __future__ import annotations
 

@@ -1,10 +1,10 @@
 """Fidelity of quantized momentum: how close is a quantized-state Muon update to the fp32-state one?
 
-:func:`per_layer_update_cosine` runs one :class:`~qmuon_lightning.QMuon` per state format on clones of
+:func:`per_layer_update_cosine` runs one :class:`~qmuon.QMuon` per state format on clones of
 the same parameters, feeds every optimizer the same gradient sequence and compares each step's
 update (the parameter change, with ``lr=1`` and no weight decay, i.e. the orthogonalized update)
 with the fp32-state update, per layer. The metrics and the synthetic gradients it is used with are
-in :mod:`qmuon_lightning.quant.fidelity`.
+in :mod:`qmuon.quant.fidelity`.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def per_layer_update_cosine(
         grads: ``grads[t][i]`` is parameter ``i``'s gradient at step ``t`` (same for every format).
         formats: state formats to compare.
         reduce: ``"mean"`` over steps ``skip..`` or ``"last"``.
-        qmuon_kwargs: passed to every :class:`~qmuon_lightning.QMuon` (``momentum``, ``nesterov``,
+        qmuon_kwargs: passed to every :class:`~qmuon.QMuon` (``momentum``, ``nesterov``,
             ``rounding``, ``rank``, ``grid_block``, ``block_size``...).
 
     Returns ``{format: [cosine per layer]}``.

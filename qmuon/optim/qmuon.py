@@ -1,6 +1,6 @@
 """``QMuon``: Muon with fp32 / bf16 / 8-bit / 4-bit momentum and an auxiliary AdamW, in one optimizer.
 
-The Muon step itself is :mod:`qmuon_lightning.core` (momentum through the group's state format,
+The Muon step itself is :mod:`qmuon.core` (momentum through the group's state format,
 same-shape Newton-Schulz batching within a memory budget, apply); this class owns what an
 ``torch.optim.Optimizer`` owns: parameter groups and their validation (:mod:`.core.config`),
 per-parameter state, the non-finite gradient policy and AdamW for the groups with
@@ -45,7 +45,7 @@ from ..quant import state as qstate
 from ..quant.layout import global_row_offset, shard_state
 from .qmuon_state import FORMAT_VERSION, LAYOUT_HINT, QMuonStateMixin  # noqa: F401  (LAYOUT_HINT re-exported)
 
-__all__ = ["QMuon", "GraspMuon", "FORMAT_VERSION", "DEFAULT_NS_COEFFICIENTS", "adjusted_lr", "UpdateSink",
+__all__ = ["QMuon", "FORMAT_VERSION", "DEFAULT_NS_COEFFICIENTS", "adjusted_lr", "UpdateSink",
            "NonFiniteGradientError"]
 
 log = logging.getLogger(__name__)
@@ -76,7 +76,7 @@ class QMuon(QMuonStateMixin, Optimizer):
     The Muon arguments mean what they mean in :class:`torch.optim.Muon`; with
     ``state_format="fp32"``, ``ns_dtype="bf16"`` and ``ns_coefficients="muon"`` the algorithm is
     torch's (momentum, Nesterov blend, bf16 Newton-Schulz, learning-rate adjustment, decoupled
-    weight decay). Every argument, its default and its accepted values: :class:`~qmuon_lightning.core.config.QMuonConfig`
+    weight decay). Every argument, its default and its accepted values: :class:`~qmuon.core.config.QMuonConfig`
     (``QMuon.from_config(params, config)`` takes one directly).
 
     Args:
@@ -87,7 +87,7 @@ class QMuon(QMuonStateMixin, Optimizer):
             the columns of a 2-D weight; for example fused q, k, v) whose parts are normalized and
             orthogonalized separately; and ``orientation="in_out"`` for 2-D weights stored
             ``(in, out)`` (Hugging Face ``Conv1D``): Newton-Schulz and the lr adjustment then use
-            the layer's ``(out, in)`` matrix (see :mod:`qmuon_lightning.core.plan`). A group with
+            the layer's ``(out, in)`` matrix (see :mod:`qmuon.core.plan`). A group with
             ``bank_dims=n`` holds banks: parameters ``(*bank, rows, cols)`` whose leading ``n`` dims
             index matrices (mixture-of-experts experts), each stepped as its own matrix, with
             ``parts`` / ``parts_axis`` / ``orientation`` (and ``parts_interleaved=True`` for
@@ -107,25 +107,25 @@ class QMuon(QMuonStateMixin, Optimizer):
         adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: defaults for AdamW groups.
         adamw_state_format: how AdamW groups store their moments (``"fp32"``, ``"bf16"``, ``"int8"``,
             ``"int4"``; a group's own ``state_format`` overrides it). The AdamW step runs one
-            parameter at a time in bounded row blocks (:mod:`qmuon_lightning.core.adamw`).
+            parameter at a time in bounded row blocks (:mod:`qmuon.core.adamw`).
         comm_carrier, comm_return: sharded (FSDP2 ``Shard(0)``) parameters only: how the
             distributed Newton-Schulz moves rows to the rank that orthogonalizes a matrix and back;
-            see :mod:`qmuon_lightning.distributed`. Bytes per step: :attr:`comm_stats`.
+            see :mod:`qmuon.distributed`. Bytes per step: :attr:`comm_stats`.
         bf16_update: how an update reaches a bf16 parameter (stored without an fp32 master copy),
             in Muon and AdamW groups: ``"stochastic"`` (default), ``"ecc8"`` (+1 B/param of int8
             error correction, ``weight_ecc`` in the state) or ``"nearest"``; see
-            :mod:`qmuon_lightning.core.apply`. Per group too.
+            :mod:`qmuon.core.apply`. Per group too.
         variant: ``"muon"`` or ``"normuon"`` (per-output-row second moment of the orthogonalized
-            update, state key ``"normuon_v"``: :mod:`qmuon_lightning.core.variants`);
+            update, state key ``"normuon_v"``: :mod:`qmuon.core.variants`);
             normuon_beta2: its EMA factor.
         cautious_weight_decay: decay only where the update and the weight agree in sign (Muon and
             AdamW groups).
         ns_method: ``"auto"`` (default: Gram Newton-Schulz on CPU for elongated matrices where it
             measured faster), ``"standard"`` or ``"gram"``
-            (:mod:`qmuon_lightning.core.gram_newton_schulz`).
+            (:mod:`qmuon.core.gram_newton_schulz`).
         batch_budget: Newton-Schulz batches hold at most this many times the largest matrix's
-            elements, or :data:`~qmuon_lightning.core.pipeline.BATCH_STEP_SHARE` of all Muon
-            elements if more (on CPU at most 2^20 elements; :class:`~qmuon_lightning.core.pipeline.BatchSizes`).
+            elements, or :data:`~qmuon.core.pipeline.BATCH_STEP_SHARE` of all Muon
+            elements if more (on CPU at most 2^20 elements; :class:`~qmuon.core.pipeline.BatchSizes`).
     """
 
     def __init__(
@@ -202,7 +202,7 @@ class QMuon(QMuonStateMixin, Optimizer):
         self._skipped_in_step = False
         self._step_comm: list[dict[str, float]] = []
         #: The gradient-release driver stepping this optimizer inside backward, when one is attached
-        #: (:func:`qmuon_lightning.optim.release.attach_gradient_release`); ``None`` otherwise.
+        #: (:func:`qmuon.optim.release.attach_gradient_release`); ``None`` otherwise.
         self.gradient_release: Any = None
         super().__init__(params, config.muon_group_defaults())
 
@@ -242,7 +242,7 @@ class QMuon(QMuonStateMixin, Optimizer):
                 raise ValueError(
                     f"{where}: {label} has shape {tuple(shape)}: Muon orthogonalizes matrices. Put 1-D tensors "
                     "(biases, norm gains) in an AdamW group ({'params': [...], 'use_muon': False}) or build "
-                    "the optimizer with qmuon_lightning.build_optimizer(model), which routes them for you"
+                    "the optimizer with qmuon.build_optimizer(model), which routes them for you"
                 )
             if torch.is_complex(p):
                 raise ValueError(f"{where}: {label} is complex; QMuon supports real parameters only")
@@ -283,7 +283,7 @@ class QMuon(QMuonStateMixin, Optimizer):
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One optimizer step: runs ``closure`` (if given), steps every parameter holding a
         gradient (:meth:`step_params`) and closes the step (non-finite bookkeeping, communication
-        figures). With gradient release attached (:mod:`qmuon_lightning.optim.release`) the
+        figures). With gradient release attached (:mod:`qmuon.optim.release`) the
         parameters were stepped inside backward already; ``step()`` then steps only what bypassed
         the release hooks and closes the step the same way."""
         loss = pipeline.call_closure(closure)
@@ -375,7 +375,7 @@ class QMuon(QMuonStateMixin, Optimizer):
         """The distributed driver when some parameter is a DTensor, else ``None``; built (and its
         layout checks run) once per set of parameters.
 
-        The import is lazy: ``optim`` only reaches into ``qmuon_lightning.distributed`` once
+        The import is lazy: ``optim`` only reaches into ``qmuon.distributed`` once
         sharded parameters are seen (FSDP2 / Accelerate may replace parameters after construction).
         """
         params = [p for g in self.param_groups for p in g["params"]]
@@ -549,7 +549,7 @@ class QMuon(QMuonStateMixin, Optimizer):
 
     def _adamw_step(self, gi: int, group: dict[str, Any], idx: list[int]) -> None:
         """AdamW for parameters ``idx`` of group ``gi``: one parameter at a time, in bounded row blocks
-        (:func:`qmuon_lightning.core.adamw.adamw_param_step`; no whole-group temporaries). A sharded
+        (:func:`qmuon.core.adamw.adamw_param_step`; no whole-group temporaries). A sharded
         (``Shard(0)`` DTensor) parameter steps its own rows; its state is kept as ``Shard(0)``
         DTensors with the global shape (DCP saves and reshards it)."""
         key0 = sum(len(g["params"]) for g in self.param_groups[:gi])
@@ -616,17 +616,3 @@ class QMuon(QMuonStateMixin, Optimizer):
                "lr_ratios='hold')) to keep each group's configured ratio to the Muon lr, or 'off' if this is intended")
         log.warning(msg)
         warnings.warn(msg, UserWarning, stacklevel=3)
-
-
-class GraspMuon(QMuon):
-    """:class:`QMuon` with GRASP 4-bit momentum (``state_format="grasp4"``) by default.
-
-    The momentum is stored as an 8-bit rank-``rank`` factor ``P R^T`` tracked by one warm-started
-    power iteration per step plus a 4-bit residual with ``grid_block x grid_block`` grid
-    quantization (:mod:`qmuon_lightning.quant.grasp`): <= 0.578 bytes per element on GPT-small shapes.
-    """
-
-    def __init__(self, params: Iterable[Tensor] | Iterable[dict[str, Any]], lr: float = _D.lr, *args: Any,
-                 state_format: str = "grasp4", rank: int = _D.rank, grid_block: int = _D.grid_block,
-                 **kwargs: Any) -> None:
-        super().__init__(params, lr, *args, state_format=state_format, rank=rank, grid_block=grid_block, **kwargs)

@@ -1,7 +1,7 @@
 """``QMuon``'s state as a checkpoint and per parameter: ``state_dict`` / ``load_state_dict`` (with
 format conversion from any QMuon format, ``torch.optim.Muon`` and ``torch.optim.AdamW``), the
 fidelity guard's per-parameter format promotion, and introspection (``torch_adamw_state``,
-``master_weight``, ``state_nbytes``). A mixin of :class:`qmuon_lightning.optim.QMuon`, which owns the
+``master_weight``, ``state_nbytes``). A mixin of :class:`qmuon.optim.QMuon`, which owns the
 step; split out of ``qmuon.py`` along that seam.
 """
 
@@ -84,7 +84,7 @@ class QMuonStateMixin:
             if version > FORMAT_VERSION:
                 raise ValueError(
                     f"param group {gi} was saved with state format version {version}, newer than this "
-                    f"qmuon_lightning ({FORMAT_VERSION}); upgrade qmuon_lightning to load it"
+                    f"qmuon ({FORMAT_VERSION}); upgrade qmuon-lightning to load it"
                 )
             if len(saved["params"]) != len(cur["params"]):
                 raise ValueError(
@@ -177,8 +177,8 @@ class QMuonStateMixin:
     def promote_param(self, p: Tensor, layout: dict[str, Any] | None = None) -> tuple[str, str] | None:
         """Move Muon parameter ``p``'s momentum to a safer format: ``layout`` (layout keys such as
         ``{"state_format": "int8", "block_size": 256}``) or, by default, the next format of the
-        promotion chain (:func:`qmuon_lightning.quant.safer_format`: grasp4 / int4 / e0m3 -> int8
-        -> bf16). The stored momentum is converted with :func:`qmuon_lightning.quant.convert_state`
+        promotion chain (:func:`qmuon.quant.safer_format`: grasp4 / int4 / e0m3 -> int8
+        -> bf16). The stored momentum is converted with :func:`qmuon.quant.convert_state`
         (dequantize, re-encode); a sharded parameter converts its own rows, with no communication,
         so every rank must promote the same parameters. The override is saved with the parameter
         group (``state_dict`` / DCP), so a resumed run keeps it.

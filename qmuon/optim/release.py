@@ -1,5 +1,5 @@
 """Gradient release: each parameter is stepped inside backward, and its gradient freed, as soon as
-the gradient is complete. A way of driving :class:`~qmuon_lightning.QMuon`, not new maths.
+the gradient is complete. A way of driving :class:`~qmuon.QMuon`, not new maths.
 
 Without release a training step holds every gradient of the model at once (``.grad`` of every
 parameter, between the end of backward and ``optimizer.step()``): for an fp32 model that is 4

@@ -27,7 +27,7 @@ Layer meaning (Muon parameters only):
   ``c_attn`` (q, k, v along dim 1) and LitGPT's ``CausalSelfAttention.qkv`` (q, k, v along dim 0,
   GQA sizes from its config; LoRA and adapter wrappers too; legacy interleaved layouts refused:
   :mod:`.litgpt_layouts`). ``spec``: ``(n0, n1, ...)`` (parts along dim 0),
-  ``{"sizes": [n0, ...], "axis": 1}``, a :class:`~qmuon_lightning.core.plan.FusedParts`, or
+  ``{"sizes": [n0, ...], "axis": 1}``, a :class:`~qmuon.core.plan.FusedParts`, or
   ``None`` in ``fused_parts`` (not fused: turns the automatic detection off for that name).
 - *Orientation*: a 2-D weight stored ``(in, out)`` is declared with ``orientations``
   (``{name_regex: "in_out"}``) or a module attribute ``qmuon_orientation = {"weight": "in_out"}``;
@@ -102,7 +102,7 @@ class RoutingRule:
     Args:
         target: ``"muon"``, ``"adamw"`` or ``"adamw_no_decay"`` (AdamW with weight_decay 0).
         min_ndim / max_ndim: bounds on the parameter's number of dims (inclusive), read from its
-            full shape (:func:`~qmuon_lightning.core.plan.true_shape`: DeepSpeed ZeRO-3 partitioned
+            full shape (:func:`~qmuon.core.plan.true_shape`: DeepSpeed ZeRO-3 partitioned
             parameters look 1-D and empty).
         module_types: the module that owns the parameter is an instance of one of these.
         name_regex: ``re.search`` on the parameter's qualified name.
@@ -471,7 +471,7 @@ def build_optimizer(
     one AdamW group without weight decay. Every group carries ``param_names``. The routing table is logged (``logging`` at INFO) and printed on rank 0 when
     ``verbose``; it is also kept as ``optimizer.routing``.
 
-    The optimizer's arguments are those of :class:`~qmuon_lightning.core.config.QMuonConfig`
+    The optimizer's arguments are those of :class:`~qmuon.core.config.QMuonConfig`
     (one set of defaults, shared with ``QMuon``): pass a ``config``, keyword arguments
     (``lr=0.02, state_format="grasp4", ...``), or both (keywords override the config's fields).
     ``lr_ratios``: :attr:`QMuon.lr_ratios` (``"hold"`` for training loops that write one lr into
@@ -479,7 +479,7 @@ def build_optimizer(
     An unknown keyword raises ``TypeError`` listing the accepted ones.
 
     ``gradient_release=True`` steps each parameter inside backward as soon as its gradient is
-    complete and frees the gradient (:mod:`qmuon_lightning.optim.release`; ``optimizer.step()``
+    complete and frees the gradient (:mod:`qmuon.optim.release`; ``optimizer.step()``
     and ``zero_grad()`` keep working). ``release_clip_norm``: per-parameter L2 clipping of the AdamW
     group's gradients under release (global-norm clipping cannot combine with it).
     """

@@ -4,7 +4,7 @@ A bf16 weight ``w`` has 8 significant bits: the gap to its neighbours is ``ulp(w
 about ``|w| / 128``. Nearest rounding keeps an update only if it exceeds half of that; an AdamW
 step (about ``lr``) at lr 3e-4 is lost on every weight above ~0.08 in magnitude, a Muon step
 (``lr * sqrt(max(1, m/n)) * O``, ``|O|`` about ``1 / sqrt(n)``) on weights above ~``512 lr / sqrt(n)``.
-``bf16_update="stochastic"`` or ``"ecc8"`` keeps them (:mod:`qmuon_lightning.core.apply`).
+``bf16_update="stochastic"`` or ``"ecc8"`` keeps them (:mod:`qmuon.core.apply`).
 
 :func:`bf16_stall_report` runs one real optimizer step while counting, for every bf16 parameter,
 the elements whose update nearest rounding would drop (``bf16(x) == w`` though ``x != w``), and

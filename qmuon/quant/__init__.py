@@ -1,4 +1,4 @@
-"""State representations built on :mod:`qmuon_lightning.ops`: every momentum format behind one
+"""State representations built on :mod:`qmuon.ops`: every momentum format behind one
 interface (:class:`StateFormat`, one module per format in :mod:`.formats`, a registry
 :data:`FORMATS` in :mod:`.registry`): which tensors it stores, how they are created, updated
 (single-process and row-sharded), split over ``Shard(0)`` row shards (:mod:`.layout`), converted,

@@ -205,7 +205,7 @@ def describe_adamw_state(state: Mapping[str, Any]) -> str:
 
 def moment_noise_stream(seed: int, key: int, step: int) -> int:
     """The stochastic-rounding stream of parameter ``key``'s quantized moments at optimizer ``step``
-    (:func:`qmuon_lightning.ops.reference_adamw.adamw_noise_stream`: distinct from the Muon momentum's
+    (:func:`qmuon.ops.reference_adamw.adamw_noise_stream`: distinct from the Muon momentum's
     and the bf16 weights' streams; m and v then draw two streams derived from it)."""
     return _refa.adamw_noise_stream(seed, key, step)
 

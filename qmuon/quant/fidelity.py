@@ -3,8 +3,8 @@
 signal plus noise, with outlier rows and columns), on which naive 4-bit momentum loses the top
 singular directions that Muon cares about.
 
-The update-cosine measurement that runs :class:`~qmuon_lightning.QMuon` per format
-(``per_layer_update_cosine``) sits above the optimizer, in :mod:`qmuon_lightning.optim.fidelity`
+The update-cosine measurement that runs :class:`~qmuon.QMuon` per format
+(``per_layer_update_cosine``) sits above the optimizer, in :mod:`qmuon.optim.fidelity`
 (this layer does not import the optimizer).
 """
 

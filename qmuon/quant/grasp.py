@@ -1,5 +1,5 @@
 """GRASP 4-bit momentum: kept importable for existing code; the maths, the format and its sharded
-update live in :mod:`qmuon_lightning.quant.formats.grasp4`."""
+update live in :mod:`qmuon.quant.formats.grasp4`."""
 
 from .formats.grasp4 import (  # noqa: F401
     CONVERT_ITERS,

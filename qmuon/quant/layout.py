@@ -6,7 +6,7 @@ with placement ``Shard(0)`` on a 1-D device mesh. Rows are split like :func:`tor
 so trailing ranks may own fewer rows or none (3 rows on 2 ranks: 2 + 1; 1 row: 1 + 0).
 
 The state of a shard is created from the *local* rows and each tensor is stored as the format's
-:meth:`~qmuon_lightning.quant.StateFormat.placement` says:
+:meth:`~qmuon.quant.StateFormat.placement` says:
 
 * ``"rows"``: a ``Shard(0)`` DTensor with the parameter's mesh and the *global* row count;
 * ``"tiles"``: a ``Shard(0)`` DTensor over the ``ceil(rows / tile_rows)`` row tiles;
@@ -27,7 +27,7 @@ Tensor parallelism (a ``(dp, tp)`` mesh, FSDP2 over ``parallelize_module``): a c
 ``(_StridedShard(0), Shard(0))`` (each rank holds one contiguous row range), a rowwise one
 ``(Shard(0), Shard(1))`` (a row range times a column range). Its state keeps the parameter's own
 placements (:func:`state_placements`); a column-split state tensor's trailing dim is split like the
-columns (its blocks never straddle two column shards: ``qmuon_lightning.distributed.tensor_parallel``
+columns (its blocks never straddle two column shards: ``qmuon.distributed.tensor_parallel``
 checks that before any state exists). The piece geometry of the exchange lives there.
 
 ``torch.distributed`` is imported lazily: builds without it can import this module.
@@ -229,7 +229,7 @@ def check_sharded_param(p: Any, where: str = "parameter", tensor_parallel: bool 
 def row_layout(p: Any, where: str = "a Shard(0) parameter") -> RowLayout:
     """The :class:`RowLayout` of a ``Shard(0)`` DTensor (checked against its local shard;
     ``where`` names it in errors; tensor-parallel layouts:
-    ``qmuon_lightning.distributed.tensor_parallel.piece_layout``)."""
+    ``qmuon.distributed.tensor_parallel.piece_layout``)."""
     check_sharded_param(p, where)
     rows = int(p.shape[0])
     cols = math.prod(int(s) for s in p.shape[1:])
@@ -332,7 +332,7 @@ def _wrap_rows(t: Tensor, like: Any, global_rows: int) -> Any:
 def shard_state(p: Any, st: dict[str, Tensor], fmt: StateFormat | str | None = None,
                 opts: FormatOptions | None = None) -> None:
     """Wrap the local state tensors of the ``Shard(0)`` parameter ``p`` as DTensors, in place, as
-    ``fmt``'s :meth:`~qmuon_lightning.quant.StateFormat.placement` says (module docstring).
+    ``fmt``'s :meth:`~qmuon.quant.StateFormat.placement` says (module docstring).
 
     ``fmt``: the state's format (object or name; ``None``: detected from ``st``, and states without
     momentum tensors, AdamW's, split every ``ndim >= 1`` tensor by rows). ``opts``: the group's
@@ -355,7 +355,7 @@ def shard_state(p: Any, st: dict[str, Tensor], fmt: StateFormat | str | None = N
                                           "parameters do not support; use a row-local state format (int8, int4, fp32)")
             if opts is None:
                 raise TypeError(f"shard_state: {f.name} state has row-tile tensors ({k}); pass the group's "
-                                "FormatOptions (qmuon_lightning.quant.format_options(group))")
+                                "FormatOptions (qmuon.quant.format_options(group))")
             st[k] = _wrap_rows(v, p, -(-rows // f.tile_rows(opts)))
         else:
             st[k] = _wrap_rows(v, p, rows)

@@ -34,7 +34,7 @@ Newton-Schulz batch sees exactly the carrier's values.
 
 **Non-finite values.** A block holding NaN or +-Inf gets the NaN scale (code 255) and decodes to
 NaN in every element (the OCP rule: a NaN shared scale makes the whole block NaN); the element
-payload keeps NaN for NaN and saturates +-Inf to +-448. :class:`~qmuon_lightning.QMuon` never feeds
+payload keeps NaN for NaN and saturates +-Inf to +-448. :class:`~qmuon.QMuon` never feeds
 non-finite inputs to the carrier (it skips or rejects such gradients first).
 
 **The Newton-Schulz carrier** (:func:`mxfp8_encode_normalized`, :func:`mxfp8_roundtrip_normalized`).

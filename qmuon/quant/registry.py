@@ -132,7 +132,7 @@ def _momentum(f: StateFormat) -> bool:
 
 
 #: Every registered Muon momentum format name, in registry order (the AdamW moment formats, which
-#: share the registry, are listed by :mod:`qmuon_lightning.quant.adamw`).
+#: share the registry, are listed by :mod:`qmuon.quant.adamw`).
 STATE_FORMATS: Sequence[str] = _Names(_momentum, "every registered momentum format")
 #: Formats QMuon can keep for ``Shard(0)`` (FSDP2) parameters.
 SUPPORTED_SHARDED_FORMATS: Sequence[str] = _Names(lambda f: _momentum(f) and f.shardable,

@@ -22,7 +22,7 @@ grasp4    8-bit factors P (rows x k), R (cols x k) with bf16 per-row absmax, 4-b
 Each format is a :class:`StateFormat` (:mod:`.formats.base` documents the interface: codec,
 single-process and sharded update, per-key placement over row shards, layout checks, byte counts)
 in :data:`FORMATS`. ``opts`` is a :class:`FormatOptions` (``block_size``, ``rank``, ``grid_block``)
-taken from the parameter group (:func:`format_options`). :class:`~qmuon_lightning.QMuon` only talks
+taken from the parameter group (:func:`format_options`). :class:`~qmuon.QMuon` only talks
 to the registry; :func:`convert_state` holds the conversion and resume-compatibility rules.
 """
 

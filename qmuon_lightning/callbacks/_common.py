@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Iterator, Mapping
 import torch
 from torch import Tensor, nn
 
-from ..optim.qmuon import QMuon
+from qmuon.optim.qmuon import QMuon
 
 if TYPE_CHECKING:  # pragma: no cover
     import lightning.pytorch as pl

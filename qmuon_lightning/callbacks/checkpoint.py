@@ -45,10 +45,10 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
-from ..core.config import FORMAT_OVERRIDES, ResumeMismatch, check_resume, param_group_view, plain_coefficients
-from ..core.newton_schulz import MUON_COEFFICIENTS, resolve_schedule
-from ..optim.qmuon import FORMAT_VERSION, LAYOUT_HINT, QMuon
-from ..quant import state as qstate
+from qmuon.core.config import FORMAT_OVERRIDES, ResumeMismatch, check_resume, param_group_view, plain_coefficients
+from qmuon.core.newton_schulz import MUON_COEFFICIENTS, resolve_schedule
+from qmuon.optim.qmuon import FORMAT_VERSION, LAYOUT_HINT, QMuon
+from qmuon.quant import state as qstate
 from ._common import is_dtensor, param_names, qmuon_optimizers
 
 __all__ = [
@@ -76,7 +76,7 @@ class QuantizedStateMismatchError(ValueError):
 
 
 def _package_version() -> str:
-    from .. import __version__
+    from qmuon import __version__
 
     return __version__
 
@@ -277,7 +277,7 @@ def load_quantized_state(path: str | os.PathLike, optimizers: QMuon | Sequence[t
 # ---------------------------------------------------------------------------------------- fp32 export
 def _full_state_dict(opt: QMuon) -> dict[str, Any]:
     if any(is_dtensor(v) for st in opt.state.values() for v in st.values()):
-        from ..distributed.checkpoint import full_state_dict
+        from qmuon.distributed.checkpoint import full_state_dict
 
         return full_state_dict(opt)  # collective
     return opt.state_dict()

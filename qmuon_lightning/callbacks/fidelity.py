@@ -6,7 +6,7 @@ For a Muon parameter at step ``t`` the optimizer computes ``m_t = beta m_{t-1} +
 from the *stored* (quantized) ``m_{t-1}``, the Nesterov blend ``n_t = lerp(g_t, m_t, beta)`` and the
 update ``U = adj_lr * NS(n_t)`` (per part for fused matrices). The fp32-state reference makes the
 same computation from an fp32 momentum that saw the same gradients. The monitor logs, per layer,
-``cos(U_quantized, U_fp32)``: the metric of :func:`qmuon_lightning.optim.fidelity.per_layer_update_cosine`
+``cos(U_quantized, U_fp32)``: the metric of :func:`qmuon.optim.fidelity.per_layer_update_cosine`
 (which runs two optimizers on synthetic gradients), taken here on the run's own gradients.
 
 Why a shadow momentum is needed: the new momentum ``m_t`` enters step ``t``'s update before it is
@@ -21,7 +21,7 @@ unbounded history (0.994 for ``beta=0.95, window=50``); ``window=None`` keeps th
 first step on, which is the exact fp32 trajectory (what ``per_layer_update_cosine`` measures).
 
 Acting on it (``action="promote"`` / ``"stop"``): see :class:`QuantFidelityMonitor`; thresholds
-per format come from :func:`qmuon_lightning.quant.guard_threshold` (measured, docs/fidelity.md).
+per format come from :func:`qmuon.quant.guard_threshold` (measured, docs/fidelity.md).
 
 Cost: 4 bytes per monitored Muon element during a window (freed after each measurement; on
 ``shadow_device`` if given, e.g. ``"cpu"``), one fp32 lerp per element per window step, and at a
@@ -51,13 +51,13 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 
-from ..ops import reference as ref
-from ..core import pipeline
-from ..core.config import param_group_view
-from ..core.plan import MatrixPart, plan_param
-from ..optim.qmuon import QMuon
-from ..quant import state as qstate
-from ..quant.fidelity import cosine
+from qmuon.ops import reference as ref
+from qmuon.core import pipeline
+from qmuon.core.config import param_group_view
+from qmuon.core.plan import MatrixPart, plan_param
+from qmuon.optim.qmuon import QMuon
+from qmuon.quant import state as qstate
+from qmuon.quant.fidelity import cosine
 from ._common import is_dtensor, log_to_loggers, muon_params, param_names, qmuon_optimizers
 
 __all__ = ["QuantFidelityMonitor", "UpdateFidelityTracker", "QuantFidelityError", "DEFAULT_COSINE_THRESHOLD",
@@ -66,7 +66,7 @@ __all__ = ["QuantFidelityMonitor", "UpdateFidelityTracker", "QuantFidelityError"
 log = logging.getLogger(__name__)
 
 #: Default threshold: ``None`` means each layer is judged by its own format's
-#: :func:`qmuon_lightning.quant.guard_threshold` (int8 0.7, grasp4 0.4, int4 / e0m3 0.2, bf16
+#: :func:`qmuon.quant.guard_threshold` (int8 0.7, grasp4 0.4, int4 / e0m3 0.2, bf16
 #: 0.85), each set clearly below the lowest update cosine measured on healthy layers of that format
 #: (figures and source: docs/fidelity.md, "Fidelity guard"). One number cannot serve every format:
 #: healthy grasp4 layers read 0.52-0.83 where healthy int8 layers read 0.82-0.997.
@@ -102,7 +102,7 @@ def _gather_rows(t_local: Tensor, p: Tensor) -> Tensor:
     """The whole ``rows x n`` tensor of which ``t_local`` holds ``p``'s local rows (collective)."""
     from torch.distributed.tensor import DTensor
 
-    from ..quant.layout import row_placements
+    from qmuon.quant.layout import row_placements
 
     t_local = t_local.contiguous()
     shape = (int(p.shape[0]), *t_local.shape[1:])
@@ -293,7 +293,7 @@ class UpdateFidelityTracker:
 def _update(ns_input: Tensor, sums: Tensor, group: dict[str, Any], *, carrier: str | None = None,
             shape: tuple[int, ...] | None = None) -> Tensor:
     """The Muon update direction QMuon applies for one matrix (per part; lr factor 1), fp32,
-    computed by the optimizer's own pipeline (:func:`qmuon_lightning.core.pipeline.orthogonalize`).
+    computed by the optimizer's own pipeline (:func:`qmuon.core.pipeline.orthogonalize`).
 
     ``carrier`` overrides the group's ``ns_input`` (the fp32 reference always reads the NS input
     as it is); ``shape``: the parameter's (global) shape, which a bank's plan needs."""
@@ -325,7 +325,7 @@ class QuantFidelityMonitor(Callback):
 
     * ``"log"``: warn (rank 0, once per layer) at the first reading below the threshold.
     * ``"promote"``: a layer below its threshold at ``patience`` consecutive checks moves to the
-      next safer format (:func:`qmuon_lightning.quant.safer_format`: grasp4 / int4 / e0m3 -> int8
+      next safer format (:func:`qmuon.quant.safer_format`: grasp4 / int4 / e0m3 -> int8
       -> bf16) through :meth:`QMuon.promote_param`, which converts its stored momentum and records
       the override in the optimizer's parameter group (saved in checkpoints, so a resumed run keeps
       it). A layer at the end of the chain is warned about instead.
@@ -342,7 +342,7 @@ class QuantFidelityMonitor(Callback):
             ``None`` keeps the shadow for the whole run (exact fp32 trajectory; 4 bytes per
             monitored element for the whole run). See the module docstring for what it measures.
         threshold: ``None`` (default): each layer's format's
-            :func:`~qmuon_lightning.quant.guard_threshold`; a float: the same cosine for every
+            :func:`~qmuon.quant.guard_threshold`; a float: the same cosine for every
             format; a mapping: per format name (formats left out use their default).
         action: ``"log"``, ``"promote"`` or ``"stop"`` (above).
         patience: consecutive checks below the threshold before ``"promote"`` / ``"stop"`` act.

@@ -29,7 +29,7 @@ from typing import Any, Optional
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 
-from ..distributed.resume import (
+from qmuon.distributed.resume import (
     CheckpointScan, IncompleteCheckpointError, checkpoint_metadata, checkpoint_problem, checkpoint_step,
     lacks_training_state, newest_complete, publish_directory, recover_interrupted_saves, require_complete,
     scan_checkpoints, staging_path, untracked_checkpoints,

@@ -52,8 +52,8 @@ from torch import Tensor
 import lightning as L
 from lightning.pytorch.utilities import rank_zero_only
 
-from ..optim.qmuon import QMuon
-from ..optim.routing import route_parameters
+from qmuon.optim.qmuon import QMuon
+from qmuon.optim.routing import route_parameters
 from .telemetry import model_flops_per_token, peak_bf16_flops, peak_memory, total_grad_norm
 
 __all__ = ["TrainSummary", "optimizer_state_bytes"]

@@ -1,5 +1,5 @@
 """:class:`BF16StallMonitor`: every N optimizer steps, which bf16 weights would lose their updates to
-nearest rounding (the numerics check of ``bf16_update``; see :mod:`qmuon_lightning.optim.weight_numerics`)."""
+nearest rounding (the numerics check of ``bf16_update``; see :mod:`qmuon.optim.weight_numerics`)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_warn
 
-from ..core.apply import record_stalls
-from ..optim.weight_numerics import stall_shares
+from qmuon.core.apply import record_stalls
+from qmuon.optim.weight_numerics import stall_shares
 from ._common import log_to_loggers
 
 __all__ = ["BF16StallMonitor"]
@@ -24,7 +24,7 @@ class BF16StallMonitor(pl.Callback):
     ``log_above`` and ``bf16_stalled/max``; warns once per check naming the parameters above
     ``warn_above`` (with ``bf16_update="nearest"`` their training stalls: switch to
     ``"stochastic"`` or ``"ecc8"``, or keep them fp32). :attr:`last_report` keeps the last
-    check's rows (:func:`~qmuon_lightning.optim.stall_shares`). This rank's rows for sharded
+    check's rows (:func:`~qmuon.optim.stall_shares`). This rank's rows for sharded
     parameters. fp32 weights never appear.
     """
 

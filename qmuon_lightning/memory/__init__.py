@@ -2,7 +2,7 @@
 
 One accounting model, used by ``qmuon-estimate``, ``benchmarks/bench_train_memory.py`` and the
 tests that hold it to PyTorch's ``MemTracker``. It reads a model built on the meta device (no
-memory is allocated), routes it with :func:`~qmuon_lightning.optim.routing.route_parameters` (the
+memory is allocated), routes it with :func:`~qmuon.optim.routing.route_parameters` (the
 split :func:`~qmuon_lightning.build_optimizer` makes), and counts, per :class:`Setup`:
 
 * **weights**: every parameter in the setup's weight dtype, plus the model's buffers;
@@ -10,9 +10,9 @@ split :func:`~qmuon_lightning.build_optimizer` makes), and counts, per :class:`S
   largest single gradient is in flight (each is stepped and freed inside backward);
 * **optimizer state**: what the optimizer keeps between steps, from the formats themselves:
   Muon momentum from the quant registry (:meth:`StateFormat.nbytes
-  <qmuon_lightning.quant.formats.base.StateFormat.nbytes>`, the format's own tensors on the meta
+  <qmuon.quant.formats.base.StateFormat.nbytes>`, the format's own tensors on the meta
   device), the bf16 weight-correction state from
-  :func:`qmuon_lightning.core.apply.weight_state_init`, AdamW moments as ``torch.optim.AdamW``
+  :func:`qmuon.core.apply.weight_state_init`, AdamW moments as ``torch.optim.AdamW``
   stores them (``zeros_like(param)`` twice) or in the group's AdamW state format, and each
   optimizer's 0-d ``step`` tensors;
 * **step temporaries**: the largest transient working set of ``optimizer.step()``, from a model of

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..optim.routing import route_parameters
+from qmuon.optim.routing import route_parameters
 from .model import Setup
 
 
@@ -43,7 +43,7 @@ def build_optimizers(model: nn.Module, setup: Setup, **build_kwargs: Any) -> lis
                  for t, wd in (("adamw", BASELINE_ADAMW_WD), ("adamw_no_decay", 0.0))]
         return [torch.optim.Muon(muon, **BASELINE_MUON), torch.optim.AdamW([g for g in adamw if g["params"]],
                                                                            **BASELINE_ADAMW)]
-    from ..optim.routing import build_optimizer
+    from qmuon.optim.routing import build_optimizer
 
     kw = dict(setup.options)
     kw.setdefault("verbose", False)

@@ -12,10 +12,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..core.config import QMuonConfig
-from ..core.newton_schulz import resolve_ns_dtype
-from ..optim.routing import RouteDecision, route_parameters
-from ..quant import state as qstate
+from qmuon.core.config import QMuonConfig
+from qmuon.core.newton_schulz import resolve_ns_dtype
+from qmuon.optim.routing import RouteDecision, route_parameters
+from qmuon.quant import state as qstate
 from .paths import (
     _core_adamw,
     _itemsize,
@@ -94,7 +94,7 @@ class Setup:
 def _release_supported() -> bool:
     import inspect
 
-    from ..optim import routing
+    from qmuon.optim import routing
 
     return "gradient_release" in inspect.signature(routing.build_optimizer).parameters or (
         "gradient_release" in QMuonConfig.field_names())
@@ -230,7 +230,7 @@ def _weight_state_nbytes(p: ParamInfo, dtype: torch.dtype, bf16_update: str | No
     (``core.apply.weight_state_init`` on a meta tensor: the rule's own tensors)."""
     if dtype == torch.float32 or bf16_update is None:
         return 0
-    from ..core import apply as core_apply
+    from qmuon.core import apply as core_apply
 
     st = core_apply.weight_state_init(torch.empty(p.shape, dtype=dtype, device="meta"), bf16_update)
     return sum(t.numel() * t.element_size() for t in st.values() if isinstance(t, torch.Tensor))
@@ -238,8 +238,8 @@ def _weight_state_nbytes(p: ParamInfo, dtype: torch.dtype, bf16_update: str | No
 
 def _normuon_state_nbytes(p: ParamInfo) -> int:
     """NorMuon's per-output-row second moment of one Muon parameter (``variant="normuon"``): fp32,
-    one value per output row of each of its matrices (:func:`qmuon_lightning.core.variants.row_moment_nbytes`)."""
-    from ..core.variants import row_moment_nbytes
+    one value per output row of each of its matrices (:func:`qmuon.core.variants.row_moment_nbytes`)."""
+    from qmuon.core.variants import row_moment_nbytes
 
     return row_moment_nbytes(p.shape, p.parts, p.parts_axis, p.orientation)
 
@@ -248,7 +248,7 @@ def _adamw_state_nbytes(p: ParamInfo, dtype: torch.dtype, family: str | None) ->
     """AdamW state of one parameter: ``torch.optim.AdamW``'s ``exp_avg`` and ``exp_avg_sq``
     (``zeros_like(param)``) and its 0-d ``step`` (``family=None``); or QMuon's AdamW state in moment
     family ``family`` (``adamw_state_format``): the tensors
-    :func:`qmuon_lightning.quant.adamw.init_adamw_state` creates, on the meta device."""
+    :func:`qmuon.quant.adamw.init_adamw_state` creates, on the meta device."""
     if family is None:
         return 2 * p.numel * _itemsize(dtype) + STEP_BYTES
     qadamw = _quant_adamw()
@@ -355,7 +355,7 @@ def estimate(model_or_inventory: nn.Module | Inventory, setup: Setup, *, device:
 
 def _qmuon_adamw_phase(inv: Inventory, wb: int, wdtype: torch.dtype, family: str | None, foreach: bool) -> int:
     """QMuon's AdamW groups: one parameter at a time (:func:`adamw_chunked_step_bytes`), or, in an
-    installation without :mod:`qmuon_lightning.core.adamw`, torch's functional AdamW
+    installation without :mod:`qmuon.core.adamw`, torch's functional AdamW
     (:func:`adamw_phase_bytes`)."""
     groups = _adamw_groups(inv, "qmuon")
     if family is None:

@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..core import pipeline
-from ..quant import state as qstate
+from qmuon.core import pipeline
+from qmuon.quant import state as qstate
 
 if TYPE_CHECKING:
     from .model import ParamInfo
@@ -74,14 +74,14 @@ def torch_muon_phase_bytes(matrices: Iterable[tuple[int, int]], elem_bytes: int)
 
 def ns_phase_bytes(matrices: Sequence[tuple[int, int, bool]], ns_bytes: int, grad_bytes: int, *,
                    device: str, batch_budget: float = pipeline.DEFAULT_BATCH_BUDGET) -> int:
-    """Largest transient of QMuon's Newton-Schulz phase (:func:`qmuon_lightning.core.pipeline.orthogonalize`).
+    """Largest transient of QMuon's Newton-Schulz phase (:func:`qmuon.core.pipeline.orthogonalize`).
 
     Matrices of one NS shape are stacked in batches of ``B`` matrices
-    (:meth:`~qmuon_lightning.core.pipeline.BatchSizes.per_batch` of the step's matrices: at most
+    (:meth:`~qmuon.core.pipeline.BatchSizes.per_batch` of the step's matrices: at most
     ``cap // (rows cols)``, ``cap`` being ``batch_budget`` times the largest matrix or
-    :data:`~qmuon_lightning.core.pipeline.BATCH_STEP_SHARE` of all Muon elements, on CPU at most
-    :data:`~qmuon_lightning.core.pipeline.CPU_BATCH_MAX_ELEMENTS`; a short batch padded to ``B``).
-    :func:`newton_schulz_folded <qmuon_lightning.core.newton_schulz.newton_schulz_folded>` of a batch
+    :data:`~qmuon.core.pipeline.BATCH_STEP_SHARE` of all Muon elements, on CPU at most
+    :data:`~qmuon.core.pipeline.CPU_BATCH_MAX_ELEMENTS`; a short batch padded to ``B``).
+    :func:`newton_schulz_folded <qmuon.core.newton_schulz.newton_schulz_folded>` of a batch
     holds the batch (a copy in the NS dtype, except for a lone matrix whose gradient has that dtype
     already), the iterate and its ping-pong buffer (``2 B n`` in the NS dtype) and the
     ``B x r x r`` Gram matrix and polynomial.
@@ -108,7 +108,7 @@ def qmuon_muon_phase_bytes(groups: Sequence[Sequence[ParamInfo]], opts_of: Calla
                            fmt: qstate.StateFormat, grad_bytes: int = 4) -> int:
     """Largest transient of QMuon's momentum phase: per Muon group, the per-row-block sums of
     squares of every matrix of the group (fp32 ``rows x ceil(cols / block_size)``, alive until the
-    group's NS items are made) plus the largest :meth:`~qmuon_lightning.quant.formats.base.StateFormat.update_workspace_nbytes`
+    group's NS items are made) plus the largest :meth:`~qmuon.quant.formats.base.StateFormat.update_workspace_nbytes`
     of one matrix (0 for the formats whose compiled kernels update in place)."""
     opts = opts_of()
     peak = 0
@@ -120,19 +120,19 @@ def qmuon_muon_phase_bytes(groups: Sequence[Sequence[ParamInfo]], opts_of: Calla
 
 
 def _quant_adamw() -> Any:
-    """:mod:`qmuon_lightning.quant.adamw` (the AdamW moment formats), when this installation has it."""
+    """:mod:`qmuon.quant.adamw` (the AdamW moment formats), when this installation has it."""
     try:
-        from ..quant import adamw as qadamw
+        from qmuon.quant import adamw as qadamw
     except ImportError:
         raise NotImplementedError("this qmuon_lightning has no AdamW state formats (adamw_state_format)") from None
     return qadamw
 
 
 def _core_adamw() -> Any:
-    """:mod:`qmuon_lightning.core.adamw` (QMuon's per-tensor, row-chunked AdamW step), or None where
+    """:mod:`qmuon.core.adamw` (QMuon's per-tensor, row-chunked AdamW step), or None where
     QMuon still calls torch's functional AdamW."""
     try:
-        from ..core import adamw as core_adamw
+        from qmuon.core import adamw as core_adamw
     except ImportError:
         return None
     return core_adamw
@@ -140,11 +140,11 @@ def _core_adamw() -> Any:
 
 def adamw_chunked_step_bytes(shape: Sequence[int], family: str, weight_dtype: torch.dtype) -> int:
     """Transient of QMuon's per-tensor AdamW step of one parameter
-    (:func:`qmuon_lightning.core.adamw.adamw_param_step`): blocks of whole rows of at most
+    (:func:`qmuon.core.adamw.adamw_param_step`): blocks of whole rows of at most
     ``DEFAULT_CHUNK_ELEMENTS`` elements, each with its fp32 update buffer (``4 c`` bytes, ``c`` the
     block's elements), plus, for dense moments, torch's ops on the block: ``sqrt(v)`` (``4 c``) and
     fp32 copies of bf16 moments and gradient (``4 c`` each); quantized moments are updated by the
-    fused kernel in place. Writing the weights (:func:`qmuon_lightning.core.apply.apply_update_`):
+    fused kernel in place. Writing the weights (:func:`qmuon.core.apply.apply_update_`):
     fp32 in place; bf16 by the fused rounding kernels (``bf16_weight_update_``,
     ``bf16_ecc8_weight_update_``), in place, nothing more; fp16 (no rounding rule) through
     ``param.float() * decay + update * alpha``: the weights in fp32, their scaled copy and the sum

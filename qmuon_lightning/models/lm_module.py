@@ -38,12 +38,12 @@ from torch.optim import Optimizer
 
 import lightning as L
 
-from ..core.apply import BF16_UPDATES, weight_state_init
-from ..core.config import DEFAULT_CONFIG
-from ..core.variants import row_moment_nbytes
-from ..optim.routing import build_optimizer, route_parameters
-from ..quant import adamw as qadamw
-from ..quant import state as qstate
+from qmuon.core.apply import BF16_UPDATES, weight_state_init
+from qmuon.core.config import DEFAULT_CONFIG
+from qmuon.core.variants import row_moment_nbytes
+from qmuon.optim.routing import build_optimizer, route_parameters
+from qmuon.quant import adamw as qadamw
+from qmuon.quant import state as qstate
 from .decoder_lm import DecoderLM, DecoderLMConfig, _rope_tables
 
 __all__ = ["OptimizerSpec", "DecoderLMModule", "MuonWithAdamW", "build_lm_optimizer", "lr_factor", "memory_budget"]
@@ -75,10 +75,10 @@ class OptimizerSpec:
             state); ``None``: QMuon's default (``"stochastic"``). No effect on fp32 weights. ``qmuon`` /
             ``grasp`` only.
         gradient_release: step each parameter inside backward and free its gradient
-            (:mod:`qmuon_lightning.optim.release`); ``qmuon`` / ``grasp`` only. Set
+            (:mod:`qmuon.optim.release`); ``qmuon`` / ``grasp`` only. Set
             ``trainer.gradient_clip_val: null`` and ``accumulate_grad_batches: 1`` with it.
         variant, normuon_beta2, cautious_weight_decay, ns_method: QMuon's Muon variants
-            (``"normuon"``, cautious decay, Gram Newton-Schulz; :mod:`qmuon_lightning.core.variants`).
+            (``"normuon"``, cautious decay, Gram Newton-Schulz; :mod:`qmuon.core.variants`).
         adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: the AdamW part (embeddings, head,
             norms; every parameter for ``adamw``). 1-D parameters never get weight decay.
         schedule: ``"cosine"`` (warmup, then cosine to ``min_lr_ratio``) or ``"constant"`` (warmup, then 1).
@@ -93,7 +93,7 @@ class OptimizerSpec:
     nesterov: bool = True
     adjust_lr_fn: Literal["original", "match_rms_adamw"] | None = None
     ns_steps: int = 5
-    state_format: str | None = None  # a registered format (qmuon_lightning.quant.STATE_FORMATS), checked below
+    state_format: str | None = None  # a registered format (qmuon.quant.STATE_FORMATS), checked below
     block_size: int | None = None
     rank: int = 4
     grid_block: int = 32
@@ -383,7 +383,7 @@ def memory_budget(module: DecoderLMModule, *, batch_size: int, seq_len: int, pre
 
     Exact for weights / gradients / state: every parameter of the meta-built model is counted with
     the optimizer's per-tensor state (QMuon: the format's tensors plus a 4-byte ``step`` per Muon
-    matrix, :func:`qmuon_lightning.quant.state.momentum_nbytes`; AdamW: 8 bytes per element plus a
+    matrix, :func:`qmuon.quant.state.momentum_nbytes`; AdamW: 8 bytes per element plus a
     4-byte ``step`` per tensor; torch Muon: 4 bytes per element). ``tests/test_recipes.py``
     checks the count against the state of a real optimizer after one step. With FSDP every term but activations is divided by ``world_size`` (shards of
     dim 0; the uneven remainder is ignored). ``precision``: ``"bf16-true"`` keeps bf16 weights and

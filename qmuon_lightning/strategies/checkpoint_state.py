@@ -12,8 +12,8 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.optim import Optimizer
 
-from ..core.config import FORMAT_OVERRIDES, ResumeMismatch, check_resume, describe_layout, state_layout
-from ..optim.qmuon import QMuon
+from qmuon.core.config import FORMAT_OVERRIDES, ResumeMismatch, check_resume, describe_layout, state_layout
+from qmuon.optim.qmuon import QMuon
 
 __all__ = ["CKPT_KEY", "checkpoint_info", "check_compatible", "format_overrides", "apply_format_overrides",
            "load_sharded_state", "load_full_state"]

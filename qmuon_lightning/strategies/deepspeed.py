@@ -4,16 +4,16 @@
 with three changes:
 
 - the QMuon returned by ``configure_optimizers`` is wrapped in
-  :class:`~qmuon_lightning.integrations.deepspeed.WholeMatrixZeroOptimizer` before
+  :class:`~qmuon.integrations.deepspeed.WholeMatrixZeroOptimizer` before
   ``deepspeed.initialize`` and attached to the engine afterwards, so under ZeRO stages 0-3 every
   Muon matrix is orthogonalized whole, once per step, by one owner rank (see that module);
 - the DeepSpeed config is checked with
-  :func:`~qmuon_lightning.integrations.deepspeed.check_config` (no ``optimizer`` section, no
+  :func:`~qmuon.integrations.deepspeed.check_config` (no ``optimizer`` section, no
   optimizer offload, ...), each refusal naming the fix;
 - it also runs on the CPU accelerator (gloo), which Lightning's own ``setup_environment`` refuses:
   nothing else in the strategy is CUDA-specific, and DeepSpeed itself runs on its CPU accelerator.
   On CPU, DeepSpeed's JIT-compiled communication op is skipped
-  (:func:`~qmuon_lightning.integrations.deepspeed.avoid_cpu_op_builds`).
+  (:func:`~qmuon.integrations.deepspeed.avoid_cpu_op_builds`).
 
 Names registered in Lightning's ``StrategyRegistry`` on import: ``"qmuon_deepspeed"`` (ZeRO stage 2),
 ``"qmuon_deepspeed_stage_1"``, ``"qmuon_deepspeed_stage_2"``, ``"qmuon_deepspeed_stage_3"``. At
@@ -26,13 +26,13 @@ bf16 weights without an fp32 master copy: ``precision="bf16-true"`` with a confi
 asks for DeepSpeed's bf16 master partitions, ``{"bf16": {"enabled": True, "bf16_master_weights_and_grads":
 True, "bf16_optimizer_states": True}, "zero_optimization": {"stage": 2}}`` (stages 1-3); Lightning keeps a
 user's bf16 section (it adds ``{"enabled": True}`` only when there is none), and QMuon writes its updates
-through its ``bf16_update`` rule (see :mod:`qmuon_lightning.integrations.deepspeed`).
+through its ``bf16_update`` rule (see :mod:`qmuon.integrations.deepspeed`).
 
 Checkpoints are DeepSpeed checkpoint directories (``trainer.save_checkpoint(path)`` /
 ``Trainer.fit(ckpt_path=path)``): the quantized momentum is in the optimizer state DeepSpeed writes
 (one file per rank at stages 1-3). Resume with the same number of processes and ZeRO stage: a
 checkpoint from another process count raises
-:class:`~qmuon_lightning.integrations.deepspeed.CheckpointWorldSizeError` naming both and the fix.
+:class:`~qmuon.integrations.deepspeed.CheckpointWorldSizeError` naming both and the fix.
 """
 
 from __future__ import annotations
@@ -47,8 +47,8 @@ from lightning.pytorch.strategies.ddp import DDPStrategy
 from torch.nn import Module
 from torch.optim import Optimizer
 
-from ..integrations.deepspeed import WholeMatrixZeroOptimizer, avoid_cpu_op_builds, check_config, check_resume
-from ..optim.qmuon import QMuon
+from qmuon.integrations.deepspeed import WholeMatrixZeroOptimizer, avoid_cpu_op_builds, check_config, check_resume
+from qmuon.optim.qmuon import QMuon
 
 __all__ = ["QMuonDeepSpeedStrategy", "STRATEGY_NAMES"]
 

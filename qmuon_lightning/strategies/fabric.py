@@ -47,10 +47,10 @@ from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from ..distributed.resume import require_complete
-from ..optim.qmuon import QMuon
-from ..optim.release import CLIPPING_ERROR, check_trainer_compatible, release_of
-from ..optim.routing import format_routing_table
+from qmuon.distributed.resume import require_complete
+from qmuon.optim.qmuon import QMuon
+from qmuon.optim.release import CLIPPING_ERROR, check_trainer_compatible, release_of
+from qmuon.optim.routing import format_routing_table
 from . import optimizer_swap as swap
 from .checkpoint_state import (CKPT_KEY, apply_format_overrides, check_compatible, checkpoint_info, load_full_state,
                                load_sharded_state)

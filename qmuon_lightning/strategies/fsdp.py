@@ -24,7 +24,7 @@ Checkpoints are saved by Lightning's ``ModelParallelStrategy`` hooks: with
 ``torch.distributed.checkpoint`` (each rank writes its shards; loading reshards, so a run saved on
 2 processes resumes on 1 and vice versa), with ``False`` one consolidated file on rank 0. A sharded save is written into a hidden staging
 directory and renamed into place when every rank has finished
-(:mod:`qmuon_lightning.distributed.resume`), so a crash never leaves a half-written directory
+(:mod:`qmuon.distributed.resume`), so a crash never leaves a half-written directory
 under a checkpoint's name, and loading an incomplete checkpoint fails naming what is missing. The
 metadata gains a ``"qmuon_fsdp"`` entry (optimizer types, state formats, world size).
 :meth:`QMuonFSDPStrategy.load_checkpoint` checks that entry and restores optimizer state for
@@ -51,10 +51,10 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from ..distributed.resume import publish_directory, require_complete, staging_path
-from ..optim.qmuon import QMuon
-from ..optim.release import check_trainer_compatible, release_of
-from ..optim.routing import format_routing_table
+from qmuon.distributed.resume import publish_directory, require_complete, staging_path
+from qmuon.optim.qmuon import QMuon
+from qmuon.optim.release import check_trainer_compatible, release_of
+from qmuon.optim.routing import format_routing_table
 from . import optimizer_swap as swap
 from .checkpoint_state import (CKPT_KEY, apply_format_overrides, check_compatible, checkpoint_info, load_full_state,
                                load_sharded_state)

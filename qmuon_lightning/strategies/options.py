@@ -9,11 +9,11 @@ from typing import Any, Callable, Literal, Mapping, Optional, Sequence, Union
 import torch
 from torch.optim import Optimizer
 
-from ..core.config import QMuonConfig, config_fields_of
-from ..optim.qmuon import QMuon
-from ..optim.release import attach_gradient_release, release_of
-from ..optim.routing import build_optimizer
-from ..quant import state as qstate
+from qmuon.core.config import QMuonConfig, config_fields_of
+from qmuon.optim.qmuon import QMuon
+from qmuon.optim.release import attach_gradient_release, release_of
+from qmuon.optim.routing import build_optimizer
+from qmuon.quant import state as qstate
 from . import optimizer_swap as swap
 
 __all__ = ["validate_optimizer_kwargs", "ensure_release", "check_sharded_formats", "resolve_mesh_sizes",

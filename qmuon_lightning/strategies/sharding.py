@@ -222,7 +222,7 @@ def shard_unless_sharded(
     tensor-parallel model over ``mesh`` (the data-parallel dim), as Lightning's
     ``ModelParallelStrategy`` examples do by hand (FSDP2 over TP: colwise weights become
     ``(_StridedShard(0), Shard(0))``, rowwise ``(Shard(0), Shard(1))``, see
-    :mod:`qmuon_lightning.distributed.tensor_parallel`)."""
+    :mod:`qmuon.distributed.tensor_parallel`)."""
     if _has_fsdp(root):
         return None
     if tensor_parallel_size != 1 and not is_sharded(root):

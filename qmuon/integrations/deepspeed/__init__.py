@@ -33,7 +33,7 @@ the group's averaged gradients landed in its fp32 partition, after unscaling and
    fused part) to them;
 5. AdamW parameters are updated on the partition slices with QMuon's own AdamW step: fp32 moments
    elementwise on the flat slice; quantized (int8 / int4) or bf16 moments on pieces of the slice cut
-   on the whole parameter's block grid (:func:`qmuon_lightning.quant.adamw.flat_slice_pieces`), so
+   on the whole parameter's block grid (:func:`qmuon.quant.adamw.flat_slice_pieces`), so
    every block wholly in one rank's slice equals single-process QMuon's.
 
 ZeRO stage 3 partitions the parameters themselves: every parameter is cut into ``N`` pieces of
@@ -43,7 +43,7 @@ order), one ``step()`` call per sub-group. The wrapper reads the pieces' offsets
 (:func:`.layout.read_zero3_layout`) and runs steps 1-5 per sub-group: the owner receives the other
 pieces of its matrix's gradient, runs the quantized momentum and NS once on the whole matrix, and
 every rank applies the update to its own piece. Routing and planning read each parameter's full
-shape (``ds_shape``, :func:`qmuon_lightning.core.plan.true_shape`): under ``zero.Init`` a parameter
+shape (``ds_shape``, :func:`qmuon.core.plan.true_shape`): under ``zero.Init`` a parameter
 is an empty 1-D tensor between uses, and routing by ``p.shape`` would silently send every matrix to
 AdamW (DeepSpeed #8438). DeepSpeed's own Muon at stage 3 all-gathers every full gradient *and* its
 fp32 momentum to all ranks and back; here only the owner gets each gradient, the momentum never
@@ -130,7 +130,7 @@ def initialize(
     """``deepspeed.initialize`` with QMuon as the optimizer.
 
     Checks the config (:func:`check_config`), wraps ``optimizer`` (a fresh QMuon, e.g. from
-    ``qmuon_lightning.build_optimizer(model)``) in :class:`WholeMatrixZeroOptimizer`, builds the
+    ``qmuon.build_optimizer(model)``) in :class:`WholeMatrixZeroOptimizer`, builds the
     engine and attaches the wrapper to it. ``lr_scheduler``: a scheduler built on ``optimizer``, or a
     callable taking the optimizer (DeepSpeed's convention). Returns ``(engine, wrapper, dataloader,
     lr_scheduler)``; train with ``engine.backward(loss); engine.step()`` and checkpoint with

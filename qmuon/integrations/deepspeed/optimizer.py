@@ -35,10 +35,10 @@ _SKIP_SYNC = ("params", "param_names", "bf16_update")
 
 
 class WholeMatrixZeroOptimizer(ZeroStateMixin, Optimizer):
-    """Client optimizer for ``deepspeed.initialize`` that runs a :class:`~qmuon_lightning.QMuon`'s
+    """Client optimizer for ``deepspeed.initialize`` that runs a :class:`~qmuon.QMuon`'s
     algorithm with whole-matrix Newton-Schulz under ZeRO stages 0 to 3 (see the package docstring).
 
-    Build it from a fresh QMuon (for example ``qmuon_lightning.build_optimizer(model)``), pass it as
+    Build it from a fresh QMuon (for example ``qmuon.build_optimizer(model)``), pass it as
     ``optimizer=`` to ``deepspeed.initialize``, then call :meth:`attach` with the engine;
     :func:`initialize` does all three. The QMuon's parameter-group dicts are shared, not copied, so
     an LR scheduler built on the QMuon drives this optimizer.
@@ -53,8 +53,8 @@ class WholeMatrixZeroOptimizer(ZeroStateMixin, Optimizer):
     def __init__(self, qmuon: QMuon) -> None:
         if not isinstance(qmuon, QMuon):
             raise TypeError(
-                f"WholeMatrixZeroOptimizer wraps a qmuon_lightning.QMuon, got {type(qmuon).__name__}; build one "
-                "with qmuon_lightning.build_optimizer(model)"
+                f"WholeMatrixZeroOptimizer wraps a qmuon.QMuon, got {type(qmuon).__name__}; build one "
+                "with qmuon.build_optimizer(model)"
             )
         if qmuon.gradient_release is not None:
             raise ValueError(
@@ -168,14 +168,14 @@ class WholeMatrixZeroOptimizer(ZeroStateMixin, Optimizer):
                 f"DeepSpeed wrapped the optimizer in {kind}, whose layout QMuon does not read (supported: ZeRO "
                 "stage 0 with fp32 or unfused fp16/bf16, DeepSpeedZeroOptimizer at stages 1 and 2, "
                 "DeepSpeedZeroOptimizer_Stage3). "
-                "Check the config with qmuon_lightning.integrations.deepspeed.check_config"
+                "Check the config with qmuon.integrations.deepspeed.check_config"
             )
         self._plan_slices()
         return self
 
     def _plan_slices(self) -> None:
         """Cut this rank's slice of every AdamW parameter with quantized (or bf16) moments into pieces
-        on the parameter's block grid (:func:`qmuon_lightning.quant.adamw.flat_slice_pieces`)."""
+        on the parameter's block grid (:func:`qmuon.quant.adamw.flat_slice_pieces`)."""
         self._pieces = {}
         rounded = False
         for info in self._params:
@@ -263,7 +263,7 @@ class WholeMatrixZeroOptimizer(ZeroStateMixin, Optimizer):
         if distributed:
             raise RuntimeError(
                 "WholeMatrixZeroOptimizer.step() before attach(engine): call optimizer.attach(engine) after "
-                "deepspeed.initialize, or use qmuon_lightning.integrations.deepspeed.initialize(...)"
+                "deepspeed.initialize, or use qmuon.integrations.deepspeed.initialize(...)"
             )
         self._attach_direct(None)
         self._plan_slices()

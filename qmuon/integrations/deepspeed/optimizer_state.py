@@ -94,12 +94,12 @@ class ZeroStateMixin:
         ours = state_dict.get(_KEY)
         if ours is None:
             raise ValueError(
-                "this optimizer state was not written by qmuon_lightning's DeepSpeed integration (no "
+                "this optimizer state was not written by qmuon's DeepSpeed integration (no "
                 f"'{_KEY}' entry); a plain QMuon state dict loads with QMuon.load_state_dict before wrapping"
             )
         if ours["version"] > STATE_VERSION:
-            raise ValueError(f"checkpoint layout version {ours['version']} is newer than this qmuon_lightning "
-                             f"({STATE_VERSION}); upgrade qmuon_lightning")
+            raise ValueError(f"checkpoint layout version {ours['version']} is newer than this qmuon "
+                             f"({STATE_VERSION}); upgrade qmuon-lightning")
         if ours["mode"] != self._mode or ours["world_size"] != self._world:
             raise ValueError(
                 f"the checkpoint was saved with {ours['world_size']} process(es) at {MODE_NAMES[ours['mode']]}; this "
@@ -187,7 +187,7 @@ class ZeroStateMixin:
     def _check_weight_state(self, data: Tensor, st: dict[str, Any], info: _Param, saved_rule: str | None,
                             where: str) -> None:
         """Validate the loaded weight-correction codes of one bf16 slice (or piece) ``data``, as
-        single-process QMuon does (:func:`qmuon_lightning.optim.bf16_weights.check_loaded_weight_state`):
+        single-process QMuon does (:func:`qmuon.optim.bf16_weights.check_loaded_weight_state`):
         saved and resumed with the same ``bf16_update``, what the rule needs must be there, int8 and
         shaped like the slice (a missing ``weight_ecc`` is an incomplete checkpoint); after a rule
         change, codes are created (zero) or dropped at the next step."""

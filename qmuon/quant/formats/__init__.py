@@ -12,7 +12,7 @@ grasp4     ``grasp4``: 8-bit rank-k factors + grid-quantized 4-bit residual     
 
 :func:`builtin_formats` imports every module of this package (except :mod:`.base`) and returns
 their formats sorted by :attr:`~.base.StateFormat.order`; the registry
-(:mod:`qmuon_lightning.quant.registry`) registers them. Adding a format is adding a module here.
+(:mod:`qmuon.quant.registry`) registers them. Adding a format is adding a module here.
 Importing this package imports no format module.
 """
 

@@ -2,7 +2,7 @@
 shape, so its checkpoints load unchanged) or bf16.
 
 Formats ``adamw_m_fp32``, ``adamw_v_fp32``, ``adamw_m_bf16``, ``adamw_v_bf16`` (roles ``"adamw_m"`` /
-``"adamw_v"``; families ``"fp32"`` / ``"bf16"`` of :mod:`qmuon_lightning.quant.adamw`). The tensors keep
+``"adamw_v"``; families ``"fp32"`` / ``"bf16"`` of :mod:`qmuon.quant.adamw`). The tensors keep
 the parameter's own shape; the codec works on its ``(rows, cols)`` view (1-D: ``(n, 1)``). 4 / 2 bytes
 per element; every tensor splits by rows under ``Shard(0)``.
 """

@@ -8,7 +8,7 @@
   small ``v`` is over-estimated (a smaller step), never rounded to 0 (``1 / sqrt(v)`` would blow up).
 
 Block 128 (torchao's 4-bit block): ``0.5 + 4 / 128`` bytes per element per moment. The maths:
-:mod:`qmuon_lightning.ops.reference_adamw`.
+:mod:`qmuon.ops.reference_adamw`.
 """
 
 from __future__ import annotations

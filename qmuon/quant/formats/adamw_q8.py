@@ -5,7 +5,7 @@
 * ``adamw_v_int8``: second moment, ``exp_avg_sq_q8`` uint8 codes of ``sqrt(v) / max sqrt(v)`` on a
   256-level grid *without a zero code* + ``exp_avg_sq_absmax`` fp32 (the block's ``max sqrt(v)``).
 
-The maths (and its bit-exact compiled twins): :mod:`qmuon_lightning.ops.reference_adamw`. Block 256
+The maths (and its bit-exact compiled twins): :mod:`qmuon.ops.reference_adamw`. Block 256
 (bitsandbytes' and torchao's 8-bit block): ``1 + 4 / 256`` bytes per element per moment.
 """
 
@@ -21,7 +21,7 @@ __all__ = ["AdamWQuantFormat", "FORMATS"]
 
 
 class AdamWQuantFormat(StateFormat):
-    """A blockwise-quantized AdamW moment (``kind``: :data:`~qmuon_lightning.ops.reference_adamw.MOMENT_KINDS`)."""
+    """A blockwise-quantized AdamW moment (``kind``: :data:`~qmuon.ops.reference_adamw.MOMENT_KINDS`)."""
 
     layout_options = ("block_size",)
     order = 210

@@ -4,8 +4,8 @@
 
 A Muon parameter's optimizer state is a plain ``dict[str, Tensor]`` (so ``state_dict()`` loads with
 ``torch.load(weights_only=True)``): the format's tensors (``spec.keys``) plus ``step``, a 0-d fp32
-tensor that seeds stochastic rounding. Nothing outside :mod:`qmuon_lightning.quant` (and the kernel
-layer :mod:`qmuon_lightning.ops`) looks at a format's name or keys: the optimizer, the sharded step
+tensor that seeds stochastic rounding. Nothing outside :mod:`qmuon.quant` (and the kernel
+layer :mod:`qmuon.ops`) looks at a format's name or keys: the optimizer, the sharded step
 and the checkpoint code ask the format object.
 
 What a format declares
@@ -17,7 +17,7 @@ What a format declares
   the stored layout (a checkpoint resumes in the same format only with the same values);
 * ``role``: which stored tensor the format is for: ``"momentum"`` (Muon's, the default),
   ``"adamw_m"`` / ``"adamw_v"`` (the first / second moment of the auxiliary AdamW, see
-  :mod:`qmuon_lightning.quant.adamw`); every registry helper that picks a Muon format looks only at
+  :mod:`qmuon.quant.adamw`); every registry helper that picks a Muon format looks only at
   ``"momentum"`` formats, so one registry holds them all;
 * ``order``: position in the registry (listing order, detection order);
 * ``promotes_to`` and ``guard_threshold``: the fidelity guard's next safer format and the update
@@ -30,9 +30,9 @@ What a format declares
   shards, see :data:`PLACEMENTS`), ``tile_rows(opts)`` (for ``"tiles"`` tensors),
   ``check_sharded_layout`` and ``convertible_when_sharded``.
 
-A new format is one module in :mod:`qmuon_lightning.quant.formats` that defines a
+A new format is one module in :mod:`qmuon.quant.formats` that defines a
 ``FORMATS = (instance, ...)`` tuple (picked up by the registry), or, from other code, an instance
-passed to :func:`qmuon_lightning.quant.register_format`.
+passed to :func:`qmuon.quant.register_format`.
 """
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ class FormatSpec:
 
 @dataclass(frozen=True)
 class FormatOptions:
-    """The layout-relevant options of a parameter group (:func:`~qmuon_lightning.quant.format_options`)."""
+    """The layout-relevant options of a parameter group (:func:`~qmuon.quant.format_options`)."""
 
     block_size: int = 256
     rank: int = 4
@@ -244,7 +244,7 @@ class StateFormat:
 
     def check_sharded_layout(self, layout: Any, opts: FormatOptions, where: str) -> None:
         """Raise ``ValueError`` with the fix when the row split ``layout`` (a
-        :class:`qmuon_lightning.quant.layout.RowLayout`) of a sharded parameter does not suit this
+        :class:`qmuon.quant.layout.RowLayout`) of a sharded parameter does not suit this
         format (called before any state is created)."""
 
     def convertible_when_sharded(self, source_name: str) -> bool:

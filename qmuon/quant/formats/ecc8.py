@@ -5,7 +5,7 @@ Not a momentum format (:attr:`~.base.StateFormat.role` is ``"weight_correction"`
 same per-parameter state dict as the Muon momentum or the AdamW moments, for Muon and AdamW
 parameters alike. A code is the rounding error of the last bf16 write in units of 1/127 of half
 the bf16 gap at the stored weight (FlashOptim, arXiv 2602.23349; the maths and its kernels:
-:mod:`qmuon_lightning.ops.reference_weight`), so bf16 + ecc8 acts as a weight of about 16
+:mod:`qmuon.ops.reference_weight`), so bf16 + ecc8 acts as a weight of about 16
 significant bits (24 stored bits). Every tensor is ``"rows"``: a ``Shard(0)`` parameter's codes are
 its rows, and DCP reshards them like the weight itself."""
 

@@ -268,8 +268,8 @@ class Grasp4Format(StateFormat):
     def _momentum(st, g2, out, beta, nesterov, opts) -> Tensor:
         """New fp32 momentum of ``st``'s rows; the NS input goes into ``g2``, its block sums into ``out``.
 
-        The arithmetic of :func:`~qmuon_lightning.ops.reference._q8_momentum_and_ns_input` and
-        :func:`~qmuon_lightning.ops.reference.block_sumsq`, op for op (the same bits), done in the
+        The arithmetic of :func:`~qmuon.ops.reference._q8_momentum_and_ns_input` and
+        :func:`~qmuon.ops.reference.block_sumsq`, op for op (the same bits), done in the
         decoded momentum and a row-chunk scratch: one fp32 copy of the matrix at a time instead of six,
         which is what keeps grasp4's step within a few MiB of its state."""
         m = grasp_decode(st, opts)  # a fresh fp32 tensor: becomes m_new in place
