@@ -112,8 +112,7 @@ def components(model_name: str, reps: int) -> dict[str, dict[str, float]]:
             st = cadamw.init_state(fmt, p.shape, w, rule)
             st["step"] = torch.tensor(0.0)
             items.append((w, grad, st, i))
-        group = dict(lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, state_format=fmt, bf16_update=rule,
-                     seed=0)
+        group = dict(lr=3e-4, betas=(0.9, 0.95), eps=1e-8, seed=0, weight_decay=0.1, state_format=fmt, bf16_update=rule)
 
         def run(items=items, group=group):
             for w, grad, st, i in items:

@@ -92,7 +92,7 @@ def _worker(rank: int, world: int, store: str, d_model: int, n_layers: int, warm
     for fwd, ret in CONFIGS:
         sharded, ref = module(), module()
         fully_shard(sharded, mesh=mesh)
-        opt = qmuon.QMuon(groups(sharded), lr=0.02, weight_decay=0.0, comm_carrier=fwd, comm_return=ret)
+        opt = qmuon.QMuon(groups(sharded), lr=0.02, weight_decay=0.0, newton_schulz={"comm_carrier": fwd, "comm_return": ret})
         ref_opt = qmuon.QMuon(groups(ref), lr=0.02, weight_decay=0.0)
         t_sh, t_ref, cos, stats = [], [], [], None
         for s in range(warmup + steps):

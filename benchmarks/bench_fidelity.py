@@ -81,13 +81,15 @@ def parse_kind(kind: str) -> tuple[str, str | None, str, dict]:
         if k == "adamw":
             over["adamw_state_format"] = v
         elif k == "variant":
-            over["variant"] = v
+            over.setdefault("update", {})["variant"] = v
         elif k == "cautious":
-            over["cautious_weight_decay"] = v not in ("0", "false", "False")
+            over.setdefault("update", {})["cautious_weight_decay"] = v not in ("0", "false", "False")
         elif k == "ns":
-            over["ns_method"] = v
+            over.setdefault("newton_schulz", {})["method"] = v
+        elif k == "lr":
+            over["lr"] = float(v)
         else:
-            over[{"grid": "grid_block"}.get(k, k)] = float(v) if k == "lr" else int(v)
+            over.setdefault("state", {})[{"grid": "grid_block"}.get(k, k)] = int(v)
     if base in ("adamw", "torch-muon"):
         if over:
             raise SystemExit(f"{kind!r}: @ options apply to qmuon:<format> only")
@@ -116,11 +118,7 @@ def make_optimizers(kind: str, model: nn.Module, args) -> list[torch.optim.Optim
         other = [d.param for d in decisions if d.target != "muon"]
         return [torch.optim.Muon(muon, lr=args.lr, weight_decay=0.1),
                 torch.optim.AdamW(other, lr=args.adamw_lr, betas=(0.9, 0.95), weight_decay=0.1)]
-    return [build_optimizer(model, lr=over.get("lr", args.lr), weight_decay=0.1, state_format=fmt,
-                            adamw_lr=args.adamw_lr, seed=args.seed, ns_input=ns_input,
-                            rank=over.get("rank", args.rank), grid_block=over.get("grid_block", args.grid_block),
-                            adamw_state_format=over.get("adamw_state_format", "fp32"), verbose=False,
-                            **{k: over[k] for k in ("bf16_update", "variant", "cautious_weight_decay", "ns_method")
+    return [build_optimizer(model, lr=over.get("lr", args.lr), weight_decay=0.1, state_format=fmt, adamw_lr=args.adamw_lr, state={"seed": args.seed, "rank": over.get("rank", args.rank), "grid_block": over.get("grid_block", args.grid_block)}, newton_schulz={"input": ns_input}, adamw_state_format=over.get("adamw_state_format", "fp32"), verbose=False, **{k: over[k] for k in ("bf16_update", "variant", "cautious_weight_decay", "ns_method")
                                if k in over})]
 
 
@@ -238,7 +236,7 @@ def lm_update_cosine(model: DecoderLM, train_ds, args, variants: list[str]) -> d
     out = {}
     for v in variants:
         fmt, _, carrier = v.partition(":")
-        upd = _updates(init, grads, state_format=fmt, ns_input=carrier or "bf16", **kw)
+        upd = _updates(init, grads, state_format=fmt, newton_schulz={"input": carrier or "bf16"}, **kw)
         vals = [cosine(upd[t][i], ref[t][i]) for t in range(skip, len(grads)) for i in range(len(init))]
         out[v] = sum(vals) / len(vals)
     return out

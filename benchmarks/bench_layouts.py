@@ -109,9 +109,8 @@ def _worker(rank: int, world: int, shape: tuple[int, ...], kind: str, d: int, la
             parallelize_module(b, mesh["tp"], plan)
         fully_shard(b, mesh=mesh["dp"] if kind == "tp" else mesh)
     # rowwise shards of d=128 hold 64 columns: momentum blocks of 64 (the dense rows, both meshes)
-    block = {"block_size": 64} if kind in ("tp", "dense") else {}
-    opt = qmuon.build_optimizer(model, lr=0.02, state_format="int8", comm_carrier=carrier, comm_return=carrier,
-                             verbose=False, **block)
+    block = {"state": {"block_size": 64}} if kind in ("tp", "dense") else {}
+    opt = qmuon.build_optimizer(model, lr=0.02, state_format="int8", newton_schulz={"comm_carrier": carrier, "comm_return": carrier}, verbose=False, **block)
     for step in range(2):
         g = torch.Generator().manual_seed(step)
         for p in model.parameters():
@@ -175,7 +174,7 @@ def _zero_worker(rank: int, world: int, stage: int, d: int, layers: int) -> dict
     _count_all_to_all(rank, counter)
     torch.manual_seed(0)
     model = DenseStack(d, layers)
-    opt = qmuon.build_optimizer(model, lr=0.02, state_format="int8", block_size=64, verbose=False)
+    opt = qmuon.build_optimizer(model, lr=0.02, state_format="int8", state={"block_size": 64}, verbose=False)
     cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "steps_per_print": 10 ** 9,
            "gradient_clipping": 0.0, "zero_optimization": {"stage": stage}}
     engine, opt, _, _ = qds.initialize(model, opt, cfg)

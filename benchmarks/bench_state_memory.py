@@ -62,7 +62,7 @@ def measure(kind: str, fmt: str | None, block_size: int | None, specs, seed: int
     if kind == "torch":
         opt = torch.optim.Muon(params)
     else:
-        opt = QMuon(qmuon_param_groups(specs, params), state_format=fmt, block_size=block_size)
+        opt = QMuon(qmuon_param_groups(specs, params), state_format=fmt, state={"block_size": block_size})
     g = torch.Generator().manual_seed(seed + 1)
     for p in params:
         p.grad = torch.randn(p.shape, generator=g)

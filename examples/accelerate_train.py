@@ -179,8 +179,8 @@ def main(argv: Sequence[str] | None = None) -> TrainResult:
         accelerator, model, loader,
         lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(
             opt, lambda s: lr_factor(s, args.warmup_steps, args.steps)),
-        lr=args.lr, weight_decay=args.weight_decay, state_format=args.state_format, rounding=args.rounding,
-        seed=args.seed, adamw_lr=args.adamw_lr, adamw_weight_decay=args.weight_decay,
+        lr=args.lr, weight_decay=args.weight_decay, state_format=args.state_format,
+        state={"rounding": args.rounding, "seed": args.seed}, adamw_lr=args.adamw_lr, adamw_weight_decay=args.weight_decay,
     )
     progress = TrainProgress()
     accelerator.register_for_checkpointing(progress)

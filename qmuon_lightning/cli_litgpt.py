@@ -18,15 +18,15 @@ changes:
   AdamW lr; ``--qmuon.lr`` the Muon lr).
 * **Learning rates.** LitGPT's pretrain loop writes one lr (its schedule of
   ``optimizer.defaults["lr"]``, the Muon lr) into every group; ``lr_ratios="hold"`` (the default
-  here) gives the AdamW groups that lr times their configured ratio, ``adamw_lr / lr``. Each
+  here, ``update.lr_ratios``) gives the AdamW groups that lr times their configured ratio, ``adamw_lr / lr``. Each
   group's lr is logged after every optimizer step to LitGPT's logger as ``qmuon/lr_g<i>_<muon|adamw>``.
 * **Checkpoints.** Consolidated files by default (``lit_model.pth`` is one file), so ``litgpt
   generate / evaluate / convert_from_litgpt`` read them; ``--qmuon.sharded_checkpoint true`` writes
   sharded directories instead (resumable by this launcher only, on any number of processes).
 
-``--qmuon.<key> <value>`` (or ``=value``): any :class:`~qmuon.core.config.QMuonConfig`
-field (``state_format``, ``lr``, ``weight_decay``, ``block_size``, ...), ``lr_ratios``
-(``hold`` / ``warn`` / ``off``), ``shard_policy``, ``sharded_checkpoint``. Values are read as YAML
+``--qmuon.<key> <value>`` (or ``=value``): any :class:`~qmuon.QMuonConfig` option (``state_format``,
+``lr``, ``weight_decay``, a section's field as ``--qmuon.state.block_size 128``, ...; ``update.lr_ratios``
+is ``hold`` here unless given), ``shard_policy``, ``sharded_checkpoint``. Values are read as YAML
 scalars (``0.02``, ``true``, ``null``).
 
 How LitGPT is reached (patches, here only, for the duration of the command): the command module's
@@ -54,7 +54,7 @@ import yaml
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
-from qmuon.core.config import QMuonConfig
+from qmuon.core.config import ConfigError, QMuonConfig, unknown_key_message
 from qmuon.optim.qmuon import QMuon
 from .strategies.fabric import QMuonFabricStrategy
 from .strategies.sharding import resolve_policy
@@ -77,26 +77,27 @@ COMMANDS = {
 #: see :func:`patched_fabric`). LoRA's keeps LitGPT's, written for ModelParallelStrategy.
 FULL_MODEL_LOADERS = ("litgpt.finetune.full",)
 
-#: ``--qmuon.*`` keys that are the launcher's own (the rest are build_optimizer arguments).
+#: ``--qmuon.*`` keys that are the launcher's own (the rest are QMuonConfig options).
 LAUNCHER_KEYS = ("shard_policy", "sharded_checkpoint")
-ROUTING_KEYS = ("lr_ratios",)
 #: Environment variable that carries the ``--qmuon.*`` options (JSON) to the processes Fabric starts.
 OPTIONS_ENV = "QMUON_LITGPT_OPTIONS"
 
 USAGE = f"""usage: qmuon-litgpt {{{','.join(COMMANDS)}}} [LitGPT arguments] [--qmuon.KEY VALUE ...]
 
 Runs LitGPT's command with the qmuon_fsdp Fabric strategy and QMuon (see docs/litgpt.md).
---qmuon keys: QMuonConfig fields ({', '.join(QMuonConfig.field_names())}), lr_ratios (hold|warn|off),
-shard_policy, sharded_checkpoint (default false: consolidated lit_model.pth files).
+--qmuon keys: QMuonConfig options ({', '.join(QMuonConfig.field_names())}; a section's field as
+--qmuon.newton_schulz.dtype fp32; update.lr_ratios defaults to hold), shard_policy, sharded_checkpoint
+(default false: consolidated lit_model.pth files).
 """
 
 
 def split_qmuon_args(argv: Sequence[str]) -> tuple[list[str], dict[str, Any]]:
     """``argv`` without its ``--qmuon.KEY VALUE`` / ``--qmuon.KEY=VALUE`` pairs, and those pairs as
-    a dict (values parsed as YAML scalars). Unknown keys raise ``SystemExit`` naming the accepted ones."""
+    a dict (values parsed as YAML scalars; ``--qmuon.SECTION.FIELD`` fills a section's dict). Unknown keys
+    raise ``SystemExit`` naming the closest valid one."""
     rest: list[str] = []
     opts: dict[str, Any] = {}
-    accepted = (*QMuonConfig.field_names(), *ROUTING_KEYS, *LAUNCHER_KEYS)
+    accepted = (*QMuonConfig.field_names(), *LAUNCHER_KEYS)
     args = list(argv)
     i = 0
     while i < len(args):
@@ -112,9 +113,14 @@ def split_qmuon_args(argv: Sequence[str]) -> tuple[list[str], dict[str, Any]]:
             value = args[i + 1]
             i += 1
         i += 1
-        if key not in accepted:
-            raise SystemExit(f"qmuon-litgpt: unknown option --qmuon.{key}; accepted: {', '.join(accepted)}")
-        opts[key] = yaml.safe_load(value) if value != "" else None
+        head, dot, leaf = key.partition(".")
+        if head not in accepted or (dot and head in LAUNCHER_KEYS):
+            raise SystemExit(f"qmuon-litgpt: --qmuon.{key}: {unknown_key_message(key, list(accepted))}")
+        parsed = yaml.safe_load(value) if value != "" else None
+        if dot:
+            opts[head] = {**(opts.get(head) or {}), leaf: parsed}
+        else:
+            opts[key] = parsed
     return rest, opts
 
 
@@ -189,10 +195,11 @@ def _optimizer_steps(optimizer: QMuon) -> int:
 
 def _strategy_kwargs(opts: dict[str, Any]) -> dict[str, Any]:
     optimizer_kwargs = {k: v for k, v in opts.items() if k not in LAUNCHER_KEYS}
-    optimizer_kwargs.setdefault("lr_ratios", "hold")
+    # LitGPT's loops write one lr into every group: keep each group's ratio to the Muon lr
+    optimizer_kwargs["update"] = {"lr_ratios": "hold", **(optimizer_kwargs.get("update") or {})}
     try:
-        QMuonConfig.from_kwargs(**{k: v for k, v in optimizer_kwargs.items() if k not in ROUTING_KEYS})
-    except (TypeError, ValueError) as e:
+        QMuonConfig.from_kwargs(optimizer_kwargs)
+    except ConfigError as e:
         raise SystemExit(f"qmuon-litgpt: {e}") from None
     policy = opts.get("shard_policy", "auto")
     resolve_policy(policy)

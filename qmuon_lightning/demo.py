@@ -81,9 +81,7 @@ class DemoModule(L.LightningModule):
     def configure_optimizers(self) -> Any:
         hp = self.hparams
         opt = build_optimizer(
-            self, state_format=hp.state_format, lr=hp.lr, weight_decay=hp.weight_decay,
-            adamw_lr=hp.adamw_lr, adamw_weight_decay=hp.weight_decay, seed=hp.seed,
-            verbose=self.trainer is None or self.trainer.is_global_zero,
+            self, state_format=hp.state_format, lr=hp.lr, weight_decay=hp.weight_decay, adamw_lr=hp.adamw_lr, adamw_weight_decay=hp.weight_decay, state={"seed": hp.seed}, verbose=self.trainer is None or self.trainer.is_global_zero,
         )
         warmup, total = max(0, hp.warmup_steps), max(1, hp.max_steps)
         cooldown_start = int(0.6 * total)

@@ -89,10 +89,9 @@ def recipe_setup(cfg: dict[str, Any]) -> mem.Setup | None:
         return mem.Setup(f"recipe ({name})", name, {}, weights)
     from qmuon.core.config import QMuonConfig
 
-    keys = set(QMuonConfig.field_names()) | {"gradient_release"}
-    opts = {k: v for k, v in spec.items() if k in keys and v is not None and k not in ("lr", "weight_decay")}
-    opts.setdefault("state_format", "grasp4" if name == "grasp" else "int8")
-    return mem.Setup(f"recipe ({name}, {opts['state_format']})", "qmuon", opts, weights)
+    opts = {k: v for k, v in spec.items() if k in QMuonConfig.field_names() and k not in ("lr", "weight_decay")}
+    fmt = QMuonConfig.from_kwargs(opts).state_format
+    return mem.Setup(f"recipe ({name}, {fmt})", "qmuon", opts, weights)
 
 
 # ------------------------------------------------------------------------------------ growth

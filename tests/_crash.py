@@ -58,7 +58,8 @@ trainer:
   optimizer:
     name: qmuon
     state_format: int8
-    rounding: stochastic
+    state:
+      rounding: stochastic
     warmup_steps: 2
 {optimizer}data:
   seq_len: 16

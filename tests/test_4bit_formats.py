@@ -210,7 +210,7 @@ def test_grasp_state_tracks_the_momentum_subspace_across_steps():
     u, _ = torch.linalg.qr(torch.randn(rows, k, generator=g))
     v, _ = torch.linalg.qr(torch.randn(cols, k, generator=g))
     w = nn.Parameter(torch.zeros(rows, cols))
-    opt = QMuon([w], state_format="grasp4", lr=0.0, rank=k, grid_block=16)
+    opt = QMuon([w], state_format="grasp4", lr=0.0, state={"rank": k, "grid_block": 16})
     for _ in range(6):
         coef = torch.tensor([8.0, 6.0, 4.0, 3.0]) * (1 + 0.1 * torch.randn(k, generator=g))
         w.grad = (u * coef) @ v.T + 0.05 * torch.randn(rows, cols, generator=g)
@@ -228,8 +228,8 @@ def test_grasp_first_step_init_is_seeded_and_reproducible():
     torch.manual_seed(0)
     a, b = nn.Parameter(torch.randn(40, 24)), nn.Parameter(torch.randn(40, 24))
     b.data.copy_(a.data)
-    oa, ob = (QMuon([a], state_format="grasp4", seed=3, grid_block=16),
-              QMuon([b], state_format="grasp4", seed=3, grid_block=16))
+    oa, ob = (QMuon([a], state_format="grasp4", state={"seed": 3, "grid_block": 16}),
+              QMuon([b], state_format="grasp4", state={"seed": 3, "grid_block": 16}))
     grad = torch.randn(40, 24)
     for p, o in ((a, oa), (b, ob)):
         p.grad = grad.clone()
@@ -260,7 +260,7 @@ def test_bytes_per_param_on_gpt_small_shapes(shape):
 def test_new_formats_train_and_ns_input_matches_fp32_momentum_formula(fmt, rounding):
     torch.manual_seed(0)
     w = nn.Parameter(torch.randn(24, 40))
-    opt = QMuon([w], state_format=fmt, rounding=rounding, block_size=32, grid_block=16, lr=0.01)
+    opt = QMuon([w], state_format=fmt, state={"rounding": rounding, "block_size": 32, "grid_block": 16}, lr=0.01)
     grads = fidelity.synthetic_gradients(24, 40, 3, seed=1)
     for gr in grads:
         m_old = qstate.dequantize_momentum(opt.state[w], opts=qstate.format_options(opt.param_groups[0]), cols=40) \
@@ -283,7 +283,7 @@ def test_default_block_size_per_format():
 
 @pytest.mark.parametrize("kwargs,pattern", [
     ({"state_format": "grasp4", "rank": 0}, r"rank must be a positive int, got 0"),
-    ({"state_format": "grasp4", "grid_block": 1}, r"grid_block must be an int in \[2, 4096\], got 1"),
+    ({"state_format": "grasp4", "state": {"grid_block": 1}}, r"grid_block must be an int in \[2, 4096\], got 1"),
 ])
 def test_bad_grasp_options(kwargs, pattern):
     with pytest.raises(ValueError, match=pattern):
@@ -330,11 +330,11 @@ def test_opcheck_4bit_momentum_updates():
 def test_update_cosine_is_one_for_the_reference_and_high_for_int8():
     shapes = [(32, 48), (48, 32)]
     grads = [list(t) for t in zip(*[fidelity.synthetic_gradients(r, c, 4, seed=i) for i, (r, c) in enumerate(shapes)])]
-    res = per_layer_update_cosine(shapes, grads, ("fp32", "int8"), block_size=32)
+    res = per_layer_update_cosine(shapes, grads, ("fp32", "int8"), state={"block_size": 32})
     assert set(res) == {"fp32", "int8"} and all(len(v) == 2 for v in res.values())
     assert all(c == pytest.approx(1.0, abs=1e-12) for c in res["fp32"])
     assert all(c > 0.97 for c in res["int8"])
-    last = per_layer_update_cosine(shapes, grads, ("int8",), reduce="last", block_size=32)
+    last = per_layer_update_cosine(shapes, grads, ("int8",), reduce="last", state={"block_size": 32})
     assert len(last["int8"]) == 2
     with pytest.raises(ValueError, match="reduce must be"):
         per_layer_update_cosine(shapes, grads, ("int8",), reduce="max")

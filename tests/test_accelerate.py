@@ -247,7 +247,8 @@ def test_save_load_state_continues_bit_exact(fresh_accelerate, tmp_path, state_f
     def make() -> Accelerator:
         return Accelerator(cpu=True, mixed_precision=mixed_precision)
 
-    a, b, info = resume_scenario(str(tmp_path / "ckpt"), make, state_format=state_format, rounding=rounding)
+    a, b, info = resume_scenario(str(tmp_path / "ckpt"), make, state_format=state_format,
+                                 state={"rounding": rounding})
     assert info["state_before_first_step"] == 0
     assert info["state_keys_are_live_params"]
     assert_same(a, b, "resumed vs uninterrupted")
@@ -387,7 +388,7 @@ def _worker_ddp(out: Path) -> dict[str, Any]:
     make = lambda: Accelerator(cpu=True)  # noqa: E731
     acc = make()
     ckpt = out / "ckpt"
-    a, b, info = resume_scenario(str(ckpt), make, state_format="int8", rounding="stochastic")
+    a, b, info = resume_scenario(str(ckpt), make, state_format="int8", state={"rounding": "stochastic"})
     rep: dict[str, Any] = {
         "distributed_type": acc.distributed_type.name, "num_processes": acc.num_processes,
         "mismatches": mismatches(a, b), **info,
@@ -459,7 +460,7 @@ def _worker_fsdp2(out: Path, state_dict_type: str, force_on_cpu: bool) -> dict[s
         cos[n] = float(F.cosine_similarity(ours, ref, dim=0))
     rep["update_cosines"] = cos
     rep["min_update_cosine_vs_reference"] = min(cos.values())
-    a, b, info = resume_scenario(str(out / f"ckpt_{state_dict_type}"), make, rounding="stochastic")
+    a, b, info = resume_scenario(str(out / f"ckpt_{state_dict_type}"), make, state={"rounding": "stochastic"})
     rep.update(info)
     rep["mismatches"] = mismatches(a, b)
     return rep

@@ -42,8 +42,7 @@ def _grads(params, step: int) -> list[torch.Tensor]:
 
 
 def _qmuon(params, family: str, **kw) -> QMuon:
-    return QMuon([{"params": params, "use_muon": False}], adamw_lr=HP["lr"], adamw_betas=HP["betas"],
-                 adamw_eps=HP["eps"], adamw_weight_decay=HP["weight_decay"], adamw_state_format=family, **kw)
+    return QMuon([{"params": params, "use_muon": False}], adamw_lr=HP["lr"], update={"adamw_betas": HP["betas"], "adamw_eps": HP["eps"]}, adamw_weight_decay=HP["weight_decay"], adamw_state_format=family, **kw)
 
 
 def _run(opt, params, steps: range) -> None:
@@ -136,7 +135,7 @@ def test_bad_state_format_errors():
         QMuon([p], adamw_state_format="int3")
     with pytest.raises(ValueError, match="param group 0 \\(AdamW\\).*got 'grasp4'"):
         QMuon([{"params": [p], "use_muon": False, "state_format": "grasp4"}])
-    with pytest.raises(TypeError, match="unknown argument"):
+    with pytest.raises(TypeError, match="unknown QMuon option .adamw_state_formt.; did you mean .adamw_state_format."):
         build_optimizer(nn.Linear(4, 4), verbose=False, adamw_state_formt="int8")
     # AdamW moment formats are not Muon momentum formats
     with pytest.raises(qstate.StateFormatError, match="unknown state_format 'adamw_m_int8'"):
@@ -357,9 +356,9 @@ def test_stochastic_rounding_of_quantized_moments(family):
     still tracks fp32-moment AdamW (tolerance of test_quantized_families_track_torch_adamw)."""
     init = _params()
     runs = {}
-    for name, kw in (("near", {}), ("sr", {"rounding": "stochastic", "seed": 3}),
-                     ("sr2", {"rounding": "stochastic", "seed": 3}), ("sr_other", {"rounding": "stochastic", "seed": 4}),
-                     ("fp32", {"rounding": "stochastic"})):
+    for name, kw in (("near", {}), ("sr", {"state": {"rounding": "stochastic", "seed": 3}}),
+                     ("sr2", {"state": {"rounding": "stochastic", "seed": 3}}), ("sr_other", {"state": {"rounding": "stochastic", "seed": 4}}),
+                     ("fp32", {"state": {"rounding": "stochastic"}})):
         ps = [p.clone().requires_grad_() for p in init]
         opt = _qmuon(ps, "fp32" if name == "fp32" else family, **kw)
         _run(opt, ps, range(5))
@@ -383,7 +382,7 @@ def test_stochastic_resume_is_bit_exact(family):
     step, element), so the resumed run equals the uninterrupted one bit for bit. The checkpoint's
     AdamW group records rounding and seed (structural keys: the constructed optimizer's win)."""
     init = _params()
-    kw = {"rounding": "stochastic", "seed": 11}
+    kw = {"state": {"rounding": "stochastic", "seed": 11}}
     a = [p.clone().requires_grad_() for p in init]
     oa = _qmuon(a, family, **kw)
     _run(oa, a, range(6))
@@ -422,7 +421,7 @@ def test_overflowing_gradient_square_freezes_only_its_element(family):
     torch.manual_seed(0)
     p = torch.randn(64, 256, requires_grad=True)
     q = p.detach().clone().requires_grad_()
-    kw = dict(adamw_lr=1e-3, adamw_betas=(0.0, 0.5), adamw_weight_decay=0.0)
+    kw = dict(adamw_lr=1e-3, update={"adamw_betas": (0.0, 0.5)}, adamw_weight_decay=0.0)
     opt = QMuon([{"params": [p], "use_muon": False}], adamw_state_format=family, **kw)
     ref = QMuon([{"params": [q], "use_muon": False}], adamw_state_format="fp32", **kw)
     gen = torch.Generator().manual_seed(1)

@@ -37,8 +37,7 @@ class _Net(nn.Module):
 def _opt(net: _Net, family: str, rounding: str = "nearest"):
     from qmuon import QMuon
 
-    return QMuon([{"params": [net.w]}, {"params": [net.emb, net.gain], "use_muon": False}], lr=0.02,
-                 adamw_lr=1e-2, adamw_state_format=family, rounding=rounding, seed=7)
+    return QMuon([{"params": [net.w]}, {"params": [net.emb, net.gain], "use_muon": False}], lr=0.02, adamw_lr=1e-2, adamw_state_format=family, state={"rounding": rounding, "seed": 7})
 
 
 def _grads(step: int) -> dict[str, torch.Tensor]:

@@ -334,8 +334,7 @@ class _Tiny(nn.Module):
 
 
 def _opt(model, **kw):
-    return qmuon.build_optimizer(model, lr=0.02, adamw_lr=3e-3, verbose=False, fused_parts={r"qkv\.weight$": (32, 32, 32)},
-                              **kw)
+    return qmuon.build_optimizer(model, lr=0.02, adamw_lr=3e-3, verbose=False, routing={"fused_parts": {r"qkv\.weight$": (32, 32, 32)}}, **kw)
 
 
 def _batch(s: int):
@@ -570,7 +569,7 @@ def _shard_grads(net: nn.Module, step: int) -> dict[str, torch.Tensor]:
 
 
 SHARD_STEPS, SHARD_CONT = 3, 2
-SHARD_KW = dict(lr=0.02, weight_decay=0.1, adamw_lr=1e-2, comm_carrier="bf16", comm_return="bf16")
+SHARD_KW = dict(lr=0.02, weight_decay=0.1, adamw_lr=1e-2, newton_schulz={"comm_carrier": "bf16", "comm_return": "bf16"})
 
 
 def _shard_opt(net, rule):

@@ -140,8 +140,7 @@ def test_resume_with_other_format_names_the_mismatch(tmp_path):
 def _toy_optimizer(state_format="int8", block_size=None, rows=64):
     torch.manual_seed(0)
     ps = [torch.nn.Parameter(torch.randn(rows, 64)), torch.nn.Parameter(torch.randn(64, 64))]
-    opt = QMuon([{"params": ps, "param_names": ["a.weight", "b.weight"]}], lr=0.02,
-                state_format=state_format, block_size=block_size)
+    opt = QMuon([{"params": ps, "param_names": ["a.weight", "b.weight"]}], lr=0.02, state_format=state_format, state={"block_size": block_size})
     return ps, opt
 
 
@@ -325,8 +324,7 @@ def test_tracker_quantized_update_is_the_optimizer_update(fmt, ns_input):
     torch.manual_seed(0)
     p = torch.nn.Parameter(torch.zeros(96, 32))
     q = torch.nn.Parameter(torch.zeros(32, 64))
-    opt = QMuon([{"params": [p], "parts": (32, 32, 32)}, {"params": [q]}], lr=1.0, weight_decay=0.0,
-                state_format=fmt, ns_input=ns_input)
+    opt = QMuon([{"params": [p], "parts": (32, 32, 32)}, {"params": [q]}], lr=1.0, weight_decay=0.0, state_format=fmt, newton_schulz={"input": ns_input})
     tracker = UpdateFidelityTracker(opt, keep_updates=True)
     for t in range(3):
         for x in (p, q):

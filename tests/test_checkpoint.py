@@ -37,8 +37,7 @@ def _train(model, opt, steps):
 
 def _build(model, fmt, rounding):
     # block_size 32 on 40 columns: two blocks per row, the second partial
-    return build_optimizer(model, lr=0.02, state_format=fmt, rounding=rounding, block_size=32, seed=11,
-                           adamw_lr=1e-3, verbose=False)
+    return build_optimizer(model, lr=0.02, state_format=fmt, state={"rounding": rounding, "block_size": 32, "seed": 11}, adamw_lr=1e-3, verbose=False)
 
 
 @pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
@@ -124,7 +123,7 @@ def test_migrate_torch_muon_to_8bit(fmt):
     ps, torch_opt = _torch_muon_run(shapes)
     sd = roundtrip_state_dict(torch_opt.state_dict())
     ps2 = [nn.Parameter(p.detach().clone()) for p in ps]
-    opt = QMuon(ps2, state_format=fmt, block_size=32)
+    opt = QMuon(ps2, state_format=fmt, state={"block_size": 32})
     opt.load_state_dict(sd)
     for p, q in zip(ps, ps2):
         buf = torch_opt.state[p]["momentum_buffer"]
@@ -149,7 +148,7 @@ def test_migrate_8bit_to_fp32_and_between_8bit_formats():
     torch.manual_seed(0)
     gen = torch.Generator().manual_seed(8)
     ps = [nn.Parameter(torch.randn(24, 80)), nn.Parameter(torch.randn(10, 33))]
-    opt = QMuon(ps, state_format="int8", block_size=32)
+    opt = QMuon(ps, state_format="int8", state={"block_size": 32})
     for _ in range(4):
         for p in ps:
             p.grad = torch.randn(p.shape, generator=gen)
@@ -158,7 +157,7 @@ def test_migrate_8bit_to_fp32_and_between_8bit_formats():
 
     dense = QMuon([nn.Parameter(p.detach().clone()) for p in ps], state_format="fp32")
     dense.load_state_dict(sd)
-    as_u8 = QMuon([nn.Parameter(p.detach().clone()) for p in ps], state_format="uint8", block_size=32)
+    as_u8 = QMuon([nn.Parameter(p.detach().clone()) for p in ps], state_format="uint8", state={"block_size": 32})
     as_u8.load_state_dict(sd)
     for p, q, r in zip(ps, dense.param_groups[0]["params"], as_u8.param_groups[0]["params"]):
         codes, absmax = opt.state[p]["momentum_codes"], opt.state[p]["momentum_absmax"]
@@ -187,7 +186,7 @@ def test_migrate_torch_muon_to_4bit_and_back(fmt):
     ps, torch_opt = _torch_muon_run(shapes)
     sd = roundtrip_state_dict(torch_opt.state_dict())
     ps2 = [nn.Parameter(p.detach().clone()) for p in ps]
-    opt = QMuon(ps2, state_format=fmt, block_size=32, grid_block=16)
+    opt = QMuon(ps2, state_format=fmt, state={"block_size": 32, "grid_block": 16})
     opt.load_state_dict(sd)
     for p, q in zip(ps, ps2):
         buf = torch_opt.state[p]["momentum_buffer"].double()
@@ -207,7 +206,7 @@ def test_migrate_torch_muon_to_4bit_and_back(fmt):
         assert st["step"].item() == 0.0
     # back to fp32: exact dequantization of the 4-bit state
     sd4 = roundtrip_state_dict(opt.state_dict())
-    dense = QMuon([nn.Parameter(p.detach().clone()) for p in ps], state_format="fp32", block_size=32, grid_block=16)
+    dense = QMuon([nn.Parameter(p.detach().clone()) for p in ps], state_format="fp32", state={"block_size": 32, "grid_block": 16})
     dense.load_state_dict(sd4)
     for q, r in zip(ps2, dense.param_groups[0]["params"]):
         assert torch.equal(dense.state[r]["momentum_buffer"], momentum_fp32(opt, q))
@@ -224,13 +223,13 @@ def test_migrate_between_quantized_formats(src, dst):
     torch.manual_seed(0)
     gen = torch.Generator().manual_seed(8)
     ps = [nn.Parameter(torch.randn(24, 80)), nn.Parameter(torch.randn(10, 33))]
-    opt = QMuon(ps, state_format=src, block_size=32, grid_block=16)
+    opt = QMuon(ps, state_format=src, state={"block_size": 32, "grid_block": 16})
     for _ in range(3):
         for p in ps:
             p.grad = torch.randn(p.shape, generator=gen)
         opt.step()
     sd = roundtrip_state_dict(opt.state_dict())
-    other = QMuon([nn.Parameter(p.detach().clone()) for p in ps], state_format=dst, block_size=32, grid_block=16)
+    other = QMuon([nn.Parameter(p.detach().clone()) for p in ps], state_format=dst, state={"block_size": 32, "grid_block": 16})
     other.load_state_dict(sd)
     for p, q in zip(ps, other.param_groups[0]["params"]):
         a, b = momentum_fp32(opt, p), momentum_fp32(other, q)

@@ -57,6 +57,7 @@ sys.path.insert(0, str(REPO))
 deepspeed = pytest.importorskip("deepspeed") if __name__ != "__main__" else None
 
 import qmuon  # noqa: E402
+from qmuon.core.config import GROUP_KEYS  # noqa: E402
 from qmuon.core.newton_schulz import resolve_ns_dtype, resolve_schedule  # noqa: E402
 from qmuon.integrations import deepspeed as qds  # noqa: E402
 from qmuon_lightning.models.decoder_lm import DecoderLM, DecoderLMConfig  # noqa: E402
@@ -69,8 +70,7 @@ CKPT_AT = 2  # checkpoint runs: save after CKPT_AT steps, continue to STEPS
 BF16_STEPS = 3
 LIGHTNING_STEPS = 3
 # fp32 AdamW moments: DeepSpeed steps flat ZeRO slices, whose AdamW moments QMuon keeps in fp32
-OPT_KW = dict(lr=0.02, weight_decay=0.1, state_format="int8", rounding="stochastic", adamw_lr=3e-3,
-              adamw_weight_decay=0.1, adamw_state_format="fp32", verbose=False)
+OPT_KW = dict(lr=0.02, weight_decay=0.1, state_format="int8", state={"rounding": "stochastic"}, adamw_lr=3e-3, adamw_weight_decay=0.1, adamw_state_format="fp32", verbose=False)
 
 #: First-step update of every Muon matrix (per fused part), recovered from the weights as
 #: ``(p0 (1 - lr wd) - p1) / lr_adj``, against Newton-Schulz in float64 of the averaged gradient:
@@ -95,11 +95,11 @@ NS_YARDSTICK_RTOL_FP32 = 1e-4
 NS_YARDSTICK_SCHEDULE_RATIO = 2.0
 #: The Newton-Schulz option runs: worker scenario -> (ZeRO stage, QMuon options).
 NS_OPTION_RUNS = {
-    "ns_fp32": (1, {"ns_dtype": "fp32"}),
-    "ns_polar": (2, {"ns_coefficients": "polar_express", "ns_steps": 6}),
+    "ns_fp32": (1, {"newton_schulz": {"dtype": "fp32"}}),
+    "ns_polar": (2, {"newton_schulz": {"coefficients": "polar_express", "steps": 6}}),
     # NorMuon's second moment lives with the owner's whole-matrix state; cautious decay reads the
     # returned update on each slice holder (Muon) and the AdamW slices.
-    "normuon_cautious": (2, {"variant": "normuon", "cautious_weight_decay": True}),
+    "normuon_cautious": (2, {"update": {"variant": "normuon", "cautious_weight_decay": True}}),
 }
 
 
@@ -281,7 +281,7 @@ def test_single_process_matches_qmuon_bit_exact():
 @pytest.mark.parametrize("policy", ["skip", "raise"])
 def test_nonfinite_gradient_policies(policy):
     model = _model()
-    opt = qds.WholeMatrixZeroOptimizer(qmuon.build_optimizer(model, **{**OPT_KW, "nonfinite": policy}))
+    opt = qds.WholeMatrixZeroOptimizer(qmuon.build_optimizer(model, **OPT_KW, safety={"nonfinite": policy}))
     x = _batch(0, 0)
     _loss(model(x), x).backward()
     bad = model.blocks[0].attn.proj.weight
@@ -403,7 +403,7 @@ def _reference(steps: int, bf16: bool = False, **ns) -> dict:
     trace["parts"] = {i: len(g["parts"] or (1,)) for i, (g, _) in enumerate(trace["index"]) if g["use_muon"]}
     # The yardstick itself must be Muon: were QMuon's core broken (SGD, NS skipped) in this process as
     # well, every exact comparison with it would still hold.
-    if ns.get("variant", "muon") == "muon":  # NorMuon rescales rows after NS: not the NS yardstick
+    if ns.get("update", {}).get("variant", "muon") == "muon":  # NorMuon rescales rows after NS: not the NS yardstick
         _assert_is_newton_schulz(trace["init"], trace["params"][0], trace["grads"][0], trace["index"],
                                  f"the reference (options {ns}) is not Muon")
     return trace
@@ -506,13 +506,18 @@ def _assert_is_newton_schulz(init: list[torch.Tensor], first: list[torch.Tensor]
 
 
 # ============================================================================ 2-process worker
+def _without_verbose(kw: dict) -> dict:
+    """``kw`` as a config (sections given to build_optimizer as keywords then merge field by field)."""
+    return {k: v for k, v in kw.items() if k != "verbose"}
+
+
 def _engine(stage: int, seed: int = 0, bf16: bool = False, **ns):
     model = _model(seed)
     # gradient_clipping: DeepSpeed clips to norm 1.0 unless told otherwise; the reference does not clip.
     cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "steps_per_print": 10 ** 9,
            "gradient_clipping": 0.0, "bf16": {"enabled": bf16},
            "zero_optimization": {"stage": stage, "reduce_bucket_size": 500, "allgather_bucket_size": 500}}
-    engine, opt, _, _ = qds.initialize(model, qmuon.build_optimizer(model, **OPT_KW, **ns), cfg)
+    engine, opt, _, _ = qds.initialize(model, qmuon.build_optimizer(model, _without_verbose(OPT_KW), verbose=False, **ns), cfg)
     return engine, opt
 
 
@@ -590,7 +595,8 @@ def worker(out_dir: str) -> None:
     for key, (stage, ns) in NS_OPTION_RUNS.items():
         engine, opt = _engine(stage, **ns)
         res[key] = {**_stage_run(engine, opt, rank),
-                    "ns_options": [{k: g[k] for k in ns} for g in opt.inner.param_groups if g["use_muon"]]}
+                    "ns_options": [{s: {f: g[GROUP_KEYS[f"{s}.{f}"]] for f in fields} for s, fields in ns.items()}
+                                   for g in opt.inner.param_groups if g["use_muon"]]}
         del engine, opt
     # bf16 parameters at ZeRO 2: fp32 master partitions, bf16 model weights.
     engine, opt = _engine(2, bf16=True)
@@ -760,7 +766,7 @@ def test_ns_options_match_single_process(two_process_run, reference, scenario):
         _check_params(r["params"], ref["params"][-1], f"{where}: weights after {STEPS} steps")
     _check_state([r["state"] for r in runs], r0["owner"], r0["holders"], ref["state"][-1], scenario)
     _check_ns_items([r["ns_items"] for r in runs], r0["owner"], ref["parts"], scenario)
-    if ns.get("variant", "muon") == "muon":
+    if ns.get("update", {}).get("variant", "muon") == "muon":
         _assert_is_newton_schulz(r0["init"], r0["first"], ref["grads"][0], ref["index"], f"{scenario}: 2-process update")
     else:  # the second moment is on each matrix's owner, beside its momentum
         for r in runs:

@@ -43,8 +43,7 @@ WIDTH = 256  # one int8 block (256 columns) per row
 #: Embedding rows: with the 32 x 256 head the AdamW group has 24576 elements, so the ZeRO-2 boundary
 #: (12288) is row 48 of the embedding and the ZeRO-3 ones rows 32 / 16: cuts on the block grid.
 EMB_ROWS = 64
-KW = dict(lr=0.02, weight_decay=0.1, state_format="int8", rounding="stochastic", adamw_lr=3e-3,
-          adamw_weight_decay=0.1, adamw_state_format="int8")
+KW = dict(lr=0.02, weight_decay=0.1, state_format="int8", state={"rounding": "stochastic"}, adamw_lr=3e-3, adamw_weight_decay=0.1, adamw_state_format="int8")
 CFG = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "steps_per_print": 10 ** 9,
        "gradient_clipping": 0.0, "zero_optimization": {"stage": 2}}
 #: Cut block vs whole block, in-process test: ``max |p_cut - p_whole| / max |p_whole - p0|`` over the
@@ -107,8 +106,7 @@ def test_cut_parameter_equals_whole_except_the_cut_block(family, rounding):
     parameter with the same gradients. Stochastic rounding of the moments: each piece passes its
     first element's index in the whole parameter (as the wrapper does), so it draws the same noise."""
     shape, rows, cols = (37, 300), 37, 300
-    group = {"lr": 3e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1, "state_format": family,
-             "rounding": rounding, "seed": 5}
+    group = {"lr": 3e-3, "betas": (0.9, 0.95), "eps": 1e-8, "rounding": rounding, "seed": 5, "weight_decay": 0.1, "state_format": family}
     torch.manual_seed(0)
     p0 = torch.randn(shape)
     whole = p0.clone()

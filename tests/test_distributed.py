@@ -151,7 +151,7 @@ def _batch(step: int, rank: int = 0, world: int = 1):
 #: The training scenario runs NorMuon with cautious weight decay, so DCP save / resume / reshard
 #: covers the second moment ("normuon_v", Shard(0) rows like the momentum); the direct scenario
 #: covers plain Muon.
-VARIANT_KW = {"variant": "normuon", "cautious_weight_decay": True}
+VARIANT_KW = {"update": {"variant": "normuon", "cautious_weight_decay": True}}
 
 
 def _opt(model, **kw):
@@ -303,7 +303,7 @@ def _worker_collective_skips(mesh, rank: int) -> dict:
     after = {n: local_copy(p) for n, p in net.named_parameters()}
     out = {"skips": opt.nonfinite_skips, "b_unchanged": torch.equal(before["b"], after["b"]),
            "a_changed": not torch.equal(before["a"], after["a"]), "b_state": net.b in opt.state}
-    opt_raise = qmuon.QMuon(_groups(net), lr=0.02, nonfinite="raise")
+    opt_raise = qmuon.QMuon(_groups(net), lr=0.02, safety={"nonfinite": "raise"})
     set_grads(net, grads, True)
     try:
         opt_raise.step()
@@ -328,20 +328,19 @@ def _worker_two(rank: int, world: int, root: str, configs: list[dict], comm: dic
 # The pytest side: one 2-rank spawn, single-process references in this process
 # ---------------------------------------------------------------------------------------------
 DIRECT_CONFIGS = [
-    {"name": "bf16", "comm_carrier": "bf16", "comm_return": "bf16"},  # int8 state
-    {"name": "int8", "rounding": "stochastic"},  # the default carriers (int8 both ways)
-    {"name": "int4", "state_format": "int4", "comm_carrier": "bf16", "comm_return": "bf16"},
-    {"name": "mxfp8", "state_format": "fp32", "comm_carrier": "mxfp8", "comm_return": "bf16"},
+    {"name": "bf16", "newton_schulz": {"comm_carrier": "bf16", "comm_return": "bf16"}},  # int8 state
+    {"name": "int8", "state": {"rounding": "stochastic"}},  # the default carriers (int8 both ways)
+    {"name": "int4", "state_format": "int4", "newton_schulz": {"comm_carrier": "bf16", "comm_return": "bf16"}},
+    {"name": "mxfp8", "state_format": "fp32", "newton_schulz": {"comm_carrier": "mxfp8", "comm_return": "bf16"}},
     # fp32 Newton-Schulz (what ns_dtype="auto" picks without native bf16 matmul) with fp32 carriers,
     # and the per-iteration Polar Express schedule: every NS option is honoured by the sharded step.
-    {"name": "fp32ns", "ns_dtype": "fp32", "comm_carrier": "fp32", "comm_return": "fp32"},
-    {"name": "polar", "ns_coefficients": "polar_express", "ns_steps": 6, "comm_carrier": "bf16", "comm_return": "bf16"},
+    {"name": "fp32ns", "newton_schulz": {"dtype": "fp32", "comm_carrier": "fp32", "comm_return": "fp32"}},
+    {"name": "polar", "newton_schulz": {"coefficients": "polar_express", "steps": 6, "comm_carrier": "bf16", "comm_return": "bf16"}},
     # NorMuon (second moment rows ride with the NS rows) and cautious weight decay (mask from the
     # returned rows): the same bits as single-process.
-    {"name": "normuon", "variant": "normuon", "cautious_weight_decay": True, "comm_carrier": "bf16",
-     "comm_return": "bf16"},
+    {"name": "normuon", "update": {"variant": "normuon", "cautious_weight_decay": True}, "newton_schulz": {"comm_carrier": "bf16", "comm_return": "bf16"}},
 ]
-TRAIN_COMM = {"comm_carrier": "bf16", "comm_return": "bf16"}
+TRAIN_COMM = {"newton_schulz": {"comm_carrier": "bf16", "comm_return": "bf16"}}
 
 
 def _plain_run(root: str) -> dict:
@@ -404,7 +403,7 @@ def test_carrier_names_match_qmuon():
 
     assert COMM_CARRIERS == CARRIERS and COMM_RETURNS == RETURN_CARRIERS
     with pytest.raises(ValueError, match="comm_carrier"):
-        qmuon.QMuon([nn.Parameter(torch.zeros(2, 2))], comm_carrier="fp4")
+        qmuon.QMuon([nn.Parameter(torch.zeros(2, 2))], newton_schulz={"comm_carrier": "fp4"})
 
 
 @pytest.mark.parametrize("name", ["bf16", "fp32", "int8", "mxfp8"])

@@ -57,8 +57,7 @@ def _sharded(mesh, state_format="grasp4", **kw):
 
     net = _Net()
     fully_shard(net, mesh=mesh)
-    return net, qmuon.QMuon(_groups(net), lr=0.02, weight_decay=0.1, state_format=state_format,
-                         comm_carrier="bf16", comm_return="bf16", **kw)
+    return net, qmuon.QMuon(_groups(net), lr=0.02, weight_decay=0.1, state_format=state_format, newton_schulz={"comm_carrier": "bf16", "comm_return": "bf16"}, **kw)
 
 
 def _dcp(model, opt, path, load):
@@ -142,8 +141,8 @@ def _worker(rank: int, world: int, root: str) -> dict:
     # --- e0m3: nearest and stochastic rounding, sharded vs single process
     for rounding in ("nearest", "stochastic"):
         ref_e = _Net()
-        opt_re = qmuon.QMuon(_groups(ref_e), lr=0.02, weight_decay=0.1, state_format="e0m3", rounding=rounding)
-        net_e, opt_e = _sharded(mesh, state_format="e0m3", rounding=rounding)
+        opt_re = qmuon.QMuon(_groups(ref_e), lr=0.02, weight_decay=0.1, state_format="e0m3", state={"rounding": rounding})
+        net_e, opt_e = _sharded(mesh, state_format="e0m3", state={"rounding": rounding})
         step_side_by_side(ref_e, opt_re, net_e, opt_e, _grads, STEPS)
         out["e0m3_" + rounding] = {
             "params": {n: full_copy(p) for n, p in net_e.named_parameters()},

@@ -179,9 +179,7 @@ def _run(monkeypatch, fused: bool, steps: int = 3, **kw) -> list[torch.Tensor]:
     torch.manual_seed(0)
     net = _Net()
     # qkv as three fused parts, "wide" stored (in, out) (NS on its transpose), conv 4-D, biases AdamW
-    opt = qmuon.build_optimizer(net, lr=0.02, weight_decay=0.1, adamw_lr=3e-3, verbose=False,
-                             fused_parts={r"qkv\.weight$": (32, 32, 32)}, orientations={r"wide\.weight$": "in_out"},
-                             **kw)
+    opt = qmuon.build_optimizer(net, lr=0.02, weight_decay=0.1, adamw_lr=3e-3, verbose=False, routing={"fused_parts": {r"qkv\.weight$": (32, 32, 32)}, "orientations": {r"wide\.weight$": "in_out"}}, **kw)
     gen = torch.Generator().manual_seed(1)
     for _ in range(steps):
         for p in net.parameters():
@@ -190,7 +188,7 @@ def _run(monkeypatch, fused: bool, steps: int = 3, **kw) -> list[torch.Tensor]:
     return [p.detach().clone() for p in net.parameters()]
 
 
-@pytest.mark.parametrize("kw", [{}, {"state_format": "fp32"}, {"ns_dtype": "fp32"}, {"variant": "normuon"}])
+@pytest.mark.parametrize("kw", [{}, {"state_format": "fp32"}, {"newton_schulz": {"dtype": "fp32"}}, {"update": {"variant": "normuon"}}])
 def test_qmuon_step_with_the_compiled_write_equals_torch_ops(ext, monkeypatch, kw):
     if not K.fp32_write_matches_torch(torch.device("cpu")):
         pytest.skip("no FMA add in this torch build: both runs use torch's ops")

@@ -77,7 +77,7 @@ def test_qmuon_ns_method_runs_gram_and_resumes():
     out = {}
     for method in ("standard", "gram"):
         ps = [torch.nn.Parameter(p.clone()) for p in p0]
-        opt = QMuon(ps, ns_method=method, weight_decay=0.0)
+        opt = QMuon(ps, newton_schulz={"method": method}, weight_decay=0.0)
         gen = torch.Generator().manual_seed(1)
         for _ in range(2):
             for p in ps:
@@ -96,7 +96,7 @@ def test_qmuon_ns_method_runs_gram_and_resumes():
         p.grad = torch.randn(p.shape, generator=gen)
     opt_g.step()
     ps2 = [torch.nn.Parameter(s) for s in saved]
-    opt2 = QMuon(ps2, ns_method="gram", weight_decay=0.0)
+    opt2 = QMuon(ps2, newton_schulz={"method": "gram"}, weight_decay=0.0)
     opt2.load_state_dict(sd)
     gen.set_state(state)
     for p in ps2:
@@ -130,7 +130,7 @@ def test_default_is_auto_and_pre_ns_method_checkpoints_resume_standard():
             opt.step()
 
     ps = [torch.nn.Parameter(p.clone()) for p in p0]
-    opt = QMuon(ps, ns_dtype="fp32", ns_method="standard")
+    opt = QMuon(ps, newton_schulz={"dtype": "fp32", "method": "standard"})
     gen = torch.Generator().manual_seed(1)
     run(opt, ps, gen, 2)
     sd = copy.deepcopy(opt.state_dict())
@@ -140,7 +140,7 @@ def test_default_is_auto_and_pre_ns_method_checkpoints_resume_standard():
     run(opt, ps, gen, 2)
     for want in ("standard", "gram"):
         ps2 = [torch.nn.Parameter(s.clone()) for s in saved]
-        opt2 = QMuon(ps2, ns_dtype="fp32")
+        opt2 = QMuon(ps2, newton_schulz={"dtype": "fp32"})
         assert opt2.param_groups[0]["ns_method"] == "auto"
         if want == "gram":
             sd = copy.deepcopy(sd)
@@ -153,8 +153,8 @@ def test_default_is_auto_and_pre_ns_method_checkpoints_resume_standard():
 
 
 def test_bad_ns_method_raises():
-    with pytest.raises(ValueError, match="ns_method must be one of"):
-        QMuon([torch.nn.Parameter(torch.randn(4, 4))], ns_method="fast")
+    with pytest.raises(ValueError, match="newton_schulz.method must be one of"):
+        QMuon([torch.nn.Parameter(torch.randn(4, 4))], newton_schulz={"method": "fast"})
 
 
 @pytest.mark.parametrize("shape", [(64, 256), (256, 64)], ids=["wide", "tall"])

@@ -129,8 +129,7 @@ def first_step_report(family: str, **build: Any) -> dict[str, tuple[float, float
     """One QMuon step (fp32 momentum, bf16 NS, no weight decay) on a tiny model: per logical layer,
     (cosine, norm ratio) of its update against torch.optim.Muon on the (out, in) layer."""
     model = make_model(family)
-    opt = qmuon.build_optimizer(model, lr=LR, weight_decay=0.0, state_format="fp32", ns_dtype="bf16", verbose=False,
-                             **build)
+    opt = qmuon.build_optimizer(model, lr=LR, weight_decay=0.0, state_format="fp32", newton_schulz={"dtype": "bf16"}, verbose=False, **build)
     lm_loss(model, tokens()).backward()
     params = dict(model.named_parameters())
     before = {n: p.detach().clone() for n, p in params.items()}
@@ -203,8 +202,7 @@ def test_update_matches_torch_muon_on_the_out_in_layer(family: str) -> None:
 def test_stored_layout_misses_the_targets() -> None:
     """The yardstick has teeth: optimizing GPT-2 as its tensors are stored (declared so through
     the router's own overrides) fails it on c_attn and c_fc."""
-    report = first_step_report("gpt2", orientations={r"\.c_\w+\.weight$": "out_in"},
-                               fused_parts={r"c_attn\.weight$": {"sizes": [3 * D], "axis": 1}})
+    report = first_step_report("gpt2", routing={"orientations": {r"\.c_\w+\.weight$": "out_in"}, "fused_parts": {r"c_attn\.weight$": {"sizes": [3 * D], "axis": 1}}})
     q_cos, _ = report["transformer.h.0.attn.q"]
     _, fc_norm = report["transformer.h.0.mlp.c_fc"]
     assert q_cos < MIN_COSINE and abs(fc_norm - 0.5) < 0.05, (q_cos, fc_norm)
@@ -248,7 +246,7 @@ def test_checkpoint_from_before_layout_routing_gets_a_clear_error_and_loads_with
     """Before layouts were read, GPT-2's Conv1D weights sat in the one plain Muon group. The arguments
     the error names rebuild exactly that grouping (one Muon group, out_in, unfused), so such a
     checkpoint loads."""
-    old_routing = dict(orientations={r"\.c_\w+\.weight$": "out_in"}, fused_parts={r"c_attn\.weight$": None})
+    old_routing = dict(routing={"orientations": {r"\.c_\w+\.weight$": "out_in"}, "fused_parts": {r"c_attn\.weight$": None}})
     model = make_model("gpt2")
     old = qmuon.build_optimizer(model, verbose=False, **old_routing)
     muon = [g for g in old.param_groups if g["use_muon"]]
@@ -275,8 +273,7 @@ def test_mxfp8_input_encodes_the_stored_block_and_runs_ns_on_the_layer() -> None
     from qmuon.quant.mxfp8 import mxfp8_roundtrip_normalized
 
     model = make_model("gpt2")
-    opt = qmuon.build_optimizer(model, lr=LR, weight_decay=0.0, state_format="fp32", ns_dtype="bf16", ns_input="mxfp8",
-                             verbose=False)
+    opt = qmuon.build_optimizer(model, lr=LR, weight_decay=0.0, state_format="fp32", newton_schulz={"dtype": "bf16", "input": "mxfp8"}, verbose=False)
     lm_loss(model, tokens()).backward()
     w = model.transformer.h[0].attn.c_attn.weight
     w0 = w.detach().clone()
@@ -311,7 +308,7 @@ def test_declared_orientation_and_axis_parts_on_a_plain_module() -> None:
                                 torch.nn.Linear(16, 8))
     (d,) = [d for d in route_parameters(model) if d.name == "0.weight"]
     assert (d.parts, d.parts_axis, d.orientation) == ((16, 32), 1, "in_out")
-    opt = qmuon.build_optimizer(model, lr=LR, weight_decay=0.0, state_format="fp32", ns_dtype="bf16", verbose=False)
+    opt = qmuon.build_optimizer(model, lr=LR, weight_decay=0.0, state_format="fp32", newton_schulz={"dtype": "bf16"}, verbose=False)
     model(torch.randn(256, 48)).square().mean().backward()
     w0, g = model[0].weight.detach().clone(), model[0].weight.grad.clone()
     lin0, lin_g = model[2].weight.detach().clone(), model[2].weight.grad.clone()
@@ -359,7 +356,8 @@ def _sharded_worker(rank: int, world: int, family: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for label, kw in (("fp32_state", dict(state_format="fp32")), ("int8_state", dict(state_format="int8")),
                       ("grasp4_state", dict(state_format="grasp4"))):
-        kw = dict(kw, lr=LR, weight_decay=0.0, ns_dtype="bf16", comm_carrier="bf16", comm_return="bf16", verbose=False)
+        kw = dict(kw, lr=LR, weight_decay=0.0, verbose=False,
+                  newton_schulz={"dtype": "bf16", "comm_carrier": "bf16", "comm_return": "bf16"})
         whole, sharded = make_model(family), make_model(family)
         layers = sharded.transformer.h if family == "gpt2" else sharded.model.layers
         for block in layers:
@@ -428,8 +426,7 @@ def test_sharded_update_is_single_process_bit_for_bit(family: str) -> None:
 #: of a column-fused c_attn (the test checks it does).
 DS_GPT2 = dict(d=33, heads=3, layers=3)
 # fp32 AdamW moments: DeepSpeed steps flat ZeRO slices, whose AdamW moments QMuon keeps in fp32
-DS_KW = dict(lr=LR, weight_decay=0.1, state_format="int8", rounding="stochastic", adamw_lr=3e-3,
-             adamw_state_format="fp32", verbose=False)
+DS_KW = dict(lr=LR, weight_decay=0.1, state_format="int8", state={"rounding": "stochastic"}, adamw_lr=3e-3, adamw_state_format="fp32", verbose=False)
 DS_STEPS = 2
 TRAINER_FAMILIES = FAMILIES
 #: Decoder block classes (FSDP units of the Accelerate runs).
@@ -441,8 +438,8 @@ BLOCK_CLASS = {"gpt2": "GPT2Block", "llama": "LlamaDecoderLayer", "qwen3": "Qwen
 #: directions; int8 momentum and carriers there measured cosine 0.97 against torch.optim.Muon
 #: (every other layer >= 0.99). Their layers are plain (out, in): the run checks that they stay so.
 TRAINER_KW = {"gpt2": dict(lr=LR, weight_decay=0.0),
-              "llama": dict(lr=LR, weight_decay=0.0, state_format="fp32", comm_carrier="bf16", comm_return="bf16"),
-              "qwen3": dict(lr=LR, weight_decay=0.0, state_format="fp32", comm_carrier="bf16", comm_return="bf16")}
+              "llama": dict(lr=LR, weight_decay=0.0, state_format="fp32", newton_schulz={"comm_carrier": "bf16", "comm_return": "bf16"}),
+              "qwen3": dict(lr=LR, weight_decay=0.0, state_format="fp32", newton_schulz={"comm_carrier": "bf16", "comm_return": "bf16"})}
 
 
 def _ds_model(seed: int = 0) -> torch.nn.Module:

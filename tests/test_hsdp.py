@@ -102,12 +102,11 @@ def _worker(rank: int, world: int, ckpt: str) -> dict[str, Any]:
     # parameters and state must be the uninterrupted single-process run's, bit for bit
     flat_mesh = init_device_mesh("cpu", (4,))
     meshes = {"2x2": mesh, "4": flat_mesh, "1": None}
-    kw = dict(lr=LR, weight_decay=0.01, state_format="int8", ns_dtype="bf16", comm_carrier="bf16",
-              comm_return="bf16", verbose=False)
+    kw = dict(lr=LR, weight_decay=0.01, state_format="int8", newton_schulz={"dtype": "bf16", "comm_carrier": "bf16", "comm_return": "bf16"}, verbose=False)
     out["resharded"] = {}
     for src, dst, variant in (("2x2", "4", "muon"), ("2x2", "1", "muon"), ("4", "2x2", "muon"), ("1", "2x2", "muon"),
                               ("2x2", "4", "normuon"), ("4", "2x2", "normuon")):
-        vkw = dict(kw, variant=variant)
+        vkw = dict(kw, update={"variant": variant})
         make = make_model if variant == "muon" else make_normuon_model
         ref = make()
         o_ref = qmuon.build_optimizer(ref, **vkw)
@@ -145,8 +144,7 @@ def _worker(rank: int, world: int, ckpt: str) -> dict[str, Any]:
     # 2x2 (bank members dealt over the replicas, second moment shared with the result) and on a 1-D
     # mesh of 4 (one expert per rank, no communication for the banks) == single process
     out["normuon"] = {}
-    kw = dict(lr=LR, weight_decay=0.01, state_format="int8", ns_dtype="bf16", comm_carrier="bf16",
-              comm_return="bf16", variant="normuon", verbose=False)
+    kw = dict(lr=LR, weight_decay=0.01, state_format="int8", newton_schulz={"dtype": "bf16", "comm_carrier": "bf16", "comm_return": "bf16"}, update={"variant": "normuon"}, verbose=False)
     for label in ("2x2", "4"):
         whole, sharded = make_normuon_model(), make_normuon_model()
         fully_shard(sharded, mesh=meshes[label])
@@ -168,8 +166,7 @@ def _worker(rank: int, world: int, ckpt: str) -> dict[str, Any]:
                                  "bank_v_placements": str(tuple(o_sharded.state[sp["moe.w"]]["normuon_v"].placements))}
 
     for fmt in ("fp32", "int8"):
-        kw = dict(lr=LR, weight_decay=0.01, state_format=fmt, ns_dtype="bf16", comm_carrier="bf16",
-                  comm_return="bf16", verbose=False)
+        kw = dict(lr=LR, weight_decay=0.01, state_format=fmt, newton_schulz={"dtype": "bf16", "comm_carrier": "bf16", "comm_return": "bf16"}, verbose=False)
         whole, sharded = make_model(), make_model()
         fully_shard(sharded, mesh=mesh)
         o_whole, o_sharded = qmuon.build_optimizer(whole, **kw), qmuon.build_optimizer(sharded, **kw)
@@ -388,8 +385,7 @@ def test_trainer_hsdp_trains_and_resumes(tmp_path: Path) -> None:
 #: bit between a batch of 4 (one process) and of 1-2 (a rank's dealt members): torch's CPU bf16
 #: ``baddbmm`` rounds differently with the batch size for some inputs (measured: 6 of 600 random
 #: 12 x 16 stacks, batch 1-2 against 8; fp32: none). fp32 ``bmm`` / ``baddbmm`` are batch-invariant.
-DRIVER_KW = dict(lr=LR, weight_decay=0.01, state_format="int8", ns_dtype="fp32", comm_carrier="fp32",
-                 comm_return="fp32", verbose=False)
+DRIVER_KW = dict(lr=LR, weight_decay=0.01, state_format="int8", newton_schulz={"dtype": "fp32", "comm_carrier": "fp32", "comm_return": "fp32"}, verbose=False)
 
 
 class Net(torch.nn.Module):

@@ -45,7 +45,7 @@ MIN_COSINE, NORM_TOL = 0.99, 0.10
 def _two_group_opt(mode: str) -> tuple[qmuon.QMuon, nn.Module]:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Embedding(32, 16), nn.Linear(16, 16, bias=True), nn.Linear(16, 32, bias=False))
-    opt = qmuon.build_optimizer(model, lr=LR, adamw_lr=ADAMW_LR, state_format="fp32", verbose=False, lr_ratios=mode)
+    opt = qmuon.build_optimizer(model, lr=LR, adamw_lr=ADAMW_LR, state_format="fp32", verbose=False, update={"lr_ratios": mode})
     return opt, model
 
 
@@ -132,7 +132,7 @@ def test_legacy_interleaved_layout_is_refused_with_the_fix():
     with pytest.raises(ValueError, match=r"interleaved per query group.*litgpt >= 0\.5.*fused_parts"):
         qmuon.build_optimizer(model, verbose=False)
     # the user's declaration wins: one matrix, as asked
-    opt = qmuon.build_optimizer(model, verbose=False, fused_parts={r"attn\.attn\.weight$": None})
+    opt = qmuon.build_optimizer(model, verbose=False, routing={"fused_parts": {r"attn\.attn\.weight$": None}})
     assert all(g.get("parts") is None for g in opt.param_groups)
     # one query group (MQA): interleaved == contiguous, read as q, k, v
     mqa = nn.ModuleDict({"attn": CausalSelfAttention(n_head=4, groups=1, legacy=True)})
@@ -226,7 +226,7 @@ def test_qkv_updates_match_torch_muon_per_layer():
 @needs_litgpt
 def test_qkv_as_one_matrix_misses_the_targets():
     # What build_optimizer did before the LitGPT rule: the fused 128 x 64 matrix orthogonalized whole.
-    got = _per_layer_agreement(fused_parts={r"attn\.qkv\.weight$": None})
+    got = _per_layer_agreement(routing={"fused_parts": {r"attn\.qkv\.weight$": None}})
     print(json.dumps({k: [round(c, 4), round(r, 4)] for k, (c, r) in got.items() if ".attn." in k}, indent=1))
     worst = min(got[f"transformer.h.{i}.attn.{x}"][0] for i in range(2) for x in "qkv")
     assert worst < MIN_COSINE
@@ -255,8 +255,12 @@ def test_split_qmuon_args():
                                    "--train.max_tokens", "10", "--qmuon.sharded_checkpoint", "true"])
     assert rest == ["--config", "a.yaml", "--train.max_tokens", "10"]
     assert opts == {"state_format": "grasp4", "lr": 0.01, "sharded_checkpoint": True}
-    with pytest.raises(SystemExit, match="unknown option --qmuon.state_fromat"):
+    _, opts = split_qmuon_args(["--qmuon.newton_schulz.dtype", "fp32", "--qmuon.newton_schulz.steps=6"])
+    assert opts == {"newton_schulz": {"dtype": "fp32", "steps": 6}}
+    with pytest.raises(SystemExit, match="--qmuon.state_fromat: unknown QMuon option 'state_fromat'; did you mean 'state_format'"):
         split_qmuon_args(["--qmuon.state_fromat", "int8"])
+    with pytest.raises(SystemExit, match="did you mean 'newton_schulz.dtype'"):
+        split_qmuon_args(["--qmuon.ns_dtype", "fp32"])
 
 
 def _write_setup(tmp: Path, devices: int, max_tokens: int) -> Path:

@@ -57,13 +57,11 @@ def test_estimate_matches_memtracker(setup: mem.Setup, size: int) -> None:
 #: NorMuon (a per-output-row fp32 second moment beside the momentum) and grasp4 with bf16 weights,
 #: without and with release: the setups whose state or step the standard rows do not cover.
 EXTRA = [
-    mem.Setup("normuon int8", "qmuon", {"state_format": "int8", "variant": "normuon"}),
+    mem.Setup("normuon int8", "qmuon", {"state_format": "int8", "update": {"variant": "normuon"}}),
     mem.Setup("normuon int8 + int8 AdamW + stochastic + release", "qmuon",
-              {"state_format": "int8", "adamw_state_format": "int8", "variant": "normuon", "bf16_update": "stochastic",
-               "gradient_release": True}, "bf16"),
+              {"state_format": "int8", "adamw_state_format": "int8", "update": {"variant": "normuon"}, "bf16_update": "stochastic", "gradient_release": True}, "bf16"),
     mem.Setup("normuon grasp4 + int4 AdamW + stochastic", "qmuon",
-              {"state_format": "grasp4", "adamw_state_format": "int4", "variant": "normuon",
-               "bf16_update": "stochastic"}, "bf16"),
+              {"state_format": "grasp4", "adamw_state_format": "int4", "update": {"variant": "normuon"}, "bf16_update": "stochastic"}, "bf16"),
 ]
 
 
@@ -75,7 +73,7 @@ def test_estimate_matches_memtracker_variants(setup: mem.Setup, size: int) -> No
     est = mem.estimate(_meta(cfg), setup, device="cpu")
     assert abs(est.total / measured.peak - 1.0) <= TOLERANCE, (setup.label, est.as_dict(), measured.split)
     assert est.state == measured.state_bytes  # NorMuon's second moment counted from its real shape
-    if setup.options.get("variant") == "normuon":
+    if setup.config().update.variant == "normuon":
         assert est.state_parts["normuon second moment"] > 0
 
 

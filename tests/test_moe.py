@@ -37,7 +37,7 @@ from _moe import (D, EXPERTS, INTER, LAYERS, LR, MOE_FAMILIES, compare, expert_b
 from qmuon.optim import RoutingRule, format_routing_table, route_parameters  # noqa: E402
 
 MIN_COSINE, NORM_TOL = 0.99, 0.10
-EXACT_KW = dict(lr=LR, weight_decay=0.0, state_format="fp32", ns_dtype="bf16", verbose=False)
+EXACT_KW = dict(lr=LR, weight_decay=0.0, state_format="fp32", newton_schulz={"dtype": "bf16"}, verbose=False)
 
 
 def assert_targets(report: dict[str, tuple[float, float]], what: str) -> None:
@@ -132,7 +132,7 @@ def test_formats_that_mix_rows_are_refused_for_banks() -> None:
     for fmt in ("grasp4", "e0m3"):
         with pytest.raises(ValueError, match=f"state_format '{fmt}' keeps statistics over the whole stored matrix"):
             qmuon.build_optimizer(model, state_format=fmt, verbose=False)
-    opt = qmuon.build_optimizer(model, state_format="grasp4", bank_state_format="int8", verbose=False)
+    opt = qmuon.build_optimizer(model, state_format="grasp4", routing={"bank_state_format": "int8"}, verbose=False)
     formats = {g["state_format"] for g in opt.param_groups if g["use_muon"] and g["bank_dims"]}
     plain = {g["state_format"] for g in opt.param_groups if g["use_muon"] and not g["bank_dims"]}
     assert (formats, plain) == ({"int8"}, {"grasp4"})
@@ -154,7 +154,7 @@ def test_every_expert_block_moves_like_torch_muon(family: str) -> None:
 def test_flattened_bank_misses_the_targets() -> None:
     """The yardstick has teeth: the banks as one flattened (E, out*in) matrix each (detection
     turned off through the router's own override) fail it."""
-    report = first_step("qwen3_moe", banks={r"experts\.": None})
+    report = first_step("qwen3_moe", routing={"banks": {r"experts\.": None}})
     worst_cos = min(c for c, _ in report.values())
     worst_norm = max(abs(r - 1) for _, r in report.values())
     assert worst_cos < MIN_COSINE and worst_norm > NORM_TOL, (worst_cos, worst_norm)
@@ -196,7 +196,7 @@ def test_normuon_on_a_bank_is_normuon_per_expert_matrix(layout: str) -> None:
     (E, in, out) with interleaved gate / up columns, neurons are stored columns."""
     E, I, H = 3, 8, 12
     torch.manual_seed(0)
-    kw = dict(lr=LR, weight_decay=0.01, state_format="fp32", ns_dtype="bf16", variant="normuon")
+    kw = dict(lr=LR, weight_decay=0.01, state_format="fp32", newton_schulz={"dtype": "bf16"}, update={"variant": "normuon"})
     if layout == "out_in":
         bank = torch.nn.Parameter(torch.randn(E, 2 * I, H) * 0.1)
         group = {"params": [bank], "bank_dims": 1, "parts": (I, I)}
@@ -263,7 +263,7 @@ def test_deepspeed_wrapper_steps_banks_like_qmuon() -> None:
     gpt-oss (interleaved gate / up, bias banks on AdamW) steps bit for bit like QMuon."""
     qds = pytest.importorskip("qmuon.integrations.deepspeed")
     # fp32 AdamW moments: the DeepSpeed wrapper keeps them (flat ZeRO slices cannot hold row blocks)
-    kw = dict(lr=LR, state_format="int8", rounding="stochastic", adamw_state_format="fp32", verbose=False)
+    kw = dict(lr=LR, state_format="int8", state={"rounding": "stochastic"}, adamw_state_format="fp32", verbose=False)
     m1, m2 = make_moe("gpt_oss"), make_moe("gpt_oss")
     o1, o2 = qmuon.build_optimizer(m1, **kw), qds.WholeMatrixZeroOptimizer(qmuon.build_optimizer(m2, **kw))
     for step in range(2):

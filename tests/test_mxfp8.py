@@ -213,14 +213,14 @@ def _opt_pair(shapes, **kw):
     for ns_input in ("bf16", "mxfp8"):
         torch.manual_seed(0)
         ps = [torch.nn.Parameter(torch.randn(s) * 0.02) for s in shapes]
-        out.append((ps, QMuon(ps, lr=0.02, ns_input=ns_input, ns_dtype="bf16", **kw)))
+        out.append((ps, QMuon(ps, lr=0.02, newton_schulz={"input": ns_input, "dtype": "bf16"}, **kw)))
     return out
 
 
 def test_ns_input_validation_error():
     p = torch.nn.Parameter(torch.zeros(4, 4))
-    with pytest.raises(ValueError, match=r"ns_input must be 'bf16'.*'mxfp8'.*got 'fp8'"):
-        QMuon([p], ns_input="fp8")
+    with pytest.raises(ValueError, match=r"newton_schulz.input must be 'bf16'.*'mxfp8'.*got 'fp8'"):
+        QMuon([p], newton_schulz={"input": "fp8"})
     with pytest.raises(ValueError, match="ns_input"):
         QMuon([{"params": [p], "ns_input": "e4m3"}])
 
@@ -260,7 +260,7 @@ def test_mxfp8_update_cosine_vs_bf16_input():
     upd = {}
     for ns_input in ("bf16", "mxfp8"):
         ps = [torch.nn.Parameter(torch.zeros(s)) for s in shapes]
-        opt = QMuon(ps, lr=1.0, weight_decay=0.0, state_format="fp32", ns_input=ns_input, ns_dtype="bf16")
+        opt = QMuon(ps, lr=1.0, weight_decay=0.0, state_format="fp32", newton_schulz={"input": ns_input, "dtype": "bf16"})
         per_step = []
         for t in range(6):
             before = [p.detach().clone() for p in ps]
@@ -304,8 +304,7 @@ def test_mxfp8_trains_with_parts_and_bf16_params():
     torch.manual_seed(0)
     w = torch.nn.Parameter(torch.randn(96, 32, dtype=torch.bfloat16) * 0.1)  # fused (32, 32, 32) parts
     target = torch.randn(96, 32, dtype=torch.bfloat16) * 0.1
-    opt = QMuon([{"params": [w], "parts": (32, 32, 32)}], lr=0.02, state_format="int8", ns_input="mxfp8",
-                weight_decay=0.0)
+    opt = QMuon([{"params": [w], "parts": (32, 32, 32)}], lr=0.02, state_format="int8", newton_schulz={"input": "mxfp8"}, weight_decay=0.0)
     losses = []
     for _ in range(30):
         opt.zero_grad()
@@ -324,7 +323,7 @@ def test_mxfp8_single_bf16_item_does_not_overwrite_grad():
     for ns_input in ("bf16", "mxfp8"):
         torch.manual_seed(1)
         p = torch.nn.Parameter(torch.randn(40, 72, dtype=torch.bfloat16))
-        opt = QMuon([p], lr=0.02, state_format="bf16", ns_input=ns_input)
+        opt = QMuon([p], lr=0.02, state_format="bf16", newton_schulz={"input": ns_input})
         p.grad = (torch.randn(40, 72, generator=torch.Generator().manual_seed(2)) * 1e-2).bfloat16()
         opt.step()
         outs.append(p.grad.clone())
@@ -333,7 +332,7 @@ def test_mxfp8_single_bf16_item_does_not_overwrite_grad():
 
 def test_mxfp8_nonfinite_gradient_is_skipped():
     p = torch.nn.Parameter(torch.ones(32, 32))
-    opt = QMuon([p], lr=0.02, ns_input="mxfp8")
+    opt = QMuon([p], lr=0.02, newton_schulz={"input": "mxfp8"})
     p.grad = torch.full((32, 32), float("nan"))
     opt.step()
     assert opt.nonfinite_skips == 1 and torch.equal(p.detach(), torch.ones(32, 32))
@@ -350,27 +349,27 @@ def test_mxfp8_state_dict_round_trip_and_structural_key():
 
     torch.manual_seed(0)
     ref_p = [torch.nn.Parameter(torch.randn(*shapes[0]) * 0.02)]
-    ref = QMuon(ref_p, lr=0.02, state_format="int8", ns_input="mxfp8")
+    ref = QMuon(ref_p, lr=0.02, state_format="int8", newton_schulz={"input": "mxfp8"})
     run(ref, ref_p, range(6))
 
     torch.manual_seed(0)
     a_p = [torch.nn.Parameter(torch.randn(*shapes[0]) * 0.02)]
-    a = QMuon(a_p, lr=0.02, state_format="int8", ns_input="mxfp8")
+    a = QMuon(a_p, lr=0.02, state_format="int8", newton_schulz={"input": "mxfp8"})
     run(a, a_p, range(3))
     sd = a.state_dict()
     assert sd["param_groups"][0]["ns_input"] == "mxfp8"
     b_p = [torch.nn.Parameter(a_p[0].detach().clone())]
-    b = QMuon(b_p, lr=0.02, state_format="int8", ns_input="mxfp8")
+    b = QMuon(b_p, lr=0.02, state_format="int8", newton_schulz={"input": "mxfp8"})
     b.load_state_dict(sd)
     run(b, b_p, range(3, 6))
     assert torch.equal(b_p[0], ref_p[0])  # bit-exact resume
 
     # ns_input is structural: the constructed optimizer's value wins over the checkpoint's
-    c = QMuon([torch.nn.Parameter(a_p[0].detach().clone())], lr=0.02, state_format="int8", ns_input="bf16")
+    c = QMuon([torch.nn.Parameter(a_p[0].detach().clone())], lr=0.02, state_format="int8", newton_schulz={"input": "bf16"})
     c.load_state_dict(sd)
     assert c.param_groups[0]["ns_input"] == "bf16"
     old = {"state": sd["state"], "param_groups": [{k: v for k, v in g.items() if k != "ns_input"}
                                                   for g in sd["param_groups"]]}
-    d = QMuon([torch.nn.Parameter(a_p[0].detach().clone())], lr=0.02, state_format="int8", ns_input="mxfp8")
+    d = QMuon([torch.nn.Parameter(a_p[0].detach().clone())], lr=0.02, state_format="int8", newton_schulz={"input": "mxfp8"})
     d.load_state_dict(old)  # a checkpoint from before ns_input existed
     assert d.param_groups[0]["ns_input"] == "mxfp8"

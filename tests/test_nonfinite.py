@@ -61,7 +61,7 @@ def test_nan_gradients_leave_parameter_and_quantized_state_untouched(fmt):
 
 
 def test_max_nonfinite_skips_raises_naming_the_parameter_and_changes_nothing():
-    p, q, opt = _opt(max_nonfinite_skips=2)
+    p, q, opt = _opt(safety={"max_nonfinite_skips": 2})
     for _ in range(2):
         _grads(p, q, bad_p=True)
         opt.step()  # q keeps training; p is skipped twice: within the limit
@@ -78,7 +78,7 @@ def test_max_nonfinite_skips_raises_naming_the_parameter_and_changes_nothing():
 
 
 def test_a_finite_step_resets_the_count_per_parameter():
-    p, q, opt = _opt(max_nonfinite_skips=2)
+    p, q, opt = _opt(safety={"max_nonfinite_skips": 2})
     pattern = [(True, False), (True, True), (False, True), (True, False), (True, False), (False, False)]
     for bad_p, bad_q in pattern:  # p: 2 bad, 1 good, 2 bad; q: 2 bad around p's good step
         _grads(p, q, bad_p=bad_p, bad_q=bad_q)
@@ -90,13 +90,13 @@ def test_a_finite_step_resets_the_count_per_parameter():
 def test_max_nonfinite_skips_validation():
     for bad in (0, -1, 1.5, True):
         with pytest.raises(ValueError, match="max_nonfinite_skips must be None"):
-            QMuonConfig(max_nonfinite_skips=bad).validate()
-    assert QMuonConfig().max_nonfinite_skips is None  # unlimited by default (docs/fidelity.md says why)
+            QMuonConfig(safety={"max_nonfinite_skips": bad}).validate()
+    assert QMuonConfig().safety.max_nonfinite_skips is None  # unlimited by default (docs/fidelity.md says why)
     from qmuon_lightning.strategies import QMuonFSDPStrategy
 
     with pytest.raises(ValueError, match="optimizer_kwargs: .*max_nonfinite_skips"):
-        QMuonFSDPStrategy(optimizer_kwargs={"max_nonfinite_skips": 0})
-    assert QMuonFSDPStrategy(optimizer_kwargs={"max_nonfinite_skips": 5}).optimizer_kwargs["max_nonfinite_skips"] == 5
+        QMuonFSDPStrategy(optimizer_kwargs={"safety": {"max_nonfinite_skips": 0}})
+    assert QMuonFSDPStrategy(optimizer_kwargs={"safety": {"max_nonfinite_skips": 5}}).optimizer_kwargs["safety"]["max_nonfinite_skips"] == 5
 
 
 # ============================================================================ Lightning
@@ -127,7 +127,7 @@ class NaNMLP(L.LightningModule):
     def configure_optimizers(self):
         if type(self.trainer.strategy).__name__ == "QMuonFSDPStrategy":
             return torch.optim.AdamW(self.parameters(), lr=1e-3)  # replaced by the strategy
-        return build_optimizer(self, lr=0.02, verbose=False, max_nonfinite_skips=self.max_skips)
+        return build_optimizer(self, lr=0.02, verbose=False, safety={"max_nonfinite_skips": self.max_skips})
 
 
 def _loader(n=64):
@@ -171,7 +171,7 @@ def _fsdp_scenario(out: Path) -> dict:
     from qmuon_lightning.strategies import QMuonFSDPStrategy
 
     L.seed_everything(0, verbose=False)
-    strategy = QMuonFSDPStrategy(optimizer_kwargs={"max_nonfinite_skips": 2}, timeout=timedelta(seconds=120))
+    strategy = QMuonFSDPStrategy(optimizer_kwargs={"safety": {"max_nonfinite_skips": 2}}, timeout=timedelta(seconds=120))
     module = NaNMLP(bad_from=3, bad_rank=0)  # only rank 0's rows are NaN
     tr = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=20, logger=False,
                    enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,

@@ -52,9 +52,7 @@ def _train(make_optimizer) -> tuple[list[torch.Tensor], list[torch.Tensor], floa
 
 def _qmuon_adamw(state_format: str):
     def make(model: nn.Module) -> qmuon.QMuon:
-        return qmuon.QMuon([{"params": list(model.parameters()), "use_muon": False}], adamw_lr=HP["lr"],
-                        adamw_betas=HP["betas"], adamw_weight_decay=HP["weight_decay"],
-                        adamw_state_format=state_format)
+        return qmuon.QMuon([{"params": list(model.parameters()), "use_muon": False}], adamw_lr=HP["lr"], update={"adamw_betas": HP["betas"]}, adamw_weight_decay=HP["weight_decay"], adamw_state_format=state_format)
     return make
 
 

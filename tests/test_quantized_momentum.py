@@ -94,8 +94,7 @@ def test_8bit_momentum_tracks_fp32_shadow(fmt, rounding):
     grads = realistic_grads(ROWS, COLS, STEPS, seed=11, scale=1e-3)
     p = torch.nn.Parameter(torch.zeros(ROWS, COLS))
     # lr=0: the weights do not matter here, only the momentum.
-    opt = QMuon([p], lr=0.0, weight_decay=0.0, momentum=BETA, state_format=fmt, block_size=BLOCK,
-                rounding=rounding, seed=3)
+    opt = QMuon([p], lr=0.0, weight_decay=0.0, momentum=BETA, state_format=fmt, state={"block_size": BLOCK, "rounding": rounding, "seed": 3})
     shadow = torch.zeros(ROWS, COLS)  # fp32 momentum exactly as torch.optim.Muon keeps it
     # Each step the state is dequantized, updated in fp32 and requantized, so
     #   e_t = beta * e_{t-1} + r_t,  |r_t| <= c * absmax_t / 127
@@ -164,7 +163,7 @@ def test_stochastic_rounding_is_unbiased_on_a_constant():
 def _stochastic_codes(seed, steps=3, params=1, grads=None):
     torch.manual_seed(0)
     ps = [torch.nn.Parameter(torch.zeros(16, 96)) for _ in range(params)]
-    opt = QMuon(ps, lr=0.01, state_format="int8", block_size=32, rounding="stochastic", seed=seed)
+    opt = QMuon(ps, lr=0.01, state_format="int8", state={"block_size": 32, "rounding": "stochastic", "seed": seed})
     grads = grads or realistic_grads(16, 96, steps, seed=21)
     for g in grads:
         for p in ps:
@@ -192,7 +191,7 @@ def test_stochastic_rounding_is_reproducible_and_depends_on_seed_step_and_key():
     g = realistic_grads(16, 96, 1, seed=22)
     (s1,), _ = _stochastic_codes(seed=5, grads=g)
     p = torch.nn.Parameter(torch.zeros(16, 96))
-    opt = QMuon([p], lr=0.01, state_format="int8", block_size=32, rounding="stochastic", seed=5)
+    opt = QMuon([p], lr=0.01, state_format="int8", state={"block_size": 32, "rounding": "stochastic", "seed": 5})
     p.grad = torch.zeros(16, 96)
     opt.step()  # creates the state (zero momentum stays zero)
     assert bool((opt.state[p]["momentum_codes"] == 0).all())

@@ -149,7 +149,7 @@ def test_recipe(path, capsys, tmp_path):
 
 
 @pytest.mark.parametrize("name, state_format, variant, bf16_update",
-                         [("qmuon", "int8", "muon", None), ("grasp", None, "muon", None),
+                         [("qmuon", "int8", "muon", None), ("qmuon", "grasp4", "muon", None),
                           ("qmuon", "bf16", "muon", None), ("adamw", None, "muon", None),
                           ("torch_muon", None, "muon", None), ("qmuon", "int8", "normuon", None),
                           ("qmuon", "int8", "muon", "stochastic"), ("qmuon", "int8", "muon", "ecc8")])
@@ -158,7 +158,8 @@ def test_memory_budget_state_is_exact(name, state_format, variant, bf16_update):
     (NorMuon: its per-row second moment too; bf16 weights (``bf16-true``): the ``bf16_update`` rule's
     correction codes, none for stochastic, one int8 per element for ecc8)."""
     torch.manual_seed(0)
-    spec = OptimizerSpec(name=name, state_format=state_format, warmup_steps=0, variant=variant, bf16_update=bf16_update)
+    options = {k: v for k, v in (("state_format", state_format), ("bf16_update", bf16_update)) if v is not None}
+    spec = OptimizerSpec(name=name, warmup_steps=0, update={"variant": variant}, **options)
     module = DecoderLMModule(d_model=64, n_layers=2, n_heads=2, max_seq_len=16, optimizer=spec)
     module.configure_model()
     precision = "bf16-mixed"

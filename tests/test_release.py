@@ -185,12 +185,12 @@ def test_closure_scheduler_and_zero_grad_see_a_normal_optimizer() -> None:
 
 def test_checkpoint_resume_with_release_is_bit_exact() -> None:
     a = small()
-    oa = build(a, True, state_format="int8", rounding="stochastic")
+    oa = build(a, True, state_format="int8", state={"rounding": "stochastic"})
     train(a, oa, range(2))
     saved_model, saved_opt = copy.deepcopy(a.state_dict()), copy.deepcopy(oa.state_dict())
     train(a, oa, range(2, 5))
     b = small(seed=1)  # other weights: everything comes from the checkpoint
-    ob = build(b, True, state_format="int8", rounding="stochastic")
+    ob = build(b, True, state_format="int8", state={"rounding": "stochastic"})
     b.load_state_dict(saved_model)
     ob.load_state_dict(saved_opt)
     train(b, ob, range(2, 5), check_released=True)
@@ -241,7 +241,7 @@ def test_nonfinite_skip_per_parameter_without_poisoning_state(name: str) -> None
     runs = []
     for release in (False, True):
         m, counter = copy.deepcopy(base), [0]
-        opt = build(m, release, state_format="int8", max_nonfinite_skips=3)
+        opt = build(m, release, state_format="int8", safety={"max_nonfinite_skips": 3})
         _poison(m, name, {1, 2}, counter)
         _count_steps(opt, counter)
         train(m, opt, range(5))
@@ -258,7 +258,7 @@ def test_nonfinite_skip_per_parameter_without_poisoning_state(name: str) -> None
 
 def test_nonfinite_raise_and_max_skips_raise_inside_backward() -> None:
     m, counter = small(), [0]
-    opt = build(m, True, nonfinite="raise")
+    opt = build(m, True, safety={"nonfinite": "raise"})
     _poison(m, "down.weight", {1}, counter)
     _count_steps(opt, counter)
     train(m, opt, range(1))
@@ -270,7 +270,7 @@ def test_nonfinite_raise_and_max_skips_raise_inside_backward() -> None:
     assert all(torch.equal(v, state_before[k]) for k, v in opt.state[m.down.weight].items())
 
     m, counter = small(), [0]
-    opt = build(m, True, max_nonfinite_skips=1)
+    opt = build(m, True, safety={"max_nonfinite_skips": 1})
     _poison(m, "up.weight", {0, 1}, counter)
     _count_steps(opt, counter)
     train(m, opt, range(1))
@@ -297,7 +297,7 @@ def test_setup_refusals_name_the_reason_and_the_fix() -> None:
     check_trainer_compatible(accumulate_grad_batches=1, gradient_clip_val=None, scaler=None)
     m = small()
     with pytest.raises(ValueError, match="gradient_release=True only"):
-        qmuon.build_optimizer(m, verbose=False, release_clip_norm=1.0)
+        qmuon.build_optimizer(m, verbose=False, safety={"release_clip_norm": 1.0})
     with pytest.raises(TypeError, match="True or False"):
         qmuon.build_optimizer(m, verbose=False, gradient_release="yes")
     with pytest.raises(ValueError, match="already has gradient release"):
@@ -309,12 +309,12 @@ def test_setup_refusals_name_the_reason_and_the_fix() -> None:
 def test_strategy_optimizer_kwargs_accept_release() -> None:
     from qmuon_lightning.strategies import QMuonFabricStrategy, QMuonFSDPStrategy
 
-    s = QMuonFSDPStrategy(optimizer_kwargs={"gradient_release": True, "release_clip_norm": 1.0})
+    s = QMuonFSDPStrategy(optimizer_kwargs={"gradient_release": True, "safety": {"release_clip_norm": 1.0}})
     assert s.optimizer_kwargs["gradient_release"] is True
     f = QMuonFabricStrategy(optimizer_kwargs={"gradient_release": True})
     assert f.optimizer_kwargs["gradient_release"] is True
     with pytest.raises(ValueError, match="gradient_release=True only"):
-        QMuonFSDPStrategy(optimizer_kwargs={"release_clip_norm": 1.0})
+        QMuonFSDPStrategy(optimizer_kwargs={"safety": {"release_clip_norm": 1.0}})
     with pytest.raises(ValueError, match="True or False"):
         QMuonFSDPStrategy(optimizer_kwargs={"gradient_release": 1})
 
@@ -324,7 +324,7 @@ def test_per_parameter_clipping_of_the_adamw_group() -> None:
     torch.nn.utils.clip_grad_norm_ on each AdamW parameter alone, without release."""
     base = small()
     a, b = copy.deepcopy(base), copy.deepcopy(base)
-    oa, ob = build(a, False), build(b, True, release_clip_norm=0.05)
+    oa, ob = build(a, False), build(b, True, safety={"release_clip_norm": 0.05})
     adamw = [p for g in oa.param_groups if not g["use_muon"] for p in g["params"]]
     clipped = 0
     for s in range(3):
@@ -369,8 +369,7 @@ def _fsdp_worker(rank: int, world: int, root: str) -> dict:
         return tok[:, :-1], tok[:, 1:]
 
     def opt_of(m: nn.Module, release: bool) -> qmuon.QMuon:
-        return qmuon.build_optimizer(m, lr=0.02, adamw_lr=1e-2, verbose=False, state_format="int8",
-                                  comm_carrier="bf16", comm_return="bf16", gradient_release=release)
+        return qmuon.build_optimizer(m, lr=0.02, adamw_lr=1e-2, verbose=False, state_format="int8", newton_schulz={"comm_carrier": "bf16", "comm_return": "bf16"}, gradient_release=release)
 
     out: dict = {"freed": [], "units": []}
 

@@ -144,7 +144,8 @@ model:
   optimizer:
     name: qmuon
     state_format: int8
-    rounding: stochastic
+    state:
+      rounding: stochastic
     warmup_steps: 2
     schedule: constant  # a cosine schedule's length is max_steps, which one resume here changes
 data:

@@ -111,7 +111,7 @@ def test_user_rule_overrides_defaults():
             # first match wins: even the 1-D bias goes to "adamw", not "adamw_no_decay"
             assert d[n].target == "adamw" and d[n].reason == "user: ffn in", n
     assert d["transformer.encoder.layers.0.linear2.weight"].target == "muon"
-    opt = build_optimizer(model, rules=rules, verbose=False)
+    opt = build_optimizer(model, routing={"rules": rules}, verbose=False)
     decay = next(g for g in opt.param_groups if not g["use_muon"] and g["weight_decay"] > 0)
     assert "transformer.encoder.layers.0.linear1.weight" in decay["param_names"]
 
@@ -126,7 +126,7 @@ def test_fused_parts_by_regex_and_module_attribute():
     assert d["transformer.encoder.layers.0.self_attn.in_proj_weight"].parts == (32, 16)
     assert d["transformer.decoder.layers.0.linear1.weight"].parts == (8, 24)
     assert d["transformer.decoder.layers.0.self_attn.in_proj_weight"].parts == (E, E, E)
-    opt = build_optimizer(model, fused_parts=fused, verbose=False)
+    opt = build_optimizer(model, routing={"fused_parts": fused}, verbose=False)
     parts = {g["param_names"][0]: g["parts"] for g in opt.param_groups if g["use_muon"] and g["parts"]}
     assert parts["transformer.encoder.layers.0.linear1.weight"] == (16, 16)
     assert parts["transformer.decoder.layers.0.linear1.weight"] == (8, 24)

@@ -35,7 +35,7 @@ def test_tiny_matrix_fp32_matches_torch_muon(shape):
     p0 = torch.randn(shape)
     pt, pq = nn.Parameter(p0.clone()), nn.Parameter(p0.clone())
     ot = torch.optim.Muon([pt], lr=0.02)
-    oq = QMuon([pq], lr=0.02, state_format="fp32", block_size=256)
+    oq = QMuon([pq], lr=0.02, state_format="fp32", state={"block_size": 256})
     for (g,) in _grad_steps([shape], 3, seed=1):
         with torch.no_grad():
             pq.copy_(pt)
@@ -63,7 +63,7 @@ def test_tiny_matrix_8bit_is_one_partial_block(fmt):
     torch.manual_seed(0)
     p = nn.Parameter(torch.randn(3, 5))
     shadow = torch.zeros(3, 5)
-    opt = QMuon([p], lr=0.02, state_format=fmt, block_size=256)
+    opt = QMuon([p], lr=0.02, state_format=fmt, state={"block_size": 256})
     for (g,) in _grad_steps([(3, 5)], 3, seed=2):
         p.grad = g.clone()
         before = p.detach().clone()
@@ -87,9 +87,9 @@ def test_tiny_matrix_in_group_with_large_one_equals_alone():
     init = [torch.randn(s) for s in shapes]
     steps = _grad_steps(shapes, 3, seed=3)
     together = [nn.Parameter(x.clone()) for x in init]
-    _run(together, [[g.clone() for g in gs] for gs in steps], state_format="int8", block_size=32)
+    _run(together, [[g.clone() for g in gs] for gs in steps], state_format="int8", state={"block_size": 32})
     alone = nn.Parameter(init[0].clone())
-    _run([alone], [[gs[0].clone()] for gs in steps], state_format="int8", block_size=32)
+    _run([alone], [[gs[0].clone()] for gs in steps], state_format="int8", state={"block_size": 32})
     assert torch.equal(together[0], alone)
 
 
@@ -116,7 +116,7 @@ def test_noncontiguous_grad_gives_same_result(fmt, rounding, kind):
     shape = (12, 40)
     init = torch.randn(shape)
     steps = _grad_steps([shape], 3, seed=4)
-    kw = dict(state_format=fmt, rounding=rounding, block_size=32, lr=0.02)
+    kw = dict(state_format=fmt, state={"rounding": rounding, "block_size": 32}, lr=0.02)
     a = nn.Parameter(init.clone())
     oa = _run([a], [[g.clone()] for (g,) in steps], **kw)
     b = nn.Parameter(init.clone())
@@ -135,8 +135,8 @@ def test_conv_weight_is_flattened_to_rows_by_fan_in(fmt):
     w0 = conv.weight.detach().clone()
     steps = _grad_steps([(8, 4, 3, 3)], 3, seed=5)
     mat = nn.Parameter(w0.reshape(8, 36).clone())
-    oc = _run([conv.weight], [[g.clone()] for (g,) in steps], state_format=fmt, block_size=32, lr=0.02)
-    om = _run([mat], [[g.reshape(8, 36).clone()] for (g,) in steps], state_format=fmt, block_size=32, lr=0.02)
+    oc = _run([conv.weight], [[g.clone()] for (g,) in steps], state_format=fmt, state={"block_size": 32}, lr=0.02)
+    om = _run([mat], [[g.reshape(8, 36).clone()] for (g,) in steps], state_format=fmt, state={"block_size": 32}, lr=0.02)
     # same update as the 8x36 matrix, including the lr adjustment for an 8x36 (not 8x4) shape
     assert torch.equal(conv.weight.detach().reshape(8, 36), mat.detach())
     assert not torch.equal(conv.weight.detach(), w0)
@@ -149,7 +149,7 @@ def test_conv_weight_is_flattened_to_rows_by_fan_in(fmt):
         conv2.weight.copy_(w0)
     cl = [[g.clone().to(memory_format=torch.channels_last)] for (g,) in steps]
     assert not cl[0][0].is_contiguous()
-    _run([conv2.weight], cl, state_format=fmt, block_size=32, lr=0.02)
+    _run([conv2.weight], cl, state_format=fmt, state={"block_size": 32}, lr=0.02)
     assert torch.equal(conv2.weight, conv.weight)
 
 
@@ -165,7 +165,7 @@ def test_fused_parts_equal_separate_matrices(parts, fmt):
     shapes = [(n, cols) for n in parts]
     init = [torch.randn(s) for s in shapes]
     steps = _grad_steps(shapes, 3, seed=6)
-    kw = dict(state_format=fmt, block_size=32, lr=0.02, weight_decay=0.1)
+    kw = dict(state_format=fmt, state={"block_size": 32}, lr=0.02, weight_decay=0.1)
     separate = [nn.Parameter(x.clone()) for x in init]
     os_ = _run(separate, [[g.clone() for g in gs] for gs in steps], **kw)
     fused = nn.Parameter(torch.cat(init))
@@ -195,7 +195,7 @@ def test_grad_holds_ns_input_after_step(layout):
     torch.manual_seed(0)
     shape = (8, 4, 3, 3) if layout.startswith("conv") else (12, 40)
     p = nn.Parameter(torch.randn(shape))
-    opt = QMuon([p], state_format="fp32", block_size=32)
+    opt = QMuon([p], state_format="fp32", state={"block_size": 32})
     g = torch.randn(shape)
     if layout == "contiguous":
         p.grad = g.clone()

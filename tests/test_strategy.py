@@ -164,14 +164,14 @@ def test_yaml_class_path_through_lightning_cli(tmp_path: Path) -> None:
         "    class_path: qmuon_lightning.strategies.QMuonFSDPStrategy\n"
         "    init_args:\n"
         "      optimizer: qmuon\n"
-        "      optimizer_kwargs: {state_format: uint8, lr: 0.01, rounding: stochastic}\n"
+        "      optimizer_kwargs: {state_format: uint8, lr: 0.01, state: {rounding: stochastic}}\n"
         "      shard_policy: [qmuon_lightning.models.decoder_lm.Block]\n"
         "      save_distributed_checkpoint: false\n"
     )
     cli = LightningCLI(TinyLM, run=False, args=["--config", str(cfg)], save_config_callback=None)
     s = cli.trainer.strategy
     assert type(s) is QMuonFSDPStrategy
-    assert s.optimizer_kwargs == {"state_format": "uint8", "lr": 0.01, "rounding": "stochastic"}
+    assert s.optimizer_kwargs == {"state_format": "uint8", "lr": 0.01, "state": {"rounding": "stochastic"}}
     assert s._shard_policy == ["qmuon_lightning.models.decoder_lm.Block"]
     assert s._save_distributed_checkpoint is False
     # The string form through the CLI too.
@@ -188,13 +188,14 @@ def test_yaml_class_path_through_lightning_cli(tmp_path: Path) -> None:
     "kwargs, match",
     [
         ({"optimizer": "adam"}, r"optimizer='adam' is not one of"),
-        ({"optimizer_kwargs": {"lrr": 0.1}}, r"unknown key 'lrr'.*accepts: lr, "),
+        ({"optimizer_kwargs": {"lrr": 0.1}}, r"unknown QMuon option 'lrr'; did you mean 'lr'"),
         ({"optimizer_kwargs": {"state_format": "int3"}}, r"int3"),
         ({"optimizer_kwargs": {"lr": -1.0}}, r"lr must be >= 0"),
-        ({"optimizer_kwargs": {"block_size": 100}}, r"block_size must be a multiple of 32"),
-        ({"optimizer_kwargs": {"rounding": "up"}}, r"rounding must be"),
-        ({"optimizer_kwargs": {"verbose": True}}, r"unknown key 'verbose'"),
-        ({"optimizer_kwargs": {"lr_ratios": "always"}}, r"lr_ratios must be one of \('warn', 'hold', 'off'\)"),
+        ({"optimizer_kwargs": {"state": {"block_size": 100}}}, r"block_size must be a multiple of 32"),
+        ({"optimizer_kwargs": {"state": {"rounding": "up"}}}, r"rounding must be"),
+        ({"optimizer_kwargs": {"verbose": True}}, r"unknown QMuon option 'verbose'"),
+        ({"optimizer_kwargs": {"rounding": "up"}}, r"unknown QMuon option 'rounding'; did you mean 'state.rounding'"),
+        ({"optimizer_kwargs": {"update": {"lr_ratios": "always"}}}, r"lr_ratios must be one of \('warn', 'hold', 'off'\)"),
         ({"optimizer": "grasp", "optimizer_kwargs": {"state_format": "int8"}}, r"optimizer='grasp' uses state_format='grasp4'"),
         ({"optimizer": "keep", "optimizer_kwargs": {"lr": 0.1}}, r"optimizer='keep'.*would be ignored"),
         ({"shard_policy": "blocks"}, r"shard_policy='blocks' is not a policy"),
@@ -212,7 +213,7 @@ def test_bad_arguments_fail_at_construction(kwargs: dict, match: str) -> None:
 
 
 def test_optimizer_kwargs_type_is_checked() -> None:
-    with pytest.raises(TypeError, match="optimizer_kwargs must be a dict"):
+    with pytest.raises(TypeError, match="optimizer_kwargs must be a QMuonConfig or a dict"):
         QMuonFSDPStrategy(optimizer_kwargs=[("lr", 0.1)])  # type: ignore[arg-type]
 
 
@@ -475,7 +476,7 @@ def test_adamw_settings_from_groups_and_adam_l2_note() -> None:
         lr=1e-3, betas=(0.9, 0.99),
     )
     settings, notes = swap.adamw_settings(opt)
-    assert settings == {"adamw_lr": 1e-3, "adamw_betas": (0.9, 0.99), "adamw_eps": 1e-8, "adamw_weight_decay": 0.1}
+    assert settings == {"adamw_lr": 1e-3, "adamw_weight_decay": 0.1, "update": {"adamw_betas": (0.9, 0.99), "adamw_eps": 1e-8}}
     assert notes == []
     opt = torch.optim.Adam(m.parameters(), lr=1e-3, weight_decay=0.01, amsgrad=True)
     _, notes = swap.adamw_settings(opt)

@@ -32,8 +32,8 @@ from _dist import run_workers  # noqa: E402
 
 LR = 0.02
 #: rowwise shards hold 32 (o_proj) and 64 (down_proj) columns: momentum blocks of 32 never straddle two
-KW = dict(lr=LR, weight_decay=0.01, block_size=32, verbose=False)
-BF16_WIRE = dict(ns_dtype="bf16", comm_carrier="bf16", comm_return="bf16")
+KW = dict(lr=LR, weight_decay=0.01, state={"block_size": 32}, verbose=False)
+BF16_WIRE = dict(newton_schulz={"dtype": "bf16", "comm_carrier": "bf16", "comm_return": "bf16"})
 
 
 def make_llama(seed: int = 0) -> torch.nn.Module:
@@ -420,7 +420,7 @@ def _trainer_main(out: Path) -> None:
     def fit(seed: int, resume: Path | None, callbacks: list) -> Any:
         L.seed_everything(0, verbose=False)
         strategy = QMuonFSDPStrategy(data_parallel_size=2, tensor_parallel_size=2,
-                                     optimizer_kwargs=dict(lr=LR, weight_decay=0.0, block_size=32))
+                                     optimizer_kwargs=dict(lr=LR, weight_decay=0.0, state={"block_size": 32}))
         trainer = L.Trainer(accelerator="cpu", devices=4, strategy=strategy, max_epochs=2, callbacks=callbacks,
                             logger=False, enable_progress_bar=False, enable_model_summary=False,
                             enable_checkpointing=bool(callbacks), num_sanity_val_steps=0)

@@ -32,7 +32,8 @@ def test_fp32_matches_torch_muon(shape, nesterov, adjust_lr_fn):
     p_ours = torch.nn.Parameter(p0.clone())
     kw = dict(lr=LR, weight_decay=WD, momentum=BETA, nesterov=nesterov, adjust_lr_fn=adjust_lr_fn)
     opt_torch = torch.optim.Muon([p_torch], **kw)
-    opt_ours = QMuon([p_ours], state_format="fp32", **kw)
+    opt_ours = QMuon([p_ours], state_format="fp32", lr=LR, weight_decay=WD, momentum=BETA,
+                     update={"nesterov": nesterov, "adjust_lr_fn": adjust_lr_fn})
     rows, cols = shape
     lr_adj = torch_adjusted_lr(LR, adjust_lr_fn, rows, cols)
 
@@ -132,8 +133,7 @@ def test_adamw_group_takes_adamw_defaults():
     gen = torch.Generator().manual_seed(4)
     p = torch.nn.Parameter(torch.randn(6, 5))
     q = torch.nn.Parameter(p.detach().clone())
-    opt = QMuon([{"params": [p], "use_muon": False}], lr=0.5, weight_decay=0.7,
-                adamw_lr=2e-3, adamw_betas=(0.85, 0.98), adamw_eps=1e-7, adamw_weight_decay=0.03)
+    opt = QMuon([{"params": [p], "use_muon": False}], lr=0.5, weight_decay=0.7, adamw_lr=2e-3, update={"adamw_betas": (0.85, 0.98), "adamw_eps": 1e-7}, adamw_weight_decay=0.03)
     group = opt.param_groups[0]
     assert (group["lr"], group["betas"], group["eps"], group["weight_decay"]) == (2e-3, (0.85, 0.98), 1e-7, 0.03)
     ref = torch.optim.AdamW([q], lr=2e-3, betas=(0.85, 0.98), eps=1e-7, weight_decay=0.03)

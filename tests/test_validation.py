@@ -25,12 +25,12 @@ def _mat(*shape):
     "kwargs,pattern",
     [
         ({"state_format": "fp8"}, r"unknown state_format 'fp8'; choose one of fp32, bf16, int8, uint8, int4, e0m3, grasp4"),
-        ({"block_size": 100}, r"block_size must be a multiple of 32.*got 100"),
-        ({"block_size": 0}, r"block_size must be a multiple of 32.*got 0"),
-        ({"block_size": 8192}, r"block_size must be a multiple of 32 in \[32, 4096\].*got 8192"),
-        ({"rounding": "floor"}, r"rounding must be 'nearest' or 'stochastic', got 'floor'"),
-        ({"nonfinite": "ignore"}, r"nonfinite must be 'skip' or 'raise', got 'ignore'"),
-        ({"adjust_lr_fn": "sqrt"}, r"adjust_lr_fn must be None, 'original' or 'match_rms_adamw', got 'sqrt'"),
+        ({"state": {"block_size": 100}}, r"block_size must be a multiple of 32.*got 100"),
+        ({"state": {"block_size": 0}}, r"block_size must be a multiple of 32.*got 0"),
+        ({"state": {"block_size": 8192}}, r"block_size must be a multiple of 32 in \[32, 4096\].*got 8192"),
+        ({"state": {"rounding": "floor"}}, r"rounding must be 'nearest' or 'stochastic', got 'floor'"),
+        ({"safety": {"nonfinite": "ignore"}}, r"nonfinite must be 'skip' or 'raise', got 'ignore'"),
+        ({"update": {"adjust_lr_fn": "sqrt"}}, r"adjust_lr_fn must be None, 'original' or 'match_rms_adamw', got 'sqrt'"),
         ({"momentum": 1.0}, r"momentum must be in \[0, 1\), got 1.0"),
         ({"lr": -1.0}, r"lr must be >= 0"),
     ],
@@ -75,9 +75,9 @@ def _trained(fmt="int8", block_size=32, shapes=((16, 40), (8, 16)), groups=1, st
     torch.manual_seed(0)
     ps = [_mat(*s) for s in shapes]
     if groups == 1:
-        opt = QMuon(ps, state_format=fmt, block_size=block_size)
+        opt = QMuon(ps, state_format=fmt, state={"block_size": block_size})
     else:
-        opt = QMuon([{"params": [p]} for p in ps], state_format=fmt, block_size=block_size)
+        opt = QMuon([{"params": [p]} for p in ps], state_format=fmt, state={"block_size": block_size})
     for _ in range(steps):
         for p in ps:
             p.grad = torch.randn(p.shape)
@@ -192,7 +192,7 @@ def _snapshot(opt, ps):
 def test_nonfinite_skip_leaves_param_and_state_unchanged(fmt, bad):
     torch.manual_seed(0)
     a, b, c = _mat(16, 40), _mat(8, 16), _mat(5)
-    opt = QMuon([{"params": [a, b]}, {"params": [c], "use_muon": False}], state_format=fmt, block_size=32)
+    opt = QMuon([{"params": [a, b]}, {"params": [c], "use_muon": False}], state_format=fmt, state={"block_size": 32})
     for p in (a, b, c):
         p.grad = torch.randn(p.shape)
     opt.step()  # every parameter has state now
@@ -227,7 +227,7 @@ def test_nonfinite_skip_leaves_param_and_state_unchanged(fmt, bad):
 def test_nonfinite_raise_single_group_leaves_everything_unchanged():
     torch.manual_seed(0)
     a, b = _mat(16, 40), _mat(8, 16)
-    opt = QMuon([{"params": [a, b], "param_names": ["blocks.0.w", "blocks.1.w"]}], nonfinite="raise", block_size=32)
+    opt = QMuon([{"params": [a, b], "param_names": ["blocks.0.w", "blocks.1.w"]}], safety={"nonfinite": "raise"}, state={"block_size": 32})
     for p in (a, b):
         p.grad = torch.randn(p.shape)
     opt.step()
@@ -249,7 +249,7 @@ def test_nonfinite_raise_multi_group_leaves_everything_unchanged():
     torch.manual_seed(0)
     w, u, bias = _mat(16, 40), _mat(8, 16), _mat(16)
     opt = QMuon([{"params": [w]}, {"params": [u]}, {"params": [bias], "use_muon": False}],
-                nonfinite="raise", block_size=32)
+                safety={"nonfinite": "raise"}, state={"block_size": 32})
     for p in (w, u, bias):
         p.grad = torch.randn(p.shape)
     opt.step()
@@ -331,12 +331,12 @@ def test_load_incomplete_4bit_state():
 def test_load_grasp4_wrong_layout_options(key, saved, cur):
     torch.manual_seed(0)
     ps = [_mat(40, 48), _mat(8, 16)]
-    opt = QMuon(ps, state_format="grasp4", **{key: saved})
+    opt = QMuon(ps, state_format="grasp4", state={key: saved})
     for p in ps:
         p.grad = torch.randn(p.shape)
     opt.step()
     sd = roundtrip_state_dict(opt.state_dict())
-    target = QMuon([_mat(40, 48), _mat(8, 16)], state_format="grasp4", **{key: cur})
+    target = QMuon([_mat(40, 48), _mat(8, 16)], state_format="grasp4", state={key: cur})
     with pytest.raises(StateFormatError, match=rf"saved with {key}={saved} but this optimizer uses {key}={cur}"):
         target.load_state_dict(sd)
 

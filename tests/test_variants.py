@@ -86,8 +86,7 @@ def test_normuon_fp32_matches_published_algorithm(case):
     gen = torch.Generator().manual_seed(1)
     p0 = 0.02 * torch.randn(shape, generator=gen)
     p = torch.nn.Parameter(p0.clone())
-    opt = QMuon([{"params": [p], **group_kw}], lr=LR, weight_decay=WD, momentum=MU, state_format="fp32",
-                ns_dtype="fp32", variant="normuon", normuon_beta2=BETA2)
+    opt = QMuon([{"params": [p], **group_kw}], lr=LR, weight_decay=WD, momentum=MU, state_format="fp32", newton_schulz={"dtype": "fp32"}, update={"variant": "normuon", "normuon_beta2": BETA2})
     ref = p0.clone().double()
     buf = torch.zeros(shape)
     blocks = _blocks(spec)
@@ -128,8 +127,8 @@ def test_normuon_every_state_format(fmt):
     shape = (64, 96)
     p0 = 0.02 * torch.randn(shape, generator=gen)
     pa, pb = torch.nn.Parameter(p0.clone()), torch.nn.Parameter(p0.clone())
-    kw = dict(lr=LR, weight_decay=0.0, state_format=fmt, ns_dtype="fp32")
-    a, b = QMuon([pa], variant="normuon", **kw), QMuon([pb], **kw)
+    kw = dict(lr=LR, weight_decay=0.0, state_format=fmt, newton_schulz={"dtype": "fp32"})
+    a, b = QMuon([pa], update={"variant": "normuon"}, **kw), QMuon([pb], **kw)
     for _ in range(3):
         g = _grad(shape, gen)
         pa.grad, pb.grad = g.clone(), g.clone()
@@ -165,7 +164,7 @@ def test_cautious_weight_decay(use_muon):
     pc, pn = torch.nn.Parameter(p0.clone()), torch.nn.Parameter(p0.clone())
     lr = LR if use_muon else 1e-2
     mk = lambda p, wd, c: QMuon([{"params": [p], "use_muon": use_muon, "weight_decay": wd, "lr": lr}],  # noqa: E731
-                                state_format="fp32", ns_dtype="fp32", cautious_weight_decay=c)
+                                state_format="fp32", newton_schulz={"dtype": "fp32"}, update={"cautious_weight_decay": c})
     oc, on = mk(pc, WD, True), mk(pn, 0.0, False)
     for _ in range(3):
         g = _grad(shape, gen)
@@ -193,7 +192,7 @@ def test_resume_bit_exact(fmt):
     """A NorMuon + cautious run resumed from ``state_dict`` continues with the same bits."""
     torch.manual_seed(0)
     ps = [torch.nn.Parameter(0.02 * torch.randn(64, 64)), torch.nn.Parameter(0.02 * torch.randn(32, 64))]
-    kw = dict(state_format=fmt, variant="normuon", cautious_weight_decay=True)
+    kw = dict(state_format=fmt, update={"variant": "normuon", "cautious_weight_decay": True})
     opt = QMuon(ps, **kw)
     gen = torch.Generator().manual_seed(4)
     _train(opt, ps, gen, 2)
@@ -225,7 +224,7 @@ def test_checkpoint_from_before_variants_loads():
         for k in ("variant", "normuon_beta2", "cautious_weight_decay"):
             g.pop(k, None)
     for variant in ("muon", "normuon"):
-        o = QMuon(groups(), variant=variant)
+        o = QMuon(groups(), update={"variant": variant})
         o.load_state_dict(copy.deepcopy(sd))
         assert o.param_groups[0]["variant"] == variant and o.param_groups[1]["cautious_weight_decay"] is False
         _train(o, ps, torch.Generator().manual_seed(6), 1)
@@ -234,24 +233,24 @@ def test_checkpoint_from_before_variants_loads():
 
 def test_bad_normuon_state_and_options_raise():
     p = torch.nn.Parameter(torch.randn(16, 24))
-    opt = QMuon([p], variant="normuon")
+    opt = QMuon([p], update={"variant": "normuon"})
     p.grad = torch.randn_like(p)
     opt.step()
     sd = opt.state_dict()
     sd["state"][0][NORMUON_STATE] = torch.zeros(15, 1)
     with pytest.raises(ValueError, match="normuon_v has shape"):
-        QMuon([p], variant="normuon").load_state_dict(sd)
+        QMuon([p], update={"variant": "normuon"}).load_state_dict(sd)
     with pytest.raises(ValueError, match="variant must be one of"):
-        QMuon([p], variant="adamuon")
+        QMuon([p], update={"variant": "adamuon"})
     with pytest.raises(ValueError, match="normuon_beta2"):
-        QMuonConfig(normuon_beta2=1.0).validate()
+        QMuonConfig(update={"normuon_beta2": 1.0}).validate()
     with pytest.raises(ValueError, match="cautious_weight_decay"):
-        QMuon([p], cautious_weight_decay="yes")
+        QMuon([p], update={"cautious_weight_decay": "yes"})
 
 
 def test_build_optimizer_passes_variants():
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 8))
-    opt = build_optimizer(model, variant="normuon", cautious_weight_decay=True)
+    opt = build_optimizer(model, update={"variant": "normuon", "cautious_weight_decay": True})
     muon = [g for g in opt.param_groups if g["use_muon"]]
     adamw = [g for g in opt.param_groups if not g["use_muon"]]
     assert muon and all(g["variant"] == "normuon" and g["cautious_weight_decay"] for g in muon)

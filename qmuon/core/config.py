@@ -1,10 +1,25 @@
-"""One typed configuration for QMuon, and one compatibility check for resuming its state.
+"""The one configuration of QMuon, and the one compatibility check for resuming its state.
 
-:class:`QMuonConfig` holds every argument of :class:`~qmuon.QMuon` with the single set
-of defaults that ``QMuon``, :func:`~qmuon.build_optimizer`, the ``qmuon_fsdp``
-strategy's ``optimizer_kwargs`` and the checkpoint manifest share. Validation lives here too, so a
-bad value fails when a strategy is constructed (before processes start), with the same message
-the optimizer would give, and without building a throwaway optimizer.
+:class:`QMuonConfig` is where every option, its default, its check and its documentation live.
+Nine options sit at the top (the ones users set); the rest is grouped into five sections:
+
+=================  =====================================================================
+``newton_schulz``  :class:`NewtonSchulz`: steps, coefficients, dtype, method, input, eps,
+                   the batching budget, and the carriers of the distributed exchange
+``update``         :class:`UpdateRule`: Nesterov, lr adjustment, variants, AdamW betas / eps,
+                   how group lr ratios are kept
+``state``          :class:`StateOptions`: block size, GRASP rank / grid, rounding, seed
+``safety``         :class:`Safety`: non-finite gradients, per-parameter clipping under release
+``routing``        :class:`Routing`: which parameters go to Muon (``build_optimizer`` only)
+=================  =====================================================================
+
+``QMuon``, :func:`~qmuon.build_optimizer`, the Lightning strategies' ``optimizer_kwargs``,
+``qmuon-train``'s ``model.optimizer`` section and the other drivers take this object (or its keys)
+and copy nothing. A section can be given as its dataclass or as a dict of its fields; a misspelled
+key raises :class:`ConfigError` naming the closest valid one, wherever it was written.
+
+Inside the optimizer, param groups stay flat dicts as torch.optim wants them: the group key of each
+option is :data:`GROUP_KEYS` (``newton_schulz.dtype`` is the group key ``ns_dtype``).
 
 :func:`check_resume` is the one place that decides whether saved Muon state can be resumed by an
 optimizer: ``QMuon.load_state_dict``, ``QuantizedStateCheckpoint`` and the strategy call it.
@@ -13,8 +28,9 @@ optimizer: ``QMuon.load_state_dict``, ``QuantizedStateCheckpoint`` and the strat
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
-from typing import Any, Mapping
+import difflib
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional
 
 from ..quant import adamw as qadamw
 from ..quant import state as qstate
@@ -22,28 +38,29 @@ from .apply import BF16_UPDATES, DEFAULT_BF16_UPDATE
 from ..quant.adamw import DEFAULT_ADAMW_STATE_FORMAT
 from .gram_newton_schulz import NS_METHODS
 from .newton_schulz import NS_DTYPES, resolve_schedule
+from .pipeline import DEFAULT_BATCH_BUDGET
 from .plan import ADJUST_LR_FNS, ORIENTATIONS
 from .variants import NORMUON_BETA2, VARIANTS
 
 __all__ = [
     "QMuonConfig",
+    "NewtonSchulz",
+    "UpdateRule",
+    "StateOptions",
+    "Safety",
+    "Routing",
+    "ConfigError",
     "DEFAULT_CONFIG",
-    "ROUNDING_MODES",
-    "NONFINITE_POLICIES",
-    "NS_INPUTS",
-    "COMM_CARRIERS",
-    "COMM_RETURNS",
+    "GROUP_KEYS",
     "STRUCTURAL_KEYS",
     "validate_muon_group",
     "validate_adamw_group",
-    "validate_bf16_update",
-    "state_layout",
     "check_resume",
     "ResumeMismatch",
+    "state_layout",
     "describe_layout",
     "FORMAT_OVERRIDES",
     "param_group_view",
-    "validate_format_overrides",
 ]
 
 ROUNDING_MODES = ("nearest", "stochastic")
@@ -54,157 +71,366 @@ NS_INPUTS = ("bf16", "mxfp8")
 #: distributed layer's carrier registry must offer these (a test checks).
 COMM_CARRIERS = ("bf16", "fp32", "int8", "mxfp8")
 COMM_RETURNS = ("bf16", "fp32", "int8")
+#: How QMuon keeps each group's lr ratio to the Muon lr when a loop writes one lr into every group.
+LR_RATIO_MODES = ("warn", "hold", "off")
+
+
+class ConfigError(ValueError, TypeError):
+    """A QMuon option that does not exist (a ``TypeError`` as for any unknown keyword) or holds a
+    value it does not accept (a ``ValueError``)."""
+
+
+@dataclass(frozen=True)
+class NewtonSchulz:
+    """How the momentum is orthogonalized (the ``newton_schulz`` section).
+
+    Args:
+        steps: Newton-Schulz iterations (torch.optim.Muon: 5).
+        coefficients: ``"muon"`` (torch.optim.Muon's quintic ``(3.4445, -4.7750, 2.0315)``),
+            ``"polar_express"`` (per-iteration coefficients, arXiv 2505.16932), one ``(a, b, c)``
+            or a list of per-iteration triples.
+        dtype: ``"auto"`` (bf16 on CUDA and on CPUs with fast native bf16 matmul, fp32 elsewhere:
+            :func:`~qmuon.core.newton_schulz.resolve_ns_dtype`), ``"bf16"`` (torch.optim.Muon's
+            arithmetic) or ``"fp32"``.
+        method: ``"auto"`` (Gram Newton-Schulz on CPU for elongated matrices where it measured
+            faster and as accurate, the standard iteration elsewhere, CUDA included), ``"standard"``
+            or ``"gram"`` (:mod:`qmuon.core.gram_newton_schulz`).
+        input: ``"bf16"`` (the NS input as it is) or ``"mxfp8"`` (NS reads its MXFP8 carrier).
+        eps: the floor of ``||G||`` in the normalization (torch.optim.Muon: 1e-7).
+        batch_budget: same-shape matrices are orthogonalized in batches of at most this many times
+            the largest matrix's elements (or a fixed share of all Muon elements if more; on CPU at
+            most 2^20 elements: :class:`~qmuon.core.pipeline.BatchSizes`).
+        comm_carrier, comm_return: sharded parameters only: how the distributed Newton-Schulz
+            encodes the rows it sends to the rank that orthogonalizes a matrix, and the result it
+            sends back (:mod:`qmuon.distributed`; bytes per step in ``QMuon.comm_stats``).
+    """
+
+    steps: int = 5
+    coefficients: Any = "muon"
+    dtype: str = "auto"
+    method: str = "auto"
+    input: str = "bf16"
+    eps: float = 1e-7
+    batch_budget: float = DEFAULT_BATCH_BUDGET
+    comm_carrier: str = "int8"
+    comm_return: str = "int8"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "coefficients", _freeze(self.coefficients))
+
+
+@dataclass(frozen=True)
+class UpdateRule:
+    """The update rules' details beyond the top-level options (the ``update`` section).
+
+    Args:
+        nesterov: Nesterov momentum for Muon (torch.optim.Muon: True).
+        adjust_lr_fn: Muon's lr scaling by shape: ``None`` / ``"original"`` (``lr * sqrt(max(1,
+            rows / cols))``, KellerJordan/Muon) or ``"match_rms_adamw"`` (``lr * 0.2 * sqrt(max(rows,
+            cols))``, Moonlight: one lr serves Muon and AdamW).
+        variant: ``"muon"`` or ``"normuon"`` (a per-output-row second moment of the orthogonalized
+            update rescales its rows: :mod:`qmuon.core.variants`); normuon_beta2: its EMA factor.
+        cautious_weight_decay: decay only where the update and the weight agree in sign (both
+            families).
+        adamw_betas, adamw_eps: the auxiliary AdamW's (0.9, 0.95) and 1e-8.
+        lr_ratios: what happens when a training loop writes one lr into every group (LitGPT's
+            does): ``"warn"``, ``"hold"`` (keep each group's configured ratio to the Muon lr) or
+            ``"off"`` (:attr:`QMuon.lr_ratios`).
+    """
+
+    nesterov: bool = True
+    adjust_lr_fn: Optional[str] = None
+    variant: str = "muon"
+    normuon_beta2: float = NORMUON_BETA2
+    cautious_weight_decay: bool = False
+    adamw_betas: tuple[float, float] = (0.9, 0.95)
+    adamw_eps: float = 1e-8
+    lr_ratios: str = "warn"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "adamw_betas", tuple(self.adamw_betas))
+
+
+@dataclass(frozen=True)
+class StateOptions:
+    """How the momentum (and the AdamW moments) are stored, beyond the format (the ``state`` section).
+
+    Args:
+        block_size: elements per absmax block along a row; ``None`` takes the format's default
+            (int8 256, int4 128, ...).
+        rank, grid_block: grasp4's factor rank and grid tile side.
+        rounding: ``"nearest"`` or ``"stochastic"`` (unbiased, counter-based) for the quantized Muon
+            momentum and the AdamW groups' int8 / int4 moments; seed: the noise's seed.
+    """
+
+    block_size: Optional[int] = None
+    rank: int = 4
+    grid_block: int = 32
+    rounding: str = "nearest"
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class Safety:
+    """What happens to bad gradients (the ``safety`` section).
+
+    Args:
+        nonfinite: ``"skip"`` (leave a parameter and its state untouched for a step whose gradient
+            holds NaN / Inf; counted in ``QMuon.nonfinite_skips``) or ``"raise"``.
+        max_nonfinite_skips: ``None`` (unlimited) or the most steps in a row one parameter's update
+            may be skipped; one more raises :class:`~qmuon.NonFiniteGradientError` naming the
+            parameters, before anything changes. A finite update resets the count.
+        release_clip_norm: with ``gradient_release=True``, per-parameter L2 clipping of the AdamW
+            groups' gradients (global-norm clipping cannot combine with release).
+    """
+
+    nonfinite: str = "skip"
+    max_nonfinite_skips: Optional[int] = None
+    release_clip_norm: Optional[float] = None
+
+
+@dataclass(frozen=True)
+class Routing:
+    """Which parameters ``build_optimizer`` sends to Muon (the ``routing`` section; ``QMuon`` takes
+    its groups as given). See :func:`~qmuon.optim.routing.route_parameters`.
+
+    Args:
+        rules: a list of :class:`~qmuon.RoutingRule` (first match wins) replacing the default table.
+        fused_parts: ``{name regex: parts}`` for fused weights (q, k, v in one matrix): each part is
+            orthogonalized as its own matrix.
+        orientations: ``{name regex: "in_out"}`` for 2-D weights stored ``(in, out)``.
+        banks: ``{name regex: spec}`` for stacked expert matrices (docs/moe.md).
+        bank_state_format: the momentum format of bank groups (a row-local one).
+    """
+
+    rules: Any = None
+    fused_parts: Any = None
+    orientations: Any = None
+    banks: Any = None
+    bank_state_format: Optional[str] = None
+
+
+#: Section name -> its dataclass.
+SECTIONS: dict[str, type] = {"newton_schulz": NewtonSchulz, "update": UpdateRule, "state": StateOptions,
+                             "safety": Safety, "routing": Routing}
+
+#: Options -> the param-group key that holds them inside the optimizer (torch.optim groups are flat).
+GROUP_KEYS: dict[str, str] = {
+    "lr": "lr", "weight_decay": "weight_decay", "momentum": "momentum", "state_format": "state_format",
+    "bf16_update": "bf16_update",
+    "newton_schulz.steps": "ns_steps", "newton_schulz.coefficients": "ns_coefficients",
+    "newton_schulz.dtype": "ns_dtype", "newton_schulz.method": "ns_method", "newton_schulz.input": "ns_input",
+    "newton_schulz.eps": "eps",
+    "update.nesterov": "nesterov", "update.adjust_lr_fn": "adjust_lr_fn", "update.variant": "variant",
+    "update.normuon_beta2": "normuon_beta2", "update.cautious_weight_decay": "cautious_weight_decay",
+    "state.block_size": "block_size", "state.rank": "rank", "state.grid_block": "grid_block",
+    "state.rounding": "rounding", "state.seed": "seed",
+    "safety.nonfinite": "nonfinite",
+}
 
 
 @dataclass(frozen=True)
 class QMuonConfig:
-    """Every QMuon argument, with the defaults ``QMuon`` and ``build_optimizer`` share.
+    """Every QMuon option, with its default (the module docstring lists the sections).
 
-    Muon (hidden matrices):
-        lr: 0.02, the Muon learning rate of KellerJordan/Muon and modded-nanogpt with the
-            ``"original"`` shape adjustment (``torch.optim.Muon`` defaults to 1e-3; pass it for
-            torch's default). Use ``adjust_lr_fn="match_rms_adamw"`` to reuse an AdamW lr instead.
-        weight_decay, momentum, nesterov, eps, ns_steps, adjust_lr_fn: as ``torch.optim.Muon``
-            (0.1, 0.95, True, 1e-7, 5, None = "original").
-        ns_coefficients: ``"muon"`` (torch.optim.Muon's ``(3.4445, -4.7750, 2.0315)``, default),
-            ``"polar_express"``, one ``(a, b, c)`` tuple, or a list of per-iteration tuples.
-        ns_dtype: ``"auto"`` (bf16 on CUDA and on CPUs with fast native bf16 matmul, fp32
-            elsewhere), ``"bf16"`` (exactly ``torch.optim.Muon``'s arithmetic) or ``"fp32"``.
-    State:
-        state_format: momentum storage (``quant.state.FORMATS``), default ``"int8"``.
-        block_size: elements per absmax block along a row; ``None`` takes the format's default.
-        rank, grid_block: grasp4's factor rank and grid tile side.
-        rounding: ``"nearest"`` or ``"stochastic"``, of the quantized Muon momentum and of the AdamW
-            groups' quantized (int8 / int4) moments; seed: its counter-based noise seed.
-        nonfinite: ``"skip"`` (leave a parameter and its state untouched for a step with a
-            NaN/Inf gradient) or ``"raise"``.
-        ns_input: ``"bf16"`` or ``"mxfp8"`` (NS reads the decoded MXFP8 carrier).
-        max_nonfinite_skips: with ``nonfinite="skip"``, the most optimizer steps in a row that one
-            parameter's update may be skipped for a non-finite gradient; one more raises
-            :class:`~qmuon.NonFiniteGradientError` naming the parameters. A finite
-            update resets the parameter's count. ``None`` (default): unlimited, as before.
-    Weights: bf16_update: how an update reaches a parameter stored in bf16 (``model.to(torch.bfloat16)``,
-        Lightning ``precision="bf16-true"``), in the Muon and the AdamW groups alike:
-        ``"stochastic"`` (default: counter-based stochastic rounding, 0 extra bytes),
-        ``"ecc8"`` (an int8 error-correction code per weight, +1 B/param, ~16-bit master weight) or
-        ``"nearest"`` (loses updates below half a bf16 gap); see :mod:`qmuon.core.apply`.
-        fp32 parameters ignore it.
-    Variants (:mod:`qmuon.core.variants`):
-        variant: ``"muon"`` (default) or ``"normuon"`` (a per-output-row second moment of the
-            orthogonalized update rescales its rows, Frobenius norm kept; fp32 state of one value
-            per row beside the momentum). normuon_beta2: its EMA factor (0.95, dion's and
-            modded-nanogpt's default).
-        cautious_weight_decay: decay only the weights whose update agrees with them in sign
-            (Muon and AdamW groups; default False).
-        ns_method: ``"auto"`` (default: gram on CPU where it measured faster and as accurate: fp32
-            from 3:1 with a short side >= 64, bf16 from 4:1 with a short side >= 192 and the
-            ``"muon"`` coefficients; the standard iteration elsewhere, CUDA included;
-            :func:`~qmuon.core.gram_newton_schulz.pick_ns_method`), ``"standard"`` or
-            ``"gram"`` (iterate on the Gram matrix of every rectangular update,
-            :mod:`qmuon.core.gram_newton_schulz`). A checkpoint saved before ``ns_method``
-            existed resumes with ``"standard"``, the iteration it ran.
-    AdamW (embeddings, head, 1-D tensors): adamw_lr 3e-4, adamw_betas (0.9, 0.95),
-        adamw_eps 1e-8, adamw_weight_decay 0.1 (the usual GPT pretraining values).
-        adamw_state_format: how the AdamW moments are stored: ``"fp32"`` (``torch.optim.AdamW``'s
-        state), ``"bf16"``, ``"int8"`` or ``"int4"`` (blockwise, row blocks; see
-        :mod:`qmuon.quant.adamw` and docs/formats.md). 1-D tensors and tensors under 4096
-        elements keep fp32 moments. A group may set its own (``{"params": ..., "use_muon": False,
-        "state_format": "fp32"}``), e.g. to keep one parameter at full precision.
-    Sharded parameters: comm_carrier / comm_return: encodings of the distributed NS exchange.
+    Args:
+        lr: the Muon learning rate, 0.02 (KellerJordan/Muon and modded-nanogpt, with the
+            ``"original"`` shape adjustment; ``torch.optim.Muon`` defaults to 1e-3). With
+            ``update.adjust_lr_fn="match_rms_adamw"`` an AdamW lr works for Muon too.
+        weight_decay: Muon's decoupled weight decay, 0.1 (``p *= 1 - lr * wd``).
+        momentum: 0.95.
+        state_format: how the Muon momentum is stored: ``"int8"`` (default, 1.016 B/element),
+            ``"uint8"``, ``"int4"``, ``"e0m3"``, ``"grasp4"`` (4-bit, ~0.58 B), ``"bf16"`` or ``"fp32"``
+            (docs/formats.md).
+        adamw_lr, adamw_weight_decay: the auxiliary AdamW (embeddings, head, norms, biases): 3e-4
+            and 0.1, the usual GPT pretraining values. 1-D parameters get no weight decay.
+        adamw_state_format: how the AdamW moments are stored: ``"int8"`` (default), ``"int4"``,
+            ``"bf16"`` or ``"fp32"`` (torch.optim.AdamW's). 1-D tensors and tensors under 4096
+            elements keep fp32 moments.
+        bf16_update: how an update reaches a weight stored in bf16 (no fp32 master copy):
+            ``"stochastic"`` (default, 0 extra bytes), ``"ecc8"`` (+1 B/param, ~16-bit master) or
+            ``"nearest"``. fp32 weights ignore it.
+        gradient_release: step each parameter inside backward and free its gradient
+            (``build_optimizer`` attaches it; :mod:`qmuon.optim.release`).
+        newton_schulz, update, state, safety, routing: the sections (their own docstrings).
     """
 
     lr: float = 0.02
     weight_decay: float = 0.1
     momentum: float = 0.95
-    nesterov: bool = True
-    ns_coefficients: Any = "muon"
-    eps: float = 1e-7
-    ns_steps: int = 5
-    adjust_lr_fn: str | None = None
-    ns_dtype: str = "auto"
     state_format: str = "int8"
-    block_size: int | None = None
-    rank: int = 4
-    grid_block: int = 32
-    rounding: str = "nearest"
-    seed: int = 0
-    nonfinite: str = "skip"
-    ns_input: str = "bf16"
-    max_nonfinite_skips: int | None = None
     adamw_lr: float = 3e-4
-    adamw_betas: tuple[float, float] = (0.9, 0.95)
-    adamw_eps: float = 1e-8
     adamw_weight_decay: float = 0.1
     adamw_state_format: str = DEFAULT_ADAMW_STATE_FORMAT
-    comm_carrier: str = "int8"
-    comm_return: str = "int8"
     bf16_update: str = DEFAULT_BF16_UPDATE
-    variant: str = "muon"
-    normuon_beta2: float = NORMUON_BETA2
-    cautious_weight_decay: bool = False
-    ns_method: str = "auto"
+    gradient_release: bool = False
+    newton_schulz: NewtonSchulz = field(default_factory=NewtonSchulz)
+    update: UpdateRule = field(default_factory=UpdateRule)
+    state: StateOptions = field(default_factory=StateOptions)
+    safety: Safety = field(default_factory=Safety)
+    routing: Routing = field(default_factory=Routing)
 
     def __post_init__(self) -> None:
-        # Hashable, canonical forms (YAML and JSON give lists).
-        object.__setattr__(self, "adamw_betas", tuple(self.adamw_betas))
-        object.__setattr__(self, "ns_coefficients", _freeze(self.ns_coefficients))
+        for name, cls in SECTIONS.items():
+            object.__setattr__(self, name, _section(name, cls, getattr(self, name)))
+        self.validate()
 
+    # ---------------------------------------------------------------- construction
     @classmethod
     def field_names(cls) -> tuple[str, ...]:
         return tuple(f.name for f in dataclasses.fields(cls))
 
     @classmethod
-    def from_kwargs(cls, **kwargs: Any) -> "QMuonConfig":
-        """Build and validate; an unknown key raises naming the accepted ones."""
-        unknown = sorted(set(kwargs) - set(cls.field_names()))
-        if unknown:
-            raise TypeError(f"unknown QMuon argument(s) {unknown}; accepted: {', '.join(cls.field_names())}")
-        return cls(**kwargs).validate()
+    def from_kwargs(cls, config: "QMuonConfig | Mapping[str, Any] | None" = None, /, **kwargs: Any) -> "QMuonConfig":
+        """``config`` (a config, a dict of options, or None for the defaults) with ``kwargs`` laid
+        over it: top-level options replace, sections merge field by field (``newton_schulz={"dtype":
+        "fp32"}`` keeps the other Newton-Schulz fields). Unknown keys raise :class:`ConfigError`
+        naming the closest valid one."""
+        if config is None:
+            base: dict[str, Any] = {}
+        elif isinstance(config, QMuonConfig):  # a subclass (qmuon-train's section) adds keys of its own
+            base = {name: getattr(config, name) for name in QMuonConfig.field_names()}
+        elif isinstance(config, Mapping):
+            base = dict(config)
+        else:
+            raise ConfigError(f"QMuon: config must be a QMuonConfig or a dict of its options, got {type(config).__name__}")
+        _check_keys(base, cls.field_names(), "")
+        _check_keys(kwargs, cls.field_names(), "")
+        merged = dict(base)
+        for key, value in kwargs.items():
+            if key in SECTIONS and value is not None and key in merged:
+                merged[key] = {**_section_dict(key, merged[key]), **_section_dict(key, value)}
+            else:
+                merged[key] = value
+        return cls(**{k: v for k, v in merged.items() if v is not None or k not in SECTIONS})
 
     def replace(self, **changes: Any) -> "QMuonConfig":
-        return dataclasses.replace(self, **changes).validate()
+        """A copy with ``changes`` laid over it (sections merge field by field, as in :meth:`from_kwargs`)."""
+        return QMuonConfig.from_kwargs(self, **changes)
 
+    # ---------------------------------------------------------------- checks
     def validate(self) -> "QMuonConfig":
-        """Raise ``ValueError`` naming the first bad argument and its accepted values."""
-        if self.comm_carrier not in COMM_CARRIERS or self.comm_return not in COMM_RETURNS:
-            raise ValueError(
-                f"QMuon: comm_carrier must be one of {COMM_CARRIERS} and comm_return one of {COMM_RETURNS}, "
-                f"got comm_carrier={self.comm_carrier!r}, comm_return={self.comm_return!r}")
-        m = self.max_nonfinite_skips
+        """Raise :class:`ConfigError` naming the first bad option and its accepted values."""
+        ns, safety, upd = self.newton_schulz, self.safety, self.update
+        if ns.comm_carrier not in COMM_CARRIERS or ns.comm_return not in COMM_RETURNS:
+            raise ConfigError(
+                f"QMuon: newton_schulz.comm_carrier must be one of {COMM_CARRIERS} and newton_schulz.comm_return one of "
+                f"{COMM_RETURNS}, got {ns.comm_carrier!r} and {ns.comm_return!r}")
+        if not (_real(ns.batch_budget) and ns.batch_budget > 0):
+            raise ConfigError(f"QMuon: newton_schulz.batch_budget must be > 0 (a multiple of the largest matrix), "
+                              f"got {ns.batch_budget!r}")
+        m = safety.max_nonfinite_skips
         if m is not None and (not isinstance(m, int) or isinstance(m, bool) or m < 1):
-            raise ValueError(
-                f"QMuon: max_nonfinite_skips must be None (unlimited) or an int >= 1 (steps in a row one parameter may "
-                f"be skipped for a non-finite gradient), got {m!r}")
-        validate_muon_group(self.muon_group_defaults(), "QMuon")
-        validate_adamw_group(self.adamw_group_defaults(), "QMuon (AdamW defaults)")
+            raise ConfigError(
+                f"QMuon: safety.max_nonfinite_skips must be None (unlimited) or an int >= 1 (steps in a row one parameter "
+                f"may be skipped for a non-finite gradient), got {m!r}")
+        if upd.lr_ratios not in LR_RATIO_MODES:
+            raise ConfigError(f"QMuon: update.lr_ratios must be one of {LR_RATIO_MODES}, got {upd.lr_ratios!r}")
+        if not isinstance(self.gradient_release, bool):
+            raise ConfigError(f"QMuon: gradient_release must be True or False, got {self.gradient_release!r}")
+        clip = safety.release_clip_norm
+        if clip is not None:
+            if not (_real(clip) and clip > 0):
+                raise ConfigError(f"QMuon: safety.release_clip_norm must be None or > 0, got {clip!r}")
+            if not self.gradient_release:
+                raise ConfigError(
+                    "QMuon: safety.release_clip_norm applies with gradient_release=True only; without release clip the "
+                    "global norm as usual (torch.nn.utils.clip_grad_norm_, Trainer(gradient_clip_val=...))")
+        bank_format = self.routing.bank_state_format
+        if bank_format is not None and not qstate.get_format(bank_format).row_local:
+            raise ConfigError(f"QMuon: routing.bank_state_format: {bank_format_error(bank_format)}")
+        try:
+            validate_muon_group(self.muon_group_defaults(), "QMuon")
+            validate_adamw_group(self.adamw_group_defaults(), "QMuon (AdamW defaults)")
+        except ConfigError:
+            raise
+        except ValueError as e:  # the group checks name group keys; say the option as the user writes it
+            if type(e) is not ValueError:  # a more specific error (StateFormatError) keeps its type
+                raise
+            msg = str(e)
+            for path, key in GROUP_KEYS.items():
+                if msg.startswith(f"QMuon: {key} "):
+                    msg = f"QMuon: {path} " + msg[len(f"QMuon: {key} "):]
+                    break
+            raise ConfigError(msg) from None
         return self
+
+    # ---------------------------------------------------------------- what the optimizer stores
+    def option(self, path: str) -> Any:
+        """The value of ``"lr"`` or ``"newton_schulz.dtype"``."""
+        head, _, tail = path.partition(".")
+        value = getattr(self, head)
+        return getattr(value, tail) if tail else value
 
     def muon_group_defaults(self) -> dict[str, Any]:
         """Defaults of a Muon parameter group (what torch.optim stores as ``defaults``)."""
-        return {
-            "lr": self.lr, "weight_decay": self.weight_decay, "momentum": self.momentum,
-            "nesterov": self.nesterov, "ns_coefficients": _freeze(self.ns_coefficients), "eps": self.eps,
-            "ns_steps": self.ns_steps, "adjust_lr_fn": self.adjust_lr_fn, "ns_dtype": self.ns_dtype,
-            "state_format": self.state_format, "block_size": self.block_size, "rank": self.rank,
-            "grid_block": self.grid_block, "rounding": self.rounding, "seed": self.seed,
-            "nonfinite": self.nonfinite, "ns_input": self.ns_input, "use_muon": True, "parts": None,
-            "parts_axis": 0, "orientation": "out_in", "parts_interleaved": False, "bank_dims": 0,
-            "bf16_update": self.bf16_update, "variant": self.variant,
-            "normuon_beta2": self.normuon_beta2, "cautious_weight_decay": self.cautious_weight_decay,
-            "ns_method": self.ns_method,
-        }
+        out = {key: self.option(path) for path, key in GROUP_KEYS.items()}
+        out.update({"use_muon": True, "parts": None, "parts_axis": 0, "orientation": "out_in",
+                    "parts_interleaved": False, "bank_dims": 0})
+        return out
 
     def adamw_group_defaults(self) -> dict[str, Any]:
-        return {"lr": self.adamw_lr, "betas": tuple(self.adamw_betas), "eps": self.adamw_eps,
+        return {"lr": self.adamw_lr, "betas": tuple(self.update.adamw_betas), "eps": self.update.adamw_eps,
                 "weight_decay": self.adamw_weight_decay, "bf16_update": self.bf16_update,
-                "state_format": self.adamw_state_format, "cautious_weight_decay": self.cautious_weight_decay}
+                "state_format": self.adamw_state_format, "cautious_weight_decay": self.update.cautious_weight_decay}
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain values (for manifests and logs)."""
-        d = dataclasses.asdict(self)
-        d["ns_coefficients"] = plain_coefficients(d["ns_coefficients"])
-        d["adamw_betas"] = list(d["adamw_betas"])
+        """Plain values, sections as dicts (for manifests, logs and ``from_kwargs``)."""
+        d = {name: getattr(self, name) for name in QMuonConfig.field_names()}
+        for name in SECTIONS:
+            d[name] = {f.name: getattr(d[name], f.name) for f in dataclasses.fields(d[name])}
+        d["newton_schulz"]["coefficients"] = plain_coefficients(d["newton_schulz"]["coefficients"])
+        d["update"]["adamw_betas"] = list(d["update"]["adamw_betas"])
         return d
+
+
+def _check_keys(given: Mapping[str, Any], valid: tuple[str, ...], prefix: str) -> None:
+    for key in given:
+        if key not in valid:
+            raise ConfigError(unknown_key_message(prefix + key, [prefix + v for v in valid]))
+
+
+def unknown_key_message(key: str, valid: list[str]) -> str:
+    """``unknown QMuon option 'x'; did you mean 'y'?`` (a flat name of a sectioned option is
+    pointed at its section: ``ns_dtype`` -> ``newton_schulz.dtype``)."""
+    leaf = key.rpartition(".")[2]
+    by_group_key = {k: path for path, k in GROUP_KEYS.items() if "." in path}
+    by_group_key.update({"comm_carrier": "newton_schulz.comm_carrier", "comm_return": "newton_schulz.comm_return",
+                         "batch_budget": "newton_schulz.batch_budget", "adamw_betas": "update.adamw_betas",
+                         "adamw_eps": "update.adamw_eps", "lr_ratios": "update.lr_ratios",
+                         "max_nonfinite_skips": "safety.max_nonfinite_skips",
+                         "release_clip_norm": "safety.release_clip_norm",
+                         **{f.name: f"routing.{f.name}" for f in dataclasses.fields(Routing)}})
+    hint = by_group_key.get(leaf)
+    if hint is None:
+        close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
+        hint = close[0] if close else None
+    if hint is not None:
+        section, _, name = hint.partition(".")
+        spelled = f" ({section}={{{name!r}: ...}})" if name else ""
+        return f"unknown QMuon option {key!r}; did you mean {hint!r}{spelled}?"
+    return f"unknown QMuon option {key!r}; the options are: {', '.join(valid)}"
+
+
+def _section_dict(name: str, value: Any) -> dict[str, Any]:
+    if isinstance(value, SECTIONS[name]):
+        return {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
+    if isinstance(value, Mapping):
+        return dict(value)
+    raise ConfigError(f"QMuon: {name} must be a {SECTIONS[name].__name__} or a dict of its fields, got "
+                      f"{type(value).__name__}")
+
+
+def _section(name: str, cls: type, value: Any) -> Any:
+    """A section given as its dataclass, a dict of its fields, or None (the defaults)."""
+    if value is None:
+        return cls()
+    if isinstance(value, cls):
+        return value
+    fields = _section_dict(name, value)
+    valid = tuple(f.name for f in dataclasses.fields(cls))
+    _check_keys(fields, valid, name + ".")
+    return cls(**fields)
 
 
 def _freeze(spec: Any) -> Any:
@@ -224,8 +450,6 @@ def plain_coefficients(spec: Any) -> Any:
     return [list(c) if isinstance(c, (list, tuple)) else c for c in spec]
 
 
-#: The defaults, as one object (``QMuon``'s signature reads its defaults from it).
-DEFAULT_CONFIG = QMuonConfig()
 
 
 #: Keys that describe how a group is built, not how it is tuned: on ``load_state_dict`` the
@@ -450,7 +674,5 @@ def check_resume(saved: Mapping[str, Any], current: Mapping[str, Any], *, where:
         "load_state_dict converts; QuantizedStateCheckpoint(allow_format_change=True))")
 
 
-def config_fields_of(kwargs: Mapping[str, Any]) -> dict[str, Any]:
-    """The subset of ``kwargs`` that are QMuon arguments."""
-    names = set(QMuonConfig.field_names())
-    return {k: v for k, v in kwargs.items() if k in names}
+#: The defaults, as one object.
+DEFAULT_CONFIG = QMuonConfig()

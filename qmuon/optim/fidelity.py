@@ -37,8 +37,8 @@ def per_layer_update_cosine(
         grads: ``grads[t][i]`` is parameter ``i``'s gradient at step ``t`` (same for every format).
         formats: state formats to compare.
         reduce: ``"mean"`` over steps ``skip..`` or ``"last"``.
-        qmuon_kwargs: passed to every :class:`~qmuon.QMuon` (``momentum``, ``nesterov``,
-            ``rounding``, ``rank``, ``grid_block``, ``block_size``...).
+        qmuon_kwargs: passed to every :class:`~qmuon.QMuon` (``momentum``, ``state={"block_size": 32}``,
+            ``update={"nesterov": False}``, ...).
 
     Returns ``{format: [cosine per layer]}``.
     """

@@ -30,8 +30,8 @@ from . import bf16_weights as bf16w
 from ..core import adamw as core_adamw
 from ..core import pipeline
 from ..core.config import (
-    DEFAULT_CONFIG as _D,
     FORMAT_OVERRIDES,
+    LR_RATIO_MODES,
     QMuonConfig,
     param_group_view,
     validate_adamw_group,
@@ -73,16 +73,21 @@ class NonFiniteGradientError(FloatingPointError):
 class QMuon(QMuonStateMixin, Optimizer):
     """Muon with quantized momentum; AdamW for parameter groups with ``use_muon=False``.
 
-    The Muon arguments mean what they mean in :class:`torch.optim.Muon`; with
-    ``state_format="fp32"``, ``ns_dtype="bf16"`` and ``ns_coefficients="muon"`` the algorithm is
+    The Muon options mean what they mean in :class:`torch.optim.Muon`. With ``state_format="fp32"``,
+    ``newton_schulz={"dtype": "bf16", "method": "standard"}`` and the default coefficients the algorithm is
     torch's (momentum, Nesterov blend, bf16 Newton-Schulz, learning-rate adjustment, decoupled
-    weight decay). Every argument, its default and its accepted values: :class:`~qmuon.core.config.QMuonConfig`
-    (``QMuon.from_config(params, config)`` takes one directly).
+    weight decay). Every option, its default and its accepted values: :class:`~qmuon.QMuonConfig`.
+
+        QMuon(params, lr=0.02, state_format="int8")                           # the common options
+        QMuon(params, newton_schulz={"dtype": "fp32"}, safety={"nonfinite": "raise"})   # a section
+        QMuon(params, config=QMuonConfig(...), lr=0.01)                       # a config, keywords over it
+
+    Most users call :func:`~qmuon.build_optimizer`, which routes a model's parameters into groups.
 
     Args:
         params: parameters or parameter groups. A group with ``use_muon=False`` is updated by
-            AdamW (keys ``lr``, ``betas``, ``eps``, ``weight_decay``; unset keys take the
-            ``adamw_*`` defaults). A Muon group may set ``parts=(n0, n1, ...)``: each of its
+            AdamW (keys ``lr``, ``betas``, ``eps``, ``weight_decay``, ``state_format``; unset keys take
+            the ``adamw_*`` options). A Muon group may set ``parts=(n0, n1, ...)``: each of its
             parameters is a stack of matrices along dim ``parts_axis`` (0, the default, or 1 for
             the columns of a 2-D weight; for example fused q, k, v) whose parts are normalized and
             orthogonalized separately; and ``orientation="in_out"`` for 2-D weights stored
@@ -92,87 +97,42 @@ class QMuon(QMuonStateMixin, Optimizer):
             index matrices (mixture-of-experts experts), each stepped as its own matrix, with
             ``parts`` / ``parts_axis`` / ``orientation`` (and ``parts_interleaved=True`` for
             alternating parts such as gpt-oss's gate / up columns) applying to every member;
-            banks need a row-local ``state_format`` (docs/moe.md). Any QMuon
-            argument below can be set per group too (``state_format``, ``ns_dtype``, ...).
-        lr, weight_decay, momentum, nesterov, ns_coefficients, eps, ns_steps, adjust_lr_fn: Muon.
-        ns_dtype: Newton-Schulz precision: ``"auto"``, ``"bf16"``, ``"fp32"``.
-        state_format, block_size, rank, grid_block, rounding, seed: momentum storage (``rounding`` and
-            ``seed`` also round the AdamW groups' int8 / int4 moments).
-        nonfinite: ``"skip"`` leaves a parameter and its state untouched for a step whose gradient
-            holds NaN/Inf (counted in :attr:`nonfinite_skips`); ``"raise"`` raises instead.
-        max_nonfinite_skips: ``None`` (unlimited) or the most steps in a row one parameter's update
-            may be skipped; one more raises :class:`NonFiniteGradientError` naming the parameters
-            before anything changes. A finite update resets a parameter's count.
-        ns_input: ``"bf16"`` or ``"mxfp8"`` (NS reads the decoded MXFP8 carrier of ``G / ||G||``).
-        adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: defaults for AdamW groups.
-        adamw_state_format: how AdamW groups store their moments (``"fp32"``, ``"bf16"``, ``"int8"``,
-            ``"int4"``; a group's own ``state_format`` overrides it). The AdamW step runs one
-            parameter at a time in bounded row blocks (:mod:`qmuon.core.adamw`).
-        comm_carrier, comm_return: sharded (FSDP2 ``Shard(0)``) parameters only: how the
-            distributed Newton-Schulz moves rows to the rank that orthogonalizes a matrix and back;
-            see :mod:`qmuon.distributed`. Bytes per step: :attr:`comm_stats`.
-        bf16_update: how an update reaches a bf16 parameter (stored without an fp32 master copy),
-            in Muon and AdamW groups: ``"stochastic"`` (default), ``"ecc8"`` (+1 B/param of int8
-            error correction, ``weight_ecc`` in the state) or ``"nearest"``; see
-            :mod:`qmuon.core.apply`. Per group too.
-        variant: ``"muon"`` or ``"normuon"`` (per-output-row second moment of the orthogonalized
-            update, state key ``"normuon_v"``: :mod:`qmuon.core.variants`);
-            normuon_beta2: its EMA factor.
-        cautious_weight_decay: decay only where the update and the weight agree in sign (Muon and
-            AdamW groups).
-        ns_method: ``"auto"`` (default: Gram Newton-Schulz on CPU for elongated matrices where it
-            measured faster), ``"standard"`` or ``"gram"``
-            (:mod:`qmuon.core.gram_newton_schulz`).
-        batch_budget: Newton-Schulz batches hold at most this many times the largest matrix's
-            elements, or :data:`~qmuon.core.pipeline.BATCH_STEP_SHARE` of all Muon
-            elements if more (on CPU at most 2^20 elements; :class:`~qmuon.core.pipeline.BatchSizes`).
+            banks need a row-local ``state_format`` (docs/moe.md). A group may set any option by
+            its group key (:data:`~qmuon.core.config.GROUP_KEYS`: ``state_format``, ``ns_dtype``, ...).
+        lr, weight_decay, momentum, state_format, adamw_lr, adamw_weight_decay, adamw_state_format,
+            bf16_update: the top-level options of :class:`~qmuon.QMuonConfig` (``None``: the config's).
+        config: a :class:`~qmuon.QMuonConfig` (or a dict of its options); the keywords are laid over it.
+        **sections: ``newton_schulz``, ``update``, ``state``, ``safety`` (each a section dataclass or a
+            dict of its fields; they merge into the config's field by field), ``gradient_release``
+            (attaches :mod:`qmuon.optim.release`). ``routing`` is :func:`~qmuon.build_optimizer`'s.
     """
 
     def __init__(
         self,
         params: Iterable[Tensor] | Iterable[dict[str, Any]],
-        lr: float = _D.lr,
-        weight_decay: float = _D.weight_decay,
-        momentum: float = _D.momentum,
-        nesterov: bool = _D.nesterov,
-        ns_coefficients: Any = _D.ns_coefficients,
-        eps: float = _D.eps,
-        ns_steps: int = _D.ns_steps,
-        adjust_lr_fn: str | None = _D.adjust_lr_fn,
+        lr: float | Tensor | None = None,
+        weight_decay: float | None = None,
+        momentum: float | None = None,
+        state_format: str | None = None,
         *,
-        ns_dtype: str = _D.ns_dtype,
-        state_format: str = _D.state_format,
-        block_size: int | None = _D.block_size,
-        rank: int = _D.rank,
-        grid_block: int = _D.grid_block,
-        rounding: str = _D.rounding,
-        seed: int = _D.seed,
-        nonfinite: str = _D.nonfinite,
-        ns_input: str = _D.ns_input,
-        max_nonfinite_skips: int | None = _D.max_nonfinite_skips,
-        adamw_lr: float = _D.adamw_lr,
-        adamw_betas: tuple[float, float] = _D.adamw_betas,
-        adamw_eps: float = _D.adamw_eps,
-        adamw_weight_decay: float = _D.adamw_weight_decay,
-        adamw_state_format: str = _D.adamw_state_format,
-        comm_carrier: str = _D.comm_carrier,
-        comm_return: str = _D.comm_return,
-        variant: str = _D.variant,
-        normuon_beta2: float = _D.normuon_beta2,
-        cautious_weight_decay: bool = _D.cautious_weight_decay,
-        ns_method: str = _D.ns_method,
-        batch_budget: float = pipeline.DEFAULT_BATCH_BUDGET,
-        bf16_update: str = _D.bf16_update,
+        adamw_lr: float | None = None,
+        adamw_weight_decay: float | None = None,
+        adamw_state_format: str | None = None,
+        bf16_update: str | None = None,
+        config: QMuonConfig | dict[str, Any] | None = None,
+        **sections: Any,
     ) -> None:
-        args = locals()
-        config = QMuonConfig(**{k: args[k] for k in QMuonConfig.field_names()}).validate()
-        if not (isinstance(batch_budget, (int, float)) and batch_budget > 0):
-            raise ValueError(f"QMuon: batch_budget must be > 0 (a multiple of the largest matrix), got {batch_budget!r}")
-        #: The constructor arguments (group defaults; groups may override them).
+        common = {"lr": lr, "weight_decay": weight_decay, "momentum": momentum, "state_format": state_format,
+                  "adamw_lr": adamw_lr, "adamw_weight_decay": adamw_weight_decay,
+                  "adamw_state_format": adamw_state_format, "bf16_update": bf16_update}
+        config = QMuonConfig.from_kwargs(config, **{k: v for k, v in common.items() if v is not None}, **sections)
+        #: The options (group defaults; groups may override them by their group keys).
         self.config = config
-        self.batch_budget = float(batch_budget)
+        self.batch_budget = float(config.newton_schulz.batch_budget)
         #: Carriers of the distributed Newton-Schulz exchange (sharded parameters only).
-        self.comm_carrier, self.comm_return = config.comm_carrier, config.comm_return
+        self.comm_carrier, self.comm_return = config.newton_schulz.comm_carrier, config.newton_schulz.comm_return
+        #: What happens when a loop writes one lr into every group (see :meth:`_check_group_lrs`).
+        self.lr_ratios = config.update.lr_ratios
         #: Bytes this rank sent to other ranks in the last step (sharded parameters; 0 otherwise).
         self.comm_bytes_last_step = 0
         #: Per-step communication figures for logging (empty until a sharded step ran).
@@ -183,7 +143,7 @@ class QMuon(QMuonStateMixin, Optimizer):
         self.nonfinite_skipped_steps = 0
         #: The longest run of consecutive skipped steps of any one parameter so far.
         self.nonfinite_max_consecutive = 0
-        self.max_nonfinite_skips = config.max_nonfinite_skips
+        self.max_nonfinite_skips = config.safety.max_nonfinite_skips
         self._nonfinite_streak: dict[tuple[int, int], int] = {}
         #: When set, Muon updates of plain (non-sharded) parameters are handed to it instead of
         #: being applied (weight decay is still applied): a driver that applies them elsewhere (the
@@ -205,12 +165,10 @@ class QMuon(QMuonStateMixin, Optimizer):
         #: (:func:`qmuon.optim.release.attach_gradient_release`); ``None`` otherwise.
         self.gradient_release: Any = None
         super().__init__(params, config.muon_group_defaults())
+        if config.gradient_release:
+            from .release import attach_gradient_release  # release builds on this module
 
-    @classmethod
-    def from_config(cls, params: Iterable[Tensor] | Iterable[dict[str, Any]], config: QMuonConfig,
-                    **kwargs: Any) -> "QMuon":
-        """``QMuon(params, **config)``; ``kwargs`` are the non-config arguments (``batch_budget``)."""
-        return cls(params, **{**config.__dict__, **kwargs})
+            attach_gradient_release(self, clip_norm=config.safety.release_clip_norm)
 
     # ------------------------------------------------------------------ groups and validation
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -577,9 +535,9 @@ class QMuon(QMuonStateMixin, Optimizer):
     #: ``L * ratio``, its configured ratio to ``defaults["lr"]`` (the AdamW groups keep ``adamw_lr /
     #: lr``); ``"off"``: neither. Schedulers that scale every group's own lr (LambdaLR, CosineAnnealing,
     #: the strategies' rebinding) keep the ratios by themselves and never trigger it.
-    #: Set by ``build_optimizer(..., lr_ratios=...)`` or assigned.
+    #: Set by the ``update.lr_ratios`` option, or assigned.
     lr_ratios: str = "warn"
-    LR_RATIO_MODES = ("warn", "hold", "off")
+    LR_RATIO_MODES = LR_RATIO_MODES
 
     def _note_configured_lr(self, group: dict[str, Any]) -> None:
         """Remember ``group``'s lr as a ratio to ``defaults["lr"]`` (what ``lr_ratios`` restores)."""
@@ -613,6 +571,6 @@ class QMuon(QMuonStateMixin, Optimizer):
         msg = (f"QMuon: every parameter group has lr {lr:g}, but they were configured with different learning rates: "
                f"{'; '.join(off)}. A training loop probably wrote one lr into every group (e.g. LitGPT's pretrain loop), "
                "so these groups now train at the Muon lr. Set optimizer.lr_ratios = 'hold' (build_optimizer(..., "
-               "lr_ratios='hold')) to keep each group's configured ratio to the Muon lr, or 'off' if this is intended")
+               "update={'lr_ratios': 'hold'})) to keep each group's configured ratio to the Muon lr, or 'off' if this is intended")
         log.warning(msg)
         warnings.warn(msg, UserWarning, stacklevel=3)

@@ -59,12 +59,10 @@ from typing import Any, Literal, Mapping, Sequence
 import torch
 from torch import nn
 
-from ..core.config import DEFAULT_CONFIG, QMuonConfig
-from ..core.pipeline import DEFAULT_BATCH_BUDGET
+from ..core.config import QMuonConfig
 from ..core.plan import ORIENTATIONS, FusedParts, true_shape
 from .litgpt_layouts import LayoutRefusal, litgpt_fused_parts
 from .qmuon import QMuon
-from .release import attach_gradient_release
 
 __all__ = [
     "RoutingRule",
@@ -448,55 +446,50 @@ def format_routing_table(decisions: Sequence[RouteDecision]) -> str:
 
 def build_optimizer(
     model: nn.Module,
+    config: QMuonConfig | Mapping[str, Any] | None = None,
     *,
-    config: QMuonConfig | None = None,
-    rules: Sequence[RoutingRule] | None = None,
-    fused_parts: Mapping[str, Any] | None = None,
-    orientations: Mapping[str, str] | None = None,
+    lr: float | None = None,
+    weight_decay: float | None = None,
+    momentum: float | None = None,
+    state_format: str | None = None,
+    adamw_lr: float | None = None,
+    adamw_weight_decay: float | None = None,
+    adamw_state_format: str | None = None,
+    bf16_update: str | None = None,
+    gradient_release: bool | None = None,
     verbose: bool = True,
-    batch_budget: float = DEFAULT_BATCH_BUDGET,
-    lr_ratios: str = "warn",
-    gradient_release: bool = False,
-    release_clip_norm: float | None = None,
-    banks: Mapping[str, Any] | None = None,
-    bank_state_format: str | None = None,
-    **qmuon_kwargs: Any,
+    **sections: Any,
 ) -> QMuon:
     """Route ``model``'s parameters with the rule table and build one :class:`QMuon`.
 
-    Groups: one Muon group for plain ``(out, in)`` matrices, one Muon group per distinct layout
-    (``parts``, ``parts_axis``, ``orientation``, ``parts_interleaved``, ``bank_dims``; see
-    :func:`route_parameters`; ``bank_state_format`` sets the momentum format of the bank groups,
-    which need a row-local one), one AdamW group,
-    one AdamW group without weight decay. Every group carries ``param_names``. The routing table is logged (``logging`` at INFO) and printed on rank 0 when
-    ``verbose``; it is also kept as ``optimizer.routing``.
+        opt = qmuon.build_optimizer(model)                                   # int8 Muon + int8 AdamW
+        opt = qmuon.build_optimizer(model, lr=0.02, state_format="grasp4", gradient_release=True)
+        opt = qmuon.build_optimizer(model, newton_schulz={"dtype": "fp32"}, routing={"fused_parts": {...}})
 
-    The optimizer's arguments are those of :class:`~qmuon.core.config.QMuonConfig`
-    (one set of defaults, shared with ``QMuon``): pass a ``config``, keyword arguments
-    (``lr=0.02, state_format="grasp4", ...``), or both (keywords override the config's fields).
-    ``lr_ratios``: :attr:`QMuon.lr_ratios` (``"hold"`` for training loops that write one lr into
-    every group, such as LitGPT's).
-    An unknown keyword raises ``TypeError`` listing the accepted ones.
+    The options are :class:`~qmuon.QMuonConfig`'s: the common ones as keywords (``None``: the
+    config's), the sections (``newton_schulz``, ``update``, ``state``, ``safety``, ``routing``) as
+    keywords holding a section or a dict of its fields, and ``config`` for a whole configuration
+    (the keywords are laid over it). A misspelled option raises :class:`~qmuon.core.config.ConfigError`
+    naming the closest valid one.
+
+    Groups, each with a ``name`` and ``param_names``: one Muon group for plain ``(out, in)``
+    matrices, one Muon group per distinct layout (``parts``, ``parts_axis``, ``orientation``,
+    ``parts_interleaved``, ``bank_dims``; see :func:`route_parameters`; ``routing.bank_state_format``
+    sets the momentum format of the bank groups, which need a row-local one), one AdamW group and
+    one AdamW group without weight decay. The routing table is logged (``logging`` at INFO) and
+    printed on rank 0 when ``verbose``; it is also kept as ``optimizer.routing``.
 
     ``gradient_release=True`` steps each parameter inside backward as soon as its gradient is
-    complete and frees the gradient (:mod:`qmuon.optim.release`; ``optimizer.step()``
-    and ``zero_grad()`` keep working). ``release_clip_norm``: per-parameter L2 clipping of the AdamW
-    group's gradients under release (global-norm clipping cannot combine with it).
+    complete and frees the gradient (:mod:`qmuon.optim.release`; ``optimizer.step()`` and
+    ``zero_grad()`` keep working).
     """
-    if not isinstance(gradient_release, bool):
-        raise TypeError(f"build_optimizer: gradient_release must be True or False, got {gradient_release!r}")
-    if release_clip_norm is not None and not gradient_release:
-        raise ValueError("build_optimizer: release_clip_norm applies with gradient_release=True only; without release "
-                         "clip the global norm as usual (torch.nn.utils.clip_grad_norm_, Trainer(gradient_clip_val=...))")
-    cfg = config or DEFAULT_CONFIG
-    if qmuon_kwargs:
-        unknown = sorted(set(qmuon_kwargs) - set(QMuonConfig.field_names()))
-        if unknown:
-            raise TypeError(f"build_optimizer: unknown argument(s) {unknown}; accepted: routing (rules, fused_parts, "
-                            f"orientations, banks, bank_state_format, verbose, batch_budget, lr_ratios, config), "
-                            f"gradient_release, release_clip_norm and QMuon's: "
-                            f"{', '.join(QMuonConfig.field_names())}")
-        cfg = cfg.replace(**qmuon_kwargs)
+    common = {"lr": lr, "weight_decay": weight_decay, "momentum": momentum, "state_format": state_format,
+              "adamw_lr": adamw_lr, "adamw_weight_decay": adamw_weight_decay, "adamw_state_format": adamw_state_format,
+              "bf16_update": bf16_update, "gradient_release": gradient_release}
+    cfg = QMuonConfig.from_kwargs(config, **{k: v for k, v in common.items() if v is not None}, **sections)
+    routing = cfg.routing
+    rules, fused_parts, orientations, banks = routing.rules, routing.fused_parts, routing.orientations, routing.banks
+    bank_state_format = routing.bank_state_format
     decisions = route_parameters(model, rules, fused_parts, orientations, banks)
     plain_layout = (None, 0, "out_in", False, 0)
     muon = [d for d in decisions if d.target == "muon" and d.layout == plain_layout]
@@ -523,17 +516,12 @@ def build_optimizer(
             })
     if not groups:
         raise ValueError("the model has no trainable parameters")
-    if lr_ratios not in QMuon.LR_RATIO_MODES:
-        raise ValueError(f"build_optimizer: lr_ratios must be one of {QMuon.LR_RATIO_MODES}, got {lr_ratios!r}")
     if not muon and not by_layout:
         log.warning("build_optimizer: no parameter was routed to Muon; QMuon will run AdamW only")
-    opt = QMuon.from_config(groups, cfg, batch_budget=batch_budget)
-    opt.lr_ratios = lr_ratios
+    opt = QMuon(groups, config=cfg)
     for d in decisions:
         d.param = None
     opt.routing = decisions  # type: ignore[attr-defined]
-    if gradient_release:
-        attach_gradient_release(opt, clip_norm=release_clip_norm)
     table = format_routing_table(decisions)
     log.info("QMuon parameter routing:\n%s", table)
     if verbose and _is_rank_zero():

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from qmuon.core.config import QMuonConfig
+from qmuon.core.config import ConfigError, QMuonConfig
 from qmuon.core.newton_schulz import resolve_ns_dtype
 from qmuon.optim.routing import RouteDecision, route_parameters
 from qmuon.quant import state as qstate
@@ -45,8 +45,8 @@ class Setup:
         optimizer: ``"adamw"`` (``torch.optim.AdamW`` on every parameter), ``"torch_muon"``
             (``torch.optim.Muon`` on the Muon-routed matrices + ``torch.optim.AdamW`` on the rest),
             ``"qmuon"`` (:func:`~qmuon_lightning.build_optimizer`).
-        options: QMuon arguments (:class:`~qmuon_lightning.QMuonConfig` fields, e.g.
-            ``state_format``, ``adamw_state_format``, ``bf16_update``) and ``gradient_release``.
+        options: QMuon options (:class:`~qmuon.QMuonConfig`'s, e.g. ``state_format``,
+            ``adamw_state_format``, ``bf16_update``, ``gradient_release``).
         weights: ``"fp32"`` or ``"bf16"`` (``model.to(torch.bfloat16)``; gradients follow).
     """
 
@@ -61,43 +61,24 @@ class Setup:
 
     @property
     def gradient_release(self) -> bool:
-        return bool(self.options.get("gradient_release", False))
-
-    @property
-    def qmuon_options(self) -> dict[str, Any]:
-        """The options that are QMuonConfig fields (``gradient_release`` is build_optimizer's)."""
-        return {k: v for k, v in self.options.items() if k != "gradient_release"}
+        return self.optimizer == "qmuon" and self.config().gradient_release
 
     def missing(self) -> list[str]:
-        """What this installation lacks to build the setup (empty: it can be built and estimated)."""
+        """What is wrong with the setup (empty: it can be built and estimated)."""
         if self.optimizer not in ("adamw", "torch_muon", "qmuon"):
             return [f"optimizer {self.optimizer!r}"]
         if self.weights not in _DTYPES:
             return [f"weights {self.weights!r}"]
         if self.optimizer != "qmuon":
             return []
-        fields = set(QMuonConfig.field_names())
-        out = [f"QMuon option {k!r}" for k in self.qmuon_options if k not in fields]
-        if self.gradient_release and not _release_supported():
-            out.append("build_optimizer(gradient_release=True)")
-        if not out:
-            try:
-                QMuonConfig.from_kwargs(**self.qmuon_options)
-            except (TypeError, ValueError) as e:
-                out.append(str(e))
-        return out
+        try:
+            self.config()
+        except ConfigError as e:
+            return [str(e)]
+        return []
 
     def config(self) -> QMuonConfig:
-        return QMuonConfig.from_kwargs(**self.qmuon_options)
-
-
-def _release_supported() -> bool:
-    import inspect
-
-    from qmuon.optim import routing
-
-    return "gradient_release" in inspect.signature(routing.build_optimizer).parameters or (
-        "gradient_release" in QMuonConfig.field_names())
+        return QMuonConfig.from_kwargs(self.options)
 
 
 #: The configurations ``qmuon-estimate`` and the memory benchmark compare (issue 19). Setups whose
@@ -315,17 +296,17 @@ def estimate(model_or_inventory: nn.Module | Inventory, setup: Setup, *, device:
         opts = qstate.format_options(opts_dict)
         # QMuon's AdamW groups: the moment family of adamw_state_format through the per-tensor step,
         # or (installations without it) torch's functional AdamW with torch's state
-        adamw_fmt = getattr(cfg, "adamw_state_format", None) if _core_adamw() is not None else None
-        bf16_update = getattr(cfg, "bf16_update", None)
+        adamw_fmt = cfg.adamw_state_format
+        bf16_update = cfg.bf16_update
         for p in inv.of("muon"):
             parts["muon momentum"] += fmt.nbytes(p.rows, p.cols, opts) + STEP_BYTES
-        if getattr(cfg, "variant", "muon") == "normuon":
+        if cfg.update.variant == "normuon":
             parts["normuon second moment"] = sum(_normuon_state_nbytes(p) for p in inv.of("muon"))
         for p in inv.of("adamw", "adamw_no_decay"):
             parts["adamw moments"] += _adamw_state_nbytes(p, wdtype, adamw_fmt)
         for p in live:
             parts["weight correction"] += _weight_state_nbytes(p, wdtype, bf16_update)
-        ns_dtype = resolve_ns_dtype(cfg.ns_dtype, torch.device(device))
+        ns_dtype = resolve_ns_dtype(cfg.newton_schulz.dtype, torch.device(device))
         nsb = _itemsize(ns_dtype)
         matrices = [m for p in inv.of("muon") for m in p.matrices()]
         phases["muon momentum"] = qmuon_muon_phase_bytes(_muon_groups(inv), lambda: opts, fmt, wb)

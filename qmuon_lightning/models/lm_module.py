@@ -9,10 +9,9 @@ calls after sharding, builds it from ``self.model``'s current parameters.
 Optimizers (``OptimizerSpec.name``):
 
 ``qmuon``
-    :func:`qmuon_lightning.build_optimizer`: Muon with ``state_format`` momentum for hidden matrices
-    (fused qkv / gate_up as parts), auxiliary AdamW for embeddings, head, norms.
-``grasp``
-    the same with ``state_format="grasp4"`` (GRASP 4-bit momentum; ``rank`` / ``grid_block``).
+    :func:`qmuon.build_optimizer` with the section's options (it is a :class:`~qmuon.QMuonConfig`):
+    Muon with ``state_format`` momentum for hidden matrices (fused qkv / gate_up as parts), auxiliary
+    AdamW for embeddings, head, norms.
 ``torch_muon``
     the fp32 baseline: ``torch.optim.Muon`` for the same hidden matrices (fused matrices as one
     matrix, as torch does it) plus ``torch.optim.AdamW`` for the rest, in one
@@ -38,8 +37,8 @@ from torch.optim import Optimizer
 
 import lightning as L
 
-from qmuon.core.apply import BF16_UPDATES, weight_state_init
-from qmuon.core.config import DEFAULT_CONFIG
+from qmuon.core.apply import weight_state_init
+from qmuon.core.config import DEFAULT_CONFIG, QMuonConfig
 from qmuon.core.variants import row_moment_nbytes
 from qmuon.optim.routing import build_optimizer, route_parameters
 from qmuon.quant import adamw as qadamw
@@ -48,101 +47,51 @@ from .decoder_lm import DecoderLM, DecoderLMConfig, _rope_tables
 
 __all__ = ["OptimizerSpec", "DecoderLMModule", "MuonWithAdamW", "build_lm_optimizer", "lr_factor", "memory_budget"]
 
-OPTIMIZER_NAMES = ("qmuon", "grasp", "torch_muon", "adamw")
-#: The momentum format of each optimizer when ``state_format`` is None (``resolved_state_format``).
-_DEFAULT_STATE_FORMAT = {"qmuon": "int8", "grasp": "grasp4", "torch_muon": "fp32", "adamw": "fp32"}
-#: Optimizers that always use their default format (``state_format`` may only repeat it).
-_FIXED_STATE_FORMAT = ("grasp", "torch_muon", "adamw")
+OPTIMIZER_NAMES = ("qmuon", "torch_muon", "adamw")
+#: Options only QMuon has: a torch baseline refuses a value other than the default.
+_QMUON_ONLY = ("state_format", "adamw_state_format", "bf16_update", "gradient_release")
 
 
-@dataclass
-class OptimizerSpec:
-    """What optimizer to build, and its learning-rate schedule (see the module docstring).
+@dataclass(frozen=True)
+class OptimizerSpec(QMuonConfig):
+    """``qmuon-train``'s optimizer section: :class:`~qmuon.QMuonConfig` itself (the same option
+    names, defaults, checks and documentation; ``--print_config`` shows them) plus which optimizer
+    to build and the learning-rate schedule.
 
     Args:
-        name: ``"qmuon"``, ``"grasp"``, ``"torch_muon"`` or ``"adamw"``.
-        lr: Muon learning rate (``adjust_lr_fn=None``: torch.optim.Muon's "original" scaling,
-            ``lr * sqrt(max(1, rows/cols))``). Unused by ``adamw``.
-        weight_decay: Muon decoupled weight decay (``p *= 1 - lr * wd``).
-        momentum, nesterov, adjust_lr_fn, ns_steps: as in ``torch.optim.Muon``.
-        state_format: QMuon momentum storage, any registered format (``fp32``, ``bf16``, ``int8``,
-            ``uint8``, ``int4``, ``e0m3``, ``grasp4``). ``None``: ``int8`` for ``qmuon``, ``grasp4`` for ``grasp``.
-        block_size, rank, grid_block, rounding, seed, nonfinite: QMuon options.
-        adamw_state_format: how QMuon stores the AdamW moments (``"fp32"``, ``"bf16"``, ``"int8"``,
-            ``"int4"``; ``None``: QMuon's default). ``qmuon`` / ``grasp`` only.
-        bf16_update: how an update reaches a bf16 weight (``trainer.precision: bf16-true``, no fp32
-            master copy): ``"nearest"``, ``"stochastic"`` or ``"ecc8"`` (+1 B/param of error-correction
-            state); ``None``: QMuon's default (``"stochastic"``). No effect on fp32 weights. ``qmuon`` /
-            ``grasp`` only.
-        gradient_release: step each parameter inside backward and free its gradient
-            (:mod:`qmuon.optim.release`); ``qmuon`` / ``grasp`` only. Set
-            ``trainer.gradient_clip_val: null`` and ``accumulate_grad_batches: 1`` with it.
-        variant, normuon_beta2, cautious_weight_decay, ns_method: QMuon's Muon variants
-            (``"normuon"``, cautious decay, Gram Newton-Schulz; :mod:`qmuon.core.variants`).
-        adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: the AdamW part (embeddings, head,
-            norms; every parameter for ``adamw``). 1-D parameters never get weight decay.
+        name: ``"qmuon"``, or a torch baseline for comparisons: ``"torch_muon"`` (``torch.optim.Muon``
+            + ``torch.optim.AdamW``, reading ``lr``, ``weight_decay``, ``momentum``, ``adamw_lr``,
+            ``adamw_weight_decay``, ``newton_schulz.steps`` and ``update``'s Nesterov, lr adjustment,
+            AdamW betas and eps) or ``"adamw"`` (``torch.optim.AdamW`` for every parameter, with the
+            ``adamw_*`` options).
         schedule: ``"cosine"`` (warmup, then cosine to ``min_lr_ratio``) or ``"constant"`` (warmup, then 1).
         warmup_steps: linear warmup length in optimizer steps.
         min_lr_ratio: the cosine schedule's final factor.
     """
 
-    name: Literal["qmuon", "grasp", "torch_muon", "adamw"] = "qmuon"
-    lr: float = 0.02
-    weight_decay: float = 0.01
-    momentum: float = 0.95
-    nesterov: bool = True
-    adjust_lr_fn: Literal["original", "match_rms_adamw"] | None = None
-    ns_steps: int = 5
-    state_format: str | None = None  # a registered format (qmuon.quant.STATE_FORMATS), checked below
-    block_size: int | None = None
-    rank: int = 4
-    grid_block: int = 32
-    rounding: Literal["nearest", "stochastic"] = "nearest"
-    seed: int = 0
-    nonfinite: Literal["skip", "raise"] = "skip"
-    adamw_state_format: str | None = None
-    bf16_update: Literal["nearest", "stochastic", "ecc8"] | None = None
-    gradient_release: bool = False
-    variant: Literal["muon", "normuon"] = "muon"
-    normuon_beta2: float = 0.95
-    cautious_weight_decay: bool = False
-    ns_method: Literal["standard", "gram", "auto"] = "auto"
-    adamw_lr: float = 3e-3
-    adamw_betas: tuple[float, float] = (0.9, 0.95)
-    adamw_eps: float = 1e-8
-    adamw_weight_decay: float = 0.01
+    name: Literal["qmuon", "torch_muon", "adamw"] = "qmuon"
     schedule: Literal["cosine", "constant"] = "cosine"
     warmup_steps: int = 20
     min_lr_ratio: float = 0.1
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.name not in OPTIMIZER_NAMES:
             raise ValueError(f"optimizer.name must be one of {OPTIMIZER_NAMES}, got {self.name!r}")
-        if self.state_format is not None:
-            qstate.get_format(self.state_format)  # raises with the list of registered formats
-        fixed = _DEFAULT_STATE_FORMAT[self.name] if self.name in _FIXED_STATE_FORMAT else None
-        if fixed is not None and self.state_format not in (None, fixed):
-            raise ValueError(
-                f"optimizer.name={self.name!r} stores {fixed} momentum; got state_format={self.state_format!r}. "
-                "Use name='qmuon' for other formats")
-        if self.name not in ("qmuon", "grasp") and (self.adamw_state_format is not None or self.gradient_release
-                                                    or self.bf16_update is not None):
-            raise ValueError(f"optimizer.adamw_state_format, optimizer.bf16_update and optimizer.gradient_release are "
-                             f"QMuon options; optimizer.name={self.name!r} is a torch baseline. Use name='qmuon' for them")
-        if self.adamw_state_format is not None:
-            qadamw.check_adamw_state_format(self.adamw_state_format, "optimizer.adamw_state_format")
-        if self.bf16_update is not None and self.bf16_update not in BF16_UPDATES:
-            raise ValueError(f"optimizer.bf16_update must be one of {BF16_UPDATES} (or null for QMuon's default), "
-                             f"got {self.bf16_update!r}")
+        if self.name != "qmuon":
+            changed = [k for k in _QMUON_ONLY if getattr(self, k) != getattr(DEFAULT_CONFIG, k)]
+            if changed:
+                raise ValueError(f"optimizer.{', optimizer.'.join(changed)}: QMuon options; optimizer.name="
+                                 f"{self.name!r} is a torch baseline. Use name='qmuon' for them")
+        if self.schedule not in ("cosine", "constant"):
+            raise ValueError(f"optimizer.schedule must be 'cosine' or 'constant', got {self.schedule!r}")
         if self.warmup_steps < 0 or not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ValueError("optimizer.warmup_steps must be >= 0 and optimizer.min_lr_ratio in [0, 1]")
 
     @property
     def resolved_state_format(self) -> str:
         """Momentum format of the Muon matrices (``fp32`` for the torch baselines)."""
-        if self.state_format is not None:
-            return self.state_format
-        return _DEFAULT_STATE_FORMAT[self.name]
+        return self.state_format if self.name == "qmuon" else "fp32"
 
 
 class MuonWithAdamW(Optimizer):
@@ -200,31 +149,21 @@ def _adamw_groups(decisions: list[Any], params: dict[str, nn.Parameter], wd: flo
 
 def build_lm_optimizer(model: nn.Module, spec: OptimizerSpec, *, verbose: bool = True) -> Optimizer:
     """Build ``spec``'s optimizer over ``model``'s current parameters (call after sharding)."""
-    if spec.name in ("qmuon", "grasp"):
-        return build_optimizer(
-            model, lr=spec.lr, weight_decay=spec.weight_decay, momentum=spec.momentum, nesterov=spec.nesterov,
-            ns_steps=spec.ns_steps, adjust_lr_fn=spec.adjust_lr_fn, state_format=spec.resolved_state_format,
-            block_size=spec.block_size, rank=spec.rank, grid_block=spec.grid_block, rounding=spec.rounding,
-            seed=spec.seed, nonfinite=spec.nonfinite, adamw_lr=spec.adamw_lr, adamw_betas=tuple(spec.adamw_betas),
-            adamw_eps=spec.adamw_eps, adamw_weight_decay=spec.adamw_weight_decay, variant=spec.variant,
-            normuon_beta2=spec.normuon_beta2, cautious_weight_decay=spec.cautious_weight_decay,
-            ns_method=spec.ns_method, verbose=verbose,
-            **({"adamw_state_format": spec.adamw_state_format} if spec.adamw_state_format is not None else {}),
-            **({"bf16_update": spec.bf16_update} if spec.bf16_update is not None else {}),
-            **({"gradient_release": True} if spec.gradient_release else {}),
-        )
+    if spec.name == "qmuon":
+        return build_optimizer(model, spec, verbose=verbose)
     decisions = route_parameters(model)
     params = dict(model.named_parameters())
+    upd = spec.update
     if spec.name == "adamw":
         return torch.optim.AdamW(_adamw_groups(decisions, params, spec.adamw_weight_decay), lr=spec.adamw_lr,
-                                 betas=tuple(spec.adamw_betas), eps=spec.adamw_eps)
+                                 betas=tuple(upd.adamw_betas), eps=upd.adamw_eps)
     muon = [d.name for d in decisions if d.target == "muon"]
     rest = [d for d in decisions if d.target in ("adamw", "adamw_no_decay")]
     return MuonWithAdamW(
         [{"params": [params[n] for n in muon], "param_names": muon}], _adamw_groups(rest, params, spec.adamw_weight_decay),
-        lr=spec.lr, weight_decay=spec.weight_decay, momentum=spec.momentum, nesterov=spec.nesterov,
-        ns_steps=spec.ns_steps, adjust_lr_fn=spec.adjust_lr_fn, adamw_lr=spec.adamw_lr,
-        adamw_betas=tuple(spec.adamw_betas), adamw_eps=spec.adamw_eps, adamw_weight_decay=spec.adamw_weight_decay,
+        lr=spec.lr, weight_decay=spec.weight_decay, momentum=spec.momentum, nesterov=upd.nesterov,
+        ns_steps=spec.newton_schulz.steps, adjust_lr_fn=upd.adjust_lr_fn, adamw_lr=spec.adamw_lr,
+        adamw_betas=tuple(upd.adamw_betas), adamw_eps=upd.adamw_eps, adamw_weight_decay=spec.adamw_weight_decay,
     )
 
 
@@ -404,14 +343,15 @@ def memory_budget(module: DecoderLMModule, *, batch_size: int, seq_len: int, pre
     n_params = sum(p.numel() for p in module.model.parameters())
     wbytes = 2 if precision.startswith("bf16-true") or precision == "bf16" else 4
     state = 0
-    adamw_family = spec.adamw_state_format or DEFAULT_CONFIG.adamw_state_format
+    adamw_family = spec.adamw_state_format
     if spec.name == "adamw":
         state = sum(8 * p.numel() + 4 for p in module.model.parameters())  # exp_avg, exp_avg_sq, 0-d fp32 step
     else:
         fmt = spec.resolved_state_format
+        st = spec.state
         opts = qstate.FormatOptions(
-            block_size=spec.block_size if spec.block_size is not None else qstate.get_format(fmt).default_block_size,
-            rank=spec.rank, grid_block=spec.grid_block)
+            block_size=st.block_size if st.block_size is not None else qstate.get_format(fmt).default_block_size,
+            rank=st.rank, grid_block=st.grid_block)
         for d in route_parameters(module.model):
             n = int(torch.Size(d.shape).numel())
             if d.target == "muon":
@@ -419,7 +359,7 @@ def memory_budget(module: DecoderLMModule, *, batch_size: int, seq_len: int, pre
                     state += 4 * n
                 else:
                     state += qstate.momentum_nbytes(fmt, d.shape[0], int(n // d.shape[0]), opts) + 4
-                    if spec.variant == "normuon":  # the per-output-row fp32 second moment
+                    if spec.update.variant == "normuon":  # the per-output-row fp32 second moment
                         state += row_moment_nbytes(tuple(d.shape), d.parts, d.parts_axis, d.orientation)
             elif d.target != "frozen":
                 if spec.name == "torch_muon":
@@ -427,10 +367,9 @@ def memory_budget(module: DecoderLMModule, *, batch_size: int, seq_len: int, pre
                 else:  # QMuon's AdamW moments in their family (fp32 for tensors under 4096 elements)
                     st = qadamw.init_adamw_state(adamw_family, d.shape, d.shape, torch.device("meta"))
                     state += sum(t.numel() * t.element_size() for t in st.values())
-            if wbytes == 2 and spec.name in ("qmuon", "grasp") and d.target != "frozen":
+            if wbytes == 2 and spec.name == "qmuon" and d.target != "frozen":
                 # bf16 weights: the write rule's correction state (ecc8: one int8 code per element)
-                rule = spec.bf16_update or DEFAULT_CONFIG.bf16_update
-                ws = weight_state_init(torch.empty(d.shape, dtype=torch.bfloat16, device="meta"), rule)
+                ws = weight_state_init(torch.empty(d.shape, dtype=torch.bfloat16, device="meta"), spec.bf16_update)
                 state += sum(t.numel() * t.element_size() for t in ws.values())
     tokens = batch_size * seq_len
     act = cfg.n_layers * tokens * (34 * cfg.d_model + 4 * cfg.hidden) + tokens * 8 * cfg.vocab_size

@@ -48,6 +48,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from qmuon.distributed.resume import require_complete
+from qmuon.core.config import QMuonConfig
 from qmuon.optim.qmuon import QMuon
 from qmuon.optim.release import CLIPPING_ERROR, check_trainer_compatible, release_of
 from qmuon.optim.routing import format_routing_table
@@ -110,7 +111,7 @@ class QMuonFabricStrategy(QMuonStrategyMixin, ModelParallelStrategy):
             replaces it by ``build_optimizer(model, **optimizer_kwargs)`` (its AdamW / Adam settings
             become the auxiliary AdamW's); ``"grasp"``: the same with ``state_format="grasp4"``;
             ``"keep"``: keep it. A QMuon is always kept.
-        optimizer_kwargs: :func:`qmuon_lightning.build_optimizer` arguments for the replacement.
+        optimizer_kwargs: the replacement's QMuon options (a :class:`~qmuon.QMuonConfig` or a dict of them).
         shard_policy: which modules become FSDP units (see :mod:`qmuon_lightning.strategies.sharding`).
         reshard_after_forward: passed to ``fully_shard``.
         data_parallel_size, tensor_parallel_size: device-mesh shape; defaults: all processes on the
@@ -131,7 +132,7 @@ class QMuonFabricStrategy(QMuonStrategyMixin, ModelParallelStrategy):
         self,
         parallelize_fn: Optional[Callable[[nn.Module, DeviceMesh], nn.Module]] = None,
         optimizer: OptimizerMode = "qmuon",
-        optimizer_kwargs: Optional[dict[str, Any]] = None,
+        optimizer_kwargs: Union[QMuonConfig, dict[str, Any], None] = None,
         shard_policy: ShardPolicy = "auto",
         reshard_after_forward: bool = True,
         data_parallel_size: Union[Literal["auto"], int] = "auto",
@@ -250,7 +251,7 @@ class QMuonFabricStrategy(QMuonStrategyMixin, ModelParallelStrategy):
         if release_of(optimizer) is not None:
             raise RuntimeError(f"{type(self).__name__}: fabric.clip_gradients(clip_val={clip_val}): the gradients are "
                                "freed inside backward under gradient_release=True, so there is nothing left to clip. "
-                               "Use per-parameter norm clipping (optimizer_kwargs={'release_clip_norm': ...}) instead")
+                               "Use per-parameter norm clipping (optimizer_kwargs={'safety': {'release_clip_norm': ...}}) instead")
         return super().clip_gradients_value(module, optimizer, clip_val)
 
     def _module_of(self, optimizer: Optimizer) -> nn.Module:

@@ -52,6 +52,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from qmuon.distributed.resume import publish_directory, require_complete, staging_path
+from qmuon.core.config import QMuonConfig
 from qmuon.optim.qmuon import QMuon
 from qmuon.optim.release import check_trainer_compatible, release_of
 from qmuon.optim.routing import format_routing_table
@@ -82,7 +83,7 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
     ),
     "qmuon_fsdp_int8_stochastic": (
         "FSDP2 with QMuon, int8 momentum with stochastic rounding",
-        {"optimizer": "qmuon", "optimizer_kwargs": {"state_format": "int8", "rounding": "stochastic"}},
+        {"optimizer": "qmuon", "optimizer_kwargs": {"state_format": "int8", "state": {"rounding": "stochastic"}}},
     ),
     "qmuon_fsdp_grasp4": (
         "FSDP2 with QMuon, GRASP 4-bit momentum",
@@ -160,8 +161,8 @@ class QMuonFSDPStrategy(QMuonStrategyMixin, ModelParallelStrategy):
             ``betas``, ``eps``, ``weight_decay``) become the auxiliary AdamW's unless
             ``optimizer_kwargs`` sets ``adamw_*`` itself. ``"grasp"``: the same with
             ``state_format="grasp4"``. ``"keep"``: use the configured optimizer unchanged.
-        optimizer_kwargs: arguments of :func:`qmuon_lightning.build_optimizer` (``lr``,
-            ``state_format``, ``rounding``, ``weight_decay``, ``adamw_lr``, ``rules``, ...).
+        optimizer_kwargs: the QMuon options: a :class:`~qmuon.QMuonConfig` or a dict of its options
+            (``{"lr": 0.02, "state_format": "int8", "state": {"rounding": "stochastic"}}``), checked here.
         shard_policy: which modules become FSDP units when ``configure_model`` does not shard:
             ``"auto"``, ``"root"``, a list of classes or class names, or a callable
             ``(name, module) -> bool`` (see :mod:`qmuon_lightning.strategies.sharding`).
@@ -184,7 +185,7 @@ class QMuonFSDPStrategy(QMuonStrategyMixin, ModelParallelStrategy):
     def __init__(
         self,
         optimizer: OptimizerMode = "qmuon",
-        optimizer_kwargs: Optional[dict[str, Any]] = None,
+        optimizer_kwargs: Union[QMuonConfig, dict[str, Any], None] = None,
         shard_policy: ShardPolicy = "auto",
         reshard_after_forward: bool = True,
         log_comm_bytes: bool = True,

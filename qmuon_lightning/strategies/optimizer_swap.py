@@ -49,8 +49,8 @@ def _as_float(v: Any) -> float:
 
 
 def adamw_settings(optimizer: Optimizer) -> tuple[dict[str, Any], list[str]]:
-    """``build_optimizer`` arguments (``adamw_lr``, ``adamw_betas``, ``adamw_eps``,
-    ``adamw_weight_decay``) taken from a ``torch.optim.Adam`` / ``AdamW``, and warnings about
+    """``build_optimizer`` options (``adamw_lr``, ``adamw_weight_decay``, ``update.adamw_betas``,
+    ``update.adamw_eps``) taken from a ``torch.optim.Adam`` / ``AdamW``, and warnings about
     settings that cannot carry over.
 
     The values come from the group holding the most elements (with the usual "decay" / "no decay"
@@ -86,9 +86,8 @@ def adamw_settings(optimizer: Optimizer) -> tuple[dict[str, Any], list[str]]:
     settings = {
         # A scheduler built in configure_optimizers has already scaled "lr"; its base is "initial_lr".
         "adamw_lr": _as_float(main.get("initial_lr", main["lr"])),
-        "adamw_betas": (_as_float(b1), _as_float(b2)),
-        "adamw_eps": float(main["eps"]),
         "adamw_weight_decay": float(main["weight_decay"]),
+        "update": {"adamw_betas": (_as_float(b1), _as_float(b2)), "adamw_eps": float(main["eps"])},
     }
     return settings, warnings
 

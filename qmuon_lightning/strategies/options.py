@@ -9,7 +9,7 @@ from typing import Any, Callable, Literal, Mapping, Optional, Sequence, Union
 import torch
 from torch.optim import Optimizer
 
-from qmuon.core.config import QMuonConfig, config_fields_of
+from qmuon.core.config import ConfigError, QMuonConfig
 from qmuon.optim.qmuon import QMuon
 from qmuon.optim.release import attach_gradient_release, release_of
 from qmuon.optim.routing import build_optimizer
@@ -21,17 +21,17 @@ __all__ = ["validate_optimizer_kwargs", "ensure_release", "check_sharded_formats
 
 # What each optimizer mode fixes in build_optimizer's arguments.
 _MODE_KWARGS: dict[str, dict[str, Any]] = {"qmuon": {}, "grasp": {"state_format": "grasp4"}, "keep": {}}
-# build_optimizer arguments besides QMuon's (QMuonConfig's fields); "verbose" is the strategy's own.
-_ROUTING_KWARGS = ("rules", "fused_parts", "orientations", "batch_budget", "lr_ratios", "gradient_release",
-                   "release_clip_norm", "banks", "bank_state_format")
 
 
-def validate_optimizer_kwargs(mode: str, kwargs: Mapping[str, Any]) -> dict[str, Any]:
-    """Check ``optimizer_kwargs`` now with the optimizer's own validation (:class:`QMuonConfig`),
-    so a typo or a bad value fails when the strategy is constructed, not after the processes have
-    started."""
+def validate_optimizer_kwargs(mode: str, kwargs: Any) -> dict[str, Any]:
+    """Check ``optimizer_kwargs`` (a :class:`~qmuon.QMuonConfig` or a dict of its options) now, with
+    the optimizer's own checks, so a typo or a bad value fails when the strategy is constructed, not
+    after the processes have started. Returns the options as given (a dict): the keys the user set,
+    which win over what the swap reads from the user's AdamW."""
+    if isinstance(kwargs, QMuonConfig):
+        kwargs = kwargs.to_dict()
     if not isinstance(kwargs, Mapping):
-        raise TypeError(f"optimizer_kwargs must be a dict of build_optimizer arguments, got {type(kwargs).__name__}")
+        raise TypeError(f"optimizer_kwargs must be a QMuonConfig or a dict of its options, got {type(kwargs).__name__}")
     kwargs = dict(kwargs)
     if mode == "keep":
         if kwargs:
@@ -40,12 +40,6 @@ def validate_optimizer_kwargs(mode: str, kwargs: Mapping[str, Any]) -> dict[str,
                 f"{sorted(kwargs)} would be ignored. Drop them or use optimizer='qmuon'"
             )
         return kwargs
-    allowed = (*QMuonConfig.field_names(), *_ROUTING_KWARGS)
-    for key in kwargs:
-        if key not in allowed:
-            raise ValueError(
-                f"optimizer_kwargs has unknown key {key!r}; build_optimizer accepts: {', '.join(allowed)}"
-            )
     for key, fixed in _MODE_KWARGS[mode].items():
         got = kwargs.setdefault(key, fixed)
         if got != fixed:
@@ -54,27 +48,18 @@ def validate_optimizer_kwargs(mode: str, kwargs: Mapping[str, Any]) -> dict[str,
                 "use optimizer='qmuon' for other values"
             )
     try:
-        QMuonConfig.from_kwargs(**config_fields_of(kwargs))
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"optimizer_kwargs: {e}") from None
-    budget = kwargs.get("batch_budget", 1.0)
-    if not (isinstance(budget, (int, float)) and budget > 0):
-        raise ValueError(f"optimizer_kwargs: batch_budget must be > 0, got {budget!r}")
-    if kwargs.get("lr_ratios", "warn") not in QMuon.LR_RATIO_MODES:
-        raise ValueError(f"optimizer_kwargs: lr_ratios must be one of {QMuon.LR_RATIO_MODES}, got {kwargs['lr_ratios']!r}")
-    if not isinstance(kwargs.get("gradient_release", False), bool):
-        raise ValueError(f"optimizer_kwargs: gradient_release must be True or False, got {kwargs['gradient_release']!r}")
-    if kwargs.get("release_clip_norm") is not None and not kwargs.get("gradient_release"):
-        raise ValueError("optimizer_kwargs: release_clip_norm applies with gradient_release=True only; without release "
-                         "use Trainer(gradient_clip_val=...) / fabric.clip_gradients")
+        QMuonConfig.from_kwargs(kwargs)
+    except ConfigError as e:
+        raise ConfigError(f"optimizer_kwargs: {e}") from None
     return kwargs
 
 
 def ensure_release(optimizer: QMuon, optimizer_kwargs: Mapping[str, Any]) -> None:
     """Attach gradient release to a QMuon the strategy keeps (built by the user) when
     ``optimizer_kwargs`` asks for it and it has none yet."""
-    if optimizer_kwargs.get("gradient_release") and release_of(optimizer) is None:
-        attach_gradient_release(optimizer, clip_norm=optimizer_kwargs.get("release_clip_norm"))
+    config = QMuonConfig.from_kwargs(optimizer_kwargs)
+    if config.gradient_release and release_of(optimizer) is None:
+        attach_gradient_release(optimizer, clip_norm=config.safety.release_clip_norm)
 
 
 def check_sharded_formats(opt: QMuon) -> None:
@@ -116,20 +101,18 @@ def build_replacement(
     :func:`build_optimizer` on the sharded ``module`` with ``optimizer_kwargs``, the user's AdamW
     settings filling the ``adamw_*`` arguments that ``optimizer_kwargs`` leaves unset. ``warn``
     receives the settings that cannot carry over."""
-    kwargs = dict(optimizer_kwargs)
+    settings: dict[str, Any] = {}
     if user is not None:
         swap.check_coverage(module, user)
         settings, notes = swap.adamw_settings(user)
         for note in notes:
             warn(note)
-        for key, value in settings.items():
-            kwargs.setdefault(key, value)  # explicit optimizer_kwargs win
-    if "bank_state_format" not in kwargs and not qstate.get_format(
-            kwargs.get("state_format", QMuonConfig().state_format)).row_local:
+    config = QMuonConfig.from_kwargs(settings, **optimizer_kwargs)  # explicit optimizer_kwargs win, field by field
+    if config.routing.bank_state_format is None and not qstate.get_format(config.state_format).row_local:
         # A format with per-matrix statistics (grasp4's low-rank factor) would mix the experts of a
         # MoE bank; the banks of a replacement keep int8 momentum (no-op for models without banks).
-        kwargs["bank_state_format"] = "int8"
-    new = build_optimizer(module, verbose=False, **kwargs)
+        config = config.replace(routing={"bank_state_format": "int8"})
+    new = build_optimizer(module, config, verbose=False)
     check_sharded_formats(new)
     return new
 
@@ -141,5 +124,5 @@ def no_muon_warning(owner: str, decisions: Sequence[Any]) -> Optional[str]:
     return (
         f"{owner}: no parameter was routed to Muon, so QMuon runs AdamW only. Muon takes "
         "2-D hidden weights; the rule table sends embeddings, the output head (by name) and 1-D tensors "
-        "to AdamW. Check the routing table, pass optimizer_kwargs={'rules': [...]}, or use optimizer='keep'"
+        "to AdamW. Check the routing table, pass optimizer_kwargs={'routing': {'rules': [...]}}, or use optimizer='keep'"
     )
