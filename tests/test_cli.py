@@ -228,12 +228,12 @@ def test_print_config_interpolation_and_links(tmp_path, tiny_cfg, capsys):
 def test_several_configs_and_dotted_overrides(tmp_path, tiny_cfg, capsys):
     base = str(tiny_cfg(tmp_path / "run"))
     over = tmp_path / "over.yaml"
-    over.write_text("model:\n  n_layers: 3\n  optimizer:\n    name: grasp\n    state_format: null\n"
+    over.write_text("model:\n  n_layers: 3\n  optimizer:\n    name: qmuon\n    state_format: grasp4\n"
                     "data:\n  seq_len: 48\n")
     out = _print_config(capsys, "--config", base, "--config", str(over), "--model.d_model=64",
                         "--model.optimizer.lr", "0.01")
     m = out["model"]
-    assert (m["n_layers"], m["d_model"], m["optimizer"]["name"], m["optimizer"]["lr"]) == (3, 64, "grasp", 0.01)
+    assert (m["n_layers"], m["d_model"], m["optimizer"]["state_format"], m["optimizer"]["lr"]) == (3, 64, "grasp4", 0.01)
     assert m["n_heads"] == 2  # untouched keys of the first config survive the merge
     assert out["data"]["seq_len"] == 48
 
@@ -244,7 +244,8 @@ def test_several_configs_and_dotted_overrides(tmp_path, tiny_cfg, capsys):
     [
         (["--model.optimizer.state_format=int7"], ["state_format", "int7"]),
         (["--model.d_model=100", "--model.n_heads=3"], ["invalid configuration", "d_model=100", "n_heads=3"]),
-        (["--model.optimizer.name=grasp", "--model.optimizer.state_format=int8"], ["invalid configuration", "grasp4"]),
+        (["--model.optimizer.name=torch_muon", "--model.optimizer.state_format=int8"],
+         ["invalid configuration", "torch_muon", "fp32"]),
         (["--data.source=text"], ["invalid configuration", "data.paths"]),
         (["--model.dmodel=64"], ["dmodel"]),
         (["--data.source=tokens", "--data.paths=[/nonexistent/corpus]"], ["invalid configuration", "qmuon-prepare"]),
@@ -252,7 +253,7 @@ def test_several_configs_and_dotted_overrides(tmp_path, tiny_cfg, capsys):
         (["--model.optimizer.name=torch_muon", "--model.optimizer.state_format=null",
           "--model.optimizer.bf16_update=ecc8"], ["invalid configuration", "bf16_update", "torch baseline"]),
     ],
-    ids=["unknown-format", "heads-do-not-divide", "grasp-with-int8", "text-without-paths", "typo-key",
+    ids=["unknown-format", "heads-do-not-divide", "torch-muon-with-int8", "text-without-paths", "typo-key",
          "tokens-dir-missing", "unknown-bf16-update", "bf16-update-on-torch-baseline"],
 )
 def test_bad_config_gives_clear_error(tmp_path, tiny_cfg, capsys, override, expect):

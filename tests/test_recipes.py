@@ -149,7 +149,7 @@ def test_recipe(path, capsys, tmp_path):
 
 
 @pytest.mark.parametrize("name, state_format, variant, bf16_update",
-                         [("qmuon", "int8", "muon", None), ("grasp", None, "muon", None),
+                         [("qmuon", "int8", "muon", None), ("qmuon", "grasp4", "muon", None),
                           ("qmuon", "bf16", "muon", None), ("adamw", None, "muon", None),
                           ("torch_muon", None, "muon", None), ("qmuon", "int8", "normuon", None),
                           ("qmuon", "int8", "muon", "stochastic"), ("qmuon", "int8", "muon", "ecc8")])

@@ -10,9 +10,8 @@ Optimizers (``OptimizerSpec.name``):
 
 ``qmuon``
     :func:`qmuon_lightning.build_optimizer`: Muon with ``state_format`` momentum for hidden matrices
-    (fused qkv / gate_up as parts), auxiliary AdamW for embeddings, head, norms.
-``grasp``
-    the same with ``state_format="grasp4"`` (GRASP 4-bit momentum; ``rank`` / ``grid_block``).
+    (fused qkv / gate_up as parts), auxiliary AdamW for embeddings, head, norms. GRASP 4-bit
+    momentum is ``state_format="grasp4"`` (``rank`` / ``grid_block``).
 ``torch_muon``
     the fp32 baseline: ``torch.optim.Muon`` for the same hidden matrices (fused matrices as one
     matrix, as torch does it) plus ``torch.optim.AdamW`` for the rest, in one
@@ -48,11 +47,11 @@ from .decoder_lm import DecoderLM, DecoderLMConfig, _rope_tables
 
 __all__ = ["OptimizerSpec", "DecoderLMModule", "MuonWithAdamW", "build_lm_optimizer", "lr_factor", "memory_budget"]
 
-OPTIMIZER_NAMES = ("qmuon", "grasp", "torch_muon", "adamw")
+OPTIMIZER_NAMES = ("qmuon", "torch_muon", "adamw")
 #: The momentum format of each optimizer when ``state_format`` is None (``resolved_state_format``).
-_DEFAULT_STATE_FORMAT = {"qmuon": "int8", "grasp": "grasp4", "torch_muon": "fp32", "adamw": "fp32"}
+_DEFAULT_STATE_FORMAT = {"qmuon": "int8", "torch_muon": "fp32", "adamw": "fp32"}
 #: Optimizers that always use their default format (``state_format`` may only repeat it).
-_FIXED_STATE_FORMAT = ("grasp", "torch_muon", "adamw")
+_FIXED_STATE_FORMAT = ("torch_muon", "adamw")
 
 
 @dataclass
@@ -60,22 +59,21 @@ class OptimizerSpec:
     """What optimizer to build, and its learning-rate schedule (see the module docstring).
 
     Args:
-        name: ``"qmuon"``, ``"grasp"``, ``"torch_muon"`` or ``"adamw"``.
+        name: ``"qmuon"``, ``"torch_muon"`` or ``"adamw"``.
         lr: Muon learning rate (``adjust_lr_fn=None``: torch.optim.Muon's "original" scaling,
             ``lr * sqrt(max(1, rows/cols))``). Unused by ``adamw``.
         weight_decay: Muon decoupled weight decay (``p *= 1 - lr * wd``).
         momentum, nesterov, adjust_lr_fn, ns_steps: as in ``torch.optim.Muon``.
         state_format: QMuon momentum storage, any registered format (``fp32``, ``bf16``, ``int8``,
-            ``uint8``, ``int4``, ``e0m3``, ``grasp4``). ``None``: ``int8`` for ``qmuon``, ``grasp4`` for ``grasp``.
+            ``uint8``, ``int4``, ``e0m3``, ``grasp4``). ``None``: ``int8`` for ``qmuon``.
         block_size, rank, grid_block, rounding, seed, nonfinite: QMuon options.
         adamw_state_format: how QMuon stores the AdamW moments (``"fp32"``, ``"bf16"``, ``"int8"``,
-            ``"int4"``; ``None``: QMuon's default). ``qmuon`` / ``grasp`` only.
+            ``"int4"``; ``None``: QMuon's default). ``qmuon`` only.
         bf16_update: how an update reaches a bf16 weight (``trainer.precision: bf16-true``, no fp32
             master copy): ``"nearest"``, ``"stochastic"`` or ``"ecc8"`` (+1 B/param of error-correction
-            state); ``None``: QMuon's default (``"stochastic"``). No effect on fp32 weights. ``qmuon`` /
-            ``grasp`` only.
+            state); ``None``: QMuon's default (``"stochastic"``). No effect on fp32 weights. ``qmuon`` only.
         gradient_release: step each parameter inside backward and free its gradient
-            (:mod:`qmuon.optim.release`); ``qmuon`` / ``grasp`` only. Set
+            (:mod:`qmuon.optim.release`); ``qmuon`` only. Set
             ``trainer.gradient_clip_val: null`` and ``accumulate_grad_batches: 1`` with it.
         variant, normuon_beta2, cautious_weight_decay, ns_method: QMuon's Muon variants
             (``"normuon"``, cautious decay, Gram Newton-Schulz; :mod:`qmuon.core.variants`).
@@ -86,7 +84,7 @@ class OptimizerSpec:
         min_lr_ratio: the cosine schedule's final factor.
     """
 
-    name: Literal["qmuon", "grasp", "torch_muon", "adamw"] = "qmuon"
+    name: Literal["qmuon", "torch_muon", "adamw"] = "qmuon"
     lr: float = 0.02
     weight_decay: float = 0.01
     momentum: float = 0.95
@@ -125,8 +123,8 @@ class OptimizerSpec:
             raise ValueError(
                 f"optimizer.name={self.name!r} stores {fixed} momentum; got state_format={self.state_format!r}. "
                 "Use name='qmuon' for other formats")
-        if self.name not in ("qmuon", "grasp") and (self.adamw_state_format is not None or self.gradient_release
-                                                    or self.bf16_update is not None):
+        if self.name != "qmuon" and (self.adamw_state_format is not None or self.gradient_release
+                                     or self.bf16_update is not None):
             raise ValueError(f"optimizer.adamw_state_format, optimizer.bf16_update and optimizer.gradient_release are "
                              f"QMuon options; optimizer.name={self.name!r} is a torch baseline. Use name='qmuon' for them")
         if self.adamw_state_format is not None:
@@ -200,7 +198,7 @@ def _adamw_groups(decisions: list[Any], params: dict[str, nn.Parameter], wd: flo
 
 def build_lm_optimizer(model: nn.Module, spec: OptimizerSpec, *, verbose: bool = True) -> Optimizer:
     """Build ``spec``'s optimizer over ``model``'s current parameters (call after sharding)."""
-    if spec.name in ("qmuon", "grasp"):
+    if spec.name == "qmuon":
         return build_optimizer(
             model, lr=spec.lr, weight_decay=spec.weight_decay, momentum=spec.momentum, nesterov=spec.nesterov,
             ns_steps=spec.ns_steps, adjust_lr_fn=spec.adjust_lr_fn, state_format=spec.resolved_state_format,
@@ -427,7 +425,7 @@ def memory_budget(module: DecoderLMModule, *, batch_size: int, seq_len: int, pre
                 else:  # QMuon's AdamW moments in their family (fp32 for tensors under 4096 elements)
                     st = qadamw.init_adamw_state(adamw_family, d.shape, d.shape, torch.device("meta"))
                     state += sum(t.numel() * t.element_size() for t in st.values())
-            if wbytes == 2 and spec.name in ("qmuon", "grasp") and d.target != "frozen":
+            if wbytes == 2 and spec.name == "qmuon" and d.target != "frozen":
                 # bf16 weights: the write rule's correction state (ecc8: one int8 code per element)
                 rule = spec.bf16_update or DEFAULT_CONFIG.bf16_update
                 ws = weight_state_init(torch.empty(d.shape, dtype=torch.bfloat16, device="meta"), rule)

@@ -19,8 +19,6 @@ from . import optimizer_swap as swap
 __all__ = ["validate_optimizer_kwargs", "ensure_release", "check_sharded_formats", "resolve_mesh_sizes",
            "build_replacement", "no_muon_warning"]
 
-# What each optimizer mode fixes in build_optimizer's arguments.
-_MODE_KWARGS: dict[str, dict[str, Any]] = {"qmuon": {}, "grasp": {"state_format": "grasp4"}, "keep": {}}
 # build_optimizer arguments besides QMuon's (QMuonConfig's fields); "verbose" is the strategy's own.
 _ROUTING_KWARGS = ("rules", "fused_parts", "orientations", "batch_budget", "lr_ratios", "gradient_release",
                    "release_clip_norm", "banks", "bank_state_format")
@@ -45,13 +43,6 @@ def validate_optimizer_kwargs(mode: str, kwargs: Mapping[str, Any]) -> dict[str,
         if key not in allowed:
             raise ValueError(
                 f"optimizer_kwargs has unknown key {key!r}; build_optimizer accepts: {', '.join(allowed)}"
-            )
-    for key, fixed in _MODE_KWARGS[mode].items():
-        got = kwargs.setdefault(key, fixed)
-        if got != fixed:
-            raise ValueError(
-                f"optimizer={mode!r} uses {key}={fixed!r}, but optimizer_kwargs sets {key}={got!r}; "
-                "use optimizer='qmuon' for other values"
             )
     try:
         QMuonConfig.from_kwargs(**config_fields_of(kwargs))
