@@ -71,7 +71,6 @@ from torch import Tensor
 
 from ...ops import reference as ref
 from ...ops import reference_4bit as ref4
-from ...ops.heap import release_freed_heap
 from ..layout import RowLayout, chunk_ranges, row_layout
 from .base import PACKED, FormatOptions, FormatSpec, StateFormat
 
@@ -346,8 +345,6 @@ class Grasp4Format(StateFormat):
             # unbound here, not when the next matrix's are assigned: the next decode would otherwise
             # run beside this matrix's fp32 momentum and encoded state
             del m_new, new
-        if grads2d and grads2d[0].device.type == "cpu":
-            release_freed_heap()  # the update's fp32 temporaries
 
     def update_sharded(self, params, states, grads2d, block_sums, *, beta, nesterov, opts, streams, offsets, keys,
                        seed, process_group):
