@@ -101,8 +101,7 @@ class QMuonConfig:
             ``"muon"`` coefficients; the standard iteration elsewhere, CUDA included;
             :func:`~qmuon.core.gram_newton_schulz.pick_ns_method`), ``"standard"`` or
             ``"gram"`` (iterate on the Gram matrix of every rectangular update,
-            :mod:`qmuon.core.gram_newton_schulz`). A checkpoint saved before ``ns_method``
-            existed resumes with ``"standard"``, the iteration it ran.
+            :mod:`qmuon.core.gram_newton_schulz`).
     AdamW (embeddings, head, 1-D tensors): adamw_lr 3e-4, adamw_betas (0.9, 0.95),
         adamw_eps 1e-8, adamw_weight_decay 0.1 (the usual GPT pretraining values).
         adamw_state_format: how the AdamW moments are stored: ``"fp32"`` (``torch.optim.AdamW``'s
