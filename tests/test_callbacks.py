@@ -24,18 +24,15 @@ from lightning.pytorch.loggers import CSVLogger
 from _helpers import fsdp_scenario_main, run_launcher, subprocess_env
 from qmuon import QMuon, build_optimizer
 from qmuon_lightning.callbacks import (
-    MANIFEST_KEY,
     OptimizerStepProfiler,
     QuantFidelityMonitor,
     QuantizedStateCheckpoint,
     QuantizedStateMismatchError,
     UpdateFidelityTracker,
-    build_manifest,
     load_quantized_state,
-    standalone_files,
-    validate_manifest,
 )
 from qmuon_lightning.callbacks import checkpoint as ckpt_mod
+from qmuon_lightning.callbacks.checkpoint import MANIFEST_KEY, build_manifest, standalone_files, validate_manifest
 from qmuon_lightning.data.bytes_corpus import RandomWindowDataset
 from qmuon_lightning.models import DecoderLM
 from qmuon.quant import state as qstate

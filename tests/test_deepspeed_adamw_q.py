@@ -33,6 +33,7 @@ if __name__ != "__main__":
 import qmuon  # noqa: E402
 from qmuon.core import adamw as core_adamw  # noqa: E402
 from qmuon.integrations import deepspeed as qds  # noqa: E402
+from qmuon.integrations.deepspeed.optimizer_state import STATE_VERSION  # noqa: E402
 from qmuon.quant import adamw as qadamw  # noqa: E402
 
 WORLD = 2
@@ -172,9 +173,9 @@ def test_another_layout_version_is_refused():
     _loss(m1(x), x).backward()
     o1.step()
     sd = o1.state_dict()
-    sd["qmuon_deepspeed"]["version"] = qds.STATE_VERSION - 1
+    sd["qmuon_deepspeed"]["version"] = STATE_VERSION - 1
     o2 = qds.WholeMatrixZeroOptimizer(qmuon.QMuon(_groups(m2), **KW))
-    with pytest.raises(ValueError, match=rf"layout version {qds.STATE_VERSION - 1} is not this qmuon's"):
+    with pytest.raises(ValueError, match=rf"layout version {STATE_VERSION - 1} is not this qmuon's"):
         o2.load_state_dict(sd)
     assert not o2._slice_state
 

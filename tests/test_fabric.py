@@ -33,7 +33,8 @@ import qmuon
 from _dist import run_workers
 from _helpers import REPO, assert_same, run_launcher, subprocess_env
 from qmuon_lightning.models import DecoderLM
-from qmuon_lightning.strategies import PRESETS, QMuonFabricStrategy, register_fabric_strategies
+from qmuon_lightning.strategies import QMuonFabricStrategy, register_fabric_strategies
+from qmuon_lightning.strategies.fsdp import PRESETS
 from qmuon_lightning.strategies.optimizer_swap import SwapError
 
 VOCAB, D, SEQ, GLOBAL_BATCH = 64, 32, 16, 8

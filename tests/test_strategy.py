@@ -29,7 +29,9 @@ import qmuon_lightning  # noqa: F401  (registers the strategies)
 from _helpers import assert_same, run_launcher, subprocess_env
 from qmuon import QMuon
 from qmuon_lightning.models import DecoderLM
-from qmuon_lightning.strategies import PRESETS, QMuonFSDPStrategy, select_blocks, select_roots
+from qmuon_lightning.strategies import QMuonFSDPStrategy
+from qmuon_lightning.strategies.fsdp import PRESETS
+from qmuon_lightning.strategies.sharding import select_blocks, select_roots
 from qmuon_lightning.strategies import optimizer_swap as swap
 from qmuon_lightning.strategies.sharding import resolve_policy
 

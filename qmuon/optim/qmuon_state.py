@@ -26,7 +26,7 @@ from ..quant import adamw as qadamw
 from ..quant import state as qstate
 from ..quant.layout import localize_loaded_state, shard_state
 
-__all__ = ["QMuonStateMixin", "FORMAT_VERSION"]
+__all__ = ["FORMAT_VERSION"]
 
 #: Version of the optimizer state layout written by ``state_dict()`` (a newer one is refused on load).
 FORMAT_VERSION = 2

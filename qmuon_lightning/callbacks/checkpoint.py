@@ -54,13 +54,8 @@ from ._common import is_dtensor, param_names, qmuon_optimizers
 __all__ = [
     "QuantizedStateCheckpoint",
     "QuantizedStateMismatchError",
-    "MANIFEST_KEY",
-    "build_manifest",
-    "validate_manifest",
-    "atomic_torch_save",
     "load_quantized_state",
     "export_fp32_momentum",
-    "standalone_files",
 ]
 
 #: Key of the manifest in a Lightning checkpoint dict.

@@ -15,8 +15,7 @@ from torch.optim import Optimizer
 from qmuon.core.config import FORMAT_OVERRIDES, ResumeMismatch, check_resume, describe_layout, state_layout
 from qmuon.optim.qmuon import QMuon
 
-__all__ = ["CKPT_KEY", "checkpoint_info", "check_compatible", "format_overrides", "apply_format_overrides",
-           "load_sharded_state", "load_full_state"]
+__all__: list[str] = []
 
 #: The checkpoint metadata entry written on save and checked on load.
 CKPT_KEY = "qmuon_fsdp"

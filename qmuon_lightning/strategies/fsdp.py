@@ -66,7 +66,7 @@ from .sharding import (ShardPolicy, check_replicate_size, describe_sharding, hsd
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-__all__ = ["QMuonFSDPStrategy", "OPTIMIZER_MODES", "PRESETS"]
+__all__ = ["QMuonFSDPStrategy"]
 
 log = logging.getLogger(__name__)
 

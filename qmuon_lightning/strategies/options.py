@@ -16,8 +16,7 @@ from qmuon.optim.routing import build_optimizer
 from qmuon.quant import state as qstate
 from . import optimizer_swap as swap
 
-__all__ = ["validate_optimizer_kwargs", "ensure_release", "check_sharded_formats", "resolve_mesh_sizes",
-           "build_replacement", "no_muon_warning"]
+__all__: list[str] = []
 
 # build_optimizer arguments besides QMuon's (QMuonConfig's fields); "verbose" is the strategy's own.
 _ROUTING_KWARGS = ("rules", "fused_parts", "orientations", "batch_budget", "lr_ratios", "gradient_release",

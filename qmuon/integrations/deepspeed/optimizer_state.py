@@ -19,7 +19,7 @@ from ...quant import adamw as qadamw
 from ...quant import state as qstate
 from .layout import _Param
 
-__all__ = ["ZeroStateMixin", "STATE_VERSION", "MODE_NAMES"]
+__all__: list[str] = []
 
 #: Version of the layout written by :meth:`WholeMatrixZeroOptimizer.state_dict` (AdamW moments of flat
 #: slices, per piece, under ``"adamw_slices"``; the weight-correction state of bf16 Muon slices under

@@ -74,17 +74,7 @@ from ...ops import reference_4bit as ref4
 from ..layout import RowLayout, chunk_ranges, row_layout
 from .base import PACKED, FormatOptions, FormatSpec, StateFormat
 
-__all__ = [
-    "CONVERT_ITERS",
-    "DEFAULT_GRID_BLOCK",
-    "DEFAULT_RANK",
-    "FORMATS",
-    "Grasp4Format",
-    "grasp_decode",
-    "grasp_encode",
-    "grasp_factors",
-    "power_iteration",
-]
+__all__ = ["Grasp4Format"]
 
 P_CODES, P_ABSMAX = "grasp_p_codes", "grasp_p_absmax"
 R_CODES, R_ABSMAX = "grasp_r_codes", "grasp_r_absmax"

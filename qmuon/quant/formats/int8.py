@@ -10,7 +10,7 @@ import torch
 from ...ops import reference as ref
 from .base import ABSMAX, CODES, FormatSpec, StateFormat
 
-__all__ = ["Q8Format", "FORMATS"]
+__all__ = ["Q8Format"]
 
 
 class Q8Format(StateFormat):
