@@ -91,7 +91,7 @@ def recipe_setup(cfg: dict[str, Any]) -> mem.Setup | None:
 
     keys = set(QMuonConfig.field_names()) | {"gradient_release"}
     opts = {k: v for k, v in spec.items() if k in keys and v is not None and k not in ("lr", "weight_decay")}
-    opts.setdefault("state_format", "grasp4" if name == "grasp" else "int8")
+    opts.setdefault("state_format", "int8")
     return mem.Setup(f"recipe ({name}, {opts['state_format']})", "qmuon", opts, weights)
 
 

@@ -81,7 +81,6 @@ def test_fabric_registry_has_the_trainer_names() -> None:
 @pytest.mark.parametrize("kwargs, match", [
     ({"optimizer": "sgd"}, "optimizer='sgd' is not one of"),
     ({"optimizer_kwargs": {"state_fromat": "int8"}}, "unknown key 'state_fromat'"),
-    ({"optimizer": "grasp", "optimizer_kwargs": {"state_format": "int8"}}, "uses state_format='grasp4'"),
     ({"shard_policy": "everything"}, "shard_policy='everything' is not a policy"),
     ({"tensor_parallel_size": 0}, "tensor_parallel_size must be 'auto' or a positive int"),
     ({"parallelize_fn": 3}, "parallelize_fn must be a callable"),
