@@ -72,6 +72,7 @@ def build_compared_optimizers(name: str, model: torch.nn.Module, decisions=None,
     ``torch.Muon`` ``torch.optim.Muon`` on what ``route_parameters`` sends to Muon plus AdamW on the
     rest (the split build_optimizer makes); ``qmuon-FORMAT`` ``build_optimizer(model, state_format=FORMAT)``.
     ``decisions``: the routing of ``model`` when the caller has it already."""
+    import qmuon
     import qmuon_lightning
 
     if name == "torch.AdamW":
@@ -80,7 +81,7 @@ def build_compared_optimizers(name: str, model: torch.nn.Module, decisions=None,
         return [torch.optim.AdamW([{"params": decay, "weight_decay": ADAMW_WD},
                                    {"params": no_decay, "weight_decay": 0.0}], **ADAMW)]
     if name == "torch.Muon":
-        decisions = decisions if decisions is not None else qmuon_lightning.route_parameters(model)
+        decisions = decisions if decisions is not None else qmuon.route_parameters(model)
         muon = [d.param for d in decisions if d.target == "muon"]
         adamw = [{"params": [d.param for d in decisions if d.target == t], "weight_decay": wd}
                  for t, wd in (("adamw", ADAMW_WD), ("adamw_no_decay", 0.0))]

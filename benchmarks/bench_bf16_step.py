@@ -91,13 +91,13 @@ def components(model_name: str, reps: int) -> dict[str, dict[str, float]]:
     interleaved: the AdamW step of every AdamW-routed parameter (``core.adamw.adamw_param_step``:
     moments, update, weight write) and the weight write of every Muon matrix (``core.apply.apply_update_``
     of a fixed update), per weight / state setting."""
-    import qmuon_lightning
+    import qmuon
     from qmuon.core import adamw as cadamw
     from qmuon.core import apply as capply
 
     torch.manual_seed(0)
     model = build_model(model_name)
-    decisions = qmuon_lightning.route_parameters(model)
+    decisions = qmuon.route_parameters(model)
     adamw = [d.param.detach() for d in decisions if d.target in ("adamw", "adamw_no_decay")]
     muon = [d.param.detach() for d in decisions if d.target == "muon"]
     g = torch.Generator().manual_seed(2)

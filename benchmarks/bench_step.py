@@ -648,7 +648,7 @@ def run_config(d: int, layers: int, steps: int, names: list[str], args, c: CpuIn
         prof_names = [n for n in names if n != "torch.AdamW"]
         bd = profile_breakdown(specs, prof_names, pool, args.profile_steps, args.seed, log)
         ns_where = ("`qmuon.core.pipeline.newton_schulz_folded` (QMuon)" if pipeline_mod is not None
-                    else "`qmuon.optim.qmuon.newton_schulz_folded` (QMuon)")
+                    else "`qmuon.core.newton_schulz.newton_schulz_folded` (QMuon)")
         prof_md += [
             f"### Where the step goes (d={d}, {layers} layers)",
             "",

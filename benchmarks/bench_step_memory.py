@@ -8,7 +8,7 @@ step), build the same model with the same seed, the same batch (``batch x seq`` 
 ``--steps`` training steps. Only the optimizer differs:
 
 ``torch.AdamW``  ``torch.optim.AdamW`` on every parameter (lr 3e-4, betas (0.9, 0.95), weight decay 0.1)
-``torch.Muon``   ``torch.optim.Muon`` on the parameters ``qmuon_lightning.route_parameters`` sends to
+``torch.Muon``   ``torch.optim.Muon`` on the parameters ``qmuon.route_parameters`` sends to
                  Muon (hidden matrices; fused q/k/v and gate/up are orthogonalized whole, as
                  torch.optim.Muon does), ``torch.optim.AdamW`` on the rest with build_optimizer's
                  settings (weight decay 0.1 for matrices, 0 for 1-D tensors)
@@ -162,6 +162,7 @@ def child(cfg: dict[str, Any]) -> dict[str, Any]:
     meter.start()
     import torch
 
+    import qmuon
     import qmuon_lightning
     from qmuon_lightning.models.decoder_lm import DecoderLM
 
@@ -198,7 +199,7 @@ def child(cfg: dict[str, Any]) -> dict[str, Any]:
     g = torch.Generator().manual_seed(cfg["seed"] + 1)
     tokens = torch.randint(0, cfg["vocab"], (cfg["batch"], cfg["seq"] + 1), generator=g).to(dev)
     x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
-    decisions = qmuon_lightning.route_parameters(model)
+    decisions = qmuon.route_parameters(model)
     muon_dec = [d for d in decisions if d.target == "muon"]
     out["n_params"] = sum(p.numel() for p in model.parameters())
     out["n_muon"] = sum(d.param.numel() for d in muon_dec)

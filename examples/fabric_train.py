@@ -36,11 +36,26 @@ from lightning.fabric.strategies import STRATEGY_REGISTRY
 
 import qmuon
 from qmuon_lightning.data.bytes_corpus import RandomWindowDataset, build_stdlib_corpus, fixed_windows
-from qmuon_lightning.demo import evaluate
 from qmuon.distributed.resume import find_resumable_checkpoint
 from qmuon_lightning.models import DecoderLM
 
 VOCAB = 256
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int = 32) -> float:
+    """Mean next-byte cross-entropy (nats) over fixed windows, in eval mode (logits taken in fp32;
+    under FSDP2 every rank must call it, as the forward is collective)."""
+    was_training = model.training
+    model.eval()
+    total, count = 0.0, 0
+    for i in range(0, x.size(0), batch_size):
+        logits = model(x[i: i + batch_size])
+        tgt = y[i: i + batch_size]
+        total += float(F.cross_entropy(logits.float().reshape(-1, VOCAB), tgt.reshape(-1), reduction="sum"))
+        count += tgt.numel()
+    model.train(was_training)
+    return total / count
 
 
 def build_parser() -> argparse.ArgumentParser:

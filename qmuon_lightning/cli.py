@@ -69,7 +69,7 @@ from .data.datamodule import ByteLMDataModule
 from qmuon.distributed.process_group import exit_after_distributed_run
 from .models.lm_module import DecoderLMModule
 
-__all__ = ["QMuonCLI", "main", "estimate_main", "merged_config", "resolve_ckpt_path", "cli_dependency_problem"]
+__all__ = ["QMuonCLI", "main", "estimate_main"]
 
 
 def _tensorboard_available() -> bool:

@@ -59,7 +59,7 @@ from qmuon.optim.qmuon import QMuon
 from .strategies.fabric import QMuonFabricStrategy
 from .strategies.sharding import resolve_policy
 
-__all__ = ["main", "COMMANDS", "TESTED_LITGPT_VERSIONS", "split_qmuon_args", "QMuonLitGPTStrategy"]
+__all__ = ["main", "QMuonLitGPTStrategy"]
 
 #: LitGPT versions this launcher (and its patch of ``<command module>.L``) was tested with.
 TESTED_LITGPT_VERSIONS = ("0.5.13",)

@@ -44,7 +44,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["Check", "main", "run_checks", "format_table", "arch_targets_device"]
+__all__ = ["Check", "main", "run_checks"]
 
 PASS, FAIL, WARN, SKIP, INFO = "PASS", "FAIL", "WARN", "SKIP", "info"
 

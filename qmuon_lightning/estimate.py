@@ -31,7 +31,7 @@ from torch import nn
 
 from . import memory as mem
 
-__all__ = ["run", "recipe_model", "hf_model", "recipe_setup"]
+__all__ = ["run"]
 
 
 # ------------------------------------------------------------------------------------ models

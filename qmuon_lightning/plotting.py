@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
-__all__ = ["Curves", "read_run", "plot_runs", "main"]
+__all__ = ["plot_runs", "main"]
 
 
 @dataclass

@@ -16,7 +16,7 @@ from qmuon import QMuon
 from qmuon.ops import reference_4bit as ref4
 from qmuon.optim.fidelity import per_layer_update_cosine
 from qmuon.quant import fidelity
-from qmuon.quant import grasp as qgrasp
+from qmuon.quant.formats import grasp4 as qgrasp
 from qmuon.quant import state as qstate
 
 FP32_U = 2.0**-24

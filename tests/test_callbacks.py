@@ -24,20 +24,17 @@ from lightning.pytorch.loggers import CSVLogger
 from _helpers import fsdp_scenario_main, run_launcher, subprocess_env
 from qmuon import QMuon, build_optimizer
 from qmuon_lightning.callbacks import (
-    MANIFEST_KEY,
     OptimizerStepProfiler,
     QuantFidelityMonitor,
     QuantizedStateCheckpoint,
     QuantizedStateMismatchError,
     UpdateFidelityTracker,
-    build_manifest,
     load_quantized_state,
-    standalone_files,
-    validate_manifest,
 )
 from qmuon_lightning.callbacks import checkpoint as ckpt_mod
+from qmuon_lightning.callbacks.checkpoint import MANIFEST_KEY, build_manifest, standalone_files, validate_manifest
 from qmuon_lightning.data.bytes_corpus import RandomWindowDataset
-from qmuon_lightning.demo import DemoModule
+from qmuon_lightning.models import DecoderLM
 from qmuon.quant import state as qstate
 from qmuon.optim.fidelity import per_layer_update_cosine
 from qmuon.quant.fidelity import synthetic_gradients
@@ -48,10 +45,43 @@ BATCH = 4
 DATA = torch.frombuffer(bytearray(Path(__file__).read_bytes()), dtype=torch.uint8)
 
 
-def _module(state_format: str = "int8", steps: int = 8, **kw) -> DemoModule:
+class TinyLM(L.LightningModule):
+    """A byte-level DecoderLM trained with ``build_optimizer`` (Muon lr 0.02, AdamW lr 3e-3, weight
+    decay 0.01) and a linear warmup, then flat, then a linear decay to 10% over the last 40%."""
+
+    def __init__(self, *, state_format: str = "int8", max_steps: int = 8, warmup_steps: int = 2) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.model = DecoderLM(vocab_size=256, d_model=32, n_layers=1, n_heads=2, max_seq_len=SEQ)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.model(idx)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = torch.nn.functional.cross_entropy(self(x).reshape(-1, 256), y.reshape(-1))
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        hp = self.hparams
+        opt = build_optimizer(self, state_format=hp.state_format, lr=0.02, weight_decay=0.01, adamw_lr=3e-3,
+                              adamw_weight_decay=0.01, seed=0, verbose=False)
+        warmup, total = hp.warmup_steps, max(1, hp.max_steps)
+        cooldown = int(0.6 * total)
+
+        def factor(step: int) -> float:
+            if step < warmup:
+                return (step + 1) / warmup
+            return 1.0 if step < cooldown else 1.0 - 0.9 * (step - cooldown) / max(1, total - cooldown)
+
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def _module(state_format: str = "int8", steps: int = 8) -> TinyLM:
     L.seed_everything(0, verbose=False)
-    return DemoModule(d_model=32, n_layers=1, n_heads=2, seq_len=SEQ, state_format=state_format,
-                      max_steps=steps, warmup_steps=2, **kw)
+    return TinyLM(state_format=state_format, max_steps=steps)
 
 
 def _loader(steps: int) -> DataLoader:
@@ -194,7 +224,7 @@ def test_atomic_write_crash_keeps_previous_file(tmp_path, monkeypatch):
 
     # The previous file is whole: it validates and loads into a freshly built optimizer.
     fresh = _module()
-    opt = build_optimizer(fresh, state_format="int8", lr=0.02, verbose=False)  # DemoModule's routing
+    opt = build_optimizer(fresh, state_format="int8", lr=0.02, verbose=False)  # TinyLM's routing
     load_quantized_state(good, [(0, opt)], fresh)
     want = trainer.optimizers[0].state_dict()["state"]
     got = opt.state_dict()["state"]

@@ -60,6 +60,7 @@ import qmuon  # noqa: E402
 from qmuon.core.config import GROUP_KEYS  # noqa: E402
 from qmuon.core.newton_schulz import resolve_ns_dtype, resolve_schedule  # noqa: E402
 from qmuon.integrations import deepspeed as qds  # noqa: E402
+from qmuon.integrations.deepspeed import layout as ds_layout  # noqa: E402
 from qmuon_lightning.models.decoder_lm import DecoderLM, DecoderLMConfig  # noqa: E402
 
 VOCAB = 64
@@ -181,19 +182,19 @@ def test_config_accepted_and_path(tmp_path):
 
 def test_owner_dealing_balances_and_is_deterministic():
     sizes = [4096, 4096, 1024, 1024, 1024, 512, 512, 96]
-    owners = qds.assign_owners(sizes, 2)
-    assert owners == qds.assign_owners(sizes, 2)
+    owners = ds_layout.assign_owners(sizes, 2)
+    assert owners == ds_layout.assign_owners(sizes, 2)
     load = [sum(s for s, o in zip(sizes, owners) if o == r) for r in range(2)]
     assert abs(load[0] - load[1]) <= max(sizes[-1], 1)  # this set splits almost evenly: 6208 / 6272
-    assert qds.assign_owners(sizes, 1) == [0] * len(sizes)
-    assert set(qds.assign_owners(sizes, 3)) == {0, 1, 2}
+    assert ds_layout.assign_owners(sizes, 1) == [0] * len(sizes)
+    assert set(ds_layout.assign_owners(sizes, 3)) == {0, 1, 2}
 
 
 def test_partition_segments_cover_each_parameter_once():
     # A flat group of 3 params (7, 10, 5 elements) + padding to 24, cut into 2 partitions of 12.
     offsets, sizes, psize = [0, 7, 17], [7, 10, 5], 12
     for off, n in zip(offsets, sizes):
-        segs = qds.partition_segments(off, n, psize, 2)
+        segs = ds_layout.partition_segments(off, n, psize, 2)
         covered = sorted((s.start, s.start + s.length) for s in segs if s is not None)
         assert covered[0][0] == 0 and covered[-1][1] == n
         assert all(a[1] == b[0] for a, b in zip(covered, covered[1:]))
@@ -201,16 +202,16 @@ def test_partition_segments_cover_each_parameter_once():
             if s is not None:
                 assert 0 <= s.local and s.local + s.length <= psize
                 assert r * psize + s.local == off + s.start  # the same flat element
-    assert qds.partition_segments(7, 10, 12, 2)[1] == qds._Segment(5, 5, 0)
+    assert ds_layout.partition_segments(7, 10, 12, 2)[1] == ds_layout._Segment(5, 5, 0)
 
 
 def test_zero3_segments_follow_deepspeed_pieces():
     # ZeRO-3 cuts a 10-element parameter over 3 ranks into pieces of ceil(10 / 3) = 4: [0, 4), [4, 8),
     # [8, 10) + 2 padding; each piece at the same local offset of its rank's flat partition.
-    segs = qds.zero3_segments(10, 4, 7, 3)
-    assert segs == [qds._Segment(0, 4, 7), qds._Segment(4, 4, 7), qds._Segment(8, 2, 7)]
+    segs = ds_layout.zero3_segments(10, 4, 7, 3)
+    assert segs == [ds_layout._Segment(0, 4, 7), ds_layout._Segment(4, 4, 7), ds_layout._Segment(8, 2, 7)]
     # 2 elements over 4 ranks: pieces of 1; ranks 2 and 3 hold only padding.
-    assert qds.zero3_segments(2, 1, 0, 4) == [qds._Segment(0, 1, 0), qds._Segment(1, 1, 0), None, None]
+    assert ds_layout.zero3_segments(2, 1, 0, 4) == [ds_layout._Segment(0, 1, 0), ds_layout._Segment(1, 1, 0), None, None]
 
 
 def test_check_resume_names_both_world_sizes_and_the_fix(tmp_path):

@@ -398,7 +398,7 @@ def _displacement_rel(after: dict, after_ref: dict, before: dict) -> dict[str, f
 
 def test_carrier_names_match_qmuon():
     from qmuon.core.config import COMM_CARRIERS, COMM_RETURNS
-    from qmuon.distributed import CARRIERS, RETURN_CARRIERS
+    from qmuon.distributed.carrier import CARRIERS, RETURN_CARRIERS
     from qmuon.optim import qmuon
 
     assert COMM_CARRIERS == CARRIERS and COMM_RETURNS == RETURN_CARRIERS
@@ -410,7 +410,7 @@ def test_carrier_names_match_qmuon():
 def test_carrier_is_row_local(name):
     """Encoding row pieces separately decodes to exactly the encoding of the whole matrix (so the
     result does not depend on the sharding), and the int8 error is within half a code step."""
-    from qmuon.distributed import get_carrier
+    from qmuon.distributed.carrier import get_carrier
 
     c = get_carrier(name)
     x = torch.randn(7, 300, generator=torch.Generator().manual_seed(3)) * torch.logspace(-3, 0, 7)[:, None]

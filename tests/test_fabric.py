@@ -33,7 +33,8 @@ import qmuon
 from _dist import run_workers
 from _helpers import REPO, assert_same, run_launcher, subprocess_env
 from qmuon_lightning.models import DecoderLM
-from qmuon_lightning.strategies import PRESETS, QMuonFabricStrategy, register_fabric_strategies
+from qmuon_lightning.strategies import QMuonFabricStrategy, register_fabric_strategies
+from qmuon_lightning.strategies.fsdp import PRESETS
 from qmuon_lightning.strategies.optimizer_swap import SwapError
 
 VOCAB, D, SEQ, GLOBAL_BATCH = 64, 32, 16, 8
@@ -80,7 +81,6 @@ def test_fabric_registry_has_the_trainer_names() -> None:
 @pytest.mark.parametrize("kwargs, match", [
     ({"optimizer": "sgd"}, "optimizer='sgd' is not one of"),
     ({"optimizer_kwargs": {"state_fromat": "int8"}}, "unknown QMuon option 'state_fromat'"),
-    ({"optimizer": "grasp", "optimizer_kwargs": {"state_format": "int8"}}, "uses state_format='grasp4'"),
     ({"shard_policy": "everything"}, "shard_policy='everything' is not a policy"),
     ({"tensor_parallel_size": 0}, "tensor_parallel_size must be 'auto' or a positive int"),
     ({"parallelize_fn": 3}, "parallelize_fn must be a callable"),

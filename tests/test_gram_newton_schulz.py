@@ -116,10 +116,9 @@ def test_auto_keeps_bf16_polar_express_on_the_standard_iteration():
     assert pick_ns_method("gram", m, 4 * m, "cpu", torch.bfloat16, pe) == "gram"  # explicit: honoured
 
 
-def test_default_is_auto_and_pre_ns_method_checkpoints_resume_standard():
-    """The default ``ns_method`` is "auto"; a QMuon checkpoint saved before the option existed (no
-    ``ns_method`` in its groups) resumes with the standard iteration it ran, bit for bit, and a
-    checkpoint that names its method keeps it."""
+def test_default_is_auto_and_a_checkpoint_keeps_its_method():
+    """The default ``ns_method`` is "auto"; a QMuon checkpoint names its method and a resume keeps it
+    (bit for bit when it is the method the run used)."""
     torch.manual_seed(0)
     p0 = [0.02 * torch.randn(64, 256)]  # fp32 NS would pick gram (aspect 4, short side 64)
 
@@ -134,8 +133,6 @@ def test_default_is_auto_and_pre_ns_method_checkpoints_resume_standard():
     gen = torch.Generator().manual_seed(1)
     run(opt, ps, gen, 2)
     sd = copy.deepcopy(opt.state_dict())
-    for g in sd["param_groups"]:
-        del g["ns_method"]  # as written before the option existed
     saved, state = [p.detach().clone() for p in ps], gen.get_state()
     run(opt, ps, gen, 2)
     for want in ("standard", "gram"):

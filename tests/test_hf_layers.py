@@ -208,10 +208,9 @@ def test_stored_layout_misses_the_targets() -> None:
     assert q_cos < MIN_COSINE and abs(fc_norm - 0.5) < 0.05, (q_cos, fc_norm)
 
 
-def test_single_process_checkpoint_resume_is_bit_exact_and_old_groups_load() -> None:
+def test_single_process_checkpoint_resume_is_bit_exact() -> None:
     """int8 momentum: save after one step, load into a fresh model and optimizer, step again:
-    identical to the uninterrupted run. A state dict without the new group keys (saved before
-    they existed) loads too; the constructed optimizer's layout is kept."""
+    identical to the uninterrupted run; the constructed optimizer's layout is kept."""
 
     def run(steps: range, model: torch.nn.Module, opt: Any) -> None:
         for s in steps:
@@ -225,43 +224,16 @@ def test_single_process_checkpoint_resume_is_bit_exact_and_old_groups_load() -> 
     run(range(1), m1, o1)
     saved = copy.deepcopy((m1.state_dict(), o1.state_dict()))
     run(range(1, 3), m1, o1)
-    for strip in (False, True):
-        m2 = make_model("gpt2", seed=7)
-        o2 = qmuon.build_optimizer(m2, **kw)
-        model_sd, opt_sd = copy.deepcopy(saved)
-        if strip:
-            for g in opt_sd["param_groups"]:
-                g.pop("parts_axis", None)
-                g.pop("orientation", None)
-        m2.load_state_dict(model_sd)
-        o2.load_state_dict(opt_sd)
-        assert [g["orientation"] for g in o2.param_groups] == [g["orientation"] for g in o1.param_groups]
-        run(range(1, 3), m2, o2)
-        assert_same(m2.state_dict(), m1.state_dict(), f"params (old keys stripped: {strip})")
-        assert_same([dict(o2.state[p]) for p in m2.parameters() if p in o2.state],
-                    [dict(o1.state[p]) for p in m1.parameters() if p in o1.state], "optimizer state")
-
-
-def test_checkpoint_from_before_layout_routing_gets_a_clear_error_and_loads_with_the_hint() -> None:
-    """Before layouts were read, GPT-2's Conv1D weights sat in the one plain Muon group. The arguments
-    the error names rebuild exactly that grouping (one Muon group, out_in, unfused), so such a
-    checkpoint loads."""
-    old_routing = dict(routing={"orientations": {r"\.c_\w+\.weight$": "out_in"}, "fused_parts": {r"c_attn\.weight$": None}})
-    model = make_model("gpt2")
-    old = qmuon.build_optimizer(model, verbose=False, **old_routing)
-    muon = [g for g in old.param_groups if g["use_muon"]]
-    assert len(muon) == 1 and (muon[0]["parts"], muon[0]["orientation"]) == (None, "out_in")
-    assert len(muon[0]["params"]) == 4 * LAYERS  # c_attn, attn.c_proj, c_fc, mlp.c_proj
-    lm_loss(model, tokens()).backward()
-    old.step()
-    sd = copy.deepcopy(old.state_dict())
-    for g in sd["param_groups"]:  # as written before the layout keys existed
-        g.pop("parts_axis")
-        g.pop("orientation")
-    with pytest.raises(ValueError, match="parameter groups") as e:
-        qmuon.build_optimizer(make_model("gpt2"), verbose=False).load_state_dict(copy.deepcopy(sd))
-    assert "fused_parts={r'c_attn\\.weight$': None}" in str(e.value)
-    qmuon.build_optimizer(make_model("gpt2"), verbose=False, **old_routing).load_state_dict(sd)
+    m2 = make_model("gpt2", seed=7)
+    o2 = qmuon.build_optimizer(m2, **kw)
+    model_sd, opt_sd = saved
+    m2.load_state_dict(model_sd)
+    o2.load_state_dict(opt_sd)
+    assert [g["orientation"] for g in o2.param_groups] == [g["orientation"] for g in o1.param_groups]
+    run(range(1, 3), m2, o2)
+    assert_same(m2.state_dict(), m1.state_dict(), "params")
+    assert_same([dict(o2.state[p]) for p in m2.parameters() if p in o2.state],
+                [dict(o1.state[p]) for p in m1.parameters() if p in o1.state], "optimizer state")
 
 
 def test_mxfp8_input_encodes_the_stored_block_and_runs_ns_on_the_layer() -> None:

@@ -468,18 +468,21 @@ def test_unsupported_arguments_fall_back_to_reference(ext):
     check_update([codes], [absmax], [make_grad(3, 9000, torch.float32)], block_size=8192, steps=1)
 
 
-def test_optimizer_path_state_through_ops_api(ext):
-    # The functional API (what QMuon calls) on top of the compiled op equals the reference.
-    states = [qops.QuantizedMuonState.zeros(37, 300, dtype=torch.uint8, block_size=128)]
+def test_optimizer_path_state_through_int8_format(ext):
+    # The uint8 format's update (what QMuon calls) on top of the compiled op equals the reference.
+    from qmuon.quant import state as qstate
+
+    fmt, opts = qstate.get_format("uint8"), qstate.FormatOptions(block_size=128)
+    states = [fmt.init(37, 300, opts, torch.device("cpu"))]
     grads = [make_grad(37, 300, torch.bfloat16)]
-    r_states = [qops.QuantizedMuonState(s.data.clone(), s.absmax.clone(), s.block_size) for s in states]
+    r_codes, r_absmax = states[0]["momentum_codes"].clone(), states[0]["momentum_absmax"].clone()
     r_grads = [g.clone() for g in grads]
-    qops.quantized_muon_momentum_update_multi_(states, grads, beta=0.95, nesterov=True, rounding="stochastic",
-                                               seed=3, step=2)
-    ref.q8_momentum_update_(r_states[0].data, r_states[0].absmax, r_grads[0], beta=0.95, nesterov=True,
+    fmt.update(states, grads, qops.empty_block_sumsq(grads, 128), beta=0.95, nesterov=True, opts=opts,
+               streams=[ref.noise_stream(3, 2, 0)], offsets=[0], keys=[0], seed=3)
+    ref.q8_momentum_update_(r_codes, r_absmax, r_grads[0], beta=0.95, nesterov=True,
                             block_size=128, stream=ref.noise_stream(3, 2, 0))
-    assert_bits_equal(states[0].data, r_states[0].data, "codes")
-    assert_bits_equal(states[0].absmax, r_states[0].absmax, "absmax")
+    assert_bits_equal(states[0]["momentum_codes"], r_codes, "codes")
+    assert_bits_equal(states[0]["momentum_absmax"], r_absmax, "absmax")
     assert_bits_equal(grads[0], r_grads[0], "grad")
 
 

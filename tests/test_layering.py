@@ -32,7 +32,7 @@ LAYERS = {
     "qmuon.optim": 4,
     "qmuon.integrations": 5,
     "qmuon_lightning.models": 10, "qmuon_lightning.data": 10,
-    "qmuon_lightning.memory": 11, "qmuon_lightning.strategies": 11, "qmuon_lightning.demo": 11,
+    "qmuon_lightning.memory": 11, "qmuon_lightning.strategies": 11,
     "qmuon_lightning.callbacks": 12, "qmuon_lightning.plotting": 12,
     "qmuon_lightning.estimate": 13, "qmuon_lightning.doctor": 13,
     "qmuon_lightning.cli": 14, "qmuon_lightning.cli_litgpt": 14,

@@ -14,6 +14,9 @@ import pytest
 import torch
 
 from qmuon_lightning import memory as mem
+from qmuon_lightning.memory import measure as mem_measure
+from qmuon_lightning.memory import model as mem_model
+from qmuon_lightning.memory import paths as mem_paths
 from qmuon_lightning.models.decoder_lm import DecoderLM
 from qmuon.quant import state as qstate
 
@@ -87,7 +90,7 @@ def test_release_hook_temporaries_are_optimizer_bytes() -> None:
     est = mem.estimate(_meta(cfg), setup, device="cpu")
     assert m.peak_no_act_where.startswith("release hook: ")
     assert m.split_no_act["Optstate"] > m.state_bytes  # the hook's AdamW block buffer is in there
-    assert m.peak_no_act == sum(v for k, v in m.split_no_act.items() if k not in mem.ACTIVATION_CATEGORIES)
+    assert m.peak_no_act == sum(v for k, v in m.split_no_act.items() if k not in mem_measure.ACTIVATION_CATEGORIES)
     assert m.peak_no_act <= m.peak
     assert est.total == m.peak_no_act
 
@@ -117,7 +120,7 @@ def test_state_comes_from_the_formats() -> None:
         f = qstate.get_format(fmt)
         est = mem.estimate(inv, mem.Setup(fmt, "qmuon", {"state_format": fmt}), device="cpu")
         opts = qstate.FormatOptions(f.default_block_size)
-        want = sum(f.nbytes(p.rows, p.cols, opts) + mem.STEP_BYTES for p in inv.of("muon"))
+        want = sum(f.nbytes(p.rows, p.cols, opts) + mem_model.STEP_BYTES for p in inv.of("muon"))
         assert est.state_parts["muon momentum"] == want
         assert est.weights == 4 * inv.n_params and est.grads == 4 * inv.n_params
 
@@ -125,9 +128,9 @@ def test_state_comes_from_the_formats() -> None:
 def test_adamw_temporaries_per_path() -> None:
     """torch's per-tensor AdamW holds sqrt(v), its quotient and the previous tensor's denom; foreach
     one copy of the whole group."""
-    assert mem.adamw_phase_bytes([[10, 100, 5]], 4, foreach=False) == 4 * (10 + 200)
-    assert mem.adamw_phase_bytes([[10, 100, 5], [7]], 4, foreach=True) == 4 * 115
-    assert mem.adamw_phase_bytes([[100], [100]], 2, foreach=False) == 2 * 200  # groups do not overlap
+    assert mem_paths.adamw_phase_bytes([[10, 100, 5]], 4, foreach=False) == 4 * (10 + 200)
+    assert mem_paths.adamw_phase_bytes([[10, 100, 5], [7]], 4, foreach=True) == 4 * 115
+    assert mem_paths.adamw_phase_bytes([[100], [100]], 2, foreach=False) == 2 * 200  # groups do not overlap
 
 
 def test_missing_options_are_reported_not_guessed() -> None:
@@ -179,7 +182,7 @@ def test_depth_inventories_match_a_real_build() -> None:
     for k in (1, 2, 5):
         real = mem.parameter_inventory(build(k))
         fast = at(k)
-        assert [mem._layer_key(p) for p in fast.params] == [mem._layer_key(p) for p in real.params]
+        assert [mem_model._layer_key(p) for p in fast.params] == [mem_model._layer_key(p) for p in real.params]
         for s in AVAILABLE:
             assert mem.estimate(fast, s).total == mem.estimate(real, s).total
 

@@ -1,4 +1,4 @@
-"""The prototype-named functional API (qmuon.ops) and the torch.ops.qmuon operators."""
+"""The torch.ops.qmuon operators and qmuon.ops.backend."""
 
 from __future__ import annotations
 
@@ -16,26 +16,16 @@ from qmuon import ops
 from qmuon.ops import _extension, _kernels
 from qmuon.ops import reference as ref
 from qmuon.ops import reference_4bit as ref4
-from qmuon.ops import (
-    QuantizedMuonNormSegment as Seg,
-    QuantizedMuonState,
-    build_quantized_muon_norm_plan,
-    quantized_muon_momentum_update_multi_,
-    quantized_muon_momentum_update_multi_and_normalize_,
-    quantized_muon_momentum_update_multi_and_normalize_groups_,
-    reduce_block_sumsq,
-)
+from qmuon.quant import state as qstate
 
 U = 2.0**-24  # fp32 unit roundoff
 BS = 32
 
 
-def _states_and_grads(seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    states = [QuantizedMuonState.zeros(24, 64, dtype=torch.int8, block_size=BS),
-              QuantizedMuonState.zeros(10, 40, dtype=torch.uint8, block_size=BS)]  # 40 = 32 + 8
-    grads = [torch.randn(24, 64, generator=gen), torch.randn(10, 40, generator=gen)]
-    return states, grads
+def _zero_q8(rows, cols, state_format):
+    """Fresh ``int8`` / ``uint8`` momentum (codes, absmax) of a ``rows x cols`` matrix, as QMuon creates it."""
+    st = qstate.init_momentum_state(state_format, rows, cols, block_size=BS, device=torch.device("cpu"))
+    return st["momentum_codes"], st["momentum_absmax"]
 
 
 def _reference_requested() -> bool:
@@ -59,16 +49,18 @@ def test_backend_is_known():
 
 
 @pytest.mark.parametrize("nesterov", [False, True])
-def test_update_multi_contract(nesterov):
+def test_q8_momentum_update_contract(nesterov):
     beta = 0.9
-    states, _ = _states_and_grads()
+    codes, absmax = zip(*(_zero_q8(24, 64, "int8"), _zero_q8(10, 40, "uint8")))  # 40 = 32 + 8
+    codes, absmax = list(codes), list(absmax)
     gen = torch.Generator().manual_seed(1)
     for _ in range(3):
-        grads = [torch.randn(s.data.shape, generator=gen) for s in states]
-        m_old = [s.dequantize() for s in states]
+        grads = [torch.randn(c.shape, generator=gen) for c in codes]
+        m_old = [torch.ops.qmuon.dequantize_rows(c, a, BS) for c, a in zip(codes, absmax)]
         g_in = [g.clone() for g in grads]
-        quantized_muon_momentum_update_multi_(states, grads, beta=beta, nesterov=nesterov)
-        for s, g, gi, mo in zip(states, grads, g_in, m_old):
+        torch.ops.qmuon.q8_momentum_update_multi_(codes, absmax, grads, ops.empty_block_sumsq(codes, BS), beta,
+                                                  nesterov, BS, [-1, -1], [0, 0])
+        for c, a, g, gi, mo in zip(codes, absmax, grads, g_in, m_old):
             # the momentum convention of torch.optim.Muon, in float64
             g64, mo64 = gi.double(), mo.double()
             m_new = mo64 + (1 - beta) * (g64 - mo64)
@@ -79,10 +71,10 @@ def test_update_multi_contract(nesterov):
             assert bool(((g.double() - expected).abs() <= tol).all())
             # the stored momentum is m_new to within half a quantization step (+ fp32 slack, as
             # in test_quantize_roundtrip_error_is_half_a_step, + the NS-input slack above)
-            amax = expand_blocks(s.absmax, BS, s.data.shape[1]).double()
-            err = (s.dequantize().double() - m_new).abs()
+            amax = expand_blocks(a, BS, c.shape[1]).double()
+            err = (torch.ops.qmuon.dequantize_rows(c, a, BS).double() - m_new).abs()
             assert bool((err <= amax / QMAX / 2 + 6 * U * amax + tol).all())
-    assert states[1].data.dtype == torch.uint8 and int(states[1].data.min()) >= 1
+    assert codes[1].dtype == torch.uint8 and int(codes[1].min()) >= 1
 
 
 @pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
@@ -97,25 +89,22 @@ def test_dispatched_kernels_match_reference(rounding):
     shapes = [(24, 64), (10, 40), (3, 5)]
     streams = [ref.noise_stream(3, 7, k) if rounding == "stochastic" else -1 for k in range(len(shapes))]
     for dtype in (torch.int8, torch.uint8):
-        states = [QuantizedMuonState.zeros(*s, dtype=dtype, block_size=BS) for s in shapes]
-        for s in states:  # non-trivial previous momentum
-            c, a = ref.quantize_rows(torch.randn(s.data.shape, generator=gen), BS, signed=dtype == torch.int8)
-            s.data.copy_(c)
-            s.absmax.copy_(a)
+        # non-trivial previous momentum
+        codes, absmax = map(list, zip(*(ref.quantize_rows(torch.randn(s, generator=gen), BS,
+                                                          signed=dtype == torch.int8) for s in shapes)))
         grads = [torch.randn(s, generator=gen) for s in shapes]
-        r_codes = [s.data.clone() for s in states]
-        r_absmax = [s.absmax.clone() for s in states]
+        r_codes = [c.clone() for c in codes]
+        r_absmax = [a.clone() for a in absmax]
         r_grads = [g.clone() for g in grads]
         sums = ops.empty_block_sumsq(grads, BS)
         assert torch.ops.qmuon.q8_momentum_update_multi_(
-            [s.data for s in states], [s.absmax for s in states], grads, sums, 0.95, True, BS, streams,
-            [0, 4, 0]) is None
+            codes, absmax, grads, sums, 0.95, True, BS, streams, [0, 4, 0]) is None
         for i in range(len(shapes)):
             r_sums = ref.q8_momentum_update_(r_codes[i], r_absmax[i], r_grads[i], beta=0.95, nesterov=True,
                                              block_size=BS, stream=None if streams[i] < 0 else streams[i],
                                              row_offset=[0, 4, 0][i])
-            assert torch.equal(states[i].data, r_codes[i])
-            assert torch.equal(states[i].absmax, r_absmax[i])
+            assert torch.equal(codes[i], r_codes[i])
+            assert torch.equal(absmax[i], r_absmax[i])
             assert torch.equal(grads[i], r_grads[i])
             # sums of <= 32 non-negative terms: relative difference <= 2 * 32 u between orders
             assert torch.allclose(sums[i], r_sums, rtol=64 * U, atol=0)
@@ -131,112 +120,6 @@ def test_dispatched_kernels_match_reference(rounding):
                           ("dequantize_rows", "compiled"): 1}, served
     else:  # nothing compiled is registered: the ops' default (the reference) ran
         assert not served and ops.backend() == "reference"
-
-
-def test_update_multi_argument_errors():
-    states, grads = _states_and_grads()
-    with pytest.raises(ValueError, match="got 2 states but 1 grads"):
-        quantized_muon_momentum_update_multi_(states, grads[:1], beta=0.9)
-    with pytest.raises(ValueError, match=r"grad 0 has shape \(64, 24\) but its state has \(24, 64\)"):
-        quantized_muon_momentum_update_multi_(states, [grads[0].t(), grads[1]], beta=0.9)
-    with pytest.raises(ValueError, match="rounding must be 'nearest' or 'stochastic'"):
-        quantized_muon_momentum_update_multi_(states, grads, beta=0.9, rounding="up")
-    mixed = [states[0], QuantizedMuonState.zeros(10, 40, block_size=64)]
-    with pytest.raises(ValueError, match=r"share block_size, got \[32, 64\]"):
-        quantized_muon_momentum_update_multi_(mixed, grads, beta=0.9)
-
-
-def test_update_and_normalize_uses_one_global_norm():
-    states, grads = _states_and_grads(2)
-    norm = quantized_muon_momentum_update_multi_and_normalize_(states, grads, beta=0.9)
-    # reference: the same update without normalization
-    ref_states, ref_grads = _states_and_grads(2)
-    quantized_muon_momentum_update_multi_(ref_states, ref_grads, beta=0.9)
-    n = sum(g.numel() for g in ref_grads)
-    direct = torch.sqrt(sum((g.double() ** 2).sum() for g in ref_grads))
-    # fp32 sum of n non-negative terms: relative error <= n*u; the sqrt halves it (+1 rounding)
-    assert abs(norm.item() / direct.item() - 1) <= (n / 2 + 1) * U
-    total = torch.sqrt(sum((g.double() ** 2).sum() for g in grads)).item()
-    # plus one rounding of 1/norm and one per product
-    assert abs(total - 1) <= (n / 2 + 3) * U
-    for g, rg in zip(grads, ref_grads):
-        assert torch.allclose(g, rg / norm, rtol=3 * U, atol=0)  # (1/norm)*x vs x/norm: <= 2 roundings
-
-
-def _qkv_plan(states):
-    # tensor 0 is a fused (q, k, v) matrix of 3 x 8 rows; tensor 1 one plain matrix
-    cols0, cols1 = states[0].data.shape[1], states[1].data.shape[1]
-    segs = [Seg(0, 0, 8 * cols0, 0), Seg(0, 8 * cols0, 8 * cols0, 1), Seg(0, 16 * cols0, 8 * cols0, 2),
-            Seg(1, 0, 10 * cols1, 3)]
-    rows = {0: (0, 0, 8), 1: (0, 8, 16), 2: (0, 16, 24), 3: (1, 0, 10)}
-    return build_quantized_muon_norm_plan(states, segs), rows
-
-
-def test_normalize_groups_sums_and_norms():
-    states, grads = _states_and_grads(3)
-    plan, rows = _qkv_plan(states)
-    assert plan.num_groups == 4 and plan.blocks_per_tensor == (24 * 2, 10 * 2)
-    sums = quantized_muon_momentum_update_multi_and_normalize_groups_(states, grads, plan, beta=0.9, normalize=False)
-    assert sums.shape == (4,) and sums.dtype == torch.float32
-    raw = [g.clone() for g in grads]
-    for gid, (t, r0, r1) in rows.items():
-        part = raw[t][r0:r1].double()
-        direct = (part**2).sum().item()
-        # two levels of fp32 summation of non-negative terms (within blocks, then over blocks):
-        # relative error <= (number of terms + 1) * u
-        assert abs(sums[gid].item() / direct - 1) <= (part.numel() + 1) * U, gid
-
-    states2, grads2 = _states_and_grads(3)
-    sums2 = quantized_muon_momentum_update_multi_and_normalize_groups_(states2, grads2, plan, beta=0.9)
-    assert torch.equal(sums2, sums)
-    for gid, (t, r0, r1) in rows.items():
-        part = grads2[t][r0:r1].double()
-        # each group divided by its own norm: norm 1 up to the sum error above (halved by the
-        # sqrt) plus a few roundings (sqrt, reciprocal, product)
-        assert abs(part.norm().item() - 1) <= (part.numel() / 2 + 4) * U, gid
-        expected = raw[t][r0:r1] / sums[gid].sqrt()
-        assert torch.allclose(grads2[t][r0:r1], expected, rtol=3 * U, atol=0)
-    # the momentum itself is not normalized
-    for s, s2 in zip(states, states2):
-        assert torch.equal(s.data, s2.data) and torch.equal(s.absmax, s2.absmax)
-
-
-def test_norm_plan_from_plain_shapes():
-    plan = build_quantized_muon_norm_plan([(4, 40)], [Seg(0, 0, 80, 0), Seg(0, 80, 80, 1)], block_size=32)
-    assert plan.block_group_ids.tolist() == [0, 0, 0, 0, 1, 1, 1, 1]
-    sums = reduce_block_sumsq([torch.arange(8, dtype=torch.float32).reshape(4, 2)], plan)
-    assert sums.tolist() == [0 + 1 + 2 + 3, 4 + 5 + 6 + 7]
-    with pytest.raises(ValueError, match="pass block_size="):
-        build_quantized_muon_norm_plan([(4, 40)], [Seg(0, 0, 160, 0)])
-    with pytest.raises(ValueError, match="plan covers 8 blocks but the update produced 6"):
-        reduce_block_sumsq([torch.zeros(3, 2)], plan)
-
-
-@pytest.mark.parametrize(
-    "segments,pattern",
-    [
-        # boundary at element 16 of a 32-element block of row 0
-        ([Seg(0, 0, 16, 0), Seg(0, 16, 24 * 64 - 16, 1)], r"splits a 32-element row block of tensor 0 \(shape 24x64\)"),
-        # a part that ends in the middle of a row's second block
-        ([Seg(0, 0, 8 * 64 + 40, 0), Seg(0, 8 * 64 + 40, 16 * 64 - 40, 1)], "splits a 32-element row block"),
-        # rows 8..16 are left out
-        ([Seg(0, 0, 8 * 64, 0), Seg(0, 16 * 64, 8 * 64, 1)], r"tensor 0 \(shape 24x64\) has row blocks that no segment covers"),
-        ([Seg(0, 0, 24 * 64, 0), Seg(0, 0, 64, 1)], "overlaps another segment of tensor 0"),
-        ([Seg(0, 0, 24 * 64 + 32, 0)], "past tensor 0's 1536 elements"),
-        ([Seg(1, 0, 64, 0)], "names tensor 1, but there are 1 tensors"),
-        ([Seg(0, 0, 0, 0)], "needs start >= 0, length > 0"),
-    ],
-)
-def test_norm_plan_errors(segments, pattern):
-    st = QuantizedMuonState.zeros(24, 64, block_size=BS)
-    with pytest.raises(ValueError, match=pattern):
-        build_quantized_muon_norm_plan([st], segments)
-
-
-def test_norm_plan_group_id_must_be_below_num_groups():
-    st = QuantizedMuonState.zeros(2, 64, block_size=BS)
-    with pytest.raises(ValueError, match="group id 3 >= num_groups=2"):
-        build_quantized_muon_norm_plan([st], [Seg(0, 0, 128, 3)], num_groups=2)
 
 
 # --------------------------------------------------------------------------- opcheck

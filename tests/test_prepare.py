@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 import torch
 
-from qmuon_lightning.data import ByteLMDataModule, read_token_corpus_meta
+from qmuon_lightning.data import ByteLMDataModule
 from qmuon_lightning.data.prepare import CorpusExistsError, is_validation_document, main, prepare_corpus
-from qmuon_lightning.data.token_corpus import CORPUS_FORMAT, CORPUS_VERSION, token_dtype
+from qmuon_lightning.data.token_corpus import CORPUS_FORMAT, CORPUS_VERSION, read_token_corpus_meta, token_dtype
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:.*LeafSpec", "ignore:.*does not have many workers", "ignore:.*GPU available but not used",

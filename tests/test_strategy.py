@@ -29,7 +29,9 @@ import qmuon_lightning  # noqa: F401  (registers the strategies)
 from _helpers import assert_same, run_launcher, subprocess_env
 from qmuon import QMuon
 from qmuon_lightning.models import DecoderLM
-from qmuon_lightning.strategies import PRESETS, QMuonFSDPStrategy, select_blocks, select_roots
+from qmuon_lightning.strategies import QMuonFSDPStrategy
+from qmuon_lightning.strategies.fsdp import PRESETS
+from qmuon_lightning.strategies.sharding import select_blocks, select_roots
 from qmuon_lightning.strategies import optimizer_swap as swap
 from qmuon_lightning.strategies.sharding import resolve_policy
 
@@ -130,12 +132,9 @@ def test_registered_names_resolve_to_the_strategy() -> None:
         s = trainer.strategy
         assert type(s) is QMuonFSDPStrategy
         assert s.optimizer_mode == params.get("optimizer", "qmuon")
-        expected = dict(params.get("optimizer_kwargs", {}))
-        if s.optimizer_mode == "grasp":
-            expected.setdefault("state_format", "grasp4")
-        assert s.optimizer_kwargs == expected
+        assert s.optimizer_kwargs == dict(params.get("optimizer_kwargs", {}))
         assert trainer.num_devices == 2
-    assert StrategyRegistry["qmuon_fsdp_grasp4"]["init_params"]["optimizer"] == "grasp"
+    assert StrategyRegistry["qmuon_fsdp_grasp4"]["init_params"]["optimizer_kwargs"] == {"state_format": "grasp4"}
 
 
 def test_registration_is_idempotent_and_lists_names() -> None:
@@ -175,7 +174,7 @@ def test_yaml_class_path_through_lightning_cli(tmp_path: Path) -> None:
     assert s._shard_policy == ["qmuon_lightning.models.decoder_lm.Block"]
     assert s._save_distributed_checkpoint is False
     # The string form through the CLI too.
-    cli = LightningCLI(TinyLM, run=False, args=["--trainer.strategy=qmuon_fsdp_int8", "--trainer.accelerator=cpu",
+    cli = LightningCLI(TinyLM, run=False, args=["--trainer.strategy=qmuon_fsdp_grasp4", "--trainer.accelerator=cpu",
                                                "--trainer.devices=2", "--trainer.logger=false"],
                        save_config_callback=None)
     assert type(cli.trainer.strategy) is QMuonFSDPStrategy
@@ -196,7 +195,6 @@ def test_yaml_class_path_through_lightning_cli(tmp_path: Path) -> None:
         ({"optimizer_kwargs": {"verbose": True}}, r"unknown QMuon option 'verbose'"),
         ({"optimizer_kwargs": {"rounding": "up"}}, r"unknown QMuon option 'rounding'; did you mean 'state.rounding'"),
         ({"optimizer_kwargs": {"update": {"lr_ratios": "always"}}}, r"lr_ratios must be one of \('warn', 'hold', 'off'\)"),
-        ({"optimizer": "grasp", "optimizer_kwargs": {"state_format": "int8"}}, r"optimizer='grasp' uses state_format='grasp4'"),
         ({"optimizer": "keep", "optimizer_kwargs": {"lr": 0.1}}, r"optimizer='keep'.*would be ignored"),
         ({"shard_policy": "blocks"}, r"shard_policy='blocks' is not a policy"),
         ({"shard_policy": ["no_such_pkg.Block"]}, r"cannot import it"),
@@ -407,7 +405,7 @@ def test_swap_explicit_adamw_kwargs_win_and_none_optimizer_builds_from_kwargs() 
         def configure_optimizers(self) -> None:
             return None
 
-    s = QMuonFSDPStrategy(optimizer="grasp", optimizer_kwargs={"adamw_lr": 2e-4})
+    s = QMuonFSDPStrategy(optimizer_kwargs={"state_format": "grasp4", "adamw_lr": 2e-4})
     with pytest.warns(UserWarning, match="returned `None`"):
         _connect(s, NoOptimizer())
     s._swap_optimizer()
@@ -783,7 +781,7 @@ def scenario_same_world(out: Path, optimizer: str) -> dict[str, Any]:
 
     # grasp4 on shards that do not start on its 32-row tiles is refused, on every rank alike.
     try:
-        _fit(out, _strategy(optimizer="grasp"), 1, devices=2)
+        _fit(out, _strategy(optimizer_kwargs={"state_format": "grasp4"}), 1, devices=2)
         res["grasp_error"] = None
     except ValueError as e:
         res["grasp_error"] = str(e)

@@ -211,26 +211,6 @@ def test_resume_bit_exact(fmt):
         assert torch.equal(opt.state[a][NORMUON_STATE], opt2.state[b][NORMUON_STATE])
 
 
-def test_checkpoint_from_before_variants_loads():
-    """A state dict without the new group keys (written before variants existed) loads as plain
-    Muon and as NorMuon (its second moment starts at zero), and training continues."""
-    torch.manual_seed(0)
-    ps = [torch.nn.Parameter(0.02 * torch.randn(32, 48)), torch.nn.Parameter(torch.zeros(48))]
-    groups = lambda: [{"params": [ps[0]]}, {"params": [ps[1]], "use_muon": False}]  # noqa: E731
-    opt = QMuon(groups())
-    _train(opt, ps, torch.Generator().manual_seed(5), 2)
-    sd = copy.deepcopy(opt.state_dict())
-    for g in sd["param_groups"]:
-        for k in ("variant", "normuon_beta2", "cautious_weight_decay"):
-            g.pop(k, None)
-    for variant in ("muon", "normuon"):
-        o = QMuon(groups(), update={"variant": variant})
-        o.load_state_dict(copy.deepcopy(sd))
-        assert o.param_groups[0]["variant"] == variant and o.param_groups[1]["cautious_weight_decay"] is False
-        _train(o, ps, torch.Generator().manual_seed(6), 1)
-        assert (NORMUON_STATE in o.state[ps[0]]) == (variant == "normuon")
-
-
 def test_bad_normuon_state_and_options_raise():
     p = torch.nn.Parameter(torch.randn(16, 24))
     opt = QMuon([p], update={"variant": "normuon"})

@@ -15,30 +15,14 @@
 (``integrations``) and the fidelity monitor (``callbacks``) call these functions.
 """
 
-from .config import DEFAULT_CONFIG, QMuonConfig, ResumeMismatch, check_resume
+from .config import QMuonConfig, ResumeMismatch, check_resume
 
-from .newton_schulz import (
-    MUON_COEFFICIENTS,
-    NS_DTYPE_ENV,
-    NS_DTYPES,
-    NS_PRESETS,
-    POLAR_EXPRESS_COEFFICIENTS,
-    POLAR_EXPRESS_RAW_COEFFICIENTS,
-    POLAR_EXPRESS_SAFETY,
-    NSCoefficientSpec,
-    NSSchedule,
-    newton_schulz_folded,
-    newton_schulz_reference,
-    ns_scalar_map,
-    resolve_ns_dtype,
-    resolve_schedule,
-)
+from .newton_schulz import newton_schulz_folded, resolve_ns_dtype, resolve_schedule
 
 from .pipeline import NSItem, NSSettings, orthogonalize
-from .plan import ORIENTATIONS, FusedParts, MatrixPart, ParamPlan, adjusted_lr, plan_param
+from .plan import FusedParts, MatrixPart, ParamPlan, adjusted_lr, plan_param
 
 __all__ = [
-    "DEFAULT_CONFIG",
     "QMuonConfig",
     "ResumeMismatch",
     "check_resume",
@@ -47,22 +31,10 @@ __all__ = [
     "orthogonalize",
     "FusedParts",
     "MatrixPart",
-    "ORIENTATIONS",
     "ParamPlan",
     "adjusted_lr",
     "plan_param",
-    "MUON_COEFFICIENTS",
-    "NS_DTYPE_ENV",
-    "NS_DTYPES",
-    "NS_PRESETS",
-    "POLAR_EXPRESS_COEFFICIENTS",
-    "POLAR_EXPRESS_RAW_COEFFICIENTS",
-    "POLAR_EXPRESS_SAFETY",
-    "NSCoefficientSpec",
-    "NSSchedule",
     "newton_schulz_folded",
-    "newton_schulz_reference",
-    "ns_scalar_map",
     "resolve_ns_dtype",
     "resolve_schedule",
 ]

@@ -30,7 +30,7 @@ from torch import Tensor
 from ..quant import adamw as qadamw
 from .apply import apply_update_, weight_state_init
 
-__all__ = ["DEFAULT_CHUNK_ELEMENTS", "bias_terms", "chunk_rows", "init_state", "moment_stream", "adamw_param_step"]
+__all__ = ["chunk_rows", "init_state", "adamw_param_step"]
 
 #: Elements per block of rows (4 MiB of fp32 update): bounds the step's transient memory. 2^22 (16 MiB)
 #: was 0.30 B/param of a 56M-parameter model's whole step (benchmarks/results/train_memory.md);

@@ -52,8 +52,8 @@ from .. import ops  # noqa: F401  (registers torch.ops.qmuon)
 from ..ops import reference_weight as refw
 from ..quant import state as qstate
 
-__all__ = ["WeightWrite", "StallCounts", "record_stalls", "BF16_UPDATES", "DEFAULT_BF16_UPDATE", "apply_update_", "weight_state_init", "weight_state_keys",
-           "writes_rounded", "block_rng", "check_weight_state", "sync_weight_state"]
+__all__ = ["WeightWrite", "StallCounts", "record_stalls", "BF16_UPDATES", "apply_update_", "weight_state_init",
+           "weight_state_keys", "writes_rounded", "block_rng", "check_weight_state", "sync_weight_state"]
 
 log = logging.getLogger(__name__)
 

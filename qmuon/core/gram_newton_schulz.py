@@ -41,8 +41,7 @@ from torch import Tensor
 
 from .newton_schulz import NSSchedule, resolve_schedule
 
-__all__ = ["NS_METHODS", "GRAM_RESTARTS", "GRAM_AUTO_ASPECT", "GRAM_AUTO_ASPECT_FP32", "GRAM_AUTO_MIN_SIDE",
-           "GRAM_AUTO_MIN_SIDE_FP32", "default_restarts", "pick_ns_method", "newton_schulz_gram"]
+__all__ = ["pick_ns_method", "newton_schulz_gram"]
 
 #: ``ns_method`` values: ``"standard"`` (iterate on X), ``"gram"`` (iterate on X X^T, restart at
 #: :data:`GRAM_RESTARTS`) and ``"auto"`` (gram where it measured faster: :data:`GRAM_AUTO_ASPECT`,

@@ -105,20 +105,10 @@ import torch
 from torch import Tensor
 
 __all__ = [
-    "NS_DTYPES",
-    "NS_PRESETS",
-    "NS_DTYPE_ENV",
     "MUON_COEFFICIENTS",
-    "POLAR_EXPRESS_RAW_COEFFICIENTS",
-    "POLAR_EXPRESS_SAFETY",
-    "POLAR_EXPRESS_COEFFICIENTS",
-    "NSSchedule",
-    "NSCoefficientSpec",
     "resolve_schedule",
     "resolve_ns_dtype",
     "newton_schulz_folded",
-    "newton_schulz_reference",
-    "ns_scalar_map",
 ]
 
 log = logging.getLogger(__name__)

@@ -41,17 +41,13 @@ import torch
 from torch import Tensor
 
 __all__ = [
-    "ADJUST_LR_FNS",
     "ORIENTATIONS",
     "adjusted_lr",
-    "lr_scale",
-    "BankBlock",
     "FusedParts",
     "MatrixPart",
     "ParamPlan",
     "plan_param",
     "true_shape",
-    "part_bounds",
 ]
 
 #: ``adjust_lr_fn`` values: ``None`` / ``"original"`` (KellerJordan's ``sqrt(max(1, rows / cols))``)

@@ -36,13 +36,8 @@ from torch import Tensor
 from .plan import MatrixPart, ParamPlan
 
 __all__ = [
-    "VARIANTS",
-    "NORMUON_BETA2",
-    "NORMUON_EPS",
     "NORMUON_STATE",
     "RowMoment",
-    "normuon_scale",
-    "cautious_decay_",
     "row_moment_shape",
     "row_moment_nbytes",
     "part_row_moment",

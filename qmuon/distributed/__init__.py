@@ -19,28 +19,14 @@ per-matrix pieces (grasp4, e0m3) update their shards with a few small collective
 :func:`.exit_after_distributed_run` ends a rank of a multi-process script that succeeded.
 """
 
-from .carrier import CARRIERS, RETURN_CARRIERS, get_carrier
 from .checkpoint import full_state_dict, load_full_state_dict
-from .orthogonalize import ShardedStep, plan_owners
+from .orthogonalize import ShardedStep
 from .process_group import exit_after_distributed_run, shut_down_process_group
-from .tensor_parallel import PieceLayout, piece_layout
-from ..quant.layout import RowLayout, global_row_offset, row_layout
-from ..quant.registry import SUPPORTED_SHARDED_FORMATS
 
 __all__ = [
-    "CARRIERS",
-    "RETURN_CARRIERS",
-    "SUPPORTED_SHARDED_FORMATS",
-    "PieceLayout",
-    "RowLayout",
     "ShardedStep",
     "exit_after_distributed_run",
     "full_state_dict",
-    "get_carrier",
-    "global_row_offset",
     "load_full_state_dict",
-    "piece_layout",
-    "plan_owners",
-    "row_layout",
     "shut_down_process_group",
 ]

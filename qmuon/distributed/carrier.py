@@ -28,7 +28,7 @@ from .. import ops  # noqa: F401  (registers torch.ops.qmuon)
 from ..ops import reference as ref
 from ..quant import mxfp8 as _mx
 
-__all__ = ["Carrier", "CARRIERS", "RETURN_CARRIERS", "INT8_CARRIER_BLOCK", "get_carrier"]
+__all__: list[str] = []
 
 #: Elements per absmax block of the int8 carrier (along a row).
 INT8_CARRIER_BLOCK = 256

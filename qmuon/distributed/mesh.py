@@ -16,7 +16,7 @@ from typing import Any
 
 from ..quant.layout import check_sharded_param, shard_mesh_dim
 
-__all__ = ["ShardMesh"]
+__all__: list[str] = []
 
 
 @dataclass(frozen=True)

@@ -99,7 +99,7 @@ from .mesh import ShardMesh
 from .plan import ShardItem, merge_comm_stats, ns_cost, plan_owners, plan_replica_owners
 from .tensor_parallel import TensorParallelWorld, check_tensor_parallel_param, uses_tensor_parallel
 
-__all__ = ["ShardedStep", "plan_owners", "merge_comm_stats"]
+__all__ = ["ShardedStep", "merge_comm_stats"]
 
 
 class ShardedStep:

@@ -18,7 +18,7 @@ from torch import Tensor
 from ..core.apply import WeightWrite
 from ..core.pipeline import NSSettings
 
-__all__ = ["ShardItem", "ns_cost", "plan_owners", "plan_replica_owners", "merge_comm_stats"]
+__all__ = ["ns_cost", "merge_comm_stats"]
 
 
 @dataclass

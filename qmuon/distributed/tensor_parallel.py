@@ -38,7 +38,7 @@ from ..quant import state as qstate
 from ..quant.layout import SUPPORTED_PLACEMENTS, check_sharded_param, chunk_ranges, column_split, \
     is_tensor_parallel
 
-__all__ = ["PieceLayout", "TensorParallelWorld", "piece_layout", "check_tensor_parallel_param", "uses_tensor_parallel"]
+__all__: list[str] = []
 
 Rect = tuple[int, int, int, int]  # rows [r0, r1), columns [c0, c1)
 

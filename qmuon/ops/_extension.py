@@ -56,7 +56,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["ExtensionStatus", "status", "backend", "cpu_vector_isa", "csrc_dir"]
+__all__ = ["status", "cpu_vector_isa"]
 
 _LIB = "qmuon_C"
 

@@ -28,7 +28,7 @@ from . import _extension
 if TYPE_CHECKING:
     from ._library import QmuonOp
 
-__all__ = ["register_compiled_kernels", "served", "MAX_BLOCK_SIZE"]
+__all__ = ["served"]
 
 MAX_BLOCK_SIZE = 4096  # csrc/qmuon/block_math.h: kMaxBlockSize
 GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)

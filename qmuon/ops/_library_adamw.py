@@ -17,7 +17,7 @@ from torch import Tensor
 
 from . import _kernels as K
 from . import reference_adamw as refa
-__all__ = ["MUTATES", "adamw_q_update_", "fake", "supported"]
+__all__: list[str] = []
 
 MUTATES = ("m_codes", "m_scale", "v_codes", "v_scale", "update")
 

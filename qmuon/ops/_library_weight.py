@@ -16,7 +16,7 @@ from typing import Any, Callable
 from . import _kernels as K
 from . import reference_weight as refw
 
-__all__ = ["declare"]
+__all__: list[str] = []
 
 _UPDATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 

@@ -49,7 +49,6 @@ import torch
 from torch import Tensor
 
 __all__ = [
-    "QMAX",
     "fmix32",
     "noise_stream",
     "uniform_noise",

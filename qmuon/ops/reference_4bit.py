@@ -56,21 +56,14 @@ from torch import Tensor
 from .reference import _blocked, _q8_momentum_and_ns_input, block_sumsq, num_blocks, uniform_noise
 
 __all__ = [
-    "QMAX4",
-    "E0M3_BLOCK",
-    "UE4M3_MAX",
-    "UE4M3_MIN_NORMAL",
-    "UE4M3_MIN_SUBNORMAL",
     "pack_int4",
     "unpack_int4",
     "ue4m3_encode",
     "ue4m3_decode",
     "int4_quantize",
     "int4_dequantize",
-    "e0m3_tensor_scale",
     "e0m3_tensor_scale_from_amax",
     "e0m3_quantize",
-    "e0m3_quantize_with_scale",
     "e0m3_dequantize",
     "grid_scale_from_amax",
     "grid_quantize4",

@@ -52,7 +52,6 @@ from torch import Tensor
 from .reference import _MASK32, _blocked, _fp32, _lerp_fp32, fmix32, noise_stream, num_blocks
 
 __all__ = [
-    "MOMENT_KINDS",
     "M8",
     "V8",
     "M4",
@@ -62,11 +61,7 @@ __all__ = [
     "encode_moment",
     "decode_moment",
     "adamw_q_update_",
-    "FLT_MAX",
-    "ADAMW_STREAM_SALT",
     "adamw_noise_stream",
-    "moment_stream",
-    "moment_noise",
 ]
 
 #: The largest finite fp32 (the new moments are clamped to +-FLT_MAX).

@@ -60,15 +60,8 @@ from torch import Tensor
 from .reference import _MASK32, fmix32, noise_stream
 
 __all__ = [
-    "ECC_QMAX",
-    "WEIGHT_STREAM_SALT",
     "weight_noise_stream",
-    "noise_index",
-    "new_weight_fp32",
-    "BF16_NAN_BITS",
     "nearest_bf16",
-    "stochastic_round_bf16",
-    "ecc8_half_ulp",
     "ecc8_decode",
     "ecc8_encode",
     "bf16_weight_update_",

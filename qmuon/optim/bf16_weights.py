@@ -16,7 +16,7 @@ from ..core.pipeline import is_dtensor, local
 from ..quant import state as qstate
 from ..quant.layout import shard_state
 
-__all__ = ["sync_param_weight_state", "weight_write", "check_loaded_weight_state"]
+__all__: list[str] = []
 
 
 def sync_param_weight_state(p: Tensor, st: dict[str, Any], group: dict[str, Any]) -> None:

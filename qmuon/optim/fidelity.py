@@ -17,7 +17,7 @@ from torch import Tensor
 from ..quant.fidelity import cosine
 from .qmuon import QMuon
 
-__all__ = ["per_layer_update_cosine", "update_cosine"]
+__all__ = ["per_layer_update_cosine"]
 
 
 def per_layer_update_cosine(
@@ -68,11 +68,3 @@ def per_layer_update_cosine(
             sum(cosine(upd[t][i], ref_updates[t][i]) for t in steps) / len(steps) for i in range(len(init))
         ]
     return result
-
-
-#: Alias (the name used in the issue).
-update_cosine = per_layer_update_cosine
-
-
-#: Alias (the name used in the issue).
-update_cosine = per_layer_update_cosine

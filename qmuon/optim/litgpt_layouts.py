@@ -38,7 +38,7 @@ from torch import nn
 
 from ..core.plan import FusedParts
 
-__all__ = ["LayoutRefusal", "litgpt_fused_parts", "litgpt_qkv_sizes", "LITGPT_TESTED_VERSIONS"]
+__all__: list[str] = []
 
 #: LitGPT versions whose ``model.py`` / ``lora.py`` / ``adapter_v2.py`` these rules were checked against.
 LITGPT_TESTED_VERSIONS = ("0.5.13",)

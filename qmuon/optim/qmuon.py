@@ -39,14 +39,13 @@ from ..core.config import (
 )
 from ..core.newton_schulz import MUON_COEFFICIENTS
 from ..core.pipeline import NSItem, is_dtensor, local
-from ..core.plan import MatrixPart, ParamPlan, adjusted_lr, plan_param, true_shape
+from ..core.plan import MatrixPart, ParamPlan, plan_param, true_shape
 from ..core.variants import NORMUON_STATE, RowMoment, part_row_moment, row_moment_shape
 from ..quant import state as qstate
 from ..quant.layout import global_row_offset, shard_state
-from .qmuon_state import FORMAT_VERSION, LAYOUT_HINT, QMuonStateMixin  # noqa: F401  (LAYOUT_HINT re-exported)
+from .qmuon_state import FORMAT_VERSION, QMuonStateMixin
 
-__all__ = ["QMuon", "FORMAT_VERSION", "DEFAULT_NS_COEFFICIENTS", "adjusted_lr", "UpdateSink",
-           "NonFiniteGradientError"]
+__all__ = ["QMuon", "FORMAT_VERSION", "NonFiniteGradientError"]
 
 log = logging.getLogger(__name__)
 

@@ -26,25 +26,10 @@ from ..quant import adamw as qadamw
 from ..quant import state as qstate
 from ..quant.layout import localize_loaded_state, shard_state
 
-__all__ = ["QMuonStateMixin", "FORMAT_VERSION", "LAYOUT_HINT"]
+__all__ = ["FORMAT_VERSION"]
 
-#: Version of the optimizer state layout written by ``state_dict()``. 2: AdamW groups may hold
-#: quantized moments (``state_format`` of an AdamW group names their family); version-1 AdamW state is
-#: ``torch.optim.AdamW``'s fp32 ``exp_avg`` / ``exp_avg_sq`` and converts on load.
+#: Version of the optimizer state layout written by ``state_dict()`` (a newer one is refused on load).
 FORMAT_VERSION = 2
-
-#: Options whose default changed, with the value a QMuon checkpoint that lacks them ran with: such a
-#: checkpoint resumes the arithmetic it was saved with (other absent options take today's value).
-#: ``ns_method``: added with ``"standard"`` as the default, which became ``"auto"`` later.
-SAVED_RUN_DEFAULTS: dict[str, Any] = {"ns_method": "standard"}
-
-#: What a parameter-group mismatch on load may come from since build_optimizer groups Muon matrices
-#: by layer layout, and how to load such a checkpoint.
-LAYOUT_HINT = (
-    "Since build_optimizer reads layer layouts, Hugging Face Conv1D weights (GPT-2) get their own groups "
-    "(orientation 'in_out', c_attn split into q, k, v); a checkpoint saved before that loads into "
-    r"build_optimizer(model, orientations={r'\.c_\w+\.weight$': 'out_in'}, fused_parts={r'c_attn\.weight$': None})"
-)
 
 
 class QMuonStateMixin:
@@ -70,7 +55,7 @@ class QMuonStateMixin:
         if len(saved_groups) != len(self.param_groups):
             raise ValueError(
                 f"checkpoint has {len(saved_groups)} parameter groups but this optimizer has "
-                f"{len(self.param_groups)}; build the optimizer the same way it was built when saved. {LAYOUT_HINT}"
+                f"{len(self.param_groups)}; build the optimizer the same way it was built when saved"
             )
         saved_state = state_dict["state"]
         # Muon state is converted and placed here, not by torch: torch casts every state tensor of a
@@ -89,15 +74,12 @@ class QMuonStateMixin:
             if len(saved["params"]) != len(cur["params"]):
                 raise ValueError(
                     f"param group {gi}: checkpoint has {len(saved['params'])} parameters, optimizer has "
-                    f"{len(cur['params'])}; build the optimizer the same way it was built when saved. {LAYOUT_HINT}"
+                    f"{len(cur['params'])}; build the optimizer the same way it was built when saved"
                 )
             merged = {k: v for k, v in saved.items() if k != "qmuon_version"}
             for k in STRUCTURAL_KEYS:
                 merged[k] = cur[k]
-            if "state_format" in saved:  # a QMuon checkpoint: options whose default changed keep what the run ran
-                for k, v in SAVED_RUN_DEFAULTS.items():
-                    merged.setdefault(k, v)
-            for k, v in cur.items():  # options added after the checkpoint was written take today's value
+            for k, v in cur.items():  # options the checkpoint lacks (torch.optim.Muon's, AdamW's) take this run's
                 if k != FORMAT_OVERRIDES:
                     merged.setdefault(k, v)
             if cur["use_muon"] and "state_format" in saved:  # a QMuon checkpoint: the one resume check

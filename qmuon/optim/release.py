@@ -61,9 +61,7 @@ __all__ = [
     "release_of",
     "releasing",
     "check_trainer_compatible",
-    "ACCUMULATION_ERROR",
     "CLIPPING_ERROR",
-    "SCALER_ERROR",
 ]
 
 log = logging.getLogger(__name__)

@@ -68,8 +68,6 @@ __all__ = [
     "RoutingRule",
     "RouteDecision",
     "DEFAULT_RULES",
-    "DEFAULT_HEAD_REGEX",
-    "DEFAULT_ROUTER_REGEX",
     "route_parameters",
     "FusedParts",
     "format_routing_table",

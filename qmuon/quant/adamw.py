@@ -33,21 +33,14 @@ from .formats.base import STEP, FormatOptions, StateFormat, StateFormatError
 from .registry import FORMATS, get_format
 
 __all__ = [
-    "ADAMW_ROLES",
     "DEFAULT_ADAMW_STATE_FORMAT",
     "FULL_PRECISION",
-    "is_full_precision",
-    "SMALL_TENSOR_ELEMENTS",
-    "adamw_state_families",
     "check_adamw_state_format",
     "matrix_shape",
     "moment_formats",
-    "moment_options",
     "init_adamw_state",
-    "detect_moment_formats",
     "convert_adamw_state",
     "to_torch_adamw_state",
-    "describe_adamw_state",
     "update_rows",
     "moment_noise_stream",
     "flat_slice_pieces",

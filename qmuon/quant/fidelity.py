@@ -15,7 +15,7 @@ import math
 import torch
 from torch import Tensor
 
-__all__ = ["cosine", "synthetic_gradients", "momentum_relative_error"]
+__all__ = ["cosine"]
 
 
 def cosine(a: Tensor, b: Tensor) -> float:

@@ -49,20 +49,13 @@ __all__ = [
     "chunk_ranges",
     "check_sharded_param",
     "global_row_offset",
-    "is_sharded",
-    "local",
-    "local_state",
     "localize_loaded_state",
-    "placement_of",
-    "process_group_of",
     "row_placements",
     "shard_mesh_dim",
     "row_layout",
     "shard_state",
     "column_split",
     "is_tensor_parallel",
-    "local_offset",
-    "state_placements",
 ]
 
 

@@ -55,17 +55,11 @@ import torch
 from torch import Tensor
 
 __all__ = [
-    "E4M3_MAX",
-    "E4M3_EMAX",
-    "E8M0_BIAS",
-    "E8M0_NAN",
     "MX_BLOCK",
     "MXFP8Carrier",
     "mxfp8_encode",
     "mxfp8_decode",
-    "mxfp8_encode_normalized",
     "mxfp8_roundtrip_normalized",
-    "mxfp8_nbytes",
 ]
 
 #: Largest finite E4M3 (fn) value, ``1.75 * 2^8``.

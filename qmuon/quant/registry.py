@@ -32,7 +32,6 @@ __all__ = [
     "detect_state_format",
     "encode_momentum",
     "format_options",
-    "format_spec",
     "get_format",
     "guard_threshold",
     "promotion_chain",
@@ -43,7 +42,6 @@ __all__ = [
     "register_format",
     "state_nbytes",
     "unregister_format",
-    "validate_momentum_state",
     "weight_format",
     "weight_state_keys",
 ]

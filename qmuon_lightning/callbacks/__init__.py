@@ -18,18 +18,13 @@ See ``docs/callbacks.md``.
 """
 
 from .checkpoint import (
-    MANIFEST_KEY,
     QuantizedStateCheckpoint,
     QuantizedStateMismatchError,
-    atomic_torch_save,
-    build_manifest,
     export_fp32_momentum,
     load_quantized_state,
-    standalone_files,
-    validate_manifest,
 )
-from .fidelity import DEFAULT_COSINE_THRESHOLD, QuantFidelityError, QuantFidelityMonitor, UpdateFidelityTracker
-from .profiler import OptimizerStepProfiler, peak_allocated_from_trace
+from .fidelity import QuantFidelityError, QuantFidelityMonitor, UpdateFidelityTracker
+from .profiler import OptimizerStepProfiler
 from .progress import RichEpochProgressBar, TQDMEpochProgressBar, default_progress_bar
 from .resume import ContinueCheckpointNames, EpochBoundaryResume, resolve_ckpt_path
 from .weight_numerics import BF16StallMonitor
@@ -42,15 +37,8 @@ __all__ = [
     "QuantFidelityMonitor",
     "UpdateFidelityTracker",
     "QuantFidelityError",
-    "DEFAULT_COSINE_THRESHOLD",
-    "MANIFEST_KEY",
-    "atomic_torch_save",
-    "build_manifest",
-    "validate_manifest",
     "export_fp32_momentum",
     "load_quantized_state",
-    "standalone_files",
-    "peak_allocated_from_trace",
     "EpochBoundaryResume",
     "ContinueCheckpointNames",
     "resolve_ckpt_path",

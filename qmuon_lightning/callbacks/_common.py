@@ -12,7 +12,7 @@ from qmuon.optim.qmuon import QMuon
 if TYPE_CHECKING:  # pragma: no cover
     import lightning.pytorch as pl
 
-__all__ = ["qmuon_optimizers", "param_names", "muon_params", "log_to_loggers", "is_dtensor", "logger_step"]
+__all__: list[str] = []
 
 
 def qmuon_optimizers(trainer: "pl.Trainer") -> list[tuple[int, QMuon]]:

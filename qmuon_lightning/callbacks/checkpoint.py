@@ -47,20 +47,15 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from qmuon.core.config import FORMAT_OVERRIDES, ResumeMismatch, check_resume, param_group_view, plain_coefficients
 from qmuon.core.newton_schulz import MUON_COEFFICIENTS, resolve_schedule
-from qmuon.optim.qmuon import FORMAT_VERSION, LAYOUT_HINT, QMuon
+from qmuon.optim.qmuon import FORMAT_VERSION, QMuon
 from qmuon.quant import state as qstate
 from ._common import is_dtensor, param_names, qmuon_optimizers
 
 __all__ = [
     "QuantizedStateCheckpoint",
     "QuantizedStateMismatchError",
-    "MANIFEST_KEY",
-    "build_manifest",
-    "validate_manifest",
-    "atomic_torch_save",
     "load_quantized_state",
     "export_fp32_momentum",
-    "standalone_files",
 ]
 
 #: Key of the manifest in a Lightning checkpoint dict.
@@ -166,8 +161,7 @@ def validate_manifest(manifest: Mapping[str, Any], optimizers: Sequence[tuple[in
         cur_groups = [_group_entry(gi, g, names) for gi, g in enumerate(opt.param_groups)]
         if len(cur_groups) != len(saved_opt["groups"]):
             problems.append(f"{where} has {len(saved_opt['groups'])} parameter groups in the checkpoint and "
-                            f"{len(cur_groups)} now; build the optimizer the same way (same routing rules). "
-                            f"{LAYOUT_HINT}")
+                            f"{len(cur_groups)} now; build the optimizer the same way (same routing rules)")
             continue
         for saved, cur in zip(saved_opt["groups"], cur_groups):
             gw = f"{where}, param group {saved['index']}"

@@ -60,8 +60,7 @@ from qmuon.quant import state as qstate
 from qmuon.quant.fidelity import cosine
 from ._common import is_dtensor, log_to_loggers, muon_params, param_names, qmuon_optimizers
 
-__all__ = ["QuantFidelityMonitor", "UpdateFidelityTracker", "QuantFidelityError", "DEFAULT_COSINE_THRESHOLD",
-           "DEFAULT_PATIENCE", "ACTIONS"]
+__all__ = ["QuantFidelityMonitor", "UpdateFidelityTracker", "QuantFidelityError"]
 
 log = logging.getLogger(__name__)
 

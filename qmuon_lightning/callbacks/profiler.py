@@ -41,7 +41,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from ._common import log_to_loggers
 
-__all__ = ["OptimizerStepProfiler", "peak_allocated_from_trace"]
+__all__ = ["OptimizerStepProfiler"]
 
 
 def peak_allocated_from_trace(trace_path: str) -> dict[str, int]:

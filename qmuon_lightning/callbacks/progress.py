@@ -17,7 +17,7 @@ from typing import Any, Optional
 from lightning.pytorch.callbacks import ProgressBar, RichProgressBar, TQDMProgressBar
 from lightning.pytorch.utilities.imports import _RICH_AVAILABLE
 
-__all__ = ["RichEpochProgressBar", "TQDMEpochProgressBar", "default_progress_bar", "epoch_count", "epoch_description"]
+__all__ = ["RichEpochProgressBar", "TQDMEpochProgressBar", "default_progress_bar"]
 
 
 def epoch_count(max_epochs: Optional[int], max_steps: int, batches_per_epoch: float,

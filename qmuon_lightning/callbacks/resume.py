@@ -35,7 +35,7 @@ from qmuon.distributed.resume import (
     scan_checkpoints, staging_path, untracked_checkpoints,
 )
 
-__all__ = ["ContinueCheckpointNames", "EpochBoundaryResume", "checkpoint_folders", "resolve_ckpt_path"]
+__all__ = ["ContinueCheckpointNames", "EpochBoundaryResume", "resolve_ckpt_path"]
 
 #: ``ckpt_path`` values Lightning resolves itself (``last`` is resolved here, skipping incomplete files).
 _LIGHTNING_CKPT_WORDS = ("best", "hpc", "registry")

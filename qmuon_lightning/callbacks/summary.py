@@ -56,7 +56,7 @@ from qmuon.optim.qmuon import QMuon
 from qmuon.optim.routing import route_parameters
 from .telemetry import model_flops_per_token, peak_bf16_flops, peak_memory, total_grad_norm
 
-__all__ = ["TrainSummary", "optimizer_state_bytes"]
+__all__ = ["TrainSummary"]
 
 
 def _local(t: Tensor) -> Tensor:

@@ -15,8 +15,7 @@ from typing import Any, Iterable
 import torch
 from torch import Tensor, nn
 
-__all__ = ["transformer_flops_per_token", "model_flops_per_token", "PEAK_BF16_TFLOPS", "peak_bf16_flops",
-           "peak_memory", "total_grad_norm"]
+__all__: list[str] = []
 
 #: Dense bf16 tensor-core peak in TFLOP/s, matched against ``torch.cuda.get_device_name()`` in
 #: order (first hit wins; the more specific names come first). Sources: docs/callbacks.md.

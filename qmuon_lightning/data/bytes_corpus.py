@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import Dataset
 
-__all__ = ["StdlibCorpus", "build_stdlib_corpus", "RandomWindowDataset", "fixed_windows"]
+__all__ = ["build_stdlib_corpus", "RandomWindowDataset", "fixed_windows"]
 
 _EXCLUDED_DIRS = {"site-packages", "dist-packages", "__pycache__"}
 SEPARATOR = 0  # byte written after every file

@@ -60,7 +60,7 @@ import lightning as L
 from .bytes_corpus import SEPARATOR, build_stdlib_corpus
 from .token_corpus import open_token_split, read_token_corpus_meta
 
-__all__ = ["ByteLMDataModule", "ResumableWindowLoader", "TokenWindowDataset", "WindowSampler", "split_ranges"]
+__all__ = ["ByteLMDataModule", "ResumableWindowLoader", "WindowSampler"]
 
 _MASK64 = (1 << 64) - 1
 

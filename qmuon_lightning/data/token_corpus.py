@@ -23,8 +23,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["CORPUS_FORMAT", "CORPUS_VERSION", "META_NAME", "SPLIT_FILES", "token_dtype", "read_token_corpus_meta",
-           "open_token_split"]
+__all__ = ["token_dtype"]
 
 CORPUS_FORMAT = "qmuon-lightning tokenized corpus"
 CORPUS_VERSION = 1

@@ -16,8 +16,8 @@ split :func:`~qmuon_lightning.build_optimizer` makes), and counts, per :class:`S
   stores them (``zeros_like(param)`` twice) or in the group's AdamW state format, and each
   optimizer's 0-d ``step`` tensors;
 * **step temporaries**: the largest transient working set of ``optimizer.step()``, from a model of
-  what each step path allocates (:func:`adamw_phase_bytes`, :func:`torch_muon_phase_bytes`,
-  :func:`qmuon_muon_phase_bytes`, :func:`ns_phase_bytes`; the formulas are in their docstrings).
+  what each step path allocates (:mod:`.paths`: ``adamw_phase_bytes``, ``torch_muon_phase_bytes``,
+  ``qmuon_muon_phase_bytes``, ``ns_phase_bytes``; the formulas are in their docstrings).
 
 The step's phases run one after the other (QMuon: Muon momentum per group, AdamW groups, then the
 Newton-Schulz batches; torch.optim.Muon then torch.optim.AdamW), so the step's peak is
@@ -34,27 +34,15 @@ allocator's slack are not part of it (leave ~1-3 GiB of a budget for them on a G
 
 from __future__ import annotations
 
-from .paths import (
-    adamw_phase_bytes,
-    torch_muon_phase_bytes,
-    ns_phase_bytes,
-    qmuon_muon_phase_bytes,
-    adamw_chunked_step_bytes,
-)
 from .model import (
-    STEP_BYTES,
     Setup,
     STANDARD_SETUPS,
-    ParamInfo,
     Inventory,
     parameter_inventory,
     MemoryEstimate,
     estimate,
-    estimate_all,
     largest_within,
-    _layer_key,
     depth_inventories,
-    with_options,
 )
 from .report import (
     parse_bytes,
@@ -62,40 +50,23 @@ from .report import (
     format_table,
 )
 from .measure import (
-    ACTIVATION_CATEGORIES,
-    BASELINE_ADAMW,
-    BASELINE_ADAMW_WD,
-    BASELINE_MUON,
     build_optimizers,
     Measurement,
     measure_step,
 )
 
 __all__ = [
-    "adamw_phase_bytes",
-    "torch_muon_phase_bytes",
-    "ns_phase_bytes",
-    "qmuon_muon_phase_bytes",
-    "adamw_chunked_step_bytes",
-    "STEP_BYTES",
     "Setup",
     "STANDARD_SETUPS",
-    "ParamInfo",
     "Inventory",
     "parameter_inventory",
     "MemoryEstimate",
     "estimate",
-    "estimate_all",
     "largest_within",
     "depth_inventories",
-    "with_options",
     "parse_bytes",
     "format_bytes",
     "format_table",
-    "ACTIVATION_CATEGORIES",
-    "BASELINE_ADAMW",
-    "BASELINE_ADAMW_WD",
-    "BASELINE_MUON",
     "build_optimizers",
     "Measurement",
     "measure_step",

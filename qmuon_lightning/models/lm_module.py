@@ -45,7 +45,7 @@ from qmuon.quant import adamw as qadamw
 from qmuon.quant import state as qstate
 from .decoder_lm import DecoderLM, DecoderLMConfig, _rope_tables
 
-__all__ = ["OptimizerSpec", "DecoderLMModule", "MuonWithAdamW", "build_lm_optimizer", "lr_factor", "memory_budget"]
+__all__ = ["OptimizerSpec", "DecoderLMModule", "MuonWithAdamW", "memory_budget"]
 
 OPTIMIZER_NAMES = ("qmuon", "torch_muon", "adamw")
 #: Options only QMuon has: a torch baseline refuses a value other than the default.

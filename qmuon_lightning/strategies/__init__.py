@@ -18,18 +18,13 @@ from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGY_REG
 from lightning.pytorch.strategies import Strategy, StrategyRegistry
 
 from .fabric import QMuonFabricStrategy
-from .fsdp import OPTIMIZER_MODES, PRESETS, QMuonFSDPStrategy
-from .sharding import ShardPolicy, apply_sharding, select_blocks, select_roots
+from .fsdp import QMuonFSDPStrategy
+from .sharding import ShardPolicy
 
 __all__ = [
     "QMuonFSDPStrategy",
     "QMuonFabricStrategy",
-    "OPTIMIZER_MODES",
-    "PRESETS",
     "ShardPolicy",
-    "apply_sharding",
-    "select_blocks",
-    "select_roots",
     "register_strategies",
     "register_fabric_strategies",
 ]

@@ -15,8 +15,7 @@ from torch.optim import Optimizer
 from qmuon.core.config import FORMAT_OVERRIDES, ResumeMismatch, check_resume, describe_layout, state_layout
 from qmuon.optim.qmuon import QMuon
 
-__all__ = ["CKPT_KEY", "checkpoint_info", "check_compatible", "format_overrides", "apply_format_overrides",
-           "load_sharded_state", "load_full_state"]
+__all__: list[str] = []
 
 #: The checkpoint metadata entry written on save and checked on load.
 CKPT_KEY = "qmuon_fsdp"
@@ -107,6 +106,10 @@ def check_compatible(saved: Optional[Mapping[str, Any]], now: Mapping[str, Any],
     (``saved`` / ``now``: :func:`checkpoint_info` entries) before anything is loaded."""
     if not saved:
         return
+    missing = sorted(set(now) - set(saved))
+    if missing:
+        raise ValueError(f"{path}: its {CKPT_KEY!r} metadata lacks {missing}; it was not written by this version of "
+                         "qmuon_lightning and cannot be resumed")
     if saved["optimizer_types"] != now["optimizer_types"]:
         raise ValueError(
             f"{path} holds optimizer state of {saved['optimizer_types']} (saved with optimizer="
@@ -115,12 +118,7 @@ def check_compatible(saved: Optional[Mapping[str, Any]], now: Mapping[str, Any],
         )
     # torch's loaders place saved tensors into the current optimizer's state layout (same keys,
     # dtypes and sharding), so a checkpoint loads into the layout it was saved with only.
-    saved_layouts = saved.get("muon_layouts")
-    if saved_layouts is None:  # written before layouts were recorded: the formats must agree
-        saved_layouts = [{"state_format": f} for f in saved["state_formats"]]
-        now_layouts = [{"state_format": f} for f in now["state_formats"]]
-    else:
-        now_layouts = now["muon_layouts"]
+    saved_layouts, now_layouts = saved["muon_layouts"], now["muon_layouts"]
     hint = ("(To change format, load the checkpoint without this strategy and use QMuon.load_state_dict, "
             "which converts between formats.)")
     if len(saved_layouts) != len(now_layouts):

@@ -50,7 +50,7 @@ from torch.optim import Optimizer
 from qmuon.integrations.deepspeed import WholeMatrixZeroOptimizer, avoid_cpu_op_builds, check_config, check_resume
 from qmuon.optim.qmuon import QMuon
 
-__all__ = ["QMuonDeepSpeedStrategy", "STRATEGY_NAMES"]
+__all__ = ["QMuonDeepSpeedStrategy"]
 
 #: Names this module registers, with the ZeRO stage each selects.
 STRATEGY_NAMES = {"qmuon_deepspeed": 2, "qmuon_deepspeed_stage_1": 1, "qmuon_deepspeed_stage_2": 2,

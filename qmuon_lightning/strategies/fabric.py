@@ -100,7 +100,7 @@ class QMuonFabricStrategy(QMuonStrategyMixin, ModelParallelStrategy):
     ``parallelize_fn`` is given and trains it with :class:`~qmuon_lightning.QMuon`.
 
     Registered on ``import qmuon_lightning`` as ``"qmuon_fsdp"`` and the presets
-    ``"qmuon_fsdp_int8"``, ``"qmuon_fsdp_int8_stochastic"``, ``"qmuon_fsdp_grasp4"``,
+    ``"qmuon_fsdp_int8_stochastic"``, ``"qmuon_fsdp_grasp4"``,
     ``"qmuon_fsdp_keep"`` (the Trainer registry's names): ``L.Fabric(strategy="qmuon_fsdp")`` or
     an instance.
 
@@ -109,8 +109,7 @@ class QMuonFabricStrategy(QMuonStrategyMixin, ModelParallelStrategy):
             ``ModelParallelStrategy``; ``None`` (default): the sharding policy.
         optimizer: what ``fabric.setup_optimizers`` does with a non-QMuon optimizer: ``"qmuon"``
             replaces it by ``build_optimizer(model, **optimizer_kwargs)`` (its AdamW / Adam settings
-            become the auxiliary AdamW's); ``"grasp"``: the same with ``state_format="grasp4"``;
-            ``"keep"``: keep it. A QMuon is always kept.
+            become the auxiliary AdamW's); ``"keep"``: keep it. A QMuon is always kept.
         optimizer_kwargs: the replacement's QMuon options (a :class:`~qmuon.QMuonConfig` or a dict of them).
         shard_policy: which modules become FSDP units (see :mod:`qmuon_lightning.strategies.sharding`).
         reshard_after_forward: passed to ``fully_shard``.

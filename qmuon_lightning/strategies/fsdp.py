@@ -6,7 +6,7 @@ What it adds to :class:`lightning.pytorch.strategies.ModelParallelStrategy`:
    call ``fully_shard`` in ``configure_model``. This one applies ``fully_shard`` itself when
    nothing was sharded, by a policy (:mod:`.sharding`; default: each repeated block, then the
    roots). A ``configure_model`` that shards is respected as it is.
-2. **Optimizer swap.** With ``optimizer="qmuon"`` (or ``"grasp"``) the optimizer returned by
+2. **Optimizer swap.** With ``optimizer="qmuon"`` the optimizer returned by
    ``configure_optimizers`` is replaced, after sharding, by
    :func:`qmuon_lightning.build_optimizer` on the sharded module: hidden matrices go to Muon with
    quantized momentum, the rest to an auxiliary AdamW that keeps the user's AdamW settings; LR
@@ -67,27 +67,23 @@ from .sharding import (ShardPolicy, check_replicate_size, describe_sharding, hsd
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-__all__ = ["QMuonFSDPStrategy", "OPTIMIZER_MODES", "PRESETS"]
+__all__ = ["QMuonFSDPStrategy"]
 
 log = logging.getLogger(__name__)
 
-OptimizerMode = Literal["qmuon", "grasp", "keep"]
-OPTIMIZER_MODES: tuple[str, ...] = ("qmuon", "grasp", "keep")
+OptimizerMode = Literal["qmuon", "keep"]
+OPTIMIZER_MODES: tuple[str, ...] = ("qmuon", "keep")
 
 #: Registered names -> constructor arguments (``Trainer(strategy=name)``).
 PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
     "qmuon_fsdp": ("FSDP2 with QMuon (int8 momentum) replacing the configured optimizer", {}),
-    "qmuon_fsdp_int8": (
-        "FSDP2 with QMuon, int8 momentum",
-        {"optimizer": "qmuon", "optimizer_kwargs": {"state_format": "int8"}},
-    ),
     "qmuon_fsdp_int8_stochastic": (
         "FSDP2 with QMuon, int8 momentum with stochastic rounding",
         {"optimizer": "qmuon", "optimizer_kwargs": {"state_format": "int8", "state": {"rounding": "stochastic"}}},
     ),
     "qmuon_fsdp_grasp4": (
         "FSDP2 with QMuon, GRASP 4-bit momentum",
-        {"optimizer": "grasp", "optimizer_kwargs": {"state_format": "grasp4"}},
+        {"optimizer": "qmuon", "optimizer_kwargs": {"state_format": "grasp4"}},
     ),
     "qmuon_fsdp_keep": ("FSDP2 with automatic sharding; the configured optimizer is kept", {"optimizer": "keep"}),
 }
@@ -151,7 +147,7 @@ class QMuonFSDPStrategy(QMuonStrategyMixin, ModelParallelStrategy):
     does not, and trains it with :class:`~qmuon_lightning.QMuon`.
 
     Registered on ``import qmuon_lightning`` as ``"qmuon_fsdp"`` and presets
-    (``"qmuon_fsdp_int8"``, ``"qmuon_fsdp_int8_stochastic"``, ``"qmuon_fsdp_grasp4"``,
+    (``"qmuon_fsdp_int8_stochastic"``, ``"qmuon_fsdp_grasp4"``,
     ``"qmuon_fsdp_keep"``); use ``Trainer(strategy="qmuon_fsdp")``, an instance, or a YAML
     ``class_path: qmuon_lightning.strategies.QMuonFSDPStrategy``.
 
@@ -159,8 +155,8 @@ class QMuonFSDPStrategy(QMuonStrategyMixin, ModelParallelStrategy):
         optimizer: ``"qmuon"``: replace the optimizer from ``configure_optimizers`` by
             ``build_optimizer(module, **optimizer_kwargs)``; its AdamW / Adam settings (``lr``,
             ``betas``, ``eps``, ``weight_decay``) become the auxiliary AdamW's unless
-            ``optimizer_kwargs`` sets ``adamw_*`` itself. ``"grasp"``: the same with
-            ``state_format="grasp4"``. ``"keep"``: use the configured optimizer unchanged.
+            ``optimizer_kwargs`` sets ``adamw_*`` itself. ``"keep"``: use the configured optimizer
+            unchanged.
         optimizer_kwargs: the QMuon options: a :class:`~qmuon.QMuonConfig` or a dict of its options
             (``{"lr": 0.02, "state_format": "int8", "state": {"rounding": "stochastic"}}``), checked here.
         shard_policy: which modules become FSDP units when ``configure_model`` does not shard:

@@ -30,7 +30,7 @@ from torch import nn
 from torch.optim import Optimizer
 from torch.optim import lr_scheduler as lrs
 
-__all__ = ["adamw_settings", "check_coverage", "rebind_scheduler", "SwapError"]
+__all__ = ["SwapError"]
 
 #: Scheduler attributes that hold one entry per param group.
 _PER_GROUP_ATTRS = ("lr_lambdas", "min_lrs")

@@ -16,11 +16,8 @@ from qmuon.optim.routing import build_optimizer
 from qmuon.quant import state as qstate
 from . import optimizer_swap as swap
 
-__all__ = ["validate_optimizer_kwargs", "ensure_release", "check_sharded_formats", "resolve_mesh_sizes",
-           "build_replacement", "no_muon_warning"]
+__all__: list[str] = []
 
-# What each optimizer mode fixes in build_optimizer's arguments.
-_MODE_KWARGS: dict[str, dict[str, Any]] = {"qmuon": {}, "grasp": {"state_format": "grasp4"}, "keep": {}}
 
 
 def validate_optimizer_kwargs(mode: str, kwargs: Any) -> dict[str, Any]:
@@ -40,13 +37,6 @@ def validate_optimizer_kwargs(mode: str, kwargs: Any) -> dict[str, Any]:
                 f"{sorted(kwargs)} would be ignored. Drop them or use optimizer='qmuon'"
             )
         return kwargs
-    for key, fixed in _MODE_KWARGS[mode].items():
-        got = kwargs.setdefault(key, fixed)
-        if got != fixed:
-            raise ValueError(
-                f"optimizer={mode!r} uses {key}={fixed!r}, but optimizer_kwargs sets {key}={got!r}; "
-                "use optimizer='qmuon' for other values"
-            )
     try:
         QMuonConfig.from_kwargs(kwargs)
     except ConfigError as e:

@@ -36,10 +36,7 @@ from torch import nn
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = [
-    "ShardPolicy", "resolve_policy", "select_blocks", "select_roots", "apply_sharding", "is_sharded",
-    "shard_unless_sharded", "describe_sharding", "check_replicate_size", "hsdp_mesh",
-]
+__all__ = ["ShardPolicy", "resolve_policy"]
 
 #: ``"auto"``, ``"root"``, a sequence of classes / class names, or ``(name, module) -> bool``.
 ShardPolicy = Union[str, Sequence[Union[str, type]], Callable[[str, nn.Module], bool]]

@@ -95,8 +95,7 @@ import torch
 from ...optim.qmuon import QMuon
 from .checkpoint import CheckpointWorldSizeError, check_resume, load_checkpoint, saved_world_size
 from .config import UnsupportedDeepSpeedConfig, avoid_cpu_op_builds, check_config
-from .layout import _Param, _Segment, assign_owners, partition_segments, zero3_segments
-from .optimizer import MODE_NAMES, STATE_VERSION, WholeMatrixZeroOptimizer
+from .optimizer import WholeMatrixZeroOptimizer
 
 __all__ = [
     "UnsupportedDeepSpeedConfig",
@@ -108,11 +107,6 @@ __all__ = [
     "load_checkpoint",
     "check_resume",
     "saved_world_size",
-    "assign_owners",
-    "partition_segments",
-    "zero3_segments",
-    "STATE_VERSION",
-    "MODE_NAMES",
 ]
 
 

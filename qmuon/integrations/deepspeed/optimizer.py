@@ -22,9 +22,9 @@ from ...quant import state as qstate
 from .config import UnsupportedDeepSpeedConfig
 from .layout import (_apply_parts, _Param, _part_runs, _placeholder, _Segment, assign_owners, read_zero3_layout,
                      read_zero12_layout, row_pieces)
-from .optimizer_state import MODE_NAMES, STATE_VERSION, ZeroStateMixin
+from .optimizer_state import ZeroStateMixin
 
-__all__ = ["WholeMatrixZeroOptimizer", "STATE_VERSION", "MODE_NAMES"]
+__all__ = ["WholeMatrixZeroOptimizer"]
 
 log = logging.getLogger(__name__)
 

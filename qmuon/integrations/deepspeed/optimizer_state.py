@@ -19,12 +19,11 @@ from ...quant import adamw as qadamw
 from ...quant import state as qstate
 from .layout import _Param
 
-__all__ = ["ZeroStateMixin", "STATE_VERSION", "MODE_NAMES"]
+__all__: list[str] = []
 
-#: Version of the layout written by :meth:`WholeMatrixZeroOptimizer.state_dict` (3: the
-#: weight-correction state of bf16 Muon slices under ``"weight_slices"``; 2: quantized AdamW moments
-#: of flat slices, per piece, under ``"adamw_slices"``; version 1 kept them fp32 in the inner QMuon and
-#: loads, converted).
+#: Version of the layout written by :meth:`WholeMatrixZeroOptimizer.state_dict` (AdamW moments of flat
+#: slices, per piece, under ``"adamw_slices"``; the weight-correction state of bf16 Muon slices under
+#: ``"weight_slices"``); only this version loads.
 STATE_VERSION = 3
 _KEY = "qmuon_deepspeed"
 #: The wrapper's modes, as the ZeRO stages users know them (error messages).
@@ -97,9 +96,9 @@ class ZeroStateMixin:
                 "this optimizer state was not written by qmuon's DeepSpeed integration (no "
                 f"'{_KEY}' entry); a plain QMuon state dict loads with QMuon.load_state_dict before wrapping"
             )
-        if ours["version"] > STATE_VERSION:
-            raise ValueError(f"checkpoint layout version {ours['version']} is newer than this qmuon "
-                             f"({STATE_VERSION}); upgrade qmuon-lightning")
+        if ours["version"] != STATE_VERSION:
+            raise ValueError(f"checkpoint layout version {ours['version']} is not this qmuon's ({STATE_VERSION}); "
+                             "load it with the qmuon-lightning version that saved it")
         if ours["mode"] != self._mode or ours["world_size"] != self._world:
             raise ValueError(
                 f"the checkpoint was saved with {ours['world_size']} process(es) at {MODE_NAMES[ours['mode']]}; this "
@@ -125,7 +124,7 @@ class ZeroStateMixin:
         saved_groups = state_dict.get("param_groups") or []
         saved_rule = {gi: (saved_groups[gi].get("bf16_update") if gi < len(saved_groups) else None)
                       for gi in range(len(self._all_groups))}
-        slices = ours.get("adamw_slices") or {}
+        slices = ours["adamw_slices"]
         self._slice_state = {}
         for index, pieces in self._pieces.items():
             info = self._params[index]
@@ -137,12 +136,6 @@ class ZeroStateMixin:
                     raise ValueError(f"{where}: the checkpoint cuts the slice into pieces {saved['pieces']}, this "
                                      f"run into {[list(x) for x in pieces]}; the partition layout changed")
                 srcs = saved["state"]
-            elif index in state:
-                # an older checkpoint (version 1): fp32 moments of the whole 1-D slice, cut into the pieces
-                flat = state.pop(index)
-                srcs = [{k: (v.reshape(-1).narrow(0, off, r * w).view(r, w)
-                             if isinstance(v, Tensor) and v.numel() == sum(n * c for _, n, c in pieces) else v)
-                         for k, v in flat.items()} for off, r, w in pieces]
             else:
                 continue  # no step taken before the save
             self._slice_state[index] = [
@@ -155,7 +148,7 @@ class ZeroStateMixin:
                 self._check_weight_state(data.narrow(0, off, r * w).view(r, w), st, info, saved_rule[info.group],
                                          f"{where}, piece at {off}")
         self._weight_state = {}
-        for index, st in (ours.get("weight_slices") or {}).items():
+        for index, st in ours["weight_slices"].items():
             info = self._params[int(index)]
             if not info.muon or info.holders[self._rank] is None:
                 raise ValueError(f"the checkpoint holds weight-correction codes for parameter {index}, of which this "

@@ -23,7 +23,7 @@ import pkgutil
 
 from .base import StateFormat
 
-__all__ = ["builtin_formats"]
+__all__: list[str] = []
 
 
 def builtin_formats() -> list[StateFormat]:

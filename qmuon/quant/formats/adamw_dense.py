@@ -13,7 +13,7 @@ import torch
 
 from .base import FormatSpec, StateFormat, StateFormatError
 
-__all__ = ["AdamWDenseFormat", "EXP_AVG", "EXP_AVG_SQ", "FORMATS"]
+__all__: list[str] = []
 
 EXP_AVG = "exp_avg"
 EXP_AVG_SQ = "exp_avg_sq"

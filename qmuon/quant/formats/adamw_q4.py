@@ -16,7 +16,7 @@ from __future__ import annotations
 from ...ops import reference_adamw as refa
 from .adamw_q8 import AdamWQuantFormat
 
-__all__ = ["FORMATS"]
+__all__: list[str] = []
 
 FORMATS = (AdamWQuantFormat("adamw_m", "int4", refa.M4, 128, order=220),
            AdamWQuantFormat("adamw_v", "int4", refa.V4, 128, order=220))

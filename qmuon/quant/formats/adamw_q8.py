@@ -17,7 +17,7 @@ from ...ops import reference as ref
 from ...ops import reference_adamw as refa
 from .base import FormatSpec, StateFormat
 
-__all__ = ["AdamWQuantFormat", "FORMATS"]
+__all__: list[str] = []
 
 
 class AdamWQuantFormat(StateFormat):

@@ -48,8 +48,6 @@ __all__ = [
     "BUFFER",
     "CODES",
     "PACKED",
-    "PLACEMENTS",
-    "ROLES",
     "STEP",
     "TSCALE",
     "UE4M3",
@@ -58,7 +56,6 @@ __all__ = [
     "WEIGHT_ECC",
     "FormatOptions",
     "FormatSpec",
-    "Placement",
     "StateFormat",
     "StateFormatError",
 ]

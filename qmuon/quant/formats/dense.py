@@ -8,7 +8,7 @@ import torch
 
 from .base import BUFFER, FormatSpec, StateFormat, StateFormatError
 
-__all__ = ["DenseFormat", "FORMATS"]
+__all__ = ["DenseFormat"]
 
 
 class DenseFormat(StateFormat):

@@ -23,7 +23,7 @@ import torch
 from ...ops import reference_4bit as ref4
 from .base import PACKED, TSCALE, UE4M3, FormatSpec, StateFormat
 
-__all__ = ["E0M3Format", "FORMATS"]
+__all__ = ["E0M3Format"]
 
 
 class E0M3Format(StateFormat):

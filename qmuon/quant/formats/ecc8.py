@@ -19,7 +19,7 @@ from torch import Tensor
 from ...ops import reference_weight as refw
 from .base import WEIGHT_CORRECTION, WEIGHT_ECC, FormatSpec, StateFormat, StateFormatError
 
-__all__ = ["Ecc8WeightFormat", "FORMATS"]
+__all__: list[str] = []
 
 
 class Ecc8WeightFormat(StateFormat):

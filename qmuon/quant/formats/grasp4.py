@@ -71,21 +71,10 @@ from torch import Tensor
 
 from ...ops import reference as ref
 from ...ops import reference_4bit as ref4
-from ...ops.heap import release_freed_heap
 from ..layout import RowLayout, chunk_ranges, row_layout
 from .base import PACKED, FormatOptions, FormatSpec, StateFormat
 
-__all__ = [
-    "CONVERT_ITERS",
-    "DEFAULT_GRID_BLOCK",
-    "DEFAULT_RANK",
-    "FORMATS",
-    "Grasp4Format",
-    "grasp_decode",
-    "grasp_encode",
-    "grasp_factors",
-    "power_iteration",
-]
+__all__ = ["Grasp4Format"]
 
 P_CODES, P_ABSMAX = "grasp_p_codes", "grasp_p_absmax"
 R_CODES, R_ABSMAX = "grasp_r_codes", "grasp_r_absmax"
@@ -346,8 +335,6 @@ class Grasp4Format(StateFormat):
             # unbound here, not when the next matrix's are assigned: the next decode would otherwise
             # run beside this matrix's fp32 momentum and encoded state
             del m_new, new
-        if grads2d and grads2d[0].device.type == "cpu":
-            release_freed_heap()  # the update's fp32 temporaries
 
     def update_sharded(self, params, states, grads2d, block_sums, *, beta, nesterov, opts, streams, offsets, keys,
                        seed, process_group):

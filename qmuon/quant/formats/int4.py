@@ -11,7 +11,7 @@ from ...ops import reference as ref
 from ...ops import reference_4bit as ref4
 from .base import ABSMAX, PACKED, UE4M3, FormatSpec, StateFormat
 
-__all__ = ["Int4Format", "FORMATS"]
+__all__ = ["Int4Format"]
 
 
 class Int4Format(StateFormat):

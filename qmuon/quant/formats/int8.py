@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import torch
 
-from ...ops import QuantizedMuonState
 from ...ops import reference as ref
 from .base import ABSMAX, CODES, FormatSpec, StateFormat
 
-__all__ = ["Q8Format", "FORMATS"]
+__all__ = ["Q8Format"]
 
 
 class Q8Format(StateFormat):
@@ -26,8 +25,9 @@ class Q8Format(StateFormat):
         self.spec = FormatSpec(name, "q8", dtype, (CODES, ABSMAX))
 
     def init(self, rows, cols, opts, device):
-        zero = QuantizedMuonState.zeros(rows, cols, dtype=self.spec.dtype, block_size=opts.block_size, device=device)
-        return {CODES: zero.data, ABSMAX: zero.absmax}
+        zero_code = 0 if self.spec.dtype == torch.int8 else 128  # uint8: zero point 128
+        return {CODES: torch.full((rows, cols), zero_code, dtype=self.spec.dtype, device=device),
+                ABSMAX: torch.zeros((rows, ref.num_blocks(cols, opts.block_size)), dtype=torch.float32, device=device)}
 
     def update(self, states, grads2d, block_sums, *, beta, nesterov, opts, streams, offsets, keys, seed):
         torch.ops.qmuon.q8_momentum_update_multi_(

@@ -1,6 +1,6 @@
 """The smallest honest QMuon training demo: a tiny byte-level LM trained with Lightning on CPU.
 
-Run ``python -m qmuon_lightning.demo`` (about 2-3 minutes on 2 CPU cores). It trains a small
+Run ``python benchmarks/demo.py`` (about 2-3 minutes on 2 CPU cores). It trains a small
 decoder-only transformer (:class:`qmuon_lightning.models.DecoderLM`; vocabulary: the 256 byte
 values) on the Python standard library's own ``*.py`` sources with
 ``qmuon_lightning.build_optimizer`` (8-bit momentum by default), logs to CSV, and prints a summary:
@@ -21,6 +21,7 @@ import sys
 import time
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Sequence
 
 import torch
@@ -30,12 +31,11 @@ from torch.utils.data import DataLoader, TensorDataset
 import lightning as L
 from lightning.pytorch.loggers import CSVLogger
 
-from .data.bytes_corpus import RandomWindowDataset, build_stdlib_corpus, fixed_windows
-from .models import DecoderLM
-from qmuon.optim.routing import build_optimizer
-from qmuon.quant.state import STATE_FORMATS
-
-__all__ = ["DemoModule", "DemoResult", "build_parser", "main", "run"]
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from qmuon import build_optimizer  # noqa: E402
+from qmuon.quant.state import STATE_FORMATS  # noqa: E402
+from qmuon_lightning.data.bytes_corpus import RandomWindowDataset, build_stdlib_corpus, fixed_windows  # noqa: E402
+from qmuon_lightning.models import DecoderLM  # noqa: E402
 
 VOCAB = 256
 
@@ -169,7 +169,7 @@ class DemoResult:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m qmuon_lightning.demo",
+        prog="python benchmarks/demo.py",
         description="Train a tiny byte-level transformer LM on the Python stdlib's sources with QMuon (CPU, Lightning).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )

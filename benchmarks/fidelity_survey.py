@@ -1,7 +1,7 @@
 """Measure per-layer update cosines with :class:`QuantFidelityMonitor` in short Lightning runs.
 
-``python -m qmuon_lightning.callbacks.fidelity_survey --formats int8 grasp4 e0m3 int4 bf16`` trains
-the demo's byte-level DecoderLM once per state format (same seed and data order) with the monitor
+``python benchmarks/fidelity_survey.py --formats int8 grasp4 e0m3 int4 bf16`` trains the byte-level
+DecoderLM of ``benchmarks/demo.py`` once per state format (same seed and data order) with the monitor
 attached and prints, per measurement, the min / mean and every layer's cosine. The table in
 ``docs/callbacks.md`` (and the default threshold) came from these runs::
 
@@ -16,6 +16,7 @@ import argparse
 import sys
 import time
 import warnings
+from pathlib import Path
 from typing import Sequence
 
 import torch
@@ -23,15 +24,16 @@ from torch.utils.data import DataLoader
 
 import lightning as L
 
-from ..data.bytes_corpus import RandomWindowDataset, build_stdlib_corpus
-from ..demo import DemoModule
-from .fidelity import QuantFidelityMonitor
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
+from demo import DemoModule  # noqa: E402  (benchmarks/demo.py)
 
-__all__ = ["main"]
+from qmuon_lightning.callbacks import QuantFidelityMonitor  # noqa: E402
+from qmuon_lightning.data.bytes_corpus import RandomWindowDataset, build_stdlib_corpus  # noqa: E402
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, list[dict]]:
-    p = argparse.ArgumentParser(prog="python -m qmuon_lightning.callbacks.fidelity_survey",
+    p = argparse.ArgumentParser(prog="python benchmarks/fidelity_survey.py",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--formats", nargs="+", default=["int8", "grasp4", "e0m3", "int4", "bf16"])
     p.add_argument("--d-model", type=int, default=64)
