@@ -197,6 +197,7 @@ class QMuonStateMixin:
         self._sharded = None
         self._index = None
         self._layout_fresh = False
+        self._lr_follow_seen = {}  # linked groups (QMuon.add_param_group) take the loaded lrs as they are
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
 
