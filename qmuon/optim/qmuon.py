@@ -339,6 +339,11 @@ class QMuon(QMuonStateMixin, Optimizer):
         return cls(params, **{**config.__dict__, **kwargs})
 
     # ------------------------------------------------------------------ groups and validation
+    #: The routing of groups added to an optimizer without :attr:`router` (one built from groups):
+    #: the default rules, by shape and label (a :class:`qmuon.optim.routing.ModelRouting` without a
+    #: model, set by that module, which builds on this one).
+    default_router: Any = None
+
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a parameter group, validated as a whole before anything changes (a refused group
         leaves ``param_groups`` as it was).
@@ -350,7 +355,7 @@ class QMuon(QMuonStateMixin, Optimizer):
         adds when it unfreezes a backbone -- is *routed* like :func:`~qmuon.build_optimizer`'s
         groups: by the optimizer's :attr:`router` (the model's rule table, names and layouts), or
         by the default rules and shapes when the optimizer has none; it becomes one group per
-        family and layout (:func:`~qmuon.optim.routing.routed_groups`: matrices to Muon, 1-D
+        family and layout (:meth:`~qmuon.optim.routing.ModelRouting.split`: matrices to Muon, 1-D
         tensors, embeddings and heads to AdamW). The sub-groups get ``param_names`` (the model's
         names, else the caller's, else labels ``param_groups[<i>].params[<j>]``: the group index it
         was added at and the position in the caller's list) and ``name`` (the caller's ``name``
@@ -448,8 +453,6 @@ class QMuon(QMuonStateMixin, Optimizer):
     def _routed_groups(self, group: dict[str, Any], params: list[Tensor],
                        caller_names: list[str] | None) -> list[dict[str, Any]]:
         """``group`` split by the rule table (see :meth:`add_param_group`), not yet added."""
-        from .routing import ModelRouting, routed_groups  # routing builds on this module
-
         for p in params:
             if not isinstance(p, Tensor):
                 raise TypeError("optimizer can only optimize Tensors, but one of the params is " + torch.typename(p))
@@ -459,15 +462,9 @@ class QMuon(QMuonStateMixin, Optimizer):
                 raise ValueError(f"QMuon.add_param_group: {len(caller_names)} param_names for {len(params)} parameters")
         gi = len(self.param_groups)
         labels = caller_names or [f"param_groups[{gi}].params[{j}]" for j in range(len(params))]
-        router = self.router if self.router is not None else ModelRouting(None)
-        decisions = router.route(params, labels)
-        if caller_names is not None:
-            for d, name in zip(decisions, caller_names):
-                d.name = name
+        router = self.router if self.router is not None else type(self).default_router
         taken = self._taken_names()
-        subs = routed_groups(decisions, bank_state_format=router.bank_state_format, taken=taken)
-        for d in decisions:
-            d.param = None
+        subs = router.split(params, labels, caller_names, taken)
         bases = ["adamw_no_decay" if not sub.get("use_muon", True) and sub.get("weight_decay") == 0.0
                  else group_name(sub) for sub in subs]  # the family labels, before the caller's keys
         ref_muon = bool(self.param_groups[0].get("use_muon", True))

@@ -526,6 +526,19 @@ class ModelRouting:
             out.append(router.decide(name, module, attr, p))
         return out
 
+    def split(self, params: Sequence[torch.Tensor], labels: Sequence[str], names: Sequence[str] | None = None,
+              taken: Sequence[str] = ()) -> list[dict[str, Any]]:
+        """``params`` as :func:`routed_groups` (names unique among ``taken``): routed by
+        :meth:`route` (``labels`` for parameters the model does not own), listed under ``names``
+        when given, else under the model's names and ``labels``."""
+        decisions = self.route(params, labels)
+        for d, name in zip(decisions, names or ()):
+            d.name = name
+        groups = routed_groups(decisions, bank_state_format=self.bank_state_format, taken=taken)
+        for d in decisions:
+            d.param = None
+        return groups
+
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_model": None}  # a weak reference does not pickle
 
@@ -627,6 +640,11 @@ def routed_groups(decisions: Sequence[RouteDecision], *, adamw_weight_decay: flo
                 group["weight_decay"] = adamw_weight_decay
             add(group, sel, target)
     return groups
+
+
+#: What :meth:`QMuon.add_param_group` routes by in an optimizer built from groups (no
+#: ``router``): the default rules, by shape and label (set here: this module builds on QMuon's).
+QMuon.default_router = ModelRouting(None)
 
 
 def build_optimizer(
