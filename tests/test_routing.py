@@ -300,3 +300,17 @@ def test_group_names_name_the_family_and_layout():
                                                                 n_positions=16, bos_token_id=0, eos_token_id=0))
     names = [g["name"] for g in build_optimizer(gpt2, verbose=False).param_groups]
     assert names == ["muon_parts3_cols_in_out", "muon_in_out", "adamw", "adamw_no_decay"]
+
+
+def test_checkpoint_from_before_head_by_role_names_the_fix():
+    from qmuon.optim import OUTPUT_HEAD
+
+    before = [r for r in DEFAULT_RULES if r.role != OUTPUT_HEAD]  # the routing such a checkpoint was saved with
+    model = TinyResNet()
+    old = build_optimizer(model, rules=before, verbose=False)
+    model(torch.randn(2, 3, 8, 8)).sum().backward()
+    old.step()
+    sd = old.state_dict()
+    with pytest.raises(ValueError, match=r"output head by role.*r\.role != 'output_head'"):
+        build_optimizer(model, verbose=False).load_state_dict(sd)
+    build_optimizer(model, rules=before, verbose=False).load_state_dict(sd)

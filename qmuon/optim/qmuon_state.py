@@ -48,6 +48,9 @@ LAYOUT_HINT = (
     "Since build_optimizer reads layer layouts, Hugging Face Conv1D weights (GPT-2) get their own groups "
     "(orientation 'in_out', c_attn split into q, k, v); a checkpoint saved before that loads into "
     r"build_optimizer(model, orientations={r'\.c_\w+\.weight$': 'out_in'}, fused_parts={r'c_attn\.weight$': None})"
+    ". Since it finds the output head by role (a ResNet's fc, an nn.Sequential's last Linear go to AdamW), a "
+    "checkpoint saved before that loads into build_optimizer(model, rules=[r for r in qmuon.optim.DEFAULT_RULES "
+    "if r.role != 'output_head'])"
 )
 
 
