@@ -170,3 +170,135 @@ def test_format_routing_table_counts():
     model = _model()
     n_muon = sum(p.numel() for n, p in model.named_parameters() if p.ndim >= 2 and n not in ("embed.weight", "lm_head.weight"))
     assert f"muon={n_muon:,}" in last
+
+
+# ------------------------------------------------------------------------- output head by role
+class TinyResNet(nn.Module):
+    """ResNet's layout (torchvision-free): stem, stages, pooling, then the classifier ``fc``."""
+
+    def __init__(self, classes: int = 10) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 8, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(8)
+        self.layer1 = nn.Sequential(nn.Conv2d(8, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU())
+        self.layer2 = nn.Sequential(nn.Conv2d(8, 16, 3, stride=2, padding=1, bias=False), nn.BatchNorm2d(16), nn.ReLU())
+        self.avgpool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(16, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.layer2(self.layer1(torch.relu(self.bn1(self.conv1(x)))))
+        return self.fc(torch.flatten(self.avgpool(x), 1))
+
+
+def test_resnet_fc_head_is_found_by_role():
+    from qmuon.optim import output_head
+
+    model = TinyResNet()
+    assert output_head(model) is model.fc
+    d = _by_name(route_parameters(model))
+    assert d["fc.weight"].target == "adamw" and d["fc.weight"].reason == "output head (by role)"
+    assert d["fc.bias"].target == "adamw_no_decay"
+    assert all(d[n].target == "muon" for n in ("conv1.weight", "layer1.0.weight", "layer2.0.weight"))
+    opt = build_optimizer(model, verbose=False)
+    opt.zero_grad()
+    model(torch.randn(2, 3, 8, 8)).sum().backward()
+    opt.step()
+    assert "exp_avg" in opt.state[model.fc.weight]
+
+
+def test_head_by_role_rules():
+    from qmuon.optim import output_head
+
+    mlp = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 4), nn.Softmax(-1))
+    assert output_head(mlp) is mlp[2]  # a Sequential's output is its last layer's (parameterless ones skipped)
+    assert output_head(nn.Linear(8, 4)) is None  # a one-layer model is not its own head
+
+    class Encoder(nn.Module):  # ends in a stack of blocks: no head
+        def __init__(self) -> None:
+            super().__init__()
+            self.inp = nn.Linear(8, 16)
+            self.layers = nn.ModuleList(nn.Linear(16, 32) for _ in range(2))
+
+    assert output_head(Encoder()) is None
+
+    class Pooled(nn.Module):  # ends in a square map (a pooler): a hidden map, not a head
+        def __init__(self) -> None:
+            super().__init__()
+            self.inp = nn.Linear(8, 16)
+            self.pooler = nn.Sequential(nn.Linear(16, 16), nn.Tanh())
+
+    assert output_head(Pooled()) is None
+
+    class Wrapped(nn.Module):  # a LightningModule-like wrapper: the descent reaches the inner model's head
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = TinyResNet()
+            self.loss = nn.CrossEntropyLoss()  # registered last, no parameters
+
+    w = Wrapped()
+    assert output_head(w) is w.model.fc
+    assert _by_name(route_parameters(w))["model.fc.weight"].target == "adamw"
+
+
+def test_head_by_role_can_be_left_out_of_the_rules():
+    from qmuon.optim import OUTPUT_HEAD
+
+    rules = [r for r in DEFAULT_RULES if r.role != OUTPUT_HEAD]
+    assert _by_name(route_parameters(TinyResNet(), rules=rules))["fc.weight"].target == "muon"
+    with pytest.raises(ValueError, match="RoutingRule role must be one of"):
+        RoutingRule("adamw", role="decoder")
+
+
+def _hf_llama(tie: bool):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
+                                   bos_token_id=0, eos_token_id=0, pad_token_id=0, tie_word_embeddings=tie)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_hf_head_comes_from_get_output_embeddings(tie: bool):
+    from qmuon.optim.routing import DEFAULT_HEAD_REGEX, output_head
+
+    model = _hf_llama(tie)
+    assert output_head(model) is model.lm_head
+    by_role = [r for r in DEFAULT_RULES if r.name_regex != DEFAULT_HEAD_REGEX]  # names alone no longer help
+    d = _by_name(route_parameters(model, rules=by_role))
+    if tie:  # one Parameter: routed once, as the embedding it is first registered as
+        assert "lm_head.weight" not in d and d["model.embed_tokens.weight"].target == "adamw"
+    else:
+        assert d["lm_head.weight"].target == "adamw" and d["lm_head.weight"].reason == "output head (by role)"
+    assert d["model.layers.0.mlp.down_proj.weight"].target == "muon"
+    # the base model (no head): get_output_embeddings() is None, nothing is guessed
+    assert output_head(model.model) is None
+    assert all(x.target == "muon" for x in route_parameters(model.model) if x.name.startswith("layers.") and len(x.shape) == 2)
+
+
+def test_hf_gpt2_tied_head_routes_once():
+    transformers = pytest.importorskip("transformers")
+    from qmuon.optim import output_head
+
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=4,
+                                                                 n_positions=16, bos_token_id=0, eos_token_id=0))
+    assert output_head(model) is model.lm_head and model.lm_head.weight is model.transformer.wte.weight
+    d = _by_name(route_parameters(model))
+    assert "lm_head.weight" not in d and d["transformer.wte.weight"].reason == "embedding table"
+    opt = build_optimizer(model, verbose=False)
+    ids = [id(p) for g in opt.param_groups for p in g["params"]]
+    assert len(ids) == len(set(ids))
+
+
+def test_group_names_name_the_family_and_layout():
+    opt = build_optimizer(_model(), verbose=False)
+    assert [g["name"] for g in opt.param_groups] == ["muon", "muon_parts3", "adamw", "adamw_no_decay"]
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=4,
+                                                                n_positions=16, bos_token_id=0, eos_token_id=0))
+    names = [g["name"] for g in build_optimizer(gpt2, verbose=False).param_groups]
+    assert names == ["muon_parts3_cols_in_out", "muon_in_out", "adamw", "adamw_no_decay"]
+
+

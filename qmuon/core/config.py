@@ -32,6 +32,8 @@ import difflib
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
+import torch
+
 from ..quant import adamw as qadamw
 from ..quant import state as qstate
 from .apply import BF16_UPDATES, DEFAULT_BF16_UPDATE
@@ -475,12 +477,12 @@ def validate_muon_group(group: dict[str, Any], where: str) -> None:
     def bad(msg: str) -> ValueError:
         return ValueError(f"{where}: {msg}")
 
-    if not _real(group["lr"]) or not group["lr"] >= 0.0:
-        raise bad(f"lr must be >= 0, got {group['lr']}")
+    if not _real_or_scalar_tensor(group["lr"]) or not group["lr"] >= 0.0:
+        raise bad(f"lr must be >= 0 (a number or a one-element tensor), got {group['lr']}")
     if not _real(group["momentum"]) or not 0.0 <= group["momentum"] < 1.0:
         raise bad(f"momentum must be in [0, 1), got {group['momentum']}")
-    if not _real(group["weight_decay"]) or not group["weight_decay"] >= 0.0:
-        raise bad(f"weight_decay must be >= 0, got {group['weight_decay']}")
+    if not _real_or_scalar_tensor(group["weight_decay"]) or not group["weight_decay"] >= 0.0:
+        raise bad(f"weight_decay must be >= 0 (a number or a one-element tensor), got {group['weight_decay']}")
     if not _real(group["eps"]) or not group["eps"] > 0.0:
         raise bad(f"eps must be > 0 (it bounds 1 / ||G|| for a zero gradient), got {group['eps']}")
     if group["adjust_lr_fn"] not in ADJUST_LR_FNS:
@@ -619,6 +621,9 @@ def validate_adamw_group(group: dict[str, Any], where: str) -> None:
     b1, b2 = group["betas"]
     if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
         raise ValueError(f"{where} (AdamW): betas must be in [0, 1), got {group['betas']}")
+    for key in ("lr", "weight_decay"):
+        if not _real_or_scalar_tensor(group[key]):
+            raise ValueError(f"{where} (AdamW): {key} must be a number or a one-element tensor, got {group[key]!r}")
     if not group["eps"] >= 0.0 or not group["lr"] >= 0.0 or not group["weight_decay"] >= 0.0:
         raise ValueError(f"{where} (AdamW): lr, eps and weight_decay must be >= 0")
 
@@ -626,6 +631,14 @@ def validate_adamw_group(group: dict[str, Any], where: str) -> None:
 def _real(x: Any) -> bool:
     """A real number (NaN included: the range checks that follow reject it with the value shown)."""
     return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _real_or_scalar_tensor(x: Any) -> bool:
+    """A real number, or a one-element real tensor: ``torch.optim`` takes ``lr=torch.tensor(0.02)``
+    (and a tensor weight decay); the step reads it with ``float()``."""
+    if isinstance(x, torch.Tensor):
+        return x.numel() == 1 and (x.is_floating_point() or (x.dtype != torch.bool and not x.is_complex()))
+    return _real(x)
 
 
 # ------------------------------------------------------------------------------------ resume

@@ -19,7 +19,7 @@ import logging
 import math
 import warnings
 from collections import defaultdict
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Mapping
 
 import torch
 from torch import Tensor
@@ -67,6 +67,81 @@ class NonFiniteGradientError(FloatingPointError):
         self.params = params
         #: Their number of skipped steps in a row, this one included.
         self.streak = streak
+
+
+#: Keys with which a group added after construction names its family or layout: such a group is
+#: added as given; others are routed (:meth:`QMuon.add_param_group`).
+_EXPLICIT_KEYS = ("use_muon", "parts", "parts_axis", "orientation", "parts_interleaved", "bank_dims")
+
+#: Attributes a copy does not take (caches rebuilt by ``_reset_caches``; torch's hook tables and
+#: profiling name are recreated empty by ``Optimizer.__setstate__``).
+_NOT_COPIED = ("_plans", "_sharded", "_index", "_layout_fresh", "_batch_sizes", "_lr_follow_seen",
+               "_zero_grad_profile_name")
+
+COPY_RELEASE_ERROR = (
+    "QMuon: this optimizer has gradient release attached (build_optimizer(..., gradient_release=True)): its hooks "
+    "live on the model's parameters and step this optimizer inside backward, so a copy (copy.deepcopy, pickle, "
+    "torch.save of the optimizer object) could not step. Save optimizer.state_dict() with the model's state_dict "
+    "and load it into an optimizer built the same way (build_optimizer(copied_model, ..., gradient_release=True)); "
+    "or detach release first (optimizer.gradient_release.detach()) to copy the optimizer without it"
+)
+COPY_SINK_ERROR = (
+    "QMuon: this optimizer hands its Muon updates to an update sink (DeepSpeed's WholeMatrixZeroOptimizer applies "
+    "them to the ranks holding the slices), which a copy cannot take along. Save optimizer.state_dict() and load it "
+    "into an optimizer wrapped the same way"
+)
+
+
+def group_name(group: Mapping[str, Any]) -> str:
+    """The default ``name`` of a parameter group (what ``LearningRateMonitor`` logs it as):
+    ``adamw`` for an AdamW group; ``muon`` for plain ``(out, in)`` matrices, else
+    ``muon_<layout>`` from the layout keys: ``bank`` (bank_dims), ``parts<n>`` (fused parts),
+    ``cols`` (parts along dim 1), ``interleaved``, ``in_out`` (orientation); e.g. GPT-2's
+    ``c_attn`` group is ``muon_parts3_cols_in_out``."""
+    if not group.get("use_muon", True):
+        return "adamw"
+    pieces = ["muon"]
+    if group.get("bank_dims"):
+        pieces.append("bank")
+    parts = group.get("parts")
+    if parts:
+        pieces.append(f"parts{len(parts)}")
+        if group.get("parts_axis", 0) == 1:
+            pieces.append("cols")
+        if group.get("parts_interleaved"):
+            pieces.append("interleaved")
+    if group.get("orientation", "out_in") != "out_in":
+        pieces.append(str(group["orientation"]))
+    return "_".join(pieces)
+
+
+def unique_group_name(base: str, taken: Iterable[str]) -> str:
+    """``base``, or ``base_2``, ``base_3``, ... when taken (``LearningRateMonitor`` refuses two
+    groups of one name)."""
+    taken = set(taken)
+    if base not in taken:
+        return base
+    k = 2
+    while f"{base}_{k}" in taken:
+        k += 1
+    return f"{base}_{k}"
+
+
+def _split_named(params: Any) -> tuple[list[Any], list[str] | None]:
+    """A group's ``params`` as a list, and the names when given as ``(name, tensor)`` pairs (torch's
+    rules and messages)."""
+    if isinstance(params, Tensor):
+        return [params], None
+    if isinstance(params, set):
+        raise TypeError("optimizer parameters need to be organized in ordered collections, but the ordering of "
+                        "tensors in sets will change between runs. Please use a list instead.")
+    params = list(params)
+    named = [isinstance(x, tuple) for x in params]
+    if not any(named):
+        return params, None
+    if not all(named):
+        raise ValueError("all optimizer params should be with/without names. Some param names are missing")
+    return [x[1] for x in params], [x[0] for x in params]
 
 
 class QMuon(QMuonStateMixin, Optimizer):
@@ -149,6 +224,26 @@ class QMuon(QMuonStateMixin, Optimizer):
         #: DeepSpeed integration sends them to the ranks holding the parameter's slices).
         self.update_sink: UpdateSink | None = None
         self._adamw_defaults = config.adamw_group_defaults()
+        self._reset_caches()
+        self._skipped_in_step = False
+        self._step_comm: list[dict[str, float]] = []
+        #: The gradient-release driver stepping this optimizer inside backward, when one is attached
+        #: (:func:`qmuon.optim.release.attach_gradient_release`); ``None`` otherwise.
+        self.gradient_release: Any = None
+        #: How the model was routed (:class:`qmuon.optim.routing.ModelRouting`, set by
+        #: ``build_optimizer``): :meth:`add_param_group` routes groups added later by it; ``None``
+        #: (a QMuon built from groups) routes them by the default rules, by shape.
+        self.router: Any = None
+        self._constructed = False
+        super().__init__(params, config.muon_group_defaults())
+        self._constructed = True
+        if config.gradient_release:
+            from .release import attach_gradient_release  # release builds on this module
+
+            attach_gradient_release(self, clip_norm=config.safety.release_clip_norm)
+
+    def _reset_caches(self) -> None:
+        """(Re)create the caches keyed by the parameters' identities; rebuilt on the next step."""
         self._plans: dict[int, tuple[tuple, list[ParamPlan]]] = {}
         self._sharded: tuple[tuple, Any] | None = None
         self._index: dict[int, tuple[int, int]] | None = None  # id(param) -> (group, index)
@@ -158,19 +253,120 @@ class QMuon(QMuonStateMixin, Optimizer):
         # each would make a step quadratic in the number of parameters.
         self._layout_fresh = False
         self._batch_sizes = pipeline.BatchSizes(())
-        self._skipped_in_step = False
-        self._step_comm: list[dict[str, float]] = []
-        #: The gradient-release driver stepping this optimizer inside backward, when one is attached
-        #: (:func:`qmuon.optim.release.attach_gradient_release`); ``None`` otherwise.
-        self.gradient_release: Any = None
-        super().__init__(params, config.muon_group_defaults())
-        if config.gradient_release:
-            from .release import attach_gradient_release  # release builds on this module
+        self._lr_follow_seen: dict[str, tuple[float, float]] = {}  # see _follow_lrs
 
-            attach_gradient_release(self, clip_norm=config.safety.release_clip_norm)
+    # ------------------------------------------------------------------ copies and printing
+    def __getstate__(self) -> dict[str, Any]:
+        """Everything a copy needs to step as this optimizer would (configuration, groups, state,
+        counters, routing), for ``copy.deepcopy`` and pickle; ``torch.optim.Optimizer`` keeps only
+        ``defaults`` / ``state`` / ``param_groups``, which left a copy that failed on its first
+        step. Caches keyed by parameter identities are rebuilt; hooks are not copied (as in torch).
+        An optimizer whose updates run outside it (gradient release, an update sink) refuses."""
+        if self.__dict__.get("gradient_release") is not None:
+            raise RuntimeError(COPY_RELEASE_ERROR)
+        if self.__dict__.get("update_sink") is not None:
+            raise RuntimeError(COPY_SINK_ERROR)
+        return {k: v for k, v in self.__dict__.items() if k not in _NOT_COPIED and not k.startswith("_optimizer_")}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        had_differentiable = "differentiable" in state.get("defaults", {})
+        super().__setstate__(state)  # torch: empty hook tables, the profiled step
+        if "defaults" in state and not had_differentiable:
+            self.defaults.pop("differentiable", None)  # torch adds it; a copy keeps the original's groups
+        self._reset_caches()
+        for k, v in (("gradient_release", None), ("update_sink", None), ("router", None), ("_constructed", True)):
+            self.__dict__.setdefault(k, v)
+
+    def __repr__(self) -> str:
+        """torch's listing of the groups, each headed by its name and family (and long
+        ``param_names`` shortened)."""
+        lines = [f"{type(self).__name__} ("]
+        for i, group in enumerate(self.param_groups):
+            family = "Muon" if group.get("use_muon", True) else "AdamW"
+            name = f" {group['name']!r}" if "name" in group else ""
+            lines.append(f"Parameter Group {i}{name} ({family}, {len(group['params'])} parameters)")
+            for key in sorted(group):
+                if key == "params":
+                    continue
+                value = group[key]
+                if key == "param_names" and len(value) > 4:
+                    value = f"[{', '.join(map(repr, value[:3]))}, ... ({len(value)} names)]"
+                lines.append(f"    {key}: {value}")
+        lines.append(")")
+        return "\n".join(lines)
 
     # ------------------------------------------------------------------ groups and validation
+    #: The routing of groups added to an optimizer without :attr:`router` (one built from groups):
+    #: the default rules, by shape and label (a :class:`qmuon.optim.routing.ModelRouting` without a
+    #: model, set by that module, which builds on this one).
+    default_router: Any = None
+
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a parameter group, validated as a whole before anything changes (a refused group
+        leaves ``param_groups`` as it was).
+
+        A group that names its family or layout (``use_muon``, ``parts``, ``parts_axis``,
+        ``orientation``, ``parts_interleaved``, ``bank_dims``) is added as it is (``param_names`` and
+        a ``name`` are filled in when the other groups have them). Any other group added after
+        construction -- ``{"params": [...], "lr": ...}``, what Lightning's ``BaseFinetuning``
+        adds when it unfreezes a backbone -- is *routed* like :func:`~qmuon.build_optimizer`'s
+        groups: by the optimizer's :attr:`router` (the model's rule table, names and layouts), or
+        by the default rules and shapes when the optimizer has none; it becomes one group per
+        family and layout (:meth:`~qmuon.optim.routing.ModelRouting.split`: matrices to Muon, 1-D
+        tensors, embeddings and heads to AdamW). The sub-groups get ``param_names`` (the model's
+        names, else the caller's, else labels ``param_groups[<i>].params[<j>]``: the group index it
+        was added at and the position in the caller's list) and ``name`` (the caller's ``name``
+        with the family appended when split, else ``muon`` / ``adamw`` / ... made unique). The
+        caller's other keys go to the sub-groups of the family they belong to (Muon keys such as
+        ``momentum`` to Muon, ``betas`` to AdamW; keys of both, such as ``weight_decay``, to both,
+        except that ``adamw_no_decay`` keeps weight decay 0).
+
+        Learning rate of a routed group. Without ``lr`` each family takes its default
+        (``defaults["lr"]`` for Muon, ``adamw_lr`` for AdamW), as torch takes ``defaults``. An ``lr``
+        is read in the units of ``param_groups[0]``'s family -- how callers derive it: Lightning's
+        ``BaseFinetuning`` passes ``param_groups[0]["lr"] / 10`` (``BackboneFinetuning``: times
+        ``backbone_initial_ratio_lr``), meaning "a tenth of the current rate": sub-groups of that
+        family get ``lr`` as it is, the other family's get ``lr`` times the ratio of the two
+        families' current learning rates (the first group of each; their configured defaults where
+        a family has no group yet or an lr of 0). With a Muon ``param_groups[0]`` at 0.02 and AdamW
+        at 3e-4, ``lr=0.002`` gives the new Muon matrices 0.002 and the new biases 3e-5.
+
+        The sub-groups stay together for later lr changes: the last one (of ``param_groups[0]``'s
+        family when there is one: ``BackboneFinetuning`` writes its next lr into
+        ``param_groups[-1]``) leads; the others carry ``lr_follows`` (its name) and
+        ``lr_follow_ratio``, and at each step take the leader's lr times their ratio -- until their
+        own lr is set by someone else (a scheduler, the user), which ends the link.
+        """
+        if not isinstance(param_group, dict):
+            raise TypeError(f"param_group must be a dict, but got {type(param_group)}")
+        if not self.__dict__.get("_constructed", True):
+            self._append_groups([param_group])  # the constructor's groups: as given
+            return
+        params, caller_names = _split_named(param_group["params"])
+        if any(k in param_group for k in _EXPLICIT_KEYS) or not params:
+            self._append_groups([self._explicit_group(param_group, params, caller_names)])
+            return
+        groups = self._routed_groups(param_group, params, caller_names)
+        self._append_groups(groups)
+        self._link_lrs(groups)
+
+    def _append_groups(self, groups: list[dict[str, Any]]) -> None:
+        """Add and validate ``groups``; on any error none of them stays."""
+        n0 = len(self.param_groups)
+        try:
+            for group in groups:
+                self._add_one_group(group)
+        except BaseException:
+            del self.param_groups[n0:]
+            raise
+        for group in groups:
+            self._note_configured_lr(group)
+        self._plans.clear()
+        self._sharded = None
+        self._index = None
+        self._layout_fresh = False
+
+    def _add_one_group(self, param_group: dict[str, Any]) -> None:
         if not param_group.get("use_muon", True):
             for k, v in self._adamw_defaults.items():
                 param_group.setdefault(k, v)
@@ -183,10 +379,136 @@ class QMuon(QMuonStateMixin, Optimizer):
             self._validate_muon_params(group, where)
         else:
             validate_adamw_group(group, where)
-        self._note_configured_lr(group)
-        self._plans.clear()
-        self._sharded = None
-        self._layout_fresh = False
+
+    def _taken_names(self) -> list[str]:
+        return [g["name"] for g in self.param_groups if "name" in g]
+
+    def _explicit_group(self, group: dict[str, Any], params: list[Tensor],
+                        caller_names: list[str] | None) -> dict[str, Any]:
+        """A group added as given, with ``param_names`` and ``name`` filled in where the other
+        groups carry them (torch refuses a group without names among named ones)."""
+        gi = len(self.param_groups)
+        if caller_names is None and "param_names" not in group and params and all(
+                "param_names" in g for g in self.param_groups):
+            names = self._model_names(params)
+            group["param_names"] = [names.get(id(p), f"param_groups[{gi}].params[{j}]") for j, p in enumerate(params)]
+        if "name" not in group and any("name" in g for g in self.param_groups):
+            group["name"] = unique_group_name(group_name(group), self._taken_names())
+        return group
+
+    def _model_names(self, params: list[Tensor]) -> dict[int, str]:
+        model = self.router.model if self.router is not None else None
+        if model is None:
+            return {}
+        ids = {id(p) for p in params}
+        names: dict[int, str] = {}
+        for n, p in model.named_parameters(remove_duplicate=False):
+            if id(p) in ids:
+                names.setdefault(id(p), n)  # a tied parameter: its first name, as routing names it
+        return names
+
+    def _routed_groups(self, group: dict[str, Any], params: list[Tensor],
+                       caller_names: list[str] | None) -> list[dict[str, Any]]:
+        """``group`` split by the rule table (see :meth:`add_param_group`), not yet added."""
+        for p in params:
+            if not isinstance(p, Tensor):
+                raise TypeError("optimizer can only optimize Tensors, but one of the params is " + torch.typename(p))
+        if caller_names is None and "param_names" in group:
+            caller_names = list(group["param_names"])
+            if len(caller_names) != len(params):
+                raise ValueError(f"QMuon.add_param_group: {len(caller_names)} param_names for {len(params)} parameters")
+        gi = len(self.param_groups)
+        labels = caller_names or [f"param_groups[{gi}].params[{j}]" for j in range(len(params))]
+        router = self.router if self.router is not None else type(self).default_router
+        taken = self._taken_names()
+        subs = router.split(params, labels, caller_names, taken)
+        bases = ["adamw_no_decay" if not sub.get("use_muon", True) and sub.get("weight_decay") == 0.0
+                 else group_name(sub) for sub in subs]  # the family labels, before the caller's keys
+        ref_muon = bool(self.param_groups[0].get("use_muon", True))
+        # The leader (last): a group of param_groups[0]'s family when there is one.
+        lead = [i for i, g in enumerate(subs) if bool(g.get("use_muon", True)) == ref_muon]
+        if lead and lead[-1] != len(subs) - 1:
+            subs.append(subs.pop(lead[-1]))
+            bases.append(bases.pop(lead[-1]))
+        muon_keys = set(self.defaults) - set(self._adamw_defaults)
+        adamw_keys = set(self._adamw_defaults) - set(self.defaults)
+        named = all("param_names" in g for g in self.param_groups)
+        for sub, base in zip(subs, bases):
+            is_muon = bool(sub.get("use_muon", True))
+            for k, v in group.items():
+                if k in ("params", "param_names", "lr", "name") or (k in adamw_keys if is_muon else k in muon_keys):
+                    continue
+                if k == "weight_decay" and base == "adamw_no_decay":
+                    continue  # the routing's "no decay" holds
+                sub[k] = v
+            if "lr" in group:
+                sub["lr"] = group["lr"] if is_muon == ref_muon else group["lr"] * self._family_lr_ratio(is_muon, ref_muon)
+            if not named:
+                del sub["param_names"]  # torch: all groups with names, or none
+        if "name" in group:
+            names = list(taken)
+            for sub, base in zip(subs, bases):
+                sub["name"] = unique_group_name(str(group["name"]) if len(subs) == 1 else f"{group['name']}_{base}", names)
+                names.append(sub["name"])
+        return subs
+
+    def _family_lr(self, use_muon: bool, current: bool = True) -> float:
+        """The current lr of the first group of a family, else (or with ``current=False``) the
+        family's default."""
+        if current:
+            for g in self.param_groups:
+                if bool(g.get("use_muon", True)) == use_muon:
+                    return float(g["lr"])
+        return float(self.defaults["lr"] if use_muon else self._adamw_defaults["lr"])
+
+    def _family_lr_ratio(self, use_muon: bool, ref_muon: bool) -> float:
+        """lr of family ``use_muon`` per unit lr of family ``ref_muon`` (see :meth:`add_param_group`)."""
+        for current in (True, False):
+            a, b = self._family_lr(use_muon, current), self._family_lr(ref_muon, current)
+            if b > 0 and math.isfinite(a) and math.isfinite(b):
+                return a / b
+        return 1.0
+
+    def _link_lrs(self, groups: list[dict[str, Any]]) -> None:
+        """Make ``groups`` (one routed group) follow the last one's lr (see :meth:`add_param_group`)."""
+        if len(groups) < 2:
+            return
+        leader = groups[-1]
+        lead = float(leader["lr"])
+        if not lead > 0 or "name" not in leader:
+            return
+        for g in groups[:-1]:
+            g["lr_follows"] = leader["name"]
+            g["lr_follow_ratio"] = float(g["lr"]) / lead
+            self._lr_follow_seen[g["name"]] = (lead, float(g["lr"]))
+
+    def _follow_lrs(self) -> None:
+        """Carry a leader's lr change to the groups that follow it (``lr_follows``); a follower
+        whose own lr changed since the last step (set by someone else) stops following."""
+        followers = [g for g in self.param_groups if "lr_follows" in g]
+        if not followers:
+            return
+        by_name = {g["name"]: g for g in self.param_groups if "name" in g}
+        seen = self._lr_follow_seen
+        for g in followers:
+            leader = by_name.get(g["lr_follows"])
+            name = g.get("name")
+            if leader is None or name is None:
+                continue
+            lead, own = float(leader["lr"]), float(g["lr"])
+            last = seen.get(name)
+            if last is None:  # first step after a load or a copy: take things as they are
+                seen[name] = (lead, own)
+                continue
+            if own != last[1]:  # set by someone else: the caller's value wins from now on
+                del g["lr_follows"], g["lr_follow_ratio"]
+                del seen[name]
+                continue
+            if lead != last[0]:
+                value = lead * float(g["lr_follow_ratio"])
+                cur = g["lr"]
+                g["lr"] = torch.tensor(value, dtype=cur.dtype, device=cur.device) if isinstance(cur, Tensor) else value
+                seen[name] = (lead, float(g["lr"]))
 
     @staticmethod
     def _validate_muon_params(group: dict[str, Any], where: str) -> None:
@@ -276,6 +598,7 @@ class QMuon(QMuonStateMixin, Optimizer):
             # From every Muon matrix (global shapes): each call of the step and every rank batches alike.
             self._batch_sizes = pipeline.BatchSizes.of(shapes, self.batch_budget)
             self._layout_fresh = True
+        self._follow_lrs()
         self._check_group_lrs()
         keys = self._keys_of(params)
         sharded = self._sharded[1] if self._sharded is not None else None  # None unless a parameter is a DTensor

@@ -7,8 +7,12 @@ step; split out of ``qmuon.py`` along that seam.
 
 from __future__ import annotations
 
+import copy
+import numbers
+from collections import defaultdict
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from . import bf16_weights as bf16w
@@ -38,9 +42,29 @@ class QMuonStateMixin:
 
     # ------------------------------------------------------------------ state dict
     def state_dict(self) -> dict[str, Any]:
-        sd = super().state_dict()
-        for g in sd["param_groups"]:
-            g["qmuon_version"] = FORMAT_VERSION
+        """``torch.optim.Optimizer.state_dict`` with ``qmuon_version`` in every group.
+
+        Written out here rather than wrapping ``super().state_dict()`` so the hooks see what the
+        caller gets: pre-hooks run first, post-hooks get the finished dict (versions included) and
+        may return a replacement, as with any ``torch.optim`` optimizer.
+        """
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
+            pre_hook(self)
+        ids: dict[int, int] = {}  # id(param) -> index, in group order (torch's packing)
+        groups = []
+        for group in self.param_groups:
+            packed = {k: v for k, v in group.items() if k != "params"}
+            for p in group["params"]:
+                ids.setdefault(id(p), len(ids))
+            packed["params"] = [ids[id(p)] for p in group["params"]]
+            packed["qmuon_version"] = FORMAT_VERSION
+            groups.append(packed)
+        state = {(ids[id(k)] if isinstance(k, Tensor) else k): v for k, v in self.state.items()}
+        sd: dict[str, Any] = {"state": state, "param_groups": groups}
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            result = post_hook(self, sd)
+            if result is not None:
+                sd = result
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -49,21 +73,32 @@ class QMuonStateMixin:
         Momentum saved in another format is converted to this optimizer's format (dense <->
         8-bit, int8 <-> uint8), and so are AdamW moments (``torch.optim.AdamW``'s fp32 ``exp_avg`` /
         ``exp_avg_sq`` <-> QMuon's bf16 / int8 / int4); shapes, block sizes and dtypes are validated
-        first, so a bad checkpoint raises before anything is changed.
+        and every new state entry is built first, so a bad checkpoint raises before anything is
+        changed (the optimizer keeps its groups and state, bit for bit). A ``step`` saved as a
+        Python number (older torch, fused Adam) is read as a 0-d fp32 tensor, as ``torch.optim.Adam``
+        does.
+
+        Hooks run as in ``torch.optim.Optimizer``: load-state-dict pre-hooks get a shallow copy of
+        ``state_dict`` (and may return a replacement, which is then loaded), post-hooks run once
+        the state is in place. (Written out here instead of calling ``super().load_state_dict``:
+        torch would cast every state tensor of a floating-point parameter to the parameter's dtype,
+        turning int8 codes, fp32 scales and bf16 momentum into the parameter's dtype.)
         """
-        saved_groups = state_dict["param_groups"]
+        state_dict = state_dict.copy()  # shallow, as torch: a pre-hook may edit it in place
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = pre_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        saved_groups = copy.deepcopy(state_dict["param_groups"])
         if len(saved_groups) != len(self.param_groups):
             raise ValueError(
                 f"checkpoint has {len(saved_groups)} parameter groups but this optimizer has "
                 f"{len(self.param_groups)}; build the optimizer the same way it was built when saved"
             )
         saved_state = state_dict["state"]
-        # Muon state is converted and placed here, not by torch: torch casts every state tensor of a
-        # floating-point parameter to the parameter's dtype, which would turn int8 codes, fp32 scales
-        # and bf16 momentum into the parameter's dtype.
-        new_groups, new_state = [], dict(saved_state)
-        muon_state: list[tuple[Tensor, dict[str, Any], dict[str, Any]]] = []
-        adamw_state: list[tuple[Tensor, dict[str, Any]]] = []
+        new_groups: list[dict[str, Any]] = []
+        placed: dict[Tensor, dict[str, Any]] = {}  # param -> its new state entry, built before anything changes
+        loaded_ids: set[Any] = set()
         for gi, (saved, cur) in enumerate(zip(saved_groups, self.param_groups)):
             version = saved.get("qmuon_version", 0)
             if version > FORMAT_VERSION:
@@ -87,14 +122,13 @@ class QMuonStateMixin:
             if cur["use_muon"]:
                 # Per-parameter layout overrides (promotions by the fidelity guard) are part of the
                 # saved run: they are kept, and each promoted parameter resumes in its own format.
-                merged["params"] = cur["params"]  # for the index check; the saved ids go back below
+                merged["params"] = cur["params"]  # for the index check
                 validate_format_overrides(merged, f"param group {gi} (checkpoint)")
-                merged["params"] = saved["params"]
                 overrides = merged.get(FORMAT_OVERRIDES) or {}
                 for i, (pid, p) in enumerate(zip(saved["params"], cur["params"])):
                     if pid in saved_state:
                         where = f"param group {gi}, param id {pid}"
-                        src, shape = saved_state[pid], p.shape
+                        src, shape = _with_tensor_step(saved_state[pid], where), p.shape
                         saved_view = {**saved, **overrides[i]} if i in overrides else saved
                         cur_view = {**cur, **overrides[i]} if i in overrides else cur
                         if is_dtensor(p):  # sharded: validate and convert this rank's rows only
@@ -108,40 +142,46 @@ class QMuonStateMixin:
                             else:
                                 check_row_moment(converted[NORMUON_STATE], plan_param(p, cur_view, 0, ""),
                                                  int(shape[0]), where)
-                        muon_state.append((p, converted, cur_view))
-                        del new_state[pid]
+                        new = _placed(converted, local(p).device)
+                        if is_dtensor(p):
+                            shard_state(p, new, qstate.get_format(cur_view["state_format"]), qstate.format_options(cur_view))
+                        placed[p] = new
+                        loaded_ids.add(pid)
             else:
                 # AdamW moments in any family (or torch.optim.AdamW's), validated and converted to
-                # this group's family on this rank's rows; placed below (torch would cast them).
+                # this group's family on this rank's rows (torch would cast them).
                 for pid, p in zip(saved["params"], cur["params"]):
                     if pid in saved_state:
                         where = f"param group {gi}, param id {pid} (AdamW)"
-                        src, shape = saved_state[pid], tuple(p.shape)
+                        src, shape = _with_tensor_step(saved_state[pid], where), tuple(p.shape)
                         if is_dtensor(p):
                             src = localize_loaded_state(src, p, None, None, where)
                             shape = tuple(local(p).shape)
                         converted = qadamw.convert_adamw_state(src, cur["state_format"], p.shape, shape, where)
                         bf16w.check_loaded_weight_state(
                             p, {k: converted[k] for k in qstate.weight_state_keys() if k in converted}, saved, cur, where)
-                        adamw_state.append((p, converted))
-                        del new_state[pid]
+                        new = _placed(converted, local(p).device)
+                        if is_dtensor(p):
+                            shard_state(p, new)
+                        placed[p] = new
+                        loaded_ids.add(pid)
+            merged["params"] = cur["params"]
             new_groups.append(merged)
-        super().load_state_dict({"state": new_state, "param_groups": new_groups})
+        # Nothing above changed the optimizer; from here on nothing can fail.
+        state: defaultdict[Any, dict[str, Any]] = defaultdict(dict)
+        for k, v in saved_state.items():
+            if k not in loaded_ids:  # state of no parameter of a group: kept as it is (torch does the same)
+                state[k] = v
+        state.update(placed)
+        self.state = state
+        self.param_groups = new_groups
         self._plans.clear()
         self._sharded = None
+        self._index = None
         self._layout_fresh = False
-        for p, st, cur in muon_state:
-            new = {k: v.to(device=p.device, copy=True) if k != "step" else v.clone() for k, v in st.items()}
-            if is_dtensor(p):
-                shard_state(p, new, qstate.get_format(cur["state_format"]), qstate.format_options(cur))
-            self.state[p] = new
-        for p, st in adamw_state:
-            dev = local(p).device
-            new = {k: v.to(device=dev, copy=True) if k != "step" and isinstance(v, Tensor) else v
-                   for k, v in st.items()}
-            if is_dtensor(p):
-                shard_state(p, new)
-            self.state[p] = new
+        self._lr_follow_seen = {}  # linked groups (QMuon.add_param_group) take the loaded lrs as they are
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
 
     # ------------------------------------------------------------------ per-parameter formats
     def _locate(self, p: Tensor) -> tuple[int, int]:
@@ -243,3 +283,24 @@ class QMuonStateMixin:
             for p in group["params"]:
                 total += qstate.state_nbytes(self.state.get(p, {}))
         return total
+
+
+def _with_tensor_step(entry: Any, where: str) -> dict[str, Any]:
+    """A loaded state entry with its ``step`` as a 0-d fp32 tensor: a Python number (a
+    checkpoint of older torch or of fused Adam) is converted, as ``torch.optim.Adam`` does; anything
+    else that is not a one-element real tensor is refused (before anything changes)."""
+    if not isinstance(entry, dict):
+        raise qstate.StateFormatError(f"{where}: a parameter's state must be a dict of tensors, got {type(entry).__name__}")
+    step = entry.get(qstate.STEP)
+    if step is None or isinstance(step, Tensor) and step.numel() == 1 and not step.is_complex():
+        return entry
+    if isinstance(step, numbers.Real) and not isinstance(step, bool):
+        return {**entry, qstate.STEP: torch.tensor(float(step), dtype=torch.float32)}
+    raise qstate.StateFormatError(f"{where}: step must be a number or a one-element tensor, got {step!r}")
+
+
+def _placed(entry: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    """A converted state entry as the optimizer keeps it: its own copies of the tensors on the
+    parameter's device (``step`` stays a CPU tensor, as in ``torch.optim``), other values copied."""
+    return {k: (v.detach().clone() if k == qstate.STEP else v.to(device=device, copy=True)) if isinstance(v, Tensor)
+            else copy.deepcopy(v) for k, v in entry.items()}

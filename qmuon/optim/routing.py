@@ -8,10 +8,33 @@ Rules are checked in order and the first match wins. The default table:
 1     ``ndim < 2``                                      adamw_no_decay   biases, norm gains, sinks
 2     name ends in ``bias`` (``gate_up_proj_bias``)     adamw_no_decay   bias banks of experts
 3     owning module is ``nn.Embedding`` / ``EmbeddingBag``  adamw        lookup tables, not maps
-4     name matches ``DEFAULT_HEAD_REGEX``                adamw           embeddings / output head
-5     MoE router (class ``*Router``, ``DEFAULT_ROUTER_REGEX``)  adamw    per-expert logits
-6     ``ndim >= 2``                                     muon             hidden matrices
+4     the model's output head, found by role             adamw           output head (any name)
+5     name matches ``DEFAULT_HEAD_REGEX``                adamw           embeddings / output head
+6     MoE router (class ``*Router``, ``DEFAULT_ROUTER_REGEX``)  adamw    per-expert logits
+7     ``ndim >= 2``                                     muon             hidden matrices
 ====  ===============================================  ===============  ===========================
+
+The output head by role (rule 4, :func:`output_head`): Muon's update has equal singular values,
+which suits maps between hidden states but not the map to logits (a classifier's or an LM's output
+layer; Muon's authors keep it on AdamW), whatever the layer is called: a ResNet's ``fc`` is a head
+although no name rule can say so. Which module produces the output is read from the model, without
+running it:
+
+- a model that declares its head, Hugging Face style (``get_output_embeddings()``, on the model or
+  on the module the descent below reaches, e.g. a transformers model inside a LightningModule): the
+  module it returns (``None``: the model has no head; nothing is guessed);
+- otherwise the last registered child that holds parameters, followed down to a leaf (PyTorch
+  models register their layers in forward order by convention; an ``nn.Sequential`` *is* that
+  order): the leaf is the head if it is an ``nn.Linear`` whose ``out_features`` differ from its
+  ``in_features``. The descent stops (no head) at an ``nn.ModuleList`` / ``nn.ModuleDict`` (a stack
+  of blocks computes no output of its own: an encoder ending in its layers has no head) and a square
+  ``nn.Linear`` is not taken (a hidden-to-hidden map such as a pooler or a residual projection,
+  not a map to classes or a vocabulary).
+
+A misread costs little either way (the layer trains with AdamW, or with Muon as before); rule 4 is
+an ordinary :class:`RoutingRule` (``role="output_head"``): leave it out of ``rules`` to route by
+names only, or put a rule before it. A tied head (one ``Parameter`` shared with the input
+embedding) is routed once, as the embedding it is first registered as (rule 3).
 
 Routers go to AdamW, like output heads: a router's rows are the experts' logits, a classifier
 over experts. Muon would move every expert's logit at the same rate whatever its gradient (the
@@ -51,8 +74,10 @@ one found wins, for parts, orientation and banks separately.
 
 from __future__ import annotations
 
+import copy
 import logging
 import re
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Literal, Mapping, Sequence
 
@@ -62,16 +87,20 @@ from torch import nn
 from ..core.config import QMuonConfig
 from ..core.plan import ORIENTATIONS, FusedParts, true_shape
 from .litgpt_layouts import LayoutRefusal, litgpt_fused_parts
-from .qmuon import QMuon
+from .qmuon import QMuon, group_name, unique_group_name
 
 __all__ = [
     "RoutingRule",
     "RouteDecision",
     "DEFAULT_RULES",
+    "OUTPUT_HEAD",
+    "output_head",
     "route_parameters",
     "FusedParts",
     "format_routing_table",
     "build_optimizer",
+    "routed_groups",
+    "ModelRouting",
 ]
 
 log = logging.getLogger(__name__)
@@ -90,6 +119,10 @@ DEFAULT_HEAD_REGEX = (
 #: routers are matched by class name (``*Router``).
 DEFAULT_ROUTER_REGEX = r"(^|\.)((mlp|moe|block_sparse_moe|feed_forward)\.(gate|router)|shared_expert_gate)\.weight$"
 
+#: Role of the parameters of the model's output head (:func:`output_head`), for ``RoutingRule(role=...)``.
+OUTPUT_HEAD = "output_head"
+_ROLES = (None, OUTPUT_HEAD)
+
 
 @dataclass(frozen=True)
 class RoutingRule:
@@ -107,6 +140,8 @@ class RoutingRule:
             that is not imported, such as transformers' ``Qwen3MoeTopKRouter``).
         any_of: when set, the rule also needs at least one of these name / class conditions:
             ``("name", regex)`` or ``("class", regex)``.
+        role: the parameter plays this role in the model: ``"output_head"`` (:data:`OUTPUT_HEAD`),
+            a parameter of the module :func:`output_head` finds.
     """
 
     target: Target
@@ -117,12 +152,19 @@ class RoutingRule:
     reason: str = ""
     module_class_regex: str | None = None
     any_of: tuple[tuple[str, str], ...] = ()
+    role: str | None = None
 
     def __post_init__(self) -> None:
         if self.target not in _TARGETS:
             raise ValueError(f"RoutingRule target must be one of {_TARGETS}, got {self.target!r}")
+        if self.role not in _ROLES:
+            raise ValueError(f"RoutingRule role must be one of {_ROLES}, got {self.role!r}")
 
-    def matches(self, name: str, param: torch.Tensor, module: nn.Module) -> bool:
+    def matches(self, name: str, param: torch.Tensor, module: nn.Module, role: str | None = None) -> bool:
+        """Whether the rule matches parameter ``name`` of ``module``; ``role``: the parameter's role
+        in the model (:data:`OUTPUT_HEAD` or ``None``), for rules that set one."""
+        if self.role is not None and role != self.role:
+            return False
         if self.min_ndim is not None and len(true_shape(param)) < self.min_ndim:
             return False
         if self.max_ndim is not None and len(true_shape(param)) > self.max_ndim:
@@ -143,6 +185,7 @@ DEFAULT_RULES: tuple[RoutingRule, ...] = (
     RoutingRule("adamw_no_decay", max_ndim=1, reason="1-D: bias or norm gain"),
     RoutingRule("adamw_no_decay", name_regex=r"(^|[._])bias$", reason="bias bank (one bias per expert)"),
     RoutingRule("adamw", module_types=(nn.Embedding, nn.EmbeddingBag), reason="embedding table"),
+    RoutingRule("adamw", role=OUTPUT_HEAD, reason="output head (by role)"),
     RoutingRule("adamw", name_regex=DEFAULT_HEAD_REGEX, reason="embedding or output head (by name)"),
     RoutingRule("adamw", max_ndim=2, any_of=(("class", r"(?i)router$"), ("name", DEFAULT_ROUTER_REGEX)),
                 reason="MoE router: logits over experts"),
@@ -352,6 +395,76 @@ def _declared_orientation(name: str, module: nn.Module, attr: str, p: torch.Tens
     return value
 
 
+def output_head(model: nn.Module) -> nn.Module | None:
+    """The module that computes ``model``'s output when it is an output head, else ``None`` (the
+    rule and why: the module docstring, "output head by role"). The root is never its own head (a
+    model that is one layer is what the caller asked to optimize)."""
+    module = _unwrapped(model)
+    while True:
+        declared = getattr(module, "get_output_embeddings", None)
+        if callable(declared):  # the model says which module its head is (Hugging Face convention)
+            try:
+                head = declared()
+            except (NotImplementedError, AttributeError, TypeError):
+                return None
+            return head if isinstance(head, nn.Module) and head is not model else None
+        if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+            return None  # a stack of blocks: its last member is not where the output comes from
+        last = None
+        for child in module.children():
+            if next(child.parameters(), None) is not None:
+                last = child
+        if last is None:
+            break
+        module = last
+    if module is model or module is _unwrapped(model):
+        return None
+    if isinstance(module, nn.Linear) and module.out_features != module.in_features:
+        return module
+    return None
+
+
+class _Router:
+    """The per-model facts the rule table reads (owners, automatic layouts, the output head),
+    computed once per routing."""
+
+    def __init__(self, model: nn.Module | None, rules: Sequence[RoutingRule] | None, fused_parts: Mapping[str, Any] | None,
+                 orientations: Mapping[str, str] | None, banks: Mapping[str, Any] | None) -> None:
+        self.rules = DEFAULT_RULES if rules is None else tuple(rules)
+        self.fused_parts = fused_parts or {}
+        self.orientations = orientations or {}
+        self.banks = banks or {}
+        self.owners: dict[int, tuple[str, nn.Module, str]] = {}
+        self.auto: dict[Any, Any] = {}
+        self.auto_banks: dict[tuple[int, str], BankLayout] = {}
+        self.head_ids: set[int] = set()
+        if model is not None:
+            model = _unwrapped(model)
+            self.owners = _owners(model)
+            self.auto = {**_hf_fused(model), **litgpt_fused_parts(model)}
+            self.auto_banks = _hf_banks(model)
+            head = output_head(model)
+            self.head_ids = {id(p) for p in head.parameters()} if head is not None else set()
+
+    def decide(self, name: str, module: nn.Module, attr: str, p: torch.Tensor) -> RouteDecision:
+        role = OUTPUT_HEAD if id(p) in self.head_ids else None
+        for rule in self.rules:
+            if rule.matches(name, p, module, role):
+                d = RouteDecision(name, tuple(true_shape(p)), rule.target, rule.reason, None, p)
+                if rule.target == "muon":
+                    _read_layout(d, module, attr, p, self.fused_parts, self.orientations, self.auto, self.banks,
+                                 self.auto_banks)
+                return d
+        raise ValueError(
+            f"no routing rule matched parameter {name!r} (shape {tuple(true_shape(p))}); "
+            "end the rule table with a catch-all rule such as RoutingRule('adamw')"
+        )
+
+
+#: Stands for the owning module of a parameter routed without its model (no module rule matches it).
+_NO_MODULE = nn.Module()
+
+
 def route_parameters(
     model: nn.Module,
     rules: Sequence[RoutingRule] | None = None,
@@ -365,32 +478,73 @@ def route_parameters(
 
     Parameters are keyed by identity: a tied weight (an embedding shared with the output head)
     appears once, under its first owner's name and routing."""
-    rules = DEFAULT_RULES if rules is None else tuple(rules)
-    fused_parts = fused_parts or {}
-    orientations = orientations or {}
-    banks = banks or {}
-    model = _unwrapped(model)
-    auto: dict[Any, Any] = {**_hf_fused(model), **litgpt_fused_parts(model)}
-    auto_banks = _hf_banks(model)
+    router = _Router(model, rules, fused_parts, orientations, banks)
     decisions = []
-    for _, (name, module, attr) in _owners(model).items():
+    for _, (name, module, attr) in router.owners.items():
         p = getattr(module, attr)
         if not p.requires_grad:
             decisions.append(RouteDecision(name, tuple(true_shape(p)), "frozen", "requires_grad=False", param=p))
             continue
-        for rule in rules:
-            if rule.matches(name, p, module):
-                d = RouteDecision(name, tuple(true_shape(p)), rule.target, rule.reason, None, p)
-                if rule.target == "muon":
-                    _read_layout(d, module, attr, p, fused_parts, orientations, auto, banks, auto_banks)
-                decisions.append(d)
-                break
-        else:
-            raise ValueError(
-                f"no routing rule matched parameter {name!r} (shape {tuple(true_shape(p))}); "
-                "end the rule table with a catch-all rule such as RoutingRule('adamw')"
-            )
+        decisions.append(router.decide(name, module, attr, p))
     return decisions
+
+
+class ModelRouting:
+    """How :func:`build_optimizer` routed a model, kept on the optimizer (``QMuon.router``) so that
+    :meth:`QMuon.add_param_group` routes groups added later (Lightning's ``BaseFinetuning``
+    unfreezing a backbone) by the same rules, names and layouts. The model is held weakly (an
+    optimizer must not keep a model alive); a copy of the optimizer made with its model in one
+    ``copy.deepcopy`` follows the copied model, otherwise (pickle, a copy without the model) the
+    routing keeps its rules and loses the model: parameters are then routed by shape and label."""
+
+    def __init__(self, model: nn.Module | None, rules: Sequence[RoutingRule] | None = None,
+                 fused_parts: Mapping[str, Any] | None = None, orientations: Mapping[str, str] | None = None,
+                 banks: Mapping[str, Any] | None = None, bank_state_format: str | None = None) -> None:
+        self._model = weakref.ref(model) if model is not None else None
+        self.rules = None if rules is None else tuple(rules)
+        self.fused_parts = dict(fused_parts or {})
+        self.orientations = dict(orientations or {})
+        self.banks = dict(banks or {})
+        self.bank_state_format = bank_state_format
+
+    @property
+    def model(self) -> nn.Module | None:
+        return self._model() if self._model is not None else None
+
+    def route(self, params: Sequence[torch.Tensor], labels: Sequence[str]) -> list[RouteDecision]:
+        """One decision per parameter of ``params`` (trainable or not; a tied parameter routes as
+        its first owner): by the model's names and modules for the model's parameters, by
+        ``labels`` (and no module) for others."""
+        router = _Router(self.model, self.rules, self.fused_parts, self.orientations, self.banks)
+        out = []
+        for p, label in zip(params, labels):
+            name, module, attr = router.owners.get(id(p), (label, _NO_MODULE, ""))
+            out.append(router.decide(name, module, attr, p))
+        return out
+
+    def split(self, params: Sequence[torch.Tensor], labels: Sequence[str], names: Sequence[str] | None = None,
+              taken: Sequence[str] = ()) -> list[dict[str, Any]]:
+        """``params`` as :func:`routed_groups` (names unique among ``taken``): routed by
+        :meth:`route` (``labels`` for parameters the model does not own), listed under ``names``
+        when given, else under the model's names and ``labels``."""
+        decisions = self.route(params, labels)
+        for d, name in zip(decisions, names or ()):
+            d.name = name
+        groups = routed_groups(decisions, bank_state_format=self.bank_state_format, taken=taken)
+        for d in decisions:
+            d.param = None
+        return groups
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_model": None}  # a weak reference does not pickle
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> "ModelRouting":
+        new = copy.copy(self)
+        new.__dict__.update(copy.deepcopy(self.__getstate__(), memo))
+        model = self.model
+        copied = memo.get(id(model)) if model is not None else None
+        new._model = weakref.ref(copied) if isinstance(copied, nn.Module) else None
+        return new
 
 
 def _read_layout(d: RouteDecision, module: nn.Module, attr: str, p: torch.Tensor, fused_parts: Mapping[str, Any],
@@ -442,6 +596,53 @@ def format_routing_table(decisions: Sequence[RouteDecision]) -> str:
     return "\n".join(lines)
 
 
+def routed_groups(decisions: Sequence[RouteDecision], *, adamw_weight_decay: float | None = None,
+                  bank_state_format: str | None = None, taken: Sequence[str] = ()) -> list[dict[str, Any]]:
+    """Parameter groups for routed parameters: one Muon group for plain ``(out, in)`` matrices, one
+    Muon group per other layout (in order of appearance), one AdamW group and one AdamW group
+    without weight decay; each with ``params``, ``param_names`` and a ``name`` unique among
+    ``taken`` and each other (:func:`~qmuon.optim.qmuon.group_name`: ``muon``, ``muon_<layout>``,
+    ``adamw``, ``adamw_no_decay``; what ``LearningRateMonitor`` logs). ``adamw_weight_decay``:
+    the decayed AdamW group's ``weight_decay`` (unset: the optimizer's default)."""
+    plain_layout = (None, 0, "out_in", False, 0)
+    names = list(taken)
+    groups: list[dict[str, Any]] = []
+
+    def add(group: dict[str, Any], sel: list[RouteDecision], base: str | None = None) -> None:
+        group["name"] = unique_group_name(base or group_name(group), names)
+        names.append(group["name"])
+        groups.append({"params": [d.param for d in sel], "param_names": [d.name for d in sel], **group})
+
+    muon = [d for d in decisions if d.target == "muon" and d.layout == plain_layout]
+    if muon:
+        add({}, muon)
+    by_layout: dict[tuple[Any, ...], list[RouteDecision]] = {}
+    for d in decisions:
+        if d.target == "muon" and d.layout != plain_layout:
+            by_layout.setdefault(d.layout, []).append(d)
+    for (parts, axis, orientation, interleaved, bank_dims), sel in by_layout.items():
+        group = {"parts": parts, "parts_axis": axis, "orientation": orientation, "parts_interleaved": interleaved,
+                 "bank_dims": bank_dims}
+        if bank_dims and bank_state_format is not None:
+            group["state_format"] = bank_state_format
+        add(group, sel)
+    for target in ("adamw", "adamw_no_decay"):
+        sel = [d for d in decisions if d.target == target]
+        if sel:
+            group = {"use_muon": False}
+            if target == "adamw_no_decay":
+                group["weight_decay"] = 0.0
+            elif adamw_weight_decay is not None:
+                group["weight_decay"] = adamw_weight_decay
+            add(group, sel, target)
+    return groups
+
+
+#: What :meth:`QMuon.add_param_group` routes by in an optimizer built from groups (no
+#: ``router``): the default rules, by shape and label (set here: this module builds on QMuon's).
+QMuon.default_router = ModelRouting(None)
+
+
 def build_optimizer(
     model: nn.Module,
     config: QMuonConfig | Mapping[str, Any] | None = None,
@@ -470,12 +671,15 @@ def build_optimizer(
     (the keywords are laid over it). A misspelled option raises :class:`~qmuon.core.config.ConfigError`
     naming the closest valid one.
 
-    Groups, each with a ``name`` and ``param_names``: one Muon group for plain ``(out, in)``
-    matrices, one Muon group per distinct layout (``parts``, ``parts_axis``, ``orientation``,
-    ``parts_interleaved``, ``bank_dims``; see :func:`route_parameters`; ``routing.bank_state_format``
-    sets the momentum format of the bank groups, which need a row-local one), one AdamW group and
-    one AdamW group without weight decay. The routing table is logged (``logging`` at INFO) and
-    printed on rank 0 when ``verbose``; it is also kept as ``optimizer.routing``.
+    Groups, each with ``param_names`` and a ``name`` (``muon``, ``muon_<layout>``, ``adamw``,
+    ``adamw_no_decay``: :func:`routed_groups`; Lightning's ``LearningRateMonitor`` logs ``lr-QMuon/muon``,
+    ...): one Muon group for plain ``(out, in)`` matrices, one Muon group per distinct layout (``parts``,
+    ``parts_axis``, ``orientation``, ``parts_interleaved``, ``bank_dims``; see :func:`route_parameters`;
+    ``routing.bank_state_format`` sets the momentum format of the bank groups, which need a row-local
+    one), one AdamW group and one AdamW group without weight decay. The routing table is logged
+    (``logging`` at INFO) and printed on rank 0 when ``verbose``; it is also kept as
+    ``optimizer.routing``, and the routing itself as ``optimizer.router`` (:class:`ModelRouting`), so
+    groups added later (``optimizer.add_param_group``) are routed by the same rules.
 
     ``gradient_release=True`` steps each parameter inside backward as soon as its gradient is
     complete and frees the gradient (:mod:`qmuon.optim.release`; ``optimizer.step()`` and
@@ -491,27 +695,9 @@ def build_optimizer(
     decisions = route_parameters(model, rules, fused_parts, orientations, banks)
     plain_layout = (None, 0, "out_in", False, 0)
     muon = [d for d in decisions if d.target == "muon" and d.layout == plain_layout]
-    groups: list[dict[str, Any]] = []
-    if muon:
-        groups.append({"params": [d.param for d in muon], "param_names": [d.name for d in muon]})
-    by_layout: dict[tuple[Any, ...], list[RouteDecision]] = {}
-    for d in decisions:
-        if d.target == "muon" and d.layout != plain_layout:
-            by_layout.setdefault(d.layout, []).append(d)
-    for (parts, axis, orientation, interleaved, bank_dims), sel in by_layout.items():
-        group = {"params": [d.param for d in sel], "param_names": [d.name for d in sel], "parts": parts,
-                 "parts_axis": axis, "orientation": orientation, "parts_interleaved": interleaved,
-                 "bank_dims": bank_dims}
-        if bank_dims and bank_state_format is not None:
-            group["state_format"] = bank_state_format
-        groups.append(group)
-    for target, wd in (("adamw", cfg.adamw_weight_decay), ("adamw_no_decay", 0.0)):
-        sel = [d for d in decisions if d.target == target]
-        if sel:
-            groups.append({
-                "params": [d.param for d in sel], "param_names": [d.name for d in sel],
-                "use_muon": False, "weight_decay": wd,
-            })
+    groups = routed_groups([d for d in decisions if d.target != "frozen"], adamw_weight_decay=cfg.adamw_weight_decay,
+                           bank_state_format=bank_state_format)
+    by_layout = {d.layout for d in decisions if d.target == "muon" and d.layout != plain_layout}
     if not groups:
         raise ValueError("the model has no trainable parameters")
     if not muon and not by_layout:
@@ -520,6 +706,7 @@ def build_optimizer(
     for d in decisions:
         d.param = None
     opt.routing = decisions  # type: ignore[attr-defined]
+    opt.router = ModelRouting(model, rules, fused_parts, orientations, banks, bank_state_format)
     table = format_routing_table(decisions)
     log.info("QMuon parameter routing:\n%s", table)
     if verbose and _is_rank_zero():
