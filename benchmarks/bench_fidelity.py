@@ -230,7 +230,7 @@ def lm_update_cosine(model: DecoderLM, train_ds, args, variants: list[str]) -> d
         model.loss(x, y).backward()
         grads.append([p.grad.detach().reshape(p.shape[0], -1).float().clone() for p in mats])
     init = [p.detach().reshape(p.shape[0], -1).float() for p in mats]
-    kw = {"rank": args.rank, "grid_block": args.grid_block}
+    kw = {"state": {"rank": args.rank, "grid_block": args.grid_block}}
     ref = _updates(init, grads, state_format="fp32", **kw)
     skip = min(3, args.cos_steps - 1)
     out = {}

@@ -13,6 +13,7 @@ The Lightning kit (strategies, callbacks, ``qmuon-train``) is the separate packa
 
 from importlib.metadata import PackageNotFoundError, version
 
+from .core.config import ConfigError, NewtonSchulz, Routing, Safety, StateOptions, UpdateRule
 from .optim import (
     FusedParts,
     GradientRelease,
@@ -32,6 +33,8 @@ except PackageNotFoundError:  # running from a source tree without install
     __version__ = "0.0.0+source"
 
 __all__ = [
-    "QMuon", "QMuonConfig", "build_optimizer", "NonFiniteGradientError", "RoutingRule", "FusedParts",
-    "route_parameters", "format_routing_table", "GradientRelease", "attach_gradient_release", "__version__",
+    "QMuon", "QMuonConfig", "build_optimizer",
+    "NewtonSchulz", "UpdateRule", "StateOptions", "Safety", "Routing", "ConfigError",
+    "NonFiniteGradientError", "RoutingRule", "FusedParts", "route_parameters", "format_routing_table",
+    "GradientRelease", "attach_gradient_release", "__version__",
 ]

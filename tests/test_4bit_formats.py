@@ -282,7 +282,7 @@ def test_default_block_size_per_format():
 
 
 @pytest.mark.parametrize("kwargs,pattern", [
-    ({"state_format": "grasp4", "rank": 0}, r"rank must be a positive int, got 0"),
+    ({"state_format": "grasp4", "state": {"rank": 0}}, r"rank must be a positive int, got 0"),
     ({"state_format": "grasp4", "state": {"grid_block": 1}}, r"grid_block must be an int in \[2, 4096\], got 1"),
 ])
 def test_bad_grasp_options(kwargs, pattern):

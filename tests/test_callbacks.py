@@ -66,7 +66,7 @@ class TinyLM(L.LightningModule):
     def configure_optimizers(self):
         hp = self.hparams
         opt = build_optimizer(self, state_format=hp.state_format, lr=0.02, weight_decay=0.01, adamw_lr=3e-3,
-                              adamw_weight_decay=0.01, seed=0, verbose=False)
+                              adamw_weight_decay=0.01, state={"seed": 0}, verbose=False)
         warmup, total = hp.warmup_steps, max(1, hp.max_steps)
         cooldown = int(0.6 * total)
 

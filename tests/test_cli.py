@@ -397,3 +397,42 @@ def test_fit_and_resume_under_qmuon_fsdp_two_processes(tmp_path, tiny_cfg):
     # The grad norm over the FSDP2 shards (an all-reduce in on_before_optimizer_step) every step.
     assert first["grad_norm_steps"] == 6 and math.isfinite(first["grad_norm_final"]) and first["grad_norm_final"] > 0
     assert second["val_final"][1] < first["val_first"][1]
+
+
+@pytest.mark.qmuon_train
+def test_optimizer_section_is_the_qmuon_config(tmp_path, tiny_cfg, capsys):
+    """``model.optimizer`` is QMuonConfig itself: ``--print_config`` shows its defaults for every
+    option the recipe leaves alone, and every option, sections included (a routing rule as a dict),
+    is set from YAML and reaches the optimizer."""
+    from qmuon.core.config import QMuonConfig
+
+    out = _print_config(capsys, "--config", str(tiny_cfg(tmp_path / "run")))
+    opt, defaults = out["model"]["optimizer"], QMuonConfig().to_dict()
+    assert set(defaults) <= set(opt)
+    for key in ("weight_decay", "momentum", "adamw_state_format", "bf16_update", "gradient_release",
+                "newton_schulz", "update", "safety", "routing"):  # the tiny recipe sets none of these
+        assert opt[key] == defaults[key], key
+    over = tmp_path / "over.yaml"
+    over.write_text(
+        "model:\n  optimizer:\n"
+        "    newton_schulz: {dtype: fp32, method: standard, steps: 4}\n"
+        "    update: {variant: normuon, adamw_betas: [0.8, 0.9]}\n"
+        "    state: {block_size: 64}\n"
+        "    safety: {max_nonfinite_skips: 3}\n"
+        "    routing:\n      rules:\n"
+        "        - {target: adamw, name_regex: 'blocks\\.0\\.', reason: first block on AdamW}\n"
+        "        - {target: muon, min_ndim: 2, max_ndim: 2}\n"
+        "        - {target: adamw_no_decay}\n")
+    opt = _print_config(capsys, "--config", str(tiny_cfg(tmp_path / "run")), "--config", str(over))["model"]["optimizer"]
+    spec = OptimizerSpec(**opt)
+    assert (spec.newton_schulz.dtype, spec.newton_schulz.steps, spec.update.variant, spec.state.block_size,
+            spec.safety.max_nonfinite_skips) == ("fp32", 4, "normuon", 64, 3)
+    module = DecoderLMModule(d_model=32, n_layers=2, n_heads=2, max_seq_len=16, optimizer=spec)
+    module.configure_model()
+    built = module.configure_optimizers()
+    built = built["optimizer"] if isinstance(built, dict) else built
+    muon = [g for g in built.param_groups if g["use_muon"]]
+    assert muon and all((g["ns_dtype"], g["ns_steps"], g["variant"], g["block_size"]) == ("fp32", 4, "normuon", 64)
+                        for g in muon)
+    assert not any(n.startswith("blocks.0.") for g in muon for n in g["param_names"])
+    assert built.max_nonfinite_skips == 3

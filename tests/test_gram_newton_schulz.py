@@ -246,3 +246,43 @@ def test_gram_edge_batches():
     one = newton_schulz_gram(g[:1], inv[:1], sch, 5, torch.float32)
     both = newton_schulz_gram(g, inv, sch, 5, torch.float32)
     assert torch.allclose(one[0], both[0], rtol=0, atol=1e-5)
+
+
+def test_auto_choices_are_recorded_and_a_resume_elsewhere_keeps_them(monkeypatch):
+    """What ``"auto"`` chose on the first step (the NS dtype; the device type whose rules pick the
+    method and the batch size) is written into the group and saved: an optimizer on a machine where
+    ``"auto"`` would choose otherwise (here: the QMUON_NS_DTYPE override flips the CPU's choice)
+    resumes with the saved arithmetic and continues bit for bit."""
+    from qmuon.core.newton_schulz import NS_DTYPE_ENV
+
+    def make():
+        torch.manual_seed(0)
+        w = torch.nn.Parameter(torch.randn(256, 64))
+        return w, QMuon([w], state_format="int8")
+
+    g = torch.Generator().manual_seed(3)
+    grads = [torch.randn(256, 64, generator=g) for _ in range(4)]
+    monkeypatch.setenv(NS_DTYPE_ENV, "fp32")
+    w, opt = make()
+    assert opt.param_groups[0]["ns_dtype"] == "auto"
+    for gr in grads[:2]:
+        w.grad = gr.clone()
+        opt.step()
+    assert (opt.param_groups[0]["ns_dtype"], opt.param_groups[0]["auto_device"]) == ("fp32", "cpu")
+    saved = copy.deepcopy(opt.state_dict())
+    monkeypatch.setenv(NS_DTYPE_ENV, "bf16")  # "another CPU": auto would now pick bf16
+    w2, opt2 = make()
+    with torch.no_grad():
+        w2.copy_(w)
+    opt2.load_state_dict(saved)
+    assert opt2.param_groups[0]["ns_dtype"] == "fp32"
+    for gr in grads[2:]:
+        for p, o in ((w, opt), (w2, opt2)):
+            p.grad = gr.clone()
+            o.step()
+    assert torch.equal(w, w2)
+    # a fresh run there does choose the other dtype: the resume above is what kept fp32
+    w3, opt3 = make()
+    w3.grad = grads[0].clone()
+    opt3.step()
+    assert opt3.param_groups[0]["ns_dtype"] == "bf16"

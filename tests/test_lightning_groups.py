@@ -131,14 +131,37 @@ def test_backbone_finetuning_under_qmuon_fsdp(tmp_path: Path) -> None:
     check(r)
 
 
+def test_qmuon_fsdp_without_a_logger_logs_nothing_and_warns_nothing(tmp_path: Path) -> None:
+    """``qmuon_fsdp`` logs ``qmuon/comm_bytes`` only where a logger records it: without one, Lightning
+    would warn about ``logger=True`` for a metric the user never asked for."""
+    out = tmp_path / "nologger.json"
+    proc = subprocess.run([sys.executable, __file__, "nologger", str(out)], env=subprocess_env(), capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert r["steps"] == 2 and not r["logger_warnings"], r
+
+
 def _worker(scenario: str, out: str) -> None:
-    assert scenario == "fsdp"
+    import warnings
     from datetime import timedelta
 
     from qmuon_lightning.strategies import QMuonFSDPStrategy
 
-    trainer, module, monitor = fit(Path(out).parent, QMuonFSDPStrategy(timeout=timedelta(seconds=120)))
-    Path(out).write_text(json.dumps(report(trainer, module, monitor)))
+    strategy = QMuonFSDPStrategy(timeout=timedelta(seconds=120))
+    if scenario == "fsdp":
+        trainer, module, monitor = fit(Path(out).parent, strategy)
+        Path(out).write_text(json.dumps(report(trainer, module, monitor)))
+        return
+    assert scenario == "nologger"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=2, logger=False,
+                            enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
+        trainer.fit(Finetune(), data())
+    texts = [str(w.message) for w in caught]
+    Path(out).write_text(json.dumps({"steps": trainer.global_step,
+                                     "logger_warnings": [t for t in texts if "logger=True" in t or "comm_bytes" in t]}))
 
 
 if __name__ == "__main__":

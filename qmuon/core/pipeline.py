@@ -193,6 +193,23 @@ class NSSettings:
     dtype: torch.dtype
     carrier: str  # "bf16": the NS input as it is; "mxfp8": its decoded MXFP8 carrier (quant.mxfp8)
     method: str = "auto"  # core.gram_newton_schulz.NS_METHODS
+    #: The device type whose rules the automatic choices follow (``method="auto"``, the batch cap):
+    #: the one the run started on (the group's ``auto_device``), so a resume elsewhere keeps them.
+    auto_device: str = "cpu"
+
+
+#: Group key of the device type the group's automatic choices were made for (set on its first step).
+AUTO_DEVICE = "auto_device"
+
+
+def record_auto_choices(group: dict[str, Any], device: torch.device) -> None:
+    """Fix what ``"auto"`` chose for a Muon group on ``device`` (its first step), in the group, so it
+    is saved with the state and a resume on another machine keeps the arithmetic: the NS dtype
+    (``ns_dtype`` becomes ``"bf16"`` / ``"fp32"``) and the device type whose rules pick the NS
+    method and the batch size (:data:`AUTO_DEVICE`)."""
+    if group.get("ns_dtype", "auto") == "auto":
+        group["ns_dtype"] = "bf16" if resolve_ns_dtype("auto", device) == torch.bfloat16 else "fp32"
+    group.setdefault(AUTO_DEVICE, _device_type(device))
 
 
 def ns_settings(group: dict[str, Any], device: torch.device) -> NSSettings:
@@ -204,6 +221,7 @@ def ns_settings(group: dict[str, Any], device: torch.device) -> NSSettings:
         dtype=resolve_ns_dtype(group.get("ns_dtype", "auto"), device),
         carrier=group.get("ns_input", "bf16"),
         method=group.get("ns_method", "auto"),
+        auto_device=group.get(AUTO_DEVICE) or _device_type(device),
     )
 
 
@@ -276,7 +294,7 @@ def orthogonalize(items: Iterable[NSItem], batching: float | BatchSizes = DEFAUL
         # Keyed by the shape NS sees: an (in, out) layer batches with (out, in) layers of its shape.
         queues[(*_ns_shape(it), it.settings, str(it.device))].append(it)
     for (rows, cols, settings, device), queue in queues.items():
-        per_batch = batching.per_batch(rows, cols, _device_type(device))
+        per_batch = batching.per_batch(rows, cols, settings.auto_device)
         for start in range(0, len(queue), per_batch):
             chunk = queue[start: start + per_batch]
             _orthogonalize_chunk(chunk, rows, cols, settings, per_batch if batching.pad else len(chunk))
@@ -324,7 +342,7 @@ def _orthogonalize_chunk(chunk: list[NSItem], ns_rows: int, ns_cols: int, s: NSS
         if pad:
             batch[len(chunk):].zero_()
         _fill(batch, chunk)
-    if pick_ns_method(s.method, ns_rows, ns_cols, str(first.device), s.dtype, s.schedule) == "gram":
+    if pick_ns_method(s.method, ns_rows, ns_cols, s.auto_device, s.dtype, s.schedule) == "gram":
         out = newton_schulz_gram(batch, inv_norm, s.schedule, s.steps, dtype=s.dtype)
     else:
         out = newton_schulz_folded(batch, inv_norm, s.schedule, s.steps, dtype=s.dtype)

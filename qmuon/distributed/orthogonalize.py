@@ -158,9 +158,13 @@ class ShardedStep:
         self.world = sm.shard_size
         self.rank = sm.shard_rank
         self.replicas, self.replica = sm.replicas, sm.replica
+        get_carrier(comm_carrier), get_carrier(comm_return)  # raise for an unknown carrier
+        #: Nothing crosses a process boundary (one rank, no replicas: FSDP2 on one device): the
+        #: carriers are then lossless, so the step is plain QMuon's (the forward one follows each
+        #: matrix's NS dtype in :meth:`add`; fp32 returns bf16 and fp32 results exactly).
+        self.nothing_sent = self.world == 1 and self.replicas == 1
         self.forward_default = comm_carrier
-        get_carrier(comm_carrier)  # raises for an unknown carrier
-        self.ret: Carrier = get_carrier(comm_return)
+        self.ret: Carrier = get_carrier("fp32" if self.nothing_sent else comm_return)
         self.begin()
 
     @staticmethod
@@ -262,7 +266,12 @@ class ShardedStep:
         lay = self._layouts[id(p)]
         # ns_input="mxfp8": the MXFP8 carrier is the forward trip itself, so the owner's NS reads
         # the decoded rows as they arrive.
-        fwd = "mxfp8" if settings.carrier == "mxfp8" else self.forward_default
+        if settings.carrier == "mxfp8":
+            fwd = "mxfp8"
+        elif self.nothing_sent:
+            fwd = "fp32" if settings.dtype == torch.float32 else "bf16"  # the NS input as NS reads it
+        else:
+            fwd = self.forward_default
         owner_settings = dataclasses.replace(settings, carrier="bf16")
         lr = float(group["lr"])
         decay = 1.0 - lr * float(group["weight_decay"])

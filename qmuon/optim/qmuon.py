@@ -30,6 +30,7 @@ from . import bf16_weights as bf16w
 from ..core import adamw as core_adamw
 from ..core import pipeline
 from ..core.config import (
+    ConfigError,
     FORMAT_OVERRIDES,
     LR_RATIO_MODES,
     QMuonConfig,
@@ -177,8 +178,8 @@ class QMuon(QMuonStateMixin, Optimizer):
             bf16_update: the top-level options of :class:`~qmuon.QMuonConfig` (``None``: the config's).
         config: a :class:`~qmuon.QMuonConfig` (or a dict of its options); the keywords are laid over it.
         **sections: ``newton_schulz``, ``update``, ``state``, ``safety`` (each a section dataclass or a
-            dict of its fields; they merge into the config's field by field), ``gradient_release``
-            (attaches :mod:`qmuon.optim.release`). ``routing`` is :func:`~qmuon.build_optimizer`'s.
+            dict of its fields; they merge into the config's field by field). ``routing`` and
+            ``gradient_release`` are :func:`~qmuon.build_optimizer`'s (release hooks the model).
     """
 
     def __init__(
@@ -235,12 +236,13 @@ class QMuon(QMuonStateMixin, Optimizer):
         #: (a QMuon built from groups) routes them by the default rules, by shape.
         self.router: Any = None
         self._constructed = False
+        if config.gradient_release:
+            raise ConfigError(
+                "QMuon: gradient_release=True hooks the model's parameters, which a QMuon built from groups does not "
+                "know: use qmuon.build_optimizer(model, gradient_release=True), or attach it to this optimizer with "
+                "qmuon.attach_gradient_release(opt)")
         super().__init__(params, config.muon_group_defaults())
         self._constructed = True
-        if config.gradient_release:
-            from .release import attach_gradient_release  # release builds on this module
-
-            attach_gradient_release(self, clip_norm=config.safety.release_clip_norm)
 
     def _reset_caches(self) -> None:
         """(Re)create the caches keyed by the parameters' identities; rebuilt on the next step."""
@@ -593,6 +595,8 @@ class QMuon(QMuonStateMixin, Optimizer):
             shapes = []
             for gi, group in enumerate(self.param_groups):
                 if group["use_muon"]:  # AdamW groups have no matrix plans (nor Muon keys, when loaded from torch's AdamW)
+                    if group["params"]:
+                        pipeline.record_auto_choices(group, local(group["params"][0]).device)
                     shapes += [(pt.cols, pt.rows) if pt.transposed else (pt.rows, pt.cols)
                                for plan in self._group_plans(gi) for pt in plan.parts]
             # From every Muon matrix (global shapes): each call of the step and every rank batches alike.

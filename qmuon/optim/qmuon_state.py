@@ -114,6 +114,8 @@ class QMuonStateMixin:
             merged = {k: v for k, v in saved.items() if k != "qmuon_version"}
             for k in STRUCTURAL_KEYS:
                 merged[k] = cur[k]
+            if cur.get("ns_dtype") == "auto" and saved.get("ns_dtype") in ("bf16", "fp32"):
+                merged["ns_dtype"] = saved["ns_dtype"]  # what "auto" chose when the run started (record_auto_choices)
             for k, v in cur.items():  # options the checkpoint lacks (torch.optim.Muon's, AdamW's) take this run's
                 if k != FORMAT_OVERRIDES:
                     merged.setdefault(k, v)

@@ -88,6 +88,7 @@ from ..core.config import QMuonConfig
 from ..core.plan import ORIENTATIONS, FusedParts, true_shape
 from .litgpt_layouts import LayoutRefusal, litgpt_fused_parts
 from .qmuon import QMuon, group_name, unique_group_name
+from .release import attach_gradient_release
 
 __all__ = [
     "RoutingRule",
@@ -424,13 +425,30 @@ def output_head(model: nn.Module) -> nn.Module | None:
     return None
 
 
+def _rule(rule: RoutingRule | Mapping[str, Any]) -> RoutingRule:
+    """A rule, or the dict of its fields a YAML config gives (``{"target": "adamw", "name_regex": ...}``)."""
+    if isinstance(rule, RoutingRule):
+        return rule
+    if isinstance(rule, Mapping):
+        fields = dict(rule)
+        if "any_of" in fields:
+            fields["any_of"] = tuple(tuple(c) for c in fields["any_of"])
+        if "module_types" in fields:
+            raise ValueError("routing.rules: module_types needs classes; in a config use module_class_regex")
+        try:
+            return RoutingRule(**fields)
+        except TypeError as e:
+            raise ValueError(f"routing.rules: {e}; a rule's fields are those of qmuon.RoutingRule") from None
+    raise TypeError(f"routing.rules holds RoutingRule objects or dicts of their fields, got {type(rule).__name__}")
+
+
 class _Router:
     """The per-model facts the rule table reads (owners, automatic layouts, the output head),
     computed once per routing."""
 
     def __init__(self, model: nn.Module | None, rules: Sequence[RoutingRule] | None, fused_parts: Mapping[str, Any] | None,
                  orientations: Mapping[str, str] | None, banks: Mapping[str, Any] | None) -> None:
-        self.rules = DEFAULT_RULES if rules is None else tuple(rules)
+        self.rules = DEFAULT_RULES if rules is None else tuple(_rule(r) for r in rules)
         self.fused_parts = fused_parts or {}
         self.orientations = orientations or {}
         self.banks = banks or {}
@@ -596,6 +614,30 @@ def format_routing_table(decisions: Sequence[RouteDecision]) -> str:
     return "\n".join(lines)
 
 
+def _device_of(model: nn.Module) -> torch.device:
+    p = next(iter(model.parameters()), None)
+    if p is None:
+        return torch.device("cpu")
+    return p.to_local().device if hasattr(p, "to_local") else p.device
+
+
+def describe_auto_choices(config: QMuonConfig, decisions: Sequence[RouteDecision], device: torch.device) -> str:
+    """One line: what the automatic Newton-Schulz options choose for these matrices on ``device``
+    (the dtype, how many matrices take the Gram iteration). The first step records the choice in
+    each group (:func:`qmuon.core.pipeline.record_auto_choices`), so a resume keeps it."""
+    from ..core.gram_newton_schulz import pick_ns_method
+    from ..core.newton_schulz import resolve_ns_dtype, resolve_schedule
+
+    ns = config.newton_schulz
+    dtype = resolve_ns_dtype(ns.dtype, device)
+    schedule = resolve_schedule(ns.coefficients, ns.steps)
+    shapes = [(d.shape[-2], d.shape[-1]) for d in decisions if d.target == "muon" and d.parts is None]
+    gram = sum(pick_ns_method(ns.method, r, c, device.type, dtype, schedule) == "gram" for r, c in shapes)
+    name = str(dtype).replace("torch.", "")
+    return (f"Newton-Schulz on {device.type}: dtype {ns.dtype!r} -> {name}, method {ns.method!r} -> gram for {gram} "
+            f"of {len(shapes)} unfused matrices (recorded in the state at the first step)")
+
+
 def routed_groups(decisions: Sequence[RouteDecision], *, adamw_weight_decay: float | None = None,
                   bank_state_format: str | None = None, taken: Sequence[str] = ()) -> list[dict[str, Any]]:
     """Parameter groups for routed parameters: one Muon group for plain ``(out, in)`` matrices, one
@@ -702,12 +744,16 @@ def build_optimizer(
         raise ValueError("the model has no trainable parameters")
     if not muon and not by_layout:
         log.warning("build_optimizer: no parameter was routed to Muon; QMuon will run AdamW only")
-    opt = QMuon(groups, config=cfg)
+    # Release hooks the model's parameters: attached below, by the one place that knows the model.
+    opt = QMuon(groups, config=cfg.replace(gradient_release=False, safety={"release_clip_norm": None}))
+    opt.config = cfg
     for d in decisions:
         d.param = None
     opt.routing = decisions  # type: ignore[attr-defined]
     opt.router = ModelRouting(model, rules, fused_parts, orientations, banks, bank_state_format)
-    table = format_routing_table(decisions)
+    if cfg.gradient_release:
+        attach_gradient_release(opt, clip_norm=cfg.safety.release_clip_norm)
+    table = format_routing_table(decisions) + "\n" + describe_auto_choices(cfg, decisions, _device_of(model))
     log.info("QMuon parameter routing:\n%s", table)
     if verbose and _is_rank_zero():
         print(f"QMuon parameter routing:\n{table}")

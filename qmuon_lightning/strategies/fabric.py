@@ -131,7 +131,7 @@ class QMuonFabricStrategy(QMuonStrategyMixin, ModelParallelStrategy):
         self,
         parallelize_fn: Optional[Callable[[nn.Module, DeviceMesh], nn.Module]] = None,
         optimizer: OptimizerMode = "qmuon",
-        optimizer_kwargs: Union[QMuonConfig, dict[str, Any], None] = None,
+        optimizer_kwargs: Union[dict[str, Any], QMuonConfig, None] = None,
         shard_policy: ShardPolicy = "auto",
         reshard_after_forward: bool = True,
         data_parallel_size: Union[Literal["auto"], int] = "auto",

@@ -181,7 +181,7 @@ class QMuonFSDPStrategy(QMuonStrategyMixin, ModelParallelStrategy):
     def __init__(
         self,
         optimizer: OptimizerMode = "qmuon",
-        optimizer_kwargs: Union[QMuonConfig, dict[str, Any], None] = None,
+        optimizer_kwargs: Union[dict[str, Any], QMuonConfig, None] = None,
         shard_policy: ShardPolicy = "auto",
         reshard_after_forward: bool = True,
         log_comm_bytes: bool = True,
@@ -392,5 +392,7 @@ class QMuonFSDPStrategy(QMuonStrategyMixin, ModelParallelStrategy):
         value = getattr(opt, "comm_bytes_last_step", None)
         module = self.lightning_module
         if value is None or module is None or module._current_fx_name not in ("optimizer_step", "training_step"):
+            return
+        if not module.trainer.loggers:  # nothing would record it, and Lightning warns about logger=True
             return
         module.log("qmuon/comm_bytes", float(value), on_step=True, on_epoch=False, prog_bar=False, logger=True)
