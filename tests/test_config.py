@@ -91,3 +91,20 @@ def test_the_config_is_frozen_and_printable():
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.lr = 1.0  # type: ignore[misc]
     assert "newton_schulz=NewtonSchulz(" in repr(cfg)
+
+
+def test_the_option_reference_is_generated_from_the_config():
+    """docs/options.md is what ``python docs/options.py`` writes from QMuonConfig (run it after
+    changing an option), and it documents every option."""
+    import runpy
+    from pathlib import Path
+
+    page = Path(__file__).resolve().parents[1] / "docs" / "options.md"
+    render = runpy.run_path(str(page.parent / "options.py"))["render"]
+    text = render()
+    assert page.read_text() == text, "docs/options.md is out of date: run python docs/options.py"
+    rows = [line for line in text.splitlines() if line.startswith("| `")]
+    options = [f for f in QMuonConfig.field_names() if f not in SECTIONS] + [
+        f"{name}.{f.name}" for name, cls in SECTIONS.items() for f in dataclasses.fields(cls)]
+    assert [r.split("`")[1] for r in rows] == options
+    assert all(not r.rstrip().endswith("|  |") for r in rows), "an option without a meaning in its docstring"

@@ -131,7 +131,8 @@ class UpdateRule:
             rows / cols))``, KellerJordan/Muon) or ``"match_rms_adamw"`` (``lr * 0.2 * sqrt(max(rows,
             cols))``, Moonlight: one lr serves Muon and AdamW).
         variant: ``"muon"`` or ``"normuon"`` (a per-output-row second moment of the orthogonalized
-            update rescales its rows: :mod:`qmuon.core.variants`); normuon_beta2: its EMA factor.
+            update rescales its rows: :mod:`qmuon.core.variants`).
+        normuon_beta2: the EMA factor of NorMuon's second moment (dion's and modded-nanogpt's 0.95).
         cautious_weight_decay: decay only where the update and the weight agree in sign (both
             families).
         adamw_betas, adamw_eps: the auxiliary AdamW's (0.9, 0.95) and 1e-8.
@@ -162,7 +163,8 @@ class StateOptions:
             (int8 256, int4 128, ...).
         rank, grid_block: grasp4's factor rank and grid tile side.
         rounding: ``"nearest"`` or ``"stochastic"`` (unbiased, counter-based) for the quantized Muon
-            momentum and the AdamW groups' int8 / int4 moments; seed: the noise's seed.
+            momentum and the AdamW groups' int8 / int4 moments.
+        seed: the seed of the stochastic-rounding noise (and of GRASP's first power-iteration start).
     """
 
     block_size: Optional[int] = None
@@ -240,7 +242,7 @@ class QMuonConfig:
             ``"original"`` shape adjustment; ``torch.optim.Muon`` defaults to 1e-3). With
             ``update.adjust_lr_fn="match_rms_adamw"`` an AdamW lr works for Muon too.
         weight_decay: Muon's decoupled weight decay, 0.1 (``p *= 1 - lr * wd``).
-        momentum: 0.95.
+        momentum: the EMA factor of the Muon momentum, 0.95 (torch.optim.Muon's).
         state_format: how the Muon momentum is stored: ``"int8"`` (default, 1.016 B/element),
             ``"uint8"``, ``"int4"``, ``"e0m3"``, ``"grasp4"`` (4-bit, ~0.58 B), ``"bf16"`` or ``"fp32"``
             (docs/formats.md).
