@@ -37,6 +37,8 @@ Environment
 ``QMUON_BUILD_CUDA``   ``0`` to build the CPU kernels only even when torch has CUDA.
 ``QMUON_BUILD_VERBOSE`` ``1`` to show the compiler commands.
 ``QMUON_CSRC_DIR``     build from this copy of ``csrc/`` instead of the package's.
+``QMUON_BUILD_WAIT_S`` how long a process waits for another one's build of the same sources
+                       (default 1800; :mod:`.build_lock`).
 ``TORCH_EXTENSIONS_DIR``, ``MAX_JOBS``, ``TORCH_CUDA_ARCH_LIST``, ``CUDA_HOME``: as for
 ``torch.utils.cpp_extension``.
 """
@@ -55,6 +57,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from .build_lock import build_lock
 
 __all__ = ["status", "cpu_vector_isa"]
 
@@ -218,17 +222,18 @@ def _build_and_load(with_cuda: bool, verbose: bool) -> str:
 
     spec = _build_spec(with_cuda)
     inputs = spec.pop("inputs")
-    os.makedirs(spec["build_directory"], exist_ok=True)
     so = os.path.join(spec["build_directory"], spec["name"] + ".so")
-    reason = _build_reason(so, inputs)
-    if reason:
-        what = "CPU and CUDA" if with_cuda else "CPU"
-        print(f"qmuon: compiling the {what} kernels (csrc/) into {spec['build_directory']}: "
-              f"{reason} ...", file=sys.stderr, flush=True)
-    t0 = time.perf_counter()
-    path = load(is_python_module=False, verbose=verbose, **spec)
-    if reason:
-        print(f"qmuon: kernels built in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+    # One process builds per machine; the others wait, then load its result (build_lock).
+    with build_lock(spec["build_directory"]):
+        reason = _build_reason(so, inputs)
+        if reason:
+            what = "CPU and CUDA" if with_cuda else "CPU"
+            print(f"qmuon: compiling the {what} kernels (csrc/) into {spec['build_directory']}: "
+                  f"{reason} ...", file=sys.stderr, flush=True)
+        t0 = time.perf_counter()
+        path = load(is_python_module=False, verbose=verbose, **spec)
+        if reason:
+            print(f"qmuon: kernels built in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
     return str(path) if path else so
 
 
