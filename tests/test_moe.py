@@ -38,6 +38,8 @@ from qmuon.optim import RoutingRule, format_routing_table, route_parameters  # n
 
 MIN_COSINE, NORM_TOL = 0.99, 0.10
 EXACT_KW = dict(lr=LR, weight_decay=0.0, state_format="fp32", newton_schulz={"dtype": "bf16"}, verbose=False)
+#: bf16 carriers both ways: the sharded step is then bit for bit the single-process one.
+BF16_WIRE = {"comm_carrier": "bf16", "comm_return": "bf16"}
 
 
 def assert_targets(report: dict[str, tuple[float, float]], what: str) -> None:
@@ -285,7 +287,7 @@ def _sharded_worker(rank: int, world: int, families: tuple[str, ...]) -> dict[st
     out: dict[str, Any] = {}
     for family in families:
         for label, fmt in (("fp32", "fp32"), ("int8", "int8")):
-            kw = dict(EXACT_KW, state_format=fmt, comm_carrier="bf16", comm_return="bf16")
+            kw = dict(EXACT_KW, state_format=fmt, newton_schulz={**EXACT_KW["newton_schulz"], **BF16_WIRE})
             whole, sharded = make_moe(family), make_moe(family)
             for block in sharded.model.layers:
                 fully_shard(block)
@@ -343,7 +345,7 @@ def _bank_only_worker(rank: int, world: int, tmp: str) -> dict[str, Any]:
         return real(*a, **k)
 
     dist.all_to_all_single = counting
-    kw = dict(EXACT_KW, state_format="int8", comm_carrier="bf16", comm_return="bf16")
+    kw = dict(EXACT_KW, state_format="int8", newton_schulz={**EXACT_KW["newton_schulz"], **BF16_WIRE})
     whole, sharded = Bank(), Bank()
     fully_shard(sharded)
     o_whole, o_sharded = qmuon.build_optimizer(whole, **kw), qmuon.build_optimizer(sharded, **kw)

@@ -198,7 +198,10 @@ def _fused_parts(mesh: Any) -> dict[str, Any]:
     parallelize_module(tp, mesh["tp"], {"qkv": ColwiseParallel(), "proj": RowwiseParallel(),
                                         "conv": RowwiseParallel()})
     fully_shard(tp, mesh=mesh["dp"])
-    kw = dict(KW, state_format="int8", **BF16_WIRE)
+    # A bag of layers, not a model: no layer is its output, so route without the head-by-role rule
+    # (it would take ``extra``, the last non-square Linear, for the head).
+    rules = [r for r in qmuon.optim.DEFAULT_RULES if r.role != qmuon.optim.OUTPUT_HEAD]
+    kw = dict(KW, state_format="int8", routing={"rules": rules}, **BF16_WIRE)
     o_tp, o_whole = qmuon.build_optimizer(tp, **kw), qmuon.build_optimizer(whole, **kw)
     tpp = dict(tp.named_parameters())
     for step in range(2):

@@ -4,6 +4,7 @@ step temporaries of one training step of a routed model (see the package docstri
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -17,7 +18,6 @@ from qmuon.core.newton_schulz import resolve_ns_dtype
 from qmuon.optim.routing import RouteDecision, route_parameters
 from qmuon.quant import state as qstate
 from .paths import (
-    _core_adamw,
     _itemsize,
     _quant_adamw,
     _uses_foreach,
@@ -232,8 +232,12 @@ def _adamw_state_nbytes(p: ParamInfo, dtype: torch.dtype, family: str | None) ->
     :func:`qmuon.quant.adamw.init_adamw_state` creates, on the meta device."""
     if family is None:
         return 2 * p.numel * _itemsize(dtype) + STEP_BYTES
-    qadamw = _quant_adamw()
-    st = qadamw.init_adamw_state(family, p.shape, p.shape, torch.device("meta"))
+    return _quantized_adamw_nbytes(family, tuple(p.shape))
+
+
+@functools.lru_cache(maxsize=4096)
+def _quantized_adamw_nbytes(family: str, shape: tuple[int, ...]) -> int:
+    st = _quant_adamw().init_adamw_state(family, shape, shape, torch.device("meta"))
     return sum(t.numel() * t.element_size() for t in st.values() if isinstance(t, torch.Tensor))
 
 

@@ -182,9 +182,14 @@ class StateFormat:
         """Raise ``ValueError`` for options this format cannot use."""
 
     def nbytes(self, rows: int, cols: int, opts: FormatOptions) -> int:
-        """Bytes of the momentum tensors (``step`` excluded) for a ``rows x cols`` matrix."""
-        st = self.init(rows, cols, opts, torch.device("meta"))
-        return sum(t.numel() * t.element_size() for k, t in st.items() if k != STEP)
+        """Bytes of the momentum tensors (``step`` excluded) for a ``rows x cols`` matrix (built on
+        the meta device once per shape and options: memory estimates ask for the same shapes often)."""
+        cache = self.__dict__.setdefault("_nbytes_cache", {})
+        key = (rows, cols, opts)
+        if key not in cache:
+            st = self.init(rows, cols, opts, torch.device("meta"))
+            cache[key] = sum(t.numel() * t.element_size() for k, t in st.items() if k != STEP)
+        return cache[key]
 
     def update_workspace_nbytes(self, rows: int, cols: int, opts: FormatOptions, grad_bytes: int = 4) -> int:
         """Transient bytes :meth:`update` allocates for one ``rows x cols`` matrix beyond its state,
