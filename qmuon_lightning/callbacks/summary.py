@@ -43,6 +43,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import statistics
 import time
 from typing import Any
 
@@ -318,7 +319,11 @@ class TrainSummary(L.Callback):
             "muon_state_vs_fp32": muon_b / (4 * muon_n) if muon_n and muon_b else float("nan"),
             "optimizer_step_ms_first": 1e3 * self.step_times[0] if self.step_times else float("nan"),
             "optimizer_step_ms_mean": 1e3 * sum(steps_timed) / len(steps_timed) if steps_timed else float("nan"),
+            # the mean also carries preemptions: on a busy machine the OpenMP threads of a step
+            # can wait whole scheduler time slices for each other (10-50x single steps)
+            "optimizer_step_ms_median": 1e3 * statistics.median(steps_timed) if steps_timed else float("nan"),
             "optimizer_steps_timed": len(steps_timed),
+            "torch_threads": torch.get_num_threads(),
             "optimizer_step_share": sum(self.step_times) / self.train_seconds if self.train_seconds > 0 else float("nan"),
             "muon_state_bytes_per_param": muon_b / muon_n if muon_n else float("nan"),
             "flops_per_token": self._flops_per_token,
@@ -356,8 +361,11 @@ class TrainSummary(L.Callback):
             ("optimizer state", f"{_fmt_bytes(s['state_bytes'])} (Muon {_fmt_bytes(s['state_bytes_muon'])}, other {_fmt_bytes(s['state_bytes_other'])})"),
             ("fp32 Muon state", f"{_fmt_bytes(s['fp32_muon_reference_bytes'])} (4 B/Muon element + 8 B/AdamW element)"),
             ("state / fp32 Muon", f"{s['state_vs_fp32_muon']:.3f} (Muon momentum alone: {s['muon_state_vs_fp32']:.3f})"),
-            ("optimizer step", f"{s['optimizer_step_ms_mean']:.2f} ms mean over {s['optimizer_steps_timed']} steps "
-                               f"(first step {s['optimizer_step_ms_first']:.1f} ms); "
+            ("optimizer step", f"{s['optimizer_step_ms_mean']:.2f} ms mean"
+                               + (f", {s['optimizer_step_ms_median']:.2f} ms median" if "optimizer_step_ms_median" in s else "")
+                               + f" over {s['optimizer_steps_timed']} steps "
+                               f"(first step {s['optimizer_step_ms_first']:.1f} ms"
+                               + (f"; {s['torch_threads']} torch threads" if "torch_threads" in s else "") + "); "
                                f"{100 * s['optimizer_step_share']:.1f}% of training-batch time"),
             ("Muon state", f"{s['muon_state_bytes_per_param']:.3f} B per Muon parameter"),
             ("model FLOPs", _flops_row(s)),
