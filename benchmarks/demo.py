@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from qmuon import build_optimizer  # noqa: E402
 from qmuon.quant.state import STATE_FORMATS  # noqa: E402
 from qmuon_lightning.data.bytes_corpus import RandomWindowDataset, build_stdlib_corpus, fixed_windows  # noqa: E402
-from qmuon_lightning.models import DecoderLM  # noqa: E402
+from qmuon_lightning.models import DecoderLM, mean_window_loss  # noqa: E402
 
 VOCAB = 256
 
@@ -113,21 +113,6 @@ class _TrainTimer(L.Callback):
         self.seconds += time.perf_counter() - self._t0
         self.batches += 1
 
-
-@torch.no_grad()
-def evaluate(model: nn.Module, x: Tensor, y: Tensor, batch_size: int = 32) -> float:
-    """Mean next-byte cross-entropy (nats) over fixed windows, in eval mode (logits taken in fp32;
-    under FSDP2 every rank must call it, as the forward is collective)."""
-    was_training = model.training
-    model.eval()
-    total, count = 0.0, 0
-    for i in range(0, x.size(0), batch_size):
-        logits = model(x[i: i + batch_size])
-        tgt = y[i: i + batch_size]
-        total += float(nn.functional.cross_entropy(logits.float().reshape(-1, VOCAB), tgt.reshape(-1), reduction="sum"))
-        count += tgt.numel()
-    model.train(was_training)
-    return total / count
 
 
 @dataclass
@@ -227,7 +212,7 @@ def _run(args: argparse.Namespace) -> DemoResult:
         state_format=args.state_format, lr=args.lr, adamw_lr=args.adamw_lr, weight_decay=args.weight_decay,
         warmup_steps=args.warmup_steps, max_steps=args.max_steps, seed=args.seed,
     )
-    initial = evaluate(module.model, val_x, val_y)
+    initial = mean_window_loss(module.model, val_x, val_y)
     print(f"initial val loss: {initial:.4f} (ln 256 = {math.log(VOCAB):.4f})")
 
     os.makedirs(args.out_dir, exist_ok=True)
@@ -244,7 +229,7 @@ def _run(args: argparse.Namespace) -> DemoResult:
     t0 = time.perf_counter()
     trainer.fit(module, train_loader, val_loader)
     fit_seconds = time.perf_counter() - t0
-    final = evaluate(module.model, val_x, val_y)
+    final = mean_window_loss(module.model, val_x, val_y)
 
     opt = trainer.optimizers[0]
     muon_params = sum(p.numel() for grp in opt.param_groups if grp["use_muon"] for p in grp["params"])

@@ -47,26 +47,11 @@ from accelerate.utils import set_seed
 
 from qmuon_lightning.data.bytes_corpus import RandomWindowDataset, build_stdlib_corpus, fixed_windows
 from qmuon.integrations.accelerate import check_state_keys, prepare_qmuon, unwrap_qmuon
-from qmuon_lightning.models import DecoderLM
+from qmuon_lightning.models import DecoderLM, mean_window_loss
 from qmuon.quant.state import STATE_FORMATS
 
 VOCAB = 256
 
-
-@torch.no_grad()
-def evaluate(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int = 32) -> float:
-    """Mean next-byte cross-entropy (nats) over fixed windows, in eval mode (logits taken in fp32;
-    under FSDP2 every rank must call it, as the forward is collective)."""
-    was_training = model.training
-    model.eval()
-    total, count = 0.0, 0
-    for i in range(0, x.size(0), batch_size):
-        logits = model(x[i: i + batch_size])
-        tgt = y[i: i + batch_size]
-        total += float(F.cross_entropy(logits.float().reshape(-1, VOCAB), tgt.reshape(-1), reduction="sum"))
-        count += tgt.numel()
-    model.train(was_training)
-    return total / count
 
 
 class TrainProgress:
@@ -208,7 +193,7 @@ def main(argv: Sequence[str] | None = None) -> TrainResult:
     if start >= args.steps:
         raise SystemExit(f"the checkpoint is at step {start}, not before --steps {args.steps}; raise --steps")
 
-    initial_val = evaluate(model, val_x, val_y, batch_size=16)
+    initial_val = mean_window_loss(model, val_x, val_y, batch_size=16)
     accelerator.print(f"val loss at step {start}: {initial_val:.4f} nats/byte (ln 256 = {math.log(VOCAB):.4f})")
     batches = accelerator.skip_first_batches(loader, start) if start else loader
     train_seconds, tokens, last_loss, last_ckpt = 0.0, 0, float("nan"), ""
@@ -235,7 +220,7 @@ def main(argv: Sequence[str] | None = None) -> TrainResult:
         if (args.save_every and step % args.save_every == 0) or step == args.steps:
             last_ckpt = checkpoint_dir(args.output_dir, step)
             accelerator.save_state(last_ckpt)
-    final_val = evaluate(model, val_x, val_y, batch_size=16)
+    final_val = mean_window_loss(model, val_x, val_y, batch_size=16)
     qm = unwrap_qmuon(optimizer)
     muon_elems = sum(_local(p).numel() for g in qm.param_groups if g["use_muon"] for p in g["params"])
     state_bytes = sum(_local(v).numel() * v.element_size() for g in qm.param_groups if g["use_muon"]

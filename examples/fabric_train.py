@@ -37,25 +37,10 @@ from lightning.fabric.strategies import STRATEGY_REGISTRY
 import qmuon
 from qmuon_lightning.data.bytes_corpus import RandomWindowDataset, build_stdlib_corpus, fixed_windows
 from qmuon.distributed.resume import find_resumable_checkpoint
-from qmuon_lightning.models import DecoderLM
+from qmuon_lightning.models import DecoderLM, mean_window_loss
 
 VOCAB = 256
 
-
-@torch.no_grad()
-def evaluate(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int = 32) -> float:
-    """Mean next-byte cross-entropy (nats) over fixed windows, in eval mode (logits taken in fp32;
-    under FSDP2 every rank must call it, as the forward is collective)."""
-    was_training = model.training
-    model.eval()
-    total, count = 0.0, 0
-    for i in range(0, x.size(0), batch_size):
-        logits = model(x[i: i + batch_size])
-        tgt = y[i: i + batch_size]
-        total += float(F.cross_entropy(logits.float().reshape(-1, VOCAB), tgt.reshape(-1), reduction="sum"))
-        count += tgt.numel()
-    model.train(was_training)
-    return total / count
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -149,7 +134,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     val_x, val_y = fixed_windows(corpus.val, args.seq_len, args.val_windows, seed=10_000 + args.seed)
     val_x, val_y = fabric.to_device((val_x, val_y))
 
-    initial_val = evaluate(model, val_x, val_y, batch_size=16)
+    initial_val = mean_window_loss(model, val_x, val_y, batch_size=16)
     fabric.print(f"val loss at step {start}: {initial_val:.4f} nats/byte (ln 256 = {math.log(VOCAB):.4f})")
     step, seconds, last_loss, last_ckpt = start, 0.0, float("nan"), None
     model.train()
@@ -169,7 +154,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
         if step % args.save_every == 0 or step == args.max_steps:
             last_ckpt = save(fabric, ckpt_dir, step, state, args.consolidated)
             fabric.print(f"saved {last_ckpt}")
-    final_val = evaluate(model, val_x, val_y, batch_size=16)
+    final_val = mean_window_loss(model, val_x, val_y, batch_size=16)
     tokens = (step - start) * per_step * args.seq_len
     fabric.print(
         f"done: steps {start} -> {step} on {world} process(es); val loss {initial_val:.4f} -> {final_val:.4f} "

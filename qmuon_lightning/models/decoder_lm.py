@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["DecoderLMConfig", "DecoderLM", "Block"]
+__all__ = ["DecoderLMConfig", "DecoderLM", "Block", "mean_window_loss"]
 
 
 @dataclass
@@ -168,3 +168,19 @@ class DecoderLM(nn.Module):
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
+
+
+@torch.no_grad()
+def mean_window_loss(model: nn.Module, x: Tensor, y: Tensor, batch_size: int = 32) -> float:
+    """Mean next-token cross-entropy (nats) of ``model`` over fixed windows ``x`` -> ``y``, in eval mode
+    (logits taken in fp32). Under FSDP2 every rank must call it: the forward is collective."""
+    was_training = model.training
+    model.eval()
+    total, count = 0.0, 0
+    for i in range(0, x.size(0), batch_size):
+        logits = model(x[i: i + batch_size])
+        tgt = y[i: i + batch_size]
+        total += float(F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), tgt.reshape(-1), reduction="sum"))
+        count += tgt.numel()
+    model.train(was_training)
+    return total / count
