@@ -288,7 +288,7 @@ class QMuonConfig:
     def from_kwargs(cls, config: "QMuonConfig | Mapping[str, Any] | None" = None, /, **kwargs: Any) -> "QMuonConfig":
         """``config`` (a config, a dict of options, or None for the defaults) with ``kwargs`` laid
         over it: top-level options replace, sections merge field by field (``newton_schulz={"dtype":
-        "fp32"}`` keeps the other Newton-Schulz fields). Unknown keys raise :class:`ConfigError`
+        "fp32"}`` keeps the other Newton-Schulz fields), ``None`` keeps the config's value. Unknown keys raise :class:`ConfigError`
         naming the closest valid one."""
         if config is None:
             base: dict[str, Any] = {}
@@ -302,7 +302,9 @@ class QMuonConfig:
         _check_keys(kwargs, cls.field_names(), "")
         merged = dict(base)
         for key, value in kwargs.items():
-            if key in SECTIONS and value is not None and key in merged:
+            if value is None:  # the entry points' keyword default: keep the config's value
+                continue
+            if key in SECTIONS and key in merged:
                 merged[key] = {**_section_dict(key, merged[key]), **_section_dict(key, value)}
             else:
                 merged[key] = value

@@ -138,10 +138,10 @@ class QMuon(QMuonGroupsMixin, QMuonStateMixin, Optimizer):
         config: QMuonConfig | dict[str, Any] | None = None,
         **sections: Any,
     ) -> None:
-        common = {"lr": lr, "weight_decay": weight_decay, "momentum": momentum, "state_format": state_format,
-                  "adamw_lr": adamw_lr, "adamw_weight_decay": adamw_weight_decay,
-                  "adamw_state_format": adamw_state_format, "bf16_update": bf16_update}
-        config = QMuonConfig.from_kwargs(config, **{k: v for k, v in common.items() if v is not None}, **sections)
+        config = QMuonConfig.from_kwargs(
+            config, lr=lr, weight_decay=weight_decay, momentum=momentum, state_format=state_format, adamw_lr=adamw_lr,
+            adamw_weight_decay=adamw_weight_decay, adamw_state_format=adamw_state_format, bf16_update=bf16_update,
+            **sections)
         #: The options (group defaults; groups may override them by their group keys).
         self.config = config
         self.batch_budget = float(config.newton_schulz.batch_budget)

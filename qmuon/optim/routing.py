@@ -499,10 +499,10 @@ def build_optimizer(
     complete and frees the gradient (:mod:`qmuon.optim.release`; ``optimizer.step()`` and
     ``zero_grad()`` keep working).
     """
-    common = {"lr": lr, "weight_decay": weight_decay, "momentum": momentum, "state_format": state_format,
-              "adamw_lr": adamw_lr, "adamw_weight_decay": adamw_weight_decay, "adamw_state_format": adamw_state_format,
-              "bf16_update": bf16_update, "gradient_release": gradient_release}
-    cfg = QMuonConfig.from_kwargs(config, **{k: v for k, v in common.items() if v is not None}, **sections)
+    cfg = QMuonConfig.from_kwargs(
+        config, lr=lr, weight_decay=weight_decay, momentum=momentum, state_format=state_format, adamw_lr=adamw_lr,
+        adamw_weight_decay=adamw_weight_decay, adamw_state_format=adamw_state_format, bf16_update=bf16_update,
+        gradient_release=gradient_release, **sections)
     routing = cfg.routing
     rules, fused_parts, orientations, banks = routing.rules, routing.fused_parts, routing.orientations, routing.banks
     bank_state_format = routing.bank_state_format
