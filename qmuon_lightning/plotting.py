@@ -75,7 +75,7 @@ def plot_runs(runs: Sequence[Curves], out: str | Path, *, smooth: float = 0.6, t
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as err:  # pragma: no cover - depends on the environment
-        raise ImportError("plotting needs matplotlib: pip install matplotlib (or the 'bench' extra)") from err
+        raise ImportError("plotting needs matplotlib: pip install 'qmuon-lightning[bench]' (or pip install matplotlib)") from err
     if not 0.0 <= smooth < 1.0:
         raise ValueError(f"smooth must be in [0, 1), got {smooth}")
     fig, ax = plt.subplots(figsize=(8, 4.8), dpi=120)
@@ -120,7 +120,10 @@ def main(argv: Sequence[str] | None = None) -> Path:
     if labels and len(labels) != len(args.runs):
         p.error(f"{len(labels)} --label values for {len(args.runs)} runs; give one per run or none")
     runs = [read_run(r, labels[i] if labels else None) for i, r in enumerate(args.runs)]
-    out = plot_runs(runs, args.out, smooth=args.smooth, title=args.title)
+    try:
+        out = plot_runs(runs, args.out, smooth=args.smooth, title=args.title)
+    except ImportError as err:
+        p.exit(2, f"{p.prog}: error: {err}\n")
     for r in runs:
         last_val = f", last val {r.val[max(r.val)]:.4f} at step {max(r.val)}" if r.val else ""
         print(f"{r.label}: {len(r.train)} train points{last_val}")

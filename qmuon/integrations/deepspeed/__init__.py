@@ -94,7 +94,7 @@ import torch
 
 from ...optim.qmuon import QMuon
 from .checkpoint import CheckpointWorldSizeError, check_resume, load_checkpoint, saved_world_size
-from .config import UnsupportedDeepSpeedConfig, avoid_cpu_op_builds, check_config
+from .config import UnsupportedDeepSpeedConfig, avoid_cpu_op_builds, check_config, require_deepspeed
 from .optimizer import WholeMatrixZeroOptimizer
 
 __all__ = [
@@ -132,8 +132,7 @@ def initialize(
 
     ``skip_cpu_op_builds``: on DeepSpeed's CPU accelerator, call :func:`avoid_cpu_op_builds` first.
     """
-    import deepspeed
-
+    deepspeed = require_deepspeed()
     cfg = check_config(config)
     if skip_cpu_op_builds:
         avoid_cpu_op_builds()

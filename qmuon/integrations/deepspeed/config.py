@@ -130,6 +130,16 @@ def _check_bf16_master(cfg: Mapping[str, Any], stage: int, bf16: bool) -> None:
                 "lets QMuon keep its state on the device, in its own formats (state_format / adamw_state_format)")
 
 
+def require_deepspeed() -> Any:
+    """The ``deepspeed`` module, or an ImportError that names the extra to install."""
+    try:
+        import deepspeed
+    except ImportError as e:
+        raise ImportError("qmuon.integrations.deepspeed needs DeepSpeed: pip install 'qmuon-lightning[deepspeed]' "
+                          "(or pip install deepspeed)") from e
+    return deepspeed
+
+
 def avoid_cpu_op_builds() -> bool:
     """On DeepSpeed's CPU accelerator, keep ``deepspeed.comm`` from JIT-compiling its C++ ops.
 
@@ -141,6 +151,7 @@ def avoid_cpu_op_builds() -> bool:
     asks. Returns True when it did so (CPU accelerator), False otherwise (GPU: nothing changes).
     Call it before ``deepspeed.init_distributed`` / ``deepspeed.initialize``.
     """
+    require_deepspeed()
     from deepspeed.accelerator import get_accelerator
 
     if get_accelerator().device_name() != "cpu":
