@@ -180,7 +180,7 @@ def test_validate_manifest_errors_name_the_problem():
     man = build_manifest([(0, saved)])
     _, cur = _toy_optimizer("int8", 128)
     with pytest.raises(QuantizedStateMismatchError, match=r"saved with block_size=256 but this optimizer uses "
-                                                          r"block_size=128; construct the optimizer with block_size=256"):
+                                                          r"block_size=128; construct the optimizer with state=\{'block_size': 256\}"):
         validate_manifest(man, [(0, cur)])
     _, other_shape = _toy_optimizer("int8", 256, rows=32)
     with pytest.raises(QuantizedStateMismatchError, match=r"'a.weight' was \(64, 64\) when saved but 'a.weight' is "

@@ -192,7 +192,7 @@ def test_convert_same_kind_needs_the_same_layout_options(src, dst):
         st = {STEP: torch.tensor(1.0), **qstate.encode_momentum(x, src, opts=qstate.format_options(saved_opts))}
         with pytest.raises(qstate.StateFormatError,
                            match=rf"w: momentum was saved with {key}={getattr(OPTS, key) * 2} but this optimizer uses "
-                                 rf"{key}={getattr(OPTS, key)}; construct the optimizer with {key}="):
+                                 rf"{key}={getattr(OPTS, key)}; construct the optimizer with state=\{{'{key}': "):
             qstate.convert_state(st, saved_opts, _group(dst), (16, 64), "w")
 
 

@@ -300,8 +300,10 @@ def layout_conflicts(saved_group: Mapping[str, Any], group: Mapping[str, Any]) -
 def describe_conflicts(conflicts: Mapping[str, tuple[Any, Any]], where: str) -> str:
     saved = ", ".join(f"{k}={a}" for k, (a, _) in conflicts.items())
     now = ", ".join(f"{k}={b}" for k, (_, b) in conflicts.items())
+    # the layout options (block size, GRASP rank and grid block) are the `state` section of QMuonConfig
+    option = {k: a for k, (a, _) in conflicts.items()}
     return (f"{where}: momentum was saved with {saved} but this optimizer uses {now}; "
-            f"construct the optimizer with {saved} to resume")
+            f"construct the optimizer with state={option} to resume")
 
 
 def convert_state(
