@@ -16,10 +16,10 @@ from torch import nn
 from qmuon.core.config import ConfigError, QMuonConfig
 from qmuon.core.newton_schulz import resolve_ns_dtype
 from qmuon.optim.routing import RouteDecision, route_parameters
+from qmuon.quant import adamw as qadamw
 from qmuon.quant import state as qstate
 from .paths import (
     _itemsize,
-    _quant_adamw,
     _uses_foreach,
     adamw_chunked_step_bytes,
     adamw_phase_bytes,
@@ -237,7 +237,7 @@ def _adamw_state_nbytes(p: ParamInfo, dtype: torch.dtype, family: str | None) ->
 
 @functools.lru_cache(maxsize=4096)
 def _quantized_adamw_nbytes(family: str, shape: tuple[int, ...]) -> int:
-    st = _quant_adamw().init_adamw_state(family, shape, shape, torch.device("meta"))
+    st = qadamw.init_adamw_state(family, shape, shape, torch.device("meta"))
     return sum(t.numel() * t.element_size() for t in st.values() if isinstance(t, torch.Tensor))
 
 

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
+from qmuon.core import adamw as core_adamw
 from qmuon.core import pipeline
+from qmuon.quant import adamw as qadamw
 from qmuon.quant import state as qstate
 
 if TYPE_CHECKING:
@@ -119,25 +121,6 @@ def qmuon_muon_phase_bytes(groups: Sequence[Sequence[ParamInfo]], opts_of: Calla
     return peak
 
 
-def _quant_adamw() -> Any:
-    """:mod:`qmuon.quant.adamw` (the AdamW moment formats), when this installation has it."""
-    try:
-        from qmuon.quant import adamw as qadamw
-    except ImportError:
-        raise NotImplementedError("this qmuon_lightning has no AdamW state formats (adamw_state_format)") from None
-    return qadamw
-
-
-def _core_adamw() -> Any:
-    """:mod:`qmuon.core.adamw` (QMuon's per-tensor, row-chunked AdamW step), or None where
-    QMuon still calls torch's functional AdamW."""
-    try:
-        from qmuon.core import adamw as core_adamw
-    except ImportError:
-        return None
-    return core_adamw
-
-
 def adamw_chunked_step_bytes(shape: Sequence[int], family: str, weight_dtype: torch.dtype) -> int:
     """Transient of QMuon's per-tensor AdamW step of one parameter
     (:func:`qmuon.core.adamw.adamw_param_step`): blocks of whole rows of at most
@@ -149,7 +132,6 @@ def adamw_chunked_step_bytes(shape: Sequence[int], family: str, weight_dtype: to
     ``bf16_ecc8_weight_update_``), in place, nothing more; fp16 (no rounding rule) through
     ``param.float() * decay + update * alpha``: the weights in fp32, their scaled copy and the sum
     alive at once (``12 c``)."""
-    core_adamw, qadamw = _core_adamw(), _quant_adamw()
     rows, cols = qadamw.matrix_shape(shape)
     c = core_adamw.chunk_rows(rows, cols) * cols
     m_fmt, v_fmt = qadamw.moment_formats(family, shape)
