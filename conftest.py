@@ -6,7 +6,9 @@ what an earlier one defined. A page sets up what its blocks take as given (a mod
 ``<!-- invisible-code-block: python ... -->`` comments, and a block that cannot run here (it needs
 a GPU, several processes or a cluster) is preceded by ``<!-- skip: next "the reason" -->``, which
 pytest reports as a skip with that reason. Each page runs in a fresh temporary directory (files a
-block writes, such as checkpoints, go there), with one intra-op thread as in tests/conftest.py.
+block writes, such as checkpoints, go there), with one intra-op thread as in tests/conftest.py;
+afterwards the environment variables, the working directory and the thread count are restored
+and a process group the page started (a one-process gloo group) is destroyed.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ except ImportError:  # the test extra installs it; without it the pages are repo
 def _setup(namespace: dict[str, Any]) -> None:
     import torch
 
-    namespace["__doc_state"] = (os.getcwd(), torch.get_num_threads())
+    namespace["__doc_state"] = (os.getcwd(), torch.get_num_threads(), dict(os.environ))
     tmp = tempfile.mkdtemp(prefix="qmuon_docs_")
     namespace["__doc_tmp"] = tmp
     namespace["REPO"] = REPO  # the repository root, for blocks that read a file shipped in it
@@ -46,9 +48,13 @@ def _teardown(namespace: dict[str, Any]) -> None:
         from accelerate.state import AcceleratorState
 
         AcceleratorState._reset_state(reset_partial_state=True)
-    cwd, threads = namespace["__doc_state"]
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()  # a page that joined a one-process group leaves none behind
+    cwd, threads, environ = namespace["__doc_state"]
     os.chdir(cwd)
     torch.set_num_threads(threads)
+    os.environ.clear()
+    os.environ.update(environ)
     shutil.rmtree(namespace["__doc_tmp"], ignore_errors=True)
 
 
