@@ -8,7 +8,8 @@ a GPU, several processes or a cluster) is preceded by ``<!-- skip: next "the rea
 pytest reports as a skip with that reason. Each page runs in a fresh temporary directory (files a
 block writes, such as checkpoints, go there), with one intra-op thread as in tests/conftest.py;
 afterwards the environment variables, the working directory and the thread count are restored
-and a process group the page started (a one-process gloo group) is destroyed.
+and a process group the page started (a one-process gloo group) is destroyed. Pages start one only
+where none exists.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ except ImportError:  # the test extra installs it; without it the pages are repo
 def _setup(namespace: dict[str, Any]) -> None:
     import torch
 
-    namespace["__doc_state"] = (os.getcwd(), torch.get_num_threads(), dict(os.environ))
+    had_group = torch.distributed.is_available() and torch.distributed.is_initialized()
+    namespace["__doc_state"] = (os.getcwd(), torch.get_num_threads(), dict(os.environ), had_group)
     tmp = tempfile.mkdtemp(prefix="qmuon_docs_")
     namespace["__doc_tmp"] = tmp
     namespace["REPO"] = REPO  # the repository root, for blocks that read a file shipped in it
@@ -48,9 +50,9 @@ def _teardown(namespace: dict[str, Any]) -> None:
         from accelerate.state import AcceleratorState
 
         AcceleratorState._reset_state(reset_partial_state=True)
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()  # a page that joined a one-process group leaves none behind
-    cwd, threads, environ = namespace["__doc_state"]
+    cwd, threads, environ, had_group = namespace["__doc_state"]
+    if not had_group and torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()  # a page that started a one-process group leaves none behind
     os.chdir(cwd)
     torch.set_num_threads(threads)
     os.environ.clear()
