@@ -6,7 +6,8 @@ what an earlier one defined. A page sets up what its blocks take as given (a mod
 ``<!-- invisible-code-block: python ... -->`` comments, and a block that cannot run here (it needs
 a GPU, several processes or a cluster) is preceded by ``<!-- skip: next "the reason" -->``, which
 pytest reports as a skip with that reason. Each page runs in a fresh temporary directory (files a
-block writes, such as checkpoints, go there), with one intra-op thread as in tests/conftest.py;
+block writes, such as checkpoints, go there), with one intra-op thread as in tests/conftest.py and
+one device per Lightning Trainer or Fabric;
 afterwards the environment variables, the working directory and the thread count are restored
 and a process group the page started (a one-process gloo group) is destroyed. Pages start one only
 where none exists.
@@ -38,6 +39,10 @@ def _setup(namespace: dict[str, Any]) -> None:
     namespace["__doc_tmp"] = tmp
     namespace["REPO"] = REPO  # the repository root, for blocks that read a file shipped in it
     torch.set_num_threads(1)
+    # One device per Trainer / Fabric the pages build (they leave devices="auto"): on a machine with
+    # several GPUs Lightning would start the other ranks by re-running this pytest command.
+    os.environ["PL_TRAINER_DEVICES"] = "1"
+    os.environ["LT_DEVICES"] = "1"
     os.chdir(tmp)
 
 
