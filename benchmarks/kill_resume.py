@@ -111,7 +111,7 @@ def trial(world_size: int, kills: int, steps: int, seed: int, work: Path, case: 
             "diff": diff, "n_tensors": n_tensors, "names": names, "leftovers": _crash.hidden_leftovers(killed),
             "versioned": [n for n in names[1] if re.search(r"-v\d+\.ckpt$", n)],
             "fresh_restarts": sum(r["resumed"] == "fresh" for r in rows[1:]),
-            "final_step": max(final_steps), "seconds": time.perf_counter() - t0, "final_log": final.stdout + final.stderr}
+            "final_step": max(final_steps), "seconds": time.perf_counter() - t0, "final_log": final}
 
 
 def torchrun_trial(kills: int, steps: int, seed: int, work: Path) -> dict:

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+from _dist import kill, start, subprocess_env
 
 CONFIG = """
 seed_everything: 0
@@ -116,14 +116,19 @@ def command(config: Path) -> list[str]:
 
 def env() -> dict[str, str]:
     # warnings stay on: the restarts' reports (incomplete / untracked checkpoints) are warnings
-    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), PYTHONFAULTHANDLER="1")
+    return subprocess_env(PYTHONFAULTHANDLER="1")
 
 
-def run(config: Path, timeout: float = 600) -> subprocess.CompletedProcess:
-    r = subprocess.run(command(config), capture_output=True, text=True, timeout=timeout, env=env())
-    if r.returncode != 0:
-        raise AssertionError(f"run failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-5000:]}")
-    return r
+def run(config: Path, timeout: float = 600) -> str:
+    """Run the configured training to its end; its output (stdout and stderr together)."""
+    proc = start(command(config), stdout=subprocess.PIPE, env=env(), what="qmuon-train fit")
+    try:
+        log, _ = proc.communicate(timeout=timeout)
+    finally:
+        kill(proc)
+    if proc.returncode != 0:
+        raise AssertionError(f"run failed ({proc.returncode}):\n{log[-8000:]}")
+    return log
 
 
 def saved_steps(root: Path) -> int:
@@ -159,8 +164,7 @@ def run_and_kill(config: Path, root: Path, after_step: int, rng: random.Random, 
     logs.mkdir(parents=True, exist_ok=True)
     log_path = logs / f"start{len(list(logs.iterdir()))}.log"
     with open(log_path, "w") as out:
-        proc = subprocess.Popen(command(config), stdout=out, stderr=subprocess.STDOUT, text=True, env=env(),
-                                start_new_session=True)
+        proc = start(command(config), stdout=out, env=env(), what="qmuon-train fit")
         deadline = time.monotonic() + timeout
         outcome = "killed"
         try:
@@ -189,12 +193,9 @@ def run_and_kill(config: Path, root: Path, after_step: int, rng: random.Random, 
                 except subprocess.TimeoutExpired:
                     outcome = "rank 0 hung"
             else:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(30)
+                kill(proc)
         finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(30)
+            kill(proc)
     return outcome, log_path.read_text()
 
 
@@ -289,7 +290,7 @@ def run_under_torchrun(config: Path, root: Path, kills: int, rng: random.Random,
            "--max-restarts", str(kills), "-m", "qmuon_lightning.cli", "fit", "--config", str(config)]
     events: list[str] = []
     with open(log_path, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, text=True, env=env(), start_new_session=True)
+        proc = start(cmd, stdout=out, env=env(), what="torchrun qmuon-train fit")
         deadline = time.monotonic() + timeout
         try:
             for k in range(kills):
@@ -310,7 +311,5 @@ def run_under_torchrun(config: Path, root: Path, kills: int, rng: random.Random,
                     time.sleep(0.05)
             proc.wait(max(1.0, deadline - time.monotonic()))
         finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(30)
+            kill(proc)
     return proc.returncode, events, log_path.read_text()

@@ -5,11 +5,6 @@ from __future__ import annotations
 
 import io
 import math
-import os
-import signal
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import torch
@@ -154,40 +149,7 @@ def assert_same(a, b, where: str = "") -> None:
         assert a == b, f"{where}: {a!r} != {b!r}"
 
 
-# ----------------------------------------------------------------------------- subprocess launches
-#: The repository root (tests/..).
-REPO = Path(__file__).resolve().parents[1]
-
-#: Variables a launcher (torchrun, Lightning, the deepspeed launcher) sets for its children; a child
-#: launcher started from a test must not inherit them from an outer one.
-_LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK",
-                  "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
-
-
-def free_port() -> int:
-    """A TCP port that was free a moment ago on 127.0.0.1 (for a launcher's ``--master_port``)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def subprocess_env(**extra: str) -> dict[str, str]:
-    """The environment for a launched test worker: this one without launcher variables, the
-    repository first on ``PYTHONPATH``, one OpenMP thread (see conftest.py), plus ``extra``."""
-    env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARS}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
-    env["OMP_NUM_THREADS"] = "1"
-    env.update(extra)
-    return env
-
-
-def torchrun_cmd(nproc: int | str, script: str | Path, *args: str) -> list[str]:
-    """``python -m torch.distributed.run`` starting ``nproc`` local processes of ``script`` with
-    ``args``, rendezvous on 127.0.0.1 at a free port (run it with :func:`run_launcher`)."""
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr",
-            "127.0.0.1", "--master_port", str(free_port()), str(script), *map(str, args)]
-
-
+# ----------------------------------------------------------------------------- DeepSpeed
 def ds_gathered(module: torch.nn.Module) -> list[torch.Tensor]:
     """Copies of ``module``'s full parameters; under DeepSpeed ZeRO-3 (parameters with ``ds_shape``)
     gathered from their partitions first."""
@@ -198,29 +160,6 @@ def ds_gathered(module: torch.nn.Module) -> list[torch.Tensor]:
         return [p.detach().clone() for p in params]
     with deepspeed.zero.GatheredParameters(params):
         return [p.detach().clone() for p in params]
-
-
-def run_launcher(cmd: list[str], *, timeout: float, env: dict[str, str] | None = None, cwd: str | Path | None = None,
-                 what: str = "") -> str:
-    """Run ``cmd`` (a launcher and its workers; ``env`` defaults to :func:`subprocess_env`, ``cwd``
-    to the repository root) in its own session and return stdout + stderr together.
-
-    Fails the test, with the log's tail, when it exits non-zero or runs past ``timeout`` seconds
-    (then the whole session, launcher and workers, is killed, so no rank lingers)."""
-    import pytest
-
-    what = what or " ".join(cmd[:4])
-    proc = subprocess.Popen(cmd, cwd=str(cwd or REPO), env=env if env is not None else subprocess_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        log, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        log, _ = proc.communicate()
-        pytest.fail(f"{what}: still running after {timeout:.0f} s; log tail:\n{log[-6000:]}")
-    if proc.returncode != 0:
-        pytest.fail(f"{what}: exit status {proc.returncode}; log tail:\n{log[-8000:]}")
-    return log
 
 
 # ----------------------------------------------------------------------------- kernel test inputs

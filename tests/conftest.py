@@ -28,6 +28,15 @@ os.environ.setdefault("QMUON_NS_DTYPE", "bf16")
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """Tell the launchers which test runs (before its fixtures start any process): a test that
+    starts processes must be marked ``slow`` (tests/_dist.py fails it otherwise)."""
+    import _dist
+
+    _dist.running_test_is_slow = item.get_closest_marker("slow") is not None
+
+
 @pytest.fixture(scope="session")
 def ext():
     """The loaded compiled kernels (``qmuon.ops._extension.status()``); the test skips, with

@@ -31,7 +31,8 @@ from accelerate.state import AcceleratorState, GradientState  # noqa: E402
 from accelerate.utils import DistributedType  # noqa: E402
 
 import qmuon  # noqa: E402
-from _helpers import REPO, assert_same, free_port, run_launcher, subprocess_env  # noqa: E402
+from _helpers import assert_same  # noqa: E402
+from _dist import REPO, free_port, run_launcher, subprocess_env  # noqa: E402
 from qmuon.integrations.accelerate import (  # noqa: E402
     UnsupportedAccelerateConfig,
     check_accelerator,
@@ -352,6 +353,7 @@ def _check_fsdp2_report(rep: dict[str, Any], rank: int) -> None:
     assert rep["losses_a"] == rep["losses_b"]
 
 
+@pytest.mark.slow
 def test_two_processes_ddp_and_fsdp2_resume_bit_exact(tmp_path) -> None:
     """One ``torchrun --nproc_per_node 2`` launch on CPU (gloo): the DDP scenario with
     ``Accelerator(cpu=True)``, then the FSDP2 scenario with Accelerate's FSDP2 code forced on CPU
@@ -373,6 +375,7 @@ def test_two_processes_ddp_and_fsdp2_resume_bit_exact(tmp_path) -> None:
             _check_fsdp2_report(rep[f"fsdp2_{sdt}"], r)
 
 
+@pytest.mark.slow
 @pytest.mark.cuda
 @pytest.mark.parametrize("state_dict_type", ["SHARDED_STATE_DICT", "FULL_STATE_DICT"])
 def test_fsdp2_through_accelerate_on_gpus(tmp_path, state_dict_type: str) -> None:

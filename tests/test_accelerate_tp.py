@@ -180,7 +180,7 @@ def _main(out: Path) -> None:
 
 @pytest.mark.slow
 def test_accelerate_fsdp2_tp_matches_single_process(tmp_path: Path) -> None:
-    from _helpers import run_launcher, subprocess_env, torchrun_cmd
+    from _dist import run_launcher, subprocess_env, torchrun_cmd
 
     cmd = torchrun_cmd(4, Path(__file__).resolve(), "--worker", str(tmp_path))
     run_launcher(cmd, timeout=300, env=subprocess_env(PYTHONWARNINGS="ignore"), what="4-process Accelerate FSDP2 x TP")

@@ -14,7 +14,6 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 from _dist import full_copy, local_copy, run_workers
@@ -119,8 +118,7 @@ def test_sharded_adamw_state_reshards_without_requantizing(tmp_path, family, rou
     root = str(tmp_path)
     net1, opt1 = _single(family, STEPS, rounding)
     dcp.save(_sd(net1, opt1), checkpoint_id=os.path.join(root, "w1"), no_dist=True)
-    forkable = torch.get_num_threads() == 1 and not dist.is_initialized() and "fork" in mp.get_all_start_methods()
-    two = run_workers(_worker, 2, timeout=300, start_method="fork" if forkable else "spawn", root=root,
+    two = run_workers(_worker, 2, timeout=300, root=root,
                       family=family, rounding=rounding)
     # the state is Shard(0) DTensors with the global shape (DCP's resharding relies on it)
     kinds = two[0]["dtensor"]

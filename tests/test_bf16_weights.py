@@ -646,8 +646,6 @@ def _merge(per_rank: list):
 
 @pytest.fixture(scope="module")
 def sharded_runs(tmp_path_factory):
-    import torch.distributed as dist
-    import torch.multiprocessing as mp
     from _dist import run_workers
 
     import torch.distributed.checkpoint as dcp
@@ -666,8 +664,7 @@ def sharded_runs(tmp_path_factory):
                 p.grad = _shard_grads(net, s)[n]
             opt.step()
         single[rule] = {n: p.detach().clone() for n, p in net.named_parameters()}
-    forkable = torch.get_num_threads() == 1 and not dist.is_initialized() and "fork" in mp.get_all_start_methods()
-    two = run_workers(_worker_bf16, 2, timeout=300, start_method="fork" if forkable else "spawn", root=root)
+    two = run_workers(_worker_bf16, 2, timeout=300, root=root)
     merged = {}
     for rule in two[0]:
         per = [t[rule] for t in two]
@@ -840,7 +837,7 @@ def test_qmuon_fsdp_strategy_with_bf16_true(tmp_path):
     import sys
     from pathlib import Path
 
-    from _helpers import run_launcher, subprocess_env
+    from _dist import run_launcher, subprocess_env
 
     log = run_launcher([sys.executable, str(Path(__file__).resolve()), "fsdp", str(tmp_path)], timeout=400,
                        env=subprocess_env(PYTHONWARNINGS="ignore"), cwd=tmp_path, what="bf16-true qmuon_fsdp scenario")

@@ -17,7 +17,7 @@ import sys
 
 import pytest
 
-from _helpers import subprocess_env
+from _dist import subprocess_env
 
 pytestmark = pytest.mark.slow  # subprocesses that load the compiled kernels
 

@@ -21,7 +21,8 @@ import lightning as L
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 
-from _helpers import fsdp_scenario_main, run_launcher, subprocess_env
+from _helpers import fsdp_scenario_main
+from _dist import run_launcher, subprocess_env
 from qmuon import QMuon, build_optimizer
 from qmuon_lightning.callbacks import (
     OptimizerStepProfiler,

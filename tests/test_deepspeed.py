@@ -40,17 +40,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from _helpers import (  # tests/ is on sys.path: pytest's prepend mode, or this script's own directory
-    REPO,
-    assert_same,
-    free_port,
-    torchrun_cmd,
-    momentum_fp32,
-    ns_float64,
-    run_launcher,
-    subprocess_env,
-    torch_adjusted_lr,
-)
+# tests/ is on sys.path: pytest's prepend mode, or this script's own directory
+from _dist import REPO, free_port, run_launcher, subprocess_env, torchrun_cmd
+from _helpers import assert_same, momentum_fp32, ns_float64, torch_adjusted_lr
 
 sys.path.insert(0, str(REPO))
 
@@ -718,6 +710,7 @@ def _scenario(run: dict, key: str) -> list[dict]:
     return per_rank
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", [0, 1, 2])
 def test_zero_stage_matches_single_process(two_process_run, reference, stage):
     """ZeRO stage 0/1/2 on 2 processes, STEPS steps, against the single-process reference: weights on
@@ -746,6 +739,7 @@ def test_zero_stage_matches_single_process(two_process_run, reference, stage):
         assert len(split) == 3, split
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scenario", list(NS_OPTION_RUNS))
 def test_ns_options_match_single_process(two_process_run, reference, scenario):
     """The Newton-Schulz options give the single-process update under DeepSpeed: ``ns_dtype="fp32"``
@@ -791,6 +785,7 @@ def _optimizer_files(d: str, stage: int) -> list[dict]:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", [0, 2])
 def test_checkpoint_resume_is_bit_exact(two_process_run, reference, stage):
     """engine.save_checkpoint after CKPT_AT steps, continue to STEPS; a fresh engine (other initial
@@ -827,6 +822,7 @@ def test_checkpoint_resume_is_bit_exact(two_process_run, reference, stage):
                         f"checkpoint file of rank {r}, matrix {i}")
 
 
+@pytest.mark.slow
 def test_no_op_builds_and_mismatch_error(two_process_run):
     for res in two_process_run["ranks"]:
         assert res["accelerator"] == "cpu"
@@ -839,6 +835,7 @@ def test_no_op_builds_and_mismatch_error(two_process_run):
     assert "built successfully" not in two_process_run["log"]
 
 
+@pytest.mark.slow
 def test_bf16_zero2_matches_emulated_reference(two_process_run):
     """bf16 parameters at ZeRO 2 against the single-process emulation of DeepSpeed's bf16 path
     (:func:`_reference` with ``bf16=True``): the fp32 master slices, the bf16 model weights on both
@@ -860,6 +857,7 @@ def test_bf16_zero2_matches_emulated_reference(two_process_run):
     assert not any(torch.equal(a, b) for a, b in zip(r0["params"], [p.bfloat16() for p in ref["init"]]))
 
 
+@pytest.mark.slow
 def test_lightning_strategy_on_cpu_matches_single_process(two_process_run, reference):
     runs = _scenario(two_process_run, "lightning")
     r0 = runs[0]

@@ -23,7 +23,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from _helpers import REPO, ds_gathered, run_launcher, subprocess_env, torchrun_cmd
+from _helpers import ds_gathered
+from _dist import REPO, run_launcher, subprocess_env, torchrun_cmd
 
 sys.path.insert(0, str(REPO))
 

@@ -40,7 +40,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from _helpers import REPO, assert_same, ds_gathered, run_launcher, subprocess_env, torchrun_cmd
+from _helpers import assert_same, ds_gathered
+from _dist import REPO, run_launcher, subprocess_env, torchrun_cmd
 
 sys.path.insert(0, str(REPO))
 

@@ -23,7 +23,6 @@ import pytest
 import torch
 from torch import nn
 
-import torch.multiprocessing as mp
 from _dist import full_copy, local_copy, run_workers, set_grads, step_side_by_side
 from _helpers import assert_same
 
@@ -360,16 +359,11 @@ def _plain_run(root: str) -> dict:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    import torch.distributed as dist
-
     root = str(tmp_path_factory.mktemp("dcp"))
     plain = _plain_run(root)
-    # fork: the workers inherit this process's imports (torch, lightning, the compiled kernels)
-    # instead of importing them again; conftest.py keeps torch at one thread, so no OpenMP pool
-    # is forked. The timeout turns a hang into a failure.
-    forkable = torch.get_num_threads() == 1 and not dist.is_initialized() and "fork" in mp.get_all_start_methods()
-    start = "fork" if forkable else "spawn"
-    two = run_workers(_worker_two, 2, timeout=300, start_method=start, root=root,
+    # run_workers forks where it can (the workers inherit torch, lightning and the compiled kernels);
+    # the timeout turns a hang into a failure.
+    two = run_workers(_worker_two, 2, timeout=300, root=root,
                       configs=[dict(c) for c in DIRECT_CONFIGS], comm=TRAIN_COMM)
     for name in two[0]["direct"]:  # shards -> full tensors (the unsharded references are full already)
         res = [t["direct"][name] for t in two]
@@ -442,6 +436,7 @@ def test_plan_owners_balances_and_is_deterministic():
     assert chunk_ranges(3, 2) == ((0, 2), (2, 3)) and chunk_ranges(1, 2) == ((0, 1), (1, 1))
 
 
+@pytest.mark.slow
 def test_sharded_equals_single_process_bit_exact_with_bf16_carrier(runs):
     """Fed the same gradients, sharded QMuon with carriers in the NS dtype both ways gives the
     bits of single-process QMuon: the NS input is rounded to the NS dtype as the local path does,
@@ -457,6 +452,7 @@ def test_sharded_equals_single_process_bit_exact_with_bf16_carrier(runs):
                 assert all(torch.equal(st[k], ref[k]) for k in ref), (name, n)
 
 
+@pytest.mark.slow
 def test_uneven_empty_frozen_unused(runs):
     r0, r1 = (runs["two"][r]["direct"]["bf16"] for r in (0, 1))
     assert r0["local_rows_c"] == 1 and r1["local_rows_c"] == 0  # 1 row on 2 ranks: rank 1 holds none
@@ -466,6 +462,7 @@ def test_uneven_empty_frozen_unused(runs):
     assert not torch.equal(r0["params"]["c"], init["c"])
 
 
+@pytest.mark.slow
 def test_stochastic_rounding_noise_equals_unsharded(runs):
     """Momentum does not depend on the carrier, so with stochastic rounding the sharded codes and
     scales equal the unsharded ones bit for bit only if each shard drew the unsharded noise."""
@@ -476,6 +473,7 @@ def test_stochastic_rounding_noise_equals_unsharded(runs):
             assert all(torch.equal(st[k], ref[k]) for k in ref), n
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, bound", [("int8", 0.04), ("mxfp8", 2 * 2**-4)])
 def test_compact_carriers_close_to_single_process(runs, name, bound):
     """Relative error of the parameter displacement after 4 steps vs single-process QMuon.
@@ -492,6 +490,7 @@ def test_compact_carriers_close_to_single_process(runs, name, bound):
     assert max(v for n, v in rel.items() if n not in muon) == 0.0  # AdamW is not affected
 
 
+@pytest.mark.slow
 def test_comm_bytes_reported(runs):
     for r in (0, 1):
         st = runs["two"][r]["direct"]["int8"]["stats"][-1]
@@ -504,6 +503,7 @@ def test_comm_bytes_reported(runs):
         runs["two"][1]["direct"]["int8"]["stats"][-1]["ns_bytes_total"]
 
 
+@pytest.mark.slow
 def test_nonfinite_and_missing_grads_decided_collectively(runs):
     for r in (0, 1):
         sk = runs["two"][r]["skips"]
@@ -513,11 +513,13 @@ def test_nonfinite_and_missing_grads_decided_collectively(runs):
         assert sk["unchanged_after_raise"]
 
 
+@pytest.mark.slow
 def test_unsupported_format_raises(runs):
     msg = runs["two"][0]["unsupported"]
     assert "Replicate()" in msg and "Shard(0)" in msg and "1-D mesh" in msg and "HSDP" in msg, msg
 
 
+@pytest.mark.slow
 def test_fsdp_gradients_match_unsharded(runs):
     """FSDP2 averages the per-rank gradients (gloo, torch 2.13): equal to the whole-batch gradient
     up to fp32 summation order (relative 1e-5 allows ~100 ulp-level roundings per sum)."""
@@ -526,6 +528,7 @@ def test_fsdp_gradients_match_unsharded(runs):
         assert ((g - ref[n]).norm() / ref[n].norm()).item() < 1e-5, n
 
 
+@pytest.mark.slow
 def test_fsdp_training_close_to_unsharded(runs):
     """Real FSDP2 training vs single-process QMuon on the whole batch. The gradients differ in
     the last bits (summation order), which flips some bf16 roundings of the NS input (relative
@@ -538,6 +541,7 @@ def test_fsdp_training_close_to_unsharded(runs):
     assert t["state_is_dtensor"]
 
 
+@pytest.mark.slow
 def test_dcp_resume_bit_exact_same_world_size(runs):
     t = runs["two"][0]["train"]
     assert _maxdiff(t["resume_params"], t["cont_params"]) == 0.0
@@ -547,6 +551,7 @@ def test_dcp_resume_bit_exact_same_world_size(runs):
     assert t["fake_step_max_change"] == 0.0
 
 
+@pytest.mark.slow
 def test_reshard_1_to_2(runs):
     """Single-process checkpoint (plain tensors) -> 2 ranks through DCP: every state tensor
     arrives unchanged (rows reshard exactly: codes and scales are per row), and training goes on."""
@@ -567,6 +572,7 @@ def _plain_from(load) -> tuple[dict, dict]:
     return state, _full_params(model)
 
 
+@pytest.mark.slow
 def test_reshard_2_to_1_and_consolidated(runs):
     """2-rank DCP checkpoint -> one process (plain model, plain QMuon) through DCP, and the
     consolidated full state dict -> plain ``load_state_dict``: both give the sharded run's state
@@ -596,6 +602,7 @@ def test_reshard_2_to_1_and_consolidated(runs):
     assert max(rel.values()) < 0.25, rel  # same origin as test_fsdp_training_close_to_unsharded
 
 
+@pytest.mark.slow
 def test_state_nbytes_counts_local_shards(runs):
     """``QMuon.state_nbytes()`` reports what this rank holds: the ranks' figures add up to the
     unsharded optimizer's (row-sharded codes and per-row-block scales split exactly; the 0-d

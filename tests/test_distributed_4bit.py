@@ -16,7 +16,6 @@ import pytest
 import torch
 from torch import nn
 
-import torch.multiprocessing as mp
 from _dist import full_copy, local_copy, run_workers, set_grads, step_side_by_side
 
 STEPS = 3
@@ -165,11 +164,8 @@ def _rows(full, p):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    import torch.distributed as dist
-
     root = str(tmp_path_factory.mktemp("grasp_dcp"))
-    forkable = torch.get_num_threads() == 1 and not dist.is_initialized() and "fork" in mp.get_all_start_methods()
-    two = run_workers(_worker, 2, timeout=240, start_method="fork" if forkable else "spawn", root=root)
+    two = run_workers(_worker, 2, timeout=240, root=root)
     return {"root": root, "two": two}
 
 
@@ -177,6 +173,7 @@ def _rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-30)).item()
 
 
+@pytest.mark.slow
 def test_state_layout_and_replication(runs):
     r0, r1 = runs["two"]
     pl = r0["placements"]
@@ -190,6 +187,7 @@ def test_state_layout_and_replication(runs):
     assert st["grid_col_max"].shape == (4, 48) and st["momentum_packed"].shape == (127, 24)
 
 
+@pytest.mark.slow
 def test_sharded_grasp4_matches_single_process(runs):
     """The sharded state decodes to the single-process momentum and the parameters follow it.
 
@@ -225,6 +223,7 @@ def test_sharded_grasp4_matches_single_process(runs):
         assert rel < 1e-2, (n, rel)
 
 
+@pytest.mark.slow
 def test_dcp_resume_bit_exact_same_world_size(runs):
     r = runs["two"][0]
     for pid, st in r["saved_full"]["state"].items():
@@ -234,6 +233,7 @@ def test_dcp_resume_bit_exact_same_world_size(runs):
         assert torch.equal(r["resume_params"][n], v), n
 
 
+@pytest.mark.slow
 def test_reshard_2_to_1(runs):
     """The 2-rank DCP checkpoint loads into a single-process grasp4 QMuon with the same state bits
     (the global layout of every tensor is the unsharded one)."""
@@ -256,6 +256,7 @@ def test_reshard_2_to_1(runs):
         assert torch.equal(p.detach(), r["saved_params"][n]), n
 
 
+@pytest.mark.slow
 def test_unaligned_shards_raise_clear_error(runs):
     r = runs["two"][0]
     msg = r["unaligned"]
@@ -263,6 +264,7 @@ def test_unaligned_shards_raise_clear_error(runs):
     assert r["unaligned_unchanged"]
 
 
+@pytest.mark.slow
 def test_consolidated_load_onto_two_ranks(runs):
     """``load_full_state_dict`` slices the plain full grasp4 tensors per rank (rows, row tiles, R
     whole): the state round-trips bit for bit and training continues exactly as uninterrupted."""
@@ -274,6 +276,7 @@ def test_consolidated_load_onto_two_ranks(runs):
         assert torch.equal(r["consolidated_params"][n], v), n
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
 def test_sharded_e0m3_equals_single_process(runs, rounding):
     """e0m3's only non-row-local piece is the tensor scale ``amax / (7 * 448)``; a MAX all-reduce of
@@ -287,6 +290,7 @@ def test_sharded_e0m3_equals_single_process(runs, rounding):
         assert torch.equal(r["params"][n], r["ref_params"][n]), n
 
 
+@pytest.mark.slow
 def test_sharded_updates_run_the_compiled_kernels(runs):
     """The sharded e0m3 / grasp4 updates go through ``torch.ops.qmuon``'s row-shard ops, served by the
     compiled CPU kernels when the extension is loaded (the same kernels as the single-process update)."""

@@ -21,7 +21,6 @@ from typing import Any
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from torch import nn
 from torch.nn import functional as F
 
@@ -31,7 +30,8 @@ from lightning.fabric.strategies import STRATEGY_REGISTRY
 
 import qmuon
 from _dist import run_workers
-from _helpers import REPO, assert_same, run_launcher, subprocess_env
+from _helpers import assert_same
+from _dist import REPO, run_launcher, subprocess_env
 from qmuon_lightning.models import DecoderLM
 from qmuon_lightning.strategies import QMuonFabricStrategy, register_fabric_strategies
 from qmuon_lightning.strategies.fsdp import PRESETS
@@ -313,15 +313,11 @@ def _same(a: Any, b: Any) -> bool:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    import torch.distributed as dist
-
     root = tmp_path_factory.mktemp("qmuon_fabric")
-    forkable = torch.get_num_threads() == 1 and not dist.is_initialized() and "fork" in mp.get_all_start_methods()
-    method = "fork" if forkable else "spawn"
     out: dict[str, Any] = {"root": root}
-    (out["one_first"],) = run_workers(_one_first, 1, timeout=240, start_method=method, root=str(root))
-    out["two"] = run_workers(_two, 2, timeout=400, start_method=method, root=str(root))
-    (out["one_after"],) = run_workers(_one_after, 1, timeout=240, start_method=method, root=str(root))
+    (out["one_first"],) = run_workers(_one_first, 1, timeout=240, root=str(root))
+    out["two"] = run_workers(_two, 2, timeout=400, root=str(root))
+    (out["one_after"],) = run_workers(_one_after, 1, timeout=240, root=str(root))
     return out
 
 
@@ -329,6 +325,7 @@ def _load(path: Path) -> dict[str, Any]:
     return torch.load(path, weights_only=True)
 
 
+@pytest.mark.slow
 def test_plain_loop_shards_by_policy_and_trains(runs: dict[str, Any]) -> None:
     for r in runs["two"]:
         assert r["strategy"] == "QMuonFabricStrategy" and r["world"] == 2
@@ -340,6 +337,7 @@ def test_plain_loop_shards_by_policy_and_trains(runs: dict[str, Any]) -> None:
         assert "unused.weight" not in r["A"]["state"] and "frozen.weight" not in r["A"]["state"]
 
 
+@pytest.mark.slow
 def test_sharded_resume_on_two_processes_is_bit_exact(runs: dict[str, Any]) -> None:
     """Save after 3 steps, load into a fresh model and optimizer (another seed), continue to step 6:
     every parameter shard and optimizer state tensor equals the uninterrupted run's, on each rank."""
@@ -350,6 +348,7 @@ def test_sharded_resume_on_two_processes_is_bit_exact(runs: dict[str, Any]) -> N
         assert_same(r["A"], r["B"], "sharded resume")
 
 
+@pytest.mark.slow
 def test_consolidated_resume_is_bit_exact(runs: dict[str, Any]) -> None:
     for r in runs["two"]:
         assert r["stepC"] == SAVE_AT and r["remainderC"] == []
@@ -362,6 +361,7 @@ def test_consolidated_resume_is_bit_exact(runs: dict[str, Any]) -> None:
     assert any(v.dtype == torch.int8 and v.shape[0] == 3 * D for v in state.values() if isinstance(v, torch.Tensor))
 
 
+@pytest.mark.slow
 def test_grasp4_momentum_resumes_bit_exactly(runs: dict[str, Any]) -> None:
     for r in runs["two"]:
         assert r["grasp_formats"] == ["grasp4"]
@@ -369,6 +369,7 @@ def test_grasp4_momentum_resumes_bit_exactly(runs: dict[str, Any]) -> None:
         assert_same(r["G"], r["GC"], "grasp4 consolidated resume")
 
 
+@pytest.mark.slow
 def test_two_to_one_process_reshards(runs: dict[str, Any]) -> None:
     """The 2-process sharded checkpoint loaded on 1 process holds exactly the saved weights and
     quantized momentum (compared with the consolidated file the 2-process run wrote at the same
@@ -386,6 +387,7 @@ def test_two_to_one_process_reshards(runs: dict[str, Any]) -> None:
     assert all(math.isfinite(v) for v in after["losses"])
 
 
+@pytest.mark.slow
 def test_one_to_two_processes_reshards(runs: dict[str, Any]) -> None:
     loaded = _load(runs["root"] / "two_loaded_one_2.pt")
     saved = _load(runs["root"] / "one_full_2.pt")
@@ -394,6 +396,7 @@ def test_one_to_two_processes_reshards(runs: dict[str, Any]) -> None:
     assert runs["two"][0]["loss_after_1to2"][0] == pytest.approx(runs["two"][0]["lossA"][2], rel=1e-5)
 
 
+@pytest.mark.slow
 def test_preset_replaces_adamw_and_keeps_a_qmuon(runs: dict[str, Any]) -> None:
     for r in runs["two"]:
         assert r["swapped_type"] == "QMuon"
@@ -406,6 +409,7 @@ def test_preset_replaces_adamw_and_keeps_a_qmuon(runs: dict[str, Any]) -> None:
     assert "state_format='grasp4'" in runs["two"][0]["preset_warning"][0] and "['int8']" in runs["two"][0]["preset_warning"][0]
 
 
+@pytest.mark.slow
 def test_save_is_atomic(runs: dict[str, Any]) -> None:
     for r in runs["two"]:
         assert r["injected"] == "injected: disk full"
@@ -415,6 +419,7 @@ def test_save_is_atomic(runs: dict[str, Any]) -> None:
         assert "is a directory but not a checkpoint" in r["not_a_checkpoint_dir"]
 
 
+@pytest.mark.slow
 def test_refusals_name_the_problem_and_the_fix(runs: dict[str, Any]) -> None:
     for r in runs["two"]:
         assert "saved with state_format='int8'" in r["layout_error"] and "state_format='uint8'" in r["layout_error"]
@@ -423,6 +428,7 @@ def test_refusals_name_the_problem_and_the_fix(runs: dict[str, Any]) -> None:
         assert "LR scheduler is attached" in r["scheduler_error"]
 
 
+@pytest.mark.slow
 def test_example_script_on_two_processes_resumes_bit_exactly(tmp_path: Path) -> None:
     """examples/fabric_train.py under Lightning's own launcher (Fabric(devices=2) starts rank 1 by
     re-running the script). Run A trains 6 steps, saving every 2; run B starts from a copy of A's

@@ -29,7 +29,8 @@ from torch.utils.data import DataLoader, TensorDataset
 import lightning as L
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from _helpers import fsdp_scenario_main, run_launcher, subprocess_env
+from _helpers import fsdp_scenario_main
+from _dist import run_launcher, subprocess_env
 from qmuon import QMuon, build_optimizer
 from qmuon_lightning.callbacks import QuantFidelityError, QuantFidelityMonitor, QuantizedStateCheckpoint
 from qmuon_lightning.callbacks.summary import TrainSummary

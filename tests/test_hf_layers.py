@@ -42,7 +42,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import qmuon  # noqa: E402
 from _dist import run_workers  # noqa: E402
-from _helpers import assert_same, fabric_resume_scenario, run_launcher, subprocess_env  # noqa: E402
+from _helpers import assert_same, fabric_resume_scenario  # noqa: E402
+from _dist import run_launcher, subprocess_env  # noqa: E402
 from qmuon.optim import format_routing_table, route_parameters  # noqa: E402
 
 VOCAB, D, HEADS, LAYERS, SEQ, BATCH = 256, 64, 4, 2, 32, 4
@@ -372,6 +373,7 @@ def _sharded_worker(rank: int, world: int, family: str) -> dict[str, Any]:
     return out if rank == 0 else {}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["gpt2"])
 def test_sharded_update_is_single_process_bit_for_bit(family: str) -> None:
     """FSDP2 Shard(0) of (in, out) weights and of column-fused c_attn, 2 processes: parameters and
@@ -633,7 +635,7 @@ def _worker_main(out: Path) -> None:
 
 @pytest.fixture(scope="module")
 def two_process_run(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    from _helpers import torchrun_cmd
+    from _dist import torchrun_cmd
 
     pytest.importorskip("deepspeed")
     pytest.importorskip("accelerate")
@@ -660,6 +662,7 @@ def _ds_reference() -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", [0, 2])
 def test_deepspeed_gpt2_matches_single_process(two_process_run: list[dict], stage: int) -> None:
     """ZeRO 0 / 2 on 2 processes: GPT-2's (in, out) weights and column-fused c_attn get the
@@ -676,6 +679,7 @@ def test_deepspeed_gpt2_matches_single_process(two_process_run: list[dict], stag
         assert cut, f"no c_attn row is cut by the partition boundary: {holders}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_accelerate_fsdp2_update_and_resume(two_process_run: list[dict], family: str) -> None:
     """Accelerate's FSDP2 (forced on CPU; arguments: TRAINER_KW): per-layer targets against
@@ -687,6 +691,7 @@ def test_accelerate_fsdp2_update_and_resume(two_process_run: list[dict], family:
         assert_targets(acc["report"], f"{family} accelerate rank {r}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", TRAINER_FAMILIES)
 def test_trainer_qmuon_fsdp_hf_models(two_process_run: list[dict], family: str) -> None:
     """Trainer(strategy="qmuon_fsdp"), 2 processes: the layouts reach the optimizer, the per-layer
@@ -704,6 +709,7 @@ def test_trainer_qmuon_fsdp_hf_models(two_process_run: list[dict], family: str) 
             assert layouts == {(None, 0, "out_in")}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_fabric_qmuon_fsdp_hf_models(two_process_run: list[dict], family: str) -> None:
     """L.Fabric(strategy="qmuon_fsdp"), 2 processes, plain loop: the per-layer update meets the

@@ -368,7 +368,7 @@ def _trainer_main(out: Path) -> None:
 def test_trainer_hsdp_trains_and_resumes(tmp_path: Path) -> None:
     """QMuonFSDPStrategy(replicate_size=2) on 4 processes: HSDP placements, each rank runs <= 1/4
     + 10% of the NS cost, and a resume from the sharded checkpoint of epoch 0 is bit-exact."""
-    from _helpers import torchrun_cmd, run_launcher, subprocess_env
+    from _dist import torchrun_cmd, run_launcher, subprocess_env
 
     cmd = torchrun_cmd(4, Path(__file__).resolve(), "--trainer", str(tmp_path))
     run_launcher(cmd, timeout=600, env=subprocess_env(PYTHONWARNINGS="ignore"), what="4-process HSDP Trainer")
@@ -562,7 +562,7 @@ def _drivers_main(out: Path) -> None:
 
 @pytest.fixture(scope="module")
 def drivers_run(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    from _helpers import torchrun_cmd, run_launcher, subprocess_env
+    from _dist import torchrun_cmd, run_launcher, subprocess_env
 
     out = tmp_path_factory.mktemp("hsdp_drivers")
     cmd = torchrun_cmd(4, Path(__file__).resolve(), "--drivers", str(out))

@@ -22,7 +22,8 @@ import pytest
 import torch
 
 import qmuon.ops as qops
-from _helpers import REPO, assert_bits_equal, assert_sumsq_close, make_grad, noise_or_none
+from _helpers import assert_bits_equal, assert_sumsq_close, make_grad, noise_or_none
+from _dist import REPO
 from qmuon.ops import _extension
 from qmuon.ops import reference as ref
 

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import qmuon_lightning  # noqa: E402,F401  (registers the strategies)
-from _helpers import subprocess_env  # noqa: E402
+from _dist import subprocess_env  # noqa: E402
 from qmuon import QMuon, build_optimizer  # noqa: E402
 
 LR, ADAMW_LR = 0.02, 3e-3

@@ -29,7 +29,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import qmuon  # noqa: E402
-from _helpers import REPO, run_launcher, subprocess_env  # noqa: E402
+from _dist import REPO, run_launcher, subprocess_env  # noqa: E402
 from qmuon_lightning.cli_litgpt import split_qmuon_args  # noqa: E402
 from qmuon.optim import format_routing_table, route_parameters  # noqa: E402
 

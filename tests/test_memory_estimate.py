@@ -192,7 +192,7 @@ def test_qmuon_estimate_cli_on_a_recipe(capsys, tmp_path) -> None:
     """``qmuon-estimate`` (and ``qmuon-train fit ... --estimate_memory``) on a GB10 recipe: the table
     and the JSON carry memory.estimate's numbers, and the budget search finds deeper models for
     QMuon than for AdamW."""
-    from _helpers import REPO
+    from _dist import REPO
 
     from qmuon_lightning.cli import estimate_main, main
 

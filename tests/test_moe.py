@@ -31,7 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import qmuon  # noqa: E402
 from _dist import run_workers  # noqa: E402
-from _helpers import assert_same, fabric_resume_scenario, roundtrip_state_dict, run_launcher, subprocess_env  # noqa: E402
+from _helpers import assert_same, fabric_resume_scenario, roundtrip_state_dict  # noqa: E402
+from _dist import run_launcher, subprocess_env  # noqa: E402
 from _moe import (D, EXPERTS, INTER, LAYERS, LR, MOE_FAMILIES, compare, expert_blocks, expert_report,  # noqa: E402
                   lm_loss, make_moe, tokens, torch_muon_update)
 from qmuon.optim import RoutingRule, format_routing_table, route_parameters  # noqa: E402
@@ -590,7 +591,7 @@ def _worker2_main(out: Path) -> None:
 
 def _launch(out: Path, flag: str, what: str) -> list[dict[str, Any]]:
     """Run this file's ``flag`` worker on 2 processes; each rank's results."""
-    from _helpers import torchrun_cmd
+    from _dist import torchrun_cmd
 
     run_launcher(torchrun_cmd(2, Path(__file__).resolve(), flag, str(out)), timeout=900,
                  env=subprocess_env(PYTHONWARNINGS="ignore"), what=what)

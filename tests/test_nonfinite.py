@@ -18,7 +18,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import lightning as L
 
-from _helpers import fsdp_scenario_main, run_launcher, subprocess_env
+from _helpers import fsdp_scenario_main
+from _dist import run_launcher, subprocess_env
 from qmuon import NonFiniteGradientError, QMuon, QMuonConfig, build_optimizer
 from qmuon_lightning.callbacks.summary import TrainSummary
 from qmuon.quant import state as qstate

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from _helpers import REPO
+from _dist import REPO
 
 PKG = "qmuon"  # the library, which holds the kernel sources
 PACKAGES = ("qmuon", "qmuon_lightning")

@@ -261,7 +261,7 @@ def test_smoke_recipe_trains_on_a_prepared_corpus_with_its_vocabulary(corpus_src
     --data.paths=[DIR]; the model's vocabulary is meta.json's (linked, not configured)."""
     from qmuon_lightning.cli import QMuonCLI
 
-    from _helpers import REPO
+    from _dist import REPO
 
     out = tmp_path / "corpus"
     _prepare(corpus_src, out, "--val-fraction", "0.25")

@@ -19,7 +19,7 @@ import pytest
 import torch
 import yaml
 
-from _helpers import REPO
+from _dist import REPO
 from qmuon_lightning.callbacks.summary import optimizer_state_bytes
 from qmuon_lightning.cli import main
 from qmuon_lightning.data import ByteLMDataModule

@@ -566,7 +566,7 @@ def test_sigkill_with_two_checkpoint_callbacks_is_bit_identical(tmp_path, world_
             break
     assert sum(o == "killed" for o, _ in logs) >= 2, [o for o, _ in logs]
     final = _crash.run(cfg)
-    starts = [log for _, log in logs[1:]] + [final.stdout + final.stderr]
+    starts = [log for _, log in logs[1:]] + [final]
     for log in starts:
         assert "ckpt_path=auto: resuming from" in log and "starting a new run" not in log, log[-3000:]
     names = _crash.checkpoint_names(killed)

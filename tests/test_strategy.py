@@ -26,7 +26,8 @@ import lightning as L
 from lightning.pytorch.strategies import StrategyRegistry
 
 import qmuon_lightning  # noqa: F401  (registers the strategies)
-from _helpers import assert_same, run_launcher, subprocess_env
+from _helpers import assert_same
+from _dist import run_launcher, subprocess_env
 from qmuon import QMuon
 from qmuon_lightning.models import DecoderLM
 from qmuon_lightning.strategies import QMuonFSDPStrategy
@@ -540,6 +541,7 @@ def one_proc(same_world: tuple[Path, list[dict]]) -> tuple[Path, list[dict]]:
     return out, _run_worker("one_proc", out, "qmuon")
 
 
+@pytest.mark.slow
 def test_two_processes_shard_swap_and_train(same_world: tuple[Path, list[dict]]) -> None:
     """A module without configure_model whose configure_optimizers returns AdamW + LambdaLR:
     the policy shards it, QMuon replaces AdamW (user AdamW settings kept), frozen and unused
@@ -570,6 +572,7 @@ def test_two_processes_shard_swap_and_train(same_world: tuple[Path, list[dict]])
     assert ranks[0]["ckpt_A"] == ["epoch=0.ckpt", "epoch=1.ckpt", "epoch=2.ckpt"]
 
 
+@pytest.mark.slow
 def test_resume_at_same_world_size_is_bit_exact(same_world: tuple[Path, list[dict]]) -> None:
     """Uninterrupted 6 steps == resume after 2 steps from a consolidated file == resume after 4
     steps from a sharded directory: every parameter shard and optimizer state tensor identical."""
@@ -581,6 +584,7 @@ def test_resume_at_same_world_size_is_bit_exact(same_world: tuple[Path, list[dic
     assert (out / "A" / "epoch=0.ckpt").is_file()
 
 
+@pytest.mark.slow
 def test_resume_two_to_one_process(one_proc: tuple[Path, list[dict]]) -> None:
     """The sharded checkpoint written by 2 processes loads on 1: the consolidated model and
     optimizer state after loading equal those the 2-process run had after loading it."""
@@ -612,6 +616,7 @@ def test_resume_one_to_two_processes(one_proc: tuple[Path, list[dict]]) -> None:
     assert_same(one["optim_state"], two["optim_state"], "optimizer")
 
 
+@pytest.mark.slow
 @pytest.mark.cuda
 def test_cuda_nccl_train_and_resume_bit_exact(tmp_path: Path) -> None:
     """On a GPU: NCCL process group, parameters on CUDA, QMuon swapped in, sharded resume bit-exact."""

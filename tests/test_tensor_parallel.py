@@ -322,6 +322,7 @@ def _placement_error(rank: int, world: int) -> str:
     return ""
 
 
+@pytest.mark.slow
 def test_unsupported_placement_error_names_parameter_and_layouts() -> None:
     msg = run_workers(_placement_error, 1, timeout=120, start_method="fork")[0]
     assert "'proj.weight'" in msg and "(Shard(dim=1),)" in msg, msg
@@ -461,7 +462,7 @@ def test_trainer_tensor_parallel_trains_and_resumes(tmp_path: Path) -> None:
     """QMuonFSDPStrategy(data_parallel_size=2, tensor_parallel_size=2) with a configure_model that
     applies the TP plan: QMuon steps the colwise / rowwise DTensors, the Newton-Schulz work is dealt
     over all 4 ranks, and a resume from the sharded checkpoint of epoch 0 is bit-exact."""
-    from _helpers import torchrun_cmd, run_launcher, subprocess_env
+    from _dist import torchrun_cmd, run_launcher, subprocess_env
 
     cmd = torchrun_cmd(4, Path(__file__).resolve(), "--trainer", str(tmp_path))
     run_launcher(cmd, timeout=600, env=subprocess_env(PYTHONWARNINGS="ignore"), what="4-process FSDP x TP Trainer")
