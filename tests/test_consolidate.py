@@ -21,7 +21,7 @@ import torch
 
 import lightning as L
 
-from _helpers import REPO, run_launcher, subprocess_env
+from _dist import REPO, run_launcher, subprocess_env
 from qmuon_lightning.models import DecoderLM
 
 VOCAB, SEQ = 64, 16
