@@ -200,13 +200,16 @@ def run_and_kill(config: Path, root: Path, after_step: int, rng: random.Random, 
 
 
 def load_checkpoint(path: Path) -> dict[str, Any]:
-    """A Lightning checkpoint of either layout as one dict of full tensors (no process group)."""
+    """A Lightning checkpoint of either layout as one dict of full tensors (no process group), a
+    sharded directory in the single-file layout (``"state_dict"``, ``"optimizer_states"``) as
+    ``python -m lightning.pytorch.utilities.consolidate_checkpoint`` writes it."""
     if path.is_dir():
         from lightning.fabric.utilities.load import _load_distributed_checkpoint
+        from lightning.pytorch.utilities.consolidate_checkpoint import _format_checkpoint
 
         blob = _load_distributed_checkpoint(path)
         blob.update(torch.load(path / "meta.pt", weights_only=False))
-        return blob
+        return _format_checkpoint(blob) if "model" in blob else blob
     return torch.load(path, map_location="cpu", weights_only=False)
 
 

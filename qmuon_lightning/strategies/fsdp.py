@@ -19,10 +19,11 @@ What it adds to :class:`lightning.pytorch.strategies.ModelParallelStrategy`:
    its step sent (attribute ``comm_bytes_last_step``: QMuon's distributed Newton-Schulz exchange),
    the value is logged as ``qmuon/comm_bytes`` through ``LightningModule.log``.
 
-Checkpoints are saved by Lightning's ``ModelParallelStrategy`` hooks: with
-``save_distributed_checkpoint=True`` (default) a directory written by
+Checkpoints: with ``save_distributed_checkpoint=True`` (default) a directory written by
 ``torch.distributed.checkpoint`` (each rank writes its shards; loading reshards, so a run saved on
-2 processes resumes on 1 and vice versa), with ``False`` one consolidated file on rank 0. A sharded save is written into a hidden staging
+2 processes resumes on 1 and vice versa) in the layout of Lightning's ``FSDPStrategy`` (weights
+under ``"model"``), which ``python -m lightning.pytorch.utilities.consolidate_checkpoint`` turns into
+one file for ``LightningModule.load_from_checkpoint``; with ``False`` one consolidated file on rank 0. A sharded save is written into a hidden staging
 directory and renamed into place when every rank has finished
 (:mod:`qmuon.distributed.resume`), so a crash never leaves a half-written directory
 under a checkpoint's name, and loading an incomplete checkpoint fails naming what is missing. The
@@ -87,6 +88,19 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
     ),
     "qmuon_fsdp_keep": ("FSDP2 with automatic sharding; the configured optimizer is kept", {"optimizer": "keep"}),
 }
+
+#: The key of the weights in a sharded checkpoint directory written by this strategy (Lightning's
+#: ``FSDPStrategy`` layout; ``ModelParallelStrategy`` writes ``"state_dict"``, which is still read).
+SHARDED_MODEL_KEY = "model"
+
+
+def sharded_model_key(path: Path) -> str:
+    """``"model"`` or ``"state_dict"``: under which key the sharded checkpoint ``path`` holds the weights."""
+    import torch.distributed.checkpoint as dcp
+
+    keys = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    return SHARDED_MODEL_KEY if any(k.startswith(SHARDED_MODEL_KEY + ".") for k in keys) else "state_dict"
+
 
 _NO_OPTIMIZER_STATE = (
     "{path} holds no optimizer state (saved with save_weights_only=True?), so training cannot resume from it. "
@@ -329,11 +343,32 @@ class QMuonFSDPStrategy(QMuonStrategyMixin, ModelParallelStrategy):
         if self.is_global_zero and staging.exists():
             shutil.rmtree(staging)
         self.barrier("qmuon_fsdp_save_staging")
-        super().save_checkpoint(checkpoint, staging, storage_options=storage_options)
+        self._save_sharded(checkpoint, staging, storage_options)
         self.barrier("qmuon_fsdp_save_written")
         if self.is_global_zero:
             publish_directory(staging, final)
         self.barrier("qmuon_fsdp_save_published")
+
+    def _save_sharded(self, checkpoint: dict[str, Any], path: Path, storage_options: Optional[Any]) -> None:
+        """``ModelParallelStrategy``'s sharded save with the weights under ``"model"`` instead of
+        ``"state_dict"``: the layout of Lightning's ``FSDPStrategy``, which
+        ``python -m lightning.pytorch.utilities.consolidate_checkpoint`` reads (it renames ``"model"``
+        to ``"state_dict"`` and gathers ``"optimizer_<i>"`` into ``"optimizer_states"``), so its
+        output loads with ``LightningModule.load_from_checkpoint``. Only the key name differs; the
+        tensors written are the same. :meth:`load_checkpoint` reads either key."""
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__}.save_checkpoint(..., storage_options=...) is not supported "
+                            "with sharded checkpoints (torch.distributed.checkpoint writes them, not CheckpointIO)")
+        import torch.distributed.checkpoint as dcp
+
+        if path.is_file():
+            path.unlink()
+        path.mkdir(parents=True, exist_ok=True)
+        converted = {SHARDED_MODEL_KEY: checkpoint.pop("state_dict")}
+        converted.update({f"optimizer_{idx}": osd for idx, osd in enumerate(checkpoint.pop("optimizer_states", []))})
+        dcp.save(converted, checkpoint_id=path)
+        if self.global_rank == 0:
+            torch.save(checkpoint, path / _METADATA_FILENAME)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
@@ -353,7 +388,7 @@ class QMuonFSDPStrategy(QMuonStrategyMixin, ModelParallelStrategy):
             metadata = torch.load(path / _METADATA_FILENAME, weights_only=weights_only)
             self._check_compatible(metadata.get(CKPT_KEY), path)
             apply_format_overrides(self.lightning_module, self.optimizers, metadata.get(CKPT_KEY), type(self).__name__)
-            load_sharded_state(module, path, "state_dict", optimizers, strict=strict,
+            load_sharded_state(module, path, sharded_model_key(path), optimizers, strict=strict,
                                missing_optimizer=_NO_OPTIMIZER_STATE)
             return metadata
         if path.is_file():
