@@ -55,6 +55,11 @@ from qmuon.integrations import deepspeed as qds  # noqa: E402
 from qmuon.integrations.deepspeed import layout as ds_layout  # noqa: E402
 from qmuon_lightning.models.decoder_lm import DecoderLM, DecoderLMConfig  # noqa: E402
 
+# ns_bf16: the scenarios' Newton-Schulz options (ns_dtype='fp32', ...) are told apart from the default options'
+# first step, so the default must be bf16.
+pytestmark = pytest.mark.ns_bf16
+
+
 VOCAB = 64
 SEQ = 16
 WORLD = 2
