@@ -85,6 +85,7 @@ def test_wheel_ships_kernel_sources_and_installed_package_finds_them(tmp_path):
         zf.extractall(site)
     # The unpacked wheel (first on sys.path, before the editable checkout) uses its own sources.
     env = dict(os.environ, PYTHONPATH=str(site), QMUON_BACKEND="reference")
+    env.pop("QMUON_CSRC_DIR", None)  # a developer's override of the sources would hide the wheel's
     code = ("import qmuon.ops._extension as e, qmuon, qmuon_lightning as q; "
             "print(qmuon.__file__); print(q.__file__); print(e.csrc_dir())")
     out = subprocess.run([sys.executable, "-c", code], env=env, cwd=tmp_path, capture_output=True, text=True,
@@ -94,8 +95,10 @@ def test_wheel_ships_kernel_sources_and_installed_package_finds_them(tmp_path):
     assert Path(csrc) == site / PKG / "_csrc" and (Path(csrc) / "binding.cpp").is_file()
 
 
-def test_source_checkout_falls_back_to_csrc():
+def test_source_checkout_falls_back_to_csrc(monkeypatch):
     from qmuon.ops import _extension
+
+    monkeypatch.delenv("QMUON_CSRC_DIR", raising=False)  # the override is exercised by test_doctor
 
     installed, checkout = _extension._source_dirs()
     assert installed.name == "_csrc" and checkout.name == "csrc"
