@@ -68,3 +68,27 @@ def test_a_live_build_is_waited_for_with_its_holder_named(build_copy):
     assert f"waiting for the kernel build in {build}, held by pid {os.getpid()}" in proc.stderr
     assert f"waited 2 s for the kernel build in {build}, held by pid {os.getpid()}" in proc.stderr
     assert _load(root, timeout=120).returncode == 0  # released: the next load goes through
+
+
+def _processes_mentioning(text: str) -> list[str]:
+    out = []
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if text in cmd:
+                out.append(f"{pid}: {cmd[:200]}")
+    return out
+
+
+def test_a_build_past_its_time_limit_stops_with_an_error(tmp_path):
+    """A fresh build (nothing cached) with QMUON_BUILD_TIMEOUT_S=3: stopped with an error that names
+    the limit and the fix, and no compiler of it is left running (its process group is killed)."""
+    root = tmp_path / "fresh-ext"
+    proc = _load(root, timeout=240, QMUON_BUILD_TIMEOUT_S="3", QMUON_GPU_LIB="0", QMUON_BUILD_CUDA="0", MAX_JOBS="1")
+    assert proc.returncode != 0
+    assert "did not finish within 3 s and was stopped" in proc.stderr and "QMUON_BUILD_TIMEOUT_S" in proc.stderr
+    assert _processes_mentioning(str(root)) == []

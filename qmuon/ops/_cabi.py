@@ -127,7 +127,7 @@ def library_layout(lib: C.CDLL, kind: str) -> list[int]:
 # ---------------------------------------------------------------------------------------------
 def _layout_ok(t: Tensor) -> bool:
     """The kernels index element (r, c) as base + r * row_stride + c."""
-    return (t.shape[1] <= 1 or t.stride(1) == 1) and (t.shape[0] <= 1 or t.stride(0) >= t.shape[1])
+    return t.is_contiguous() or ((t.shape[1] <= 1 or t.stride(1) == 1) and (t.shape[0] <= 1 or t.stride(0) >= t.shape[1]))
 
 
 def _rs(t: Tensor) -> int:
@@ -146,52 +146,52 @@ def _ptr(t: Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-def _fail(op: str, msg: str) -> RuntimeError:
-    return RuntimeError(f"qmuon: {op} {msg}")
-
-
-def _check(ok: bool, op: str, msg: str) -> None:
+def _check(ok: bool, op: str, msg: str | Callable[[], str]) -> None:
+    """Raise ``RuntimeError("qmuon: <op> <msg>")`` unless ``ok``. ``msg`` may be a callable, so that the
+    message (tuple formatting: about a microsecond) is only built when the check fails."""
     if not ok:
-        raise _fail(op, msg)
+        raise RuntimeError(f"qmuon: {op} {msg() if callable(msg) else msg}")
 
 
 def _check_2d(t: Tensor, dtype: torch.dtype, rows: int, cols: int, what: str, i: int, op: str, hint: str = "") -> None:
-    _check(t.dtype == dtype, op, f"{what} {i} must be {dtype}, got {t.dtype}")
-    _check(t.dim() == 2 and tuple(t.shape) == (rows, cols), op,
-           f"{what} {i} has shape {tuple(t.shape)} but needs ({rows}, {cols}){hint}")
+    if t.dtype != dtype:
+        _check(False, op, f"{what} {i} must be {dtype}, got {t.dtype}")
+    if t.dim() != 2 or t.shape[0] != rows or t.shape[1] != cols:
+        _check(False, op, f"{what} {i} has shape {tuple(t.shape)} but needs ({rows}, {cols}){hint}")
 
 
 def _check_grad(g: Tensor, i: int, state: Tensor, op: str) -> None:
-    _check(g.dim() == 2, op, f"grad {i} must be 2-D, got {g.dim()}-D")
+    _check(g.dim() == 2, op, lambda: f"grad {i} must be 2-D, got {g.dim()}-D")
     _check(g.dtype in (torch.float32, torch.bfloat16, torch.float16), op,
-           f"grads must be float32, bfloat16 or float16, got {g.dtype}")
-    _check(g.device == state.device, op, f"grad {i} is on {g.device} but its state is on {state.device}")
+           lambda: f"grads must be float32, bfloat16 or float16, got {g.dtype}")
+    _check(g.device == state.device, op, lambda: f"grad {i} is on {g.device} but its state is on {state.device}")
 
 
 def _check_scalar(t: Tensor, what: str, i: int, device: torch.device, op: str) -> None:
     _check(t.dtype == torch.float32 and t.numel() == 1 and t.device == device, op,
-           f"{what} {i} must be a one-element float32 tensor on {device}, got {t.dtype} {tuple(t.shape)} on {t.device}")
+           lambda: f"{what} {i} must be a one-element float32 tensor on {device}, got {t.dtype} {tuple(t.shape)} on {t.device}")
 
 
 def _check_lists(op: str, n: int, **others: Sequence[Any]) -> None:
     for name, xs in others.items():
-        _check(len(xs) == n, op, f"needs lists of equal length, got {n} states and {len(xs)} {name}")
+        _check(len(xs) == n, op, lambda: f"needs lists of equal length, got {n} states and {len(xs)} {name}")
 
 
 def _check_sums(sums: Sequence[Tensor], i: int, g: Tensor, block: int, op: str) -> None:
     _check(len(sums) > i, op, "needs one block_sumsq output per tensor")
     _check_2d(sums[i], torch.float32, g.shape[0], _nb(g.shape[1], block), "block_sumsq", i, op,
               " (rows, ceil(cols / block_size)) of its grad")
-    _check(sums[i].device == g.device, op, f"block_sumsq {i} is on {sums[i].device} but its grad is on {g.device}")
+    _check(sums[i].get_device() == g.get_device(), op,
+           lambda: f"block_sumsq {i} is on {sums[i].device} but its grad is on {g.device}")
 
 
 def _check_block(block_size: int, op: str) -> None:
-    _check(1 <= block_size <= MAX_BLOCK, op, f"block_size must be in [1, {MAX_BLOCK}], got {block_size}")
+    _check(1 <= block_size <= MAX_BLOCK, op, lambda: f"block_size must be in [1, {MAX_BLOCK}], got {block_size}")
 
 
 def _same_device(t: Tensor, what: str, first: Tensor, op: str) -> None:
     _check(t.device == first.device, op,
-           f"{what} is on {t.device} but packed is on {first.device}; move every argument to one device")
+           lambda: f"{what} is on {t.device} but packed is on {first.device}; move every argument to one device")
 
 
 class _Writables:
@@ -212,6 +212,15 @@ class _Writables:
     def write_back(self) -> None:
         for orig, work in self.pairs:
             orig.copy_(work)
+
+
+def _work(w: _Writables, t: Tensor, cols: int) -> tuple[Tensor, int]:
+    """``(tensor the kernel writes, its row stride)``: ``t`` itself when contiguous (the common case,
+    with no further checks), else through ``w``."""
+    if t.is_contiguous():
+        return t, cols
+    work = w.add(t)
+    return work, _rs(work)
 
 
 def _f32c(t: Tensor) -> Tensor:
@@ -305,41 +314,51 @@ class CAbiOps:
         op = "q8_momentum_update_multi_"
         n = len(codes)
         _check(len(absmax) == n and len(grads) == n and len(streams) == n and len(row_offsets) == n, op,
-               f"needs lists of equal length, got {n} codes, {len(absmax)} absmax, {len(grads)} grads, "
+               lambda: f"needs lists of equal length, got {n} codes, {len(absmax)} absmax, {len(grads)} grads, "
                f"{len(streams)} streams, {len(row_offsets)} row_offsets")
         _check(len(block_sumsq) == n or (not compute_sumsq and not block_sumsq), op,
-               f"needs one block_sumsq output per tensor, got {len(block_sumsq)} for {n} tensors")
+               lambda: f"needs one block_sumsq output per tensor, got {len(block_sumsq)} for {n} tensors")
         _check_block(block_size, op)
         w = _Writables()
         groups: dict[tuple[int, int], list[Q8Tensor]] = {}
+        dev = codes[0].get_device() if n else -1
         for i in range(n):
             c, a, g = codes[i], absmax[i], grads[i]
-            _check(c.dim() == 2 and c.dtype in (torch.int8, torch.uint8), op, f"codes {i} must be 2-D int8 / uint8")
+            cdt, gdt = c.dtype, g.dtype
+            _check(c.dim() == 2 and (cdt is torch.int8 or cdt is torch.uint8), op,
+                   lambda: f"codes {i} must be 2-D int8 / uint8")
             rows, cols = c.shape
-            _check_2d(a, torch.float32, rows, _nb(cols, block_size), "absmax", i, op, " (rows, ceil(cols / block_size))")
-            _check(tuple(g.shape) == (rows, cols), op, f"grad {i} has shape {tuple(g.shape)} but its codes have {(rows, cols)}")
-            _check(a.device == c.device and g.device == c.device and c.device == codes[0].device, op,
+            nb = (cols + block_size - 1) // block_size
+            _check_2d(a, torch.float32, rows, nb, "absmax", i, op, " (rows, ceil(cols / block_size))")
+            _check(g.shape == c.shape, op, lambda: f"grad {i} has shape {tuple(g.shape)} but its codes have {(rows, cols)}")
+            _check(a.get_device() == dev and g.get_device() == dev and c.get_device() == dev, op,
                    "all tensors must be on one device")
-            _check(g.dtype in (torch.float32, torch.bfloat16, torch.float16), op,
-                   f"grads must be float32, bfloat16 or float16, got {g.dtype}")
+            _check(gdt is torch.float32 or gdt is torch.bfloat16 or gdt is torch.float16, op,
+                   lambda: f"grads must be float32, bfloat16 or float16, got {g.dtype}")
             if compute_sumsq:
                 _check_sums(block_sumsq, i, g, block_size, op)
             if rows == 0 or cols == 0:
                 continue
-            cw, aw, gw = w.add(c), w.add(a), w.add(g)
-            sw = w.add(block_sumsq[i], dense=True) if compute_sumsq else None
-            t = Q8Tensor(cw.data_ptr(), aw.data_ptr(), gw.data_ptr(), _ptr(sw), rows, cols, _rs(cw), _rs(aw),
-                         _rs(gw), row_offsets[i], _s32(streams[i]))
-            groups.setdefault((_DTYPE[c.dtype], _DTYPE[g.dtype]), []).append(t)
+            (cw, c_rs), (aw, a_rs), (gw, g_rs) = _work(w, c, cols), _work(w, a, nb), _work(w, g, cols)
+            sw = (block_sumsq[i] if block_sumsq[i].is_contiguous() else w.add(block_sumsq[i], dense=True)) \
+                if compute_sumsq else None
+            t = Q8Tensor(cw.data_ptr(), aw.data_ptr(), gw.data_ptr(), None if sw is None else sw.data_ptr(), rows,
+                         cols, c_rs, a_rs, g_rs, row_offsets[i], -1 if streams[i] < 0 else streams[i] & 0xFFFFFFFF)
+            key = (_DTYPE[cdt], _DTYPE[gdt])
+            if key in groups:
+                groups[key].append(t)
+            else:
+                groups[key] = [t]
         for (cd, gd), ts in groups.items():
             arr = (Q8Tensor * len(ts))(*ts)
             self._run(self._q8, op, codes[0].device, arr, len(ts), Q8Params(beta, int(nesterov), cd, gd, block_size))
-        w.write_back()
+        if w.pairs:
+            w.write_back()
 
     def quantize_rows(self, x: Tensor, block_size: int, signed: bool, stream: int, row_offset: int
                       ) -> tuple[Tensor, Tensor]:
         op = "quantize_rows"
-        _check(x.dim() == 2, op, f"needs a 2-D tensor, got {x.dim()}-D")
+        _check(x.dim() == 2, op, lambda: f"needs a 2-D tensor, got {x.dim()}-D")
         _check_block(block_size, op)
         x = x if x.dtype == torch.float32 else x.to(torch.float32)
         x = x if _layout_ok(x) else x.contiguous()
@@ -380,8 +399,8 @@ class CAbiOps:
         for i in range(n):
             b, g = bufs[i], grads[i]
             _check_grad(g, i, b, op)
-            _check(b.dtype in (torch.float32, torch.bfloat16), op, f"buffers must be float32 or bfloat16, got {b.dtype}")
-            _check(b.shape == g.shape, op, f"buffer {i} has shape {tuple(b.shape)} but its grad has {tuple(g.shape)}")
+            _check(b.dtype in (torch.float32, torch.bfloat16), op, lambda: f"buffers must be float32 or bfloat16, got {b.dtype}")
+            _check(b.shape == g.shape, op, lambda: f"buffer {i} has shape {tuple(b.shape)} but its grad has {tuple(g.shape)}")
             _check(g.device == grads[0].device, op, "all tensors must be on one device")
             _check_sums(block_sumsq, i, g, block_size, op)
             rows, cols = g.shape
@@ -408,10 +427,10 @@ class CAbiOps:
         if e0m3:
             _check_lists(op, n, tensor_scales=tensor_scales)
             _check(1 <= block_size <= MAX_BLOCK and (block_size % E0M3_BLOCK == 0 or E0M3_BLOCK % block_size == 0), op,
-                   f"needs a block_size that is a multiple or a divisor of 16 and <= {MAX_BLOCK}, got {block_size}")
+                   lambda: f"needs a block_size that is a multiple or a divisor of 16 and <= {MAX_BLOCK}, got {block_size}")
         else:
             _check(2 <= block_size <= MAX_BLOCK and block_size % 2 == 0, op,
-                   f"needs an even block_size in [2, {MAX_BLOCK}] (two codes per byte), got {block_size}")
+                   lambda: f"needs an even block_size in [2, {MAX_BLOCK}] (two codes per byte), got {block_size}")
         if with_scale:
             _check_lists(op, n, new_tensor_scales=new_tensor_scales)
         scratch = self._scratch(2 * n, packed[0]) if kind == "e0m3" and n > 0 else None
@@ -429,7 +448,7 @@ class CAbiOps:
                 _check_2d(packed[i], torch.uint8, rows, (cols + 1) // 2, "packed", i, op, " (two 4-bit codes per byte)")
                 _check_2d(scales[i], torch.float32, rows, _nb(cols, block_size), "absmax", i, op,
                           " (rows, ceil(cols / block_size))")
-                _check(packed[i].device == scales[i].device, op, f"state {i} is on two devices")
+                _check(packed[i].device == scales[i].device, op, lambda: f"state {i} is on two devices")
             _check(g.device == grads[0].device, op, "all tensors must be on one device")
             _check_sums(block_sumsq, i, g, block_size, op)
             if rows == 0 or cols == 0:
@@ -457,7 +476,7 @@ class CAbiOps:
         _check_2d(packed, torch.uint8, rows, (cols + 1) // 2, "packed", i, op, " (two 4-bit codes per byte)")
         _check_2d(scales, torch.uint8, rows, _nb(cols, E0M3_BLOCK), "scales", i, op, " (one UE4M3 scale per 16 elements)")
         _check_scalar(tensor_scale, "tensor_scales", i, g.device, op)
-        _check(packed.device == scales.device, op, f"state {i} is on two devices")
+        _check(packed.device == scales.device, op, lambda: f"state {i} is on two devices")
 
     def int4_momentum_update_multi_(self, packed, absmax, grads, block_sumsq, beta, nesterov, block_size, streams,
                                     row_offsets) -> None:
@@ -515,8 +534,8 @@ class CAbiOps:
 
     def pack_int4(self, codes: Tensor) -> Tensor:
         op = "pack_int4"
-        _check(codes.dim() == 2, op, f"codes must be 2-D, got {codes.dim()}-D")
-        _check(codes.dtype == torch.int8, op, f"codes must be int8, got {codes.dtype}")
+        _check(codes.dim() == 2, op, lambda: f"codes must be 2-D, got {codes.dim()}-D")
+        _check(codes.dtype == torch.int8, op, lambda: f"codes must be int8, got {codes.dtype}")
         codes = codes.contiguous()
         rows, cols = codes.shape
         out = torch.empty(rows, (cols + 1) // 2, dtype=torch.uint8, device=codes.device)
@@ -526,10 +545,10 @@ class CAbiOps:
 
     def unpack_int4(self, packed: Tensor, cols: int) -> Tensor:
         op = "unpack_int4"
-        _check(packed.dim() == 2, op, f"packed must be 2-D, got {packed.dim()}-D")
-        _check(packed.dtype == torch.uint8, op, f"packed must be uint8, got {packed.dtype}")
+        _check(packed.dim() == 2, op, lambda: f"packed must be 2-D, got {packed.dim()}-D")
+        _check(packed.dtype == torch.uint8, op, lambda: f"packed must be uint8, got {packed.dtype}")
         _check(cols >= 0 and (cols + 1) // 2 == packed.shape[1], op,
-               f"{packed.shape[1]} packed columns cannot hold {cols} codes (needs ceil(cols / 2))")
+               lambda: f"{packed.shape[1]} packed columns cannot hold {cols} codes (needs ceil(cols / 2))")
         packed = packed.contiguous()
         rows = packed.shape[0]
         out = torch.empty(rows, cols, dtype=torch.int8, device=packed.device)
@@ -546,7 +565,7 @@ class CAbiOps:
         return out
 
     def ue4m3_decode(self, bits: Tensor) -> Tensor:
-        _check(bits.dtype == torch.uint8, "ue4m3_decode", f"needs uint8 bit patterns, got {bits.dtype}")
+        _check(bits.dtype == torch.uint8, "ue4m3_decode", lambda: f"needs uint8 bit patterns, got {bits.dtype}")
         bits = bits.contiguous()
         out = torch.empty(bits.shape, dtype=torch.float32, device=bits.device)
         if bits.numel() > 0:
@@ -556,9 +575,9 @@ class CAbiOps:
 
     def int4_quantize(self, x: Tensor, block_size: int, stream: int, row_offset: int) -> tuple[Tensor, Tensor]:
         op = "int4_quantize"
-        _check(x.dim() == 2, op, f"x must be 2-D, got {x.dim()}-D")
+        _check(x.dim() == 2, op, lambda: f"x must be 2-D, got {x.dim()}-D")
         _check(2 <= block_size <= MAX_BLOCK and block_size % 2 == 0, op,
-               f"needs an even block_size in [2, {MAX_BLOCK}], got {block_size}")
+               lambda: f"needs an even block_size in [2, {MAX_BLOCK}], got {block_size}")
         x = _f32c(x)
         rows, cols = x.shape
         packed = torch.empty(rows, (cols + 1) // 2, dtype=torch.uint8, device=x.device)
@@ -570,11 +589,11 @@ class CAbiOps:
 
     def int4_dequantize(self, packed: Tensor, absmax: Tensor, block_size: int, cols: int) -> Tensor:
         op = "int4_dequantize"
-        _check(packed.dim() == 2, op, f"packed must be 2-D, got {packed.dim()}-D")
-        _check(block_size >= 1, op, f"needs block_size >= 1, got {block_size}")
+        _check(packed.dim() == 2, op, lambda: f"packed must be 2-D, got {packed.dim()}-D")
+        _check(block_size >= 1, op, lambda: f"needs block_size >= 1, got {block_size}")
         rows = packed.shape[0]
         _check(cols >= 0 and (cols + 1) // 2 == packed.shape[1], op,
-               f"{packed.shape[1]} packed columns cannot hold {cols} codes")
+               lambda: f"{packed.shape[1]} packed columns cannot hold {cols} codes")
         _check_2d(packed, torch.uint8, rows, (cols + 1) // 2, "packed", 0, op)
         _check_2d(absmax, torch.float32, rows, _nb(cols, block_size), "absmax", 0, op, " (rows, ceil(cols / block_size))")
         _same_device(absmax, "absmax", packed, op)
@@ -587,7 +606,7 @@ class CAbiOps:
 
     def e0m3_quantize(self, x: Tensor, two_level: bool, stream: int, row_offset: int) -> tuple[Tensor, Tensor, Tensor]:
         op = "e0m3_quantize"
-        _check(x.dim() == 2, op, f"x must be 2-D, got {x.dim()}-D")
+        _check(x.dim() == 2, op, lambda: f"x must be 2-D, got {x.dim()}-D")
         x = _f32c(x)
         rows, cols = x.shape
         packed = torch.empty(rows, (cols + 1) // 2, dtype=torch.uint8, device=x.device)
@@ -604,13 +623,13 @@ class CAbiOps:
 
     def e0m3_dequantize(self, packed: Tensor, scales: Tensor, tensor_scale: Tensor, cols: int) -> Tensor:
         op = "e0m3_dequantize"
-        _check(packed.dim() == 2, op, f"packed must be 2-D, got {packed.dim()}-D")
+        _check(packed.dim() == 2, op, lambda: f"packed must be 2-D, got {packed.dim()}-D")
         rows = packed.shape[0]
         _check(cols >= 0 and (cols + 1) // 2 == packed.shape[1], op,
-               f"{packed.shape[1]} packed columns cannot hold {cols} codes")
+               lambda: f"{packed.shape[1]} packed columns cannot hold {cols} codes")
         _check_2d(packed, torch.uint8, rows, (cols + 1) // 2, "packed", 0, op)
         _check_2d(scales, torch.uint8, rows, _nb(cols, E0M3_BLOCK), "scales", 0, op, " (one UE4M3 scale per 16 elements)")
-        _check(tensor_scale.numel() == 1, op, f"tensor_scale must have one element, got {tuple(tensor_scale.shape)}")
+        _check(tensor_scale.numel() == 1, op, lambda: f"tensor_scale must have one element, got {tuple(tensor_scale.shape)}")
         _same_device(scales, "scales", packed, op)
         _same_device(tensor_scale, "tensor_scale", packed, op)
         packed, scales, t = packed.contiguous(), scales.contiguous(), _f32c(tensor_scale)
@@ -623,8 +642,8 @@ class CAbiOps:
     def _grid_quantize(self, x: Tensor, grid_block: int, scale: Tensor | None, stream: int, row_offset: int
                        ) -> tuple[Tensor, ...]:
         op = "grid_quantize4" if scale is None else "grid_quantize4_with_scale"
-        _check(x.dim() == 2, op, f"x must be 2-D, got {x.dim()}-D")
-        _check(grid_block >= 1, op, f"needs grid_block >= 1, got {grid_block}")
+        _check(x.dim() == 2, op, lambda: f"x must be 2-D, got {x.dim()}-D")
+        _check(grid_block >= 1, op, lambda: f"needs grid_block >= 1, got {grid_block}")
         if scale is not None:
             _check_scalar(scale, "scale", 0, x.device, op)
         x = _f32c(x)
@@ -661,15 +680,15 @@ class CAbiOps:
     def grid_dequantize4(self, packed: Tensor, row_max: Tensor, col_max: Tensor, scale: Tensor, grid_block: int,
                          cols: int) -> Tensor:
         op = "grid_dequantize4"
-        _check(packed.dim() == 2, op, f"packed must be 2-D, got {packed.dim()}-D")
-        _check(grid_block >= 1, op, f"needs grid_block >= 1, got {grid_block}")
+        _check(packed.dim() == 2, op, lambda: f"packed must be 2-D, got {packed.dim()}-D")
+        _check(grid_block >= 1, op, lambda: f"needs grid_block >= 1, got {grid_block}")
         rows = packed.shape[0]
         _check(cols >= 0 and (cols + 1) // 2 == packed.shape[1], op,
-               f"{packed.shape[1]} packed columns cannot hold {cols} codes")
+               lambda: f"{packed.shape[1]} packed columns cannot hold {cols} codes")
         _check_2d(packed, torch.uint8, rows, (cols + 1) // 2, "packed", 0, op)
         _check_2d(row_max, torch.uint8, rows, _nb(cols, grid_block), "row maxima", 0, op, " (rows, ceil(cols / s))")
         _check_2d(col_max, torch.uint8, _nb(rows, grid_block), cols, "column maxima", 0, op, " (ceil(rows / s), cols)")
-        _check(scale.numel() == 1, op, f"scale must have one element, got {tuple(scale.shape)}")
+        _check(scale.numel() == 1, op, lambda: f"scale must have one element, got {tuple(scale.shape)}")
         for what, t in (("row maxima", row_max), ("column maxima", col_max), ("scale", scale)):
             _same_device(t, what, packed, op)
         packed, rb, cb, t = packed.contiguous(), row_max.contiguous(), col_max.contiguous(), _f32c(scale)
@@ -687,15 +706,15 @@ class CAbiOps:
                         index0: int) -> None:
         op = "adamw_q_update_:"
         _check(2 <= block_size <= MAX_BLOCK and block_size % 2 == 0, op,
-               f"block_size must be even in [2, {MAX_BLOCK}], got {block_size}")
-        _check(m_kind in (ADAM_M8, ADAM_M4) and v_kind in (ADAM_V8, ADAM_V4), op, f"bad moment kinds {m_kind}, {v_kind}")
+               lambda: f"block_size must be even in [2, {MAX_BLOCK}], got {block_size}")
+        _check(m_kind in (ADAM_M8, ADAM_M4) and v_kind in (ADAM_V8, ADAM_V4), op, lambda: f"bad moment kinds {m_kind}, {v_kind}")
         _check(grad.dim() == 2, op, "grad must be 2-D")
-        _check(stream < (1 << 32), op, f"stream must be < 2^32 (or < 0: nearest), got {stream}")
-        _check(index0 >= 0, op, f"index0 must be >= 0, got {index0}")
+        _check(stream < (1 << 32), op, lambda: f"stream must be < 2^32 (or < 0: nearest), got {stream}")
+        _check(index0 >= 0, op, lambda: f"index0 must be >= 0, got {index0}")
         rows, cols = grad.shape
         nb = _nb(cols, block_size)
         _check(grad.dtype in (torch.float32, torch.bfloat16, torch.float16), op,
-               f"grad must be fp32 / bf16 / fp16, got {grad.dtype}")
+               lambda: f"grad must be fp32 / bf16 / fp16, got {grad.dtype}")
         _check(m_codes.dtype == (torch.int8 if m_kind == ADAM_M8 else torch.uint8) and v_codes.dtype == torch.uint8, op,
                "code dtypes do not match the kinds")
 
@@ -722,22 +741,22 @@ class CAbiOps:
     @staticmethod
     def _check_weight_matrix(t: Tensor, param: Tensor, name: str, op: str) -> None:
         _check(t.dim() == 2 and t.shape == param.shape, op,
-               f"{name} must have the param's shape {tuple(param.shape)}, got {tuple(t.shape)}")
-        _check(t.device == param.device, op, f"{name} is on {t.device}, param on {param.device}")
-        _check(_layout_ok(t), op, f"{name} must have unit column stride")
+               lambda: f"{name} must have the param's shape {tuple(param.shape)}, got {tuple(t.shape)}")
+        _check(t.device == param.device, op, lambda: f"{name} is on {t.device}, param on {param.device}")
+        _check(_layout_ok(t), op, lambda: f"{name} must have unit column stride")
 
     def _weight_args(self, param: Tensor, ecc: Tensor | None, update: Tensor, alpha: float, decay: float, stream: int,
                      index0: int, index_rs: int, op: str) -> WeightArgs:
-        _check(param.dtype == torch.bfloat16, op, f"param must be bf16, got {param.dtype}")
+        _check(param.dtype == torch.bfloat16, op, lambda: f"param must be bf16, got {param.dtype}")
         self._check_weight_matrix(param, param, "param", op)
         self._check_weight_matrix(update, param, "update", op)
         _check(update.dtype in (torch.float32, torch.bfloat16, torch.float16), op,
-               f"update must be fp32, bf16 or fp16, got {update.dtype}")
+               lambda: f"update must be fp32, bf16 or fp16, got {update.dtype}")
         a = WeightArgs(param=param.data_ptr(), update=update.data_ptr(), update_dtype=_DTYPE[update.dtype],
                        rows=param.shape[0], cols=param.shape[1], param_rs=_rs(param), update_rs=_rs(update),
                        alpha=alpha, decay=decay, stream=_s32(stream), index0=index0, index_rs=index_rs)
         if ecc is not None:
-            _check(ecc.dtype == torch.int8, op, f"ecc must be int8, got {ecc.dtype}")
+            _check(ecc.dtype == torch.int8, op, lambda: f"ecc must be int8, got {ecc.dtype}")
             self._check_weight_matrix(ecc, param, "ecc", op)
             a.ecc, a.ecc_rs = ecc.data_ptr(), _rs(ecc)
         return a
@@ -755,14 +774,14 @@ class CAbiOps:
 
     def fp32_weight_update_(self, param: Tensor, update: Tensor, alpha: float, decay: float) -> None:
         op = "fp32_weight_update_"
-        _check(param.dtype == torch.float32, op, f"param must be fp32, got {param.dtype}")
+        _check(param.dtype == torch.float32, op, lambda: f"param must be fp32, got {param.dtype}")
         self._check_weight_matrix(param, param, "param", op)
         _check(update.dim() == 2 and update.shape == param.shape, op,
-               f"update must have the param's shape {tuple(param.shape)}, got {tuple(update.shape)}")
-        _check(update.device == param.device, op, f"update is on {update.device}, param on {param.device}")
+               lambda: f"update must have the param's shape {tuple(param.shape)}, got {tuple(update.shape)}")
+        _check(update.device == param.device, op, lambda: f"update is on {update.device}, param on {param.device}")
         _check(update.stride(0) >= 0 and update.stride(1) >= 0, op, "update has a negative stride")
         _check(update.dtype in (torch.float32, torch.bfloat16, torch.float16), op,
-               f"update must be fp32, bf16 or fp16, got {update.dtype}")
+               lambda: f"update must be fp32, bf16 or fp16, got {update.dtype}")
         a = Fp32WeightArgs(param.data_ptr(), update.data_ptr(), _DTYPE[update.dtype], param.shape[0], param.shape[1],
                            _rs(param), update.stride(0), update.stride(1), alpha, decay)
         self._run(self._fp32w, op, param.device, C.byref(a))

@@ -39,6 +39,10 @@ Environment
 ``QMUON_CSRC_DIR``     build from this copy of ``csrc/`` instead of the package's.
 ``QMUON_BUILD_WAIT_S`` how long a process waits for another one's build of the same sources
                        (default 1800; :mod:`.build_lock`).
+``QMUON_BUILD_TIMEOUT_S`` how long a build may take before it is stopped with an error (default 1200):
+                       the compilers run in a child process group that is killed at the limit.
+``QMUON_GPU_LIB``      ``0``: do not use the prebuilt GPU library; a path: use that file (:mod:`._prebuilt`).
+``QMUON_CANARY``       ``0``: skip the first-use check of each compiled op (:mod:`._canary`).
 ``TORCH_EXTENSIONS_DIR``, ``MAX_JOBS``, ``TORCH_CUDA_ARCH_LIST``, ``CUDA_HOME``: as for
 ``torch.utils.cpp_extension``.
 """
@@ -227,6 +231,48 @@ def _build_reason(so: str, inputs: list[str]) -> str | None:
     return None
 
 
+TIMEOUT_ENV = "QMUON_BUILD_TIMEOUT_S"
+
+
+def _build_timeout_s() -> float:
+    raw = os.environ.get(TIMEOUT_ENV, "").strip()
+    try:
+        return float(raw) if raw else 1200.0
+    except ValueError:
+        raise ValueError(f"{TIMEOUT_ENV} must be a number of seconds, got {raw!r}") from None
+
+
+def _compile_in_child(with_cuda: bool, verbose: bool, directory: str) -> None:
+    """Compile in a child process (its own process group) that is killed, compilers and all, when it
+    runs past ``QMUON_BUILD_TIMEOUT_S`` (default 1200 s): torch's ``load`` has no time limit, and a
+    compiler that hangs (a stuck NFS mount, a machine swapping) would otherwise hang the first training
+    step silently. The parent then loads the finished build (ninja finds nothing left to do)."""
+    import signal
+    import subprocess
+
+    limit = _build_timeout_s()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    code = ("import sys\nfrom torch.utils.cpp_extension import load\nfrom qmuon.ops._extension import _build_spec\n"
+            f"spec = _build_spec({with_cuda!r}); spec.pop('inputs')\n"
+            f"try:\n    load(is_python_module=False, verbose={verbose!r}, **spec)\n"
+            "except Exception as err:\n    print(f'{type(err).__name__}: {err}'); sys.exit(1)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], env=env, start_new_session=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        out, _ = proc.communicate(timeout=limit)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the whole group: ninja and every compiler it started
+        proc.communicate()
+        raise TimeoutError(
+            f"qmuon: the kernel build in {directory} did not finish within {limit:.0f} s and was stopped. A loaded "
+            f"or swapping machine builds slowly: set {TIMEOUT_ENV} higher (or MAX_JOBS lower), or build ahead with "
+            "`python -m qmuon.ops.build`; QMUON_BACKEND=reference runs without compiled kernels") from None
+    if verbose and out:
+        print(out, file=sys.stderr, end="", flush=True)
+    if proc.returncode != 0:  # the child printed load()'s error last (the compiler's output is in it)
+        raise RuntimeError(out.strip() or f"the build process exited with {proc.returncode}")
+
+
 def _build_and_load(with_cuda: bool, verbose: bool) -> str:
     from torch.utils.cpp_extension import load
 
@@ -239,11 +285,11 @@ def _build_and_load(with_cuda: bool, verbose: bool) -> str:
         if reason:
             what = "CPU and CUDA" if with_cuda else "CPU"
             print(f"qmuon: compiling the {what} kernels (csrc/) into {spec['build_directory']}: "
-                  f"{reason} ...", file=sys.stderr, flush=True)
-        t0 = time.perf_counter()
-        path = load(is_python_module=False, verbose=verbose, **spec)
-        if reason:
+                  f"{reason} (time limit {_build_timeout_s():.0f} s, {TIMEOUT_ENV}) ...", file=sys.stderr, flush=True)
+            t0 = time.perf_counter()
+            _compile_in_child(with_cuda, verbose, spec["build_directory"])
             print(f"qmuon: kernels built in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+        path = load(is_python_module=False, verbose=verbose, **spec)
     return str(path) if path else so
 
 
