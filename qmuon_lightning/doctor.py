@@ -42,7 +42,6 @@ from dataclasses import asdict, dataclass
 from typing import Any, Callable, Sequence
 
 import torch
-from torch import Tensor
 
 __all__ = ["Check", "main", "run_checks"]
 
@@ -95,8 +94,14 @@ def version_checks() -> list[Check]:
     if torch.version.cuda is None:
         rows.append(Check("nvcc", INFO, nvcc or "not found (CPU-only torch: not needed)"))
     elif nvcc is None:
-        rows.append(Check("nvcc", WARN, "not found: the CUDA kernels cannot be built",
-                          "install the CUDA toolkit matching torch's CUDA and set CUDA_HOME"))
+        from qmuon.ops import _prebuilt
+
+        if _prebuilt._candidates():  # the wheel's compiled CUDA kernels need no toolkit (row `gpu library`)
+            rows.append(Check("nvcc", INFO, "not found; not needed while the prebuilt GPU library serves"))
+        else:
+            rows.append(Check("nvcc", WARN, "not found, and no prebuilt GPU library: the CUDA kernels cannot be built",
+                              "install a qmuon-lightning wheel with qmuon/_lib/libqmuon_cuda*.so, or the CUDA "
+                              "toolkit matching torch's CUDA (CUDA_HOME)"))
     else:
         major = lambda v: v.split(".")[0]  # noqa: E731
         same = major(nvcc) == major(torch.version.cuda)
@@ -202,13 +207,26 @@ def arch_targets_device(arch_list: str | None, capability: tuple[int, int]) -> t
     return False, f"TORCH_CUDA_ARCH_LIST={arch_list!r} has no image or PTX for {major}.{minor}"
 
 
-def device_checks(device: torch.device) -> list[Check]:
+def _lib_arch_list(lib: Any) -> str:
+    """The prebuilt library's targets as a TORCH_CUDA_ARCH_LIST: sm_80 -> "8.0", compute_120 -> "12.0+PTX"."""
+    def ver(code: str) -> str:
+        n = int(code.split("_")[1])
+        return f"{n // 10}.{n % 10}"
+
+    return " ".join([ver(a) for a in lib.sass] + [ver(a) + "+PTX" for a in lib.ptx])
+
+
+def device_checks(device: torch.device, st: Any = None) -> list[Check]:
     rows = []
     if device.type == "cuda":
         idx = device.index or 0
         cap = torch.cuda.get_device_capability(idx)
         name = torch.cuda.get_device_name(idx)
-        ok, why = arch_targets_device(os.environ.get("TORCH_CUDA_ARCH_LIST"), cap)
+        if st is not None and st.cuda_source == "prebuilt":
+            ok, why = arch_targets_device(_lib_arch_list(st.gpu_library), cap)
+            why = why.replace("TORCH_CUDA_ARCH_LIST=", "the prebuilt library's targets ")
+        else:
+            ok, why = arch_targets_device(os.environ.get("TORCH_CUDA_ARCH_LIST"), cap)
         rows.append(Check("device", PASS if ok else FAIL,
                           f"{device}: {name}, compute capability {cap[0]}.{cap[1]}, "
                           f"{torch.cuda.device_count()} GPU(s); {why}",
@@ -456,7 +474,7 @@ def run_checks(device: str | None = None, numel: int | None = None, reps: int = 
     build, st = build_check()
     rows.append(build)
     rows.extend(gpu_library_checks(st))
-    rows.extend(device_checks(dev))
+    rows.extend(device_checks(dev, st))
     rows.extend(op_checks(dev, st))
     if bandwidth:
         n = numel or ((1 << 26) if dev.type == "cuda" else (1 << 21))

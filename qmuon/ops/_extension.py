@@ -16,9 +16,16 @@ Sources (``csrc/``)
 An installed wheel ships ``csrc/`` as ``qmuon/_csrc`` (pyproject.toml maps it into the
 package); a source checkout uses the repository's ``csrc/`` (:func:`csrc_dir`).
 
+Loading order (:func:`status`; ``status().steps`` says how it went)
+-----------------------------------------------------------------
+CUDA kernels: the prebuilt GPU library shipped in the wheel (:mod:`._prebuilt`, built by
+:mod:`.build_gpu`, called through :mod:`._cabi`), else the JIT build below where nvcc exists, else
+the reference (on a GPU with a warning that names the fix). CPU kernels: the JIT build, else the
+reference.
+
 Build
 -----
-Just in time with ``torch.utils.cpp_extension.load`` (ninja), into
+Just in time with ``torch.utils.cpp_extension.load`` (ninja), in a child process with a time limit, into
 ``<torch extensions dir>/qmuon/<name>``; the name hashes the sources, the flags, the torch / Python /
 CUDA versions and the CPU (the CPU kernels are built with ``-march=native``). CPU code is compiled
 with ``-ffp-contract=off`` and CUDA code with ``--fmad=false`` (plus explicit ``__f*_rn``

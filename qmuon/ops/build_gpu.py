@@ -193,7 +193,8 @@ def build(nvcc: str | None = None, archs: tuple[int, ...] = DEFAULT_ARCHS, ptx: 
         script.write_text("{\n  global:\n    qmuon_cuda_*;\n  local:\n    *;\n};\n")
         tmp_out = out.with_suffix(f".{os.getpid()}.tmp")
         _run([nvcc, "-shared", "-cudart", "static", *gencode, "-o", str(tmp_out),
-              *[str(obj_for(s)[0]) for s in sources], "-Xlinker", f"--version-script={script}"], "linking")
+              *[str(obj_for(s)[0]) for s in sources], "-Xlinker", f"--version-script={script}",
+              "-Xlinker", "--strip-all"], "linking")  # no static symbol table: 0.35 MB less, exports kept
         os.replace(tmp_out, out)
     missing_syms = sorted(set(EXPORTS) - set(exported_symbols(out)))
     if missing_syms:
