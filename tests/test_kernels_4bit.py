@@ -445,8 +445,10 @@ def _update_args(fmt, grad_dtype, stochastic, bs):
 @pytest.mark.parametrize("fmt", ["int4", "e0m3", "dense"])
 @pytest.mark.parametrize("grad_dtype,stochastic", [(torch.float32, False), (torch.bfloat16, True)],
                          ids=["fp32-nearest", "bf16-stochastic"])
-def test_opcheck_updates(ext, fmt, grad_dtype, stochastic):
-    torch.library.opcheck(FORMATS[fmt][0]().default, _update_args(fmt, grad_dtype, stochastic, 32))
+def test_opcheck_updates(kernel_device, fmt, grad_dtype, stochastic):
+    args = tuple([t.to(kernel_device) for t in a] if isinstance(a, list) and a and isinstance(a[0], torch.Tensor)
+                 else a for a in _update_args(fmt, grad_dtype, stochastic, 32))
+    torch.library.opcheck(FORMATS[fmt][0]().default, args)
 
 
 def test_opcheck_codecs(ext):
@@ -522,10 +524,4 @@ def test_cuda_codecs_match_reference(cuda_ext, stream):
                           "cuda encode")
 
 
-@pytest.mark.cuda
-def test_cuda_opcheck_updates(cuda_ext):
-    for fmt in ("int4", "e0m3", "dense"):
-        args = _update_args(fmt, torch.bfloat16, True, 32)
-        args = tuple([t.cuda() for t in a] if isinstance(a, list) and a and isinstance(a[0], torch.Tensor) else a
-                     for a in args)
-        torch.library.opcheck(FORMATS[fmt][0]().default, args)
+

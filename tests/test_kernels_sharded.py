@@ -298,6 +298,11 @@ def test_e0m3_row_split_matches_whole_matrix(impl, grad_dtype, block_size, strea
     _e0m3_row_split(impl, 37, 300, [10, 11, 30], grad_dtype, block_size, stream, base_offset=5)
 
 
+@pytest.mark.cuda
+def test_cuda_row_split_matches_whole_matrix(cuda_ext):  # larger shards than the CPU cases above
+    _e0m3_row_split("op", 130, 1000, [32, 64, 65], torch.bfloat16, 256, STREAM, base_offset=7, device="cuda")
+
+
 @pytest.mark.parametrize("impl", ["op", "reference"])
 @pytest.mark.parametrize("stream", [-1, STREAM])
 def test_grid_row_split_matches_whole_matrix(impl, stream):
@@ -333,8 +338,8 @@ def _opcheck_args(device="cpu"):
     return update, amax, grid
 
 
-def test_opcheck_sharded_ops(ext):
-    update, amax, grid = _opcheck_args()
+def test_opcheck_sharded_ops(kernel_device):
+    update, amax, grid = _opcheck_args(kernel_device.type)
     opcheck(WITH_SCALE.default, update)
     opcheck(AMAX.default, amax)
     opcheck(GRID.default, grid)
@@ -362,14 +367,5 @@ def test_cuda_sharded_ops_match_reference(cuda_ext, grad_dtype):
             assert_bits_equal(a, b, f"cuda grid_quantize4_with_scale {rows}x{cols} s={s}")
 
 
-@pytest.mark.cuda
-def test_cuda_row_split_matches_whole_matrix(cuda_ext):
-    _e0m3_row_split("op", 130, 1000, [32, 64, 65], torch.bfloat16, 256, STREAM, base_offset=7, device="cuda")
 
 
-@pytest.mark.cuda
-def test_cuda_opcheck_sharded_ops(cuda_ext):
-    update, amax, grid = _opcheck_args("cuda")
-    opcheck(WITH_SCALE.default, update)
-    opcheck(AMAX.default, amax)
-    opcheck(GRID.default, grid)
