@@ -98,20 +98,28 @@ def main(argv: list[str] | None = None) -> int:
 
     direct = _callers(device)
     rows: dict[str, float] = dict(_time_rounds(direct, call_args, args.calls, sync))
-    # The public op through each caller: rounds of 200 calls per caller, alternating, median per call.
+    # The public op through each caller, alternating per call: the guarded kernel's compiled kernel is
+    # one switch that forwards to the caller of the round (the same extra call level for both).
     real = _kernels.compiled_op
+    current: list[object] = [None]
+
+    def switch(*a):
+        return current[0](*a)
+
     public: dict[str, list[float]] = {f"public op, {k}": [] for k in direct}
     try:
-        for _ in range(max(1, args.calls // 200)):
+        _kernels.compiled_op = lambda n, d: switch if n == "q8_momentum_update_multi_" else real(n, d)
+        _canary.reset()
+        current[0] = next(iter(direct.values()))
+        torch.ops.qmuon.q8_momentum_update_multi_(*call_args)  # resolves + canary, untimed
+        for i in range(args.calls + 10):
             for name, fn in direct.items():
-                _kernels.compiled_op = lambda n, d, fn=fn: fn if n == "q8_momentum_update_multi_" else real(n, d)
-                _canary.reset()
-                torch.ops.qmuon.q8_momentum_update_multi_(*call_args)  # resolves + canary, untimed
-                for _ in range(200):
-                    sync()
-                    t0 = time.perf_counter()
-                    torch.ops.qmuon.q8_momentum_update_multi_(*call_args)
-                    sync()
+                current[0] = fn
+                sync()
+                t0 = time.perf_counter()
+                torch.ops.qmuon.q8_momentum_update_multi_(*call_args)
+                sync()
+                if i >= 10:
                     public[f"public op, {name}"].append(time.perf_counter() - t0)
     finally:
         _kernels.compiled_op = real

@@ -104,6 +104,11 @@ def test_bad_arguments_raise_before_any_kernel(cpu_ops):
     with pytest.raises(RuntimeError, match=r"absmax 0 has shape \(4, 3\) but needs \(4, 2\)"):
         cpu_ops.q8_momentum_update_multi_([codes], [torch.zeros(4, 3)], [torch.zeros(4, 64)], [torch.zeros(4, 2)],
                                           0.9, False, 32, [-1], [0])
+    with pytest.raises(RuntimeError, match=r"block_sumsq 0 has shape \(4, 3\) but needs \(4, 2\)"):
+        cpu_ops.q8_momentum_update_multi_([codes], [torch.zeros(4, 2)], [torch.zeros(4, 64)], [torch.zeros(4, 3)],
+                                          0.9, False, 32, [-1], [0])
+    with pytest.raises(RuntimeError, match=r"update must have the param's shape \(4, 8\), got \(8, 4\)"):
+        cpu_ops.fp32_weight_update_(torch.zeros(4, 8), torch.zeros(8, 4), -0.1, 1.0)
     with pytest.raises(RuntimeError, match="even block_size"):
         cpu_ops.int4_quantize(torch.zeros(2, 8), 3, -1, 0)
     with pytest.raises(RuntimeError, match="cannot hold 9 codes"):
