@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from . import _cabi
-from .build_gpu import library_name, source_hash
+from .build_gpu import default_csrc, library_name, source_hash
 
 __all__ = ["GpuLibrary", "load", "lib_dir"]
 
@@ -75,9 +75,7 @@ def _candidates() -> list[Path]:
 
 
 def _csrc() -> Path | None:
-    from ._extension import csrc_dir
-
-    d = csrc_dir()
+    d = default_csrc()
     return d if (d / "cuda").is_dir() and (d / "qmuon").is_dir() else None
 
 

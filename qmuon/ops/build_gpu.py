@@ -62,7 +62,11 @@ def library_name(cuda_major: int) -> str:
 
 
 def default_csrc() -> Path:
-    """``qmuon/_csrc`` of an installed wheel, else the source checkout's ``csrc/``."""
+    """``$QMUON_CSRC_DIR`` when set (as for the JIT build), else ``qmuon/_csrc`` of an installed wheel,
+    else the source checkout's ``csrc/``."""
+    override = os.environ.get("QMUON_CSRC_DIR", "").strip()
+    if override:
+        return Path(override).resolve()
     pkg = Path(__file__).resolve().parents[1]
     for d in (pkg / "_csrc", pkg.parent / "csrc"):
         if (d / "cuda").is_dir():
