@@ -249,11 +249,14 @@ def _build_timeout_s() -> float:
         raise ValueError(f"{TIMEOUT_ENV} must be a number of seconds, got {raw!r}") from None
 
 
-def _compile_in_child(with_cuda: bool, verbose: bool, directory: str) -> None:
+def _compile_in_child(with_cuda: bool, verbose: bool, directory: str, lock_fd: int | None) -> None:
     """Compile in a child process (its own process group) that is killed, compilers and all, when it
     runs past ``QMUON_BUILD_TIMEOUT_S`` (default 1200 s): torch's ``load`` has no time limit, and a
     compiler that hangs (a stuck NFS mount, a machine swapping) would otherwise hang the first training
-    step silently. The parent then loads the finished build (ninja finds nothing left to do)."""
+    step silently. The parent then loads the finished build (ninja finds nothing left to do).
+
+    The child inherits the build lock's descriptor: if this process is killed, the child finishes the
+    build still holding the lock, and the next process waits for it instead of building alongside it."""
     import signal
     import subprocess
 
@@ -264,7 +267,10 @@ def _compile_in_child(with_cuda: bool, verbose: bool, directory: str) -> None:
             f"try:\n    load(is_python_module=False, verbose={verbose!r}, **spec)\n"
             "except Exception as err:\n    print(f'{type(err).__name__}: {err}'); sys.exit(1)\n")
     proc = subprocess.Popen([sys.executable, "-c", code], env=env, start_new_session=True, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+                            stderr=subprocess.STDOUT, text=True, pass_fds=(lock_fd,) if lock_fd is not None else ())
+    if lock_fd is not None:  # what a waiting process prints: the holder, and the compiler process
+        holder = os.pread(lock_fd, 4096, 0).decode(errors="replace").strip()
+        os.pwrite(lock_fd, f"{holder}, compiler process {proc.pid}".encode(), 0)
     try:
         out, _ = proc.communicate(timeout=limit)
     except subprocess.TimeoutExpired:
@@ -287,14 +293,14 @@ def _build_and_load(with_cuda: bool, verbose: bool) -> str:
     inputs = spec.pop("inputs")
     so = os.path.join(spec["build_directory"], spec["name"] + ".so")
     # One process builds per machine; the others wait, then load its result (build_lock).
-    with build_lock(spec["build_directory"]):
+    with build_lock(spec["build_directory"]) as lock_fd:
         reason = _build_reason(so, inputs)
         if reason:
             what = "CPU and CUDA" if with_cuda else "CPU"
             print(f"qmuon: compiling the {what} kernels (csrc/) into {spec['build_directory']}: "
                   f"{reason} (time limit {_build_timeout_s():.0f} s, {TIMEOUT_ENV}) ...", file=sys.stderr, flush=True)
             t0 = time.perf_counter()
-            _compile_in_child(with_cuda, verbose, spec["build_directory"])
+            _compile_in_child(with_cuda, verbose, spec["build_directory"], lock_fd)
             print(f"qmuon: kernels built in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
         path = load(is_python_module=False, verbose=verbose, **spec)
     return str(path) if path else so
