@@ -497,11 +497,10 @@ def test_optimizer_path_state_through_int8_format(ext):
 
 
 # ---------------------------------------------------------------------------------------------
-# CUDA
+# On each device (cuda: marked): many matrices, odd views, the row ops, against the reference
 # ---------------------------------------------------------------------------------------------
-@pytest.mark.cuda
-def test_cuda_noncontiguous_multi_and_rows_ops(cuda_ext):
-    dev = "cuda"
+def test_noncontiguous_multi_and_rows_ops_on_each_device(kernel_device):
+    dev = kernel_device
     codes, absmax, grads = [], [], []
     for i in range(40):  # > one launch batch; odd shapes and misaligned views
         r, c = 1 + i % 5, 1 + 37 * i

@@ -346,25 +346,24 @@ def test_opcheck_sharded_ops(kernel_device):
 
 
 # ---------------------------------------------------------------------------------------------
-# CUDA: kernel == CPU reference
+# On each device (cuda: marked): kernel == CPU reference
 # ---------------------------------------------------------------------------------------------
-@pytest.mark.cuda
 @pytest.mark.parametrize("grad_dtype", GRAD_DTYPES, ids=str)
-def test_cuda_sharded_ops_match_reference(cuda_ext, grad_dtype):
-    lists, grads = _amax_case(SHAPES + [(300, 1000), (0, 3)], [grad_dtype] * (len(SHAPES) + 2), device="cuda")
+def test_sharded_ops_match_reference_on_each_device(kernel_device, grad_dtype):
+    lists, grads = _amax_case(SHAPES + [(300, 1000), (0, 3)], [grad_dtype] * (len(SHAPES) + 2), device=kernel_device)
     for beta in (0.0, 0.9):
         check_amax(lists, grads, beta)
     for (rows, cols), bs, stream in itertools.product(SHAPES + [(300, 1000)], [256, 8], [-1, STREAM]):
-        state = e0m3_state(rows, cols, device="cuda")
-        t = torch.tensor(0.003, device="cuda")
-        _check_with_scale([state], [make_grad(rows, cols, grad_dtype, device="cuda")], [t], block_size=bs,
+        state = e0m3_state(rows, cols, device=kernel_device)
+        t = torch.tensor(0.003, device=kernel_device)
+        _check_with_scale([state], [make_grad(rows, cols, grad_dtype, device=kernel_device)], [t], block_size=bs,
                           nesterov=True, streams=[stream], offsets=[3])
     for (rows, cols), s, stream in itertools.product(SHAPES + [(300, 1000)], [32, 5], [-1, STREAM]):
         x = momentum(rows, cols, seed=7)
         t = torch.tensor(0.01)
-        for a, b in zip(GRID(x.cuda(), s, t.cuda(), stream, 2),
+        for a, b in zip(GRID(x.to(kernel_device), s, t.to(kernel_device), stream, 2),
                         ref4.grid_quantize4_with_scale(x, s, t, noise=noise_or_none(x, stream, 2))):
-            assert_bits_equal(a, b, f"cuda grid_quantize4_with_scale {rows}x{cols} s={s}")
+            assert_bits_equal(a, b, f"{kernel_device} grid_quantize4_with_scale {rows}x{cols} s={s}")
 
 
 
