@@ -121,3 +121,14 @@ def test_kernel_error_codes_become_errors(cpu_ops):
     with pytest.raises(RuntimeError, match=r"CPU kernel q8 failed: unsupported dtype \(code 10001\)"):
         cpu_ops._run(cpu_ops._q8, "q8", torch.device("cpu"), ctypes.byref(t), 0,
                      _cabi.Q8Params(0.9, 0, 99, 0, 32))
+
+
+def test_twin_signatures_match_the_ops():
+    """The guarded kernel calls a twin with the op's own arguments: same positional parameters."""
+    import inspect
+
+    for name in _cabi.OP_NAMES:
+        want = list(inspect.signature(OPS[name].reference).parameters)
+        params = inspect.signature(getattr(_cabi.CAbiOps, name)).parameters
+        got = [p for p, v in params.items() if p != "self" and v.default is inspect.Parameter.empty]
+        assert len(got) == len(want), (name, got, want)
