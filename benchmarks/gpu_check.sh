@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# GPU check of qmuon_lightning, one script (at most about 8 minutes on one GPU: every step has a time limit):
+# GPU check of qmuon_lightning, one script (at most about 10 minutes on one GPU, every step has a time limit;
+# a few minutes when nothing hangs):
 #   1. the prebuilt GPU library (qmuon/_lib/libqmuon_cuda<major>.so, python -m qmuon.ops.build_gpu; not
 #      in git: carry it to the GPU machine, e.g. the device tool's carry=["qmuon/_lib"]): its SASS / PTX,
 #      and which library the loader picks for this torch and driver;
@@ -9,7 +10,8 @@
 #   4. the per-call overhead of the prebuilt (ctypes) path on a small call, and the canary's cost on the
 #      GPU (benchmarks/bench_call_overhead.py --device cuda); with GPU_CHECK_JIT=1 and nvcc present, the
 #      same benchmark again on the JIT-built CUDA kernels (QMUON_GPU_LIB=0), for the side-by-side figure;
-#   5. the fused-update bandwidth table (benchmarks/bench_update.py --device cuda).
+#   5. 50 steps of the smoke recipe (recipes/cpu/smoke.yaml) on the GPU through qmuon-train;
+#   6. the fused-update bandwidth table (benchmarks/bench_update.py --device cuda).
 # The CUDA kernels come from the prebuilt library when it is there (no nvcc needed); QMUON_BACKEND=extension
 # makes a missing one an error, not a silent fallback to the reference. The CPU kernels are JIT-built (g++).
 # Logs and tables go to $OUT (the device tool's output folder) or /tmp/qmuon_gpu_check.
@@ -80,6 +82,9 @@ if [ "${GPU_CHECK_JIT:-0}" = "1" ] && command -v nvcc >/dev/null 2>&1; then
     step "call overhead (JIT build)" 400 "$OUT_DIR/overhead_jit.log" env QMUON_GPU_LIB=0 "$PY" \
         benchmarks/bench_call_overhead.py --device cuda --calls 2001 --out "$OUT_DIR/call_overhead_cuda_jit.md"
 fi
+step "smoke recipe, 50 steps on the GPU" 90 "$OUT_DIR/smoke.log" "$PY" -m qmuon_lightning.cli fit \
+    --config recipes/cpu/smoke.yaml --trainer.accelerator=gpu --trainer.devices=1 --trainer.max_steps=50 \
+    --trainer.val_check_interval=25 --ckpt_path=null --trainer.default_root_dir="$OUT_DIR/smoke"
 step "bench_update.py --device cuda" 60 "$OUT_DIR/bench.log" "$PY" benchmarks/bench_update.py --device cuda \
     --numel $((1 << 27)) --reps 15 --warmup 3 --out "$OUT_DIR/update_bandwidth_cuda.md"
 
