@@ -17,7 +17,7 @@ compute_120, which the driver compiles for a newer GPU. sm_100 and sm_120 need n
 an nvcc that lacks an asked-for architecture is an error, not a silent omission.
 
 Each ``.cu`` file is compiled once per (sources, flags, architectures, nvcc) into ``--cache``
-(default ``$XDG_CACHE_HOME/qmuon/nvcc``), so CI's compile check and the wheel build share the objects
+(default ``$QMUON_NVCC_CACHE``, else ``~/.cache/qmuon/nvcc``), so CI's compile check and the wheel build share the objects
 and a second build only links. The library embeds a JSON build record (``qmuon_cuda_build_info``:
 the hash of the sources it was built from, the architectures, the nvcc version); the loader refuses a
 library built from other sources than the ones next to it.
@@ -91,6 +91,12 @@ def source_hash(csrc: Path) -> str:
     return h.hexdigest()[:16]
 
 
+def default_cache() -> Path:
+    """``$QMUON_NVCC_CACHE``, else ``~/.cache/qmuon/nvcc`` (``.ci/run`` uses the same default)."""
+    env = os.environ.get("QMUON_NVCC_CACHE", "").strip()
+    return Path(env) if env else Path.home() / ".cache" / "qmuon" / "nvcc"
+
+
 def find_nvcc(explicit: str | None = None) -> str | None:
     if explicit:
         return explicit
@@ -141,7 +147,7 @@ def build(nvcc: str | None = None, archs: tuple[int, ...] = DEFAULT_ARCHS, ptx: 
         raise RuntimeError("nvcc not found: pass --nvcc, set CUDA_HOME, or put nvcc on PATH")
     csrc = csrc or default_csrc()
     out_dir = out_dir or default_out_dir()
-    cache = cache or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "qmuon" / "nvcc"
+    cache = cache or default_cache()
     version = nvcc_version(nvcc)
     major = int(version.split(".")[0])
     have = supported_codes(nvcc)
@@ -283,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--archs", default=",".join(map(str, DEFAULT_ARCHS)), help="SASS targets, e.g. 80,90,100,120")
     parser.add_argument("--ptx", default=",".join(map(str, DEFAULT_PTX)), help="PTX targets (empty: none)")
     parser.add_argument("--out", default=None, help="output directory (default: the package's qmuon/_lib)")
-    parser.add_argument("--cache", default=None, help="object cache (default: ~/.cache/qmuon/nvcc)")
+    parser.add_argument("--cache", default=None, help="object cache (default: $QMUON_NVCC_CACHE or ~/.cache/qmuon/nvcc)")
     parser.add_argument("--jobs", type=int, default=0, help="parallel nvcc processes (default: one per core)")
     parser.add_argument("--list", default=None, metavar="LIB", help="print a built library's SASS / PTX / exports")
     args = parser.parse_args(argv)
