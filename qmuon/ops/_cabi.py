@@ -348,7 +348,7 @@ class CAbiOps:
             else:
                 groups[key] = [t]
         for (cd, gd), ts in groups.items():
-            arr = (Q8Tensor * len(ts))(*ts)
+            arr = C.byref(ts[0]) if len(ts) == 1 else (Q8Tensor * len(ts))(*ts)  # one matrix: no array copy
             self._run(self._q8, op, codes[0].device, arr, len(ts), Q8Params(beta, int(nesterov), cd, gd, block_size))
         if w.pairs:
             w.write_back()
