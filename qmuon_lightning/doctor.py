@@ -42,7 +42,6 @@ from dataclasses import asdict, dataclass
 from typing import Any, Callable, Sequence
 
 import torch
-from torch import Tensor
 
 __all__ = ["Check", "main", "run_checks"]
 
@@ -95,8 +94,14 @@ def version_checks() -> list[Check]:
     if torch.version.cuda is None:
         rows.append(Check("nvcc", INFO, nvcc or "not found (CPU-only torch: not needed)"))
     elif nvcc is None:
-        rows.append(Check("nvcc", WARN, "not found: the CUDA kernels cannot be built",
-                          "install the CUDA toolkit matching torch's CUDA and set CUDA_HOME"))
+        from qmuon.ops import _prebuilt
+
+        if _prebuilt._candidates():  # the wheel's compiled CUDA kernels need no toolkit (row `gpu library`)
+            rows.append(Check("nvcc", INFO, "not found; not needed while the prebuilt GPU library serves"))
+        else:
+            rows.append(Check("nvcc", WARN, "not found, and no prebuilt GPU library: the CUDA kernels cannot be built",
+                              "install a qmuon-lightning wheel with qmuon/_lib/libqmuon_cuda*.so, or the CUDA "
+                              "toolkit matching torch's CUDA (CUDA_HOME)"))
     else:
         major = lambda v: v.split(".")[0]  # noqa: E731
         same = major(nvcc) == major(torch.version.cuda)
@@ -132,11 +137,36 @@ def build_check() -> tuple[Check, Any]:
                          "unset QMUON_BACKEND to use the compiled kernels"), st
         return Check("build", FAIL, f"reference (fell back): {st.reason}", _build_fix(st.reason or "")), st
     detail = f"{st.backend}, {how} ({st.library})"
+    if st.cuda_source:
+        detail += f"; CUDA kernels: {st.cuda_source}"
     if torch.cuda.is_available() and not st.cuda:
         return Check("build", FAIL, f"{detail}; no CUDA kernels: {st.reason}", _build_fix(st.reason or "")), st
     if st.reason:
         detail += f"; note: {st.reason}"
     return Check("build", PASS, detail), st
+
+
+def gpu_library_checks(st: Any) -> list[Check]:
+    """The prebuilt GPU library (qmuon/_lib/libqmuon_cuda<major>.so) as the loader found it, and the
+    loading order it went through."""
+    if st is None:
+        return []
+    rows = []
+    lib = st.gpu_library
+    if lib is not None:
+        if lib.usable:
+            rows.append(Check("gpu library", PASS, lib.summary()))
+        elif lib.path is None:
+            rows.append(Check("gpu library", INFO, lib.summary()))
+        elif "no device" in (lib.reason or "") or "has no CUDA" in (lib.reason or ""):
+            # present and loadable (struct layout and sources checked), nothing to run it on
+            rows.append(Check("gpu library", INFO, f"present; {lib.summary()}"))
+        else:
+            rows.append(Check("gpu library", WARN, lib.summary(),
+                              "python -m qmuon.ops.build_gpu rebuilds it; reinstalling qmuon-lightning restores it"))
+    if st.steps:
+        rows.append(Check("loading order", INFO, "; ".join(st.steps)))
+    return rows
 
 
 def _build_fix(reason: str) -> str:
@@ -177,13 +207,26 @@ def arch_targets_device(arch_list: str | None, capability: tuple[int, int]) -> t
     return False, f"TORCH_CUDA_ARCH_LIST={arch_list!r} has no image or PTX for {major}.{minor}"
 
 
-def device_checks(device: torch.device) -> list[Check]:
+def _lib_arch_list(lib: Any) -> str:
+    """The prebuilt library's targets as a TORCH_CUDA_ARCH_LIST: sm_80 -> "8.0", compute_120 -> "12.0+PTX"."""
+    def ver(code: str) -> str:
+        n = int(code.split("_")[1])
+        return f"{n // 10}.{n % 10}"
+
+    return " ".join([ver(a) for a in lib.sass] + [ver(a) + "+PTX" for a in lib.ptx])
+
+
+def device_checks(device: torch.device, st: Any = None) -> list[Check]:
     rows = []
     if device.type == "cuda":
         idx = device.index or 0
         cap = torch.cuda.get_device_capability(idx)
         name = torch.cuda.get_device_name(idx)
-        ok, why = arch_targets_device(os.environ.get("TORCH_CUDA_ARCH_LIST"), cap)
+        if st is not None and st.cuda_source == "prebuilt":
+            ok, why = arch_targets_device(_lib_arch_list(st.gpu_library), cap)
+            why = why.replace("TORCH_CUDA_ARCH_LIST=", "the prebuilt library's targets ")
+        else:
+            ok, why = arch_targets_device(os.environ.get("TORCH_CUDA_ARCH_LIST"), cap)
         rows.append(Check("device", PASS if ok else FAIL,
                           f"{device}: {name}, compute capability {cap[0]}.{cap[1]}, "
                           f"{torch.cuda.device_count()} GPU(s); {why}",
@@ -209,122 +252,26 @@ def device_checks(device: torch.device) -> list[Check]:
 # ops: every compiled op once against its reference
 # ---------------------------------------------------------------------------------------------
 def _samples(device: torch.device) -> dict[str, Callable[[], tuple]]:
-    """Arguments of one call of each op (built fresh per call: the updates mutate them)."""
-    from qmuon.ops import reference as ref
-    from qmuon.ops import reference_4bit as ref4
-    from qmuon.ops import reference_adamw as refa
-    from qmuon.ops import reference_weight as refw
+    """Arguments of one call of each op (built fresh per call: the updates mutate them): the first-use
+    canary's sample calls (qmuon/ops/_canary.py) at a larger size, a partial last block and an odd
+    number of rows."""
+    from qmuon.ops import _canary
 
-    gen = torch.Generator().manual_seed(20260)
-    rows, cols, bs = 37, 300, 64  # a partial last block, an odd number of rows
-
-    def randn(*shape: int, scale: float = 1.0) -> Tensor:
-        return (torch.randn(*shape, generator=gen) * scale).to(device)
-
-    m = randn(rows, cols, scale=0.02)
-    g = randn(rows, cols, scale=0.1)
-    # state built once on the CPU by the reference (the same bits on every device)
-    q8 = ref.quantize_rows(m.cpu(), bs, signed=True)
-    i4 = ref4.int4_quantize(m.cpu(), bs)
-    e3 = ref4.e0m3_quantize(m.cpu())
-    gq = ref4.grid_quantize4(m.cpu(), 32)
-    d = lambda t: t.to(device).clone()  # noqa: E731
-    stream = ref.noise_stream(7, 3, 1)
-
-    # AdamW moments (8-bit m and v) and bf16 weights with their ecc8 term, also built on the CPU
-    m8 = refa.encode_moment(m.cpu(), refa.M8, bs)
-    v8 = refa.encode_moment((g * g).cpu(), refa.V8, bs)
-    master = randn(rows, cols).cpu()
-    wb = refw.nearest_bf16(master)
-    ecc = refw.ecc8_encode(master, wb)
-    wstream = refw.weight_noise_stream(7, 3, 1)
-
-    def sums(block: int) -> list[Tensor]:
-        return [torch.full((rows, ref.num_blocks(cols, block)), float("nan"), device=device)]
-
-    return {
-        "q8_momentum_update_multi_": lambda: ([d(q8[0])], [d(q8[1])], [g.to(torch.bfloat16)], sums(bs), 0.95, True,
-                                              bs, [stream], [5]),
-        "dense_momentum_update_multi_": lambda: ([d(m)], [g.clone()], sums(bs), 0.95, True, bs, [-1], [0]),
-        "quantize_rows": lambda: (m.clone(), bs, True, stream, 3),
-        "dequantize_rows": lambda: (d(q8[0]), d(q8[1]), bs),
-        "pack_int4": lambda: (torch.randint(-7, 8, (rows, cols), generator=gen, dtype=torch.int8).to(device),),
-        "unpack_int4": lambda: (d(i4[0]), cols),
-        "ue4m3_encode": lambda: (m.abs() * 1000, True),
-        "ue4m3_decode": lambda: (torch.arange(256, dtype=torch.int32).to(torch.uint8).to(device),),
-        "int4_quantize": lambda: (m.clone(), bs, stream, 2),
-        "int4_dequantize": lambda: (d(i4[0]), d(i4[1]), bs, cols),
-        "e0m3_quantize": lambda: (m.clone(), True, stream, 1),
-        "e0m3_dequantize": lambda: (d(e3[0]), d(e3[1]), d(e3[2]), cols),
-        "grid_quantize4": lambda: (m.clone(), 32, stream, 0),
-        "grid_quantize4_with_scale": lambda: (m.clone(), 32, d(gq[3]).reshape(1), -1, 0),
-        "grid_dequantize4": lambda: (d(gq[0]), d(gq[1]), d(gq[2]), d(gq[3]), 32, cols),
-        "int4_momentum_update_multi_": lambda: ([d(i4[0])], [d(i4[1])], [g.clone()], sums(bs), 0.95, True, bs,
-                                                [stream], [0]),
-        "e0m3_momentum_update_multi_": lambda: ([d(e3[0])], [d(e3[1])], [d(e3[2]).reshape(1)],
-                                                [g.to(torch.float16)], sums(bs), 0.95, False, bs, [-1], [0]),
-        "e0m3_momentum_amax_multi": lambda: ([d(e3[0])], [d(e3[1])], [d(e3[2]).reshape(1)], [g.clone()], 0.9),
-        "e0m3_momentum_update_with_scale_multi_": lambda: (
-            [d(e3[0])], [d(e3[1])], [d(e3[2]).reshape(1)], [torch.full((1,), 3e-4, device=device)], [g.clone()],
-            sums(16), 0.9, True, 16, [stream], [11]),
-        "adamw_q_update_": lambda: (g.to(torch.bfloat16), d(m8[0]), d(m8[1]), d(v8[0]), d(v8[1]),
-                                    torch.empty(rows, cols, device=device), 0.9, 0.95, 1e-8, -1e-3, 0.5,
-                                    refa.M8, refa.V8, bs, refa.adamw_noise_stream(7, 1, 3), 3 * cols),
-        "bf16_weight_update_": lambda: (d(wb), g.clone(), -0.3, 0.999, wstream, 5, cols),
-        "bf16_ecc8_weight_update_": lambda: (d(wb), d(ecc), g.clone(), -0.3, 0.999),
-        # fp32 weights, a transposed bf16 update (a tall Newton-Schulz output, read in place)
-        "fp32_weight_update_": lambda: (d(master), g.to(torch.bfloat16).T.contiguous().mT, -0.3, 0.999),
-    }
-
-
-def _tensors(x: Any) -> list[Tensor]:
-    if isinstance(x, Tensor):
-        return [x]
-    if isinstance(x, (list, tuple)):
-        return [t for item in x for t in _tensors(item)]
-    return []
-
-
-def _bits(t: Tensor) -> Tensor:
-    t = t.detach().cpu().contiguous()
-    if t.dtype in (torch.float32,):
-        return t.view(torch.int32)
-    if t.dtype in (torch.bfloat16, torch.float16):
-        return t.view(torch.int16)
-    return t
+    return _canary.samples(device, rows=37, cols=300, bs=64, grid=32)
 
 
 def _compare_call(op: Any, args_a: tuple, args_b: tuple) -> str | None:
     """Run the dispatcher (compiled kernel where supported) on ``args_a`` and the reference on
     ``args_b``; None when outputs and mutated arguments agree, else what differs."""
-    import inspect
+    from qmuon.ops import _canary
 
     out_a = getattr(torch.ops.qmuon, op.name)(*args_a)
     out_b = op.reference(*args_b)
-    params = list(inspect.signature(op.reference).parameters)
-    sums_at = params.index("block_sumsq") if "block_sumsq" in params else None
-    bs_at = params.index("block_size") if "block_size" in params else None
-    pairs: list[tuple[str, Tensor, Tensor, bool]] = []
-    for k, (a, b) in enumerate(zip(_tensors(out_a), _tensors(out_b))):
-        pairs.append((f"output {k}", a, b, False))
-    for i in op.mutated:
-        for k, (a, b) in enumerate(zip(_tensors(args_a[i]), _tensors(args_b[i]))):
-            pairs.append((f"{params[i]}[{k}]", a, b, i == sums_at))
-    for what, a, b, is_sum in pairs:
-        if a.shape != b.shape or a.dtype != b.dtype:
-            return f"{what}: {a.dtype}{tuple(a.shape)} vs reference {b.dtype}{tuple(b.shape)}"
-        if is_sum:  # fp32 sums of <= block_size squares, different summation order
-            rtol = 2 * (args_a[bs_at] if bs_at is not None else 1) * 2.0 ** -24
-            if not torch.allclose(a.cpu(), b.cpu(), rtol=rtol, atol=1e-30, equal_nan=True):
-                return f"{what}: sums of squares differ beyond fp32 order tolerance {rtol:.1e}"
-        elif not torch.equal(_bits(a), _bits(b)):
-            n = int((_bits(a) != _bits(b)).sum())
-            return f"{what}: {n} of {a.numel()} elements differ from the reference"
-    return None
+    return _canary.compare(op, out_a, out_b, args_a, args_b)
 
 
 def op_checks(device: torch.device, status: Any) -> list[Check]:
-    from qmuon.ops import _kernels
+    from qmuon.ops import _canary, _kernels
     from qmuon.ops._library import OPS
 
     compiled = status is not None and (status.cuda if device.type == "cuda" else status.cpu)
@@ -341,8 +288,7 @@ def op_checks(device: torch.device, status: Any) -> list[Check]:
         before = _kernels.served[(name, "compiled")]
         try:
             args_a = make()
-            args_b = tuple([t.clone() for t in a] if isinstance(a, list) and a and isinstance(a[0], Tensor)
-                           else a.clone() if isinstance(a, Tensor) else a for a in args_a)
+            args_b = _canary.clone_args(args_a)
             problem = _compare_call(op, args_a, args_b)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
@@ -354,11 +300,22 @@ def op_checks(device: torch.device, status: Any) -> list[Check]:
         if problem:
             rows.append(Check(f"op {name}", FAIL, f"{served} kernel: {problem}",
                               "a kernel bug: report this table; QMUON_BACKEND=reference is the workaround"))
+        elif compiled and served != "compiled" and (name, device.type) in _canary.failures():
+            rows.append(Check(f"op {name}", FAIL, f"its first-use canary failed on {device.type}, so the reference "
+                              f"serves it: {_canary.failures()[(name, device.type)]}",
+                              "a kernel bug on this machine: report this table; the reference keeps results right"))
         elif compiled and served != "compiled":
             rows.append(Check(f"op {name}", FAIL, "the reference served this call although the kernels loaded",
                               "the op's compiled_when predicate rejected the sample; report this table"))
         else:
             rows.append(Check(f"op {name}", PASS, f"{served} == reference on {device}"))
+    spent = {k: v for k, v in _canary.timings().items() if k[1] == device.type}
+    if spent:
+        bad = sorted(n for (n, d) in _canary.failures() if d == device.type)
+        rows.append(Check("first-use canary", FAIL if bad else PASS,
+                          f"{len(spent)} op(s) checked on {device.type} in {1e3 * sum(spent.values()):.1f} ms"
+                          + (f"; failed: {', '.join(bad)}" if bad else ""),
+                          "report this table; the failed ops run the reference" if bad else ""))
     return rows
 
 
@@ -516,7 +473,8 @@ def run_checks(device: str | None = None, numel: int | None = None, reps: int = 
     rows = version_checks()
     build, st = build_check()
     rows.append(build)
-    rows.extend(device_checks(dev))
+    rows.extend(gpu_library_checks(st))
+    rows.extend(device_checks(dev, st))
     rows.extend(op_checks(dev, st))
     if bandwidth:
         n = numel or ((1 << 26) if dev.type == "cuda" else (1 << 21))

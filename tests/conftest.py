@@ -66,12 +66,25 @@ def ext():
 
 
 @pytest.fixture(scope="session")
-def cuda_ext(ext):
-    """The loaded compiled kernels, with CUDA ones (for ``@pytest.mark.cuda`` kernel tests); skips
-    with the reason where there are none."""
-    if not ext.cuda:
-        pytest.skip(f"CUDA kernels unavailable: {ext.reason}")
-    return ext
+def cuda_ext():
+    """The loaded compiled kernels, with CUDA ones (for ``@pytest.mark.cuda`` kernel tests): from the
+    prebuilt GPU library or the JIT build, with or without the CPU ones; skips with the reason where
+    there are none."""
+    from qmuon.ops import _extension
+
+    st = _extension.status()
+    if not st.cuda:
+        pytest.skip(f"CUDA kernels unavailable: {st.reason}")
+    return st
+
+
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def kernel_device(request):
+    """Each kernel test once per device: ``cpu`` (the compiled CPU kernels, ``ext``) and ``cuda`` (marked
+    ``cuda``: skipped cleanly without a GPU; ``cuda_ext``). Yields the ``torch.device``."""
+    fixture = "cuda_ext" if request.param == "cuda" else "ext"
+    request.getfixturevalue(fixture)
+    return torch.device(request.param)
 
 
 def pytest_collection_modifyitems(config, items):

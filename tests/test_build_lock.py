@@ -68,3 +68,56 @@ def test_a_live_build_is_waited_for_with_its_holder_named(build_copy):
     assert f"waiting for the kernel build in {build}, held by pid {os.getpid()}" in proc.stderr
     assert f"waited 2 s for the kernel build in {build}, held by pid {os.getpid()}" in proc.stderr
     assert _load(root, timeout=120).returncode == 0  # released: the next load goes through
+
+
+def _processes_mentioning(text: str) -> list[str]:
+    out = []
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if text in cmd:
+                out.append(f"{pid}: {cmd[:200]}")
+    return out
+
+
+def test_a_build_past_its_time_limit_stops_with_an_error(tmp_path):
+    """A fresh build (nothing cached) with QMUON_BUILD_TIMEOUT_S=3: stopped with an error that names
+    the limit and the fix, and no compiler of it is left running (its process group is killed)."""
+    root = tmp_path / "fresh-ext"
+    proc = _load(root, timeout=240, QMUON_BUILD_TIMEOUT_S="3", QMUON_GPU_LIB="0", QMUON_BUILD_CUDA="0", MAX_JOBS="1")
+    assert proc.returncode != 0
+    assert "did not finish within 3 s and was stopped" in proc.stderr and "QMUON_BUILD_TIMEOUT_S" in proc.stderr
+    assert _processes_mentioning(str(root)) == []
+
+
+def test_a_build_whose_process_is_killed_finishes_and_the_next_one_waits(tmp_path):
+    """The issue's case: the first build is killed with SIGKILL 10 s in (as an OOM kill or a scheduler
+    would). Its compiler process finishes the build still holding the lock; the next process says what it
+    waits for, then loads that build (no second compile alongside it), within a normal build's time."""
+    import signal
+    import time
+
+    root = tmp_path / "fresh-ext"
+    env = subprocess_env(TORCH_EXTENSIONS_DIR=str(root), QMUON_BACKEND="extension", QMUON_GPU_LIB="0",
+                         QMUON_BUILD_CUDA="0")
+    first = subprocess.Popen([sys.executable, "-c", LOAD], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True)
+    deadline = time.monotonic() + 120
+    while not list(root.glob("qmuon/*/build.ninja")):  # torch writes it just before ninja starts
+        assert time.monotonic() < deadline and first.poll() is None, "the first build never started compiling"
+        time.sleep(0.2)
+    time.sleep(10)
+    assert first.poll() is None, "the first build finished within 10 s; nothing to kill"
+    first.send_signal(signal.SIGKILL)
+    first.communicate()
+    t0 = time.monotonic()
+    second = _load(root, timeout=900)
+    assert second.returncode == 0, second.stderr[-2000:]
+    assert second.stdout.strip() == "cpu-extension"
+    assert "waiting for the kernel build" in second.stderr and "compiler process" in second.stderr
+    assert "compiling the CPU kernels" not in second.stderr  # it waited for the first build, did not redo it
+    print(f"second process: {time.monotonic() - t0:.0f} s")

@@ -157,12 +157,13 @@ UPDATE_CASES = [("int4", 32, torch.float32), ("int4", 128, torch.float32), ("e0m
 @pytest.mark.parametrize("grad_dtype", GRAD_DTYPES, ids=str)
 @pytest.mark.parametrize("fmt,block_size,buf_dtype", UPDATE_CASES,
                          ids=[f"{f}-{b}" + ("-bf16buf" if d == torch.bfloat16 else "") for f, b, d in UPDATE_CASES])
-def test_update_matches_reference(ext, shape, grad_dtype, fmt, block_size, buf_dtype):
+def test_update_matches_reference(kernel_device, shape, grad_dtype, fmt, block_size, buf_dtype):
+    """The compiled update on each device (cuda: marked, skipped without a GPU) == the reference."""
     rows, cols = shape
     for stream, nesterov in itertools.product([-1, STREAM], [False, True]):
-        st = fmt_state(fmt, momentum(rows, cols), block_size, buf_dtype)
-        check_update(fmt, [st], [make_grad(rows, cols, grad_dtype)], block_size=block_size, nesterov=nesterov,
-                     streams=[stream], offsets=[5], steps=3 if fmt == "dense" else 2)
+        st = fmt_state(fmt, momentum(rows, cols, device=kernel_device), block_size, buf_dtype)
+        check_update(fmt, [st], [make_grad(rows, cols, grad_dtype, device=kernel_device)], block_size=block_size,
+                     nesterov=nesterov, streams=[stream], offsets=[5], steps=3 if fmt == "dense" else 2)
 
 
 @pytest.mark.parametrize("numel", [1, 7, 8, 15, 16, 17, 31, 33, 1000, 4099])
@@ -444,8 +445,10 @@ def _update_args(fmt, grad_dtype, stochastic, bs):
 @pytest.mark.parametrize("fmt", ["int4", "e0m3", "dense"])
 @pytest.mark.parametrize("grad_dtype,stochastic", [(torch.float32, False), (torch.bfloat16, True)],
                          ids=["fp32-nearest", "bf16-stochastic"])
-def test_opcheck_updates(ext, fmt, grad_dtype, stochastic):
-    torch.library.opcheck(FORMATS[fmt][0]().default, _update_args(fmt, grad_dtype, stochastic, 32))
+def test_opcheck_updates(kernel_device, fmt, grad_dtype, stochastic):
+    args = tuple([t.to(kernel_device) for t in a] if isinstance(a, list) and a and isinstance(a[0], torch.Tensor)
+                 else a for a in _update_args(fmt, grad_dtype, stochastic, 32))
+    torch.library.opcheck(FORMATS[fmt][0]().default, args)
 
 
 def test_opcheck_codecs(ext):
@@ -471,40 +474,26 @@ def test_opcheck_codecs(ext):
 
 
 # ---------------------------------------------------------------------------------------------
-# CUDA: kernel == CPU reference (the reference is device-independent)
+# On each device (cuda: marked): kernel == CPU reference (the reference is device-independent)
 # ---------------------------------------------------------------------------------------------
-@pytest.mark.cuda
-@pytest.mark.parametrize("fmt", ["int4", "e0m3", "dense"])
-@pytest.mark.parametrize("grad_dtype", GRAD_DTYPES, ids=str)
-def test_cuda_updates_match_reference(cuda_ext, fmt, grad_dtype):
-    block_sizes = {"int4": [32, 128], "e0m3": [256, 8], "dense": [256]}[fmt]
-    for (rows, cols), bs, stream, nesterov in itertools.product(SHAPES, block_sizes, [-1, STREAM], [False, True]):
-        for buf_dtype in ([torch.float32, torch.bfloat16] if fmt == "dense" else [torch.float32]):
-            st = fmt_state(fmt, momentum(rows, cols, device="cuda"), bs, buf_dtype)
-            check_update(fmt, [st], [make_grad(rows, cols, grad_dtype, device="cuda")], block_size=bs,
-                         nesterov=nesterov, streams=[stream], offsets=[3], steps=2)
-
-
-@pytest.mark.cuda
-def test_cuda_multi_tensor_noncontiguous(cuda_ext):
+def test_multi_tensor_noncontiguous_on_each_device(kernel_device):
     for fmt, bs in (("int4", 64), ("e0m3", 32), ("dense", 64)):
         states, grads = [], []
         for i in range(30):
             r, c = 1 + i % 5, 1 + 37 * i
-            states.append(fmt_state(fmt, momentum(r, c, seed=i, device="cuda"), bs,
+            states.append(fmt_state(fmt, momentum(r, c, seed=i, device=kernel_device), bs,
                                     torch.bfloat16 if i % 2 else torch.float32))
-            g = make_grad(r, c + 3, torch.bfloat16 if i % 3 else torch.float32, seed=50 + i, device="cuda")
-            grads.append(g[:, 1:1 + c] if i % 4 else make_grad(c, r, g.dtype, device="cuda").t())
+            g = make_grad(r, c + 3, torch.bfloat16 if i % 3 else torch.float32, seed=50 + i, device=kernel_device)
+            grads.append(g[:, 1:1 + c] if i % 4 else make_grad(c, r, g.dtype, device=kernel_device).t())
         check_update(fmt, states, grads, block_size=bs, nesterov=True, streams=[i * 3 for i in range(30)],
                      offsets=list(range(30)), steps=2)
 
 
-@pytest.mark.cuda
 @pytest.mark.parametrize("stream", [-1, STREAM])
-def test_cuda_codecs_match_reference(cuda_ext, stream):
+def test_codecs_match_reference_on_each_device(kernel_device, stream):
     for rows, cols in SHAPES + [(300, 1000)]:
         x = momentum(rows, cols, seed=7)
-        xc = x.cuda()
+        xc = x.to(kernel_device)
         nz = noise_or_none(x, stream, 2)
         pairs = [
             (torch.ops.qmuon.int4_quantize(xc, 128, stream, 2), ref4.int4_quantize(x, 128, noise=nz)),
@@ -513,30 +502,25 @@ def test_cuda_codecs_match_reference(cuda_ext, stream):
         ]
         for k, r in pairs:
             for a, b in zip(k, r):
-                assert_bits_equal(a, b, f"cuda quantize {rows}x{cols}")
+                assert_bits_equal(a, b, f"{kernel_device} quantize {rows}x{cols}")
         r4, re, rg = (p[1] for p in pairs)
-        assert_bits_equal(torch.ops.qmuon.int4_dequantize(*(t.cuda() for t in r4), 128, cols),
-                          ref4.int4_dequantize(*r4, 128, cols), "cuda int4_dequantize")
-        assert_bits_equal(torch.ops.qmuon.e0m3_dequantize(*(t.cuda() for t in re), cols),
-                          ref4.e0m3_dequantize(*re, cols), "cuda e0m3_dequantize")
-        assert_bits_equal(torch.ops.qmuon.grid_dequantize4(*(t.cuda() for t in rg), 32, cols),
-                          ref4.grid_dequantize4(*rg, 32, cols), "cuda grid_dequantize4")
+        assert_bits_equal(torch.ops.qmuon.int4_dequantize(*(t.to(kernel_device) for t in r4), 128, cols),
+                          ref4.int4_dequantize(*r4, 128, cols), f"{kernel_device} int4_dequantize")
+        assert_bits_equal(torch.ops.qmuon.e0m3_dequantize(*(t.to(kernel_device) for t in re), cols),
+                          ref4.e0m3_dequantize(*re, cols), f"{kernel_device} e0m3_dequantize")
+        assert_bits_equal(torch.ops.qmuon.grid_dequantize4(*(t.to(kernel_device) for t in rg), 32, cols),
+                          ref4.grid_dequantize4(*rg, 32, cols), f"{kernel_device} grid_dequantize4")
         c = torch.randint(-7, 8, (rows, cols), dtype=torch.int8)
-        assert_bits_equal(torch.ops.qmuon.pack_int4(c.cuda()), ref4.pack_int4(c), "cuda pack")
+        assert_bits_equal(torch.ops.qmuon.pack_int4(c.to(kernel_device)), ref4.pack_int4(c), f"{kernel_device} pack")
         p = ref4.pack_int4(c)
-        assert_bits_equal(torch.ops.qmuon.unpack_int4(p.cuda(), cols), ref4.unpack_int4(p, cols), "cuda unpack")
+        assert_bits_equal(torch.ops.qmuon.unpack_int4(p.to(kernel_device), cols), ref4.unpack_int4(p, cols),
+                          f"{kernel_device} unpack")
     bits = torch.arange(256, dtype=torch.int32).to(torch.uint8)
-    assert_bits_equal(torch.ops.qmuon.ue4m3_decode(bits.cuda()), ref4.ue4m3_decode(bits), "cuda decode")
+    assert_bits_equal(torch.ops.qmuon.ue4m3_decode(bits.to(kernel_device)), ref4.ue4m3_decode(bits), f"{kernel_device} decode")
     v = torch.cat([ref4.ue4m3_decode(bits[:127]), torch.rand(5000) * 10.0 ** (torch.rand(5000) * 14 - 11)])
     for up in (False, True):
-        assert_bits_equal(torch.ops.qmuon.ue4m3_encode(v.cuda(), up), ref4.ue4m3_encode(v, round_up=up),
-                          "cuda encode")
+        assert_bits_equal(torch.ops.qmuon.ue4m3_encode(v.to(kernel_device), up), ref4.ue4m3_encode(v, round_up=up),
+                          f"{kernel_device} encode")
 
 
-@pytest.mark.cuda
-def test_cuda_opcheck_updates(cuda_ext):
-    for fmt in ("int4", "e0m3", "dense"):
-        args = _update_args(fmt, torch.bfloat16, True, 32)
-        args = tuple([t.cuda() for t in a] if isinstance(a, list) and a and isinstance(a[0], torch.Tensor) else a
-                     for a in args)
-        torch.library.opcheck(FORMATS[fmt][0]().default, args)
+

@@ -298,6 +298,11 @@ def test_e0m3_row_split_matches_whole_matrix(impl, grad_dtype, block_size, strea
     _e0m3_row_split(impl, 37, 300, [10, 11, 30], grad_dtype, block_size, stream, base_offset=5)
 
 
+@pytest.mark.cuda
+def test_cuda_row_split_matches_whole_matrix(cuda_ext):  # larger shards than the CPU cases above
+    _e0m3_row_split("op", 130, 1000, [32, 64, 65], torch.bfloat16, 256, STREAM, base_offset=7, device="cuda")
+
+
 @pytest.mark.parametrize("impl", ["op", "reference"])
 @pytest.mark.parametrize("stream", [-1, STREAM])
 def test_grid_row_split_matches_whole_matrix(impl, stream):
@@ -333,43 +338,33 @@ def _opcheck_args(device="cpu"):
     return update, amax, grid
 
 
-def test_opcheck_sharded_ops(ext):
-    update, amax, grid = _opcheck_args()
+def test_opcheck_sharded_ops(kernel_device):
+    update, amax, grid = _opcheck_args(kernel_device.type)
     opcheck(WITH_SCALE.default, update)
     opcheck(AMAX.default, amax)
     opcheck(GRID.default, grid)
 
 
 # ---------------------------------------------------------------------------------------------
-# CUDA: kernel == CPU reference
+# On each device (cuda: marked): kernel == CPU reference
 # ---------------------------------------------------------------------------------------------
-@pytest.mark.cuda
 @pytest.mark.parametrize("grad_dtype", GRAD_DTYPES, ids=str)
-def test_cuda_sharded_ops_match_reference(cuda_ext, grad_dtype):
-    lists, grads = _amax_case(SHAPES + [(300, 1000), (0, 3)], [grad_dtype] * (len(SHAPES) + 2), device="cuda")
+def test_sharded_ops_match_reference_on_each_device(kernel_device, grad_dtype):
+    lists, grads = _amax_case(SHAPES + [(300, 1000), (0, 3)], [grad_dtype] * (len(SHAPES) + 2), device=kernel_device)
     for beta in (0.0, 0.9):
         check_amax(lists, grads, beta)
     for (rows, cols), bs, stream in itertools.product(SHAPES + [(300, 1000)], [256, 8], [-1, STREAM]):
-        state = e0m3_state(rows, cols, device="cuda")
-        t = torch.tensor(0.003, device="cuda")
-        _check_with_scale([state], [make_grad(rows, cols, grad_dtype, device="cuda")], [t], block_size=bs,
+        state = e0m3_state(rows, cols, device=kernel_device)
+        t = torch.tensor(0.003, device=kernel_device)
+        _check_with_scale([state], [make_grad(rows, cols, grad_dtype, device=kernel_device)], [t], block_size=bs,
                           nesterov=True, streams=[stream], offsets=[3])
     for (rows, cols), s, stream in itertools.product(SHAPES + [(300, 1000)], [32, 5], [-1, STREAM]):
         x = momentum(rows, cols, seed=7)
         t = torch.tensor(0.01)
-        for a, b in zip(GRID(x.cuda(), s, t.cuda(), stream, 2),
+        for a, b in zip(GRID(x.to(kernel_device), s, t.to(kernel_device), stream, 2),
                         ref4.grid_quantize4_with_scale(x, s, t, noise=noise_or_none(x, stream, 2))):
-            assert_bits_equal(a, b, f"cuda grid_quantize4_with_scale {rows}x{cols} s={s}")
+            assert_bits_equal(a, b, f"{kernel_device} grid_quantize4_with_scale {rows}x{cols} s={s}")
 
 
-@pytest.mark.cuda
-def test_cuda_row_split_matches_whole_matrix(cuda_ext):
-    _e0m3_row_split("op", 130, 1000, [32, 64, 65], torch.bfloat16, 256, STREAM, base_offset=7, device="cuda")
 
 
-@pytest.mark.cuda
-def test_cuda_opcheck_sharded_ops(cuda_ext):
-    update, amax, grid = _opcheck_args("cuda")
-    opcheck(WITH_SCALE.default, update)
-    opcheck(AMAX.default, amax)
-    opcheck(GRID.default, grid)

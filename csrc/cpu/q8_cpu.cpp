@@ -10,6 +10,7 @@
 #include <type_traits>
 
 #include "cpu/block_reduce_cpu.h"
+#include "qmuon/abi_layout.h"
 #include "qmuon/block_math.h"
 #include "qmuon/kernels.h"
 #include "qmuon/validate.h"
@@ -235,6 +236,10 @@ void dequantize_matrix(const CodeT* codes, int64_t codes_rs, const float* absmax
 
 }  // namespace
 }  // namespace qmuon
+
+// The struct layout of the C ABI as this compiler lays it out (qmuon/abi_layout.h): qmuon/ops/_cabi.py
+// compares it with its ctypes mirror before calling the qmuon_cpu_* functions through it.
+extern "C" int64_t qmuon_cpu_abi_layout(int64_t* out, int64_t capacity) { return qmuon::abi_layout(out, capacity); }
 
 extern "C" const char* qmuon_cpu_vector_isa(void) {
 #if defined(__AVX512F__)

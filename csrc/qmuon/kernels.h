@@ -73,6 +73,13 @@ int qmuon_cuda_dequantize_rows(const void* codes, int64_t codes_rs, int32_t code
 
 const char* qmuon_cuda_error_string(int code);
 
+// ---- The prebuilt GPU library only (csrc/cuda/lib_info.cu); none of them needs a GPU or a driver.
+int64_t qmuon_cuda_abi_layout(int64_t* out, int64_t capacity);  // see qmuon/abi_layout.h
+int64_t qmuon_cpu_abi_layout(int64_t* out, int64_t capacity);   // the CPU build's (csrc/cpu/q8_cpu.cpp)
+const char* qmuon_cuda_build_info(void);                         // JSON from qmuon/ops/build_gpu.py
+int qmuon_cuda_runtime_version(void);                            // CUDART_VERSION it was linked with
+int qmuon_cuda_probe(int* driver_version, int* device_count);    // cudaError_t of cudaGetDeviceCount
+
 // ---- 4-bit and dense-format momentum updates (csrc/cpu/q4_cpu.cpp, csrc/cuda/q4_cuda.cu) ----------
 // One matrix of a multi-tensor int4 / e0m3 update. Codes: two 4-bit codes per byte, (rows, ceil(cols/2)).
 typedef struct qmuon_q4_tensor {

@@ -17,9 +17,11 @@ __all__ = ["backend", "empty_block_sumsq", "reference", "reference_4bit"]
 
 def backend() -> str:
     """Which implementation ``torch.ops.qmuon`` runs: ``"reference"`` (pure PyTorch),
-    ``"cpu-extension"`` or ``"cpu+cuda-extension"`` (compiled kernels from ``csrc/``; arguments a
-    kernel does not support still run the reference). Builds the extension if it is not built yet
-    (see :mod:`._extension`; ``QMUON_BACKEND=reference`` skips it)."""
+    ``"cpu-extension"``, ``"cpu+cuda-extension"`` or ``"cuda-extension"`` (compiled kernels from
+    ``csrc/``; arguments a kernel does not support, and an op that failed its first-use canary, still
+    run the reference). The CUDA kernels come from the prebuilt GPU library when it serves, else from
+    the JIT build (``qmuon.ops._extension.status()`` has the loading order). Builds the CPU kernels if
+    they are not built yet (``QMUON_BACKEND=reference`` skips it)."""
     from ._extension import backend as _backend
 
     return _backend()

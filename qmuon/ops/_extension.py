@@ -16,9 +16,16 @@ Sources (``csrc/``)
 An installed wheel ships ``csrc/`` as ``qmuon/_csrc`` (pyproject.toml maps it into the
 package); a source checkout uses the repository's ``csrc/`` (:func:`csrc_dir`).
 
+Loading order (:func:`status`; ``status().steps`` says how it went)
+-----------------------------------------------------------------
+CUDA kernels: the prebuilt GPU library shipped in the wheel (:mod:`._prebuilt`, built by
+:mod:`.build_gpu`, called through :mod:`._cabi`), else the JIT build below where nvcc exists, else
+the reference (on a GPU with a warning that names the fix). CPU kernels: the JIT build, else the
+reference.
+
 Build
 -----
-Just in time with ``torch.utils.cpp_extension.load`` (ninja), into
+Just in time with ``torch.utils.cpp_extension.load`` (ninja), in a child process with a time limit, into
 ``<torch extensions dir>/qmuon/<name>``; the name hashes the sources, the flags, the torch / Python /
 CUDA versions and the CPU (the CPU kernels are built with ``-march=native``). CPU code is compiled
 with ``-ffp-contract=off`` and CUDA code with ``--fmad=false`` (plus explicit ``__f*_rn``
@@ -39,6 +46,10 @@ Environment
 ``QMUON_CSRC_DIR``     build from this copy of ``csrc/`` instead of the package's.
 ``QMUON_BUILD_WAIT_S`` how long a process waits for another one's build of the same sources
                        (default 1800; :mod:`.build_lock`).
+``QMUON_BUILD_TIMEOUT_S`` how long a build may take before it is stopped with an error (default 1200):
+                       the compilers run in a child process group that is killed at the limit.
+``QMUON_GPU_LIB``      ``0``: do not use the prebuilt GPU library; a path: use that file (:mod:`._prebuilt`).
+``QMUON_CANARY``       ``0``: skip the first-use check of each compiled op (:mod:`._canary`).
 ``TORCH_EXTENSIONS_DIR``, ``MAX_JOBS``, ``TORCH_CUDA_ARCH_LIST``, ``CUDA_HOME``: as for
 ``torch.utils.cpp_extension``.
 """
@@ -46,6 +57,7 @@ Environment
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import platform
 import sys
@@ -71,28 +83,37 @@ _CUDA_SOURCES = ("binding_cuda.cpp", "cuda/q8_cuda.cu", "cuda/q4_cuda.cu", "bind
 _HEADERS = ("binding_common.h", "binding_4bit.h", "cpu/block_reduce_cpu.h", "qmuon/block_math.h",
             "qmuon/block_math_4bit.h", "qmuon/kernels.h", "qmuon/validate.h", "binding_weight.h",
             "qmuon/weight_kernels.h", "qmuon/weight_math.h", "binding_adamw.h", "qmuon/adamw_math.h",
-            "qmuon/adamw_kernels.h", "cpu/vector_width.h")
+            "qmuon/adamw_kernels.h", "cpu/vector_width.h", "qmuon/abi_layout.h")
 
 
 @dataclass(frozen=True)
 class ExtensionStatus:
-    """What ``torch.ops.qmuon`` runs. ``backend``: ``"reference"``, ``"cpu-extension"`` or
-    ``"cpu+cuda-extension"``; ``reason``: why the reference (or no CUDA kernel) is used, if so;
-    ``library``: path of the loaded shared library."""
+    """What ``torch.ops.qmuon`` runs. ``backend``: ``"reference"``, ``"cpu-extension"``,
+    ``"cpu+cuda-extension"`` or ``"cuda-extension"`` (CUDA kernels only: the CPU build failed);
+    ``reason``: why the reference (or no CUDA kernel) is used, if so; ``library``: path of the loaded
+    JIT-built library; ``cuda_source``: where the CUDA kernels come from, ``"prebuilt"`` (the GPU library
+    shipped in the wheel, :mod:`._prebuilt`) or ``"jit"`` (compiled here with nvcc), None without them;
+    ``gpu_library``: what was found of the prebuilt GPU library (also when it cannot serve, e.g. no
+    device); ``steps``: the loading order as it went, one line per step (logged once, shown by
+    ``qmuon-doctor`` and ``python -m qmuon.ops.build``)."""
 
     backend: str
     reason: str | None = None
     library: str | None = None
+    cuda_source: str | None = None
+    gpu_library: Any = None
+    steps: tuple[str, ...] = ()
 
     @property
     def cpu(self) -> bool:
-        return self.backend != "reference"
+        return self.backend in ("cpu-extension", "cpu+cuda-extension")
 
     @property
     def cuda(self) -> bool:
-        return self.backend == "cpu+cuda-extension"
+        return self.backend in ("cpu+cuda-extension", "cuda-extension")
 
 
+_log = logging.getLogger("qmuon.ops")
 _lock = threading.RLock()
 _status: ExtensionStatus | None = None
 
@@ -217,6 +238,54 @@ def _build_reason(so: str, inputs: list[str]) -> str | None:
     return None
 
 
+TIMEOUT_ENV = "QMUON_BUILD_TIMEOUT_S"
+
+
+def _build_timeout_s() -> float:
+    raw = os.environ.get(TIMEOUT_ENV, "").strip()
+    try:
+        return float(raw) if raw else 1200.0
+    except ValueError:
+        raise ValueError(f"{TIMEOUT_ENV} must be a number of seconds, got {raw!r}") from None
+
+
+def _compile_in_child(with_cuda: bool, verbose: bool, directory: str, lock_fd: int | None) -> None:
+    """Compile in a child process (its own process group) that is killed, compilers and all, when it
+    runs past ``QMUON_BUILD_TIMEOUT_S`` (default 1200 s): torch's ``load`` has no time limit, and a
+    compiler that hangs (a stuck NFS mount, a machine swapping) would otherwise hang the first training
+    step silently. The parent then loads the finished build (ninja finds nothing left to do).
+
+    The child inherits the build lock's descriptor: if this process is killed, the child finishes the
+    build still holding the lock, and the next process waits for it instead of building alongside it."""
+    import signal
+    import subprocess
+
+    limit = _build_timeout_s()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    code = ("import sys\nfrom torch.utils.cpp_extension import load\nfrom qmuon.ops._extension import _build_spec\n"
+            f"spec = _build_spec({with_cuda!r}); spec.pop('inputs')\n"
+            f"try:\n    load(is_python_module=False, verbose={verbose!r}, **spec)\n"
+            "except Exception as err:\n    print(f'{type(err).__name__}: {err}'); sys.exit(1)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], env=env, start_new_session=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, pass_fds=(lock_fd,) if lock_fd is not None else ())
+    if lock_fd is not None:  # what a waiting process prints: the holder, and the compiler process
+        holder = os.pread(lock_fd, 4096, 0).decode(errors="replace").strip()
+        os.pwrite(lock_fd, f"{holder}, compiler process {proc.pid}".encode(), 0)
+    try:
+        out, _ = proc.communicate(timeout=limit)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the whole group: ninja and every compiler it started
+        proc.communicate()
+        raise TimeoutError(
+            f"qmuon: the kernel build in {directory} did not finish within {limit:.0f} s and was stopped. A loaded "
+            f"or swapping machine builds slowly: set {TIMEOUT_ENV} higher (or MAX_JOBS lower), or build ahead with "
+            "`python -m qmuon.ops.build`; QMUON_BACKEND=reference runs without compiled kernels") from None
+    if verbose and out:
+        print(out, file=sys.stderr, end="", flush=True)
+    if proc.returncode != 0:  # the child printed load()'s error last (the compiler's output is in it)
+        raise RuntimeError(out.strip() or f"the build process exited with {proc.returncode}")
+
+
 def _build_and_load(with_cuda: bool, verbose: bool) -> str:
     from torch.utils.cpp_extension import load
 
@@ -224,16 +293,16 @@ def _build_and_load(with_cuda: bool, verbose: bool) -> str:
     inputs = spec.pop("inputs")
     so = os.path.join(spec["build_directory"], spec["name"] + ".so")
     # One process builds per machine; the others wait, then load its result (build_lock).
-    with build_lock(spec["build_directory"]):
+    with build_lock(spec["build_directory"]) as lock_fd:
         reason = _build_reason(so, inputs)
         if reason:
             what = "CPU and CUDA" if with_cuda else "CPU"
             print(f"qmuon: compiling the {what} kernels (csrc/) into {spec['build_directory']}: "
-                  f"{reason} ...", file=sys.stderr, flush=True)
-        t0 = time.perf_counter()
-        path = load(is_python_module=False, verbose=verbose, **spec)
-        if reason:
+                  f"{reason} (time limit {_build_timeout_s():.0f} s, {TIMEOUT_ENV}) ...", file=sys.stderr, flush=True)
+            t0 = time.perf_counter()
+            _compile_in_child(with_cuda, verbose, spec["build_directory"], lock_fd)
             print(f"qmuon: kernels built in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+        path = load(is_python_module=False, verbose=verbose, **spec)
     return str(path) if path else so
 
 
@@ -246,34 +315,68 @@ def _short(err: BaseException, limit: int = 1500) -> str:
     return text if len(text) <= limit else "... " + text[-limit:]
 
 
+def _step(steps: list[str], line: str) -> None:
+    steps.append(line)
+    _log.info("qmuon: %s", line)
+
+
 def _load(verbose: bool) -> ExtensionStatus:
+    """The loading order: CUDA kernels from the prebuilt GPU library, else the JIT build where nvcc
+    exists, else the reference; CPU kernels from the JIT build (g++), else the reference."""
     mode = _mode()
     if mode == "reference":
-        return ExtensionStatus("reference", "QMUON_BACKEND=reference")
+        return ExtensionStatus("reference", "QMUON_BACKEND=reference", steps=("QMUON_BACKEND=reference: the "
+                                                                              "pure-PyTorch reference serves every op",))
+    steps: list[str] = []
+    from . import _prebuilt
+
+    gpu = _prebuilt.load()
+    cuda_source = "prebuilt" if gpu.usable else None
+    _step(steps, f"1. prebuilt GPU library: {gpu.summary()}")
+    want_cuda, cuda_reason = _cuda_wanted()
+    if cuda_source:
+        want_cuda, cuda_reason = False, None  # nothing to compile for CUDA
+    elif torch.version.cuda is not None and not want_cuda:
+        cuda_reason = f"no usable prebuilt GPU library ({gpu.reason}), and no JIT build: {cuda_reason}"
     if not (csrc_dir() / "binding.cpp").is_file():
         reason = (f"kernel sources not found at {csrc_dir()} (reinstall qmuon-lightning, whose wheel ships "
                   "them as qmuon/_csrc, or use a source checkout)")
-        return _fail(mode, reason)
+        _step(steps, f"2. JIT build: {reason}")
+        if cuda_source:
+            return _partial_cpu(mode, ExtensionStatus("cuda-extension", reason, None, cuda_source, gpu, tuple(steps)))
+        return _fail(mode, reason, gpu, steps)
     verbose = verbose or os.environ.get("QMUON_BUILD_VERBOSE", "") == "1"
-    want_cuda, cuda_reason = _cuda_wanted()
     if want_cuda:
         try:
             path = _build_and_load(True, verbose)
             if _has_cuda_kernels():
-                return ExtensionStatus("cpu+cuda-extension", None, path)
+                _step(steps, f"2. JIT build (CPU and CUDA kernels, nvcc): {path}")
+                return ExtensionStatus("cpu+cuda-extension", None, path, "jit", gpu, tuple(steps))
             cuda_reason = "the extension loaded but registered no CUDA kernels"
-            return _partial(mode, ExtensionStatus("cpu-extension", cuda_reason, path))
+            _step(steps, f"2. JIT build: {cuda_reason} ({path})")
+            return _partial(mode, ExtensionStatus("cpu-extension", cuda_reason, path, None, gpu, tuple(steps)))
         except Exception as err:  # noqa: BLE001 - any build failure falls back to the CPU build
-            cuda_reason = f"building the CUDA kernels failed: {_short(err)}"
+            cuda_reason = (f"no usable prebuilt GPU library ({gpu.reason}), and building the CUDA kernels "
+                           f"failed: {_short(err)}")
+            _step(steps, f"2. JIT build of the CUDA kernels failed: {_short(err, 300)}")
     try:
         path = _build_and_load(False, verbose)
     except Exception as err:  # noqa: BLE001
-        return _fail(mode, f"building/loading the compiled kernels failed: {_short(err)}")
-    st = ExtensionStatus("cpu-extension", cuda_reason, path)
+        reason = f"building/loading the compiled kernels failed: {_short(err)}"
+        _step(steps, f"2. JIT build of the CPU kernels failed: {_short(err, 300)}")
+        if cuda_source:
+            return _partial_cpu(mode, ExtensionStatus("cuda-extension", reason, None, cuda_source, gpu, tuple(steps)))
+        return _fail(mode, reason, gpu, steps)
+    _step(steps, f"2. JIT build (CPU kernels, g++): {path}")
+    if cuda_source:
+        return ExtensionStatus("cpu+cuda-extension", None, path, cuda_source, gpu, tuple(steps))
+    if cuda_reason:
+        _step(steps, f"3. CUDA tensors: the pure-PyTorch reference ({cuda_reason})")
+    st = ExtensionStatus("cpu-extension", cuda_reason, path, None, gpu, tuple(steps))
     return _partial(mode, st) if cuda_reason else st
 
 
-def _fail(mode: str, reason: str) -> ExtensionStatus:
+def _fail(mode: str, reason: str, gpu: Any = None, steps: list[str] | None = None) -> ExtensionStatus:
     if mode == "extension":
         raise RuntimeError(f"qmuon: QMUON_BACKEND=extension but {reason}")
     warnings.warn(
@@ -282,17 +385,37 @@ def _fail(mode: str, reason: str) -> ExtensionStatus:
         RuntimeWarning,
         stacklevel=4,
     )
-    return ExtensionStatus("reference", reason)
+    steps = list(steps or [])
+    _step(steps, f"3. every op: the pure-PyTorch reference ({reason})")
+    return ExtensionStatus("reference", reason, gpu_library=gpu, steps=tuple(steps))
+
+
+def _gpu_fix() -> str:
+    major = torch.version.cuda.split(".")[0] if torch.version.cuda else "<major>"
+    return (f"install a qmuon-lightning wheel that ships qmuon/_lib/libqmuon_cuda{major}.so (or build it: "
+            f"python -m qmuon.ops.build_gpu), or install a CUDA {major} toolkit (nvcc) and set CUDA_HOME")
 
 
 def _partial(mode: str, st: ExtensionStatus) -> ExtensionStatus:
     if mode == "extension" and torch.cuda.is_available():
         raise RuntimeError(f"qmuon: QMUON_BACKEND=extension but no CUDA kernels: {st.reason}")
-    warnings.warn(
-        f"qmuon: CUDA tensors use the pure-PyTorch reference kernels because {st.reason}.",
-        RuntimeWarning,
-        stacklevel=4,
-    )
+    if torch.cuda.is_available():
+        # Loud: a GPU run on the reference is unfused and slower, and nothing else says so.
+        msg = (f"qmuon: CUDA tensors use the pure-PyTorch reference kernels (unfused, slower, more memory) "
+               f"because {st.reason}. Fix: {_gpu_fix()}.")
+        _log.warning(msg)
+    else:
+        msg = f"qmuon: CUDA tensors use the pure-PyTorch reference kernels because {st.reason}."
+    warnings.warn(msg, RuntimeWarning, stacklevel=4)
+    return st
+
+
+def _partial_cpu(mode: str, st: ExtensionStatus) -> ExtensionStatus:
+    """CUDA kernels from the prebuilt library, CPU tensors on the reference (the CPU build failed)."""
+    if mode == "extension":
+        raise RuntimeError(f"qmuon: QMUON_BACKEND=extension but no CPU kernels: {st.reason}")
+    warnings.warn(f"qmuon: CPU tensors use the pure-PyTorch reference kernels because {st.reason}.",
+                  RuntimeWarning, stacklevel=4)
     return st
 
 
@@ -307,7 +430,7 @@ def status(verbose: bool = False) -> ExtensionStatus:
 
 
 def backend() -> str:
-    """``"reference"``, ``"cpu-extension"`` or ``"cpu+cuda-extension"``."""
+    """``"reference"``, ``"cpu-extension"``, ``"cpu+cuda-extension"`` or ``"cuda-extension"``."""
     return status().backend
 
 

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 import torch
 from torch import Tensor
 
-from . import _extension
+from . import _canary, _extension
 
 if TYPE_CHECKING:
     from ._library import QmuonOp
@@ -116,7 +116,7 @@ def _dense_probe(device: torch.device) -> bool:
         grad = torch.randn(5, 333, generator=gen).to(device)
         r_buf, r_grad = buf.clone(), grad.clone()
         sums = [torch.empty(5, 2, device=device)]
-        torch.ops.qmuon_C.dense_momentum_update_multi_([buf], [grad], sums, 0.95, True, 256, [-1], [0])
+        compiled_op("dense_momentum_update_multi_", device.type)([buf], [grad], sums, 0.95, True, 256, [-1], [0])
         ref.dense_momentum_update_(r_buf, r_grad, beta=0.95, nesterov=True, block_size=256)
         bits = torch.int16 if buf_dtype == torch.bfloat16 else torch.int32
         ok = ok and torch.equal(buf.view(bits), r_buf.view(bits))
@@ -151,7 +151,7 @@ def _fp32_write_probe(device: torch.device) -> bool:
         u = torch.randn((cols, rows) if transposed else (rows, cols), generator=gen).to(udt).to(device)
         u = u.mT if transposed else u
         a, b = w.clone(), w.clone()
-        torch.ops.qmuon_C.fp32_weight_update_(a, u, -0.0213, 0.9998)
+        compiled_op("fp32_weight_update_", device.type)(a, u, -0.0213, 0.9998)
         b.mul_(0.9998)
         b.add_(u, alpha=-0.0213)
         ok = ok and torch.equal(a.view(torch.int32), b.view(torch.int32))
@@ -185,18 +185,50 @@ def _compiled_for(device_type: str) -> bool:
     return st.cuda if device_type == "cuda" else st.cpu
 
 
-def _guarded_kernel(name: str, supported: Callable[..., bool], reference: Callable[..., Any],
-                    device_type: str) -> Callable[..., Any]:
-    """The kernel of op ``name`` for one device type: ``torch.ops.qmuon_C.<name>`` when the extension
-    is loaded for it and ``supported(*args)``, else ``reference``."""
+def compiled_op(name: str, device_type: str) -> Callable[..., Any]:
+    """The compiled kernel of op ``name`` for ``device_type`` (the extension must be loaded for it):
+    ``torch.ops.qmuon_C.<name>`` of the JIT build, or on CUDA the prebuilt GPU library's twin
+    (:class:`._cabi.CAbiOps`) when that is where the CUDA kernels come from."""
+    st = _extension.status()
+    if device_type == "cuda" and st.cuda_source == "prebuilt":
+        return st.gpu_library.ops.get(name)
+    return getattr(torch.ops.qmuon_C, name)  # qmuon_C exists once status() has loaded it
+
+
+def _device_of(args: Sequence[Any]) -> torch.device | None:
+    for a in args:
+        if isinstance(a, Tensor):
+            return a.device
+        if isinstance(a, (list, tuple)) and a and isinstance(a[0], Tensor):
+            return a[0].device
+    return None
+
+
+def _guarded_kernel(op: QmuonOp, device_type: str) -> Callable[..., Any]:
+    """The kernel of ``op`` for one device type: its compiled kernel (:func:`compiled_op`) when the
+    extension is loaded for it, ``op.supported(*args)`` holds and the op passed its first-use canary on
+    this device type (:mod:`._canary`), else ``op.reference``."""
+    name, supported, reference = op.name, op.supported, op.reference
     compiled_key, reference_key = (name, "compiled"), (name, "reference")
+    # [canary generation it was resolved in, compiled kernel, canary passed]: after the first call a
+    # compiled call costs one int comparison more (_canary.reset() starts over, for tests).
+    state: list[Any] = [-1, None, False]
 
     def kernel(*args: Any) -> Any:
         if _compiled_for(device_type) and supported(*args):
-            served[compiled_key] += 1
-            return getattr(torch.ops.qmuon_C, name)(*args)  # qmuon_C exists once status() has loaded it
+            if state[0] != _canary.generation:
+                state[:] = [_canary.generation, compiled_op(name, device_type), False]
+            fn = state[1]
+            if state[2] or _canary_passes(fn, args):
+                state[2] = True
+                served[compiled_key] += 1
+                return fn(*args)
         served[reference_key] += 1
         return reference(*args)
+
+    def _canary_passes(fn: Callable[..., Any], args: tuple) -> bool:
+        device = _device_of(args)
+        return device is None or _canary.passes(op, fn, device)
 
     kernel.__name__ = name
     return kernel
@@ -217,6 +249,5 @@ def register_compiled_kernels(ops: Iterable[QmuonOp]) -> None:
         if op.supported is None:
             continue
         for device_type in device_types:
-            op.register_kernel(device_type.upper(),
-                               _guarded_kernel(op.name, op.supported, op.reference, device_type))
+            op.register_kernel(device_type.upper(), _guarded_kernel(op, device_type))
     _registered = True

@@ -46,8 +46,12 @@ def main(argv: list[str] | None = None) -> int:
     if isa:
         flags = " ".join(_extension._cpu_arch_flags()) or "the compiler's default target"
         print(f"cpu loops: {isa} (built with {flags}; QMUON_CPU_ARCH sets it)")
+    if st.cuda_source:
+        print(f"cuda kernels: {st.cuda_source}")
     if st.reason:
         print(f"note: {st.reason}")
+    for line in st.steps:
+        print(f"loading order: {line}")
     return 0 if st.backend != "reference" or mode == "reference" else 1
 
 

@@ -44,11 +44,13 @@ def _holder(path: str) -> str:
 
 
 @contextlib.contextmanager
-def build_lock(directory: str, wait_s: float | None = None) -> Iterator[None]:
-    """Hold the build lock of ``directory`` (see the module docstring) for the ``with`` block."""
+def build_lock(directory: str, wait_s: float | None = None) -> Iterator[int | None]:
+    """Hold the build lock of ``directory`` (see the module docstring) for the ``with`` block. Yields the
+    lock file's descriptor: a child process that inherits it (``pass_fds``) holds the lock with the
+    parent, so a build that outlives a killed parent still keeps the others waiting."""
     os.makedirs(directory, exist_ok=True)
     if fcntl is None:  # pragma: no cover
-        yield
+        yield None
         return
     if wait_s is None:
         wait_s = float(os.environ.get(WAIT_ENV, "1800"))
@@ -78,7 +80,7 @@ def build_lock(directory: str, wait_s: float | None = None) -> Iterator[None]:
             os.remove(stale)
             print(f"qmuon: removed a stale build lock ({stale}) left by a build that was killed; building again",
                   file=sys.stderr, flush=True)
-        yield
+        yield fd
     finally:
         if fcntl is not None:
             fcntl.flock(fd, fcntl.LOCK_UN)

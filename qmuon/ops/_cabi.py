@@ -1,0 +1,804 @@
+"""The kernels' C ABI from Python: ctypes mirrors of its structs and a Python twin of the torch binding.
+
+``csrc/qmuon/kernels.h``, ``adamw_kernels.h`` and ``weight_kernels.h`` declare ``qmuon_cpu_*`` and
+``qmuon_cuda_*`` entry points that take raw pointers, row strides and (CUDA) a ``cudaStream_t``. The
+JIT-built ``qmuon_C`` library calls them from C++ (``csrc/binding*.h``: argument checks, the unit
+column stride the kernels need, grouping by dtype, output allocation). The prebuilt GPU library
+(``qmuon/_lib/libqmuon_cuda<major>.so``, :mod:`.build_gpu`) has no torch in it, so this module does
+that binding's work in Python and calls the entry points with ctypes:
+
+* :class:`CAbiOps` binds one loaded library for one device kind (``"cpu"``: ``qmuon_cpu_<fn>(args)``;
+  ``"cuda"``: ``qmuon_cuda_<fn>(args, stream)`` on torch's current stream, under a device guard);
+* its methods have the arguments of the ``torch.ops.qmuon`` ops of the same name, check what the
+  kernels cannot check themselves (shapes and devices: a mis-shaped pointer on a GPU is a memory fault,
+  not an error), and return / mutate exactly as the C++ binding does.
+
+The same class runs against the CPU build of the same ABI (the ``qmuon_cpu_*`` functions exported by
+the JIT-built CPU library), so CI exercises every line of the GPU path's Python side on a CPU
+(``tests/test_cabi.py``). :func:`layout` lists the structs' sizes and field offsets; the libraries
+export the C compiler's list (``qmuon_*_abi_layout``, ``csrc/qmuon/abi_layout.h``) and a library
+whose list differs is not used.
+"""
+
+from __future__ import annotations
+
+import ctypes as C
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import Tensor
+
+__all__ = ["CAbiOps", "layout", "OP_NAMES"]
+
+# csrc/qmuon/kernels.h (enum qmuon_dtype, QMUON_CODEC_*), block_math.h, block_math_4bit.h, adamw_math.h
+F32, BF16, F16, I8, U8 = 0, 1, 2, 3, 4
+_DTYPE = {torch.float32: F32, torch.bfloat16: BF16, torch.float16: F16, torch.int8: I8, torch.uint8: U8}
+MAX_BLOCK = 4096
+_CODE_DTYPES = (torch.int8, torch.uint8)
+_GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+E0M3_BLOCK = 16
+(PACK_INT4, UNPACK_INT4, UE4M3_ENCODE, UE4M3_DECODE, INT4_QUANTIZE, INT4_DEQUANTIZE, E0M3_QUANTIZE, E0M3_DEQUANTIZE,
+ GRID_QUANTIZE, GRID_DEQUANTIZE, GRID_QUANTIZE_WITH_SCALE) = range(1, 12)
+ADAM_M8, ADAM_V8, ADAM_M4, ADAM_V4 = 0, 1, 2, 3
+
+_p, _i32, _i64, _f32, _f64 = C.c_void_p, C.c_int32, C.c_int64, C.c_float, C.c_double
+
+
+class Q8Tensor(C.Structure):
+    _fields_ = [("codes", _p), ("absmax", _p), ("grad", _p), ("sumsq", _p), ("rows", _i64), ("cols", _i64),
+                ("codes_rs", _i64), ("absmax_rs", _i64), ("grad_rs", _i64), ("row_offset", _i64), ("stream", _i64)]
+
+
+class Q8Params(C.Structure):
+    _fields_ = [("beta", _f64), ("nesterov", _i32), ("code_dtype", _i32), ("grad_dtype", _i32),
+                ("block_size", _i64)]
+
+
+class Q4Tensor(C.Structure):
+    _fields_ = [("packed", _p), ("scales", _p), ("tensor_scale", _p), ("grad", _p), ("sumsq", _p), ("scratch", _p),
+                ("new_tensor_scale", _p), ("amax_out", _p), ("rows", _i64), ("cols", _i64), ("packed_rs", _i64),
+                ("scales_rs", _i64), ("grad_rs", _i64), ("row_offset", _i64), ("stream", _i64)]
+
+
+class Q4Params(C.Structure):
+    _fields_ = [("beta", _f64), ("nesterov", _i32), ("grad_dtype", _i32), ("block_size", _i64)]
+
+
+class DenseTensor(C.Structure):
+    _fields_ = [("buf", _p), ("grad", _p), ("sumsq", _p), ("rows", _i64), ("cols", _i64), ("buf_rs", _i64),
+                ("grad_rs", _i64), ("row_offset", _i64), ("stream", _i64)]
+
+
+class DenseParams(C.Structure):
+    _fields_ = [("beta", _f64), ("nesterov", _i32), ("buf_dtype", _i32), ("grad_dtype", _i32), ("block_size", _i64)]
+
+
+class CodecArgs(C.Structure):
+    _fields_ = [("op", _i32), ("flag", _i32), ("in0", _p), ("in1", _p), ("in2", _p), ("in3", _p), ("out0", _p),
+                ("out1", _p), ("out2", _p), ("out3", _p), ("scratch", _p), ("rows", _i64), ("cols", _i64),
+                ("block_size", _i64), ("stream", _i64), ("row_offset", _i64)]
+
+
+class AdamwQArgs(C.Structure):
+    _fields_ = [("grad", _p), ("grad_rs", _i64), ("grad_dtype", _i32), ("m_kind", _i32), ("v_kind", _i32),
+                ("pad_", _i32), ("m_codes", _p), ("m_rs", _i64), ("m_scale", _p), ("m_scale_rs", _i64),
+                ("v_codes", _p), ("v_rs", _i64), ("v_scale", _p), ("v_scale_rs", _i64), ("update", _p),
+                ("update_rs", _i64), ("rows", _i64), ("cols", _i64), ("block_size", _i64), ("beta1", _f64),
+                ("beta2", _f64), ("eps", _f64), ("neg_step_size", _f64), ("bias_correction2_sqrt", _f64),
+                ("stream", _i64), ("index0", _i64)]
+
+
+class WeightArgs(C.Structure):
+    _fields_ = [("param", _p), ("ecc", _p), ("update", _p), ("update_dtype", _i32), ("rows", _i64), ("cols", _i64),
+                ("param_rs", _i64), ("ecc_rs", _i64), ("update_rs", _i64), ("alpha", _f32), ("decay", _f32),
+                ("stream", _i64), ("index0", _i64), ("index_rs", _i64)]
+
+
+class Fp32WeightArgs(C.Structure):
+    _fields_ = [("param", _p), ("update", _p), ("update_dtype", _i32), ("rows", _i64), ("cols", _i64),
+                ("param_rs", _i64), ("update_rs", _i64), ("update_cs", _i64), ("alpha", _f32), ("decay", _f32)]
+
+
+#: In the order of csrc/qmuon/abi_layout.h.
+STRUCTS = (Q8Tensor, Q8Params, Q4Tensor, Q4Params, DenseTensor, DenseParams, CodecArgs, AdamwQArgs, WeightArgs,
+           Fp32WeightArgs)
+
+
+def layout() -> list[int]:
+    """Per struct of :data:`STRUCTS`: its size, then the offset of every field, in declaration order
+    (what ``qmuon_*_abi_layout`` of a library returns for the C compiler's structs)."""
+    out: list[int] = []
+    for s in STRUCTS:
+        out.append(C.sizeof(s))
+        out.extend(getattr(s, name).offset for name, _ in s._fields_)
+    return out
+
+
+def library_layout(lib: C.CDLL, kind: str) -> list[int]:
+    """The C compiler's :func:`layout` of ``lib`` (``qmuon_<kind>_abi_layout``)."""
+    fn = getattr(lib, f"qmuon_{kind}_abi_layout")
+    fn.restype, fn.argtypes = C.c_int64, [C.POINTER(C.c_int64), C.c_int64]
+    n = int(fn(None, 0))
+    buf = (C.c_int64 * n)()
+    fn(buf, n)
+    return list(buf)
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers: the kernels' layout (csrc/binding_common.h)
+# ---------------------------------------------------------------------------------------------
+def _layout_ok(t: Tensor) -> bool:
+    """The kernels index element (r, c) as base + r * row_stride + c."""
+    return t.is_contiguous() or ((t.shape[1] <= 1 or t.stride(1) == 1) and (t.shape[0] <= 1 or t.stride(0) >= t.shape[1]))
+
+
+def _rs(t: Tensor) -> int:
+    return t.shape[1] if t.shape[0] <= 1 else t.stride(0)
+
+
+def _nb(cols: int, block: int) -> int:
+    return (cols + block - 1) // block
+
+
+def _s32(stream: int) -> int:
+    return -1 if stream < 0 else stream & 0xFFFFFFFF
+
+
+def _ptr(t: Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _check(ok: bool, op: str, msg: str | Callable[[], str]) -> None:
+    """Raise ``RuntimeError("qmuon: <op> <msg>")`` unless ``ok``. ``msg`` may be a callable, so that the
+    message (tuple formatting: about a microsecond) is only built when the check fails."""
+    if not ok:
+        raise RuntimeError(f"qmuon: {op} {msg() if callable(msg) else msg}")
+
+
+def _check_2d(t: Tensor, dtype: torch.dtype, rows: int, cols: int, what: str, i: int, op: str, hint: str = "") -> None:
+    if t.dtype != dtype:
+        _check(False, op, f"{what} {i} must be {dtype}, got {t.dtype}")
+    if t.dim() != 2 or t.shape[0] != rows or t.shape[1] != cols:
+        _check(False, op, f"{what} {i} has shape {tuple(t.shape)} but needs ({rows}, {cols}){hint}")
+
+
+def _check_grad(g: Tensor, i: int, state: Tensor, op: str) -> None:
+    _check(g.dim() == 2, op, lambda: f"grad {i} must be 2-D, got {g.dim()}-D")
+    _check(g.dtype in (torch.float32, torch.bfloat16, torch.float16), op,
+           lambda: f"grads must be float32, bfloat16 or float16, got {g.dtype}")
+    _check(g.device == state.device, op, lambda: f"grad {i} is on {g.device} but its state is on {state.device}")
+
+
+def _check_scalar(t: Tensor, what: str, i: int, device: torch.device, op: str) -> None:
+    _check(t.dtype == torch.float32 and t.numel() == 1 and t.device == device, op,
+           lambda: f"{what} {i} must be a one-element float32 tensor on {device}, got {t.dtype} {tuple(t.shape)} on {t.device}")
+
+
+def _check_lists(op: str, n: int, **others: Sequence[Any]) -> None:
+    for name, xs in others.items():
+        _check(len(xs) == n, op, lambda: f"needs lists of equal length, got {n} states and {len(xs)} {name}")
+
+
+def _check_sums(sums: Sequence[Tensor], i: int, g: Tensor, block: int, op: str) -> None:
+    _check(len(sums) > i, op, "needs one block_sumsq output per tensor")
+    _check_2d(sums[i], torch.float32, g.shape[0], _nb(g.shape[1], block), "block_sumsq", i, op,
+              " (rows, ceil(cols / block_size)) of its grad")
+    _check(sums[i].get_device() == g.get_device(), op,
+           lambda: f"block_sumsq {i} is on {sums[i].device} but its grad is on {g.device}")
+
+
+def _check_block(block_size: int, op: str) -> None:
+    _check(1 <= block_size <= MAX_BLOCK, op, lambda: f"block_size must be in [1, {MAX_BLOCK}], got {block_size}")
+
+
+def _same_device(t: Tensor, what: str, first: Tensor, op: str) -> None:
+    _check(t.device == first.device, op,
+           lambda: f"{what} is on {t.device} but packed is on {first.device}; move every argument to one device")
+
+
+class _Writables:
+    """Tensors a kernel writes: each the tensor itself, or a copy in the kernel layout that is written
+    back after the call (``dense``: fully contiguous, as the sums of squares must be)."""
+
+    __slots__ = ("pairs",)
+
+    def __init__(self) -> None:
+        self.pairs: list[tuple[Tensor, Tensor]] = []
+
+    def add(self, t: Tensor, dense: bool = False) -> Tensor:
+        work = t if (t.is_contiguous() if dense else _layout_ok(t)) else t.contiguous()
+        if work is not t:
+            self.pairs.append((t, work))
+        return work
+
+    def write_back(self) -> None:
+        for orig, work in self.pairs:
+            orig.copy_(work)
+
+
+def _work(w: _Writables, t: Tensor, cols: int) -> tuple[Tensor, int]:
+    """``(tensor the kernel writes, its row stride)``: ``t`` itself when contiguous (the common case,
+    with no further checks), else through ``w``."""
+    if t.is_contiguous():
+        return t, cols
+    work = w.add(t)
+    return work, _rs(work)
+
+
+def _f32c(t: Tensor) -> Tensor:
+    return (t if t.dtype == torch.float32 else t.to(torch.float32)).contiguous()
+
+
+OP_NAMES = (
+    "q8_momentum_update_multi_", "quantize_rows", "dequantize_rows", "dense_momentum_update_multi_",
+    "int4_momentum_update_multi_", "e0m3_momentum_update_multi_", "e0m3_momentum_update_with_scale_multi_",
+    "e0m3_momentum_amax_multi", "pack_int4", "unpack_int4", "ue4m3_encode", "ue4m3_decode", "int4_quantize",
+    "int4_dequantize", "e0m3_quantize", "e0m3_dequantize", "grid_quantize4", "grid_quantize4_with_scale",
+    "grid_dequantize4", "adamw_q_update_", "bf16_weight_update_", "bf16_ecc8_weight_update_", "fp32_weight_update_",
+)
+
+
+class CAbiOps:
+    """The ``torch.ops.qmuon`` ops with a compiled twin, run through one library's C ABI.
+
+    ``kind="cpu"``: ``lib`` exports ``qmuon_cpu_*`` (the JIT-built CPU library); ``kind="cuda"``:
+    ``qmuon_cuda_*`` (the prebuilt GPU library), launched on torch's current stream of the tensors'
+    device. Methods are named and called like the ops; :meth:`get` returns one by name."""
+
+    def __init__(self, lib: C.CDLL, kind: str) -> None:
+        if kind not in ("cpu", "cuda"):
+            raise ValueError(f"kind must be 'cpu' or 'cuda', got {kind!r}")
+        self.lib, self.kind = lib, kind
+        self.cuda = kind == "cuda"
+        self._needs_scratch = self.cuda  # e0m3 / grid keep a device-side max on CUDA (binding_4bit.h)
+        P, I64, I32 = C.c_void_p, C.c_int64, C.c_int32
+        s = [P] if self.cuda else []
+
+        def fn(name: str, argtypes: list[Any], restype: Any = C.c_int) -> Any:
+            f = getattr(lib, f"qmuon_{kind}_{name}")
+            f.argtypes, f.restype = argtypes + s, restype
+            return f
+
+        self._q8 = fn("q8_momentum_update", [C.POINTER(Q8Tensor), I64, Q8Params])
+        self._quant = fn("quantize_rows", [P, I64, P, I32, P, I64, I64, I64, I64, I64])
+        self._dequant = fn("dequantize_rows", [P, I64, I32, P, I64, P, I64, I64, I64])
+        self._int4 = fn("int4_momentum_update", [C.POINTER(Q4Tensor), I64, Q4Params])
+        self._e0m3 = fn("e0m3_momentum_update", [C.POINTER(Q4Tensor), I64, Q4Params])
+        self._e0m3_amax = fn("e0m3_momentum_amax", [C.POINTER(Q4Tensor), I64, Q4Params])
+        self._dense = fn("dense_momentum_update", [C.POINTER(DenseTensor), I64, DenseParams])
+        self._codec = fn("codec", [C.POINTER(CodecArgs)])
+        self._adamw = fn("adamw_q_update", [C.POINTER(AdamwQArgs)])
+        self._bf16w = fn("bf16_weight_update", [C.POINTER(WeightArgs)])
+        self._fp32w = fn("fp32_weight_update", [C.POINTER(Fp32WeightArgs)])
+        if self.cuda:
+            err = lib.qmuon_cuda_error_string
+            err.argtypes, err.restype = [C.c_int], C.c_char_p
+            self._error_text = lambda code: err(code).decode(errors="replace")
+            self._raw_stream: Callable[[int], int] = getattr(
+                torch._C, "_cuda_getCurrentRawStream", lambda i: torch.cuda.current_stream(i).cuda_stream)
+        else:
+            texts = {10001: "unsupported dtype", 10002: "unsupported block_size",
+                     10003: "malformed call (unknown op, or a required pointer is NULL)"}  # qmuon/validate.h
+            self._error_text = lambda code: texts.get(code, "unknown error")
+
+    def get(self, name: str) -> Callable[..., Any]:
+        if name not in OP_NAMES:
+            raise KeyError(f"qmuon: no C-ABI twin of op {name!r}")
+        return getattr(self, name)
+
+    # -- launching ----------------------------------------------------------------------------
+    def _run(self, f: Any, op: str, device: torch.device, *args: Any) -> None:
+        """Call ``f(*args)`` (plus the current stream on CUDA, under a guard for ``device``); raise on an
+        error code."""
+        if self.cuda:
+            idx = device.index if device.index is not None else torch.cuda.current_device()
+            prev = torch.cuda.current_device()
+            if prev != idx:
+                torch.cuda.set_device(idx)
+            try:
+                code = f(*args, self._raw_stream(idx))
+            finally:
+                if prev != idx:
+                    torch.cuda.set_device(prev)
+        else:
+            code = f(*args)
+        if code != 0:
+            raise RuntimeError(f"qmuon: {self.kind.upper()} kernel {op} failed: {self._error_text(code)} "
+                               f"(code {code})")
+
+    def _scratch(self, n: int, like: Tensor) -> Tensor | None:
+        return torch.zeros(n, dtype=torch.float32, device=like.device) if self._needs_scratch and n > 0 else None
+
+    # -- 8-bit (csrc/binding_common.h) ----------------------------------------------------------
+    def q8_momentum_update_multi_(self, codes: list[Tensor], absmax: list[Tensor], grads: list[Tensor],
+                                  block_sumsq: list[Tensor], beta: float, nesterov: bool, block_size: int,
+                                  streams: list[int], row_offsets: list[int], compute_sumsq: bool = True) -> None:
+        op = "q8_momentum_update_multi_"
+        n = len(codes)
+        _check(len(absmax) == n and len(grads) == n and len(streams) == n and len(row_offsets) == n, op,
+               lambda: f"needs lists of equal length, got {n} codes, {len(absmax)} absmax, {len(grads)} grads, "
+               f"{len(streams)} streams, {len(row_offsets)} row_offsets")
+        _check(len(block_sumsq) == n or (not compute_sumsq and not block_sumsq), op,
+               lambda: f"needs one block_sumsq output per tensor, got {len(block_sumsq)} for {n} tensors")
+        _check_block(block_size, op)
+        w = _Writables()
+        groups: dict[tuple[int, int], list[Q8Tensor]] = {}
+        dev = codes[0].get_device() if n else -1
+        for i in range(n):
+            c, a, g = codes[i], absmax[i], grads[i]
+            s = block_sumsq[i] if compute_sumsq else None
+            # Fast path: one expression (about a microsecond less than the itemized checks, and this
+            # op runs once per parameter group per step); any failure is explained by _q8_explain.
+            if not (c.dim() == 2 and c.dtype in _CODE_DTYPES and a.dtype is torch.float32 and a.dim() == 2
+                    and g.shape == c.shape and g.dtype in _GRAD_DTYPES
+                    and a.shape[0] == c.shape[0] and a.shape[1] == (c.shape[1] + block_size - 1) // block_size
+                    and a.get_device() == dev and g.get_device() == dev and c.get_device() == dev
+                    and (s is None or (s.dtype is torch.float32 and s.shape == a.shape and s.get_device() == dev))):
+                self._q8_explain(i, c, a, g, block_sumsq, compute_sumsq, block_size, codes[0], op)
+            rows, cols = c.shape
+            if rows == 0 or cols == 0:
+                continue
+            (cw, c_rs), (aw, a_rs), (gw, g_rs) = _work(w, c, cols), _work(w, a, a.shape[1]), _work(w, g, cols)
+            sw = None if s is None else (s if s.is_contiguous() else w.add(s, dense=True))
+            t = Q8Tensor(cw.data_ptr(), aw.data_ptr(), gw.data_ptr(), None if sw is None else sw.data_ptr(), rows,
+                         cols, c_rs, a_rs, g_rs, row_offsets[i], -1 if streams[i] < 0 else streams[i] & 0xFFFFFFFF)
+            key = (_DTYPE[c.dtype], _DTYPE[g.dtype])
+            if key in groups:
+                groups[key].append(t)
+            else:
+                groups[key] = [t]
+        for (cd, gd), ts in groups.items():
+            arr = C.byref(ts[0]) if len(ts) == 1 else (Q8Tensor * len(ts))(*ts)  # one matrix: no array copy
+            self._run(self._q8, op, codes[0].device, arr, len(ts), Q8Params(beta, int(nesterov), cd, gd, block_size))
+        if w.pairs:
+            w.write_back()
+
+    @staticmethod
+    def _q8_explain(i: int, c: Tensor, a: Tensor, g: Tensor, block_sumsq: list[Tensor], compute_sumsq: bool,
+                    block_size: int, first: Tensor, op: str) -> None:
+        """Raise the error that names what is wrong with matrix ``i`` of a q8 update."""
+        _check(c.dim() == 2 and c.dtype in _CODE_DTYPES, op, lambda: f"codes {i} must be 2-D int8 / uint8")
+        rows, cols = c.shape
+        _check_2d(a, torch.float32, rows, _nb(cols, block_size), "absmax", i, op, " (rows, ceil(cols / block_size))")
+        _check(g.shape == c.shape, op, lambda: f"grad {i} has shape {tuple(g.shape)} but its codes have {(rows, cols)}")
+        _check(a.device == first.device and g.device == first.device and c.device == first.device, op,
+               "all tensors must be on one device")
+        _check(g.dtype in _GRAD_DTYPES, op, lambda: f"grads must be float32, bfloat16 or float16, got {g.dtype}")
+        if compute_sumsq:
+            _check_sums(block_sumsq, i, g, block_size, op)
+        raise AssertionError(f"qmuon: {op}: matrix {i} failed a check that names nothing")  # pragma: no cover
+
+    def quantize_rows(self, x: Tensor, block_size: int, signed: bool, stream: int, row_offset: int
+                      ) -> tuple[Tensor, Tensor]:
+        op = "quantize_rows"
+        _check(x.dim() == 2, op, lambda: f"needs a 2-D tensor, got {x.dim()}-D")
+        _check_block(block_size, op)
+        x = x if x.dtype == torch.float32 else x.to(torch.float32)
+        x = x if _layout_ok(x) else x.contiguous()
+        rows, cols = x.shape
+        codes = torch.empty(rows, cols, dtype=torch.int8 if signed else torch.uint8, device=x.device)
+        absmax = torch.empty(rows, _nb(cols, block_size), dtype=torch.float32, device=x.device)
+        if rows > 0 and cols > 0:
+            self._run(self._quant, op, x.device, x.data_ptr(), _rs(x), codes.data_ptr(), I8 if signed else U8,
+                      absmax.data_ptr(), rows, cols, block_size, _s32(stream), row_offset)
+        return codes, absmax
+
+    def dequantize_rows(self, codes: Tensor, absmax: Tensor, block_size: int) -> Tensor:
+        op = "dequantize_rows"
+        _check_block(block_size, op)
+        _check(codes.dim() == 2 and codes.dtype in (torch.int8, torch.uint8), op, "codes must be 2-D int8 / uint8")
+        rows, cols = codes.shape
+        _check_2d(absmax, torch.float32, rows, _nb(cols, block_size), "absmax", 0, op, " (rows, ceil(cols / block_size))")
+        _check(absmax.device == codes.device, op, "codes and absmax are on different devices")
+        codes = codes if _layout_ok(codes) else codes.contiguous()
+        absmax = absmax if _layout_ok(absmax) else absmax.contiguous()
+        out = torch.empty(rows, cols, dtype=torch.float32, device=codes.device)
+        if rows > 0 and cols > 0:
+            a_rs = absmax.shape[1] if rows <= 1 else absmax.stride(0)
+            self._run(self._dequant, op, codes.device, codes.data_ptr(), _rs(codes), _DTYPE[codes.dtype],
+                      absmax.data_ptr(), a_rs, out.data_ptr(), rows, cols, block_size)
+        return out
+
+    # -- dense, int4, e0m3 updates (csrc/binding_4bit.h) --------------------------------------
+    def dense_momentum_update_multi_(self, bufs: list[Tensor], grads: list[Tensor], block_sumsq: list[Tensor],
+                                     beta: float, nesterov: bool, block_size: int, streams: list[int],
+                                     row_offsets: list[int]) -> None:
+        op = "dense_momentum_update_multi_"
+        n = len(bufs)
+        _check_lists(op, n, grads=grads, block_sumsq=block_sumsq, streams=streams, row_offsets=row_offsets)
+        _check_block(block_size, op)
+        w = _Writables()
+        groups: dict[tuple[int, int], list[DenseTensor]] = {}
+        for i in range(n):
+            b, g = bufs[i], grads[i]
+            _check_grad(g, i, b, op)
+            _check(b.dtype in (torch.float32, torch.bfloat16), op, lambda: f"buffers must be float32 or bfloat16, got {b.dtype}")
+            _check(b.shape == g.shape, op, lambda: f"buffer {i} has shape {tuple(b.shape)} but its grad has {tuple(g.shape)}")
+            _check(g.device == grads[0].device, op, "all tensors must be on one device")
+            _check_sums(block_sumsq, i, g, block_size, op)
+            rows, cols = g.shape
+            if rows == 0 or cols == 0:
+                continue
+            bw, gw, sw = w.add(b), w.add(g), w.add(block_sumsq[i], dense=True)
+            groups.setdefault((_DTYPE[b.dtype], _DTYPE[g.dtype]), []).append(
+                DenseTensor(bw.data_ptr(), gw.data_ptr(), sw.data_ptr(), rows, cols, _rs(bw), _rs(gw), row_offsets[i],
+                            _s32(streams[i])))
+        for (bd, gd), ts in groups.items():
+            arr = (DenseTensor * len(ts))(*ts)
+            self._run(self._dense, op, grads[0].device, arr, len(ts), DenseParams(beta, int(nesterov), bd, gd, block_size))
+        w.write_back()
+
+    def _q4_update(self, kind: str, packed: list[Tensor], scales: list[Tensor], tensor_scales: list[Tensor],
+                   new_tensor_scales: list[Tensor], grads: list[Tensor], block_sumsq: list[Tensor], beta: float,
+                   nesterov: bool, block_size: int, streams: list[int], row_offsets: list[int]) -> None:
+        e0m3, with_scale = kind != "int4", kind == "e0m3_with_scale"
+        op = {"int4": "int4_momentum_update_multi_", "e0m3": "e0m3_momentum_update_multi_"}.get(
+            kind, "e0m3_momentum_update_with_scale_multi_")
+        n = len(packed)
+        _check_lists(op, n, scales=scales, grads=grads, block_sumsq=block_sumsq, streams=streams,
+                     row_offsets=row_offsets)
+        if e0m3:
+            _check_lists(op, n, tensor_scales=tensor_scales)
+            _check(1 <= block_size <= MAX_BLOCK and (block_size % E0M3_BLOCK == 0 or E0M3_BLOCK % block_size == 0), op,
+                   lambda: f"needs a block_size that is a multiple or a divisor of 16 and <= {MAX_BLOCK}, got {block_size}")
+        else:
+            _check(2 <= block_size <= MAX_BLOCK and block_size % 2 == 0, op,
+                   lambda: f"needs an even block_size in [2, {MAX_BLOCK}] (two codes per byte), got {block_size}")
+        if with_scale:
+            _check_lists(op, n, new_tensor_scales=new_tensor_scales)
+        scratch = self._scratch(2 * n, packed[0]) if kind == "e0m3" and n > 0 else None
+        w = _Writables()
+        groups: dict[int, list[Q4Tensor]] = {}
+        for i in range(n):
+            g = grads[i]
+            rows, cols = (g.shape[0], g.shape[1]) if g.dim() == 2 else (0, 0)
+            if e0m3:
+                self._check_e0m3_state(packed[i], scales[i], tensor_scales[i], g, i, op)
+                if with_scale:
+                    _check_scalar(new_tensor_scales[i], "new_tensor_scales", i, g.device, op)
+            else:
+                _check_grad(g, i, packed[i], op)
+                _check_2d(packed[i], torch.uint8, rows, (cols + 1) // 2, "packed", i, op, " (two 4-bit codes per byte)")
+                _check_2d(scales[i], torch.float32, rows, _nb(cols, block_size), "absmax", i, op,
+                          " (rows, ceil(cols / block_size))")
+                _check(packed[i].device == scales[i].device, op, lambda: f"state {i} is on two devices")
+            _check(g.device == grads[0].device, op, "all tensors must be on one device")
+            _check_sums(block_sumsq, i, g, block_size, op)
+            if rows == 0 or cols == 0:
+                if with_scale:
+                    tensor_scales[i].fill_(new_tensor_scales[i].reshape(()))
+                elif e0m3:
+                    tensor_scales[i].fill_(1.0)
+                continue
+            pw, sw, gw, qw = w.add(packed[i]), w.add(scales[i]), w.add(g), w.add(block_sumsq[i], dense=True)
+            t = Q4Tensor(pw.data_ptr(), sw.data_ptr(), tensor_scales[i].data_ptr() if e0m3 else None, gw.data_ptr(),
+                         qw.data_ptr(), None if scratch is None else scratch.data_ptr() + 8 * i,
+                         new_tensor_scales[i].data_ptr() if with_scale else None, None, rows, cols, _rs(pw), _rs(sw),
+                         _rs(gw), row_offsets[i], _s32(streams[i]))
+            groups.setdefault(_DTYPE[g.dtype], []).append(t)
+        for gd, ts in groups.items():
+            arr = (Q4Tensor * len(ts))(*ts)
+            self._run(self._e0m3 if e0m3 else self._int4, op, grads[0].device, arr, len(ts),
+                      Q4Params(beta, int(nesterov), gd, block_size))
+        w.write_back()
+
+    @staticmethod
+    def _check_e0m3_state(packed: Tensor, scales: Tensor, tensor_scale: Tensor, g: Tensor, i: int, op: str) -> None:
+        _check_grad(g, i, packed, op)
+        rows, cols = g.shape
+        _check_2d(packed, torch.uint8, rows, (cols + 1) // 2, "packed", i, op, " (two 4-bit codes per byte)")
+        _check_2d(scales, torch.uint8, rows, _nb(cols, E0M3_BLOCK), "scales", i, op, " (one UE4M3 scale per 16 elements)")
+        _check_scalar(tensor_scale, "tensor_scales", i, g.device, op)
+        _check(packed.device == scales.device, op, lambda: f"state {i} is on two devices")
+
+    def int4_momentum_update_multi_(self, packed, absmax, grads, block_sumsq, beta, nesterov, block_size, streams,
+                                    row_offsets) -> None:
+        self._q4_update("int4", packed, absmax, [], [], grads, block_sumsq, beta, nesterov, block_size, streams,
+                        row_offsets)
+
+    def e0m3_momentum_update_multi_(self, packed, scales, tensor_scales, grads, block_sumsq, beta, nesterov,
+                                    block_size, streams, row_offsets) -> None:
+        self._q4_update("e0m3", packed, scales, tensor_scales, [], grads, block_sumsq, beta, nesterov, block_size,
+                        streams, row_offsets)
+
+    def e0m3_momentum_update_with_scale_multi_(self, packed, scales, tensor_scales, new_tensor_scales, grads,
+                                               block_sumsq, beta, nesterov, block_size, streams, row_offsets) -> None:
+        self._q4_update("e0m3_with_scale", packed, scales, tensor_scales, new_tensor_scales, grads, block_sumsq, beta,
+                        nesterov, block_size, streams, row_offsets)
+
+    def e0m3_momentum_amax_multi(self, packed: list[Tensor], scales: list[Tensor], tensor_scales: list[Tensor],
+                                 grads: list[Tensor], beta: float) -> Tensor:
+        op = "e0m3_momentum_amax_multi"
+        n = len(packed)
+        _check_lists(op, n, scales=scales, tensor_scales=tensor_scales, grads=grads)
+        device = grads[0].device if n else torch.device("cpu")
+        out = torch.zeros(n, dtype=torch.float32, device=device)
+        scratch = self._scratch(2 * n, out)
+        keep: list[Tensor] = []  # unit-column-stride copies the kernel reads (nothing is written back)
+
+        def readable(t: Tensor) -> Tensor:
+            keep.append(t if _layout_ok(t) else t.contiguous())
+            return keep[-1]
+
+        groups: dict[int, list[Q4Tensor]] = {}
+        for i in range(n):
+            g = grads[i]
+            self._check_e0m3_state(packed[i], scales[i], tensor_scales[i], g, i, op)
+            _check(g.device == device, op, "all tensors must be on one device")
+            rows, cols = g.shape
+            if rows == 0 or cols == 0:
+                continue
+            p, s, gg = readable(packed[i]), readable(scales[i]), readable(g)
+            t = Q4Tensor(p.data_ptr(), s.data_ptr(), tensor_scales[i].data_ptr(), gg.data_ptr(), None,
+                         None if scratch is None else scratch.data_ptr() + 8 * i, None, out.data_ptr() + 4 * i,
+                         rows, cols, _rs(p), _rs(s), _rs(gg), 0, -1)
+            groups.setdefault(_DTYPE[g.dtype], []).append(t)
+        for gd, ts in groups.items():
+            arr = (Q4Tensor * len(ts))(*ts)
+            self._run(self._e0m3_amax, op, device, arr, len(ts), Q4Params(beta, 0, gd, E0M3_BLOCK))
+        return out
+
+    # -- standalone 4-bit codecs (contiguous inputs, fresh outputs) ---------------------------
+    def _codec_run(self, op: str, device: torch.device, code: int, rows: int, cols: int, **fields: Any) -> None:
+        a = CodecArgs(op=code, rows=rows, cols=cols, stream=-1)
+        for k, v in fields.items():
+            setattr(a, k, v)
+        self._run(self._codec, op, device, C.byref(a))
+
+    def pack_int4(self, codes: Tensor) -> Tensor:
+        op = "pack_int4"
+        _check(codes.dim() == 2, op, lambda: f"codes must be 2-D, got {codes.dim()}-D")
+        _check(codes.dtype == torch.int8, op, lambda: f"codes must be int8, got {codes.dtype}")
+        codes = codes.contiguous()
+        rows, cols = codes.shape
+        out = torch.empty(rows, (cols + 1) // 2, dtype=torch.uint8, device=codes.device)
+        if rows > 0 and cols > 0:
+            self._codec_run(op, codes.device, PACK_INT4, rows, cols, in0=codes.data_ptr(), out0=out.data_ptr())
+        return out
+
+    def unpack_int4(self, packed: Tensor, cols: int) -> Tensor:
+        op = "unpack_int4"
+        _check(packed.dim() == 2, op, lambda: f"packed must be 2-D, got {packed.dim()}-D")
+        _check(packed.dtype == torch.uint8, op, lambda: f"packed must be uint8, got {packed.dtype}")
+        _check(cols >= 0 and (cols + 1) // 2 == packed.shape[1], op,
+               lambda: f"{packed.shape[1]} packed columns cannot hold {cols} codes (needs ceil(cols / 2))")
+        packed = packed.contiguous()
+        rows = packed.shape[0]
+        out = torch.empty(rows, cols, dtype=torch.int8, device=packed.device)
+        if rows > 0 and cols > 0:
+            self._codec_run(op, packed.device, UNPACK_INT4, rows, cols, in0=packed.data_ptr(), out0=out.data_ptr())
+        return out
+
+    def ue4m3_encode(self, x: Tensor, round_up: bool) -> Tensor:
+        x = _f32c(x)
+        out = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
+        if x.numel() > 0:
+            self._codec_run("ue4m3_encode", x.device, UE4M3_ENCODE, 1, x.numel(), flag=int(round_up),
+                            in0=x.data_ptr(), out0=out.data_ptr())
+        return out
+
+    def ue4m3_decode(self, bits: Tensor) -> Tensor:
+        _check(bits.dtype == torch.uint8, "ue4m3_decode", lambda: f"needs uint8 bit patterns, got {bits.dtype}")
+        bits = bits.contiguous()
+        out = torch.empty(bits.shape, dtype=torch.float32, device=bits.device)
+        if bits.numel() > 0:
+            self._codec_run("ue4m3_decode", bits.device, UE4M3_DECODE, 1, bits.numel(), in0=bits.data_ptr(),
+                            out0=out.data_ptr())
+        return out
+
+    def int4_quantize(self, x: Tensor, block_size: int, stream: int, row_offset: int) -> tuple[Tensor, Tensor]:
+        op = "int4_quantize"
+        _check(x.dim() == 2, op, lambda: f"x must be 2-D, got {x.dim()}-D")
+        _check(2 <= block_size <= MAX_BLOCK and block_size % 2 == 0, op,
+               lambda: f"needs an even block_size in [2, {MAX_BLOCK}], got {block_size}")
+        x = _f32c(x)
+        rows, cols = x.shape
+        packed = torch.empty(rows, (cols + 1) // 2, dtype=torch.uint8, device=x.device)
+        absmax = torch.empty(rows, _nb(cols, block_size), dtype=torch.float32, device=x.device)
+        if rows > 0 and cols > 0:
+            self._codec_run(op, x.device, INT4_QUANTIZE, rows, cols, block_size=block_size, stream=_s32(stream),
+                            row_offset=row_offset, in0=x.data_ptr(), out0=packed.data_ptr(), out1=absmax.data_ptr())
+        return packed, absmax
+
+    def int4_dequantize(self, packed: Tensor, absmax: Tensor, block_size: int, cols: int) -> Tensor:
+        op = "int4_dequantize"
+        _check(packed.dim() == 2, op, lambda: f"packed must be 2-D, got {packed.dim()}-D")
+        _check(block_size >= 1, op, lambda: f"needs block_size >= 1, got {block_size}")
+        rows = packed.shape[0]
+        _check(cols >= 0 and (cols + 1) // 2 == packed.shape[1], op,
+               lambda: f"{packed.shape[1]} packed columns cannot hold {cols} codes")
+        _check_2d(packed, torch.uint8, rows, (cols + 1) // 2, "packed", 0, op)
+        _check_2d(absmax, torch.float32, rows, _nb(cols, block_size), "absmax", 0, op, " (rows, ceil(cols / block_size))")
+        _same_device(absmax, "absmax", packed, op)
+        packed, absmax = packed.contiguous(), absmax.contiguous()
+        out = torch.empty(rows, cols, dtype=torch.float32, device=packed.device)
+        if rows > 0 and cols > 0:
+            self._codec_run(op, packed.device, INT4_DEQUANTIZE, rows, cols, block_size=block_size,
+                            in0=packed.data_ptr(), in1=absmax.data_ptr(), out0=out.data_ptr())
+        return out
+
+    def e0m3_quantize(self, x: Tensor, two_level: bool, stream: int, row_offset: int) -> tuple[Tensor, Tensor, Tensor]:
+        op = "e0m3_quantize"
+        _check(x.dim() == 2, op, lambda: f"x must be 2-D, got {x.dim()}-D")
+        x = _f32c(x)
+        rows, cols = x.shape
+        packed = torch.empty(rows, (cols + 1) // 2, dtype=torch.uint8, device=x.device)
+        scales = torch.empty(rows, _nb(cols, E0M3_BLOCK), dtype=torch.uint8, device=x.device)
+        t = torch.empty((), dtype=torch.float32, device=x.device)
+        scratch = self._scratch(1, x)
+        if rows > 0 and cols > 0:
+            self._codec_run(op, x.device, E0M3_QUANTIZE, rows, cols, flag=int(two_level), stream=_s32(stream),
+                            row_offset=row_offset, in0=x.data_ptr(), out0=packed.data_ptr(), out1=scales.data_ptr(),
+                            out2=t.data_ptr(), scratch=_ptr(scratch))
+        else:
+            t.fill_(1.0)
+        return packed, scales, t
+
+    def e0m3_dequantize(self, packed: Tensor, scales: Tensor, tensor_scale: Tensor, cols: int) -> Tensor:
+        op = "e0m3_dequantize"
+        _check(packed.dim() == 2, op, lambda: f"packed must be 2-D, got {packed.dim()}-D")
+        rows = packed.shape[0]
+        _check(cols >= 0 and (cols + 1) // 2 == packed.shape[1], op,
+               lambda: f"{packed.shape[1]} packed columns cannot hold {cols} codes")
+        _check_2d(packed, torch.uint8, rows, (cols + 1) // 2, "packed", 0, op)
+        _check_2d(scales, torch.uint8, rows, _nb(cols, E0M3_BLOCK), "scales", 0, op, " (one UE4M3 scale per 16 elements)")
+        _check(tensor_scale.numel() == 1, op, lambda: f"tensor_scale must have one element, got {tuple(tensor_scale.shape)}")
+        _same_device(scales, "scales", packed, op)
+        _same_device(tensor_scale, "tensor_scale", packed, op)
+        packed, scales, t = packed.contiguous(), scales.contiguous(), _f32c(tensor_scale)
+        out = torch.empty(rows, cols, dtype=torch.float32, device=packed.device)
+        if rows > 0 and cols > 0:
+            self._codec_run(op, packed.device, E0M3_DEQUANTIZE, rows, cols, in0=packed.data_ptr(),
+                            in1=scales.data_ptr(), in2=t.data_ptr(), out0=out.data_ptr())
+        return out
+
+    def _grid_quantize(self, x: Tensor, grid_block: int, scale: Tensor | None, stream: int, row_offset: int
+                       ) -> tuple[Tensor, ...]:
+        op = "grid_quantize4" if scale is None else "grid_quantize4_with_scale"
+        _check(x.dim() == 2, op, lambda: f"x must be 2-D, got {x.dim()}-D")
+        _check(grid_block >= 1, op, lambda: f"needs grid_block >= 1, got {grid_block}")
+        if scale is not None:
+            _check_scalar(scale, "scale", 0, x.device, op)
+        x = _f32c(x)
+        rows, cols = x.shape
+        packed = torch.empty(rows, (cols + 1) // 2, dtype=torch.uint8, device=x.device)
+        row_max = torch.empty(rows, _nb(cols, grid_block), dtype=torch.uint8, device=x.device)
+        col_max = torch.empty(_nb(rows, grid_block), cols, dtype=torch.uint8, device=x.device)
+        fields: dict[str, Any] = dict(block_size=grid_block, stream=_s32(stream), row_offset=row_offset,
+                                      in0=x.data_ptr(), out0=packed.data_ptr(), out1=row_max.data_ptr(),
+                                      out2=col_max.data_ptr())
+        t = None
+        if scale is None:
+            t = torch.empty((), dtype=torch.float32, device=x.device)
+            scratch = self._scratch(1, x)  # the max |x| bits
+            fields.update(out3=t.data_ptr(), scratch=_ptr(scratch))
+        else:
+            scale = scale.contiguous()
+            fields.update(in1=scale.data_ptr())
+        if rows > 0 and cols > 0:
+            self._codec_run(op, x.device, GRID_QUANTIZE if scale is None else GRID_QUANTIZE_WITH_SCALE, rows, cols,
+                            **fields)
+        elif t is not None:
+            t.fill_(1.0)
+        return (packed, row_max, col_max) if t is None else (packed, row_max, col_max, t)
+
+    def grid_quantize4(self, x: Tensor, grid_block: int, stream: int, row_offset: int
+                       ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        return self._grid_quantize(x, grid_block, None, stream, row_offset)  # type: ignore[return-value]
+
+    def grid_quantize4_with_scale(self, x: Tensor, grid_block: int, scale: Tensor, stream: int, row_offset: int
+                                  ) -> tuple[Tensor, Tensor, Tensor]:
+        return self._grid_quantize(x, grid_block, scale, stream, row_offset)  # type: ignore[return-value]
+
+    def grid_dequantize4(self, packed: Tensor, row_max: Tensor, col_max: Tensor, scale: Tensor, grid_block: int,
+                         cols: int) -> Tensor:
+        op = "grid_dequantize4"
+        _check(packed.dim() == 2, op, lambda: f"packed must be 2-D, got {packed.dim()}-D")
+        _check(grid_block >= 1, op, lambda: f"needs grid_block >= 1, got {grid_block}")
+        rows = packed.shape[0]
+        _check(cols >= 0 and (cols + 1) // 2 == packed.shape[1], op,
+               lambda: f"{packed.shape[1]} packed columns cannot hold {cols} codes")
+        _check_2d(packed, torch.uint8, rows, (cols + 1) // 2, "packed", 0, op)
+        _check_2d(row_max, torch.uint8, rows, _nb(cols, grid_block), "row maxima", 0, op, " (rows, ceil(cols / s))")
+        _check_2d(col_max, torch.uint8, _nb(rows, grid_block), cols, "column maxima", 0, op, " (ceil(rows / s), cols)")
+        _check(scale.numel() == 1, op, lambda: f"scale must have one element, got {tuple(scale.shape)}")
+        for what, t in (("row maxima", row_max), ("column maxima", col_max), ("scale", scale)):
+            _same_device(t, what, packed, op)
+        packed, rb, cb, t = packed.contiguous(), row_max.contiguous(), col_max.contiguous(), _f32c(scale)
+        out = torch.empty(rows, cols, dtype=torch.float32, device=packed.device)
+        if rows > 0 and cols > 0:
+            self._codec_run(op, packed.device, GRID_DEQUANTIZE, rows, cols, block_size=grid_block,
+                            in0=packed.data_ptr(), in1=rb.data_ptr(), in2=cb.data_ptr(), in3=t.data_ptr(),
+                            out0=out.data_ptr())
+        return out
+
+    # -- quantized AdamW moments (csrc/binding_adamw.h) ---------------------------------------
+    def adamw_q_update_(self, grad: Tensor, m_codes: Tensor, m_scale: Tensor, v_codes: Tensor, v_scale: Tensor,
+                        update: Tensor, beta1: float, beta2: float, eps: float, neg_step_size: float,
+                        bias_correction2_sqrt: float, m_kind: int, v_kind: int, block_size: int, stream: int,
+                        index0: int) -> None:
+        op = "adamw_q_update_:"
+        _check(2 <= block_size <= MAX_BLOCK and block_size % 2 == 0, op,
+               lambda: f"block_size must be even in [2, {MAX_BLOCK}], got {block_size}")
+        _check(m_kind in (ADAM_M8, ADAM_M4) and v_kind in (ADAM_V8, ADAM_V4), op, lambda: f"bad moment kinds {m_kind}, {v_kind}")
+        _check(grad.dim() == 2, op, "grad must be 2-D")
+        _check(stream < (1 << 32), op, lambda: f"stream must be < 2^32 (or < 0: nearest), got {stream}")
+        _check(index0 >= 0, op, lambda: f"index0 must be >= 0, got {index0}")
+        rows, cols = grad.shape
+        nb = _nb(cols, block_size)
+        _check(grad.dtype in (torch.float32, torch.bfloat16, torch.float16), op,
+               lambda: f"grad must be fp32 / bf16 / fp16, got {grad.dtype}")
+        _check(m_codes.dtype == (torch.int8 if m_kind == ADAM_M8 else torch.uint8) and v_codes.dtype == torch.uint8, op,
+               "code dtypes do not match the kinds")
+
+        def code_cols(kind: int) -> int:
+            return (cols + 1) // 2 if kind in (ADAM_M4, ADAM_V4) else cols
+
+        _check(m_codes.dim() == 2 and tuple(m_codes.shape) == (rows, code_cols(m_kind)), op, "m_codes has the wrong shape")
+        _check(v_codes.dim() == 2 and tuple(v_codes.shape) == (rows, code_cols(v_kind)), op, "v_codes has the wrong shape")
+        for s in (m_scale, v_scale):
+            _check(s.dtype == torch.float32 and s.dim() == 2 and tuple(s.shape) == (rows, nb), op,
+                   "scales must be fp32 (rows, ceil(cols / block_size))")
+        _check(update.dtype == torch.float32 and update.dim() == 2 and tuple(update.shape) == (rows, cols), op,
+               "update must be fp32 (rows, cols)")
+        ts = (grad, m_codes, m_scale, v_codes, v_scale, update)
+        _check(all(_layout_ok(t) and t.device == grad.device for t in ts), op,
+               "every tensor must be row-major with unit column stride, on one device")
+        a = AdamwQArgs(grad.data_ptr(), _rs(grad), _DTYPE[grad.dtype], m_kind, v_kind, 0, m_codes.data_ptr(),
+                       _rs(m_codes), m_scale.data_ptr(), _rs(m_scale), v_codes.data_ptr(), _rs(v_codes),
+                       v_scale.data_ptr(), _rs(v_scale), update.data_ptr(), _rs(update), rows, cols, block_size, beta1,
+                       beta2, eps, neg_step_size, bias_correction2_sqrt, stream, index0)
+        self._run(self._adamw, "adamw_q_update_", grad.device, C.byref(a))
+
+    # -- weight writes (csrc/binding_weight.h) ------------------------------------------------
+    @staticmethod
+    def _check_weight_matrix(t: Tensor, param: Tensor, name: str, op: str) -> None:
+        _check(t.dim() == 2 and t.shape == param.shape, op,
+               lambda: f"{name} must have the param's shape {tuple(param.shape)}, got {tuple(t.shape)}")
+        _check(t.device == param.device, op, lambda: f"{name} is on {t.device}, param on {param.device}")
+        _check(_layout_ok(t), op, lambda: f"{name} must have unit column stride")
+
+    def _weight_args(self, param: Tensor, ecc: Tensor | None, update: Tensor, alpha: float, decay: float, stream: int,
+                     index0: int, index_rs: int, op: str) -> WeightArgs:
+        _check(param.dtype == torch.bfloat16, op, lambda: f"param must be bf16, got {param.dtype}")
+        self._check_weight_matrix(param, param, "param", op)
+        self._check_weight_matrix(update, param, "update", op)
+        _check(update.dtype in (torch.float32, torch.bfloat16, torch.float16), op,
+               lambda: f"update must be fp32, bf16 or fp16, got {update.dtype}")
+        a = WeightArgs(param=param.data_ptr(), update=update.data_ptr(), update_dtype=_DTYPE[update.dtype],
+                       rows=param.shape[0], cols=param.shape[1], param_rs=_rs(param), update_rs=_rs(update),
+                       alpha=alpha, decay=decay, stream=_s32(stream), index0=index0, index_rs=index_rs)
+        if ecc is not None:
+            _check(ecc.dtype == torch.int8, op, lambda: f"ecc must be int8, got {ecc.dtype}")
+            self._check_weight_matrix(ecc, param, "ecc", op)
+            a.ecc, a.ecc_rs = ecc.data_ptr(), _rs(ecc)
+        return a
+
+    def bf16_weight_update_(self, param: Tensor, update: Tensor, alpha: float, decay: float, stream: int, index0: int,
+                            index_row_stride: int) -> None:
+        op = "bf16_weight_update_"
+        a = self._weight_args(param, None, update, alpha, decay, stream, index0, index_row_stride, op)
+        self._run(self._bf16w, op, param.device, C.byref(a))
+
+    def bf16_ecc8_weight_update_(self, param: Tensor, ecc: Tensor, update: Tensor, alpha: float, decay: float) -> None:
+        op = "bf16_ecc8_weight_update_"
+        a = self._weight_args(param, ecc, update, alpha, decay, -1, 0, 0, op)
+        self._run(self._bf16w, op, param.device, C.byref(a))
+
+    def fp32_weight_update_(self, param: Tensor, update: Tensor, alpha: float, decay: float) -> None:
+        op = "fp32_weight_update_"
+        # Fast path (this op runs once per parameter per step): one expression, explained on failure.
+        ps, us = param.shape, update.shape
+        if not (param.dtype is torch.float32 and param.dim() == 2 and update.dim() == 2 and us == ps
+                and update.dtype in _GRAD_DTYPES and update.get_device() == param.get_device()
+                and update.stride(0) >= 0 and update.stride(1) >= 0 and (param.is_contiguous() or _layout_ok(param))):
+            _check(param.dtype == torch.float32, op, lambda: f"param must be fp32, got {param.dtype}")
+            self._check_weight_matrix(param, param, "param", op)
+            _check(update.dim() == 2 and update.shape == param.shape, op,
+                   lambda: f"update must have the param's shape {tuple(param.shape)}, got {tuple(update.shape)}")
+            _check(update.device == param.device, op, lambda: f"update is on {update.device}, param on {param.device}")
+            _check(update.stride(0) >= 0 and update.stride(1) >= 0, op, "update has a negative stride")
+            _check(update.dtype in _GRAD_DTYPES, op, lambda: f"update must be fp32, bf16 or fp16, got {update.dtype}")
+        a = Fp32WeightArgs(param.data_ptr(), update.data_ptr(), _DTYPE[update.dtype], ps[0], ps[1],
+                           ps[1] if ps[0] <= 1 else param.stride(0), update.stride(0), update.stride(1), alpha, decay)
+        self._run(self._fp32w, op, param.device, C.byref(a))

@@ -1,0 +1,310 @@
+"""Build the prebuilt GPU library: ``csrc/cuda/*.cu`` -> ``qmuon/_lib/libqmuon_cuda<major>.so``.
+
+    python -m qmuon.ops.build_gpu                       # nvcc from CUDA_HOME or PATH, the default archs
+    python -m qmuon.ops.build_gpu --nvcc /usr/local/cuda-12.9/bin/nvcc --cache /tmp/qmuon-nvcc
+    python -m qmuon.ops.build_gpu --list qmuon/_lib/libqmuon_cuda13.so   # its SASS / PTX and symbols
+
+The ``.cu`` kernels include no torch header and export a C ABI (``csrc/qmuon/kernels.h``), so they
+are compiled ahead of time into a plain shared library that needs neither nvcc nor a torch C++ ABI
+on the user's machine: the CUDA runtime is linked statically (``-cudart static``; it opens the
+driver's ``libcuda.so.1`` only when it initializes), and only the ``qmuon_cuda_*`` functions are
+exported (a linker version script). :mod:`._prebuilt` loads it with ctypes; :mod:`._cabi` calls it.
+One library serves every torch version built for the same CUDA major.
+
+Architectures (``--archs``, ``--ptx``): SASS for sm_80, sm_90, sm_100 and sm_120 (a cubin runs on
+every GPU of its major with an equal or higher minor: sm_86/89, sm_103, GB10's sm_121) plus PTX for
+compute_120, which the driver compiles for a newer GPU. sm_100 and sm_120 need nvcc 12.8 or newer;
+an nvcc that lacks an asked-for architecture is an error, not a silent omission.
+
+Each ``.cu`` file is compiled once per (sources, flags, architectures, nvcc) into ``--cache``
+(default ``$QMUON_NVCC_CACHE``, else ``~/.cache/qmuon/nvcc``), so CI's compile check and the wheel build share the objects
+and a second build only links. The library embeds a JSON build record (``qmuon_cuda_build_info``:
+the hash of the sources it was built from, the architectures, the nvcc version); the loader refuses a
+library built from other sources than the ones next to it.
+
+Nothing here imports torch: the script runs in a build environment with nvcc only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import hashlib
+import json
+import os
+import re
+import shutil
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+__all__ = ["build", "source_hash", "fatbin_entries", "exported_symbols", "DEFAULT_ARCHS", "DEFAULT_PTX"]
+
+DEFAULT_ARCHS = (80, 90, 100, 120)
+DEFAULT_PTX = (120,)
+#: The C ABI a library must export (csrc/qmuon/kernels.h, adamw_kernels.h, weight_kernels.h, lib_info.cu).
+EXPORTS = (
+    "qmuon_cuda_q8_momentum_update", "qmuon_cuda_quantize_rows", "qmuon_cuda_dequantize_rows",
+    "qmuon_cuda_error_string", "qmuon_cuda_int4_momentum_update", "qmuon_cuda_e0m3_momentum_update",
+    "qmuon_cuda_e0m3_momentum_amax", "qmuon_cuda_dense_momentum_update", "qmuon_cuda_codec",
+    "qmuon_cuda_adamw_q_update", "qmuon_cuda_bf16_weight_update", "qmuon_cuda_fp32_weight_update",
+    "qmuon_cuda_abi_layout", "qmuon_cuda_build_info", "qmuon_cuda_runtime_version", "qmuon_cuda_probe",
+)
+# Same numerics as the JIT build (qmuon/ops/_extension.py): no FMA contraction, explicit __f*_rn.
+NVCC_FLAGS = ("-std=c++17", "-O3", "--fmad=false", "-Xcompiler", "-fPIC")
+
+
+def library_name(cuda_major: int) -> str:
+    return f"libqmuon_cuda{cuda_major}.so"
+
+
+def default_csrc() -> Path:
+    """``$QMUON_CSRC_DIR`` when set (as for the JIT build), else ``qmuon/_csrc`` of an installed wheel,
+    else the source checkout's ``csrc/``."""
+    override = os.environ.get("QMUON_CSRC_DIR", "").strip()
+    if override:
+        return Path(override).resolve()
+    pkg = Path(__file__).resolve().parents[1]
+    for d in (pkg / "_csrc", pkg.parent / "csrc"):
+        if (d / "cuda").is_dir():
+            return d
+    return pkg.parent / "csrc"
+
+
+def default_out_dir() -> Path:
+    return Path(__file__).resolve().parents[1] / "_lib"
+
+
+def cu_sources(csrc: Path) -> list[Path]:
+    return sorted((csrc / "cuda").glob("*.cu"))
+
+
+def source_hash(csrc: Path) -> str:
+    """sha256 (16 hex digits) of what the library is built from: every ``cuda/*.cu`` and ``qmuon/*.h``."""
+    h = hashlib.sha256()
+    for p in cu_sources(csrc) + sorted((csrc / "qmuon").glob("*.h")):
+        h.update(p.relative_to(csrc).as_posix().encode())
+        h.update(p.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def default_cache() -> Path:
+    """``$QMUON_NVCC_CACHE``, else ``~/.cache/qmuon/nvcc`` (``.ci/run`` uses the same default)."""
+    env = os.environ.get("QMUON_NVCC_CACHE", "").strip()
+    return Path(env) if env else Path.home() / ".cache" / "qmuon" / "nvcc"
+
+
+def find_nvcc(explicit: str | None = None) -> str | None:
+    if explicit:
+        return explicit
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    if home and os.path.exists(os.path.join(home, "bin", "nvcc")):
+        return os.path.join(home, "bin", "nvcc")
+    return shutil.which("nvcc")
+
+
+def nvcc_version(nvcc: str) -> str:
+    out = subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=True, timeout=60).stdout
+    m = re.search(r"release (\d+\.\d+)", out)
+    if not m:
+        raise RuntimeError(f"cannot read the CUDA release from `{nvcc} --version`:\n{out}")
+    return m.group(1)
+
+
+def supported_codes(nvcc: str) -> set[str]:
+    """``sm_XY`` / ``compute_XY`` names this nvcc can generate."""
+    codes: set[str] = set()
+    for flag in ("--list-gpu-code", "--list-gpu-arch"):
+        out = subprocess.run([nvcc, flag], capture_output=True, text=True, timeout=60).stdout
+        codes.update(out.split())
+    return codes
+
+
+def gencode_flags(archs: tuple[int, ...], ptx: tuple[int, ...]) -> list[str]:
+    flags = []
+    for a in archs:
+        flags += ["-gencode", f"arch=compute_{a},code=sm_{a}"]
+    for a in ptx:
+        flags += ["-gencode", f"arch=compute_{a},code=compute_{a}"]
+    return flags
+
+
+def _run(cmd: list[str], what: str) -> None:
+    p = subprocess.run(cmd, capture_output=True, text=True)
+    if p.returncode != 0:
+        raise RuntimeError(f"{what} failed (exit {p.returncode}):\n$ {' '.join(cmd)}\n{p.stdout}{p.stderr}")
+
+
+def build(nvcc: str | None = None, archs: tuple[int, ...] = DEFAULT_ARCHS, ptx: tuple[int, ...] = DEFAULT_PTX,
+          out_dir: Path | None = None, cache: Path | None = None, csrc: Path | None = None, jobs: int = 0,
+          log=print) -> Path:
+    """Compile (or take from ``cache``) every ``csrc/cuda/*.cu`` and link the library; return its path."""
+    nvcc = find_nvcc(nvcc)
+    if nvcc is None:
+        raise RuntimeError("nvcc not found: pass --nvcc, set CUDA_HOME, or put nvcc on PATH")
+    csrc = csrc or default_csrc()
+    out_dir = out_dir or default_out_dir()
+    cache = cache or default_cache()
+    version = nvcc_version(nvcc)
+    major = int(version.split(".")[0])
+    have = supported_codes(nvcc)
+    missing = [f"sm_{a}" for a in archs if f"sm_{a}" not in have] + \
+              [f"compute_{a}" for a in ptx if f"compute_{a}" not in have]
+    if missing:
+        raise RuntimeError(f"nvcc {version} ({nvcc}) cannot generate {', '.join(missing)} "
+                           "(sm_100 and sm_120 need CUDA 12.8 or newer); pass --archs / --ptx it supports")
+    sources = cu_sources(csrc)
+    if not sources:
+        raise RuntimeError(f"no .cu files under {csrc / 'cuda'}")
+    info = json.dumps({"sources": source_hash(csrc), "cuda": version, "sass": [f"sm_{a}" for a in archs],
+                       "ptx": [f"compute_{a}" for a in ptx]}, separators=(",", ":"))
+    gencode = gencode_flags(archs, ptx)
+    headers = b"".join(p.read_bytes() for p in sorted((csrc / "qmuon").glob("*.h")))
+    cache.mkdir(parents=True, exist_ok=True)
+
+    # The build record reaches lib_info.cu as a generated header (a -D string would lose its quotes to
+    # nvcc's own argument splitting).
+    info_dir = cache / f"info-{hashlib.sha256(info.encode()).hexdigest()[:16]}"
+    info_dir.mkdir(parents=True, exist_ok=True)
+    (info_dir / "qmuon_build_info.h").write_text(f"#define QMUON_BUILD_INFO {json.dumps(info)}\n")
+
+    def obj_for(src: Path) -> tuple[Path, list[str]]:
+        defs = ["-DQMUON_HAVE_BUILD_INFO", "-I", str(info_dir)] if src.name == "lib_info.cu" else []
+        flags = [*NVCC_FLAGS, *gencode, *defs, "-I", str(csrc)]
+        key = hashlib.sha256(repr((version, flags[:-1], src.name, info if defs else "")).encode() + src.read_bytes()
+                             + headers)
+        return cache / f"{src.stem}-{key.hexdigest()[:16]}.o", flags
+
+    def compile_one(src: Path) -> tuple[str, float, bool]:
+        obj, flags = obj_for(src)
+        if obj.exists():
+            return src.name, 0.0, True
+        t0 = time.perf_counter()
+        tmp = obj.with_suffix(f".{os.getpid()}.tmp.o")
+        _run([nvcc, "-c", *flags, str(src), "-o", str(tmp)], f"nvcc {src.name}")
+        os.replace(tmp, obj)  # atomic: a concurrent build never links a half-written object
+        return src.name, time.perf_counter() - t0, False
+
+    log(f"qmuon: building {library_name(major)} with nvcc {version}: SASS {' '.join(f'sm_{a}' for a in archs)}, "
+        f"PTX {' '.join(f'compute_{a}' for a in ptx) or 'none'} ({len(sources)} files; cache {cache})")
+    t0 = time.perf_counter()
+    workers = jobs or max(1, min(len(sources), os.cpu_count() or 1))
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+        for name, dt, cached in pool.map(compile_one, sources):
+            log(f"  {name}: {'cached' if cached else f'compiled in {dt:.1f} s'}")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    out = out_dir / library_name(major)
+    with tempfile.TemporaryDirectory() as tmpdir:
+        script = Path(tmpdir) / "exports.map"
+        # Only the C ABI is exported: the static CUDA runtime's symbols stay private to the library.
+        script.write_text("{\n  global:\n    qmuon_cuda_*;\n  local:\n    *;\n};\n")
+        tmp_out = out.with_suffix(f".{os.getpid()}.tmp")
+        _run([nvcc, "-shared", "-cudart", "static", *gencode, "-o", str(tmp_out),
+              *[str(obj_for(s)[0]) for s in sources], "-Xlinker", f"--version-script={script}",
+              "-Xlinker", "--strip-all"], "linking")  # no static symbol table: 0.35 MB less, exports kept
+        os.replace(tmp_out, out)
+    missing_syms = sorted(set(EXPORTS) - set(exported_symbols(out)))
+    if missing_syms:
+        raise RuntimeError(f"{out} does not export {', '.join(missing_syms)}")
+    log(f"qmuon: wrote {out} ({out.stat().st_size / 2**20:.1f} MiB) in {time.perf_counter() - t0:.1f} s")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# inspecting a library without CUDA tools: its exported symbols and its fatbin's SASS / PTX
+# ---------------------------------------------------------------------------------------------
+def _elf_sections(data: bytes) -> dict[str, tuple[int, int]]:
+    """name -> (file offset, size) of every section of a little-endian ELF64 file."""
+    if data[:4] != b"\x7fELF" or data[4] != 2 or data[5] != 1:
+        raise ValueError("not a little-endian ELF64 file")
+    shoff, = struct.unpack_from("<Q", data, 0x28)
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", data, 0x3A)
+    heads = [struct.unpack_from("<IIQQQQIIQQ", data, shoff + i * shentsize) for i in range(shnum)]
+    str_off = heads[shstrndx][4]
+    out = {}
+    for h in heads:
+        end = data.index(b"\0", str_off + h[0])
+        out[data[str_off + h[0]:end].decode()] = (h[4], h[5])
+    return out
+
+
+def fatbin_entries(path: str | os.PathLike[str]) -> list[tuple[str, str]]:
+    """``[("sass", "sm_90"), ("ptx", "compute_120"), ...]`` in the library's ``.nv_fatbin`` section.
+
+    The fatbin layout (not documented by NVIDIA; the same reading as cuobjdump's listing, checked
+    against it in tests/test_prebuilt_gpu.py): blobs with a 16-byte header (magic 0xBA55ED50, version,
+    header size, payload size), each holding entries with a header of ``kind`` (u16: 1 PTX, 2 ELF),
+    version (u16), header size (u32), payload size (u64), ..., and the sm version at byte 28.
+    """
+    data = Path(path).read_bytes()
+    secs = _elf_sections(data)
+    if ".nv_fatbin" not in secs:
+        return []
+    off, size = secs[".nv_fatbin"]
+    pos, end, out = off, off + size, []
+    while pos + 16 <= end:
+        magic, _version, hsize, fsize = struct.unpack_from("<IHHQ", data, pos)
+        if magic != 0xBA55ED50:
+            pos += 8  # blobs are 8-byte aligned; skip padding
+            continue
+        e, blob_end = pos + hsize, pos + hsize + fsize
+        while e + 32 <= blob_end:
+            kind, _v, ehsize, esize = struct.unpack_from("<HHIQ", data, e)
+            sm, = struct.unpack_from("<I", data, e + 28)
+            if kind in (1, 2):
+                out.append(("ptx" if kind == 1 else "sass", f"{'compute' if kind == 1 else 'sm'}_{sm}"))
+            e += ehsize + esize
+        pos = blob_end
+    return out
+
+
+def exported_symbols(path: str | os.PathLike[str]) -> list[str]:
+    """Defined, global function symbols of the library's dynamic symbol table."""
+    data = Path(path).read_bytes()
+    secs = _elf_sections(data)
+    sym_off, sym_size = secs[".dynsym"]
+    str_off, _ = secs[".dynstr"]
+    names = []
+    for i in range(sym_size // 24):
+        name, info, _other, shndx, _value, _size = struct.unpack_from("<IBBHQQ", data, sym_off + i * 24)
+        if shndx != 0 and (info >> 4) == 1 and (info & 0xF) == 2:  # defined, GLOBAL, FUNC
+            names.append(data[str_off + name:data.index(b"\0", str_off + name)].decode())
+    return sorted(names)
+
+
+def describe(path: str | os.PathLike[str]) -> dict[str, object]:
+    entries = fatbin_entries(path)
+    return {"path": str(path), "bytes": os.path.getsize(path),
+            "sass": sorted({a for k, a in entries if k == "sass"}, key=lambda s: int(s.split("_")[1])),
+            "ptx": sorted({a for k, a in entries if k == "ptx"}, key=lambda s: int(s.split("_")[1])),
+            "exports": exported_symbols(path)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m qmuon.ops.build_gpu", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--nvcc", default=None, help="the nvcc to build with (default: $CUDA_HOME/bin/nvcc, PATH)")
+    parser.add_argument("--archs", default=",".join(map(str, DEFAULT_ARCHS)), help="SASS targets, e.g. 80,90,100,120")
+    parser.add_argument("--ptx", default=",".join(map(str, DEFAULT_PTX)), help="PTX targets (empty: none)")
+    parser.add_argument("--out", default=None, help="output directory (default: the package's qmuon/_lib)")
+    parser.add_argument("--cache", default=None, help="object cache (default: $QMUON_NVCC_CACHE or ~/.cache/qmuon/nvcc)")
+    parser.add_argument("--jobs", type=int, default=0, help="parallel nvcc processes (default: one per core)")
+    parser.add_argument("--list", default=None, metavar="LIB", help="print a built library's SASS / PTX / exports")
+    args = parser.parse_args(argv)
+    if args.list:
+        print(json.dumps(describe(args.list), indent=1))
+        return 0
+    ints = lambda s: tuple(int(x) for x in s.replace(";", ",").split(",") if x.strip())  # noqa: E731
+    try:
+        build(args.nvcc, ints(args.archs), ints(args.ptx), Path(args.out) if args.out else None,
+              Path(args.cache) if args.cache else None, jobs=args.jobs)
+    except (RuntimeError, OSError, subprocess.SubprocessError) as err:
+        print(f"qmuon: GPU library build failed: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

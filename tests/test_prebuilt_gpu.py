@@ -1,0 +1,141 @@
+"""The prebuilt GPU library (qmuon/_lib/libqmuon_cuda<major>.so, python -m qmuon.ops.build_gpu) on a
+machine without a GPU: what it holds (SASS / PTX, exports), that it loads with ctypes without a driver,
+that the loader reports it as present with no device, and that a call through the ctypes path ends in
+a clean error, not a crash.
+
+The library is a build output (not in git): ``.ci/run`` builds it before the tests where nvcc exists.
+Without it these tests skip, with the reason; the GPU execution itself is benchmarks/gpu_check.sh's.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from qmuon.ops import _cabi, _prebuilt, build_gpu
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _libraries() -> list[Path]:
+    env = os.environ.get("QMUON_GPU_LIB", "").strip()
+    if env and env != "0":
+        return [Path(env)]
+    return sorted(_prebuilt.lib_dir().glob("libqmuon_cuda*.so"))
+
+
+@pytest.fixture(scope="module", params=_libraries() or [None], ids=lambda p: p.name if p else "none")
+def lib_path(request) -> Path:
+    if request.param is None:
+        pytest.skip(f"no prebuilt GPU library in {_prebuilt.lib_dir()} (python -m qmuon.ops.build_gpu builds it; "
+                    ".ci/run does where nvcc exists)")
+    return request.param
+
+
+def _info(path: Path) -> dict:
+    lib = ctypes.CDLL(str(path))
+    lib.qmuon_cuda_build_info.restype = ctypes.c_char_p
+    return json.loads(lib.qmuon_cuda_build_info().decode())
+
+
+def test_exports_the_c_abi_and_nothing_else(lib_path):
+    names = build_gpu.exported_symbols(lib_path)
+    assert set(build_gpu.EXPORTS) <= set(names)
+    assert all(n.startswith("qmuon_cuda_") for n in names), [n for n in names if not n.startswith("qmuon_cuda_")]
+    if shutil.which("nm"):  # the same list as binutils reads it
+        out = subprocess.run(["nm", "-D", "--defined-only", str(lib_path)], capture_output=True, text=True).stdout
+        assert sorted(line.split()[-1] for line in out.splitlines() if " T " in line) == names
+
+
+def test_needs_no_cuda_library_at_load_time(lib_path):
+    """-cudart static: the only dynamic dependencies are the C / C++ runtimes (libcuda.so.1 is opened
+    by the runtime when it initializes, so a machine without a driver can load it)."""
+    needed = subprocess.run(["readelf", "-d", str(lib_path)], capture_output=True, text=True).stdout
+    libs = sorted(line.split("[")[1].rstrip("]") for line in needed.splitlines() if "(NEEDED)" in line)
+    assert not [x for x in libs if "cuda" in x], libs
+
+
+def test_holds_the_architectures_it_was_built_for(lib_path):
+    """The fatbin holds SASS for every asked-for sm and PTX for the asked-for compute arch (read from the
+    ELF; the build record says what was asked). The default build: sm_80/90/100/120 + compute_120."""
+    info = _info(lib_path)
+    d = build_gpu.describe(lib_path)
+    assert d["sass"] == info["sass"] and d["ptx"] == info["ptx"]
+    if info["sass"] == [f"sm_{a}" for a in build_gpu.DEFAULT_ARCHS]:
+        assert d["ptx"] == [f"compute_{a}" for a in build_gpu.DEFAULT_PTX]
+
+
+@pytest.mark.skipif(shutil.which("cuobjdump") is None, reason="cuobjdump not on PATH (pip install nvidia-cuda-cuobjdump)")
+def test_fatbin_reader_agrees_with_cuobjdump(lib_path):
+    out = subprocess.run(["cuobjdump", "--list-elf", "--list-ptx", str(lib_path)], capture_output=True, text=True,
+                         check=True).stdout
+    elf = {line.rsplit(".", 2)[-2] for line in out.splitlines() if line.startswith("ELF file")}
+    ptx = {line.rsplit(".", 2)[-2].replace("sm_", "compute_") for line in out.splitlines() if line.startswith("PTX")}
+    d = build_gpu.describe(lib_path)
+    assert elf == set(d["sass"]) and ptx == set(d["ptx"])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-device report; this machine has a GPU")
+def test_loads_without_a_driver_and_reports_no_device(lib_path, monkeypatch):
+    monkeypatch.setenv("QMUON_GPU_LIB", str(lib_path))
+    lib = _prebuilt.load()
+    assert lib.path == str(lib_path) and not lib.usable
+    assert "no device" in lib.reason, lib.reason
+    assert lib.sass and lib.cuda
+    raw = ctypes.CDLL(str(lib_path))
+    assert _cabi.library_layout(raw, "cuda") == _cabi.layout()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-device error; this machine has a GPU")
+def test_a_call_without_a_device_is_a_clean_error(lib_path, monkeypatch):
+    """The ctypes call path all the way into the library's launcher: argument structs, the stream, the
+    error code (cudaErrorInsufficientDriver without a driver, cudaErrorNoDevice without a GPU) and its
+    text come back as a RuntimeError. torch's CUDA hooks are stubbed (this torch has no CUDA); the
+    pointers are never dereferenced because the runtime fails to initialize first."""
+    ops = _cabi.CAbiOps(ctypes.CDLL(str(lib_path)), "cuda")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(ops, "_raw_stream", lambda idx: 0)
+    with pytest.raises(RuntimeError, match=r"CUDA kernel quantize_rows failed: .*(driver|device).*\(code (35|100)\)"):
+        ops._run(ops._quant, "quantize_rows", torch.device("cuda", 0), None, 8, None, _cabi.I8, None, 1, 8, 8, -1, 0)
+
+
+def test_a_library_from_other_sources_is_not_used(lib_path, tmp_path, monkeypatch):
+    """Sources edited after the build (a source checkout): the loader says so and does not use it."""
+    src = tmp_path / "csrc"
+    shutil.copytree(REPO / "csrc", src)
+    (src / "cuda" / "q8_cuda.cu").write_text((src / "cuda" / "q8_cuda.cu").read_text() + "\n// edited\n")
+    monkeypatch.setenv("QMUON_GPU_LIB", str(lib_path))
+    monkeypatch.setenv("QMUON_CSRC_DIR", str(src))
+    lib = _prebuilt.load()
+    assert not lib.usable and "other sources" in lib.reason
+
+
+def test_loader_without_any_library(tmp_path, monkeypatch):
+    monkeypatch.setenv("QMUON_GPU_LIB", "0")
+    assert _prebuilt.load().reason == "QMUON_GPU_LIB=0"
+    monkeypatch.setenv("QMUON_GPU_LIB", str(tmp_path / "libqmuon_cuda13.so"))
+    lib = _prebuilt.load()
+    assert not lib.usable and "cannot be loaded" in lib.reason
+
+
+def test_status_names_each_loading_step(ext, lib_path):
+    """In a fresh process: the loading order's steps, with the prebuilt library's line first."""
+    code = ("import warnings; warnings.simplefilter('ignore'); from qmuon.ops import _extension as e; "
+            "st = e.status(); print('\\n'.join(st.steps)); print('cuda_source', st.cuda_source)")
+    env = dict(os.environ, PYTHONPATH=str(REPO), QMUON_GPU_LIB=str(lib_path))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300,
+                         cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith("1. prebuilt GPU library: " + lib_path.name)
+    assert any(line.startswith("2. JIT build (CPU kernels") for line in lines)
+    if not torch.cuda.is_available():
+        assert "no device" in lines[0] and lines[-1] == "cuda_source None"
