@@ -10,9 +10,14 @@ on, every step is the Trainer's and Accelerate's own FSDP2 code (``fully_shard``
 of the optimizer's parameters for DTensors, the Trainer's FSDP checkpointing and
 ``resume_from_checkpoint``), on gloo.
 
-Checked per rank: the optimizer and its state hold the model's DTensor parameters; 6 steps +
-``resume_from_checkpoint`` + 6 steps equal 12 uninterrupted steps bit for bit (parameters and QMuon's
-sharded state).
+DeepSpeed ZeRO 2 and 3 (``deepspeed={...}``, without ``use_cpu``: Accelerate drops DeepSpeed under
+``use_cpu=True``; DeepSpeed's CPU accelerator then runs it over gloo): QMuonFactory returns the
+whole-matrix ZeRO client optimizer, which attaches to DeepSpeed's ZeRO optimizer by itself; a plain
+QMuon handed to DeepSpeed by a naive factory refuses its first step.
+
+Checked per rank: the optimizer and its state hold the model's parameters (DTensors under FSDP2);
+6 steps + ``resume_from_checkpoint`` + 6 steps equal 12 uninterrupted steps bit for bit (parameters
+and QMuon's state as each rank holds it).
 """
 
 from __future__ import annotations
@@ -56,6 +61,20 @@ def test_fsdp2_through_training_arguments_resumes_bit_identically(tmp_path) -> N
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("stage", [2, 3])
+def test_deepspeed_zero_through_training_arguments_resumes_bit_identically(tmp_path, stage: int) -> None:
+    """TrainingArguments(deepspeed={... stage ...}) without use_cpu: DeepSpeed's CPU accelerator over gloo."""
+    pytest.importorskip("deepspeed")
+    for r, rep in enumerate(_torchrun(f"zero{stage}", tmp_path)):
+        assert rep["zero_wrapper"] == ("DeepSpeedZeroOptimizer_Stage3" if stage == 3 else "DeepSpeedZeroOptimizer")
+        assert rep["attached"] == ("zero3" if stage == 3 else "partitioned"), rep
+        assert rep["muon_items"] == 7, rep  # 14 hidden matrices, whole, half of them orthogonalized per rank
+        assert rep["mismatches"] == [], f"rank {r}: {rep['mismatches'][:5]}"
+        assert rep["global_step"] == 12 and rep["losses_equal"], rep
+        assert rep["naive_error"] and "no longer holds the matrices it was routed with" in rep["naive_error"], rep
+
+
+@pytest.mark.slow
 def test_ddp_through_training_arguments_resumes_bit_identically(tmp_path) -> None:
     for r, rep in enumerate(_torchrun("ddp", tmp_path)):
         assert not rep["is_fsdp2"] and not rep["params_are_dtensors"], rep
@@ -84,6 +103,16 @@ def _force_fsdp_on_cpu() -> None:
     return CPUFSDPAccelerator
 
 
+def zero_of(tr: Any) -> Any:
+    """The WholeMatrixZeroOptimizer inside the Trainer's DeepSpeed optimizer."""
+    from qmuon.integrations.deepspeed import WholeMatrixZeroOptimizer
+
+    opt = tr.optimizer
+    while not isinstance(opt, WholeMatrixZeroOptimizer):
+        opt = opt.optimizer
+    return opt
+
+
 def _worker(mode: str, out: Path) -> None:
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
@@ -95,15 +124,23 @@ def _worker(mode: str, out: Path) -> None:
 
     torch.set_num_threads(1)
     forced = _force_fsdp_on_cpu() if mode == "fsdp2" else None
-    extra: dict[str, Any] = {}
+    extra: dict[str, Any] = dict(use_cpu=True)
     if mode == "fsdp2":
-        extra = dict(fsdp=True, fsdp_config={"fsdp_version": 2,
-                                                     "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]})
+        extra.update(fsdp=True, fsdp_config={"fsdp_version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]})
+    if mode.startswith("zero"):
+        from qmuon.integrations.deepspeed import avoid_cpu_op_builds
+
+        avoid_cpu_op_builds()  # DeepSpeed's CPU accelerator would JIT-build an inference kernel (~50 s)
+        # Accelerate drops DeepSpeed under use_cpu=True (AcceleratorState: "ACCELERATE_USE_DEEPSPEED ... and
+        # not cpu"); on a machine without GPUs DeepSpeed's CPU accelerator runs it on CPU over gloo.
+        extra = dict(use_cpu=False, deepspeed={
+            "zero_optimization": {"stage": int(mode[-1])}, "train_micro_batch_size_per_gpu": "auto",
+            "gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "communication_data_type": "fp32"})
 
     def run(sub: str, resume: str | None = None) -> Any:
         args = transformers.TrainingArguments(
             output_dir=str(out / sub), per_device_train_batch_size=2, max_steps=12, learning_rate=2e-3,
-            warmup_steps=2, lr_scheduler_type="cosine", weight_decay=0.01, report_to=[], use_cpu=True,
+            warmup_steps=2, lr_scheduler_type="cosine", weight_decay=0.01, report_to=[],
             save_strategy="steps", save_steps=6, logging_steps=1, seed=0, data_seed=0, disable_tqdm=True,
             dataloader_num_workers=0, ddp_backend="gloo", **extra)
         tr = transformers.Trainer(model=tiny_lm(), args=args, train_dataset=Tokens(),
@@ -114,7 +151,7 @@ def _worker(mode: str, out: Path) -> None:
     rank = int(os.environ["RANK"])
     a = run("a")
     b = run("b", resume=str(out / "a" / "checkpoint-6"))
-    qa, qb = qmuon_of(a), qmuon_of(b)
+    qa, qb = (qmuon_of(a), qmuon_of(b)) if not mode.startswith("zero") else (zero_of(a), zero_of(b))
     params = list(a.model.parameters())
     rep: dict[str, Any] = {
         "plugin_dropped_on_cpu": bool(forced is not None and forced.dropped),
@@ -140,6 +177,25 @@ def _worker(mode: str, out: Path) -> None:
     la = [h["loss"] for h in a.state.log_history if "loss" in h][6:]
     lb = [h["loss"] for h in b.state.log_history if "loss" in h][-6:]
     rep["losses_equal"] = la == lb and len(la) == 6
+    if mode.startswith("zero"):
+        # The naive factory (plain QMuon as DeepSpeed's client optimizer): its groups get flat 1-D
+        # partitions, and its first step must refuse them instead of running non-Muon maths.
+        class Naive:
+            def __call__(self, model: torch.nn.Module, **kw: Any) -> qmuon.QMuon:
+                return qmuon.build_optimizer(model, verbose=False, **kw)
+
+        args = transformers.TrainingArguments(output_dir=str(out / "naive"), per_device_train_batch_size=2,
+                                              max_steps=2, report_to=[], save_strategy="no", disable_tqdm=True,
+                                              ddp_backend="gloo", **extra)
+        try:
+            transformers.Trainer(model=tiny_lm(), args=args, train_dataset=Tokens(),
+                                 optimizer_cls_and_kwargs=(Naive, {})).train()
+            rep["naive_error"] = None
+        except RuntimeError as e:
+            rep["naive_error"] = str(e)
+        rep["zero_wrapper"] = type(a.model_wrapped.optimizer).__name__
+        rep["attached"] = qa._mode
+        rep["muon_items"] = sum(qa.ns_items.values()) if qa.ns_items else 0
     if mode == "ddp":  # every rank holds the whole model: the replicas agree
         flat = torch.cat([p.detach().reshape(-1) for p in a.model.parameters()])
         other = flat.clone()
@@ -150,7 +206,7 @@ def _worker(mode: str, out: Path) -> None:
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
-    ap.add_argument("--worker", choices=["fsdp2", "ddp"], required=True)
+    ap.add_argument("--worker", choices=["fsdp2", "ddp", "zero1", "zero2", "zero3"], required=True)
     ap.add_argument("--out", type=Path, required=True)
     ns = ap.parse_args()
     _worker(ns.worker, ns.out)

@@ -206,19 +206,26 @@ def test_save_only_model_and_load_best_model_at_end(tmp_path) -> None:
 
 
 # ------------------------------------------------------------------------------------------ DeepSpeed, FSDP1
-def test_deepspeed_is_refused_with_the_fix(tmp_path) -> None:
+def test_under_deepspeed_the_factory_uses_the_whole_matrix_zero_path_or_refuses(tmp_path) -> None:
+    pytest.importorskip("deepspeed")
     from transformers.integrations import HfDeepSpeedConfig
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
-    keep = HfDeepSpeedConfig({"zero_optimization": {"stage": 2}, "train_batch_size": 4})  # what deepspeed= registers
-    try:
-        with pytest.raises(UnsupportedTrainerConfig, match=r"flat 1-D partitions.*qmuon\.integrations\.deepspeed"):
-            QMuonFactory()(tiny_lm(), verbose=False)
-    finally:
-        from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+    from qmuon.integrations.deepspeed import WholeMatrixZeroOptimizer
 
-        del keep
-        unset_hf_deepspeed_config()
-    assert isinstance(QMuonFactory()(tiny_lm(), verbose=False), qmuon.QMuon)
+    def build(ds: dict[str, Any]) -> Any:
+        keep = HfDeepSpeedConfig(ds)  # what TrainingArguments(deepspeed=...) registers
+        try:
+            return QMuonFactory()(tiny_lm(), verbose=False)
+        finally:
+            del keep
+            unset_hf_deepspeed_config()
+
+    opt = build({"zero_optimization": {"stage": 2}, "train_batch_size": 4})
+    assert isinstance(opt, WholeMatrixZeroOptimizer) and opt.auto_attach
+    with pytest.raises(UnsupportedTrainerConfig, match="offload_optimizer"):
+        build({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}, "train_batch_size": 4})
+    assert isinstance(QMuonFactory()(tiny_lm(), verbose=False), qmuon.QMuon)  # no DeepSpeed: plain QMuon
 
 
 # ------------------------------------------------------------------------------------------ PEFT

@@ -28,9 +28,12 @@ Where the factory is called, and what it returns:
   place; QMuon's state is created lazily, keyed by them, and its sharded step runs. Accelerate applies
   FSDP only on accelerators (``AcceleratorState`` sets ``DistributedType.FSDP`` for ``MULTI_GPU`` and
   its kin, not ``MULTI_CPU``), so on CPU the plugin is dropped and training runs as DDP.
-- DeepSpeed (``TrainingArguments(deepspeed=...)``): ZeRO would hand QMuon flat 1-D partitions. The
-  factory refuses with :class:`UnsupportedTrainerConfig`, naming the paths that work. Independently,
-  QMuon refuses to step a Muon group whose tensors are no longer the matrices it was routed with.
+- DeepSpeed (``TrainingArguments(deepspeed=...)``): ZeRO would hand a plain client optimizer flat 1-D
+  partitions. The factory returns QMuon inside the whole-matrix ZeRO client optimizer
+  (:class:`qmuon.integrations.deepspeed.WholeMatrixZeroOptimizer`, stages 0-3), which attaches to
+  the ZeRO optimizer DeepSpeed wraps it in at its first step; configurations that path refuses
+  (optimizer offload, ...) raise :class:`UnsupportedTrainerConfig` with the fix. Independently, QMuon
+  refuses to step a Muon group whose tensors are no longer the matrices it was routed with.
 - PEFT (``PeftModel``): frozen base weights are left out (no state); LoRA's ``lora_A`` / ``lora_B``
   go to Muon by default (``lora="muon"``) or to AdamW (``lora="adamw"``); docs/transformers.md links
   the measurement behind the default.
@@ -75,24 +78,25 @@ def trainer_defaults() -> dict[str, float]:
     return {"lr": float(fields["learning_rate"]), "weight_decay": float(fields["weight_decay"])}
 
 
-def _deepspeed_active() -> bool:
-    """Whether the Trainer being built runs DeepSpeed: ``TrainingArguments(deepspeed=...)`` registers
-    its config with transformers (a weak reference), and Accelerate's state says DEEPSPEED."""
+def _deepspeed_config() -> Any:
+    """The DeepSpeed config of the Trainer being built, or None: ``TrainingArguments(deepspeed=...)``
+    registers it with transformers (a weak reference; ``deepspeed_init`` has filled its "auto"
+    values by the time the Trainer calls the factory); an Accelerate DeepSpeed plugin otherwise."""
     try:
         from transformers.integrations.deepspeed import deepspeed_config
 
         if deepspeed_config() is not None:
-            return True
+            return deepspeed_config()
     except ImportError:  # pragma: no cover - transformers without the DeepSpeed integration module
         pass
     try:
         from accelerate.state import AcceleratorState
 
-        if AcceleratorState._shared_state:
-            return AcceleratorState().distributed_type.name == "DEEPSPEED"
+        if AcceleratorState._shared_state and AcceleratorState().distributed_type.name == "DEEPSPEED":
+            return AcceleratorState().deepspeed_plugin.deepspeed_config
     except ImportError:  # pragma: no cover
         pass
-    return False
+    return None
 
 
 def _is_fsdp1(model: nn.Module) -> bool:
@@ -159,17 +163,30 @@ class QMuonFactory:
               **kwargs: Any) -> QMuon:
         """Check the setting, then :func:`qmuon.build_optimizer` with :meth:`config`."""
         cfg = cls.config(args=args, lora=lora, **kwargs)  # bad options raise before anything else
-        if _deepspeed_active():
-            raise UnsupportedTrainerConfig(
-                "QMuonFactory under DeepSpeed (TrainingArguments(deepspeed=...)): ZeRO hands the client optimizer "
-                "flat 1-D partitions of the parameters, so Muon would never see a matrix. Train with FSDP2 "
-                "instead (TrainingArguments(fsdp='full_shard', fsdp_config={'fsdp_version': 2}), on GPUs), with "
-                "DDP, or drive DeepSpeed with QMuon's whole-matrix ZeRO path outside the Trainer: "
-                "qmuon.integrations.deepspeed.initialize(model, qmuon.build_optimizer(model), ds_config) or "
-                "Lightning's Trainer(strategy='qmuon_deepspeed') (docs/deepspeed.md)")
+        ds_config = _deepspeed_config()
         if _is_fsdp1(model):
             raise UnsupportedTrainerConfig(
                 "QMuonFactory got an FSDP1-wrapped model: FSDP1 flattens parameters into 1-D FlatParameters, so "
                 "Muon never sees a matrix. Use FSDP2: TrainingArguments(fsdp='full_shard', "
                 "fsdp_config={'fsdp_version': 2})")
+        if ds_config is not None:
+            return _for_deepspeed(model, cfg, ds_config, verbose)
         return build_optimizer(model, cfg, verbose=verbose)
+
+
+def _for_deepspeed(model: nn.Module, cfg: QMuonConfig, ds_config: Any, verbose: bool) -> Any:
+    """Under ``TrainingArguments(deepspeed=...)``: QMuon inside the whole-matrix ZeRO client optimizer
+    (:class:`qmuon.integrations.deepspeed.WholeMatrixZeroOptimizer`). Accelerate calls
+    ``deepspeed.initialize`` with it; it attaches to the ZeRO optimizer DeepSpeed wraps it in at its
+    first step (or checkpoint load), so Muon sees whole matrices at every ZeRO stage."""
+    try:
+        from .deepspeed import UnsupportedDeepSpeedConfig, WholeMatrixZeroOptimizer, check_config
+    except ImportError as e:  # pragma: no cover - DeepSpeed configured but not importable
+        raise UnsupportedTrainerConfig(f"QMuonFactory under DeepSpeed needs deepspeed importable: {e}") from e
+    try:
+        check_config(ds_config)
+    except UnsupportedDeepSpeedConfig as e:
+        raise UnsupportedTrainerConfig(f"QMuonFactory under DeepSpeed: {e}") from e
+    wrapper = WholeMatrixZeroOptimizer(build_optimizer(model, cfg, verbose=verbose))
+    wrapper.auto_attach = True  # Accelerate calls deepspeed.initialize; the wrapper finds its ZeRO optimizer
+    return wrapper
