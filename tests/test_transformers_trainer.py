@@ -293,3 +293,28 @@ def test_trl_sft_trainer_with_the_same_line(tmp_path) -> None:
     losses = [h["loss"] for h in tr.state.log_history if "loss" in h]
     assert len(losses) == 4 and all(torch.isfinite(torch.tensor(losses)))
     assert losses[-1] < losses[0]
+
+
+def test_trl_dpo_trainer_through_the_trainer_attribute(tmp_path) -> None:
+    """trl 1.16's DPOTrainer has no optimizer_cls_and_kwargs argument; the Trainer reads the attribute
+    in create_optimizer, so setting it before train() is the same hook."""
+    trl = pytest.importorskip("trl")
+    datasets = pytest.importorskip("datasets")
+    import copy
+
+    tok = _byte_tokenizer()
+    model = tiny_lm()
+    model.resize_token_embeddings(len(tok))
+    ds = datasets.Dataset.from_dict({"prompt": ["2+2=", "the sky is "] * 8, "chosen": ["4", "blue"] * 8,
+                                     "rejected": ["5", "green"] * 8})
+    cfg = trl.DPOConfig(output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=4, learning_rate=1e-3,
+                        report_to=[], use_cpu=True, save_strategy="no", logging_steps=1, max_length=32,
+                        disable_tqdm=True, seed=0)
+    tr = trl.DPOTrainer(model=model, ref_model=copy.deepcopy(model), args=cfg, train_dataset=ds,
+                        processing_class=tok)
+    tr.optimizer_cls_and_kwargs = (QMuonFactory, {"args": cfg, "verbose": False})
+    tr.train()
+    opt = qmuon_of(tr)
+    assert opt.state and any(g["use_muon"] and len(g["params"]) == 14 for g in opt.param_groups)
+    losses = [h["loss"] for h in tr.state.log_history if "loss" in h]
+    assert len(losses) == 3 and losses[-1] < losses[0]  # the preference margin grows
