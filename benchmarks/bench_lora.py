@@ -3,7 +3,8 @@
 The task: a tiny Llama (built from a config, no download) is pretrained with AdamW on the Python
 standard library's sources (bytes, ``qmuon_lightning.data.bytes_corpus``), then fine-tuned with PEFT
 LoRA (rank ``--rank`` on every attention and MLP projection; the base frozen) on English text: this
-repository's ``docs/*.md`` (files hashed into train / validation). The score is the validation loss
+repository's ``docs/*.md`` as of a fixed commit (``--docs-commit``; files hashed into train /
+validation). The score is the validation loss
 on held-out docs files, in bits per byte, after ``--steps`` fine-tuning steps.
 
 Compared, each at every learning rate of ``--lrs`` (one lr for all groups; linear warmup then
@@ -40,13 +41,20 @@ from _common import header_lines, md_table  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def docs_corpus(val_fraction: float = 0.2) -> tuple[torch.Tensor, torch.Tensor, int, int]:
-    """docs/*.md bytes split by file (SHA-1 of the name), NUL-separated."""
+def docs_corpus(commit: str, val_fraction: float = 0.2) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """docs/*.md bytes as of git ``commit`` (fixed, so the task does not change with the docs), split
+    by file (SHA-1 of the name), NUL-separated."""
+    import subprocess
+
+    def git(*a: str) -> bytes:
+        return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, check=True).stdout
+
+    names = sorted(n for n in git("ls-tree", "--name-only", commit, "docs/").decode().split() if n.endswith(".md"))
     train, val = bytearray(), bytearray()
     nt = nv = 0
-    for path in sorted((ROOT / "docs").glob("*.md")):
-        data = path.read_bytes() + b"\0"
-        if int.from_bytes(hashlib.sha1(path.name.encode()).digest()[:8], "big") < val_fraction * 2**64:
+    for name in names:
+        data = git("show", f"{commit}:{name}") + b"\0"
+        if int.from_bytes(hashlib.sha1(Path(name).name.encode()).digest()[:8], "big") < val_fraction * 2**64:
             val += data
             nv += 1
         else:
@@ -154,6 +162,7 @@ def main() -> None:
     ap.add_argument("--lrs", type=float, nargs="+", default=[3e-4, 1e-3, 3e-3, 1e-2])
     ap.add_argument("--seeds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--docs-commit", default="12108b8", help="the git commit whose docs/*.md are the fine-tuning text")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -161,7 +170,7 @@ def main() -> None:
 
     t0 = time.perf_counter()
     base = pretrain(args)
-    train, val, nt, nv = docs_corpus()
+    train, val, nt, nv = docs_corpus(args.docs_commit)
     evals = fixed_windows(val, args.seq, args.eval_windows, seed=123)
     import peft
 
@@ -200,7 +209,8 @@ def main() -> None:
         f"Tiny Llama (d={args.d}, {args.layers} layers, vocab 256 bytes, seq {args.seq}) pretrained {args.pretrain_steps} "
         f"steps with torch AdamW on the Python stdlib sources, then LoRA rank {args.rank} on every attention and MLP "
         f"projection ({n_lora:,} trainable parameters, base frozen) fine-tuned {args.steps} steps (batch {args.batch}, "
-        f"warmup {args.warmup} then cosine, weight decay 0) on this repository's docs/*.md ({nt} train files, {nv} "
+        f"warmup {args.warmup} then cosine, weight decay 0) on this repository's docs/*.md at commit "
+        f"{args.docs_commit} ({nt} train files, {nv} "
         f"held out). Validation: {args.eval_windows} fixed windows of the held-out docs, bits per byte; before "
         f"fine-tuning **{base_bpb:.4f}**. Mean over {args.seeds} seeds (data order and LoRA init).",
         "",
