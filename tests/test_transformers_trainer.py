@@ -318,3 +318,23 @@ def test_trl_dpo_trainer_through_the_trainer_attribute(tmp_path) -> None:
     assert opt.state and any(g["use_muon"] and len(g["params"]) == 14 for g in opt.param_groups)
     losses = [h["loss"] for h in tr.state.log_history if "loss" in h]
     assert len(losses) == 3 and losses[-1] < losses[0]  # the preference margin grows
+
+
+def test_gradient_release_checks_the_trainers_clipping_and_accumulation(tmp_path) -> None:
+    """Release frees each gradient inside backward: the Trainer's clip would clip nothing, silently."""
+    with pytest.raises(ConfigError, match="needs {'args'"):
+        QMuonFactory()(tiny_lm(), gradient_release=True, verbose=False)
+    with pytest.raises(ConfigError, match=r"max_grad_norm=1\.0"):
+        QMuonFactory()(tiny_lm(), args=targs(tmp_path), gradient_release=True, verbose=False)
+    with pytest.raises(ValueError, match="gradient_accumulation_steps=2"):
+        QMuonFactory()(tiny_lm(), args=targs(tmp_path, max_grad_norm=0.0, gradient_accumulation_steps=2),
+                       gradient_release=True, verbose=False)
+    # allowed: trains, and equals the run without release bit for bit
+    runs = []
+    for release in (True, False):
+        tr = trainer(targs(tmp_path / str(release), max_grad_norm=0.0, max_steps=3),
+                     opt_kwargs={"gradient_release": release})
+        tr.train()
+        runs.append({k: v.detach().clone() for k, v in tr.model.state_dict().items()})
+        assert (qmuon_of(tr).gradient_release is not None) == release
+    assert_same(runs[0], runs[1], "release vs none")

@@ -163,6 +163,8 @@ class QMuonFactory:
               **kwargs: Any) -> QMuon:
         """Check the setting, then :func:`qmuon.build_optimizer` with :meth:`config`."""
         cfg = cls.config(args=args, lora=lora, **kwargs)  # bad options raise before anything else
+        if cfg.gradient_release:
+            _check_release(args)
         ds_config = _deepspeed_config()
         if _is_fsdp1(model):
             raise UnsupportedTrainerConfig(
@@ -172,6 +174,26 @@ class QMuonFactory:
         if ds_config is not None:
             return _for_deepspeed(model, cfg, ds_config, verbose)
         return build_optimizer(model, cfg, verbose=verbose)
+
+
+def _check_release(args: Any) -> None:
+    """Gradient release steps and frees each gradient inside backward: the Trainer's global-norm
+    clipping would then see no gradient and clip nothing (silently), and accumulation would step
+    every micro-batch. Both settings live in ``TrainingArguments``, so release needs ``args``."""
+    if args is None:
+        raise ConfigError(
+            "QMuonFactory: gradient_release=True needs {'args': training_args} in the kwargs, so that the factory "
+            "can check the Trainer's max_grad_norm and gradient_accumulation_steps (release frees each gradient "
+            "inside backward: the Trainer's clipping would clip nothing)")
+    from ..optim.release import CLIPPING_ERROR, check_trainer_compatible
+
+    if args.max_grad_norm:
+        raise ConfigError("QMuonFactory: " + CLIPPING_ERROR.format(
+            what=f"TrainingArguments(max_grad_norm={args.max_grad_norm}) (set max_grad_norm=0; the Trainer's default "
+                 "is 1.0)"))
+    check_trainer_compatible(
+        accumulate_grad_batches=args.gradient_accumulation_steps, where="QMuonFactory(gradient_release=True)",
+        accumulate_setting="TrainingArguments(gradient_accumulation_steps={n})")
 
 
 def _for_deepspeed(model: nn.Module, cfg: QMuonConfig, ds_config: Any, verbose: bool) -> Any:
