@@ -58,6 +58,7 @@ def test_fsdp2_through_training_arguments_resumes_bit_identically(tmp_path) -> N
         assert rep["optimizer_params_are_model_params"] and rep["state_keys_are_dtensors"], rep
         assert rep["mismatches"] == [], f"rank {r}: {rep['mismatches'][:5]}"
         assert rep["global_step"] == 12 and rep["losses_equal"], rep
+        assert rep["routing_on_wrapped_equal"] and rep["routing_on_wrapped_dtensors"], rep
 
 
 @pytest.mark.slow
@@ -177,6 +178,16 @@ def _worker(mode: str, out: Path) -> None:
     la = [h["loss"] for h in a.state.log_history if "loss" in h][6:]
     lb = [h["loss"] for h in b.state.log_history if "loss" in h][-6:]
     rep["losses_equal"] = la == lb and len(la) == 6
+    if mode == "fsdp2":
+        # The factory on the model as FSDP2 left it (DTensor parameters; what the Trainer hands over when
+        # it creates the optimizer after wrapping): the same routing as on the plain model.
+        def routed(opt: Any) -> dict[str, bool]:
+            return {n: bool(g["use_muon"]) for g in opt.param_groups for n in g["param_names"]}
+
+        again = QMuonFactory()(a.model, verbose=False)
+        rep["routing_on_wrapped_equal"] = routed(again) == routed(qa) and len(routed(qa)) == len(params)
+        rep["routing_on_wrapped_dtensors"] = all(isinstance(p, DTensor) for g in again.param_groups
+                                                 for p in g["params"])
     if mode.startswith("zero"):
         # The naive factory (plain QMuon as DeepSpeed's client optimizer): its groups get flat 1-D
         # partitions, and its first step must refuse them instead of running non-Muon maths.
@@ -206,7 +217,7 @@ def _worker(mode: str, out: Path) -> None:
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
-    ap.add_argument("--worker", choices=["fsdp2", "ddp", "zero1", "zero2", "zero3"], required=True)
+    ap.add_argument("--worker", choices=["fsdp2", "ddp", "zero0", "zero1", "zero2", "zero3"], required=True)
     ap.add_argument("--out", type=Path, required=True)
     ns = ap.parse_args()
     _worker(ns.worker, ns.out)
