@@ -104,7 +104,7 @@ def training_args(ns: argparse.Namespace, out: str, steps: int, lr: float, **kw)
                                                "train_micro_batch_size_per_gpu": "auto",
                                                "gradient_accumulation_steps": "auto", "gradient_clipping": "auto"})
     cls = transformers.TrainingArguments
-    if ns.sft and kw.pop("sft", False):
+    if kw.pop("sft", False) and ns.sft:
         import trl
 
         cls = trl.SFTConfig
