@@ -206,8 +206,8 @@ def main() -> None:
         r=args.rank, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
         .named_parameters() if "lora_" in n)
     lines = header_lines("LoRA factors: Muon vs AdamW (tiny Llama, byte-level fine-tune)") + [
-        f"Tiny Llama (d={args.d}, {args.layers} layers, vocab 256 bytes, seq {args.seq}) pretrained {args.pretrain_steps} "
-        f"steps with torch AdamW on the Python stdlib sources, then LoRA rank {args.rank} on every attention and MLP "
+        f"Tiny Llama (d={args.d}, {args.layers} layers, vocab 256 bytes, seq {args.seq}) pretrained "
+        f"{args.pretrain_steps} steps with torch AdamW on the Python stdlib sources, then LoRA rank {args.rank} on every attention and MLP "
         f"projection ({n_lora:,} trainable parameters, base frozen) fine-tuned {args.steps} steps (batch {args.batch}, "
         f"warmup {args.warmup} then cosine, weight decay 0) on this repository's docs/*.md at commit "
         f"{args.docs_commit} ({nt} train files, {nv} "

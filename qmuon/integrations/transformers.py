@@ -47,9 +47,9 @@ import dataclasses
 from typing import Any
 
 from torch import nn
+from torch.optim import Optimizer
 
 from ..core.config import ConfigError, QMuonConfig
-from ..optim.qmuon import QMuon
 from ..optim.routing import DEFAULT_RULES, RoutingRule, build_optimizer
 
 try:
@@ -131,7 +131,7 @@ class QMuonFactory:
                 f"{transformers.__version__} predates the optimizer-factory hook of Trainer.create_optimizer "
                 "(transformers.trainer_optimizer.is_optimizer_factory). Upgrade: pip install 'qmuon-lightning[hf]'")
 
-    def __call__(self, model: nn.Module, **kwargs: Any) -> QMuon:
+    def __call__(self, model: nn.Module, **kwargs: Any) -> Optimizer:
         return self.build(model, **kwargs)
 
     @staticmethod
@@ -162,8 +162,9 @@ class QMuonFactory:
 
     @classmethod
     def build(cls, model: nn.Module, *, args: Any = None, lora: str = "muon", verbose: bool = True,
-              **kwargs: Any) -> QMuon:
-        """Check the setting, then :func:`qmuon.build_optimizer` with :meth:`config`."""
+              **kwargs: Any) -> Optimizer:
+        """Check the setting, then :func:`qmuon.build_optimizer` with :meth:`config`: a
+        :class:`~qmuon.QMuon`, or under DeepSpeed the ``WholeMatrixZeroOptimizer`` around one."""
         cfg = cls.config(args=args, lora=lora, **kwargs)  # bad options raise before anything else
         if cfg.gradient_release:
             _check_release(args)
@@ -171,8 +172,8 @@ class QMuonFactory:
         if _is_fsdp1(model):
             raise UnsupportedTrainerConfig(
                 "QMuonFactory got an FSDP1-wrapped model: FSDP1 flattens parameters into 1-D FlatParameters, so "
-                "Muon never sees a matrix. Use FSDP2: TrainingArguments(fsdp='full_shard', "
-                "fsdp_config={'fsdp_version': 2})")
+                "Muon never sees a matrix. Use FSDP2: TrainingArguments(fsdp=True, fsdp_config={'fsdp_version': 2, "
+                "...})")
         if ds_config is not None:
             return _for_deepspeed(model, cfg, ds_config, verbose)
         return build_optimizer(model, cfg, verbose=verbose)
