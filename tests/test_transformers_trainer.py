@@ -338,3 +338,16 @@ def test_gradient_release_checks_the_trainers_clipping_and_accumulation(tmp_path
         runs.append({k: v.detach().clone() for k, v in tr.model.state_dict().items()})
         assert (qmuon_of(tr).gradient_release is not None) == release
     assert_same(runs[0], runs[1], "release vs none")
+
+
+def test_fsdp_dropped_on_cpu_is_said(tmp_path) -> None:
+    """Accelerate keeps no FSDP plugin on CPU (the Trainer refuses FSDP on one process; on 2 CPU processes it
+    runs DDP): the factory says so when the TrainingArguments it is given ask for FSDP."""
+    import types
+
+    tr = trainer(targs(tmp_path))  # builds the Accelerator: one CPU process
+    asks = types.SimpleNamespace(**{k: getattr(tr.args, k) for k in ("learning_rate", "weight_decay")},
+                                 fsdp_plugin_args={"fsdp_version": 2})
+    with pytest.warns(UserWarning, match="applies FSDP only on accelerators"):
+        opt = QMuonFactory()(tr.model, args=asks, verbose=False)
+    assert isinstance(opt, qmuon.QMuon)

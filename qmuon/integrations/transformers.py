@@ -169,6 +169,7 @@ class QMuonFactory:
         if cfg.gradient_release:
             _check_release(args)
         ds_config = _deepspeed_config()
+        _warn_if_fsdp_dropped(args)
         if _is_fsdp1(model):
             raise UnsupportedTrainerConfig(
                 "QMuonFactory got an FSDP1-wrapped model: FSDP1 flattens parameters into 1-D FlatParameters, so "
@@ -177,6 +178,28 @@ class QMuonFactory:
         if ds_config is not None:
             return _for_deepspeed(model, cfg, ds_config, verbose)
         return build_optimizer(model, cfg, verbose=verbose)
+
+
+def _warn_if_fsdp_dropped(args: Any) -> None:
+    """``TrainingArguments`` ask for FSDP, but Accelerate did not apply it: it keeps an FSDP plugin
+    only for accelerator process groups (``AcceleratorState`` sets ``DistributedType.FSDP`` for
+    ``MULTI_GPU``, ``MULTI_XPU``, ..., not for ``MULTI_CPU`` or one process), without a word."""
+    if args is None or not getattr(args, "fsdp_plugin_args", None):
+        return
+    try:
+        from accelerate.state import AcceleratorState
+    except ImportError:  # pragma: no cover
+        return
+    if not AcceleratorState._shared_state:
+        return
+    kind = AcceleratorState().distributed_type.name
+    if kind != "FSDP":
+        import warnings
+
+        warnings.warn(
+            f"TrainingArguments ask for FSDP, but Accelerate runs this Trainer as {kind}: it applies FSDP only on "
+            "accelerators (GPU, XPU, ...), not on CPU processes, and drops the plugin silently. QMuon steps the "
+            "model unsharded (every rank holds all parameters and optimizer state)", stacklevel=3)
 
 
 def _check_release(args: Any) -> None:
