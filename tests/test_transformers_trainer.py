@@ -187,6 +187,12 @@ def test_save_only_model_and_load_best_model_at_end(tmp_path) -> None:
     reloaded = transformers.LlamaForCausalLM.from_pretrained(str(ck))
     assert_same({k: v for k, v in reloaded.state_dict().items()},
                 {k: v for k, v in only.model.state_dict().items()}, "save_only_model weights")
+    # a resume from it continues the step count and the schedule, but QMuon's state starts afresh
+    # (the Trainer finds no optimizer file), as for any optimizer
+    again = trainer(targs(tmp_path / "again", max_steps=4, save_only_model=True))
+    again.train(resume_from_checkpoint=str(tmp_path / "only" / "checkpoint-2"))
+    assert again.state.global_step == 4
+    assert {int(st["step"]) for st in qmuon_of(again).state.values()} == {2}
 
     args = targs(tmp_path / "best", max_steps=6, save_strategy="steps", save_steps=2, eval_strategy="steps",
                  eval_steps=2, load_best_model_at_end=True, metric_for_best_model="eval_loss",
