@@ -357,3 +357,19 @@ def test_fsdp_dropped_on_cpu_is_said(tmp_path) -> None:
     with pytest.warns(UserWarning, match="applies FSDP only on accelerators"):
         opt = QMuonFactory()(tr.model, args=asks, verbose=False)
     assert isinstance(opt, qmuon.QMuon)
+
+
+@pytest.mark.slow
+def test_example_pretrains_then_fine_tunes_with_sft_and_lora(tmp_path) -> None:
+    import subprocess
+    import sys
+
+    pytest.importorskip("trl")
+    pytest.importorskip("peft")
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.run([sys.executable, str(root / "examples" / "hf_finetune.py"), "--pretrain-steps", "3",
+                           "--steps", "3", "--batch", "2", "--sft", "--lora", "muon", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=600, cwd=root,
+                          env={**os.environ, "PYTHONPATH": str(root)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "after fine-tuning (SFTTrainer, LoRA (muon))" in proc.stdout
