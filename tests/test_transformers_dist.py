@@ -73,6 +73,7 @@ def test_deepspeed_zero_through_training_arguments_resumes_bit_identically(tmp_p
         assert rep["mismatches"] == [], f"rank {r}: {rep['mismatches'][:5]}"
         assert rep["global_step"] == 12 and rep["losses_equal"], rep
         assert rep["naive_error"] and "no longer holds the matrices it was routed with" in rep["naive_error"], rep
+        assert rep.get("partitioned", stage != 3), rep  # stage 3: the model reached the factory partitioned
 
 
 @pytest.mark.slow
@@ -144,12 +145,27 @@ def _worker(mode: str, out: Path) -> None:
             warmup_steps=2, lr_scheduler_type="cosine", weight_decay=0.01, report_to=[],
             save_strategy="steps", save_steps=6, logging_steps=1, seed=0, data_seed=0, disable_tqdm=True,
             dataloader_num_workers=0, ddp_backend="gloo", **extra)
-        tr = transformers.Trainer(model=tiny_lm(), args=args, train_dataset=Tokens(),
+        model = tiny_lm()
+        if mode == "zero3":
+            # As from_pretrained / from_config build it under a ZeRO-3 config: inside deepspeed.zero.Init,
+            # every parameter an empty 1-D tensor between uses (its shape in ds_shape); the plain model's
+            # weights are copied in, so that both runs start alike.
+            import deepspeed
+
+            part = type(model)._from_config(model.config)  # under the registered ZeRO-3 config: zero.Init
+            rep_init["partitioned"] = all(p.numel() == 0 and hasattr(p, "ds_shape") for p in part.parameters())
+            for p, q in zip(part.parameters(), model.parameters()):
+                with deepspeed.zero.GatheredParameters([p], modifier_rank=0):
+                    if dist.get_rank() == 0:
+                        p.data.copy_(q.data)
+            model = part
+        tr = transformers.Trainer(model=model, args=args, train_dataset=Tokens(),
                                   optimizer_cls_and_kwargs=(QMuonFactory, {"args": args, "verbose": False}))
         tr.train(resume_from_checkpoint=resume)
         return tr
 
     rank = int(os.environ["RANK"])
+    rep_init: dict[str, Any] = {}
     a = run("a")
     b = run("b", resume=str(out / "a" / "checkpoint-6"))
     qa, qb = (qmuon_of(a), qmuon_of(b)) if not mode.startswith("zero") else (zero_of(a), zero_of(b))
@@ -162,6 +178,7 @@ def _worker(mode: str, out: Path) -> None:
         <= {id(p) for p in params},
         "state_keys_are_dtensors": len(qa.state) > 0 and all(isinstance(p, DTensor) for p in qa.state),
         "global_step": b.state.global_step,
+        **rep_init,
     }
 
     def local_sd(tr: Any) -> dict[str, torch.Tensor]:
