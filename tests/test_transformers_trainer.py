@@ -219,10 +219,10 @@ def test_under_deepspeed_the_factory_uses_the_whole_matrix_zero_path_or_refuses(
 
     from qmuon.integrations.deepspeed import WholeMatrixZeroOptimizer
 
-    def build(ds: dict[str, Any]) -> Any:
-        keep = HfDeepSpeedConfig(ds)  # what TrainingArguments(deepspeed=...) registers
+    def build(ds: dict[str, Any], **kw: Any) -> Any:
+        keep = HfDeepSpeedConfig(ds)  # what TrainingArguments(deepspeed=...) registers, process-wide
         try:
-            return QMuonFactory()(tiny_lm(), verbose=False)
+            return QMuonFactory()(tiny_lm(), verbose=False, **kw)
         finally:
             del keep
             unset_hf_deepspeed_config()
@@ -232,6 +232,9 @@ def test_under_deepspeed_the_factory_uses_the_whole_matrix_zero_path_or_refuses(
     with pytest.raises(UnsupportedTrainerConfig, match="offload_optimizer"):
         build({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}, "train_batch_size": 4})
     assert isinstance(QMuonFactory()(tiny_lm(), verbose=False), qmuon.QMuon)  # no DeepSpeed: plain QMuon
+    # given args without deepspeed, a DeepSpeed config left registered by other TrainingArguments is not read
+    assert isinstance(build({"zero_optimization": {"stage": 2}, "train_batch_size": 4}, args=targs(tmp_path)),
+                      qmuon.QMuon)
 
 
 # ------------------------------------------------------------------------------------------ PEFT

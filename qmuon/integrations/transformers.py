@@ -80,10 +80,18 @@ def trainer_defaults() -> dict[str, float]:
     return {"lr": float(fields["learning_rate"]), "weight_decay": float(fields["weight_decay"])}
 
 
-def _deepspeed_config() -> Any:
-    """The DeepSpeed config of the Trainer being built, or None: ``TrainingArguments(deepspeed=...)``
-    registers it with transformers (a weak reference; ``deepspeed_init`` has filled its "auto"
-    values by the time the Trainer calls the factory); an Accelerate DeepSpeed plugin otherwise."""
+def _deepspeed_config(args: Any = None) -> Any:
+    """The DeepSpeed config of the Trainer being built, or None. Given ``args``, theirs
+    (``args.hf_deepspeed_config``; ``deepspeed_init`` has filled its "auto" values by the time the
+    Trainer calls the factory). Without: the one ``TrainingArguments(deepspeed=...)`` registered with
+    transformers (a process-wide weak reference, which an older ``TrainingArguments`` still alive may
+    hold), else an Accelerate DeepSpeed plugin."""
+    if args is not None:
+        hf = getattr(args, "hf_deepspeed_config", None)
+        if getattr(args, "deepspeed", None) and hf is not None:
+            return hf.config
+        plugin = getattr(args, "deepspeed_plugin", None)
+        return plugin.deepspeed_config if plugin is not None else None
     try:
         from transformers.integrations.deepspeed import deepspeed_config
 
@@ -168,7 +176,7 @@ class QMuonFactory:
         cfg = cls.config(args=args, lora=lora, **kwargs)  # bad options raise before anything else
         if cfg.gradient_release:
             _check_release(args)
-        ds_config = _deepspeed_config()
+        ds_config = _deepspeed_config(args)
         _warn_if_fsdp_dropped(args)
         if _is_fsdp1(model):
             raise UnsupportedTrainerConfig(
