@@ -302,3 +302,44 @@ def test_group_names_name_the_family_and_layout():
     assert names == ["muon_parts3_cols_in_out", "muon_in_out", "adamw", "adamw_no_decay"]
 
 
+
+
+def _stepped_model() -> tuple[nn.Module, QMuon]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 8))
+    opt = build_optimizer(model, verbose=False)
+    model(torch.randn(4, 16)).square().mean().backward()
+    opt.step()
+    return model, opt
+
+
+def test_step_refuses_a_muon_group_a_wrapper_flattened():
+    """What DeepSpeed's ZeRO optimizer does to a client optimizer: the Muon group's matrices become one
+    flat 1-D partition. The next step raises, naming the parameter, and changes nothing."""
+    model, opt = _stepped_model()
+    g = next(g for g in opt.param_groups if g["use_muon"])
+    flat = nn.Parameter(torch.cat([p.detach().reshape(-1) for p in g["params"]]))
+    flat.grad = torch.randn_like(flat)
+    g["params"] = [flat]
+    before = flat.detach().clone()
+    with pytest.raises(RuntimeError, match=r"'0\.weight' was \(32, 16\), it is now \(1536,\).*no step was taken"):
+        opt.step()
+    assert torch.equal(flat, before) and flat not in opt.state
+
+
+def test_step_refuses_a_swapped_matrix_and_accepts_a_same_shape_swap():
+    model, opt = _stepped_model()
+    g = next(g for g in opt.param_groups if g["use_muon"])
+    # a same-shape replacement (what FSDP2 / Accelerate do, with DTensors of the global shape) steps
+    g["params"][1] = nn.Parameter(g["params"][1].detach().clone())
+    g["params"][1].grad = torch.randn_like(g["params"][1])
+    opt.step()
+    assert g["params"][1] in opt.state
+    g["params"][1] = nn.Parameter(torch.zeros(32, 8))
+    g["params"][1].grad = torch.ones(32, 8)
+    with pytest.raises(RuntimeError, match=r"'2\.weight' was \(32, 32\), it is now \(32, 8\)"):
+        opt.step()
+    g["params"].append(nn.Parameter(torch.zeros(4, 4)))
+    g["params"][1] = nn.Parameter(torch.zeros(32, 32))
+    with pytest.raises(RuntimeError, match=r"parameter #2 was nothing, it is now \(4, 4\) \(2 tensors routed, 3 held\)"):
+        opt.step()

@@ -142,6 +142,7 @@ class QMuonGroupsMixin:
                 self._add_one_group(group)
         except BaseException:
             del self.param_groups[n0:]
+            del self._routed_shapes[n0:]
             raise
         for group in groups:
             self._note_configured_lr(group)
@@ -163,6 +164,37 @@ class QMuonGroupsMixin:
             self._validate_muon_params(group, where)
         else:
             validate_adamw_group(group, where)
+        # The matrices a Muon group was routed with: step() refuses the group once a wrapper swapped
+        # them for something else (check_routed_shapes).
+        self._routed_shapes.append(tuple(tuple(true_shape(p)) for p in group["params"]) if group["use_muon"] else None)
+
+    def check_routed_shapes(self, gi: int) -> None:
+        """Raise ``RuntimeError`` when Muon group ``gi`` no longer holds the matrices it was routed
+        with: a wrapper that flattened or swapped its tensors after construction (DeepSpeed's ZeRO
+        optimizer hands a client optimizer flat 1-D partitions; Muon's algorithm on them is not
+        Muon). Compares full shapes (``true_shape``: a DTensor's global shape, a ZeRO-3
+        parameter's ``ds_shape``), so FSDP2's in-place swap for sharded DTensors passes. Called when
+        the group's plans are (re)built, once per change of its parameters, not per step."""
+        routed = self._routed_shapes[gi] if gi < len(self._routed_shapes) else None
+        group = self.param_groups[gi]
+        if routed is None or not group["use_muon"]:
+            return
+        now = tuple(tuple(true_shape(p)) for p in group["params"])
+        if now == routed:
+            return
+        names = group.get("param_names") or []
+        bad = next((i for i, (a, b) in enumerate(zip(now, routed)) if a != b), min(len(now), len(routed)))
+        label = repr(names[bad]) if bad < len(names) else f"#{bad}"
+        got = now[bad] if bad < len(now) else "nothing"
+        was = routed[bad] if bad < len(routed) else "nothing"
+        raise RuntimeError(
+            f"QMuon: Muon param group {gi} ({group.get('name', 'muon')!r}) no longer holds the matrices it was routed "
+            f"with: parameter {label} was {was}, it is now {got} ({len(routed)} tensors routed, {len(now)} held). A "
+            "wrapper flattened or replaced the optimizer's parameters (DeepSpeed's ZeRO optimizer hands a client "
+            "optimizer flat 1-D partitions), and Muon on them would not be Muon, so no step was taken. Under "
+            "DeepSpeed use qmuon.integrations.deepspeed (WholeMatrixZeroOptimizer / qds.initialize, or "
+            "qmuon.integrations.transformers.QMuonFactory with the Trainer); otherwise build the optimizer from "
+            "the model as the wrapper hands it over")
 
     def _taken_names(self) -> list[str]:
         return [g["name"] for g in self.param_groups if "name" in g]

@@ -176,6 +176,9 @@ class QMuon(QMuonGroupsMixin, QMuonStateMixin, Optimizer):
         #: ``build_optimizer``): :meth:`add_param_group` routes groups added later by it; ``None``
         #: (a QMuon built from groups) routes them by the default rules, by shape.
         self.router: Any = None
+        #: Per param group, the full shapes of a Muon group's tensors when it was added (None for
+        #: AdamW groups); see :meth:`check_routed_shapes`.
+        self._routed_shapes: list[tuple | None] = []
         self._constructed = False
         if config.gradient_release:
             raise ConfigError(
@@ -217,7 +220,8 @@ class QMuon(QMuonGroupsMixin, QMuonStateMixin, Optimizer):
         if "defaults" in state and not had_differentiable:
             self.defaults.pop("differentiable", None)  # torch adds it; a copy keeps the original's groups
         self._reset_caches()
-        for k, v in (("gradient_release", None), ("update_sink", None), ("router", None), ("_constructed", True)):
+        for k, v in (("gradient_release", None), ("update_sink", None), ("router", None), ("_constructed", True),
+                     ("_routed_shapes", [])):
             self.__dict__.setdefault(k, v)
 
     def __repr__(self) -> str:
@@ -249,6 +253,7 @@ class QMuon(QMuonGroupsMixin, QMuonStateMixin, Optimizer):
                group["orientation"], group["adjust_lr_fn"], group.get("parts_interleaved"), group.get("bank_dims"))
         cached = self._plans.get(gi)
         if cached is None or cached[0] != sig:
+            self.check_routed_shapes(gi)
             names = group.get("param_names") or [f"param group {gi} parameter #{i}" for i in range(len(group["params"]))]
             plans = [plan_param(p, group, key0 + i, names[i]) for i, p in enumerate(group["params"])]
             self._plans[gi] = cached = (sig, plans)

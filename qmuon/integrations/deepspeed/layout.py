@@ -248,3 +248,24 @@ def read_zero3_layout(zero: Any, params: list[_Param], world_size: int) -> list[
             info.holders = zero3_segments(info.numel, int(p.partition_numel()), local, world_size)
     return flats
 
+
+
+#: The DeepSpeed optimizers that wrap a client optimizer and whose layout the wrapper reads.
+ZERO_WRAPPERS = ("DeepSpeedZeroOptimizer", "DeepSpeedZeroOptimizer_Stage3", "FP16_UnfusedOptimizer")
+
+
+def find_zero_wrapper(client: Any) -> Any:
+    """The DeepSpeed optimizer whose ``.optimizer`` is ``client``, found among the objects that refer
+    to it, or ``client`` itself when none wraps it (ZeRO stage 0 with fp32 weights: the engine steps
+    the client directly). For a ``deepspeed.initialize`` called by someone else (Accelerate, under
+    ``transformers.Trainer``), where no engine is handed back; run once, at the first call."""
+    import gc
+
+    for ref in gc.get_referrers(client):
+        owners = [ref]
+        if isinstance(ref, dict):  # an instance's __dict__: its owner refers to it
+            owners = [o for o in gc.get_referrers(ref) if getattr(o, "__dict__", None) is ref]
+        for o in owners:
+            if type(o).__name__ in ZERO_WRAPPERS and getattr(o, "optimizer", None) is client:
+                return o
+    return client

@@ -20,8 +20,8 @@ from ...optim.qmuon import QMuon
 from ...quant import adamw as qadamw
 from ...quant import state as qstate
 from .config import UnsupportedDeepSpeedConfig
-from .layout import (_apply_parts, _Param, _part_runs, _placeholder, _Segment, assign_owners, read_zero3_layout,
-                     read_zero12_layout, row_pieces)
+from .layout import (_apply_parts, _Param, _part_runs, _placeholder, _Segment, assign_owners, find_zero_wrapper,
+                     read_zero3_layout, read_zero12_layout, row_pieces)
 from .optimizer_state import ZeroStateMixin
 
 __all__ = ["WholeMatrixZeroOptimizer"]
@@ -145,10 +145,13 @@ class WholeMatrixZeroOptimizer(ZeroStateMixin, Optimizer):
 
         ``engine``: the ``DeepSpeedEngine`` returned by ``deepspeed.initialize(optimizer=self, ...)``.
         """
-        wrapper = engine.optimizer
+        return self._attach_to(engine.optimizer, getattr(engine, "seq_data_parallel_group", None))
+
+    def _attach_to(self, wrapper: Any, seq_group: Any) -> "WholeMatrixZeroOptimizer":
+        """:meth:`attach` given the engine's optimizer (``engine.optimizer``) and data-parallel group."""
         kind = type(wrapper).__name__
         if wrapper is self:
-            self._attach_direct(getattr(engine, "seq_data_parallel_group", None))
+            self._attach_direct(seq_group)
         elif kind in ("DeepSpeedZeroOptimizer",):
             if wrapper.optimizer is not self:
                 raise ValueError("the engine's ZeRO optimizer does not wrap this optimizer; pass optimizer=this "
@@ -162,7 +165,7 @@ class WholeMatrixZeroOptimizer(ZeroStateMixin, Optimizer):
         elif kind == "FP16_UnfusedOptimizer":
             if wrapper.optimizer is not self:
                 raise ValueError("the engine's fp16/bf16 optimizer does not wrap this optimizer")
-            self._attach_direct(getattr(engine, "seq_data_parallel_group", None))
+            self._attach_direct(seq_group)
         else:
             raise UnsupportedDeepSpeedConfig(
                 f"DeepSpeed wrapped the optimizer in {kind}, whose layout QMuon does not read (supported: ZeRO "
@@ -253,8 +256,17 @@ class WholeMatrixZeroOptimizer(ZeroStateMixin, Optimizer):
         self._flat_index = {id(t): sg for sg, t in enumerate(self._flats)}
 
     # ------------------------------------------------------------------ step
+    #: Set by whoever hands this optimizer to a ``deepspeed.initialize`` it does not call itself
+    #: (``QMuonFactory`` under ``transformers.Trainer``, where Accelerate calls it): the first
+    #: ``step`` / ``state_dict`` / ``load_state_dict`` then finds the ZeRO optimizer wrapping this one
+    #: and attaches to it (:func:`.layout.find_zero_wrapper`).
+    auto_attach: bool = False
+
     def _require_attached(self) -> None:
         if self._mode is not None:
+            return
+        if self.auto_attach:
+            self._attach_to(find_zero_wrapper(self), None)
             return
         first = self._all_groups[0]["params"][0] if self._all_groups and self._all_groups[0]["params"] else None
         distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
