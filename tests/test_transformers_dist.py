@@ -35,7 +35,8 @@ import torch
 transformers = pytest.importorskip("transformers") if __name__ != "__main__" else __import__("transformers")
 
 import qmuon  # noqa: E402
-from _helpers import assert_same, free_port, run_launcher, subprocess_env  # noqa: E402
+from _dist import free_port, run_launcher, subprocess_env  # noqa: E402
+from _helpers import assert_same  # noqa: E402
 
 SUBPROCESS_TIMEOUT_S = 420
 
