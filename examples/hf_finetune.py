@@ -195,3 +195,6 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    from qmuon.distributed import exit_after_distributed_run
+
+    exit_after_distributed_run()  # under torchrun: gloo's threads can abort Python's finalization

@@ -239,3 +239,6 @@ if __name__ == "__main__":
     ap.add_argument("--out", type=Path, required=True)
     ns = ap.parse_args()
     _worker(ns.worker, ns.out)
+    from qmuon.distributed import exit_after_distributed_run
+
+    exit_after_distributed_run()  # gloo's threads can abort Python's finalization (exit status -6)
