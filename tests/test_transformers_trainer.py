@@ -269,18 +269,15 @@ def test_lora_frozen_base_gets_no_state(tmp_path, lora: str) -> None:
 
 # ------------------------------------------------------------------------------------------ TRL
 def _byte_tokenizer() -> Any:
-    """A byte-level tokenizer built locally (256 byte tokens + 3 specials, no merges, no download)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    """examples/hf_finetune.py's byte-level tokenizer (256 byte tokens + 3 specials, built locally)."""
+    import importlib.util
 
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    vocab = {"<s>": 0, "</s>": 1, "<pad>": 2}
-    for ch in sorted(alphabet):
-        vocab[ch] = len(vocab)
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
-                                                pad_token="<pad>")
+    from _dist import REPO
+
+    spec = importlib.util.spec_from_file_location("hf_finetune_example", REPO / "examples" / "hf_finetune.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    return example.byte_tokenizer()
 
 
 def test_trl_sft_trainer_with_the_same_line(tmp_path) -> None:

@@ -9,3 +9,18 @@ Each submodule imports its framework when it is imported itself, never from here
 - :mod:`qmuon.integrations.transformers`: ``QMuonFactory`` for ``transformers.Trainer`` (and TRL's
   trainers): ``Trainer(optimizer_cls_and_kwargs=(QMuonFactory, {...}))``.
 """
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+
+def require_extra(module: str, extra: str, user: str, name: str | None = None) -> ModuleType:
+    """``import module``, or an ImportError saying that ``user`` needs it and which extra of
+    qmuon-lightning installs it (the plain install has none of the frameworks)."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        raise ImportError(f"{user} needs {name or module}: pip install 'qmuon-lightning[{extra}]' "
+                          f"(or pip install {module})") from e

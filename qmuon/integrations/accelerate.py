@@ -43,15 +43,11 @@ from torch import nn
 from ..optim.qmuon import QMuon
 from ..optim.release import CLIPPING_ERROR, check_trainer_compatible, release_of, releasing
 from ..optim.routing import build_optimizer
+from . import require_extra
 
-try:
-    from accelerate import Accelerator
-    from accelerate.utils import DistributedType
-except ImportError as e:  # pragma: no cover - exercised only without the extra installed
-    raise ImportError(
-        "qmuon.integrations.accelerate needs Hugging Face Accelerate: "
-        "pip install 'qmuon-lightning[accelerate]' (or pip install accelerate)"
-    ) from e
+require_extra("accelerate", "accelerate", "qmuon.integrations.accelerate", "Hugging Face Accelerate")
+from accelerate import Accelerator  # noqa: E402
+from accelerate.utils import DistributedType  # noqa: E402
 
 if TYPE_CHECKING:
     from torch.optim.lr_scheduler import LRScheduler

@@ -51,14 +51,9 @@ from torch.optim import Optimizer
 
 from ..core.config import ConfigError, QMuonConfig
 from ..optim.routing import DEFAULT_RULES, RoutingRule, build_optimizer
+from . import require_extra
 
-try:
-    import transformers
-except ImportError as e:  # pragma: no cover - exercised only without the extra installed
-    raise ImportError(
-        "qmuon.integrations.transformers needs Hugging Face transformers: pip install 'qmuon-lightning[hf]' "
-        "(or pip install transformers)"
-    ) from e
+transformers = require_extra("transformers", "hf", "qmuon.integrations.transformers", "Hugging Face transformers")
 
 __all__ = ["QMuonFactory", "UnsupportedTrainerConfig", "LORA_CHOICES", "LORA_REGEX", "trainer_defaults"]
 

@@ -191,6 +191,15 @@ def _check_block(block_size: int, op: str) -> None:
     _check(1 <= block_size <= MAX_BLOCK, op, lambda: f"block_size must be in [1, {MAX_BLOCK}], got {block_size}")
 
 
+def _check_packed(packed: Tensor, cols: int, op: str) -> int:
+    """Check a packed 4-bit tensor (uint8, two codes a byte) holding ``cols`` codes a row; its rows."""
+    _check(packed.dim() == 2, op, lambda: f"packed must be 2-D, got {packed.dim()}-D")
+    _check(cols >= 0 and (cols + 1) // 2 == packed.shape[1], op,
+           lambda: f"{packed.shape[1]} packed columns cannot hold {cols} codes")
+    _check_2d(packed, torch.uint8, packed.shape[0], (cols + 1) // 2, "packed", 0, op)
+    return packed.shape[0]
+
+
 def _same_device(t: Tensor, what: str, first: Tensor, op: str) -> None:
     _check(t.device == first.device, op,
            lambda: f"{what} is on {t.device} but packed is on {first.device}; move every argument to one device")
@@ -602,12 +611,8 @@ class CAbiOps:
 
     def int4_dequantize(self, packed: Tensor, absmax: Tensor, block_size: int, cols: int) -> Tensor:
         op = "int4_dequantize"
-        _check(packed.dim() == 2, op, lambda: f"packed must be 2-D, got {packed.dim()}-D")
+        rows = _check_packed(packed, cols, op)
         _check(block_size >= 1, op, lambda: f"needs block_size >= 1, got {block_size}")
-        rows = packed.shape[0]
-        _check(cols >= 0 and (cols + 1) // 2 == packed.shape[1], op,
-               lambda: f"{packed.shape[1]} packed columns cannot hold {cols} codes")
-        _check_2d(packed, torch.uint8, rows, (cols + 1) // 2, "packed", 0, op)
         _check_2d(absmax, torch.float32, rows, _nb(cols, block_size), "absmax", 0, op, " (rows, ceil(cols / block_size))")
         _same_device(absmax, "absmax", packed, op)
         packed, absmax = packed.contiguous(), absmax.contiguous()
@@ -636,11 +641,7 @@ class CAbiOps:
 
     def e0m3_dequantize(self, packed: Tensor, scales: Tensor, tensor_scale: Tensor, cols: int) -> Tensor:
         op = "e0m3_dequantize"
-        _check(packed.dim() == 2, op, lambda: f"packed must be 2-D, got {packed.dim()}-D")
-        rows = packed.shape[0]
-        _check(cols >= 0 and (cols + 1) // 2 == packed.shape[1], op,
-               lambda: f"{packed.shape[1]} packed columns cannot hold {cols} codes")
-        _check_2d(packed, torch.uint8, rows, (cols + 1) // 2, "packed", 0, op)
+        rows = _check_packed(packed, cols, op)
         _check_2d(scales, torch.uint8, rows, _nb(cols, E0M3_BLOCK), "scales", 0, op, " (one UE4M3 scale per 16 elements)")
         _check(tensor_scale.numel() == 1, op, lambda: f"tensor_scale must have one element, got {tuple(tensor_scale.shape)}")
         _same_device(scales, "scales", packed, op)
@@ -693,12 +694,8 @@ class CAbiOps:
     def grid_dequantize4(self, packed: Tensor, row_max: Tensor, col_max: Tensor, scale: Tensor, grid_block: int,
                          cols: int) -> Tensor:
         op = "grid_dequantize4"
-        _check(packed.dim() == 2, op, lambda: f"packed must be 2-D, got {packed.dim()}-D")
+        rows = _check_packed(packed, cols, op)
         _check(grid_block >= 1, op, lambda: f"needs grid_block >= 1, got {grid_block}")
-        rows = packed.shape[0]
-        _check(cols >= 0 and (cols + 1) // 2 == packed.shape[1], op,
-               lambda: f"{packed.shape[1]} packed columns cannot hold {cols} codes")
-        _check_2d(packed, torch.uint8, rows, (cols + 1) // 2, "packed", 0, op)
         _check_2d(row_max, torch.uint8, rows, _nb(cols, grid_block), "row maxima", 0, op, " (rows, ceil(cols / s))")
         _check_2d(col_max, torch.uint8, _nb(rows, grid_block), cols, "column maxima", 0, op, " (ceil(rows / s), cols)")
         _check(scale.numel() == 1, op, lambda: f"scale must have one element, got {tuple(scale.shape)}")

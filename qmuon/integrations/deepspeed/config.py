@@ -8,6 +8,8 @@ import json
 import os
 from typing import Any, Mapping
 
+from .. import require_extra
+
 __all__ = ["UnsupportedDeepSpeedConfig", "check_config", "avoid_cpu_op_builds"]
 
 
@@ -132,12 +134,7 @@ def _check_bf16_master(cfg: Mapping[str, Any], stage: int, bf16: bool) -> None:
 
 def require_deepspeed() -> Any:
     """The ``deepspeed`` module, or an ImportError that names the extra to install."""
-    try:
-        import deepspeed
-    except ImportError as e:
-        raise ImportError("qmuon.integrations.deepspeed needs DeepSpeed: pip install 'qmuon-lightning[deepspeed]' "
-                          "(or pip install deepspeed)") from e
-    return deepspeed
+    return require_extra("deepspeed", "deepspeed", "qmuon.integrations.deepspeed", "DeepSpeed")
 
 
 def avoid_cpu_op_builds() -> bool:
