@@ -127,6 +127,16 @@ def main(argv: list[str] | None = None) -> int:
     rows.update({k: statistics.median(v) * 1e6 for k, v in public.items()})
     launch = {k: _launch_only(fn, call_args, args.calls, sync) for k, fn in direct.items()} if device.type == "cuda" else {}
 
+    # A batched call, as an optimizer step makes it (one call per parameter group, up to 24 matrices a
+    # launch): the Python twin pays its checks and struct per matrix, the C++ binding does them in C++.
+    batched: dict[int, dict[str, float]] = {}
+    for n in (8, 24):
+        cs, ams = zip(*(torch.ops.qmuon.quantize_rows(torch.randn(16, 64, device=device), 256, True, -1, 0)
+                        for _ in range(n)))
+        many = (list(cs), list(ams), [torch.randn(16, 64, device=device) for _ in range(n)],
+                [torch.empty(16, 1, device=device) for _ in range(n)], 0.95, True, 256, [-1] * n, list(range(n)))
+        batched[n] = _time_rounds(direct, many, max(args.calls // 4, 100), sync)
+
     # The canary: every compiled op once, as a process pays it (each op on its first call only).
     per_op: dict[str, list[float]] = {n: [] for n, op in OPS.items() if op.supported is not None}
     for _ in range(args.canary_reps):
@@ -153,6 +163,14 @@ def main(argv: list[str] | None = None) -> int:
     if len(keys) == 2:
         lines += ["", f"ctypes twin minus C++ binding: {rows[keys[1]] - rows[keys[0]]:+.1f} us per call "
                       f"(public op: {rows['public op, ' + keys[1]] - rows['public op, ' + keys[0]]:+.1f} us)"]
+    lines += ["", "Batched calls: n matrices of 16 x 64 in one call (medians; the difference per matrix is the "
+                  "Python twin's per-matrix checks and struct)", ""]
+    lines.append(md_table(["caller"] + [f"n = {n}, us / call" for n in batched],
+                          [[k] + [f"{batched[n][k]:.1f}" for n in batched] for k in direct], ["l"] + ["r"] * len(batched)))
+    if len(keys) == 2:
+        a, b = batched[8], batched[24]
+        per = ((b[keys[1]] - b[keys[0]]) - (a[keys[1]] - a[keys[0]])) / 16
+        lines += ["", f"ctypes twin minus C++ binding, per extra matrix in a call: {per:+.2f} us"]
     lines += ["", f"First-use canary on {device.type} (median of {args.canary_reps} runs of each op's check: "
                   "the compiled kernel and the reference on the small sample call, compared)", ""]
     top = sorted(canary_ms.items(), key=lambda kv: -kv[1])

@@ -227,8 +227,10 @@ class CAbiOps:
         else:
             code = f(*args)
         if code != 0:
-            raise RuntimeError(f"qmuon: {self.kind.upper()} kernel {op} failed: {self._error_text(code)} "
-                               f"(code {code})")
+            self._raise(op, code)
+
+    def _raise(self, op: str, code: int) -> None:
+        raise RuntimeError(f"qmuon: {self.kind.upper()} kernel {op} failed: {self._error_text(code)} (code {code})")
 
     def _scratch(self, n: int, like: Tensor) -> Tensor | None:
         return torch.zeros(n, dtype=torch.float32, device=like.device) if self._needs_scratch and n > 0 else None
@@ -239,42 +241,59 @@ class CAbiOps:
                                   streams: list[int], row_offsets: list[int], compute_sumsq: bool = True) -> None:
         op = "q8_momentum_update_multi_"
         n = len(codes)
-        _check(len(absmax) == n and len(grads) == n and len(streams) == n and len(row_offsets) == n, op,
-               lambda: f"needs lists of equal length, got {n} codes, {len(absmax)} absmax, {len(grads)} grads, "
-               f"{len(streams)} streams, {len(row_offsets)} row_offsets")
-        _check(len(block_sumsq) == n or (not compute_sumsq and not block_sumsq), op,
-               lambda: f"needs one block_sumsq output per tensor, got {len(block_sumsq)} for {n} tensors")
-        _check_block(block_size, op)
-        w = _Writables()
-        groups: dict[tuple[int, int], list[Q8Tensor]] = {}
+        # The list and block checks in one expression, the per-matrix checks in another: the ctypes path must
+        # cost no more than the C++ binding it stands in for (benchmarks/results/call_overhead_cpu.md).
+        if not (len(absmax) == n and len(grads) == n and len(streams) == n and len(row_offsets) == n
+                and (len(block_sumsq) == n or (not compute_sumsq and not block_sumsq)) and 1 <= block_size <= MAX_BLOCK):
+            _check(len(absmax) == n and len(grads) == n and len(streams) == n and len(row_offsets) == n, op,
+                   lambda: f"needs lists of equal length, got {n} codes, {len(absmax)} absmax, {len(grads)} grads, "
+                   f"{len(streams)} streams, {len(row_offsets)} row_offsets")
+            _check(len(block_sumsq) == n or (not compute_sumsq and not block_sumsq), op,
+                   lambda: f"needs one block_sumsq output per tensor, got {len(block_sumsq)} for {n} tensors")
+            _check_block(block_size, op)
+        w: _Writables | None = None  # made on the first tensor that needs a contiguous copy
+        tensors: list[Q8Tensor] = []
+        keys: list[tuple[torch.dtype, torch.dtype]] = []
         dev = codes[0].get_device() if n else -1
         for i in range(n):
             c, a, g = codes[i], absmax[i], grads[i]
             s = block_sumsq[i] if compute_sumsq else None
             # Fast path: one expression (about a microsecond less than the itemized checks, and this
             # op runs once per parameter group per step); any failure is explained by _q8_explain.
-            if not (c.dim() == 2 and c.dtype in _CODE_DTYPES and a.dtype is torch.float32 and a.dim() == 2
-                    and g.shape == c.shape and g.dtype in _GRAD_DTYPES
-                    and a.shape[0] == c.shape[0] and a.shape[1] == (c.shape[1] + block_size - 1) // block_size
+            cs, as_ = c.shape, a.shape  # each tensor attribute read costs ~60 ns: read once
+            if not (len(cs) == 2 and len(as_) == 2 and g.shape == cs and as_[0] == cs[0]
+                    and as_[1] == (cs[1] + block_size - 1) // block_size
+                    and c.dtype in _CODE_DTYPES and a.dtype is torch.float32 and g.dtype in _GRAD_DTYPES
                     and a.get_device() == dev and g.get_device() == dev and c.get_device() == dev
-                    and (s is None or (s.dtype is torch.float32 and s.shape == a.shape and s.get_device() == dev))):
+                    and (s is None or (s.dtype is torch.float32 and s.shape == as_ and s.get_device() == dev))):
                 self._q8_explain(i, c, a, g, block_sumsq, compute_sumsq, block_size, codes[0], op)
-            rows, cols = c.shape
+            rows, cols = cs
             if rows == 0 or cols == 0:
                 continue
-            (cw, c_rs), (aw, a_rs), (gw, g_rs) = _work(w, c, cols), _work(w, a, a.shape[1]), _work(w, g, cols)
-            sw = None if s is None else (s if s.is_contiguous() else w.add(s, dense=True))
+            if c.is_contiguous() and a.is_contiguous() and g.is_contiguous() and (s is None or s.is_contiguous()):
+                cw, c_rs, aw, a_rs, gw, g_rs, sw = c, cols, a, as_[1], g, cols, s
+            else:
+                w = w or _Writables()
+                (cw, c_rs), (aw, a_rs), (gw, g_rs) = _work(w, c, cols), _work(w, a, a.shape[1]), _work(w, g, cols)
+                sw = None if s is None else (s if s.is_contiguous() else w.add(s, dense=True))
             t = Q8Tensor(cw.data_ptr(), aw.data_ptr(), gw.data_ptr(), None if sw is None else sw.data_ptr(), rows,
                          cols, c_rs, a_rs, g_rs, row_offsets[i], -1 if streams[i] < 0 else streams[i] & 0xFFFFFFFF)
-            key = (_DTYPE[c.dtype], _DTYPE[g.dtype])
-            if key in groups:
-                groups[key].append(t)
-            else:
-                groups[key] = [t]
-        for (cd, gd), ts in groups.items():
+            tensors.append(t)
+            keys.append((c.dtype, g.dtype))
+        # One launch per (code, grad) dtype pair; nearly always a single pair, found without a dict.
+        groups = ([(keys[0], tensors)] if keys.count(keys[0]) == len(keys) else
+                  [(k, [t for t, kt in zip(tensors, keys) if kt == k]) for k in dict.fromkeys(keys)]) if keys else []
+        for (cdt, gdt), ts in groups:
+            cd, gd = _DTYPE[cdt], _DTYPE[gdt]
             arr = C.byref(ts[0]) if len(ts) == 1 else (Q8Tensor * len(ts))(*ts)  # one matrix: no array copy
-            self._run(self._q8, op, codes[0].device, arr, len(ts), Q8Params(beta, int(nesterov), cd, gd, block_size))
-        if w.pairs:
+            params = Q8Params(beta, int(nesterov), cd, gd, block_size)
+            if self.cuda:
+                self._run(self._q8, op, codes[0].device, arr, len(ts), params)
+            else:
+                code = self._q8(arr, len(ts), params)
+                if code:
+                    self._raise(op, code)
+        if w is not None and w.pairs:
             w.write_back()
 
     @staticmethod
