@@ -164,6 +164,11 @@ def gpu_library_checks(st: Any) -> list[Check]:
         else:
             rows.append(Check("gpu library", WARN, lib.summary(),
                               "python -m qmuon.ops.build_gpu rebuilds it; reinstalling qmuon-lightning restores it"))
+    from qmuon.ops import _prebuilt
+
+    shipped = sorted(p.name for p in _prebuilt.lib_dir().glob("libqmuon_cuda*.so"))
+    if shipped:  # one per CUDA major; the loader tries torch's major first
+        rows.append(Check("gpu libraries shipped", INFO, ", ".join(shipped)))
     if st.steps:
         rows.append(Check("loading order", INFO, "; ".join(st.steps)))
     return rows

@@ -63,24 +63,67 @@ def test_needs_no_cuda_library_at_load_time(lib_path):
     assert not [x for x in libs if "cuda" in x], libs
 
 
+def _cuobjdump() -> str | None:
+    """cuobjdump on PATH, else the one of the ``nvidia-cuda-cuobjdump`` wheel (the test extra's; its
+    ``nvidia/cu<major>/bin`` is on no PATH)."""
+    found = shutil.which("cuobjdump")
+    if found:
+        return found
+    try:
+        import nvidia
+    except ImportError:
+        return None
+    return next((str(p) for base in nvidia.__path__ for p in sorted(Path(base).glob("*/bin/cuobjdump"))), None)
+
+
+needs_cuobjdump = pytest.mark.skipif(_cuobjdump() is None,
+                                     reason="no cuobjdump (pip install nvidia-cuda-cuobjdump; the test extra has it)")
+
+
 def test_holds_the_architectures_it_was_built_for(lib_path):
     """The fatbin holds SASS for every asked-for sm and PTX for the asked-for compute arch (read from the
-    ELF; the build record says what was asked). The default build: sm_80/90/100/120 + compute_120."""
+    ELF; the build record says what was asked). A default build: SASS sm_80/90/100/120 (from a CUDA 12 nvcc
+    older than 12.8, sm_100/120 by the newer ptxas) and PTX compute_120, or the newest that nvcc has."""
     info = _info(lib_path)
     d = build_gpu.describe(lib_path)
     assert d["sass"] == info["sass"] and d["ptx"] == info["ptx"]
     if info["sass"] == [f"sm_{a}" for a in build_gpu.DEFAULT_ARCHS]:
-        assert d["ptx"] == [f"compute_{a}" for a in build_gpu.DEFAULT_PTX]
+        expected_ptx = [f"compute_{a}" for a in build_gpu.DEFAULT_PTX]
+        if "ptxas" in info:  # nvcc lacked sm_100 / sm_120, and so compute_120: PTX of its newest arch
+            expected_ptx = ["compute_90"]
+            assert info["ptxas"]["sass"] == ["sm_100", "sm_120"], info
+        assert d["ptx"] == expected_ptx
 
 
-@pytest.mark.skipif(shutil.which("cuobjdump") is None, reason="cuobjdump not on PATH (pip install nvidia-cuda-cuobjdump)")
+@needs_cuobjdump
 def test_fatbin_reader_agrees_with_cuobjdump(lib_path):
-    out = subprocess.run(["cuobjdump", "--list-elf", "--list-ptx", str(lib_path)], capture_output=True, text=True,
+    out = subprocess.run([_cuobjdump(), "--list-elf", "--list-ptx", str(lib_path)], capture_output=True, text=True,
                          check=True).stdout
     elf = {line.rsplit(".", 2)[-2] for line in out.splitlines() if line.startswith("ELF file")}
     ptx = {line.rsplit(".", 2)[-2].replace("sm_", "compute_") for line in out.splitlines() if line.startswith("PTX")}
     d = build_gpu.describe(lib_path)
     assert elf == set(d["sass"]) and ptx == set(d["ptx"])
+
+
+@needs_cuobjdump
+def test_every_architecture_holds_every_kernel(lib_path):
+    """Each SASS architecture defines the same kernels (cuobjdump's resource listing, per function), so
+    no GPU generation falls back to JIT-compiling PTX, or finds a kernel missing, for part of the ops. The
+    sm_100 / sm_120 cubins that a newer ptxas adds to a CUDA 12.4 build are checked the same way."""
+    out = subprocess.run([_cuobjdump(), "-res-usage", str(lib_path)], capture_output=True, text=True,
+                         check=True).stdout
+    kernels: dict[str, set[str]] = {}
+    arch = None
+    for line in out.splitlines():
+        if "arch = " in line:
+            arch = line.split("arch = ")[1].split()[0]
+        elif line.strip().startswith("Function ") and arch:
+            kernels.setdefault(arch, set()).add(line.split()[1].rstrip(":"))
+    info = _info(lib_path)
+    assert sorted(kernels, key=lambda a: int(a.split("_")[1])) == info["sass"]
+    first = kernels[info["sass"][0]]
+    assert len(first) >= 20, sorted(first)  # the q8 / 4-bit / AdamW / weight kernels, each per dtype
+    assert all(k == first for k in kernels.values()), {a: len(k) for a, k in kernels.items()}
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-device report; this machine has a GPU")
@@ -139,3 +182,28 @@ def test_status_names_each_loading_step(ext, lib_path):
     assert any(line.startswith("2. JIT build (CPU kernels") for line in lines)
     if not torch.cuda.is_available():
         assert "no device" in lines[0] and lines[-1] == "cuda_source None"
+
+
+def test_extra_sass_steps_join_nvccs_own_fatbinary_step(tmp_path):
+    """--ptxas-archs: the newer ptxas compiles the newest PTX of nvcc's command list (compute_90 here, not
+    compute_80) before the fatbinary step, and each cubin becomes one more ELF image of that step."""
+    commands = [
+        'cicc -arch compute_80 -o "/t/a.compute_80.ptx"',
+        'ptxas -arch=sm_80 -m64 --fmad false "/t/a.compute_80.ptx" -o "/t/a.sm_80.cubin"',
+        'cicc -arch compute_90 -o "/t/a.compute_90.ptx"',
+        'fatbinary -64 "--image3=kind=elf,sm=80,file=/t/a.sm_80.cubin" "--image3=kind=ptx,sm=80,file=/t/a.compute_80.ptx" '
+        '"--image3=kind=ptx,sm=90,file=/t/a.compute_90.ptx" --embedded-fatbin="/t/a.fatbin.c"',
+        'gcc -c a.cudafe1.cpp -o a.o',
+    ]
+    out = build_gpu._with_extra_sass(commands, "/opt/ptxas 12.9/ptxas", (100, 120), str(tmp_path))
+    assert out[:3] == commands[:3] and out[-1] == commands[-1]
+    assert out[3] == f"'/opt/ptxas 12.9/ptxas' -arch=sm_100 -m64 --fmad false /t/a.compute_90.ptx -o {tmp_path}/extra_sm_100.cubin"
+    assert " -arch=sm_120 " in out[4]
+    assert out[5].startswith(commands[3]) and out[5].endswith(
+        f'"--image3=kind=elf,sm=100,file={tmp_path}/extra_sm_100.cubin" '
+        f'"--image3=kind=elf,sm=120,file={tmp_path}/extra_sm_120.cubin"')
+    with pytest.raises(RuntimeError, match="needs PTX"):
+        build_gpu._with_extra_sass([c for c in commands if "kind=ptx" not in c] + ["fatbinary -64"], "ptxas", (100,),
+                                   str(tmp_path))
+    with pytest.raises(RuntimeError, match="one fatbinary step"):
+        build_gpu._with_extra_sass(commands[:3], "ptxas", (100,), str(tmp_path))

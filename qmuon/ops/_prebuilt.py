@@ -67,7 +67,7 @@ def _candidates() -> list[Path]:
     env = os.environ.get(ENV, "").strip()
     if env and env != "0":
         return [Path(env)]
-    majors = [12, 13]
+    majors = [13, 12]  # newest first for a torch without CUDA (what the doctor reports)
     if torch.version.cuda:
         own = int(torch.version.cuda.split(".")[0])
         majors = [own] + [m for m in majors if m != own]

@@ -2,6 +2,8 @@
 
     python -m qmuon.ops.build_gpu                       # nvcc from CUDA_HOME or PATH, the default archs
     python -m qmuon.ops.build_gpu --nvcc /usr/local/cuda-12.9/bin/nvcc --cache /tmp/qmuon-nvcc
+    NVCC=$(.ci/cuda12_toolkit.sh)                        # the CUDA 12 library from Debian's nvcc 12.4
+    python -m qmuon.ops.build_gpu --nvcc $NVCC --ptxas $(dirname $NVCC)/../ptxas-12.9/ptxas
     python -m qmuon.ops.build_gpu --list qmuon/_lib/libqmuon_cuda13.so   # its SASS / PTX and symbols
 
 The ``.cu`` kernels include no torch header and export a C ABI (``csrc/qmuon/kernels.h``), so they
@@ -14,7 +16,11 @@ One library serves every torch version built for the same CUDA major.
 Architectures (``--archs``, ``--ptx``): SASS for sm_80, sm_90, sm_100 and sm_120 (a cubin runs on
 every GPU of its major with an equal or higher minor: sm_86/89, sm_103, GB10's sm_121) plus PTX for
 compute_120, which the driver compiles for a newer GPU. sm_100 and sm_120 need nvcc 12.8 or newer;
-an nvcc that lacks an asked-for architecture is an error, not a silent omission.
+an nvcc that lacks an asked-for architecture is an error, not a silent omission. An older nvcc (the
+CUDA 12 library is built with Debian's 12.4, ``.ci/cuda12_toolkit.sh``) gets them from a newer
+``ptxas`` (``--ptxas``, ``--ptxas-archs``): that ptxas compiles the newest PTX nvcc generates into
+SASS for those architectures, and the cubins join nvcc's own fatbinary step (nvcc's ``-dryrun``
+command list, run with that one step extended).
 
 Each ``.cu`` file is compiled once per (sources, flags, architectures, nvcc) into ``--cache``
 (default ``$QMUON_NVCC_CACHE``, else ``~/.cache/qmuon/nvcc``), so CI's compile check and the wheel build share the objects
@@ -33,6 +39,7 @@ import hashlib
 import json
 import os
 import re
+import shlex
 import shutil
 import struct
 import subprocess
@@ -138,10 +145,69 @@ def _run(cmd: list[str], what: str) -> None:
         raise RuntimeError(f"{what} failed (exit {p.returncode}):\n$ {' '.join(cmd)}\n{p.stdout}{p.stderr}")
 
 
-def build(nvcc: str | None = None, archs: tuple[int, ...] = DEFAULT_ARCHS, ptx: tuple[int, ...] = DEFAULT_PTX,
+def ptxas_version(ptxas: str) -> str:
+    out = subprocess.run([ptxas, "--version"], capture_output=True, text=True, check=True, timeout=60).stdout
+    m = re.search(r"release (\d+\.\d+)", out)
+    if not m:
+        raise RuntimeError(f"cannot read the CUDA release from `{ptxas} --version`:\n{out}")
+    return m.group(1)
+
+
+def _with_extra_sass(commands: list[str], ptxas: str, archs: tuple[int, ...], workdir: str) -> list[str]:
+    """nvcc's command list (``-dryrun``) with SASS for ``archs`` compiled by ``ptxas`` from the newest PTX
+    the list generates, each cubin added to its fatbinary step as one more ELF image."""
+    fat = [i for i, c in enumerate(commands) if c.startswith("fatbinary ")]
+    if len(fat) != 1:
+        raise RuntimeError(f"expected one fatbinary step in nvcc's command list, found {len(fat)}")
+    ptx = re.findall(r'--image3=kind=ptx,sm=(\d+),file=([^"\s]+)', commands[fat[0]])
+    if not ptx:
+        raise RuntimeError("--ptxas-archs needs PTX in the library (--ptx): the newer ptxas compiles that PTX")
+    _sm, ptx_file = max(ptx, key=lambda m: int(m[0]))
+    steps, images = [], []
+    for a in archs:
+        cubin = os.path.join(workdir, f"extra_sm_{a}.cubin")
+        # nvcc's own ptxas flags for these sources (-m64 --fmad false), with the other compiler and target.
+        steps.append(f"{shlex.quote(ptxas)} -arch=sm_{a} -m64 --fmad false {shlex.quote(ptx_file)} -o {shlex.quote(cubin)}")
+        images.append(f'"--image3=kind=elf,sm={a},file={cubin}"')
+    out = list(commands)
+    out[fat[0]] = commands[fat[0]] + " " + " ".join(images)
+    return out[:fat[0]] + steps + out[fat[0]:]
+
+
+def _compile_with_extra_sass(nvcc: str, args: list[str], ptxas: str, archs: tuple[int, ...]) -> None:
+    """``nvcc args``, run step by step from its ``-dryrun`` list with :func:`_with_extra_sass` applied."""
+    with tempfile.TemporaryDirectory(prefix="qmuon-nvcc-") as workdir:
+        env = {**os.environ, "TMPDIR": workdir}  # nvcc's intermediate files: private to this compile
+        p = subprocess.run([nvcc, "-dryrun", *args], capture_output=True, text=True, env=env)
+        if p.returncode != 0:
+            raise RuntimeError(f"nvcc -dryrun failed (exit {p.returncode}):\n{p.stdout}{p.stderr}")
+        commands = []
+        for line in p.stderr.splitlines():
+            if not line.startswith("#$ "):
+                continue
+            m = re.match(r"([A-Za-z_][A-Za-z0-9_]*)=(.*)$", line[3:])
+            if m:  # nvcc's environment for its steps (PATH to cicc, ...), not shell syntax
+                env[m.group(1)] = m.group(2).strip()
+            else:
+                commands.append(line[3:])
+        # nvcc ignores a failed clean-up of an intermediate file that a step did not write; so does this.
+        commands = [("rm -f " + c[3:]) if c.startswith("rm ") else c for c in commands]
+        script = "\n".join(["set -e", *_with_extra_sass(commands, ptxas, archs, workdir)])
+        p = subprocess.run(["bash", "-c", script], capture_output=True, text=True, env=env)
+        if p.returncode != 0:
+            raise RuntimeError(f"nvcc {args[-3]} with SASS from {ptxas} failed (exit {p.returncode}):\n"
+                               f"{script}\n{p.stdout}{p.stderr}")
+
+
+def build(nvcc: str | None = None, archs: tuple[int, ...] | None = None, ptx: tuple[int, ...] | None = None,
           out_dir: Path | None = None, cache: Path | None = None, csrc: Path | None = None, jobs: int = 0,
-          log=print) -> Path:
-    """Compile (or take from ``cache``) every ``csrc/cuda/*.cu`` and link the library; return its path."""
+          ptxas: str | None = None, ptxas_archs: tuple[int, ...] = (), log=print) -> Path:
+    """Compile (or take from ``cache``) every ``csrc/cuda/*.cu`` and link the library; return its path.
+
+    ``archs`` / ``ptx`` default to the shipped targets (:data:`DEFAULT_ARCHS`, :data:`DEFAULT_PTX`); with an
+    nvcc that lacks some of them (CUDA < 12.8), to the SASS it has, PTX for its newest architecture, and
+    the rest of :data:`DEFAULT_ARCHS` as ``ptxas_archs`` (which then need ``ptxas``). ``ptxas_archs``:
+    more SASS, compiled by ``ptxas`` from the newest PTX."""
     nvcc = find_nvcc(nvcc)
     if nvcc is None:
         raise RuntimeError("nvcc not found: pass --nvcc, set CUDA_HOME, or put nvcc on PATH")
@@ -151,16 +217,38 @@ def build(nvcc: str | None = None, archs: tuple[int, ...] = DEFAULT_ARCHS, ptx: 
     version = nvcc_version(nvcc)
     major = int(version.split(".")[0])
     have = supported_codes(nvcc)
+    if archs is None and ptx is None and not ptxas_archs:
+        archs = tuple(a for a in DEFAULT_ARCHS if f"sm_{a}" in have)
+        native_ptx = [a for a in DEFAULT_PTX if f"compute_{a}" in have]
+        ptx = tuple(native_ptx) or (max(archs),)
+        ptxas_archs = tuple(a for a in DEFAULT_ARCHS if a not in archs)
+        if ptxas_archs and not ptxas:
+            raise RuntimeError(
+                f"nvcc {version} ({nvcc}) cannot generate {', '.join(f'sm_{a}' for a in ptxas_archs)}: pass a ptxas "
+                "that can (--ptxas; .ci/cuda12_toolkit.sh puts ptxas 12.9 next to its nvcc 12.4), an nvcc 12.8 or "
+                "newer, or --archs / --ptx this nvcc supports")
+    archs = DEFAULT_ARCHS if archs is None else archs
+    ptx = DEFAULT_PTX if ptx is None else ptx
     missing = [f"sm_{a}" for a in archs if f"sm_{a}" not in have] + \
               [f"compute_{a}" for a in ptx if f"compute_{a}" not in have]
     if missing:
         raise RuntimeError(f"nvcc {version} ({nvcc}) cannot generate {', '.join(missing)} "
-                           "(sm_100 and sm_120 need CUDA 12.8 or newer); pass --archs / --ptx it supports")
+                           "(sm_100 and sm_120 need CUDA 12.8 or newer); pass --archs / --ptx it supports, "
+                           "or --ptxas-archs with a newer --ptxas")
+    extra = tuple(a for a in ptxas_archs if a not in archs)
+    ptxas_release = None
+    if extra:
+        if not ptxas:
+            raise RuntimeError("--ptxas-archs needs --ptxas (the ptxas that compiles the PTX for them)")
+        ptxas_release = ptxas_version(ptxas)
     sources = cu_sources(csrc)
     if not sources:
         raise RuntimeError(f"no .cu files under {csrc / 'cuda'}")
-    info = json.dumps({"sources": source_hash(csrc), "cuda": version, "sass": [f"sm_{a}" for a in archs],
-                       "ptx": [f"compute_{a}" for a in ptx]}, separators=(",", ":"))
+    record = {"sources": source_hash(csrc), "cuda": version, "sass": [f"sm_{a}" for a in sorted(archs + extra)],
+              "ptx": [f"compute_{a}" for a in ptx]}
+    if extra:
+        record["ptxas"] = {"release": ptxas_release, "sass": [f"sm_{a}" for a in extra]}
+    info = json.dumps(record, separators=(",", ":"))
     gencode = gencode_flags(archs, ptx)
     headers = b"".join(p.read_bytes() for p in sorted((csrc / "qmuon").glob("*.h")))
     cache.mkdir(parents=True, exist_ok=True)
@@ -174,8 +262,8 @@ def build(nvcc: str | None = None, archs: tuple[int, ...] = DEFAULT_ARCHS, ptx: 
     def obj_for(src: Path) -> tuple[Path, list[str]]:
         defs = ["-DQMUON_HAVE_BUILD_INFO", "-I", str(info_dir)] if src.name == "lib_info.cu" else []
         flags = [*NVCC_FLAGS, *gencode, *defs, "-I", str(csrc)]
-        key = hashlib.sha256(repr((version, flags[:-1], src.name, info if defs else "")).encode() + src.read_bytes()
-                             + headers)
+        key = hashlib.sha256(repr((version, flags[:-1], src.name, info if defs else "", extra, ptxas_release)).encode()
+                             + src.read_bytes() + headers)
         return cache / f"{src.stem}-{key.hexdigest()[:16]}.o", flags
 
     def compile_one(src: Path) -> tuple[str, float, bool]:
@@ -184,12 +272,16 @@ def build(nvcc: str | None = None, archs: tuple[int, ...] = DEFAULT_ARCHS, ptx: 
             return src.name, 0.0, True
         t0 = time.perf_counter()
         tmp = obj.with_suffix(f".{os.getpid()}.tmp.o")
-        _run([nvcc, "-c", *flags, str(src), "-o", str(tmp)], f"nvcc {src.name}")
+        if extra:
+            _compile_with_extra_sass(nvcc, ["-c", *flags, str(src), "-o", str(tmp)], str(ptxas), extra)
+        else:
+            _run([nvcc, "-c", *flags, str(src), "-o", str(tmp)], f"nvcc {src.name}")
         os.replace(tmp, obj)  # atomic: a concurrent build never links a half-written object
         return src.name, time.perf_counter() - t0, False
 
-    log(f"qmuon: building {library_name(major)} with nvcc {version}: SASS {' '.join(f'sm_{a}' for a in archs)}, "
-        f"PTX {' '.join(f'compute_{a}' for a in ptx) or 'none'} ({len(sources)} files; cache {cache})")
+    by_ptxas = f" + {' '.join(f'sm_{a}' for a in extra)} by ptxas {ptxas_release}" if extra else ""
+    log(f"qmuon: building {library_name(major)} with nvcc {version}: SASS {' '.join(f'sm_{a}' for a in archs)}"
+        f"{by_ptxas}, PTX {' '.join(f'compute_{a}' for a in ptx) or 'none'} ({len(sources)} files; cache {cache})")
     t0 = time.perf_counter()
     workers = jobs or max(1, min(len(sources), os.cpu_count() or 1))
     with concurrent.futures.ThreadPoolExecutor(workers) as pool:
@@ -286,8 +378,11 @@ def describe(path: str | os.PathLike[str]) -> dict[str, object]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m qmuon.ops.build_gpu", description=__doc__.split("\n\n")[0])
     parser.add_argument("--nvcc", default=None, help="the nvcc to build with (default: $CUDA_HOME/bin/nvcc, PATH)")
-    parser.add_argument("--archs", default=",".join(map(str, DEFAULT_ARCHS)), help="SASS targets, e.g. 80,90,100,120")
-    parser.add_argument("--ptx", default=",".join(map(str, DEFAULT_PTX)), help="PTX targets (empty: none)")
+    parser.add_argument("--archs", default=None, help="SASS targets (default: 80,90,100,120, what nvcc can)")
+    parser.add_argument("--ptx", default=None, help="PTX targets (default: 120, else nvcc's newest SASS target)")
+    parser.add_argument("--ptxas", default=None, help="a newer ptxas for --ptxas-archs")
+    parser.add_argument("--ptxas-archs", default="", help="SASS targets compiled by --ptxas from the newest PTX "
+                        "(for an nvcc that lacks them), e.g. 100,120")
     parser.add_argument("--out", default=None, help="output directory (default: the package's qmuon/_lib)")
     parser.add_argument("--cache", default=None, help="object cache (default: $QMUON_NVCC_CACHE or ~/.cache/qmuon/nvcc)")
     parser.add_argument("--jobs", type=int, default=0, help="parallel nvcc processes (default: one per core)")
@@ -298,8 +393,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     ints = lambda s: tuple(int(x) for x in s.replace(";", ",").split(",") if x.strip())  # noqa: E731
     try:
-        build(args.nvcc, ints(args.archs), ints(args.ptx), Path(args.out) if args.out else None,
-              Path(args.cache) if args.cache else None, jobs=args.jobs)
+        build(args.nvcc, None if args.archs is None else ints(args.archs), None if args.ptx is None else ints(args.ptx),
+              Path(args.out) if args.out else None,
+              Path(args.cache) if args.cache else None, jobs=args.jobs, ptxas=args.ptxas,
+              ptxas_archs=ints(args.ptxas_archs))
     except (RuntimeError, OSError, subprocess.SubprocessError) as err:
         print(f"qmuon: GPU library build failed: {err}", file=sys.stderr)
         return 1
