@@ -207,3 +207,28 @@ def test_extra_sass_steps_join_nvccs_own_fatbinary_step(tmp_path):
                                    str(tmp_path))
     with pytest.raises(RuntimeError, match="one fatbinary step"):
         build_gpu._with_extra_sass(commands[:3], "ptxas", (100,), str(tmp_path))
+
+
+@pytest.mark.skipif(shutil.which("gcc") is None, reason="no gcc")
+def test_abi_probe_reads_what_the_loader_reads(lib_path, tmp_path):
+    """.ci/abi_probe.c (which runs the aarch64 library under qemu in CI) reports the same layout, build
+    record and probe result as the Python loader does for this machine's library."""
+    exe = tmp_path / "abi_probe"
+    subprocess.run(["gcc", "-O1", "-o", str(exe), str(REPO / ".ci" / "abi_probe.c"), "-ldl"], check=True)
+    got = json.loads(subprocess.run([str(exe), str(lib_path)], capture_output=True, text=True, check=True).stdout)
+    assert got["layout"] == _cabi.layout()
+    assert got["build_info"] == _info(lib_path)
+    if not torch.cuda.is_available():
+        assert got["probe"] in (35, 100) and got["devices"] == 0
+
+
+def test_cross_host_is_checked_before_compiling(tmp_path):
+    nvcc = build_gpu.find_nvcc()
+    if nvcc is None:
+        pytest.skip("nvcc not on PATH")
+    with pytest.raises(RuntimeError, match="aarch64 only"):
+        build_gpu.build(nvcc, host="riscv64", out_dir=tmp_path, log=lambda *a: None)
+    if shutil.which("aarch64-linux-gnu-g++"):
+        # PATH's nvcc toolkit has no aarch64 runtime: the error names the script that assembles one.
+        with pytest.raises(RuntimeError, match="cuda13_aarch64.sh"):
+            build_gpu.build(nvcc, host="aarch64", out_dir=tmp_path, log=lambda *a: None)

@@ -38,6 +38,7 @@ import concurrent.futures
 import hashlib
 import json
 import os
+import platform
 import re
 import shlex
 import shutil
@@ -51,6 +52,8 @@ from pathlib import Path
 __all__ = ["build", "source_hash", "fatbin_entries", "exported_symbols", "DEFAULT_ARCHS", "DEFAULT_PTX"]
 
 DEFAULT_ARCHS = (80, 90, 100, 120)
+#: ``--host`` values that cross-compile the host side: (the g++ to use, the CUDA toolkit's target directory).
+CROSS_HOSTS = {"aarch64": ("aarch64-linux-gnu-g++", "sbsa-linux")}
 DEFAULT_PTX = (120,)
 #: The C ABI a library must export (csrc/qmuon/kernels.h, adamw_kernels.h, weight_kernels.h, lib_info.cu).
 EXPORTS = (
@@ -119,6 +122,16 @@ def nvcc_version(nvcc: str) -> str:
     if not m:
         raise RuntimeError(f"cannot read the CUDA release from `{nvcc} --version`:\n{out}")
     return m.group(1)
+
+
+def nvcc_root(nvcc: str) -> Path:
+    """The toolkit directory nvcc works from (``$(_HERE_)/..`` of its dry run: nvcc may be a wrapper script)."""
+    with tempfile.TemporaryDirectory() as d:
+        (Path(d) / "e.cu").write_text("")
+        out = subprocess.run([nvcc, "-dryrun", "-c", "e.cu", "-o", "e.o"], capture_output=True, text=True, cwd=d,
+                             timeout=60).stderr
+    here = next((line[len("#$ _HERE_="):] for line in out.splitlines() if line.startswith("#$ _HERE_=")), None)
+    return Path(here).parent if here else Path(nvcc).resolve().parent.parent
 
 
 def supported_codes(nvcc: str) -> set[str]:
@@ -201,13 +214,15 @@ def _compile_with_extra_sass(nvcc: str, args: list[str], ptxas: str, archs: tupl
 
 def build(nvcc: str | None = None, archs: tuple[int, ...] | None = None, ptx: tuple[int, ...] | None = None,
           out_dir: Path | None = None, cache: Path | None = None, csrc: Path | None = None, jobs: int = 0,
-          ptxas: str | None = None, ptxas_archs: tuple[int, ...] = (), log=print) -> Path:
+          ptxas: str | None = None, ptxas_archs: tuple[int, ...] = (), host: str | None = None, log=print) -> Path:
     """Compile (or take from ``cache``) every ``csrc/cuda/*.cu`` and link the library; return its path.
 
     ``archs`` / ``ptx`` default to the shipped targets (:data:`DEFAULT_ARCHS`, :data:`DEFAULT_PTX`); with an
     nvcc that lacks some of them (CUDA < 12.8), to the SASS it has, PTX for its newest architecture, and
     the rest of :data:`DEFAULT_ARCHS` as ``ptxas_archs`` (which then need ``ptxas``). ``ptxas_archs``:
-    more SASS, compiled by ``ptxas`` from the newest PTX."""
+    more SASS, compiled by ``ptxas`` from the newest PTX. ``host``: cross-compile the host side for another
+    CPU (:data:`CROSS_HOSTS`: ``"aarch64"``, for GB10 / Grace); the nvcc's toolkit needs that target's
+    runtime (``targets/sbsa-linux``, which ``.ci/cuda13_aarch64.sh`` adds to a copy of the toolkit)."""
     nvcc = find_nvcc(nvcc)
     if nvcc is None:
         raise RuntimeError("nvcc not found: pass --nvcc, set CUDA_HOME, or put nvcc on PATH")
@@ -241,10 +256,21 @@ def build(nvcc: str | None = None, archs: tuple[int, ...] | None = None, ptx: tu
         if not ptxas:
             raise RuntimeError("--ptxas-archs needs --ptxas (the ptxas that compiles the PTX for them)")
         ptxas_release = ptxas_version(ptxas)
+    cross: list[str] = []
+    if host and host != platform.machine():
+        if host not in CROSS_HOSTS:
+            raise RuntimeError(f"--host {host}: cross-compiling is set up for {', '.join(CROSS_HOSTS)} only")
+        cxx, target_dir = CROSS_HOSTS[host]
+        if shutil.which(cxx) is None:
+            raise RuntimeError(f"--host {host} needs the cross compiler {cxx} (Debian: apt-get install g++-{host}-linux-gnu)")
+        if not (nvcc_root(nvcc) / "targets" / target_dir / "lib").is_dir():
+            raise RuntimeError(f"--host {host}: {nvcc}'s toolkit has no targets/{target_dir}/lib (the {host} CUDA "
+                               "runtime); .ci/cuda13_aarch64.sh assembles one")
+        cross = ["-ccbin", cxx, "--target-directory", target_dir]
     sources = cu_sources(csrc)
     if not sources:
         raise RuntimeError(f"no .cu files under {csrc / 'cuda'}")
-    record = {"sources": source_hash(csrc), "cuda": version, "sass": [f"sm_{a}" for a in sorted(archs + extra)],
+    record = {"sources": source_hash(csrc), "cuda": version, "host": host or platform.machine(), "sass": [f"sm_{a}" for a in sorted(archs + extra)],
               "ptx": [f"compute_{a}" for a in ptx]}
     if extra:
         record["ptxas"] = {"release": ptxas_release, "sass": [f"sm_{a}" for a in extra]}
@@ -261,7 +287,7 @@ def build(nvcc: str | None = None, archs: tuple[int, ...] | None = None, ptx: tu
 
     def obj_for(src: Path) -> tuple[Path, list[str]]:
         defs = ["-DQMUON_HAVE_BUILD_INFO", "-I", str(info_dir)] if src.name == "lib_info.cu" else []
-        flags = [*NVCC_FLAGS, *gencode, *defs, "-I", str(csrc)]
+        flags = [*NVCC_FLAGS, *cross, *gencode, *defs, "-I", str(csrc)]
         key = hashlib.sha256(repr((version, flags[:-1], src.name, info if defs else "", extra, ptxas_release)).encode()
                              + src.read_bytes() + headers)
         return cache / f"{src.stem}-{key.hexdigest()[:16]}.o", flags
@@ -280,7 +306,7 @@ def build(nvcc: str | None = None, archs: tuple[int, ...] | None = None, ptx: tu
         return src.name, time.perf_counter() - t0, False
 
     by_ptxas = f" + {' '.join(f'sm_{a}' for a in extra)} by ptxas {ptxas_release}" if extra else ""
-    log(f"qmuon: building {library_name(major)} with nvcc {version}: SASS {' '.join(f'sm_{a}' for a in archs)}"
+    log(f"qmuon: building {library_name(major)} ({record['host']}) with nvcc {version}: SASS {' '.join(f'sm_{a}' for a in archs)}"
         f"{by_ptxas}, PTX {' '.join(f'compute_{a}' for a in ptx) or 'none'} ({len(sources)} files; cache {cache})")
     t0 = time.perf_counter()
     workers = jobs or max(1, min(len(sources), os.cpu_count() or 1))
@@ -294,7 +320,7 @@ def build(nvcc: str | None = None, archs: tuple[int, ...] | None = None, ptx: tu
         # Only the C ABI is exported: the static CUDA runtime's symbols stay private to the library.
         script.write_text("{\n  global:\n    qmuon_cuda_*;\n  local:\n    *;\n};\n")
         tmp_out = out.with_suffix(f".{os.getpid()}.tmp")
-        _run([nvcc, "-shared", "-cudart", "static", *gencode, "-o", str(tmp_out),
+        _run([nvcc, "-shared", "-cudart", "static", *cross, *gencode, "-o", str(tmp_out),
               *[str(obj_for(s)[0]) for s in sources], "-Xlinker", f"--version-script={script}",
               "-Xlinker", "--strip-all"], "linking")  # no static symbol table: 0.35 MB less, exports kept
         os.replace(tmp_out, out)
@@ -383,6 +409,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ptxas", default=None, help="a newer ptxas for --ptxas-archs")
     parser.add_argument("--ptxas-archs", default="", help="SASS targets compiled by --ptxas from the newest PTX "
                         "(for an nvcc that lacks them), e.g. 100,120")
+    parser.add_argument("--host", default=None, choices=sorted(CROSS_HOSTS),
+                        help="cross-compile the host side for this CPU (default: this machine's)")
     parser.add_argument("--out", default=None, help="output directory (default: the package's qmuon/_lib)")
     parser.add_argument("--cache", default=None, help="object cache (default: $QMUON_NVCC_CACHE or ~/.cache/qmuon/nvcc)")
     parser.add_argument("--jobs", type=int, default=0, help="parallel nvcc processes (default: one per core)")
@@ -396,7 +424,7 @@ def main(argv: list[str] | None = None) -> int:
         build(args.nvcc, None if args.archs is None else ints(args.archs), None if args.ptx is None else ints(args.ptx),
               Path(args.out) if args.out else None,
               Path(args.cache) if args.cache else None, jobs=args.jobs, ptxas=args.ptxas,
-              ptxas_archs=ints(args.ptxas_archs))
+              ptxas_archs=ints(args.ptxas_archs), host=args.host)
     except (RuntimeError, OSError, subprocess.SubprocessError) as err:
         print(f"qmuon: GPU library build failed: {err}", file=sys.stderr)
         return 1
