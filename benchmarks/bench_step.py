@@ -93,6 +93,8 @@ NS_DTYPE_ENV = getattr(ns_mod, "NS_DTYPE_ENV", "QMUON_NS_DTYPE")
 #: elements) and a 4x bigger set.
 PRESETS = {"default": ((256, 4), (512, 4)), "small": ((512, 4),), "gpt-small": ((768, 12),)}
 BASELINE = "torch.Muon"
+#: --device: where the matrices, grads and optimizer states live (each timed step is synchronized on CUDA).
+DEVICE = torch.device("cpu")
 FLOOR = "ns-floor"  # bare batched Newton-Schulz of the same matrices (NSFloor), standard iteration
 FLOOR_AUTO = "ns-floor-auto"  # the same with the iteration ns_method="auto" picks per shape (gram where it pays)
 T_FLOOR = 1.05  # issue 23: the default step <= 1.05x the bare batched-NS floor
@@ -217,7 +219,7 @@ def _dtype_name(dt: torch.dtype) -> str:
 class Runner:
     def __init__(self, name: str, specs, seed: int, phased: bool = False) -> None:
         self.name = name
-        self.params = make_params(specs, seed)
+        self.params = [torch.nn.Parameter(p.detach().to(DEVICE)) for p in make_params(specs, seed)]
         for p in self.params:
             p.grad = torch.zeros_like(p)
         qcls = PhasedQMuon if phased else QMuon
@@ -251,7 +253,7 @@ class Runner:
         coeffs = f"{coeffs} ({g.get('ns_method', 'standard')})"
         if ns_mod is None:
             return str(req), coeffs
-        res = _dtype_name(ns_mod.resolve_ns_dtype(req, "cpu"))
+        res = _dtype_name(ns_mod.resolve_ns_dtype(req, DEVICE.type))
         if req != "auto":
             return res, coeffs
         pinned = f", pinned by {NS_DTYPE_ENV}" if os.environ.get(NS_DTYPE_ENV, "").strip() else ""
@@ -264,8 +266,10 @@ class Runner:
     def timed_step(self) -> tuple[float, int]:
         """Wall seconds and minor page faults (whole process) of one ``step()``."""
         f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        _sync()
         t0 = time.perf_counter()
         self.opt.step()
+        _sync()  # a CUDA step is timed to its last kernel, not to its last launch
         dt = time.perf_counter() - t0
         return dt, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
 
@@ -283,12 +287,12 @@ class NSFloor:
 
         self.params = params
         self._ns, self._sch = newton_schulz_folded, resolve_schedule("muon", 5)
-        self._dtype = resolve_ns_dtype("auto", "cpu")
+        self._dtype = resolve_ns_dtype("auto", DEVICE.type)
         self._method = method
         self.param_groups = [{"params": params, "ns_dtype": "auto", "ns_coefficients": "muon", "ns_method": method}]
         # decided before timing, per shape: the floor's step runs NS only
         self._iterations = {tuple(p.shape): newton_schulz_gram if pick_ns_method(
-            method, p.shape[0], p[0].numel(), "cpu", self._dtype, self._sch) == "gram" else newton_schulz_folded
+            method, p.shape[0], p[0].numel(), DEVICE.type, self._dtype, self._sch) == "gram" else newton_schulz_folded
             for p in params}
 
     def step(self) -> None:
@@ -303,7 +307,12 @@ class NSFloor:
 
 def make_pool(specs, n: int, seed: int) -> list[list[torch.Tensor]]:
     g = torch.Generator().manual_seed(seed + 1000)
-    return [[torch.randn(s.shape, generator=g) for s in specs] for _ in range(n)]
+    return [[torch.randn(s.shape, generator=g).to(DEVICE) for s in specs] for _ in range(n)]
+
+
+def _sync() -> None:
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize(DEVICE)
 
 
 def rotated(names: list[str], k: int) -> list[str]:
@@ -488,6 +497,12 @@ def cpu_info() -> CpuInfo:
 
 
 def cpu_lines(c: CpuInfo) -> list[str]:
+    if DEVICE.type == "cuda":
+        i = DEVICE.index if DEVICE.index is not None else torch.cuda.current_device()
+        cap = torch.cuda.get_device_capability(i)
+        return [f"- device: **{torch.cuda.get_device_name(i)}** (sm_{cap[0]}{cap[1]}), torch CUDA {torch.version.cuda}; "
+                f"`ns_dtype=\"auto\"` -> **{_dtype_name(ns_mod.resolve_ns_dtype('auto', 'cuda'))}**; every timed step "
+                f"ends in torch.cuda.synchronize(); host CPU: {c.model}"]
     env = ", ".join(f"`{k}={v}`" for k, v in c.env.items()) or "none of `ATEN_CPU_CAPABILITY`, `ONEDNN_MAX_CPU_ISA`, " \
         f"`{NS_DTYPE_ENV}` set"
     lines = [
@@ -530,7 +545,10 @@ def targets(times: dict[str, list[float]], c: CpuInfo) -> list[dict]:
         faster = BF16 if med[BF16] <= med[FP32] else FP32
         row(f"default within {T_VS_EXPLICIT:.2f}x of the faster explicit ns_dtype "
             f"(`{'bf16' if faster == BF16 else 'fp32'}`, lower median)", DEFAULT, faster, T_VS_EXPLICIT)
-    if DEFAULT in times and BASELINE in times:
+    if DEFAULT in times and BASELINE in times and DEVICE.type != "cpu":
+        row(f"no native bf16 matmul: default <= {T_NO_BF16:.1f}x torch.optim.Muon", DEFAULT, BASELINE, T_NO_BF16,
+            applicable=False, note=f"a CPU target; this run is on {DEVICE}")
+    elif DEFAULT in times and BASELINE in times:
         if c.emulated:
             row(f"no native bf16 matmul: default <= {T_NO_BF16:.1f}x torch.optim.Muon", DEFAULT, BASELINE, T_NO_BF16)
         else:
@@ -704,11 +722,17 @@ def main() -> int:
                     help=f"comma list; names: torch.Muon, torch.AdamW, qmuon-<fmt>[-noparts][-ns<dtype>][-<preset>] "
                          f"(e.g. {', '.join(EXAMPLES)})")
     ap.add_argument("--threads", type=int, default=default_threads())
+    ap.add_argument("--device", default="cpu", help="cpu or cuda[:N]: where the matrices and states live (on CUDA "
+                    "each timed step ends in a synchronize; the CPU-only targets are reported as n/a)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, help="markdown output (default benchmarks/results/step_time[_TAG].md); "
                                              "a .json with the raw per-round times is written beside it")
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
+    global DEVICE
+    DEVICE = torch.device(args.device)
+    if DEVICE.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(f"--device {args.device}: this torch sees no CUDA device")
     torch.set_num_threads(args.threads)
     configs, tag = parse_configs(args)
     names = [n.strip() for n in args.optimizers.split(",") if n.strip()]

@@ -11,7 +11,10 @@
 #      GPU (benchmarks/bench_call_overhead.py --device cuda); with GPU_CHECK_JIT=1 and nvcc present, the
 #      same benchmark again on the JIT-built CUDA kernels (QMUON_GPU_LIB=0), for the side-by-side figure;
 #   5. 50 steps of the smoke recipe (recipes/cpu/smoke.yaml) on the GPU through qmuon-train;
-#   6. the fused-update bandwidth table (benchmarks/bench_update.py --device cuda).
+#   6. the fused-update bandwidth table (benchmarks/bench_update.py --device cuda);
+#   7. optimizer.step() time against torch.optim.Muon at GPT-small shapes (d=768 x 12 layers;
+#      benchmarks/bench_step.py --device cuda): QMuon int8 with its defaults and with bf16 / fp32 NS.
+# The summary table goes to $OUT/summary.md and benchmarks/results/gpu_check.md.
 # The CUDA kernels come from the prebuilt library when it is there (no nvcc needed); QMUON_BACKEND=extension
 # makes a missing one an error, not a silent fallback to the reference. The CPU kernels are JIT-built (g++).
 # Logs and tables go to $OUT (the device tool's output folder) or /tmp/qmuon_gpu_check.
@@ -87,6 +90,10 @@ step "smoke recipe, 50 steps on the GPU" 90 "$OUT_DIR/smoke.log" "$PY" -m qmuon_
     --trainer.val_check_interval=25 --ckpt_path=null --trainer.default_root_dir="$OUT_DIR/smoke"
 step "bench_update.py --device cuda" 60 "$OUT_DIR/bench.log" "$PY" benchmarks/bench_update.py --device cuda \
     --numel $((1 << 27)) --reps 15 --warmup 3 --out "$OUT_DIR/update_bandwidth_cuda.md"
+step "step time vs torch.optim.Muon (GPT-small)" 150 "$OUT_DIR/step_time.log" "$PY" benchmarks/bench_step.py \
+    --device cuda --preset gpt-small --steps 10 --warmup 2 --profile-steps 0 \
+    --optimizers torch.Muon,qmuon-int8-noparts,qmuon-int8-noparts-nsbf16,qmuon-int8-noparts-nsfp32,qmuon-int8 \
+    --out "$OUT_DIR/step_time_cuda.md"
 
 {
     echo
@@ -98,10 +105,11 @@ step "bench_update.py --device cuda" 60 "$OUT_DIR/bench.log" "$PY" benchmarks/be
     echo
     sed -n '/^| check/,/^$/p' "$OUT_DIR/doctor.log"
     grep -E '[0-9]+ (passed|failed)' "$OUT_DIR/pytest_cuda.log" | tail -n 1
-    for f in call_overhead_cuda.md call_overhead_cuda_jit.md update_bandwidth_cuda.md; do
+    for f in call_overhead_cuda.md call_overhead_cuda_jit.md update_bandwidth_cuda.md step_time_cuda.md; do
         [ -f "$OUT_DIR/$f" ] && cat "$OUT_DIR/$f"
     done
 } | tee "$OUT_DIR/summary.md"
+cp "$OUT_DIR/summary.md" "$REPO/benchmarks/results/gpu_check.md" 2>/dev/null || true
 
 status=0
 for rc in "${RCS[@]}"; do [ "$rc" -eq 0 ] || status=1; done
