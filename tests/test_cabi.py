@@ -115,6 +115,46 @@ def test_bad_arguments_raise_before_any_kernel(cpu_ops):
         cpu_ops.unpack_int4(torch.zeros(2, 4, dtype=torch.uint8), 9)
 
 
+def _dense_args(rows=4, cols=64, bs=32, buf_dtype=torch.float32, sums_cols=2, grad_shape=None):
+    return ([torch.zeros(rows, cols, dtype=buf_dtype)], [torch.zeros(grad_shape or (rows, cols))],
+            [torch.zeros(rows, sums_cols)], 0.9, True, bs, [-1], [0])
+
+
+def _q4_args(kind, rows=4, cols=64, bs=32, scales=None, tensor_scale=None, sums_cols=2, packed_cols=32):
+    packed = [torch.zeros(rows, packed_cols, dtype=torch.uint8)]
+    if kind == "int4":
+        sc = [scales if scales is not None else torch.ones(rows, 2)]
+        return (packed, sc, [torch.zeros(rows, cols)], [torch.zeros(rows, sums_cols)], 0.9, True, bs, [-1], [0])
+    sc = [scales if scales is not None else torch.zeros(rows, 4, dtype=torch.uint8)]
+    ts = [tensor_scale if tensor_scale is not None else torch.ones(1)]
+    return (packed, sc, ts, [torch.zeros(rows, cols)], [torch.zeros(rows, sums_cols)], 0.9, True, bs, [-1], [0])
+
+
+@pytest.mark.parametrize("op, args, message", [
+    ("dense_momentum_update_multi_", _dense_args(buf_dtype=torch.float16), "buffers must be float32 or bfloat16"),
+    ("dense_momentum_update_multi_", _dense_args(grad_shape=(4, 32)), r"buffer 0 has shape \(4, 64\) but its grad"),
+    ("dense_momentum_update_multi_", _dense_args(sums_cols=3), r"block_sumsq 0 has shape \(4, 3\) but needs \(4, 2\)"),
+    ("int4_momentum_update_multi_", _q4_args("int4", packed_cols=31), r"packed 0 has shape \(4, 31\) but needs \(4, 32\)"),
+    ("int4_momentum_update_multi_", _q4_args("int4", scales=torch.ones(4, 3)), r"absmax 0 has shape \(4, 3\)"),
+    ("int4_momentum_update_multi_", _q4_args("int4", scales=torch.ones(4, 2, dtype=torch.float64)),
+     "absmax 0 must be torch.float32"),
+    ("int4_momentum_update_multi_", _q4_args("int4", sums_cols=1), r"block_sumsq 0 has shape \(4, 1\)"),
+    ("e0m3_momentum_update_multi_", _q4_args("e0m3", scales=torch.zeros(4, 3, dtype=torch.uint8)),
+     r"scales 0 has shape \(4, 3\) but needs \(4, 4\)"),
+    ("e0m3_momentum_update_multi_", _q4_args("e0m3", tensor_scale=torch.ones(2)),
+     "tensor_scales 0 must be a one-element float32 tensor"),
+    ("e0m3_momentum_update_multi_", _q4_args("e0m3", tensor_scale=torch.ones(1, dtype=torch.float64)),
+     "tensor_scales 0 must be a one-element float32 tensor"),
+])
+def test_bad_update_arguments_are_named_and_refused_by_both_callers(cpu_ops, op, args, message):
+    """The twin's one-expression checks of the multi-matrix updates fall back to the itemized ones, which
+    name the tensor and the shape it needs; the C++ binding refuses the same call."""
+    with pytest.raises(RuntimeError, match=message):
+        getattr(cpu_ops, op)(*args)
+    with pytest.raises(RuntimeError):
+        getattr(torch.ops.qmuon_C, op)(*args)
+
+
 def test_kernel_error_codes_become_errors(cpu_ops):
     """An error code from the C side (here the CPU kernel's own dtype check) is a RuntimeError with its text."""
     t = _cabi.Q8Tensor()
@@ -132,3 +172,34 @@ def test_twin_signatures_match_the_ops():
         params = inspect.signature(getattr(_cabi.CAbiOps, name)).parameters
         got = [p for p, v in params.items() if p != "self" and v.default is inspect.Parameter.empty]
         assert len(got) == len(want), (name, got, want)
+
+
+@pytest.mark.parametrize("op", ["dense_momentum_update_multi_", "int4_momentum_update_multi_",
+                                "e0m3_momentum_update_multi_"])
+def test_multi_updates_with_copies_empties_and_mixed_dtypes(cpu_ops, op):
+    """The dense and 4-bit twins on one call that takes every path: a transposed grad (copied and written
+    back), an empty matrix (skipped), a bf16 grad (a second launch). Bit for bit the C++ binding."""
+    gen = torch.Generator().manual_seed(11)
+    bs = 16
+    shapes = [(5, 33), (0, 8), (7, 20)]
+    grads = [(torch.randn(33, 5, generator=gen) * 0.1).T, torch.zeros(0, 8),
+             (torch.randn(7, 20, generator=gen) * 0.1).to(torch.bfloat16)]
+    sums = [torch.empty(r, (c + bs - 1) // bs) for r, c in shapes]
+    states = [torch.randn(r, c, generator=gen) * 0.02 for r, c in shapes]
+    if op == "dense_momentum_update_multi_":
+        args = ([states[0], states[1], states[2].to(torch.bfloat16)], grads, sums, 0.95, True, bs, [3, -1, 4], [0, 0, 5])
+    elif op == "int4_momentum_update_multi_":
+        q = [torch.ops.qmuon.int4_quantize(m, bs, -1, 0) for m in states]
+        args = ([p for p, _ in q], [a for _, a in q], grads, sums, 0.95, True, bs, [3, -1, 4], [0, 0, 5])
+    else:
+        q = [torch.ops.qmuon.e0m3_quantize(m, True, -1, 0) for m in states]
+        args = ([p for p, _, _ in q], [s for _, s, _ in q], [t for _, _, t in q], grads, sums, 0.95, True, bs,
+                [3, -1, 4], [0, 0, 5])
+    a, b = _canary.clone_args(args), _canary.clone_args(args)
+    getattr(cpu_ops, op)(*a)
+    getattr(torch.ops.qmuon_C, op)(*b)
+    for x, y in zip(a, b):
+        if isinstance(x, list):
+            _same(x, y)
+    grads_at = {"dense_momentum_update_multi_": 1, "int4_momentum_update_multi_": 2}.get(op, 3)
+    assert a[grads_at][0].stride() == (1, 5)  # the twin's input was the transposed grad itself

@@ -38,6 +38,8 @@ from ._cabi_structs import (  # noqa: F401 (library_layout: the loader and tests
 
 __all__ = ["CAbiOps", "layout", "OP_NAMES"]
 
+_DENSE_BUF_DTYPES = (torch.float32, torch.bfloat16)
+
 
 # ---------------------------------------------------------------------------------------------
 # helpers: the kernels' layout (csrc/binding_common.h)
@@ -147,6 +149,16 @@ def _work(w: _Writables, t: Tensor, cols: int) -> tuple[Tensor, int]:
         return t, cols
     work = w.add(t)
     return work, _rs(work)
+
+
+def _grouped(keys: list[Any], tensors: list[Any]) -> list[tuple[Any, list[Any]]]:
+    """``tensors`` grouped by ``keys`` (one launch per dtype combination), in first-seen order; nearly
+    always one group, found without building a dict."""
+    if not keys:
+        return []
+    if keys.count(keys[0]) == len(keys):
+        return [(keys[0], tensors)]
+    return [(k, [t for t, kt in zip(tensors, keys) if kt == k]) for k in dict.fromkeys(keys)]
 
 
 def _f32c(t: Tensor) -> Tensor:
@@ -280,10 +292,7 @@ class CAbiOps:
                          cols, c_rs, a_rs, g_rs, row_offsets[i], -1 if streams[i] < 0 else streams[i] & 0xFFFFFFFF)
             tensors.append(t)
             keys.append((c.dtype, g.dtype))
-        # One launch per (code, grad) dtype pair; nearly always a single pair, found without a dict.
-        groups = ([(keys[0], tensors)] if keys.count(keys[0]) == len(keys) else
-                  [(k, [t for t, kt in zip(tensors, keys) if kt == k]) for k in dict.fromkeys(keys)]) if keys else []
-        for (cdt, gdt), ts in groups:
+        for (cdt, gdt), ts in _grouped(keys, tensors):
             cd, gd = _DTYPE[cdt], _DTYPE[gdt]
             arr = C.byref(ts[0]) if len(ts) == 1 else (Q8Tensor * len(ts))(*ts)  # one matrix: no array copy
             params = Q8Params(beta, int(nesterov), cd, gd, block_size)
@@ -348,28 +357,51 @@ class CAbiOps:
                                      row_offsets: list[int]) -> None:
         op = "dense_momentum_update_multi_"
         n = len(bufs)
-        _check_lists(op, n, grads=grads, block_sumsq=block_sumsq, streams=streams, row_offsets=row_offsets)
-        _check_block(block_size, op)
-        w = _Writables()
-        groups: dict[tuple[int, int], list[DenseTensor]] = {}
+        if not (len(grads) == n and len(block_sumsq) == n and len(streams) == n and len(row_offsets) == n
+                and 1 <= block_size <= MAX_BLOCK):
+            _check_lists(op, n, grads=grads, block_sumsq=block_sumsq, streams=streams, row_offsets=row_offsets)
+            _check_block(block_size, op)
+        w: _Writables | None = None
+        tensors: list[DenseTensor] = []
+        keys: list[tuple[torch.dtype, torch.dtype]] = []
+        dev = grads[0].get_device() if n else -1
         for i in range(n):
-            b, g = bufs[i], grads[i]
-            _check_grad(g, i, b, op)
-            _check(b.dtype in (torch.float32, torch.bfloat16), op, lambda: f"buffers must be float32 or bfloat16, got {b.dtype}")
-            _check(b.shape == g.shape, op, lambda: f"buffer {i} has shape {tuple(b.shape)} but its grad has {tuple(g.shape)}")
-            _check(g.device == grads[0].device, op, "all tensors must be on one device")
-            _check_sums(block_sumsq, i, g, block_size, op)
-            rows, cols = g.shape
+            b, g, q = bufs[i], grads[i], block_sumsq[i]
+            gs, qs = g.shape, q.shape  # one expression, each attribute read once (as the q8 twin)
+            if not (len(gs) == 2 and b.shape == gs and len(qs) == 2 and qs[0] == gs[0]
+                    and qs[1] == (gs[1] + block_size - 1) // block_size
+                    and b.dtype in _DENSE_BUF_DTYPES and g.dtype in _GRAD_DTYPES and q.dtype is torch.float32
+                    and g.get_device() == dev and b.get_device() == dev and q.get_device() == dev):
+                self._dense_explain(i, b, g, grads, block_sumsq, block_size, op)
+            rows, cols = gs
             if rows == 0 or cols == 0:
                 continue
-            bw, gw, sw = w.add(b), w.add(g), w.add(block_sumsq[i], dense=True)
-            groups.setdefault((_DTYPE[b.dtype], _DTYPE[g.dtype]), []).append(
-                DenseTensor(bw.data_ptr(), gw.data_ptr(), sw.data_ptr(), rows, cols, _rs(bw), _rs(gw), row_offsets[i],
-                            _s32(streams[i])))
-        for (bd, gd), ts in groups.items():
-            arr = (DenseTensor * len(ts))(*ts)
-            self._run(self._dense, op, grads[0].device, arr, len(ts), DenseParams(beta, int(nesterov), bd, gd, block_size))
-        w.write_back()
+            if b.is_contiguous() and g.is_contiguous() and q.is_contiguous():
+                bw, gw, sw, b_rs, g_rs = b, g, q, cols, cols
+            else:
+                w = w or _Writables()
+                bw, gw, sw = w.add(b), w.add(g), w.add(q, dense=True)
+                b_rs, g_rs = _rs(bw), _rs(gw)
+            tensors.append(DenseTensor(bw.data_ptr(), gw.data_ptr(), sw.data_ptr(), rows, cols, b_rs, g_rs,
+                                       row_offsets[i], _s32(streams[i])))
+            keys.append((b.dtype, g.dtype))
+        for (bdt, gdt), ts in _grouped(keys, tensors):
+            arr = C.byref(ts[0]) if len(ts) == 1 else (DenseTensor * len(ts))(*ts)
+            self._run(self._dense, op, grads[0].device, arr, len(ts),
+                      DenseParams(beta, int(nesterov), _DTYPE[bdt], _DTYPE[gdt], block_size))
+        if w is not None:
+            w.write_back()
+
+    @staticmethod
+    def _dense_explain(i: int, b: Tensor, g: Tensor, grads: list[Tensor], block_sumsq: list[Tensor], block_size: int,
+                       op: str) -> None:
+        """Raise the error that names what is wrong with matrix ``i`` of a dense update."""
+        _check_grad(g, i, b, op)
+        _check(b.dtype in (torch.float32, torch.bfloat16), op, lambda: f"buffers must be float32 or bfloat16, got {b.dtype}")
+        _check(b.shape == g.shape, op, lambda: f"buffer {i} has shape {tuple(b.shape)} but its grad has {tuple(g.shape)}")
+        _check(g.device == grads[0].device, op, "all tensors must be on one device")
+        _check_sums(block_sumsq, i, g, block_size, op)
+        raise AssertionError(f"qmuon: {op}: matrix {i} failed a check that names nothing")  # pragma: no cover
 
     def _q4_update(self, kind: str, packed: list[Tensor], scales: list[Tensor], tensor_scales: list[Tensor],
                    new_tensor_scales: list[Tensor], grads: list[Tensor], block_sumsq: list[Tensor], beta: float,
@@ -390,40 +422,75 @@ class CAbiOps:
         if with_scale:
             _check_lists(op, n, new_tensor_scales=new_tensor_scales)
         scratch = self._scratch(2 * n, packed[0]) if kind == "e0m3" and n > 0 else None
-        w = _Writables()
-        groups: dict[int, list[Q4Tensor]] = {}
+        w: _Writables | None = None
+        tensors: list[Q4Tensor] = []
+        keys: list[torch.dtype] = []
+        dev = grads[0].get_device() if n else -1
+        nb_scales = E0M3_BLOCK if e0m3 else block_size
+        scale_dtype = torch.uint8 if e0m3 else torch.float32
         for i in range(n):
-            g = grads[i]
-            rows, cols = (g.shape[0], g.shape[1]) if g.dim() == 2 else (0, 0)
-            if e0m3:
-                self._check_e0m3_state(packed[i], scales[i], tensor_scales[i], g, i, op)
-                if with_scale:
-                    _check_scalar(new_tensor_scales[i], "new_tensor_scales", i, g.device, op)
-            else:
-                _check_grad(g, i, packed[i], op)
-                _check_2d(packed[i], torch.uint8, rows, (cols + 1) // 2, "packed", i, op, " (two 4-bit codes per byte)")
-                _check_2d(scales[i], torch.float32, rows, _nb(cols, block_size), "absmax", i, op,
-                          " (rows, ceil(cols / block_size))")
-                _check(packed[i].device == scales[i].device, op, lambda: f"state {i} is on two devices")
-            _check(g.device == grads[0].device, op, "all tensors must be on one device")
-            _check_sums(block_sumsq, i, g, block_size, op)
+            g, pk, sc, q = grads[i], packed[i], scales[i], block_sumsq[i]
+            ts = tensor_scales[i] if e0m3 else None
+            nts = new_tensor_scales[i] if with_scale else None
+            # One expression, each attribute read once (as the q8 twin); _q4_explain names a failure.
+            gs, ps, scs, qs = g.shape, pk.shape, sc.shape, q.shape
+            if not (len(gs) == 2 and len(ps) == 2 and len(scs) == 2 and len(qs) == 2
+                    and ps[0] == gs[0] and ps[1] == (gs[1] + 1) // 2
+                    and scs[0] == gs[0] and scs[1] == (gs[1] + nb_scales - 1) // nb_scales
+                    and qs[0] == gs[0] and qs[1] == (gs[1] + block_size - 1) // block_size
+                    and g.dtype in _GRAD_DTYPES and pk.dtype is torch.uint8 and sc.dtype is scale_dtype
+                    and q.dtype is torch.float32
+                    and g.get_device() == dev and pk.get_device() == dev and sc.get_device() == dev
+                    and q.get_device() == dev
+                    and (ts is None or (ts.dtype is torch.float32 and ts.numel() == 1 and ts.get_device() == dev))
+                    and (nts is None or (nts.dtype is torch.float32 and nts.numel() == 1 and nts.get_device() == dev))):
+                self._q4_explain(i, e0m3, with_scale, packed, scales, tensor_scales, new_tensor_scales, grads,
+                                 block_sumsq, block_size, op)
+            rows, cols = gs
             if rows == 0 or cols == 0:
                 if with_scale:
                     tensor_scales[i].fill_(new_tensor_scales[i].reshape(()))
                 elif e0m3:
                     tensor_scales[i].fill_(1.0)
                 continue
-            pw, sw, gw, qw = w.add(packed[i]), w.add(scales[i]), w.add(g), w.add(block_sumsq[i], dense=True)
-            t = Q4Tensor(pw.data_ptr(), sw.data_ptr(), tensor_scales[i].data_ptr() if e0m3 else None, gw.data_ptr(),
-                         qw.data_ptr(), None if scratch is None else scratch.data_ptr() + 8 * i,
-                         new_tensor_scales[i].data_ptr() if with_scale else None, None, rows, cols, _rs(pw), _rs(sw),
-                         _rs(gw), row_offsets[i], _s32(streams[i]))
-            groups.setdefault(_DTYPE[g.dtype], []).append(t)
-        for gd, ts in groups.items():
-            arr = (Q4Tensor * len(ts))(*ts)
-            self._run(self._e0m3 if e0m3 else self._int4, op, grads[0].device, arr, len(ts),
-                      Q4Params(beta, int(nesterov), gd, block_size))
-        w.write_back()
+            if pk.is_contiguous() and sc.is_contiguous() and g.is_contiguous() and q.is_contiguous():
+                pw, sw, gw, qw = pk, sc, g, q
+                p_rs, s_rs, g_rs = ps[1], scs[1], cols
+            else:
+                w = w or _Writables()
+                pw, sw, gw, qw = w.add(pk), w.add(sc), w.add(g), w.add(q, dense=True)
+                p_rs, s_rs, g_rs = _rs(pw), _rs(sw), _rs(gw)
+            tensors.append(Q4Tensor(
+                pw.data_ptr(), sw.data_ptr(), None if ts is None else ts.data_ptr(), gw.data_ptr(), qw.data_ptr(),
+                None if scratch is None else scratch.data_ptr() + 8 * i, None if nts is None else nts.data_ptr(), None,
+                rows, cols, p_rs, s_rs, g_rs, row_offsets[i], _s32(streams[i])))
+            keys.append(g.dtype)
+        for gdt, group in _grouped(keys, tensors):
+            arr = C.byref(group[0]) if len(group) == 1 else (Q4Tensor * len(group))(*group)
+            self._run(self._e0m3 if e0m3 else self._int4, op, grads[0].device, arr, len(group),
+                      Q4Params(beta, int(nesterov), _DTYPE[gdt], block_size))
+        if w is not None:
+            w.write_back()
+
+    def _q4_explain(self, i: int, e0m3: bool, with_scale: bool, packed: list[Tensor], scales: list[Tensor],
+                    tensor_scales: list[Tensor], new_tensor_scales: list[Tensor], grads: list[Tensor],
+                    block_sumsq: list[Tensor], block_size: int, op: str) -> None:
+        """Raise the error that names what is wrong with matrix ``i`` of a 4-bit update."""
+        g = grads[i]
+        rows, cols = (g.shape[0], g.shape[1]) if g.dim() == 2 else (0, 0)
+        if e0m3:
+            self._check_e0m3_state(packed[i], scales[i], tensor_scales[i], g, i, op)
+            if with_scale:
+                _check_scalar(new_tensor_scales[i], "new_tensor_scales", i, g.device, op)
+        else:
+            _check_grad(g, i, packed[i], op)
+            _check_2d(packed[i], torch.uint8, rows, (cols + 1) // 2, "packed", i, op, " (two 4-bit codes per byte)")
+            _check_2d(scales[i], torch.float32, rows, _nb(cols, block_size), "absmax", i, op,
+                      " (rows, ceil(cols / block_size))")
+            _check(packed[i].device == scales[i].device, op, lambda: f"state {i} is on two devices")
+        _check(g.device == grads[0].device, op, "all tensors must be on one device")
+        _check_sums(block_sumsq, i, g, block_size, op)
+        raise AssertionError(f"qmuon: {op}: matrix {i} failed a check that names nothing")  # pragma: no cover
 
     @staticmethod
     def _check_e0m3_state(packed: Tensor, scales: Tensor, tensor_scale: Tensor, g: Tensor, i: int, op: str) -> None:
