@@ -171,8 +171,8 @@ def test_loader_without_any_library(tmp_path, monkeypatch):
 
 def test_status_names_each_loading_step(ext, lib_path):
     """In a fresh process: the loading order's steps, with the prebuilt library's line first."""
-    code = ("import warnings; warnings.simplefilter('ignore'); from qmuon.ops import _extension as e; "
-            "st = e.status(); print('\\n'.join(st.steps)); print('cuda_source', st.cuda_source)")
+    code = ("import warnings; warnings.simplefilter('ignore'); import qmuon.ops; from qmuon.ops import _extension as e; "
+            "print('\\n'.join(qmuon.ops.loading_order())); print('cuda_source', e.status().cuda_source)")
     env = dict(os.environ, PYTHONPATH=str(REPO), QMUON_GPU_LIB=str(lib_path))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300,
                          cwd=REPO)

@@ -12,7 +12,7 @@ from . import _library  # noqa: F401  (registers torch.ops.qmuon.*)
 from . import reference, reference_4bit
 from ._library import empty_block_sumsq
 
-__all__ = ["backend", "empty_block_sumsq", "reference", "reference_4bit"]
+__all__ = ["backend", "empty_block_sumsq", "loading_order", "reference", "reference_4bit"]
 
 
 def backend() -> str:
@@ -25,3 +25,14 @@ def backend() -> str:
     from ._extension import backend as _backend
 
     return _backend()
+
+
+def loading_order() -> tuple[str, ...]:
+    """The steps :func:`backend` went through, one line each, as ``qmuon-doctor`` shows them and the
+    ``qmuon.ops`` logger logged them: ``"1. prebuilt GPU library: ..."`` (which file, or why none
+    serves), ``"2. JIT build ..."`` (the compiled CPU kernels, and the CUDA ones where nvcc built
+    them), and ``"3. ..."`` for whatever runs on the pure-PyTorch reference. Loads the kernels first,
+    as :func:`backend` does."""
+    from ._extension import status
+
+    return status().steps
