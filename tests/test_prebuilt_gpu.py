@@ -232,3 +232,24 @@ def test_cross_host_is_checked_before_compiling(tmp_path):
         # PATH's nvcc toolkit has no aarch64 runtime: the error names the script that assembles one.
         with pytest.raises(RuntimeError, match="cuda13_aarch64.sh"):
             build_gpu.build(nvcc, host="aarch64", out_dir=tmp_path, log=lambda *a: None)
+
+
+def test_a_library_of_torchs_major_is_not_probed_before_torch_initializes_cuda(lib_path, monkeypatch):
+    """With a CUDA torch that has not initialized CUDA, the library of torch's own CUDA major is used
+    without its driver probe (cudaGetDeviceCount would initialize the driver in this process, under a
+    CPU-only run that later forks); the device count is torch's. Here the probe would report no driver,
+    so a usable library shows that it did not run. A library of another major is still probed."""
+    major = _info(lib_path)["cuda"].split(".")[0]
+    monkeypatch.setenv("QMUON_GPU_LIB", str(lib_path))
+    monkeypatch.setattr(torch.version, "cuda", f"{major}.8")
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    lib = _prebuilt.load()
+    assert lib.usable and lib.device_count == 2 and lib.ops is not None, lib
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    lib = _prebuilt.load()
+    assert not lib.usable and "torch sees no CUDA device" in lib.reason
+    monkeypatch.setattr(torch.version, "cuda", "11.8")  # another major: probed, and this machine has no driver
+    lib = _prebuilt.load()
+    if not torch.cuda.is_available():
+        assert not lib.usable and "no device" in lib.reason and "torch sees" not in lib.reason

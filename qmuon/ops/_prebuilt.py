@@ -8,7 +8,9 @@ with the CUDA runtime linked in statically, and no torch: it is loaded with ctyp
    a path picks that file;
 2. else ``libqmuon_cuda<M>.so`` for torch's CUDA major ``M``, then the other majors shipped: the CUDA
    runtime inside the library only needs a driver that supports it, not torch's runtime, so a CUDA 13
-   library serves a CUDA 12 torch on an r580+ driver (the driver and device count are probed first).
+   library serves a CUDA 12 torch on an r580+ driver. A library of another major is probed first
+   (driver version, device count); one of torch's major is not, while torch has not initialized CUDA:
+   the driver that runs torch runs it, and the probe would initialize the driver before torch does.
 
 A library is used only when its C-ABI struct layout equals the ctypes mirror's, it was built from the
 sources next to it (when they are there: a source checkout edited after the build falls back to
@@ -102,6 +104,17 @@ def _open(path: Path) -> GpuLibrary:
     if src is not None and info.get("sources") != source_hash(src):
         return GpuLibrary(**base, reason=f"was built from other sources than {src}; rebuild it "
                                          "(python -m qmuon.ops.build_gpu)")
+    lib_major = str(info.get("cuda", "")).split(".")[0]
+    if torch.version.cuda is not None and lib_major == torch.version.cuda.split(".")[0] \
+            and not torch.cuda.is_initialized():
+        # A driver that runs torch's CUDA runs a library of the same major (minor-version compatibility),
+        # so nothing needs probing here, and the library's cudaGetDeviceCount would initialize the driver
+        # in this process before torch does: a CPU-only run would then fork workers that cannot use CUDA.
+        # torch's device count reads NVML where it can, initializing nothing.
+        count = torch.cuda.device_count()
+        if count == 0:
+            return GpuLibrary(**base, reason="loaded, no device: torch sees no CUDA device")
+        return GpuLibrary(**base, usable=True, device_count=count, ops=_cabi.CAbiOps(lib, "cuda"))
     drv, n = ctypes.c_int(0), ctypes.c_int(0)
     err = probe(ctypes.byref(drv), ctypes.byref(n))
     base.update(driver_version=drv.value, device_count=n.value)
