@@ -13,6 +13,9 @@ that binding's work in Python and calls the entry points with ctypes:
   kernels cannot check themselves (shapes and devices: a mis-shaped pointer on a GPU is a memory fault,
   not an error), and return / mutate exactly as the C++ binding does.
 
+The argument checks and layout helpers are in :mod:`._cabi_checks`, the standalone codec methods in
+:mod:`._cabi_codecs` (a mixin), the struct mirrors in :mod:`._cabi_structs`.
+
 The same class runs against the CPU build of the same ABI (the ``qmuon_cpu_*`` functions exported by
 the JIT-built CPU library), so CI exercises every line of the GPU path's Python side on a CPU
 (``tests/test_cabi.py``). :func:`layout` lists the structs' sizes and field offsets; the libraries
@@ -23,146 +26,23 @@ whose list differs is not used.
 from __future__ import annotations
 
 import ctypes as C
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import torch
 from torch import Tensor
 
+from ._cabi_checks import (_check, _check_2d, _check_block, _check_grad, _check_lists, _check_scalar, _check_sums,
+                           _grouped, _layout_ok, _nb, _rs, _s32, _work, _Writables)
+from ._cabi_codecs import CodecTwins
 from ._cabi_structs import (  # noqa: F401 (library_layout: the loader and tests read it here)
-    I8, U8, _DTYPE, MAX_BLOCK, _CODE_DTYPES, _GRAD_DTYPES, E0M3_BLOCK, PACK_INT4, UNPACK_INT4, UE4M3_ENCODE,
-    UE4M3_DECODE, INT4_QUANTIZE, INT4_DEQUANTIZE, E0M3_QUANTIZE, E0M3_DEQUANTIZE, GRID_QUANTIZE,
-    GRID_DEQUANTIZE, GRID_QUANTIZE_WITH_SCALE, ADAM_M8, ADAM_V8, ADAM_M4, ADAM_V4, Q8Tensor, Q8Params,
-    Q4Tensor, Q4Params, DenseTensor, DenseParams, CodecArgs, AdamwQArgs, WeightArgs, Fp32WeightArgs, layout,
+    I8, U8, _DTYPE, MAX_BLOCK, _CODE_DTYPES, _GRAD_DTYPES, E0M3_BLOCK, ADAM_M8, ADAM_V8, ADAM_M4, ADAM_V4, Q8Tensor,
+    Q8Params, Q4Tensor, Q4Params, DenseTensor, DenseParams, CodecArgs, AdamwQArgs, WeightArgs, Fp32WeightArgs, layout,
     library_layout,
 )
 
 __all__ = ["CAbiOps", "layout", "OP_NAMES"]
 
 _DENSE_BUF_DTYPES = (torch.float32, torch.bfloat16)
-
-
-# ---------------------------------------------------------------------------------------------
-# helpers: the kernels' layout (csrc/binding_common.h)
-# ---------------------------------------------------------------------------------------------
-def _layout_ok(t: Tensor) -> bool:
-    """The kernels index element (r, c) as base + r * row_stride + c."""
-    return t.is_contiguous() or ((t.shape[1] <= 1 or t.stride(1) == 1) and (t.shape[0] <= 1 or t.stride(0) >= t.shape[1]))
-
-
-def _rs(t: Tensor) -> int:
-    return t.shape[1] if t.shape[0] <= 1 else t.stride(0)
-
-
-def _nb(cols: int, block: int) -> int:
-    return (cols + block - 1) // block
-
-
-def _s32(stream: int) -> int:
-    return -1 if stream < 0 else stream & 0xFFFFFFFF
-
-
-def _ptr(t: Tensor | None) -> int | None:
-    return None if t is None else t.data_ptr()
-
-
-def _check(ok: bool, op: str, msg: str | Callable[[], str]) -> None:
-    """Raise ``RuntimeError("qmuon: <op> <msg>")`` unless ``ok``. ``msg`` may be a callable, so that the
-    message (tuple formatting: about a microsecond) is only built when the check fails."""
-    if not ok:
-        raise RuntimeError(f"qmuon: {op} {msg() if callable(msg) else msg}")
-
-
-def _check_2d(t: Tensor, dtype: torch.dtype, rows: int, cols: int, what: str, i: int, op: str, hint: str = "") -> None:
-    if t.dtype != dtype:
-        _check(False, op, f"{what} {i} must be {dtype}, got {t.dtype}")
-    if t.dim() != 2 or t.shape[0] != rows or t.shape[1] != cols:
-        _check(False, op, f"{what} {i} has shape {tuple(t.shape)} but needs ({rows}, {cols}){hint}")
-
-
-def _check_grad(g: Tensor, i: int, state: Tensor, op: str) -> None:
-    _check(g.dim() == 2, op, lambda: f"grad {i} must be 2-D, got {g.dim()}-D")
-    _check(g.dtype in (torch.float32, torch.bfloat16, torch.float16), op,
-           lambda: f"grads must be float32, bfloat16 or float16, got {g.dtype}")
-    _check(g.device == state.device, op, lambda: f"grad {i} is on {g.device} but its state is on {state.device}")
-
-
-def _check_scalar(t: Tensor, what: str, i: int, device: torch.device, op: str) -> None:
-    _check(t.dtype == torch.float32 and t.numel() == 1 and t.device == device, op,
-           lambda: f"{what} {i} must be a one-element float32 tensor on {device}, got {t.dtype} {tuple(t.shape)} on {t.device}")
-
-
-def _check_lists(op: str, n: int, **others: Sequence[Any]) -> None:
-    for name, xs in others.items():
-        _check(len(xs) == n, op, lambda: f"needs lists of equal length, got {n} states and {len(xs)} {name}")
-
-
-def _check_sums(sums: Sequence[Tensor], i: int, g: Tensor, block: int, op: str) -> None:
-    _check(len(sums) > i, op, "needs one block_sumsq output per tensor")
-    _check_2d(sums[i], torch.float32, g.shape[0], _nb(g.shape[1], block), "block_sumsq", i, op,
-              " (rows, ceil(cols / block_size)) of its grad")
-    _check(sums[i].get_device() == g.get_device(), op,
-           lambda: f"block_sumsq {i} is on {sums[i].device} but its grad is on {g.device}")
-
-
-def _check_block(block_size: int, op: str) -> None:
-    _check(1 <= block_size <= MAX_BLOCK, op, lambda: f"block_size must be in [1, {MAX_BLOCK}], got {block_size}")
-
-
-def _check_packed(packed: Tensor, cols: int, op: str) -> int:
-    """Check a packed 4-bit tensor (uint8, two codes a byte) holding ``cols`` codes a row; its rows."""
-    _check(packed.dim() == 2, op, lambda: f"packed must be 2-D, got {packed.dim()}-D")
-    _check(cols >= 0 and (cols + 1) // 2 == packed.shape[1], op,
-           lambda: f"{packed.shape[1]} packed columns cannot hold {cols} codes")
-    _check_2d(packed, torch.uint8, packed.shape[0], (cols + 1) // 2, "packed", 0, op)
-    return packed.shape[0]
-
-
-def _same_device(t: Tensor, what: str, first: Tensor, op: str) -> None:
-    _check(t.device == first.device, op,
-           lambda: f"{what} is on {t.device} but packed is on {first.device}; move every argument to one device")
-
-
-class _Writables:
-    """Tensors a kernel writes: each the tensor itself, or a copy in the kernel layout that is written
-    back after the call (``dense``: fully contiguous, as the sums of squares must be)."""
-
-    __slots__ = ("pairs",)
-
-    def __init__(self) -> None:
-        self.pairs: list[tuple[Tensor, Tensor]] = []
-
-    def add(self, t: Tensor, dense: bool = False) -> Tensor:
-        work = t if (t.is_contiguous() if dense else _layout_ok(t)) else t.contiguous()
-        if work is not t:
-            self.pairs.append((t, work))
-        return work
-
-    def write_back(self) -> None:
-        for orig, work in self.pairs:
-            orig.copy_(work)
-
-
-def _work(w: _Writables, t: Tensor, cols: int) -> tuple[Tensor, int]:
-    """``(tensor the kernel writes, its row stride)``: ``t`` itself when contiguous (the common case,
-    with no further checks), else through ``w``."""
-    if t.is_contiguous():
-        return t, cols
-    work = w.add(t)
-    return work, _rs(work)
-
-
-def _grouped(keys: list[Any], tensors: list[Any]) -> list[tuple[Any, list[Any]]]:
-    """``tensors`` grouped by ``keys`` (one launch per dtype combination), in first-seen order; nearly
-    always one group, found without building a dict."""
-    if not keys:
-        return []
-    if keys.count(keys[0]) == len(keys):
-        return [(keys[0], tensors)]
-    return [(k, [t for t, kt in zip(tensors, keys) if kt == k]) for k in dict.fromkeys(keys)]
-
-
-def _f32c(t: Tensor) -> Tensor:
-    return (t if t.dtype == torch.float32 else t.to(torch.float32)).contiguous()
 
 
 OP_NAMES = (
@@ -174,7 +54,7 @@ OP_NAMES = (
 )
 
 
-class CAbiOps:
+class CAbiOps(CodecTwins):
     """The ``torch.ops.qmuon`` ops with a compiled twin, run through one library's C ABI.
 
     ``kind="cpu"``: ``lib`` exports ``qmuon_cpu_*`` (the JIT-built CPU library); ``kind="cuda"``:
@@ -546,168 +426,6 @@ class CAbiOps:
         for gd, ts in groups.items():
             arr = (Q4Tensor * len(ts))(*ts)
             self._run(self._e0m3_amax, op, device, arr, len(ts), Q4Params(beta, 0, gd, E0M3_BLOCK))
-        return out
-
-    # -- standalone 4-bit codecs (contiguous inputs, fresh outputs) ---------------------------
-    def _codec_run(self, op: str, device: torch.device, code: int, rows: int, cols: int, **fields: Any) -> None:
-        a = CodecArgs(op=code, rows=rows, cols=cols, stream=-1)
-        for k, v in fields.items():
-            setattr(a, k, v)
-        self._run(self._codec, op, device, C.byref(a))
-
-    def pack_int4(self, codes: Tensor) -> Tensor:
-        op = "pack_int4"
-        _check(codes.dim() == 2, op, lambda: f"codes must be 2-D, got {codes.dim()}-D")
-        _check(codes.dtype == torch.int8, op, lambda: f"codes must be int8, got {codes.dtype}")
-        codes = codes.contiguous()
-        rows, cols = codes.shape
-        out = torch.empty(rows, (cols + 1) // 2, dtype=torch.uint8, device=codes.device)
-        if rows > 0 and cols > 0:
-            self._codec_run(op, codes.device, PACK_INT4, rows, cols, in0=codes.data_ptr(), out0=out.data_ptr())
-        return out
-
-    def unpack_int4(self, packed: Tensor, cols: int) -> Tensor:
-        op = "unpack_int4"
-        _check(packed.dim() == 2, op, lambda: f"packed must be 2-D, got {packed.dim()}-D")
-        _check(packed.dtype == torch.uint8, op, lambda: f"packed must be uint8, got {packed.dtype}")
-        _check(cols >= 0 and (cols + 1) // 2 == packed.shape[1], op,
-               lambda: f"{packed.shape[1]} packed columns cannot hold {cols} codes (needs ceil(cols / 2))")
-        packed = packed.contiguous()
-        rows = packed.shape[0]
-        out = torch.empty(rows, cols, dtype=torch.int8, device=packed.device)
-        if rows > 0 and cols > 0:
-            self._codec_run(op, packed.device, UNPACK_INT4, rows, cols, in0=packed.data_ptr(), out0=out.data_ptr())
-        return out
-
-    def ue4m3_encode(self, x: Tensor, round_up: bool) -> Tensor:
-        x = _f32c(x)
-        out = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
-        if x.numel() > 0:
-            self._codec_run("ue4m3_encode", x.device, UE4M3_ENCODE, 1, x.numel(), flag=int(round_up),
-                            in0=x.data_ptr(), out0=out.data_ptr())
-        return out
-
-    def ue4m3_decode(self, bits: Tensor) -> Tensor:
-        _check(bits.dtype == torch.uint8, "ue4m3_decode", lambda: f"needs uint8 bit patterns, got {bits.dtype}")
-        bits = bits.contiguous()
-        out = torch.empty(bits.shape, dtype=torch.float32, device=bits.device)
-        if bits.numel() > 0:
-            self._codec_run("ue4m3_decode", bits.device, UE4M3_DECODE, 1, bits.numel(), in0=bits.data_ptr(),
-                            out0=out.data_ptr())
-        return out
-
-    def int4_quantize(self, x: Tensor, block_size: int, stream: int, row_offset: int) -> tuple[Tensor, Tensor]:
-        op = "int4_quantize"
-        _check(x.dim() == 2, op, lambda: f"x must be 2-D, got {x.dim()}-D")
-        _check(2 <= block_size <= MAX_BLOCK and block_size % 2 == 0, op,
-               lambda: f"needs an even block_size in [2, {MAX_BLOCK}], got {block_size}")
-        x = _f32c(x)
-        rows, cols = x.shape
-        packed = torch.empty(rows, (cols + 1) // 2, dtype=torch.uint8, device=x.device)
-        absmax = torch.empty(rows, _nb(cols, block_size), dtype=torch.float32, device=x.device)
-        if rows > 0 and cols > 0:
-            self._codec_run(op, x.device, INT4_QUANTIZE, rows, cols, block_size=block_size, stream=_s32(stream),
-                            row_offset=row_offset, in0=x.data_ptr(), out0=packed.data_ptr(), out1=absmax.data_ptr())
-        return packed, absmax
-
-    def int4_dequantize(self, packed: Tensor, absmax: Tensor, block_size: int, cols: int) -> Tensor:
-        op = "int4_dequantize"
-        rows = _check_packed(packed, cols, op)
-        _check(block_size >= 1, op, lambda: f"needs block_size >= 1, got {block_size}")
-        _check_2d(absmax, torch.float32, rows, _nb(cols, block_size), "absmax", 0, op, " (rows, ceil(cols / block_size))")
-        _same_device(absmax, "absmax", packed, op)
-        packed, absmax = packed.contiguous(), absmax.contiguous()
-        out = torch.empty(rows, cols, dtype=torch.float32, device=packed.device)
-        if rows > 0 and cols > 0:
-            self._codec_run(op, packed.device, INT4_DEQUANTIZE, rows, cols, block_size=block_size,
-                            in0=packed.data_ptr(), in1=absmax.data_ptr(), out0=out.data_ptr())
-        return out
-
-    def e0m3_quantize(self, x: Tensor, two_level: bool, stream: int, row_offset: int) -> tuple[Tensor, Tensor, Tensor]:
-        op = "e0m3_quantize"
-        _check(x.dim() == 2, op, lambda: f"x must be 2-D, got {x.dim()}-D")
-        x = _f32c(x)
-        rows, cols = x.shape
-        packed = torch.empty(rows, (cols + 1) // 2, dtype=torch.uint8, device=x.device)
-        scales = torch.empty(rows, _nb(cols, E0M3_BLOCK), dtype=torch.uint8, device=x.device)
-        t = torch.empty((), dtype=torch.float32, device=x.device)
-        scratch = self._scratch(1, x)
-        if rows > 0 and cols > 0:
-            self._codec_run(op, x.device, E0M3_QUANTIZE, rows, cols, flag=int(two_level), stream=_s32(stream),
-                            row_offset=row_offset, in0=x.data_ptr(), out0=packed.data_ptr(), out1=scales.data_ptr(),
-                            out2=t.data_ptr(), scratch=_ptr(scratch))
-        else:
-            t.fill_(1.0)
-        return packed, scales, t
-
-    def e0m3_dequantize(self, packed: Tensor, scales: Tensor, tensor_scale: Tensor, cols: int) -> Tensor:
-        op = "e0m3_dequantize"
-        rows = _check_packed(packed, cols, op)
-        _check_2d(scales, torch.uint8, rows, _nb(cols, E0M3_BLOCK), "scales", 0, op, " (one UE4M3 scale per 16 elements)")
-        _check(tensor_scale.numel() == 1, op, lambda: f"tensor_scale must have one element, got {tuple(tensor_scale.shape)}")
-        _same_device(scales, "scales", packed, op)
-        _same_device(tensor_scale, "tensor_scale", packed, op)
-        packed, scales, t = packed.contiguous(), scales.contiguous(), _f32c(tensor_scale)
-        out = torch.empty(rows, cols, dtype=torch.float32, device=packed.device)
-        if rows > 0 and cols > 0:
-            self._codec_run(op, packed.device, E0M3_DEQUANTIZE, rows, cols, in0=packed.data_ptr(),
-                            in1=scales.data_ptr(), in2=t.data_ptr(), out0=out.data_ptr())
-        return out
-
-    def _grid_quantize(self, x: Tensor, grid_block: int, scale: Tensor | None, stream: int, row_offset: int
-                       ) -> tuple[Tensor, ...]:
-        op = "grid_quantize4" if scale is None else "grid_quantize4_with_scale"
-        _check(x.dim() == 2, op, lambda: f"x must be 2-D, got {x.dim()}-D")
-        _check(grid_block >= 1, op, lambda: f"needs grid_block >= 1, got {grid_block}")
-        if scale is not None:
-            _check_scalar(scale, "scale", 0, x.device, op)
-        x = _f32c(x)
-        rows, cols = x.shape
-        packed = torch.empty(rows, (cols + 1) // 2, dtype=torch.uint8, device=x.device)
-        row_max = torch.empty(rows, _nb(cols, grid_block), dtype=torch.uint8, device=x.device)
-        col_max = torch.empty(_nb(rows, grid_block), cols, dtype=torch.uint8, device=x.device)
-        fields: dict[str, Any] = dict(block_size=grid_block, stream=_s32(stream), row_offset=row_offset,
-                                      in0=x.data_ptr(), out0=packed.data_ptr(), out1=row_max.data_ptr(),
-                                      out2=col_max.data_ptr())
-        t = None
-        if scale is None:
-            t = torch.empty((), dtype=torch.float32, device=x.device)
-            scratch = self._scratch(1, x)  # the max |x| bits
-            fields.update(out3=t.data_ptr(), scratch=_ptr(scratch))
-        else:
-            scale = scale.contiguous()
-            fields.update(in1=scale.data_ptr())
-        if rows > 0 and cols > 0:
-            self._codec_run(op, x.device, GRID_QUANTIZE if scale is None else GRID_QUANTIZE_WITH_SCALE, rows, cols,
-                            **fields)
-        elif t is not None:
-            t.fill_(1.0)
-        return (packed, row_max, col_max) if t is None else (packed, row_max, col_max, t)
-
-    def grid_quantize4(self, x: Tensor, grid_block: int, stream: int, row_offset: int
-                       ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        return self._grid_quantize(x, grid_block, None, stream, row_offset)  # type: ignore[return-value]
-
-    def grid_quantize4_with_scale(self, x: Tensor, grid_block: int, scale: Tensor, stream: int, row_offset: int
-                                  ) -> tuple[Tensor, Tensor, Tensor]:
-        return self._grid_quantize(x, grid_block, scale, stream, row_offset)  # type: ignore[return-value]
-
-    def grid_dequantize4(self, packed: Tensor, row_max: Tensor, col_max: Tensor, scale: Tensor, grid_block: int,
-                         cols: int) -> Tensor:
-        op = "grid_dequantize4"
-        rows = _check_packed(packed, cols, op)
-        _check(grid_block >= 1, op, lambda: f"needs grid_block >= 1, got {grid_block}")
-        _check_2d(row_max, torch.uint8, rows, _nb(cols, grid_block), "row maxima", 0, op, " (rows, ceil(cols / s))")
-        _check_2d(col_max, torch.uint8, _nb(rows, grid_block), cols, "column maxima", 0, op, " (ceil(rows / s), cols)")
-        _check(scale.numel() == 1, op, lambda: f"scale must have one element, got {tuple(scale.shape)}")
-        for what, t in (("row maxima", row_max), ("column maxima", col_max), ("scale", scale)):
-            _same_device(t, what, packed, op)
-        packed, rb, cb, t = packed.contiguous(), row_max.contiguous(), col_max.contiguous(), _f32c(scale)
-        out = torch.empty(rows, cols, dtype=torch.float32, device=packed.device)
-        if rows > 0 and cols > 0:
-            self._codec_run(op, packed.device, GRID_DEQUANTIZE, rows, cols, block_size=grid_block,
-                            in0=packed.data_ptr(), in1=rb.data_ptr(), in2=cb.data_ptr(), in3=t.data_ptr(),
-                            out0=out.data_ptr())
         return out
 
     # -- quantized AdamW moments (csrc/binding_adamw.h) ---------------------------------------
