@@ -13,12 +13,9 @@ set -euo pipefail
 
 NVCC="$(command -v "${1:-nvcc}")" || { echo "cuda13_aarch64.sh: no nvcc ${1:-on PATH}" >&2; exit 1; }
 PREFIX="${2:-$HOME/.cache/qmuon/cuda13-aarch64}"
-WORK="$(mktemp -d)"
-trap 'rm -rf "$WORK"' EXIT
-# The toolkit's root as nvcc sees it (PATH's nvcc may be a wrapper script): its own _HERE_ in a dry run.
-HERE="$(cd "$WORK" && : >e.cu && "$NVCC" -dryrun -c e.cu -o e.o 2>&1 | sed -n 's/^#\$ _HERE_=//p' | head -n 1)"
-TOP="$(cd "$HERE/.." && pwd)"
-RELEASE="$("$NVCC" --version | sed -n 's/.*release \([0-9.]*\),.*/\1/p')"
+# The toolkit's root as nvcc sees it (PATH's nvcc may be a wrapper script), and its CUDA release.
+read -r TOP RELEASE < <(python -c 'import sys; from qmuon.ops.build_gpu import cuda_release, nvcc_root
+print(nvcc_root(sys.argv[1]), cuda_release(sys.argv[1]))' "$NVCC")
 if [[ "${RELEASE%%.*}" != "13" ]]; then
   echo "cuda13_aarch64.sh: $NVCC is CUDA $RELEASE, not 13" >&2
   exit 1
@@ -28,11 +25,13 @@ if [[ -f "$PREFIX/.complete" ]] && [[ "$(cat "$PREFIX/.complete")" == "$TOP $REL
   exit 0
 fi
 command -v aarch64-linux-gnu-g++ >/dev/null || { echo "cuda13_aarch64.sh: no aarch64-linux-gnu-g++ (apt-get install g++-aarch64-linux-gnu)" >&2; exit 1; }
-# The runtime release that matches the toolkit's own (its dist-info, else the headers' CUDART_VERSION).
+# The runtime release that matches the toolkit's own (its dist-info, else the newest of its CUDA release).
 RT="$( (ls -d "$TOP"/dist-info/nvidia_cuda_runtime-*.dist-info 2>/dev/null || true) |
   sed -n 's/.*nvidia_cuda_runtime-\(.*\)\.dist-info/\1/p' | head -n 1)"
 RT="${RT:-$RELEASE.*}"
 
+WORK="$(mktemp -d)"
+trap 'rm -rf "$WORK"' EXIT
 python -m pip download -q --no-deps --only-binary=:all: --platform manylinux2014_aarch64 -d "$WORK" \
   "nvidia-cuda-runtime==$RT" 2>&1 | grep -v "^WARNING" >&2 || true
 WHEEL="$(ls "$WORK"/nvidia_cuda_runtime-*.whl)"

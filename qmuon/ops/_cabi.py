@@ -67,6 +67,8 @@ class CAbiOps(CodecTwins):
         self.lib, self.kind = lib, kind
         self.cuda = kind == "cuda"
         self._needs_scratch = self.cuda  # e0m3 / grid keep a device-side max on CUDA (binding_4bit.h)
+        if not self.cuda:
+            self._run = self._run_cpu  # type: ignore[method-assign]
         P, I64, I32 = C.c_void_p, C.c_int64, C.c_int32
         s = [P] if self.cuda else []
 
@@ -105,19 +107,21 @@ class CAbiOps(CodecTwins):
     # -- launching ----------------------------------------------------------------------------
     def _run(self, f: Any, op: str, device: torch.device, *args: Any) -> None:
         """Call ``f(*args)`` (plus the current stream on CUDA, under a guard for ``device``); raise on an
-        error code."""
-        if self.cuda:
-            idx = device.index if device.index is not None else torch.cuda.current_device()
-            prev = torch.cuda.current_device()
+        error code. The CPU kind rebinds this to :meth:`_run_cpu` in ``__init__`` (no device branch per call)."""
+        idx = device.index if device.index is not None else torch.cuda.current_device()
+        prev = torch.cuda.current_device()
+        if prev != idx:
+            torch.cuda.set_device(idx)
+        try:
+            code = f(*args, self._raw_stream(idx))
+        finally:
             if prev != idx:
-                torch.cuda.set_device(idx)
-            try:
-                code = f(*args, self._raw_stream(idx))
-            finally:
-                if prev != idx:
-                    torch.cuda.set_device(prev)
-        else:
-            code = f(*args)
+                torch.cuda.set_device(prev)
+        if code != 0:
+            self._raise(op, code)
+
+    def _run_cpu(self, f: Any, op: str, device: torch.device, *args: Any) -> None:
+        code = f(*args)
         if code != 0:
             self._raise(op, code)
 
@@ -175,13 +179,7 @@ class CAbiOps(CodecTwins):
         for (cdt, gdt), ts in _grouped(keys, tensors):
             cd, gd = _DTYPE[cdt], _DTYPE[gdt]
             arr = C.byref(ts[0]) if len(ts) == 1 else (Q8Tensor * len(ts))(*ts)  # one matrix: no array copy
-            params = Q8Params(beta, int(nesterov), cd, gd, block_size)
-            if self.cuda:
-                self._run(self._q8, op, codes[0].device, arr, len(ts), params)
-            else:
-                code = self._q8(arr, len(ts), params)
-                if code:
-                    self._raise(op, code)
+            self._run(self._q8, op, codes[0].device, arr, len(ts), Q8Params(beta, int(nesterov), cd, gd, block_size))
         if w is not None and w.pairs:
             w.write_back()
 

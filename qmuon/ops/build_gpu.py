@@ -116,11 +116,12 @@ def find_nvcc(explicit: str | None = None) -> str | None:
     return shutil.which("nvcc")
 
 
-def nvcc_version(nvcc: str) -> str:
-    out = subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=True, timeout=60).stdout
+def cuda_release(tool: str) -> str:
+    """The CUDA release (``"12.4"``) an nvcc or ptxas belongs to, from its ``--version``."""
+    out = subprocess.run([tool, "--version"], capture_output=True, text=True, check=True, timeout=60).stdout
     m = re.search(r"release (\d+\.\d+)", out)
     if not m:
-        raise RuntimeError(f"cannot read the CUDA release from `{nvcc} --version`:\n{out}")
+        raise RuntimeError(f"cannot read the CUDA release from `{tool} --version`:\n{out}")
     return m.group(1)
 
 
@@ -156,14 +157,6 @@ def _run(cmd: list[str], what: str) -> None:
     p = subprocess.run(cmd, capture_output=True, text=True)
     if p.returncode != 0:
         raise RuntimeError(f"{what} failed (exit {p.returncode}):\n$ {' '.join(cmd)}\n{p.stdout}{p.stderr}")
-
-
-def ptxas_version(ptxas: str) -> str:
-    out = subprocess.run([ptxas, "--version"], capture_output=True, text=True, check=True, timeout=60).stdout
-    m = re.search(r"release (\d+\.\d+)", out)
-    if not m:
-        raise RuntimeError(f"cannot read the CUDA release from `{ptxas} --version`:\n{out}")
-    return m.group(1)
 
 
 def _with_extra_sass(commands: list[str], ptxas: str, archs: tuple[int, ...], workdir: str) -> list[str]:
@@ -229,7 +222,7 @@ def build(nvcc: str | None = None, archs: tuple[int, ...] | None = None, ptx: tu
     csrc = csrc or default_csrc()
     out_dir = out_dir or default_out_dir()
     cache = cache or default_cache()
-    version = nvcc_version(nvcc)
+    version = cuda_release(nvcc)
     major = int(version.split(".")[0])
     have = supported_codes(nvcc)
     if archs is None and ptx is None and not ptxas_archs:
@@ -255,7 +248,7 @@ def build(nvcc: str | None = None, archs: tuple[int, ...] | None = None, ptx: tu
     if extra:
         if not ptxas:
             raise RuntimeError("--ptxas-archs needs --ptxas (the ptxas that compiles the PTX for them)")
-        ptxas_release = ptxas_version(ptxas)
+        ptxas_release = cuda_release(ptxas)
     cross: list[str] = []
     if host and host != platform.machine():
         if host not in CROSS_HOSTS:
