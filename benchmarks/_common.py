@@ -139,7 +139,9 @@ def _git_state() -> str:
 
 def header_lines(title: str) -> list[str]:
     """Markdown header: how the file was produced and on what."""
-    cmd = " ".join(shlex.quote(a) for a in [Path(sys.executable).name, *sys.argv])
+    # The environment that caps the CPU's instruction set is part of the command (an AVX2-only emulation).
+    env = [f"{k}={os.environ[k]}" for k in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA") if os.environ.get(k)]
+    cmd = " ".join(shlex.quote(a) for a in [*env, Path(sys.executable).name, *sys.argv])
     try:
         import qmuon_lightning
 
@@ -157,7 +159,8 @@ def header_lines(title: str) -> list[str]:
         f"- torch {torch.__version__}, qmuon_lightning {qv} (`torch.ops.qmuon` backend: {backend}), "
         f"Python {platform.python_version()}",
         f"- source: {git}",
-        f"- machine: {cpu_name()}, {default_threads()} CPU(s) available, torch threads = {torch.get_num_threads()}",
+        f"- machine: {cpu_name()}, {default_threads()} CPU(s) available, torch threads = {torch.get_num_threads()}, "
+        f"ATen CPU capability {torch.backends.cpu.get_cpu_capability()}",
         "",
     ]
 
