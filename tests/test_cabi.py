@@ -168,7 +168,8 @@ def test_twin_signatures_match_the_ops():
     import inspect
 
     for name in _cabi.OP_NAMES:
-        want = list(inspect.signature(OPS[name].reference).parameters)
+        want = [p for p, v in inspect.signature(OPS[name].reference).parameters.items()
+                if v.default is inspect.Parameter.empty]
         params = inspect.signature(getattr(_cabi.CAbiOps, name)).parameters
         got = [p for p, v in params.items() if p != "self" and v.default is inspect.Parameter.empty]
         assert len(got) == len(want), (name, got, want)

@@ -80,6 +80,19 @@ def scalars_ok(ts: Sequence[Tensor], like: Sequence[Tensor]) -> bool:
     return all(scalar_ok(t, g.device) for t, g in zip(ts, like))
 
 
+#: dtypes of the ``skip`` flags the compiled kernels read (one byte per flag; nonzero skips).
+SKIP_DTYPES = (torch.bool, torch.uint8)
+
+
+def skip_ok(skip: Tensor | None, like: Tensor | Sequence[Tensor]) -> bool:
+    """The ``skip`` flags of a state-mutating op: none, or what the compiled kernels read: bool / uint8, one
+    flag per matrix of ``like`` (a list: a multi-tensor update) or one (``like`` a tensor: a single-matrix
+    op), on their device. Other flags (another dtype, count or device) run the reference, which checks them."""
+    if skip is None:
+        return True
+    return False  # the compiled kernels do not take flags yet
+
+
 def packed_ok(packed: Tensor, cols: int) -> bool:
     """uint8 ``(rows, ceil(cols / 2))``: the packed 4-bit codes of ``cols`` columns."""
     return packed.dim() == 2 and packed.dtype == torch.uint8 and cols >= 0 and (cols + 1) // 2 == packed.shape[1]

@@ -19,12 +19,17 @@ tensor. A stream of -1 means nearest rounding, anything else is the 32-bit stoch
 stream of that tensor. The multi-tensor updates return None and write their per-row-block sums of
 squares into the caller-allocated ``block_sumsq`` list (see :func:`empty_block_sumsq`): a mutating op
 that returned a Tensor[] could not be auto-functionalized (``torch.compile``, AOTAutograd).
+
+Every op that mutates optimizer state or weights takes a trailing ``skip`` (``Tensor? skip=None``): device-side
+flags, one per matrix of a multi-tensor update (a 1-D bool / uint8 tensor of ``len(grads)`` elements) or one
+for the single-matrix ops, that leave a flagged matrix entirely untouched (state, grad, ``block_sumsq``,
+weights) without any host read; the other matrices get exactly what a call without ``skip`` writes.
 """
 
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor
@@ -160,29 +165,43 @@ def _check_grads_2d(grads: list[Tensor], n: int, op: str) -> None:
         raise ValueError(f"qmuon::{op}: got {len(grads)} grads for {n} states")
 
 
+def _grads_device(grads: list[Tensor]) -> torch.device | None:
+    return grads[0].device if grads else None
+
+
 def _each_matrix(update_one: Callable[..., Tensor], op: str, states: tuple[list[Tensor], ...], grads: list[Tensor],
                  block_sumsq: list[Tensor], beta: float, nesterov: bool, block_size: int, streams: list[int],
-                 row_offsets: list[int], **per_matrix: list[Any]) -> None:
+                 row_offsets: list[int], skip: Optional[Tensor] = None, **per_matrix: list[Any]) -> None:
     """The reference of a multi-tensor update: ``update_one`` (the :mod:`.reference` /
     :mod:`.reference_4bit` update of one matrix) on every matrix, its block sums copied into the
-    caller's ``block_sumsq``. ``per_matrix`` lists become keyword arguments of ``update_one``."""
+    caller's ``block_sumsq``. ``per_matrix`` lists become keyword arguments of ``update_one``.
+    ``skip`` (one flag per matrix): a flagged matrix is updated as the others, then every tensor of it
+    (state, grad, block sums) gets its old bits back, selected on the device (no host read)."""
     for lst in (*states, streams, row_offsets, *per_matrix.values()):
         _check_grads_2d(grads, len(lst), op)
     _check_block_sumsq(block_sumsq, grads, block_size, op)
+    ref.check_skip(skip, len(grads), _grads_device(grads), op)
+    flags = ref.skip_flags(skip)
     for i, (g, out) in enumerate(zip(grads, block_sumsq)):
+        flag = None if flags is None else flags[i]
+        written = (*(st[i] for st in states), g, out)
+        saved = ref.snapshot(flag, written)
         out.copy_(update_one(*(st[i] for st in states), g, beta=beta, nesterov=nesterov, block_size=block_size,
                              stream=_stream(streams[i]), row_offset=row_offsets[i],
                              **{k: v[i] for k, v in per_matrix.items()}))
+        ref.restore(flag, written, saved)
 
 
 def _update_fake(op: QmuonOp) -> None:
     """The fake of a multi-tensor update: it returns None, after the reference's check of the
     ``block_sumsq`` outputs against the grads."""
     params = list(inspect.signature(op.reference).parameters)
-    i_grads, i_sums, i_bs = (params.index(p) for p in ("grads", "block_sumsq", "block_size"))
+    i_grads, i_sums, i_bs, i_skip = (params.index(p) for p in ("grads", "block_sumsq", "block_size", "skip"))
 
     def fake(*args: Any) -> None:
         _check_block_sumsq(args[i_sums], args[i_grads], args[i_bs], op.name)
+        ref.check_skip(args[i_skip] if len(args) > i_skip else None, len(args[i_grads]),
+                       _grads_device(args[i_grads]), op.name)
 
     op.register_fake(fake)
 
@@ -198,23 +217,26 @@ def q8_momentum_update_multi_(
     block_size: int,
     streams: list[int],
     row_offsets: list[int],
+    skip: Optional[Tensor] = None,
 ) -> None:
     """8-bit (int8 or uint8 codes) momentum update over many matrices.
 
     Overwrites every grad with its Newton-Schulz input and writes, per tensor, the fp32 sum of
     squares of that input for each row block into ``block_sumsq[i]`` (caller-allocated, fp32,
-    shaped like the tensor's absmax).
+    shaped like the tensor's absmax). ``skip`` (bool / uint8, ``len(grads)`` elements on the grads'
+    device): matrix ``i`` is not written at all (state, grad, ``block_sumsq[i]``) where ``skip[i]`` is
+    nonzero; the same for every multi-tensor update.
     """
     _each_matrix(ref.q8_momentum_update_, "q8_momentum_update_multi_", (codes, absmax), grads, block_sumsq, beta,
-                 nesterov, block_size, streams, row_offsets)
+                 nesterov, block_size, streams, row_offsets, skip)
 
 
 _update_fake(q8_momentum_update_multi_)
 
 
 @q8_momentum_update_multi_.compiled_when
-def _(codes, absmax, grads, block_sumsq, beta, nesterov, block_size, streams, row_offsets):
-    return (K.block_ok(block_size) and K.mats_ok(codes, K.CODE_DTYPES) and K.mats_ok(absmax, (torch.float32,))
+def _(codes, absmax, grads, block_sumsq, beta, nesterov, block_size, streams, row_offsets, skip=None):
+    return (K.skip_ok(skip, grads) and K.block_ok(block_size) and K.mats_ok(codes, K.CODE_DTYPES) and K.mats_ok(absmax, (torch.float32,))
             and K.grads_and_sums_ok(grads, block_sumsq))
 
 
@@ -228,18 +250,19 @@ def dense_momentum_update_multi_(
     block_size: int,
     streams: list[int],
     row_offsets: list[int],
+    skip: Optional[Tensor] = None,
 ) -> None:
     """fp32 / bf16 momentum update with the same contract as ``q8_momentum_update_multi_``."""
     _each_matrix(ref.dense_momentum_update_, "dense_momentum_update_multi_", (bufs,), grads, block_sumsq, beta,
-                 nesterov, block_size, streams, row_offsets)
+                 nesterov, block_size, streams, row_offsets, skip)
 
 
 _update_fake(dense_momentum_update_multi_)
 
 
 @dense_momentum_update_multi_.compiled_when
-def _(bufs, grads, block_sumsq, beta, nesterov, block_size, streams, row_offsets):
-    return (K.block_ok(block_size) and K.lists_ok(len(grads), bufs) and K.mats_ok(bufs, K.DENSE_BUF_DTYPES)
+def _(bufs, grads, block_sumsq, beta, nesterov, block_size, streams, row_offsets, skip=None):
+    return (K.skip_ok(skip, grads) and K.block_ok(block_size) and K.lists_ok(len(grads), bufs) and K.mats_ok(bufs, K.DENSE_BUF_DTYPES)
             and K.grads_and_sums_ok(grads, block_sumsq)
             and (not bufs or K.dense_matches_torch(bufs[0].device)))  # fp32 must stay torch.optim.Muon's lerp
 
@@ -487,19 +510,20 @@ def int4_momentum_update_multi_(
     block_size: int,
     streams: list[int],
     row_offsets: list[int],
+    skip: Optional[Tensor] = None,
 ) -> None:
     """int4 momentum update (same contract as ``q8_momentum_update_multi_``; ``block_sumsq`` is
     shaped ``(rows, ceil(cols / block_size))`` of each grad)."""
     _each_matrix(ref4.int4_momentum_update_, "int4_momentum_update_multi_", (packed, absmax), grads, block_sumsq,
-                 beta, nesterov, block_size, streams, row_offsets)
+                 beta, nesterov, block_size, streams, row_offsets, skip)
 
 
 _update_fake(int4_momentum_update_multi_)
 
 
 @int4_momentum_update_multi_.compiled_when
-def _(packed, absmax, grads, block_sumsq, beta, nesterov, block_size, streams, row_offsets):
-    return (K.int4_block_ok(block_size) and K.lists_ok(len(grads), packed, absmax)
+def _(packed, absmax, grads, block_sumsq, beta, nesterov, block_size, streams, row_offsets, skip=None):
+    return (K.skip_ok(skip, grads) and K.int4_block_ok(block_size) and K.lists_ok(len(grads), packed, absmax)
             and K.mats_ok(packed, (torch.uint8,)) and K.mats_ok(absmax, (torch.float32,))
             and K.grads_and_sums_ok(grads, block_sumsq))
 
@@ -516,10 +540,11 @@ def e0m3_momentum_update_multi_(
     block_size: int,
     streams: list[int],
     row_offsets: list[int],
+    skip: Optional[Tensor] = None,
 ) -> None:
     """e0m3 momentum update; ``block_size`` only sets the granularity of ``block_sumsq``."""
     _each_matrix(ref4.e0m3_momentum_update_, "e0m3_momentum_update_multi_", (packed, scales, tensor_scales), grads,
-                 block_sumsq, beta, nesterov, block_size, streams, row_offsets)
+                 block_sumsq, beta, nesterov, block_size, streams, row_offsets, skip)
 
 
 _update_fake(e0m3_momentum_update_multi_)
@@ -533,8 +558,8 @@ def _e0m3_state_ok(packed, scales, tensor_scales, grads) -> bool:
 
 @e0m3_momentum_update_multi_.compiled_when
 def _e0m3_update_ok(packed, scales, tensor_scales, grads, block_sumsq, beta, nesterov, block_size, streams,
-                    row_offsets):
-    return (K.e0m3_block_ok(block_size) and _e0m3_state_ok(packed, scales, tensor_scales, grads)
+                    row_offsets, skip=None):
+    return (K.skip_ok(skip, grads) and K.e0m3_block_ok(block_size) and _e0m3_state_ok(packed, scales, tensor_scales, grads)
             and K.grads_and_sums_ok(grads, block_sumsq))
 
 
@@ -585,13 +610,14 @@ def e0m3_momentum_update_with_scale_multi_(
     block_size: int,
     streams: list[int],
     row_offsets: list[int],
+    skip: Optional[Tensor] = None,
 ) -> None:
     """``e0m3_momentum_update_multi_`` encoding with the given tensor scales (one-element fp32 tensors)
     instead of the ones computed from the matrices; the old state is decoded with ``tensor_scales[i]``
     as it is at the call, which afterwards holds ``new_tensor_scales[i]``."""
     _each_matrix(ref4.e0m3_momentum_update_, "e0m3_momentum_update_with_scale_multi_",
                  (packed, scales, tensor_scales), grads, block_sumsq, beta, nesterov, block_size, streams, row_offsets,
-                 new_tensor_scale=new_tensor_scales)
+                 skip, new_tensor_scale=new_tensor_scales)
 
 
 _update_fake(e0m3_momentum_update_with_scale_multi_)
@@ -599,9 +625,9 @@ _update_fake(e0m3_momentum_update_with_scale_multi_)
 
 @e0m3_momentum_update_with_scale_multi_.compiled_when
 def _(packed, scales, tensor_scales, new_tensor_scales, grads, block_sumsq, beta, nesterov, block_size, streams,
-      row_offsets):
+      row_offsets, skip=None):
     return (_e0m3_update_ok(packed, scales, tensor_scales, grads, block_sumsq, beta, nesterov, block_size, streams,
-                            row_offsets)
+                            row_offsets, skip)
             and K.lists_ok(len(grads), new_tensor_scales) and K.scalars_ok(new_tensor_scales, grads))
 
 

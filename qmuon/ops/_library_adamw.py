@@ -12,10 +12,13 @@ reference is :func:`.reference_adamw.adamw_q_update_`; the compiled twins are
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import Tensor
 
 from . import _kernels as K
+from . import reference as ref
 from . import reference_adamw as refa
 __all__: list[str] = []
 
@@ -39,19 +42,27 @@ def adamw_q_update_(
     block_size: int,
     stream: int,
     index0: int,
+    skip: Optional[Tensor] = None,
 ) -> None:
     """Quantized AdamW moment step of ``grad``'s rows; writes the fp32 update into ``update``
-    (see :func:`qmuon.ops.reference_adamw.adamw_q_update_`)."""
+    (see :func:`qmuon.ops.reference_adamw.adamw_q_update_`). ``skip``: a one-element bool / uint8 tensor on
+    ``grad``'s device; nonzero leaves the moments and ``update`` untouched (no host read)."""
     _check(grad, m_codes, m_scale, v_codes, v_scale, update, m_kind, v_kind, block_size)
     if stream >= 1 << 32 or index0 < 0:
         raise ValueError(f"adamw_q_update_: stream must be < 2**32 (or < 0: nearest) and index0 >= 0, got {stream}, "
                          f"{index0}")
+    ref.check_skip(skip, None, grad.device, "adamw_q_update_")
+    flag = ref.skip_flags(skip)
+    written = (m_codes, m_scale, v_codes, v_scale, update)
+    saved = ref.snapshot(None if flag is None else flag[0], written)
     refa.adamw_q_update_(grad, m_codes, m_scale, v_codes, v_scale, update, beta1, beta2, eps, neg_step_size,
                          bias_correction2_sqrt, m_kind, v_kind, block_size, stream, index0)
+    ref.restore(None if flag is None else flag[0], written, saved)
 
 
 def fake(grad, m_codes, m_scale, v_codes, v_scale, update, beta1, beta2, eps, neg_step_size, bias_correction2_sqrt,
-      m_kind, v_kind, block_size, stream, index0):
+      m_kind, v_kind, block_size, stream, index0, skip=None):
+    ref.check_skip(skip, None, grad.device, "adamw_q_update_")
     return None
 
 
@@ -87,7 +98,7 @@ def _rows_ok(t: Tensor) -> bool:
 
 
 def supported(grad, m_codes, m_scale, v_codes, v_scale, update, beta1, beta2, eps, neg_step_size, bias_correction2_sqrt,
-      m_kind, v_kind, block_size, stream, index0):
+      m_kind, v_kind, block_size, stream, index0, skip=None):
     ts = (grad, m_codes, m_scale, v_codes, v_scale, update)
-    return (K.block_ok(block_size) and grad.dtype in K.GRAD_DTYPES and all(_rows_ok(t) for t in ts)
+    return (K.skip_ok(skip, grad) and K.block_ok(block_size) and grad.dtype in K.GRAD_DTYPES and all(_rows_ok(t) for t in ts)
             and all(t.device == grad.device for t in ts))

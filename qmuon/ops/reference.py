@@ -45,6 +45,9 @@ per-parameter key (see :func:`noise_stream`).
 
 from __future__ import annotations
 
+import math
+import struct
+
 import torch
 from torch import Tensor
 
@@ -153,6 +156,62 @@ def block_sumsq(x: Tensor, block_size: int) -> Tensor:
     return (xb * xb).sum(dim=-1)
 
 
+# ----------------------------------------------------------------------------- skip flags
+# The state-mutating ops take an optional ``skip``: device-side flags (one per matrix) that leave a flagged
+# matrix's tensors untouched, so that an optimizer can act on a non-finite gradient without reading a flag
+# back to the host. The references run the update as without flags and then restore, bit for bit, what a
+# flagged matrix held (a select on the device, no host read).
+def check_skip(skip: Tensor | None, n: int | None, device: torch.device | None, op: str) -> None:
+    """Raise ``ValueError`` (before anything is written) unless ``skip`` is None or holds ``n`` flags (one per
+    matrix of a multi-tensor update; ``n`` None: one flag, a single-matrix op) on ``device`` (None: any).
+    The flags may have any dtype here (nonzero skips); the compiled kernels take bool or uint8."""
+    if skip is None:
+        return
+    want = 1 if n is None else n
+    if skip.numel() == want and (device is None or skip.device == device):
+        return
+    where = "" if device is None else f" on {device}"
+    if n is None:
+        raise ValueError(
+            f"qmuon::{op}: skip must be a one-element tensor{where}, got {skip.numel()} element(s) on {skip.device}; "
+            "pass a bool or uint8 tensor of shape (1,) on the device of the op's tensors (nonzero: the call writes "
+            "nothing), or skip=None")
+    raise ValueError(
+        f"qmuon::{op}: skip must hold one flag per matrix ({n}){where}, got {skip.numel()} element(s) on "
+        f"{skip.device}; pass a bool or uint8 tensor of shape ({n},) on the matrices' device (nonzero leaves that "
+        "matrix untouched), or skip=None")
+
+
+def skip_flags(skip: Tensor | None) -> Tensor | None:
+    """``skip`` as a flat bool tensor (on its device; nonzero: skip), or None."""
+    return None if skip is None else skip.reshape(-1) != 0
+
+
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _bits_view(t: Tensor) -> Tensor:
+    """``t`` viewed as integers of its element size (a view of any strides: same-size dtypes)."""
+    dtype = _INT_OF_SIZE[t.element_size()]
+    return t if t.dtype == dtype else t.view(dtype)
+
+
+def snapshot(flag: Tensor | None, tensors: tuple[Tensor, ...]) -> list[Tensor] | None:
+    """Copies of ``tensors`` (their bits) to :func:`restore` from, or None without a flag."""
+    return None if flag is None else [t.clone() for t in tensors]
+
+
+def restore(flag: Tensor | None, tensors: tuple[Tensor, ...], saved: list[Tensor] | None) -> None:
+    """``t <- saved where flag`` for each tensor (``flag``: a 0-d bool tensor on their device), bit for bit
+    (a select on integer views: NaN payloads survive); nothing without a flag."""
+    if flag is None or saved is None:
+        return
+    for t, old in zip(tensors, saved):
+        if t.numel():
+            bits = _bits_view(t)
+            bits.copy_(torch.where(flag, _bits_view(old), bits))
+
+
 def _momentum_and_ns_input(m_old: Tensor, grad32: Tensor, beta: float, nesterov: bool) -> tuple[Tensor, Tensor]:
     """Muon's momentum convention (identical to ``torch.optim.Muon``)::
 
@@ -165,8 +224,12 @@ def _momentum_and_ns_input(m_old: Tensor, grad32: Tensor, beta: float, nesterov:
 
 
 def _fp32(x: float) -> float:
-    """``x`` rounded to the nearest fp32 value (as a Python float)."""
-    return torch.tensor(x, dtype=torch.float32).item()
+    """``x`` rounded to the nearest fp32 value (as a Python float; ``struct`` rounds to nearest even,
+    as ``torch.tensor(x, dtype=torch.float32)`` does, without making a tensor to read back)."""
+    try:
+        return struct.unpack("f", struct.pack("f", x))[0]
+    except OverflowError:  # rounds to +-inf in fp32
+        return math.copysign(math.inf, x)
 
 
 def _lerp_fp32(start: Tensor, end: Tensor, weight: float) -> Tensor:
