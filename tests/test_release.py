@@ -274,8 +274,12 @@ def test_nonfinite_raise_and_max_skips_raise_inside_backward() -> None:
     _poison(m, "up.weight", {0, 1}, counter)
     _count_steps(opt, counter)
     train(m, opt, range(1))
+    before = m.up.weight.detach().clone()
+    train(m, opt, range(1, 2))  # the second skip in a row passes the limit: read by the next step
+    assert torch.equal(m.up.weight, before)
     with pytest.raises(qmuon.NonFiniteGradientError, match="max_nonfinite_skips=1"):
-        train(m, opt, range(1, 2))
+        train(m, opt, range(2, 3))  # raised in the first hook of backward, before anything changes
+    assert torch.equal(m.up.weight, before)
 
 
 # ----------------------------------------------------------------------------------- what cannot combine

@@ -72,7 +72,8 @@ def _row_view(t: Tensor, rows: int) -> Tensor:
 
 def adamw_param_step(p_local: Tensor, grad: Tensor, state: dict[str, Tensor], group: dict[str, Any], *,
                      global_shape: Sequence[int], key: int = 0, row_offset: int = 0,
-                     first_index: int | None = None, chunk_elements: int = DEFAULT_CHUNK_ELEMENTS) -> None:
+                     first_index: int | None = None, chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
+                     skip: Tensor | None = None) -> None:
     """One AdamW step of one parameter (``p_local``, ``grad``, ``state``: local tensors; for a
     ``Shard(0)`` parameter its rows, starting at global row ``row_offset``).
 
@@ -85,9 +86,13 @@ def adamw_param_step(p_local: Tensor, grad: Tensor, state: dict[str, Tensor], gr
     ``group``: ``lr``, ``betas``, ``eps``, ``weight_decay``, ``state_format`` (the family) and,
     optionally, ``bf16_update``, ``rounding`` and ``seed`` (the rounding rule of low-precision weights,
     that of quantized moments, ``"nearest"`` or ``"stochastic"``, and the seed of their noise, keyed
-    by the parameter ``key`` and the step; the two draw distinct streams)."""
+    by the parameter ``key`` and the step; the two draw distinct streams).
+
+    ``skip``: None, or the parameter's one-element device flag; when True the weights and moments are
+    left bit-identical (the step counter still advances: the optimizer rolls it back when it reads the
+    flag, :mod:`qmuon.optim.nonfinite`)."""
     lr, wd, eps = float(group["lr"]), float(group["weight_decay"]), float(group["eps"])
-    beta1, beta2 = (float(b) for b in group["betas"])
+    beta1, beta2 = float(group["betas"][0]), float(group["betas"][1])
     m_fmt, v_fmt = qadamw.moment_formats(group["state_format"], global_shape)
     state["step"] += 1
     step = float(state["step"].item())
@@ -114,7 +119,7 @@ def adamw_param_step(p_local: Tensor, grad: Tensor, state: dict[str, Tensor], gr
         update = buf[: r1 - r0]
         qadamw.update_rows(m_fmt, v_fmt, state, r0, r1, g2d[r0:r1], update, beta1=beta1, beta2=beta2, eps=eps,
                            neg_step_size=neg_step_size, bias_correction2_sqrt=bc2_sqrt, stream=stream,
-                           index0=first + r0 * cols)
+                           index0=first + r0 * cols, skip=skip)
         wstate = {k: _row_view(state[k], rows)[r0:r1] for k in weight_keys if k in state}
         apply_update_(p2d[r0:r1], update, alpha=1.0, decay=decay, bf16_update=rule, state=wstate or None,
-                      rng=(seed, key, int(step), first + r0 * cols), cautious=cautious)
+                      rng=(seed, key, int(step), first + r0 * cols), cautious=cautious, skip=skip)

@@ -177,7 +177,14 @@ def block_rng(rng: Rng | None, whole: Tensor, block: Tensor) -> Rng | None:
     if rng is None:
         return None
     seed, key, step, first = rng
-    return (seed, key, step, first + block.storage_offset() - whole.storage_offset())
+    return (seed, key, step, first + _offset_in(block, whole))
+
+
+@torch.compiler.assume_constant_result
+def _offset_in(block: Tensor, whole: Tensor) -> int:
+    """Elements from ``whole``'s first to ``block``'s first element in their storage: a constant of the
+    parameter's layout (so a compiled step takes it as one instead of breaking its graph on it)."""
+    return block.storage_offset() - whole.storage_offset()
 
 
 def _view_2d(t: Tensor) -> Tensor | None:
@@ -193,7 +200,7 @@ def _view_2d(t: Tensor) -> Tensor | None:
 
 def apply_update_(param: Tensor, update: Tensor, *, alpha: float, decay: float = 1.0,
                   bf16_update: str = "nearest", state: dict[str, Any] | None = None,
-                  rng: Rng | None = None, cautious: bool = False) -> None:
+                  rng: Rng | None = None, cautious: bool = False, skip: Tensor | None = None) -> None:
     """``param <- decay * param + alpha * update`` in place.
 
     Args:
@@ -212,6 +219,9 @@ def apply_update_(param: Tensor, update: Tensor, *, alpha: float, decay: float =
             draws the bits of global index ``first + r * stride(0) + c``: its flat position in
             the (unsharded, contiguous) parameter when ``first`` is the position of ``param[0]``
             (:func:`block_rng` shifts it for a sub-block).
+        skip: None, or a one-element bool tensor on ``param``'s device: when True nothing is written
+            (``param`` and ``state`` stay bit-identical; ``update`` may hold NaN). Decided on the
+            device, never read on the host.
     """
     _check_rule(bf16_update)
     if cautious and decay != 1.0:
@@ -220,7 +230,9 @@ def apply_update_(param: Tensor, update: Tensor, *, alpha: float, decay: float =
         # multiply, so a bf16 weight takes one extra rounding for it.
         u = update.reshape(param.shape).to(param.dtype)
         agree = (param * u) >= 0 if alpha < 0 else (param * u) <= 0
-        param.mul_(torch.where(agree, decay, 1.0).to(param.dtype))
+        if skip is not None:
+            agree = agree & ~skip.reshape(())
+        param.mul_(torch.where(agree, decay, 1.0).to(param.dtype))  # x * 1.0 == x: a skip stays exact
         decay = 1.0
     if param.dtype == torch.float32:
         p2 = _view_2d(param)
@@ -228,12 +240,17 @@ def apply_update_(param: Tensor, update: Tensor, *, alpha: float, decay: float =
             # One pass over the weights, the update read as it is (a transposed NS output, bf16):
             # torch's mul_ + add_ arithmetic bit for bit (ops.reference_weight.fp32_weight_update_).
             u2 = update if update.shape == p2.shape else update.reshape(p2.shape)
-            torch.ops.qmuon.fp32_weight_update_(p2, u2, alpha, decay)
+            torch.ops.qmuon.fp32_weight_update_(p2, u2, alpha, decay, skip)
             return
     if param.dtype == torch.float32 or param.dtype == torch.float64:
-        if decay != 1.0:
-            param.mul_(decay)
-        param.add_(update.reshape(param.shape), alpha=alpha)
+        if skip is None:
+            if decay != 1.0:
+                param.mul_(decay)
+            param.add_(update.reshape(param.shape), alpha=alpha)
+            return
+        new = param.mul(decay) if decay != 1.0 else param.clone()
+        new.add_(update.reshape(param.shape), alpha=alpha)
+        param.copy_(torch.where(skip.reshape(()), param, new))
         return
     if _recorder is not None:
         master = param.float()
@@ -241,13 +258,14 @@ def apply_update_(param: Tensor, update: Tensor, *, alpha: float, decay: float =
             fmt = qstate.weight_format(bf16_update)
             if fmt is not None:
                 master = fmt.master_weight(param, state)
-        _recorder.add(param, master * decay + update.reshape(param.shape).float() * alpha)
+        new_master = master * decay + update.reshape(param.shape).float() * alpha
+        _recorder.add(param, new_master if skip is None else torch.where(skip.reshape(()), master, new_master))
     if not writes_rounded(param):
         if bf16_update != "nearest":
             raise ValueError(f"bf16_update={bf16_update!r} applies to bf16 parameters; a {param.dtype} parameter "
                              "supports 'nearest' only (keep fp16 weights with an fp32 master, e.g. mixed precision)")
-        new = param.float() * decay + update.reshape(param.shape).float() * alpha
-        param.copy_(new)
+        new = (param.float() * decay + update.reshape(param.shape).float() * alpha).to(param.dtype)
+        param.copy_(new if skip is None else torch.where(skip.reshape(()), param, new))
         return
     p2 = _view_2d(param)
     work = p2 if p2 is not None else param.contiguous().view(param.shape[0] if param.dim() else 1, -1)
@@ -264,15 +282,15 @@ def apply_update_(param: Tensor, update: Tensor, *, alpha: float, decay: float =
                 raise ValueError(f"apply_update_: {k} of shape {tuple(state[k].shape)} does not match the "
                                  f"parameter block {tuple(param.shape)}")
             views[k] = s2
-        fmt.apply_(work, u2, views, alpha=alpha, decay=decay)
+        fmt.apply_(work, u2, views, alpha=alpha, decay=decay, skip=skip)
     elif bf16_update == "stochastic":
         if rng is None:
             raise ValueError("apply_update_: bf16_update='stochastic' needs rng=(seed, key, step, first_index)")
         seed, key, step, first = (int(x) for x in rng)
         stream = refw.weight_noise_stream(seed, key, step)
         row_stride = work.stride(0) if work.shape[0] > 1 else work.shape[1]
-        torch.ops.qmuon.bf16_weight_update_(work, u2, alpha, decay, stream, first, row_stride)
+        torch.ops.qmuon.bf16_weight_update_(work, u2, alpha, decay, stream, first, row_stride, skip)
     else:
-        torch.ops.qmuon.bf16_weight_update_(work, u2, alpha, decay, -1, 0, 0)
+        torch.ops.qmuon.bf16_weight_update_(work, u2, alpha, decay, -1, 0, 0, skip)
     if p2 is None:
         param.copy_(work.view(param.shape))

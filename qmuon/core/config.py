@@ -180,10 +180,12 @@ class Safety:
 
     Args:
         nonfinite: ``"skip"`` (leave a parameter and its state untouched for a step whose gradient
-            holds NaN / Inf; counted in ``QMuon.nonfinite_skips``) or ``"raise"``.
+            holds NaN / Inf, decided on the device; counted in ``QMuon.nonfinite_skips``) or ``"raise"``
+            (a debugging policy: the step reads the flags back, so it waits for the device).
         max_nonfinite_skips: ``None`` (unlimited) or the most steps in a row one parameter's update
-            may be skipped; one more raises :class:`~qmuon.NonFiniteGradientError` naming the
-            parameters, before anything changes. A finite update resets the count.
+            may be skipped; the next step (the flags are read one step late) raises
+            :class:`~qmuon.NonFiniteGradientError` naming the parameters, before it changes anything.
+            A finite update resets the count.
         release_clip_norm: with ``gradient_release=True``, per-parameter L2 clipping of the AdamW
             groups' gradients (global-norm clipping cannot combine with release).
     """

@@ -62,6 +62,8 @@ class RowMoment:
     v: Tensor
     beta2: float = NORMUON_BETA2
     eps: float = NORMUON_EPS
+    #: The parameter's 0-d device skip flag (True: ``v`` is left as it is), or None.
+    skip: Tensor | None = None
 
 
 def normuon_scale(out: Tensor, moment: RowMoment) -> Tensor:
@@ -78,7 +80,10 @@ def normuon_scale(out: Tensor, moment: RowMoment) -> Tensor:
     cols = u.shape[1]
     mean_sq = u.square().mean(dim=1)
     norm = (mean_sq.sum() * cols).sqrt()
-    moment.v.lerp_(mean_sq, 1.0 - moment.beta2)
+    if moment.skip is None:
+        moment.v.lerp_(mean_sq, 1.0 - moment.beta2)
+    else:  # a skipped step leaves v bit-identical (selected on the device)
+        moment.v.copy_(torch.where(moment.skip, moment.v, moment.v.lerp(mean_sq, 1.0 - moment.beta2)))
     inv = (moment.v.sqrt() + moment.eps).reciprocal()
     norm_new = (mean_sq.mul(inv.square()).sum() * cols).sqrt().clamp_min(moment.eps)
     scale = inv * (norm / norm_new)

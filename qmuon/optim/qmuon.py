@@ -17,7 +17,6 @@ import dataclasses
 
 import logging
 import math
-from collections import defaultdict
 from typing import Any, Callable, Iterable
 
 import torch
@@ -41,6 +40,7 @@ from ..core.variants import NORMUON_STATE, RowMoment, part_row_moment, row_momen
 from ..quant import state as qstate
 from ..quant.layout import global_row_offset, shard_state
 from .groups import QMuonGroupsMixin
+from .nonfinite import NonFiniteGradientError, NonFiniteLedger, StepSkips
 from .qmuon_state import FORMAT_VERSION, QMuonStateMixin
 
 __all__ = ["QMuon", "FORMAT_VERSION", "NonFiniteGradientError"]
@@ -53,18 +53,6 @@ DEFAULT_NS_COEFFICIENTS = MUON_COEFFICIENTS
 
 #: ``QMuon.update_sink(param, part, out)``: receives a Muon update instead of it being applied.
 UpdateSink = Callable[[Tensor, MatrixPart, Tensor], None]
-
-
-class NonFiniteGradientError(FloatingPointError):
-    """Parameters whose gradient stayed non-finite for more optimizer steps in a row than
-    ``max_nonfinite_skips`` allows (their updates were skipped each time)."""
-
-    def __init__(self, message: str, params: list[str], streak: int) -> None:
-        super().__init__(message)
-        #: Names (or group / index labels) of the parameters over the limit.
-        self.params = params
-        #: Their number of skipped steps in a row, this one included.
-        self.streak = streak
 
 
 #: Attributes a copy does not take (caches rebuilt by ``_reset_caches``; torch's hook tables and
@@ -153,21 +141,15 @@ class QMuon(QMuonGroupsMixin, QMuonStateMixin, Optimizer):
         self.comm_bytes_last_step = 0
         #: Per-step communication figures for logging (empty until a sharded step ran).
         self.comm_stats: dict[str, float] = {}
-        #: Parameter updates skipped because their gradient was not finite (``nonfinite="skip"``).
-        self.nonfinite_skips = 0
-        #: Optimizer steps in which at least one parameter update was skipped (non-finite gradient).
-        self.nonfinite_skipped_steps = 0
-        #: The longest run of consecutive skipped steps of any one parameter so far.
-        self.nonfinite_max_consecutive = 0
         self.max_nonfinite_skips = config.safety.max_nonfinite_skips
-        self._nonfinite_streak: dict[tuple[int, int], int] = {}
+        #: The non-finite skips, decided on the device and read one step late (:mod:`.nonfinite`).
+        self._nonfinite = NonFiniteLedger(self._key_label, self._max_skips)
         #: When set, Muon updates of plain (non-sharded) parameters are handed to it instead of
         #: being applied (weight decay is still applied): a driver that applies them elsewhere (the
         #: DeepSpeed integration sends them to the ranks holding the parameter's slices).
         self.update_sink: UpdateSink | None = None
         self._adamw_defaults = config.adamw_group_defaults()
         self._reset_caches()
-        self._skipped_in_step = False
         self._step_comm: list[dict[str, float]] = []
         #: The gradient-release driver stepping this optimizer inside backward, when one is attached
         #: (:func:`qmuon.optim.release.attach_gradient_release`); ``None`` otherwise.
@@ -290,6 +272,10 @@ class QMuon(QMuonGroupsMixin, QMuonStateMixin, Optimizer):
         ``comm_stats``) is closed by :meth:`step`.
         """
         if not self._layout_fresh:  # once per optimizer step (see __init__)
+            # the previous step's skip flags, copied to the host a step ago: roll back the step counters
+            # of skipped parameters and enforce max_nonfinite_skips before anything changes
+            if not torch.compiler.is_compiling():  # a compiled step settles outside its graph (compile_step)
+                self._nonfinite.settle()
             self._index = None
             self._sharded_step()
             shapes = []
@@ -311,13 +297,14 @@ class QMuon(QMuonGroupsMixin, QMuonStateMixin, Optimizer):
             sharded = None  # only plain parameters: nothing collective
         if sharded is not None:
             sharded.begin()
-        updatable = self._updatable_params(sharded, keys)  # raises before anything changes (nonfinite="raise")
+        # raises before anything changes (nonfinite="raise")
+        updatable, skips = self._updatable_params(sharded, keys)
         items: list[NSItem] = []
         for gi, (group, idx) in enumerate(zip(self.param_groups, updatable)):
             if group["use_muon"]:
-                self._muon_group_step(gi, idx, items, sharded)
+                self._muon_group_step(gi, idx, items, sharded, skips)
             elif idx:
-                self._adamw_step(gi, group, idx)
+                self._adamw_step(gi, group, idx, skips)
         # A call for some parameters only (gradient release: one parameter per call) does not pad
         # its batches: padding would multiply its NS work by the step's batch size.
         sizes = self._batch_sizes if params is None else dataclasses.replace(self._batch_sizes, pad=False)
@@ -325,6 +312,9 @@ class QMuon(QMuonGroupsMixin, QMuonStateMixin, Optimizer):
         if sharded is not None:
             # distributed Newton-Schulz (collective: every rank, same items)
             self._step_comm.append(sharded.finish(sizes))
+        if skips.flags is not None:
+            self._nonfinite.record(skips.keys, skips.flags,
+                                   [self.state[self.param_groups[gi]["params"][i]].get("step") for gi, i in skips.keys])
 
     def _keys_of(self, params: Iterable[Tensor] | None) -> list[tuple[int, int]]:
         """``(group, index)`` of ``params`` in group order (every parameter when None)."""
@@ -345,9 +335,8 @@ class QMuon(QMuonGroupsMixin, QMuonStateMixin, Optimizer):
         """Close one optimizer step: count it as skipped when a parameter update was skipped in it,
         and publish the step's communication figures (summed over the calls of the step)."""
         self._layout_fresh = False
-        if self._skipped_in_step:
-            self.nonfinite_skipped_steps += 1
-            self._skipped_in_step = False
+        if not torch.compiler.is_compiling():  # a compiled step stages outside its graph (compile_step)
+            self._nonfinite.end_step()  # its flags go to the host asynchronously; read by the next step
         if self._step_comm:
             from ..distributed.orthogonalize import merge_comm_stats
 
@@ -375,10 +364,15 @@ class QMuon(QMuonGroupsMixin, QMuonStateMixin, Optimizer):
             self._sharded = (sig, ShardedStep(self.param_groups, self.comm_carrier, self.comm_return))
         return self._sharded[1]
 
-    def _updatable_params(self, sharded: Any, keys: list[tuple[int, int]]) -> list[list[int]]:
-        """Per group, indices of the parameters ``keys`` with a finite gradient (one fused reduction
-        over their gradients and one host sync). With ``nonfinite="raise"`` in any group that holds
-        a bad gradient, raises before any of these parameters or their state changes."""
+    def _updatable_params(self, sharded: Any, keys: list[tuple[int, int]]) -> tuple[list[list[int]], StepSkips]:
+        """Per group, indices of the parameters ``keys`` that hold a gradient, and their skip flags.
+
+        One fused reduction over the gradients decides, on the device, which are not finite
+        (:func:`~qmuon.core.pipeline.finite_mask`); the kernels read those flags and leave a flagged
+        parameter and its state untouched, and the host reads them one step late
+        (:mod:`.nonfinite`). Two cases read them now instead: a group with ``nonfinite="raise"``
+        (it must raise before anything changes), and sharded steps and update sinks, whose ranks
+        agree on the skipped parameters and leave them out."""
         where: list[tuple[int, int]] = []
         grads: list[Tensor] = []
         for gi, i in keys:
@@ -390,63 +384,82 @@ class QMuon(QMuonGroupsMixin, QMuonStateMixin, Optimizer):
             where.append((gi, i))
             grads.append(local(p.grad))
         out: list[list[int]] = [[] for _ in self.param_groups]
-        finite = pipeline.finite_flags(grads)
-        if sharded is not None:  # one all-reduce: every rank skips / updates the same sharded parameters
-            where, finite = sharded.agree_on_updates(where, finite, keys)
-        bad_by_policy: dict[str, list[str]] = defaultdict(list)
-        streaks = self._nonfinite_streak
-        over: list[str] = []
+        if not grads:
+            return out, StepSkips()
+        if sharded is not None or self.update_sink is not None:
+            finite = pipeline.finite_flags(grads)
+            if sharded is not None:  # one all-reduce: every rank skips / updates the same sharded parameters
+                where, finite = sharded.agree_on_updates(where, finite, keys)
+            self._raise_policy(where, finite)
+            for (gi, i), ok in zip(where, finite):
+                if ok:
+                    out[gi].append(i)
+            self._nonfinite.record_read(where, [not ok for ok in finite])
+            return out, StepSkips()
+        skip = ~pipeline.finite_mask(grads)
+        if any(self.param_groups[gi].get("nonfinite", "skip") == "raise" for gi, _ in where):
+            self._raise_policy(where, [not s for s in skip.tolist()])  # the debugging policy reads the flags
+        for gi, i in where:
+            out[gi].append(i)
+        return out, StepSkips(where, skip)
+
+    def _raise_policy(self, where: list[tuple[int, int]], finite: list[bool]) -> None:
+        """``nonfinite="raise"``: raise before any parameter or state changes when a gradient of such a
+        group is not finite."""
+        bad = {"raise": [], "skip": []}
         for (gi, i), ok in zip(where, finite):
-            if ok:
-                out[gi].append(i)
-                streaks.pop((gi, i), None)  # a finite update ends the parameter's run of skips
-                continue
-            group = self.param_groups[gi]
-            label = self._param_label(gi, i)
-            policy = group.get("nonfinite", "skip")
-            bad_by_policy[policy].append(label)
-            if policy == "skip":
-                streaks[(gi, i)] = n = streaks.get((gi, i), 0) + 1
-                self.nonfinite_max_consecutive = max(self.nonfinite_max_consecutive, n)
-                if self.max_nonfinite_skips is not None and n > self.max_nonfinite_skips:
-                    over.append(label)
-        if bad_by_policy.get("raise"):
+            if not ok:
+                bad[self.param_groups[gi].get("nonfinite", "skip")].append(self._param_label(gi, i))
+        if bad["raise"]:
             raise FloatingPointError(
-                f"QMuon: non-finite gradient in {', '.join(bad_by_policy['raise'] + bad_by_policy['skip'])}; "
+                f"QMuon: non-finite gradient in {', '.join(bad['raise'] + bad['skip'])}; "
                 "no parameter or optimizer state was changed. Use nonfinite='skip' to skip such updates, "
                 "or check the loss scale / learning rate"
             )
-        if over:
-            n = max(streaks.values())
-            raise NonFiniteGradientError(
-                f"QMuon: the gradient of {', '.join(over)} was non-finite (NaN/Inf) for {n} optimizer steps in a row, "
-                f"more than max_nonfinite_skips={self.max_nonfinite_skips}; training stops here (this step changed no "
-                "parameter or optimizer state). Fix: lower the learning rate, enable or tighten gradient clipping, "
-                "check the loss scale (fp16) and the data of the last steps for NaN/Inf; raise max_nonfinite_skips "
-                "(or set it to None) only if such runs recover", over, n)
-        if bad_by_policy.get("skip"):
-            self.nonfinite_skips += len(bad_by_policy["skip"])
-            self._skipped_in_step = True  # counted once per step by _end_step
-            log.warning("QMuon: skipped update of %s (non-finite gradient)", ", ".join(bad_by_policy["skip"]))
-        return out
+
+    # ------------------------------------------------------------------ non-finite gradients
+    @property
+    def nonfinite_skips(self) -> int:
+        """Parameter updates skipped because their gradient was not finite (``nonfinite="skip"``).
+        Reading it reads the skip flags of the steps not yet settled (one wait for the device)."""
+        self._nonfinite.settle(raise_now=False)
+        return self._nonfinite.skips
+
+    @property
+    def nonfinite_skipped_steps(self) -> int:
+        """Optimizer steps in which at least one parameter update was skipped (non-finite gradient)."""
+        self._nonfinite.settle(raise_now=False)
+        return self._nonfinite.skipped_steps
+
+    @property
+    def nonfinite_max_consecutive(self) -> int:
+        """The longest run of consecutive skipped steps of any one parameter so far."""
+        self._nonfinite.settle(raise_now=False)
+        return self._nonfinite.max_consecutive
+
+    def _key_label(self, key: tuple[int, int]) -> str:
+        return self._param_label(*key)
+
+    def _max_skips(self) -> int | None:
+        return self.max_nonfinite_skips
 
     def _param_label(self, gi: int, i: int) -> str:
         group = self.param_groups[gi]
         names = group.get("param_names")
         return repr(names[i]) if names else f"param group {gi} parameter #{i} (shape {tuple(group['params'][i].shape)})"
 
-    def _muon_group_step(self, gi: int, idx: list[int], items: list[NSItem], sharded: Any) -> None:
+    def _muon_group_step(self, gi: int, idx: list[int], items: list[NSItem], sharded: Any, skips: StepSkips) -> None:
         """Step group ``gi``'s parameters ``idx``: those without a layout override together, each
         promoted one (:meth:`promote_param`) with its own view of the group."""
         group = self.param_groups[gi]
         overrides = group.get(FORMAT_OVERRIDES) or {}
-        self._muon_subset_step(gi, group, [i for i in idx if i not in overrides], items, sharded)
+        self._muon_subset_step(gi, group, [i for i in idx if i not in overrides], items, sharded, skips)
         for i in idx:
             if i in overrides:
-                self._muon_subset_step(gi, param_group_view(group, i), [i], items, sharded)
+                self._muon_subset_step(gi, param_group_view(group, i), [i], items, sharded, skips)
 
     def _muon_subset_step(self, gi: int, group: dict[str, Any], idx: list[int], items: list[NSItem],
-                          sharded: Any) -> None:
+                          sharded: Any, skips: StepSkips) -> None:
         if not idx:
             return
         plans_all = self._group_plans(gi)
@@ -467,6 +480,9 @@ class QMuon(QMuonGroupsMixin, QMuonStateMixin, Optimizer):
             offsets.append(sharded.row_offset(p) if is_dtensor(p) else 0)
         grads = [local(p.grad) for p in params]
         inputs = pipeline.momentum_inputs(group, grads, states, plans, offsets)
+        flags = [skips.of((gi, i)) for i in idx]
+        if skips.flags is not None:
+            inputs.skips = flags  # type: ignore[assignment]
         is_dt = [is_dtensor(p) for p in params]
         block_sums: list[Tensor | None] = [None] * len(params)
         for want in (False, True):
@@ -483,8 +499,9 @@ class QMuon(QMuonGroupsMixin, QMuonStateMixin, Optimizer):
         decay, cautious = 1.0 - lr * wd, bool(group.get("cautious_weight_decay", False))
         normuon = group.get("variant", "muon") == "normuon"
         settings_on: dict[torch.device, pipeline.NSSettings] = {}
-        for p, plan, g2, grad, sums, st, row0 in zip(params, plans, inputs.grads2d, grads, block_sums, states, offsets):
-            if g2.data_ptr() != grad.data_ptr():
+        for p, plan, g2, grad, sums, st, row0, skip in zip(params, plans, inputs.grads2d, grads, block_sums, states,
+                                                           offsets, flags):
+            if not grad.is_contiguous():  # g2 was a copy (pipeline.momentum_inputs): write it back
                 grad.copy_(g2.view(grad.shape))  # keep the contract: .grad holds the NS input
             p_local = local(p)
             settings = settings_on.get(g2.device) or settings_on.setdefault(g2.device, pipeline.ns_settings(group, g2.device))
@@ -500,11 +517,11 @@ class QMuon(QMuonGroupsMixin, QMuonStateMixin, Optimizer):
                     p_local.mul_(decay)
                 apply = self._sink_for(p)
             else:
-                apply = pipeline.apply_to(p, lr, decay=decay, cautious=cautious, **write.rounding)
+                apply = pipeline.apply_to(p, lr, decay=decay, cautious=cautious, skip=skip, **write.rounding)
             moments = None
             if v is not None:
                 b2 = float(group["normuon_beta2"])
-                moments = [RowMoment(part_row_moment(v, plan, part), b2) for part in plan.parts]
+                moments = [RowMoment(part_row_moment(v, plan, part), b2, skip=skip) for part in plan.parts]
             items.extend(pipeline.local_items(plan, g2, sums, group, settings, apply, moments))
 
     def _row_moment_state(self, p: Tensor, plan: ParamPlan, st_local: dict[str, Tensor], sharded: Any) -> Tensor:
@@ -531,7 +548,7 @@ class QMuon(QMuonGroupsMixin, QMuonStateMixin, Optimizer):
         assert sink is not None
         return lambda part, out: sink(p, part, out)
 
-    def _adamw_step(self, gi: int, group: dict[str, Any], idx: list[int]) -> None:
+    def _adamw_step(self, gi: int, group: dict[str, Any], idx: list[int], skips: StepSkips) -> None:
         """AdamW for parameters ``idx`` of group ``gi``: one parameter at a time, in bounded row blocks
         (:func:`qmuon.core.adamw.adamw_param_step`; no whole-group temporaries). A sharded
         (``Shard(0)`` DTensor) parameter steps its own rows; its state is kept as ``Shard(0)``
@@ -549,6 +566,6 @@ class QMuon(QMuonGroupsMixin, QMuonStateMixin, Optimizer):
             bf16w.sync_param_weight_state(p, st, group)  # a rule changed on resume: codes created / dropped
             states = {k: local(v) for k, v in st.items()} if is_dtensor(p) else st
             core_adamw.adamw_param_step(p_local, local(p.grad), states, group, global_shape=p.shape, key=key0 + i,
-                                        row_offset=global_row_offset(p))
+                                        row_offset=global_row_offset(p), skip=skips.of((gi, i)))
             if states is not st:
                 st["step"] = states["step"]

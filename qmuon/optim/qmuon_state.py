@@ -46,8 +46,11 @@ class QMuonStateMixin:
 
         Written out here rather than wrapping ``super().state_dict()`` so the hooks see what the
         caller gets: pre-hooks run first, post-hooks get the finished dict (versions included) and
-        may return a replacement, as with any ``torch.optim`` optimizer.
+        may return a replacement, as with any ``torch.optim`` optimizer. The skip flags of the last
+        step are read first (:mod:`.nonfinite`), so a skipped parameter's ``step`` is its count of
+        updates.
         """
+        self._nonfinite.settle(raise_now=False)
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
         ids: dict[int, int] = {}  # id(param) -> index, in group order (torch's packing)
@@ -76,7 +79,7 @@ class QMuonStateMixin:
         and every new state entry is built first, so a bad checkpoint raises before anything is
         changed (the optimizer keeps its groups and state, bit for bit). A ``step`` saved as a
         Python number (older torch, fused Adam) is read as a 0-d fp32 tensor, as ``torch.optim.Adam``
-        does.
+        does. The skip flags of the last step are read first (they may roll back step counters).
 
         Hooks run as in ``torch.optim.Optimizer``: load-state-dict pre-hooks get a shallow copy of
         ``state_dict`` (and may return a replacement, which is then loaded), post-hooks run once
@@ -84,6 +87,7 @@ class QMuonStateMixin:
         torch would cast every state tensor of a floating-point parameter to the parameter's dtype,
         turning int8 codes, fp32 scales and bf16 momentum into the parameter's dtype.)
         """
+        self._nonfinite.settle(raise_now=False)
         state_dict = state_dict.copy()  # shallow, as torch: a pre-hook may edit it in place
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
             result = pre_hook(self, state_dict)

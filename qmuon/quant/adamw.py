@@ -96,14 +96,14 @@ def matrix_shape(shape: Sequence[int]) -> tuple[int, int]:
     """The ``(rows, cols)`` view of a parameter (1-D: ``(n, 1)``; 0-d: ``(1, 1)``)."""
     if len(shape) == 0:
         return 1, 1
-    return int(shape[0]), math.prod(int(s) for s in shape[1:])
+    return int(shape[0]), math.prod([int(s) for s in shape[1:]])
 
 
 def moment_formats(family: str, shape: Sequence[int]) -> tuple[StateFormat, StateFormat]:
     """The (first, second) moment formats of a parameter of ``shape`` (its local rows when sharded:
     pass the global shape to decide, so every rank agrees) in ``family``."""
     check_adamw_state_format(family, "QMuon")
-    if len(shape) < 2 or math.prod(int(s) for s in shape) < SMALL_TENSOR_ELEMENTS:
+    if len(shape) < 2 or math.prod([int(s) for s in shape]) < SMALL_TENSOR_ELEMENTS:
         family = _FULL
     pair = _pair(family)
     assert pair is not None
@@ -210,7 +210,7 @@ def _rows(t: Tensor, r0: int, r1: int) -> Tensor:
 
 def update_rows(m_fmt: StateFormat, v_fmt: StateFormat, state: Mapping[str, Tensor], r0: int, r1: int,
                 grad: Tensor, update: Tensor, *, beta1: float, beta2: float, eps: float, neg_step_size: float,
-                bias_correction2_sqrt: float, stream: int = -1, index0: int = 0) -> None:
+                bias_correction2_sqrt: float, stream: int = -1, index0: int = 0, skip: Tensor | None = None) -> None:
     """Update the moments of rows ``[r0, r1)`` (``grad``: those rows' ``(r1 - r0, cols)`` gradient)
     and write ``update`` (fp32, same shape): the whole AdamW step of those weights without weight
     decay, ``(neg_step_size * m) / (sqrt(v) / bias_correction2_sqrt + eps)``, to be added with
@@ -218,13 +218,15 @@ def update_rows(m_fmt: StateFormat, v_fmt: StateFormat, state: Mapping[str, Tens
 
     ``stream`` >= 0 rounds quantized moments stochastically (``ops.reference_adamw.adamw_noise_stream``),
     their noise keyed by global element index ``index0 + r * cols + c`` (``index0``: the index of
-    row ``r0``'s first element in the whole parameter); dense moments ignore both."""
+    row ``r0``'s first element in the whole parameter); dense moments ignore both. ``skip``: None or a
+    one-element device flag: when True the moments and ``update`` are left as they are (no host read)."""
     if _dense(m_fmt) and _dense(v_fmt):
         m = _rows(state[m_fmt.spec.keys[0]], r0, r1)
         v = _rows(state[v_fmt.spec.keys[0]], r0, r1)
         g = grad if grad.dtype == torch.float32 else grad.float()
-        m32 = m if m.dtype == torch.float32 else m.float()
-        v32 = v if v.dtype == torch.float32 else v.float()
+        # a skip computes into copies and selects them on the device (this block's rows only)
+        m32 = m if m.dtype == torch.float32 and skip is None else m.float() if skip is None else m.float().clone()
+        v32 = v if v.dtype == torch.float32 and skip is None else v.float() if skip is None else v.float().clone()
         # torch.optim.AdamW's single-tensor step, op for op (bit-exact for fp32 moments)
         m32.lerp_(g, 1 - beta1)
         v32.mul_(beta2).addcmul_(g, g, value=1 - beta2)
@@ -232,6 +234,11 @@ def update_rows(m_fmt: StateFormat, v_fmt: StateFormat, state: Mapping[str, Tens
         denom.div_(bias_correction2_sqrt).add_(eps)
         torch.mul(m32, neg_step_size, out=update)
         update.div_(denom)
+        if skip is not None:
+            keep = skip.reshape(())
+            m.copy_(torch.where(keep, m, m32.to(m.dtype)))
+            v.copy_(torch.where(keep, v, v32.to(v.dtype)))
+            return
         if m32 is not m:
             m.copy_(m32)
         if v32 is not v:
@@ -244,7 +251,7 @@ def update_rows(m_fmt: StateFormat, v_fmt: StateFormat, state: Mapping[str, Tens
     torch.ops.qmuon.adamw_q_update_(
         grad, _rows(state[mk], r0, r1), _rows(state[ms], r0, r1), _rows(state[vk], r0, r1), _rows(state[vs], r0, r1),
         update, float(beta1), float(beta2), float(eps), float(neg_step_size), float(bias_correction2_sqrt),
-        m_fmt.kind, v_fmt.kind, m_fmt.default_block_size, int(stream), int(index0))  # type: ignore[attr-defined]
+        m_fmt.kind, v_fmt.kind, m_fmt.default_block_size, int(stream), int(index0), skip)  # type: ignore[attr-defined]
 
 
 def flat_slice_pieces(family: str, shape: Sequence[int], start: int, length: int) -> list[tuple[int, int, int]] | None:

@@ -214,12 +214,14 @@ class StateFormat:
     # ------------------------------------------------------------------ update
     def update(self, states: Sequence[dict[str, Tensor]], grads2d: list[Tensor], block_sums: list[Tensor], *,
                beta: float, nesterov: bool, opts: FormatOptions, streams: list[int], offsets: list[int],
-               keys: list[int], seed: int) -> None:
+               keys: list[int], seed: int, skip: Tensor | None = None) -> None:
         """The fused multi-tensor momentum update: ``m = beta m + (1 - beta) g`` re-encoded in place,
         the Newton-Schulz input (Nesterov blend) written into ``grads2d`` and the per-row-block
         (``opts.block_size``) sums of squares of it into ``block_sums``. ``streams``: stochastic-rounding
         streams (-1: nearest), ``offsets``: global index of each matrix's first row, ``keys``:
-        parameter keys (seeding per-matrix randomness with ``seed``)."""
+        parameter keys (seeding per-matrix randomness with ``seed``). ``skip``: None, or one bool flag
+        per matrix on the device; a flagged matrix's state is left bit-identical (its ``grads2d`` and
+        ``block_sums`` may then hold anything), without the flags being read on the host."""
         raise NotImplementedError
 
     def update_sharded(self, params: Sequence[Any], states: Sequence[dict[str, Tensor]], grads2d: list[Tensor],

@@ -21,9 +21,10 @@ class DenseFormat(StateFormat):
     def init(self, rows, cols, opts, device):
         return {BUFFER: torch.zeros((rows, cols), dtype=self.spec.dtype, device=device)}
 
-    def update(self, states, grads2d, block_sums, *, beta, nesterov, opts, streams, offsets, keys, seed):
+    def update(self, states, grads2d, block_sums, *, beta, nesterov, opts, streams, offsets, keys, seed, skip=None):
         torch.ops.qmuon.dense_momentum_update_multi_(
-            [s[BUFFER] for s in states], grads2d, block_sums, beta, nesterov, opts.block_size, streams, offsets)
+            [s[BUFFER] for s in states], grads2d, block_sums, beta, nesterov, opts.block_size, streams, offsets,
+            skip)
 
     def dequantize(self, state, opts, cols=None):
         return state[BUFFER].float()

@@ -40,10 +40,10 @@ class E0M3Format(StateFormat):
                 UE4M3: torch.zeros((rows, ref4.e0m3_num_blocks(cols)), dtype=torch.uint8, device=device),
                 TSCALE: torch.ones((), dtype=torch.float32, device=device)}
 
-    def update(self, states, grads2d, block_sums, *, beta, nesterov, opts, streams, offsets, keys, seed):
+    def update(self, states, grads2d, block_sums, *, beta, nesterov, opts, streams, offsets, keys, seed, skip=None):
         torch.ops.qmuon.e0m3_momentum_update_multi_(
             [s[PACKED] for s in states], [s[UE4M3] for s in states], [s[TSCALE] for s in states],
-            grads2d, block_sums, beta, nesterov, opts.block_size, streams, offsets)
+            grads2d, block_sums, beta, nesterov, opts.block_size, streams, offsets, skip)
 
     def update_sharded(self, params, states, grads2d, block_sums, *, beta, nesterov, opts, streams, offsets, keys,
                        seed, process_group):

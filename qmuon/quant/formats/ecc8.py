@@ -72,9 +72,10 @@ class Ecc8WeightFormat(StateFormat):
 
     # ------------------------------------------------------------------ the write
     def apply_(self, param2d: Tensor, update2d: Tensor, state2d: dict[str, Tensor], *, alpha: float,
-               decay: float) -> None:
-        """``param, codes <- decay * master + alpha * update`` (2-D views of matching shape)."""
-        torch.ops.qmuon.bf16_ecc8_weight_update_(param2d, state2d[WEIGHT_ECC], update2d, alpha, decay)
+               decay: float, skip: Tensor | None = None) -> None:
+        """``param, codes <- decay * master + alpha * update`` (2-D views of matching shape); nothing is
+        written when the one-element device flag ``skip`` is True."""
+        torch.ops.qmuon.bf16_ecc8_weight_update_(param2d, state2d[WEIGHT_ECC], update2d, alpha, decay, skip)
 
     def nbytes(self, rows, cols, opts):
         return rows * cols

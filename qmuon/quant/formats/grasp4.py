@@ -66,6 +66,8 @@ in docs/formats.md, "grasp4 defaults").
 """
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -95,8 +97,13 @@ def _substream(stream: int, salt: int) -> int:
 
 
 def _random_q(cols: int, k: int, seed: int, key: int, device: torch.device) -> Tensor:
-    g = torch.Generator().manual_seed(ref.noise_stream(seed, 0, key))
-    return torch.randn(cols, k, generator=g, dtype=torch.float32).to(device)
+    """The seeded Gaussian ``cols x k`` start of the power iteration: Box-Muller on the counter-based
+    noise of (``seed``, ``key``) (:func:`~qmuon.ops.reference.uniform_noise`), made on the device with
+    torch ops only, so it is the same on every device and rank and inside a compiled step (a
+    ``torch.Generator`` can be neither traced nor made on the device without a copy)."""
+    u = ref.uniform_noise(2 * cols, k, ref.noise_stream(seed, 0, key), 0, torch.device(device))
+    radius = torch.sqrt(-2.0 * torch.log(1.0 - u[:cols]))  # 1 - u in (0, 1]
+    return radius * torch.cos((2.0 * math.pi) * u[cols:])
 
 
 def _col_normalize(r: Tensor) -> Tensor:
@@ -216,10 +223,10 @@ def _lerp_into(start: Tensor, end: Tensor, dest: Tensor, weight: float, scratch:
 
 def _r_prev(st: dict[str, Tensor], cols: int, seed: int, key: int, device: torch.device) -> Tensor:
     """``R`` of the last step, or the seeded Gaussian on the first (R is replicated under sharding,
-    so every rank decides alike)."""
-    if not bool((st[R_ABSMAX] > 0).any()):
-        return _random_q(cols, st[R_CODES].shape[1], seed, key, device)
-    return grasp_factors(st)[1]
+    so every rank decides alike). Chosen on the device (``torch.where`` on "some R scale is
+    nonzero"), so the step reads nothing back; the Gaussian is ``cols x rank``, a few columns."""
+    start = _random_q(cols, st[R_CODES].shape[1], seed, key, device)
+    return torch.where((st[R_ABSMAX] > 0).any(), grasp_factors(st)[1], start)
 
 
 class Grasp4Format(StateFormat):
@@ -325,13 +332,15 @@ class Grasp4Format(StateFormat):
             momentum += chunk_rows * ref.num_blocks(cols, opts.block_size) * opts.block_size * 4
         return 4 * rows * cols + max(momentum, chunk, self.nbytes(rows, cols, opts))
 
-    def update(self, states, grads2d, block_sums, *, beta, nesterov, opts, streams, offsets, keys, seed):
-        for st, g2, out, stream, off, key in zip(states, grads2d, block_sums, streams, offsets, keys, strict=True):
+    def update(self, states, grads2d, block_sums, *, beta, nesterov, opts, streams, offsets, keys, seed, skip=None):
+        for j, (st, g2, out, stream, off, key) in enumerate(
+                zip(states, grads2d, block_sums, streams, offsets, keys, strict=True)):
             m_new = self._momentum(st, g2, out, beta, nesterov, opts)
             new = grasp_encode(m_new, _r_prev(st, g2.shape[1], seed, key, g2.device), opts, stream=stream, row_offset=off,
                                consume=True)
             for k, v in new.items():
-                st[k].copy_(v)
+                # a skipped matrix keeps its state: selected on the device, bit for bit
+                st[k].copy_(v if skip is None else torch.where(skip[j], st[k], v))
             # unbound here, not when the next matrix's are assigned: the next decode would otherwise
             # run beside this matrix's fp32 momentum and encoded state
             del m_new, new

@@ -27,10 +27,10 @@ class Int4Format(StateFormat):
         return {PACKED: torch.zeros((rows, ref4.packed_cols(cols)), dtype=torch.uint8, device=device),
                 ABSMAX: torch.zeros((rows, ref.num_blocks(cols, opts.block_size)), dtype=torch.float32, device=device)}
 
-    def update(self, states, grads2d, block_sums, *, beta, nesterov, opts, streams, offsets, keys, seed):
+    def update(self, states, grads2d, block_sums, *, beta, nesterov, opts, streams, offsets, keys, seed, skip=None):
         torch.ops.qmuon.int4_momentum_update_multi_(
             [s[PACKED] for s in states], [s[ABSMAX] for s in states], grads2d, block_sums,
-            beta, nesterov, opts.block_size, streams, offsets)
+            beta, nesterov, opts.block_size, streams, offsets, skip)
 
     def dequantize(self, state, opts, cols=None):
         cols = 2 * state[PACKED].shape[1] if cols is None else cols

@@ -29,10 +29,10 @@ class Q8Format(StateFormat):
         return {CODES: torch.full((rows, cols), zero_code, dtype=self.spec.dtype, device=device),
                 ABSMAX: torch.zeros((rows, ref.num_blocks(cols, opts.block_size)), dtype=torch.float32, device=device)}
 
-    def update(self, states, grads2d, block_sums, *, beta, nesterov, opts, streams, offsets, keys, seed):
+    def update(self, states, grads2d, block_sums, *, beta, nesterov, opts, streams, offsets, keys, seed, skip=None):
         torch.ops.qmuon.q8_momentum_update_multi_(
             [s[CODES] for s in states], [s[ABSMAX] for s in states], grads2d, block_sums,
-            beta, nesterov, opts.block_size, streams, offsets)
+            beta, nesterov, opts.block_size, streams, offsets, skip)
 
     def dequantize(self, state, opts, cols=None):
         return torch.ops.qmuon.dequantize_rows(state[CODES], state[ABSMAX], opts.block_size)
