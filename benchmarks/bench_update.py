@@ -186,7 +186,7 @@ def _small_call_dispatch(device: torch.device, calls: int = 2001) -> tuple[float
         torch.ops.qmuon.q8_momentum_update_multi_(*args)
         sync()
         t1 = time.perf_counter()
-        torch.ops.qmuon_C.q8_momentum_update_multi_(*args, True)
+        torch.ops.qmuon_C.q8_momentum_update_multi_(*args, compute_sumsq=True)
         sync()
         t2 = time.perf_counter()
         if i >= 10:
@@ -252,11 +252,11 @@ def main(argv: list[str] | None = None) -> int:
         if sumsq == "kernel":
             sums_k = [torch.empty(rows, nb, device=device)]
             return lambda: torch.ops.qmuon_C.q8_momentum_update_multi_(
-                [state["codes"]], [state["absmax"]], [g], sums_k, beta, True, bs, streams, [0], True)
+                [state["codes"]], [state["absmax"]], [g], sums_k, beta, True, bs, streams, [0], compute_sumsq=True)
 
         def plain():
             return torch.ops.qmuon_C.q8_momentum_update_multi_(
-                [state["codes"]], [state["absmax"]], [g], [], beta, True, bs, streams, [0], False)
+                [state["codes"]], [state["absmax"]], [g], [], beta, True, bs, streams, [0], compute_sumsq=False)
         if sumsq == "none":
             return plain
 

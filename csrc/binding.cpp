@@ -19,9 +19,10 @@ void check_cpu(int err, const char* what) {
 
 void q8_momentum_update_multi_cpu(at::TensorList codes, at::TensorList absmax, at::TensorList grads,
                                   at::TensorList block_sumsq, double beta, bool nesterov, int64_t block_size,
-                                  at::IntArrayRef streams, at::IntArrayRef row_offsets, bool compute_sumsq) {
+                                  at::IntArrayRef streams, at::IntArrayRef row_offsets,
+                                  const std::optional<at::Tensor>& skip, bool compute_sumsq) {
   q8_momentum_update_multi_impl(
-      codes, absmax, grads, block_sumsq, beta, nesterov, block_size, streams, row_offsets, compute_sumsq,
+      codes, absmax, grads, block_sumsq, beta, nesterov, block_size, streams, row_offsets, skip, compute_sumsq,
       [](const std::vector<qmuon_q8_tensor>& ts, const qmuon_q8_params& p) {
         check_cpu(qmuon_cpu_q8_momentum_update(ts.data(), static_cast<int64_t>(ts.size()), p),
                   "q8_momentum_update_multi_");
@@ -85,7 +86,7 @@ TORCH_LIBRARY(qmuon_C, m) {
   m.def(
       "q8_momentum_update_multi_(Tensor(a!)[] codes, Tensor(b!)[] absmax, Tensor(c!)[] grads, "
       "Tensor(d!)[] block_sumsq, float beta, bool nesterov, int block_size, int[] streams, int[] row_offsets, "
-      "bool compute_sumsq=True) -> ()");
+      "Tensor? skip=None, bool compute_sumsq=True) -> ()");
   m.def("quantize_rows(Tensor x, int block_size, bool signed, int stream, int row_offset) -> (Tensor, Tensor)");
   m.def("dequantize_rows(Tensor codes, Tensor absmax, int block_size) -> Tensor");
   // No tensor arguments, so one catch-all kernel: "avx512" or "portable" (see kernels.h).

@@ -100,7 +100,8 @@ template <typename Backend>
 void q4_momentum_update_multi_impl(Q4Update kind, at::TensorList packed, at::TensorList scales,
                                    at::TensorList tensor_scales, at::TensorList new_tensor_scales,
                                    at::TensorList grads, at::TensorList block_sumsq, double beta, bool nesterov,
-                                   int64_t block_size, at::IntArrayRef streams, at::IntArrayRef row_offsets) {
+                                   int64_t block_size, at::IntArrayRef streams, at::IntArrayRef row_offsets,
+                                   const std::optional<at::Tensor>& skip) {
   const bool e0m3 = kind != Q4Update::kInt4;
   const bool with_scale = kind == Q4Update::kE0M3WithScale;
   const char* op = q4_update_name(kind);
@@ -118,6 +119,8 @@ void q4_momentum_update_multi_impl(Q4Update kind, at::TensorList packed, at::Ten
     TORCH_CHECK(block_size >= 2 && block_size <= kMaxBlockSize && block_size % 2 == 0, "qmuon: ", op,
                 " needs an even block_size in [2, ", kMaxBlockSize, "] (two codes per byte), got ", block_size);
   }
+  const at::Tensor flags =
+      skip_flags(skip, static_cast<int64_t>(n), n > 0 ? std::optional<c10::Device>(grads[0].device()) : std::nullopt, op);
   at::Tensor scratch;
   if (Backend::kNeedsScratch && kind == Q4Update::kE0M3 && n > 0) {  // pass 1's max and the old scale
     scratch = at::zeros({static_cast<int64_t>(2 * n)}, packed[0].options().dtype(c10::kFloat));
@@ -142,9 +145,18 @@ void q4_momentum_update_multi_impl(Q4Update kind, at::TensorList packed, at::Ten
     TORCH_CHECK(i == 0 || g.device() == grads[0].device(), "qmuon: ", op, ": all tensors must be on one device");
     check_sumsq_out(block_sumsq, i, g, block_size, op);
     if (rows == 0 || cols == 0) {
-      // the reference's scale of an empty tensor, or the given one
-      if (with_scale) tensor_scales[i].fill_(new_tensor_scales[i].reshape({}));
-      else if (e0m3) tensor_scales[i].fill_(1.0);
+      // the reference's scale of an empty tensor, or the given one; a flagged matrix keeps its scale (selected
+      // on the device: the flag is not read here)
+      if (e0m3 && flags.defined()) {
+        const at::Tensor& ts = tensor_scales[i];
+        const at::Tensor unflagged = flags.select(0, static_cast<int64_t>(i)).eq(0);
+        if (with_scale) ts.copy_(new_tensor_scales[i].reshape(ts.sizes()).where(unflagged, ts));
+        else ts.masked_fill_(unflagged, 1.0);
+      } else if (with_scale) {
+        tensor_scales[i].fill_(new_tensor_scales[i].reshape({}));
+      } else if (e0m3) {
+        tensor_scales[i].fill_(1.0);
+      }
       continue;
     }
     const size_t w0 = writables.size();
@@ -167,6 +179,7 @@ void q4_momentum_update_multi_impl(Q4Update kind, at::TensorList packed, at::Ten
     t.grad_rs = writables[w0 + 2].row_stride();
     t.row_offset = row_offsets[i];
     t.stream = streams[i] < 0 ? -1 : static_cast<int64_t>(static_cast<uint32_t>(streams[i]));
+    t.skip = skip_ptr(flags, i);
     groups[to_qmuon_dtype(g.scalar_type())].push_back(t);
   }
   for (const auto& kv : groups) {
@@ -235,12 +248,14 @@ at::Tensor e0m3_momentum_amax_multi_impl(at::TensorList packed, at::TensorList s
 template <typename Backend>
 void dense_momentum_update_multi_impl(at::TensorList bufs, at::TensorList grads, at::TensorList block_sumsq,
                                       double beta, bool nesterov, int64_t block_size, at::IntArrayRef streams,
-                                      at::IntArrayRef row_offsets) {
+                                      at::IntArrayRef row_offsets, const std::optional<at::Tensor>& skip) {
   const char* op = "dense_momentum_update_multi_";
   const size_t n = bufs.size();
   check_lists(op, n, {{"grads", grads.size()}, {"block_sumsq", block_sumsq.size()}, {"streams", streams.size()},
                       {"row_offsets", row_offsets.size()}});
   check_block_size(block_size);
+  const at::Tensor flags =
+      skip_flags(skip, static_cast<int64_t>(n), n > 0 ? std::optional<c10::Device>(grads[0].device()) : std::nullopt, op);
   std::vector<Writable> writables;
   writables.reserve(3 * n);
   std::map<std::pair<int32_t, int32_t>, std::vector<qmuon_dense_tensor>> groups;
@@ -270,6 +285,7 @@ void dense_momentum_update_multi_impl(at::TensorList bufs, at::TensorList grads,
     t.grad_rs = writables[w0 + 1].row_stride();
     t.row_offset = row_offsets[i];
     t.stream = streams[i] < 0 ? -1 : static_cast<int64_t>(static_cast<uint32_t>(streams[i]));
+    t.skip = skip_ptr(flags, i);
     groups[{bd, to_qmuon_dtype(g.scalar_type())}].push_back(t);
   }
   for (const auto& kv : groups) {
@@ -532,21 +548,22 @@ at::Tensor grid_dequantize4_impl(const at::Tensor& packed_in, const at::Tensor& 
 #define QMUON_4BIT_SCHEMAS(m)                                                                                      \
   m.def(                                                                                                           \
       "int4_momentum_update_multi_(Tensor(a!)[] packed, Tensor(b!)[] absmax, Tensor(c!)[] grads, "                 \
-      "Tensor(d!)[] block_sumsq, float beta, bool nesterov, int block_size, int[] streams, int[] row_offsets) -> ()"); \
+      "Tensor(d!)[] block_sumsq, float beta, bool nesterov, int block_size, int[] streams, int[] row_offsets, "      \
+      "Tensor? skip=None) -> ()");                                                                                 \
   m.def(                                                                                                           \
       "e0m3_momentum_update_multi_(Tensor(a!)[] packed, Tensor(b!)[] scales, Tensor(c!)[] tensor_scales, "         \
       "Tensor(d!)[] grads, Tensor(e!)[] block_sumsq, float beta, bool nesterov, int block_size, int[] streams, "   \
-      "int[] row_offsets) -> ()");                                                                                 \
+      "int[] row_offsets, Tensor? skip=None) -> ()");                                                              \
   m.def(                                                                                                           \
       "e0m3_momentum_update_with_scale_multi_(Tensor(a!)[] packed, Tensor(b!)[] scales, "                          \
       "Tensor(c!)[] tensor_scales, Tensor[] new_tensor_scales, Tensor(d!)[] grads, Tensor(e!)[] block_sumsq, "     \
-      "float beta, bool nesterov, int block_size, int[] streams, int[] row_offsets) -> ()");                       \
+      "float beta, bool nesterov, int block_size, int[] streams, int[] row_offsets, Tensor? skip=None) -> ()");    \
   m.def(                                                                                                           \
       "e0m3_momentum_amax_multi(Tensor[] packed, Tensor[] scales, Tensor[] tensor_scales, Tensor[] grads, "        \
       "float beta) -> Tensor");                                                                                    \
   m.def(                                                                                                           \
       "dense_momentum_update_multi_(Tensor(a!)[] bufs, Tensor(b!)[] grads, Tensor(c!)[] block_sumsq, float beta, " \
-      "bool nesterov, int block_size, int[] streams, int[] row_offsets) -> ()");                                   \
+      "bool nesterov, int block_size, int[] streams, int[] row_offsets, Tensor? skip=None) -> ()");                \
   m.def("pack_int4(Tensor codes) -> Tensor");                                                                      \
   m.def("unpack_int4(Tensor packed, int cols) -> Tensor");                                                         \
   m.def("ue4m3_encode(Tensor x, bool round_up) -> Tensor");                                                        \
@@ -569,30 +586,31 @@ at::Tensor grid_dequantize4_impl(const at::Tensor& packed_in, const at::Tensor& 
 #define QMUON_4BIT_IMPLS(m, Backend, Guard)                                                                        \
   m.impl("int4_momentum_update_multi_",                                                                            \
          [](at::TensorList packed, at::TensorList absmax, at::TensorList grads, at::TensorList sums, double beta,  \
-            bool nesterov, int64_t bs, at::IntArrayRef streams, at::IntArrayRef offsets) {                         \
+            bool nesterov, int64_t bs, at::IntArrayRef streams, at::IntArrayRef offsets,                          \
+            const std::optional<at::Tensor>& skip) {                                                               \
            std::optional<Guard> g;                                                                                 \
            if (!grads.empty()) g.emplace(grads[0].device());                                                       \
            qmuon::q4_momentum_update_multi_impl<Backend>(qmuon::Q4Update::kInt4, packed, absmax, {}, {}, grads,    \
-                                                         sums, beta, nesterov, bs, streams, offsets);              \
+                                                         sums, beta, nesterov, bs, streams, offsets, skip);        \
          });                                                                                                       \
   m.impl("e0m3_momentum_update_multi_",                                                                            \
          [](at::TensorList packed, at::TensorList scales, at::TensorList ts, at::TensorList grads,                 \
             at::TensorList sums, double beta, bool nesterov, int64_t bs, at::IntArrayRef streams,                  \
-            at::IntArrayRef offsets) {                                                                             \
+            at::IntArrayRef offsets, const std::optional<at::Tensor>& skip) {                                      \
            std::optional<Guard> g;                                                                                 \
            if (!grads.empty()) g.emplace(grads[0].device());                                                       \
            qmuon::q4_momentum_update_multi_impl<Backend>(qmuon::Q4Update::kE0M3, packed, scales, ts, {}, grads,    \
-                                                         sums, beta, nesterov, bs, streams, offsets);              \
+                                                         sums, beta, nesterov, bs, streams, offsets, skip);        \
          });                                                                                                       \
   m.impl("e0m3_momentum_update_with_scale_multi_",                                                                 \
          [](at::TensorList packed, at::TensorList scales, at::TensorList ts, at::TensorList new_ts,                \
             at::TensorList grads, at::TensorList sums, double beta, bool nesterov, int64_t bs,                     \
-            at::IntArrayRef streams, at::IntArrayRef offsets) {                                                    \
+            at::IntArrayRef streams, at::IntArrayRef offsets, const std::optional<at::Tensor>& skip) {             \
            std::optional<Guard> g;                                                                                 \
            if (!grads.empty()) g.emplace(grads[0].device());                                                       \
            qmuon::q4_momentum_update_multi_impl<Backend>(qmuon::Q4Update::kE0M3WithScale, packed, scales, ts,      \
                                                          new_ts, grads, sums, beta, nesterov, bs, streams,         \
-                                                         offsets);                                                 \
+                                                         offsets, skip);                                           \
          });                                                                                                       \
   m.impl("e0m3_momentum_amax_multi",                                                                               \
          [](at::TensorList packed, at::TensorList scales, at::TensorList ts, at::TensorList grads, double beta) {  \
@@ -602,11 +620,11 @@ at::Tensor grid_dequantize4_impl(const at::Tensor& packed_in, const at::Tensor& 
          });                                                                                                       \
   m.impl("dense_momentum_update_multi_",                                                                           \
          [](at::TensorList bufs, at::TensorList grads, at::TensorList sums, double beta, bool nesterov, int64_t bs, \
-            at::IntArrayRef streams, at::IntArrayRef offsets) {                                                    \
+            at::IntArrayRef streams, at::IntArrayRef offsets, const std::optional<at::Tensor>& skip) {             \
            std::optional<Guard> g;                                                                                 \
            if (!grads.empty()) g.emplace(grads[0].device());                                                       \
            qmuon::dense_momentum_update_multi_impl<Backend>(bufs, grads, sums, beta, nesterov, bs, streams,        \
-                                                            offsets);                                              \
+                                                            offsets, skip);                                        \
          });                                                                                                       \
   m.impl("pack_int4", [](const at::Tensor& c) {                                                                    \
     const Guard g(c.device());                                                                                     \

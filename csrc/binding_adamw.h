@@ -10,7 +10,8 @@
   m.def(                                                                                                      \
       "adamw_q_update_(Tensor grad, Tensor(a!) m_codes, Tensor(b!) m_scale, Tensor(c!) v_codes, "              \
       "Tensor(d!) v_scale, Tensor(e!) update, float beta1, float beta2, float eps, float neg_step_size, "      \
-      "float bias_correction2_sqrt, int m_kind, int v_kind, int block_size, int stream, int index0) -> ()")
+      "float bias_correction2_sqrt, int m_kind, int v_kind, int block_size, int stream, int index0, "          \
+      "Tensor? skip=None) -> ()")
 
 namespace qmuon {
 
@@ -19,11 +20,12 @@ inline int64_t adamw_code_cols(int64_t kind, int64_t cols) { return adamw_kind_4
 inline int64_t row_stride_of(const at::Tensor& t) { return t.size(0) <= 1 ? t.size(1) : t.stride(0); }
 
 // Checks the arguments and fills the C ABI struct; every tensor must already be in the kernel layout.
+// `flags`: skip_flags() of the call (undefined: none), kept alive by the caller until the kernel has run.
 inline qmuon_adamw_q_args adamw_q_args(const at::Tensor& grad, const at::Tensor& m_codes, const at::Tensor& m_scale,
                                        const at::Tensor& v_codes, const at::Tensor& v_scale, const at::Tensor& update,
                                        double beta1, double beta2, double eps, double neg_step_size,
                                        double bias_correction2_sqrt, int64_t m_kind, int64_t v_kind,
-                                       int64_t block_size, int64_t stream, int64_t index0) {
+                                       int64_t block_size, int64_t stream, int64_t index0, const at::Tensor& flags) {
   TORCH_CHECK(block_size >= 2 && block_size <= kMaxBlockSize && block_size % 2 == 0,
               "qmuon: adamw_q_update_: block_size must be even in [2, ", kMaxBlockSize, "], got ", block_size);
   TORCH_CHECK((m_kind == kAdamM8 || m_kind == kAdamM4) && (v_kind == kAdamV8 || v_kind == kAdamV4),
@@ -77,6 +79,7 @@ inline qmuon_adamw_q_args adamw_q_args(const at::Tensor& grad, const at::Tensor&
   a.bias_correction2_sqrt = bias_correction2_sqrt;
   a.stream = stream;
   a.index0 = index0;
+  a.skip = skip_ptr(flags, 0);
   return a;
 }
 

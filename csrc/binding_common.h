@@ -8,6 +8,7 @@
 #include <c10/util/Exception.h>
 
 #include <map>
+#include <optional>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -49,6 +50,25 @@ struct Writable {
   int64_t row_stride() const { return work.size(0) <= 1 ? work.size(1) : work.stride(0); }
 };
 
+// The `skip` flags of a call (qmuon/kernels.h): undefined without them, else one byte per matrix (`n`
+// flags, bool or uint8, on `device`), contiguous; the caller keeps the returned tensor alive until the
+// kernels have run. Kernels read flag i at skip_ptr(flags, i), on the device: nothing here reads a flag.
+inline at::Tensor skip_flags(const std::optional<at::Tensor>& skip, int64_t n, std::optional<c10::Device> device,
+                             const char* op) {
+  if (!skip.has_value() || !skip->defined()) return at::Tensor();
+  const at::Tensor& s = *skip;
+  TORCH_CHECK(s.scalar_type() == c10::kBool || s.scalar_type() == c10::kByte, "qmuon: ", op,
+              " skip must be bool or uint8, got ", s.scalar_type());
+  TORCH_CHECK(s.numel() == n, "qmuon: ", op, " skip must hold one flag per matrix (", n, "), got ", s.numel());
+  TORCH_CHECK(!device.has_value() || s.device() == *device, "qmuon: ", op, " skip is on ", s.device(),
+              " but the matrices are on ", device.has_value() ? device->str() : std::string("?"));
+  return s.reshape({-1}).contiguous();  // bool and uint8 are one byte per flag
+}
+
+inline const uint8_t* skip_ptr(const at::Tensor& flags, size_t i) {
+  return flags.defined() ? static_cast<const uint8_t*>(flags.data_ptr()) + i : nullptr;
+}
+
 inline void check_block_size(int64_t block_size) {
   TORCH_CHECK(block_size >= 1 && block_size <= kMaxBlockSize, "qmuon: block_size must be in [1, ", kMaxBlockSize,
               "], got ", block_size);
@@ -85,8 +105,8 @@ inline void check_block_sumsq(const at::Tensor& out, const at::Tensor& codes, in
 template <typename Launch>
 void q8_momentum_update_multi_impl(at::TensorList codes, at::TensorList absmax, at::TensorList grads,
                                    at::TensorList block_sumsq, double beta, bool nesterov, int64_t block_size,
-                                   at::IntArrayRef streams, at::IntArrayRef row_offsets, bool compute_sumsq,
-                                   Launch&& launch) {
+                                   at::IntArrayRef streams, at::IntArrayRef row_offsets,
+                                   const std::optional<at::Tensor>& skip, bool compute_sumsq, Launch&& launch) {
   const size_t n = codes.size();
   TORCH_CHECK(absmax.size() == n && grads.size() == n && streams.size() == n && row_offsets.size() == n,
               "qmuon: q8_momentum_update_multi_ needs lists of equal length, got ", n, " codes, ", absmax.size(),
@@ -96,6 +116,9 @@ void q8_momentum_update_multi_impl(at::TensorList codes, at::TensorList absmax, 
               "qmuon: q8_momentum_update_multi_ needs one block_sumsq output per tensor, got ", block_sumsq.size(),
               " for ", n, " tensors");
   check_block_size(block_size);
+  const at::Tensor flags =
+      skip_flags(skip, static_cast<int64_t>(n), n > 0 ? std::optional<c10::Device>(codes[0].device()) : std::nullopt,
+                 "q8_momentum_update_multi_");
   std::vector<Writable> writables;
   writables.reserve(4 * n);
   // (code dtype, grad dtype) -> matrices
@@ -133,6 +156,7 @@ void q8_momentum_update_multi_impl(at::TensorList codes, at::TensorList absmax, 
     t.grad_rs = g.row_stride();
     t.row_offset = row_offsets[i];
     t.stream = streams[i] < 0 ? -1 : static_cast<int64_t>(static_cast<uint32_t>(streams[i]));
+    t.skip = skip_ptr(flags, i);
     groups[{to_qmuon_dtype(codes[i].scalar_type()), gd}].push_back(t);
   }
   for (const auto& kv : groups) {

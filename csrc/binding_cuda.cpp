@@ -21,11 +21,12 @@ void* current_stream() { return static_cast<void*>(c10::cuda::getCurrentCUDAStre
 
 void q8_momentum_update_multi_cuda(at::TensorList codes, at::TensorList absmax, at::TensorList grads,
                                    at::TensorList block_sumsq, double beta, bool nesterov, int64_t block_size,
-                                   at::IntArrayRef streams, at::IntArrayRef row_offsets, bool compute_sumsq) {
+                                   at::IntArrayRef streams, at::IntArrayRef row_offsets,
+                                   const std::optional<at::Tensor>& skip, bool compute_sumsq) {
   std::optional<c10::cuda::CUDAGuard> guard;
   if (!codes.empty()) guard.emplace(codes[0].device());
   q8_momentum_update_multi_impl(
-      codes, absmax, grads, block_sumsq, beta, nesterov, block_size, streams, row_offsets, compute_sumsq,
+      codes, absmax, grads, block_sumsq, beta, nesterov, block_size, streams, row_offsets, skip, compute_sumsq,
       [](const std::vector<qmuon_q8_tensor>& ts, const qmuon_q8_params& p) {
         check_cuda(qmuon_cuda_q8_momentum_update(ts.data(), static_cast<int64_t>(ts.size()), p, current_stream()),
                    "q8_momentum_update_multi_");

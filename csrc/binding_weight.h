@@ -20,10 +20,11 @@ inline void check_weight_matrix(const at::Tensor& t, const at::Tensor& param, co
 
 inline int64_t row_stride_of(const at::Tensor& t) { return t.size(0) <= 1 ? t.size(1) : t.stride(0); }
 
-// `ecc`: undefined for the nearest / stochastic op.
+// `ecc`: undefined for the nearest / stochastic op. `flags`: skip_flags() of the call (undefined: none), kept
+// alive by the caller until the kernel has run.
 inline qmuon_weight_args weight_args(const at::Tensor& param, const at::Tensor* ecc, const at::Tensor& update,
                                      double alpha, double decay, int64_t stream, int64_t index0, int64_t index_rs,
-                                     const char* op) {
+                                     const char* op, const at::Tensor& flags) {
   TORCH_CHECK(param.scalar_type() == c10::kBFloat16, "qmuon: ", op, " param must be bf16, got ", param.scalar_type());
   check_weight_matrix(param, param, "param", op);
   check_weight_matrix(update, param, "update", op);
@@ -49,12 +50,13 @@ inline qmuon_weight_args weight_args(const at::Tensor& param, const at::Tensor* 
   a.stream = stream < 0 ? -1 : static_cast<int64_t>(static_cast<uint32_t>(stream));
   a.index0 = index0;
   a.index_rs = index_rs;
+  a.skip = skip_ptr(flags, 0);
   return a;
 }
 
 // The fp32 write: param fp32 with unit column stride; update fp32 / bf16 / fp16 with any strides.
 inline qmuon_fp32_weight_args fp32_weight_args(const at::Tensor& param, const at::Tensor& update, double alpha,
-                                               double decay) {
+                                               double decay, const at::Tensor& flags) {
   const char* op = "fp32_weight_update_";
   TORCH_CHECK(param.scalar_type() == c10::kFloat, "qmuon: ", op, " param must be fp32, got ", param.scalar_type());
   check_weight_matrix(param, param, "param", op);
@@ -77,6 +79,7 @@ inline qmuon_fp32_weight_args fp32_weight_args(const at::Tensor& param, const at
   a.update_cs = update.stride(1);
   a.alpha = static_cast<float>(alpha);
   a.decay = static_cast<float>(decay);
+  a.skip = skip_ptr(flags, 0);
   return a;
 }
 
@@ -84,6 +87,7 @@ inline qmuon_fp32_weight_args fp32_weight_args(const at::Tensor& param, const at
 
 #define QMUON_WEIGHT_SCHEMAS(m)                                                                                  \
   m.def("bf16_weight_update_(Tensor(a!) param, Tensor update, float alpha, float decay, int stream, int index0, " \
-        "int index_row_stride) -> ()");                                                                          \
-  m.def("bf16_ecc8_weight_update_(Tensor(a!) param, Tensor(b!) ecc, Tensor update, float alpha, float decay) -> ()"); \
-  m.def("fp32_weight_update_(Tensor(a!) param, Tensor update, float alpha, float decay) -> ()")
+        "int index_row_stride, Tensor? skip=None) -> ()");                                                       \
+  m.def("bf16_ecc8_weight_update_(Tensor(a!) param, Tensor(b!) ecc, Tensor update, float alpha, float decay, "   \
+        "Tensor? skip=None) -> ()");                                                                             \
+  m.def("fp32_weight_update_(Tensor(a!) param, Tensor update, float alpha, float decay, Tensor? skip=None) -> ()")

@@ -15,22 +15,26 @@ void run_cuda(const qmuon_weight_args& a, const char* op) {
 }
 
 void bf16_weight_update_cuda(const at::Tensor& param, const at::Tensor& update, double alpha, double decay,
-                             int64_t stream, int64_t index0, int64_t index_rs) {
+                             int64_t stream, int64_t index0, int64_t index_rs, const std::optional<at::Tensor>& skip) {
   const c10::cuda::CUDAGuard guard(param.device());
-  run_cuda(weight_args(param, nullptr, update, alpha, decay, stream, index0, index_rs, "bf16_weight_update_"),
-           "bf16_weight_update_");
+  const char* op = "bf16_weight_update_";
+  const at::Tensor flags = skip_flags(skip, 1, param.device(), op);
+  run_cuda(weight_args(param, nullptr, update, alpha, decay, stream, index0, index_rs, op, flags), op);
 }
 
 void bf16_ecc8_weight_update_cuda(const at::Tensor& param, const at::Tensor& ecc, const at::Tensor& update,
-                                  double alpha, double decay) {
+                                  double alpha, double decay, const std::optional<at::Tensor>& skip) {
   const c10::cuda::CUDAGuard guard(param.device());
-  run_cuda(weight_args(param, &ecc, update, alpha, decay, -1, 0, 0, "bf16_ecc8_weight_update_"),
-           "bf16_ecc8_weight_update_");
+  const char* op = "bf16_ecc8_weight_update_";
+  const at::Tensor flags = skip_flags(skip, 1, param.device(), op);
+  run_cuda(weight_args(param, &ecc, update, alpha, decay, -1, 0, 0, op, flags), op);
 }
 
-void fp32_weight_update_cuda(const at::Tensor& param, const at::Tensor& update, double alpha, double decay) {
+void fp32_weight_update_cuda(const at::Tensor& param, const at::Tensor& update, double alpha, double decay,
+                             const std::optional<at::Tensor>& skip) {
   const c10::cuda::CUDAGuard guard(param.device());
-  const qmuon_fp32_weight_args a = fp32_weight_args(param, update, alpha, decay);
+  const at::Tensor flags = skip_flags(skip, 1, param.device(), "fp32_weight_update_");
+  const qmuon_fp32_weight_args a = fp32_weight_args(param, update, alpha, decay, flags);
   const int err = qmuon_cuda_fp32_weight_update(&a, static_cast<void*>(c10::cuda::getCurrentCUDAStream().stream()));
   TORCH_CHECK(err == 0, "qmuon: CUDA kernel fp32_weight_update_ failed: ", qmuon_cuda_error_string(err));
 }

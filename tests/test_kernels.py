@@ -410,7 +410,8 @@ def test_internal_op_without_sums(ext):
     codes, absmax = make_state(9, 70, torch.int8, 32)
     grad = make_grad(9, 70, torch.float32)
     r = [codes.clone(), absmax.clone(), grad.clone()]
-    torch.ops.qmuon_C.q8_momentum_update_multi_([codes], [absmax], [grad], [], 0.9, True, 32, [3], [0], False)
+    torch.ops.qmuon_C.q8_momentum_update_multi_([codes], [absmax], [grad], [], 0.9, True, 32, [3], [0],
+                                                compute_sumsq=False)
     reference_update([r[0]], [r[1]], [r[2]], 0.9, True, 32, [3], [0])
     for a, b, what in zip((codes, absmax, grad), r, ("codes", "absmax", "grad")):
         assert_bits_equal(a, b, what)

@@ -127,6 +127,9 @@ extern "C" int qmuon_cpu_adamw_q_update(const qmuon_adamw_q_args* args) {
   if ((a.m_kind != kAdamM8 && a.m_kind != kAdamM4) || (a.v_kind != kAdamV8 && a.v_kind != kAdamV4))
     return QMUON_ERR_BAD_OP;
   if (a.rows <= 0 || a.cols <= 0) return 0;
+  if (a.grad_dtype != QMUON_FLOAT32 && a.grad_dtype != QMUON_BFLOAT16 && a.grad_dtype != QMUON_FLOAT16)
+    return QMUON_ERR_BAD_DTYPE;
+  if (skipped(a.skip)) return 0;  // flagged: nothing is written (moments, scales, update)
   switch (a.grad_dtype) {
     case QMUON_FLOAT32: adamw_dispatch<F32>(a); return 0;
     case QMUON_BFLOAT16: adamw_dispatch<BF16>(a); return 0;

@@ -637,7 +637,7 @@ extern "C" int qmuon_cpu_int4_momentum_update(const qmuon_q4_tensor* tensors, in
   const MomentumWeights mw = make_momentum_weights(params.beta);
   for (int64_t i = 0; i < num_tensors; ++i) {
     const qmuon_q4_tensor& t = tensors[i];
-    if (t.rows <= 0 || t.cols <= 0) continue;
+    if (t.rows <= 0 || t.cols <= 0 || skipped(t.skip)) continue;  // a flagged matrix: nothing is written
     const int err = dispatch_g_flags<Int4Kernel>(params.grad_dtype, params.nesterov != 0, t.stream >= 0, t, mw, bs);
     if (err) return err;
   }
@@ -652,6 +652,7 @@ extern "C" int qmuon_cpu_e0m3_momentum_update(const qmuon_q4_tensor* tensors, in
   const MomentumWeights mw = make_momentum_weights(params.beta);
   for (int64_t i = 0; i < num_tensors; ++i) {
     const qmuon_q4_tensor& t = tensors[i];
+    if (skipped(t.skip)) continue;  // a flagged matrix: nothing is written, its tensor scale included
     if (t.rows <= 0 || t.cols <= 0) {
       // The reference's scale of an empty tensor is 1.
       if (t.tensor_scale != nullptr) *t.tensor_scale = 1.0f;
@@ -694,7 +695,7 @@ extern "C" int qmuon_cpu_dense_momentum_update(const qmuon_dense_tensor* tensors
   const MomentumWeights mw = make_momentum_weights(params.beta);
   for (int64_t i = 0; i < num_tensors; ++i) {
     const qmuon_dense_tensor& t = tensors[i];
-    if (t.rows <= 0 || t.cols <= 0) continue;
+    if (t.rows <= 0 || t.cols <= 0 || skipped(t.skip)) continue;  // a flagged matrix: nothing is written
     int err = 0;
     const bool nest = params.nesterov != 0, stoch = t.stream >= 0;
     switch (params.buf_dtype) {

@@ -256,7 +256,7 @@ extern "C" int qmuon_cpu_q8_momentum_update(const qmuon_q8_tensor* tensors, int6
   const MomentumWeights mw = make_momentum_weights(params.beta);
   for (int64_t i = 0; i < num_tensors; ++i) {
     const qmuon_q8_tensor& t = tensors[i];
-    if (t.rows <= 0 || t.cols <= 0) continue;
+    if (t.rows <= 0 || t.cols <= 0 || skipped(t.skip)) continue;  // a flagged matrix: nothing is written
     int err = 0;
     switch (params.code_dtype) {
       case QMUON_INT8: err = q8_update_dispatch_grad<int8_t>(t, mw, params); break;

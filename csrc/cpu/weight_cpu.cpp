@@ -71,8 +71,16 @@ void weight_update(const qmuon_weight_args& a) {
 }  // namespace
 }  // namespace qmuon
 
+namespace qmuon {
+namespace {
+bool update_dtype_ok(int32_t d) { return d == QMUON_FLOAT32 || d == QMUON_BFLOAT16 || d == QMUON_FLOAT16; }
+}  // namespace
+}  // namespace qmuon
+
 extern "C" int qmuon_cpu_bf16_weight_update(const qmuon_weight_args* args) {
   using namespace qmuon;
+  if (!update_dtype_ok(args->update_dtype)) return QMUON_ERR_BAD_DTYPE;
+  if (skipped(args->skip)) return 0;  // flagged: neither the weights nor their error codes are written
   switch (args->update_dtype) {
     case QMUON_FLOAT32: weight_update<F32>(*args); return 0;
     case QMUON_BFLOAT16: weight_update<BF16>(*args); return 0;
@@ -237,6 +245,8 @@ void fp32_weight_update(const qmuon_fp32_weight_args& a) {
 
 extern "C" int qmuon_cpu_fp32_weight_update(const qmuon_fp32_weight_args* args) {
   using namespace qmuon;
+  if (!update_dtype_ok(args->update_dtype)) return QMUON_ERR_BAD_DTYPE;
+  if (skipped(args->skip)) return 0;  // flagged: the weights are not written
   switch (args->update_dtype) {
     case QMUON_FLOAT32: fp32_weight_update<F32>(*args); return 0;
     case QMUON_BFLOAT16: fp32_weight_update<BF16>(*args); return 0;

@@ -36,6 +36,7 @@ typedef struct qmuon_adamw_q_args {
   double bias_correction2_sqrt;
   int64_t stream;   // < 0: nearest rounding of the codes; else the 32-bit stochastic-rounding stream
   int64_t index0;   // global (whole-parameter, row-major) index of element (0, 0); row r starts at index0 + r * cols
+  const uint8_t* skip;  // NULL: never skip; else *skip != 0 skips this matrix (device memory for CUDA)
 } qmuon_adamw_q_args;
 
 // Return 0 or a QMUON_ERR_* code (CPU) / cudaError_t (CUDA, asynchronous on `cuda_stream`).

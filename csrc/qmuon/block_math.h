@@ -25,6 +25,10 @@
 
 namespace qmuon {
 
+// The `skip` flag of a matrix (qmuon/kernels.h): NULL never skips, else a nonzero byte does. CUDA kernels
+// read it (device memory) first thing, CPU kernels before they start on the matrix.
+QMUON_HD bool skipped(const uint8_t* skip) { return skip != nullptr && *skip != 0; }
+
 // Largest block_size the kernels accept (the CPU kernel keeps two blocks of fp32 on the stack).
 constexpr int64_t kMaxBlockSize = 4096;
 constexpr float kQMax = 127.0f;

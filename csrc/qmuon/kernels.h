@@ -5,6 +5,10 @@
 // Every matrix is 2-D and row-major with unit column stride; rows may be padded (a row stride in
 // elements). Row blocks: `block_size` consecutive elements within a row, the last block of a row
 // may be partial, nb = ceil(cols / block_size) blocks per row (see reference.py).
+//
+// Every struct that describes a matrix a kernel writes ends with `skip`: a flag the kernel reads where
+// the data is (device memory for CUDA: never read on the host) before it does anything else for that
+// matrix; nonzero leaves everything of the matrix (state, grad, sums, weights) as it was.
 #pragma once
 
 #include <stdint.h>
@@ -34,6 +38,7 @@ typedef struct qmuon_q8_tensor {
   int64_t grad_rs;
   int64_t row_offset;  // first row of this matrix in the unsharded matrix (noise index)
   int64_t stream;      // < 0: nearest rounding; else the 32-bit stochastic-rounding stream
+  const uint8_t* skip;  // NULL: never skip; else *skip != 0 skips this matrix (device memory for CUDA)
 } qmuon_q8_tensor;
 
 // Shared by all matrices of one call; all matrices of one call share code and grad dtypes.
@@ -100,6 +105,8 @@ typedef struct qmuon_q4_tensor {
   int64_t grad_rs;
   int64_t row_offset;   // first row of this matrix in the unsharded matrix (noise index)
   int64_t stream;       // < 0: nearest rounding; else the 32-bit stochastic-rounding stream
+  const uint8_t* skip;  // NULL: never skip; else *skip != 0 skips this matrix (device memory for CUDA)
+                        // (the update ops; the e0m3 amax pass writes nothing of the state and ignores it)
 } qmuon_q4_tensor;
 
 // int4: block_size is the quantization block (even, 2 .. 4096). e0m3: the quantization block is 16 and
@@ -122,6 +129,7 @@ typedef struct qmuon_dense_tensor {
   int64_t grad_rs;
   int64_t row_offset;
   int64_t stream;  // bf16 buffers: stochastic rounding stream (< 0: nearest); ignored for fp32
+  const uint8_t* skip;  // NULL: never skip; else *skip != 0 skips this matrix (device memory for CUDA)
 } qmuon_dense_tensor;
 
 typedef struct qmuon_dense_params {

@@ -25,6 +25,7 @@ typedef struct qmuon_weight_args {
   int64_t stream;          // < 0: nearest; else the 32-bit stochastic-rounding stream (ignored with ecc)
   int64_t index0;          // global index of element (0, 0)
   int64_t index_rs;        // global-index stride of a row
+  const uint8_t* skip;     // NULL: never skip; else *skip != 0 skips this matrix (device memory for CUDA)
 } qmuon_weight_args;
 
 // fp32 weights: param <- fma(update, alpha, fp32(param * decay)) (qmuon/weight_math.h,
@@ -41,6 +42,7 @@ typedef struct qmuon_fp32_weight_args {
   int64_t update_cs;
   float alpha;             // fp32(alpha), fp32(decay): rounded once by the caller, as torch does
   float decay;
+  const uint8_t* skip;     // NULL: never skip; else *skip != 0 skips this matrix (device memory for CUDA)
 } qmuon_fp32_weight_args;
 
 // Return 0, or QMUON_ERR_BAD_DTYPE (kernels.h).

@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from ._cabi_checks import (_check, _check_2d, _check_block, _check_grad, _check_lists, _check_scalar, _check_sums,
-                           _grouped, _layout_ok, _nb, _rs, _s32, _work, _Writables)
+                           _grouped, _layout_ok, _nb, _rs, _s32, _skip_at, _skip_flags, _work, _Writables)
 from ._cabi_codecs import CodecTwins
 from ._cabi_structs import (  # noqa: F401 (library_layout: the loader and tests read it here)
     I8, U8, _DTYPE, MAX_BLOCK, _CODE_DTYPES, _GRAD_DTYPES, E0M3_BLOCK, ADAM_M8, ADAM_V8, ADAM_M4, ADAM_V4, Q8Tensor,
@@ -134,7 +134,8 @@ class CAbiOps(CodecTwins):
     # -- 8-bit (csrc/binding_common.h) ----------------------------------------------------------
     def q8_momentum_update_multi_(self, codes: list[Tensor], absmax: list[Tensor], grads: list[Tensor],
                                   block_sumsq: list[Tensor], beta: float, nesterov: bool, block_size: int,
-                                  streams: list[int], row_offsets: list[int], compute_sumsq: bool = True) -> None:
+                                  streams: list[int], row_offsets: list[int], skip: Tensor | None = None,
+                                  compute_sumsq: bool = True) -> None:
         op = "q8_momentum_update_multi_"
         n = len(codes)
         # The list and block checks in one expression, the per-matrix checks in another: the ctypes path must
@@ -147,6 +148,7 @@ class CAbiOps(CodecTwins):
             _check(len(block_sumsq) == n or (not compute_sumsq and not block_sumsq), op,
                    lambda: f"needs one block_sumsq output per tensor, got {len(block_sumsq)} for {n} tensors")
             _check_block(block_size, op)
+        flags = None if skip is None else _skip_flags(skip, n, codes[0].device if n else None, op)
         w: _Writables | None = None  # made on the first tensor that needs a contiguous copy
         tensors: list[Q8Tensor] = []
         keys: list[tuple[torch.dtype, torch.dtype]] = []
@@ -173,7 +175,8 @@ class CAbiOps(CodecTwins):
                 (cw, c_rs), (aw, a_rs), (gw, g_rs) = _work(w, c, cols), _work(w, a, a.shape[1]), _work(w, g, cols)
                 sw = None if s is None else (s if s.is_contiguous() else w.add(s, dense=True))
             t = Q8Tensor(cw.data_ptr(), aw.data_ptr(), gw.data_ptr(), None if sw is None else sw.data_ptr(), rows,
-                         cols, c_rs, a_rs, g_rs, row_offsets[i], -1 if streams[i] < 0 else streams[i] & 0xFFFFFFFF)
+                         cols, c_rs, a_rs, g_rs, row_offsets[i], -1 if streams[i] < 0 else streams[i] & 0xFFFFFFFF,
+                         None if flags is None else flags.data_ptr() + i)
             tensors.append(t)
             keys.append((c.dtype, g.dtype))
         for (cdt, gdt), ts in _grouped(keys, tensors):
@@ -232,13 +235,14 @@ class CAbiOps(CodecTwins):
     # -- dense, int4, e0m3 updates (csrc/binding_4bit.h) --------------------------------------
     def dense_momentum_update_multi_(self, bufs: list[Tensor], grads: list[Tensor], block_sumsq: list[Tensor],
                                      beta: float, nesterov: bool, block_size: int, streams: list[int],
-                                     row_offsets: list[int]) -> None:
+                                     row_offsets: list[int], skip: Tensor | None = None) -> None:
         op = "dense_momentum_update_multi_"
         n = len(bufs)
         if not (len(grads) == n and len(block_sumsq) == n and len(streams) == n and len(row_offsets) == n
                 and 1 <= block_size <= MAX_BLOCK):
             _check_lists(op, n, grads=grads, block_sumsq=block_sumsq, streams=streams, row_offsets=row_offsets)
             _check_block(block_size, op)
+        flags = None if skip is None else _skip_flags(skip, n, grads[0].device if n else None, op)
         w: _Writables | None = None
         tensors: list[DenseTensor] = []
         keys: list[tuple[torch.dtype, torch.dtype]] = []
@@ -261,7 +265,7 @@ class CAbiOps(CodecTwins):
                 bw, gw, sw = w.add(b), w.add(g), w.add(q, dense=True)
                 b_rs, g_rs = _rs(bw), _rs(gw)
             tensors.append(DenseTensor(bw.data_ptr(), gw.data_ptr(), sw.data_ptr(), rows, cols, b_rs, g_rs,
-                                       row_offsets[i], _s32(streams[i])))
+                                       row_offsets[i], _s32(streams[i]), _skip_at(flags, i)))
             keys.append((b.dtype, g.dtype))
         for (bdt, gdt), ts in _grouped(keys, tensors):
             arr = C.byref(ts[0]) if len(ts) == 1 else (DenseTensor * len(ts))(*ts)
@@ -283,7 +287,8 @@ class CAbiOps(CodecTwins):
 
     def _q4_update(self, kind: str, packed: list[Tensor], scales: list[Tensor], tensor_scales: list[Tensor],
                    new_tensor_scales: list[Tensor], grads: list[Tensor], block_sumsq: list[Tensor], beta: float,
-                   nesterov: bool, block_size: int, streams: list[int], row_offsets: list[int]) -> None:
+                   nesterov: bool, block_size: int, streams: list[int], row_offsets: list[int],
+                   skip: Tensor | None = None) -> None:
         e0m3, with_scale = kind != "int4", kind == "e0m3_with_scale"
         op = {"int4": "int4_momentum_update_multi_", "e0m3": "e0m3_momentum_update_multi_"}.get(
             kind, "e0m3_momentum_update_with_scale_multi_")
@@ -299,6 +304,7 @@ class CAbiOps(CodecTwins):
                    lambda: f"needs an even block_size in [2, {MAX_BLOCK}] (two codes per byte), got {block_size}")
         if with_scale:
             _check_lists(op, n, new_tensor_scales=new_tensor_scales)
+        flags = None if skip is None else _skip_flags(skip, n, grads[0].device if n else None, op)
         scratch = self._scratch(2 * n, packed[0]) if kind == "e0m3" and n > 0 else None
         w: _Writables | None = None
         tensors: list[Q4Tensor] = []
@@ -326,7 +332,13 @@ class CAbiOps(CodecTwins):
                                  block_sumsq, block_size, op)
             rows, cols = gs
             if rows == 0 or cols == 0:
-                if with_scale:
+                if e0m3 and flags is not None:  # a flagged matrix keeps its scale: selected on the device
+                    unflagged = flags[i] == 0
+                    if with_scale:
+                        ts.copy_(torch.where(unflagged, new_tensor_scales[i].reshape(ts.shape), ts))
+                    else:
+                        ts.masked_fill_(unflagged, 1.0)
+                elif with_scale:
                     tensor_scales[i].fill_(new_tensor_scales[i].reshape(()))
                 elif e0m3:
                     tensor_scales[i].fill_(1.0)
@@ -341,7 +353,7 @@ class CAbiOps(CodecTwins):
             tensors.append(Q4Tensor(
                 pw.data_ptr(), sw.data_ptr(), None if ts is None else ts.data_ptr(), gw.data_ptr(), qw.data_ptr(),
                 None if scratch is None else scratch.data_ptr() + 8 * i, None if nts is None else nts.data_ptr(), None,
-                rows, cols, p_rs, s_rs, g_rs, row_offsets[i], _s32(streams[i])))
+                rows, cols, p_rs, s_rs, g_rs, row_offsets[i], _s32(streams[i]), _skip_at(flags, i)))
             keys.append(g.dtype)
         for gdt, group in _grouped(keys, tensors):
             arr = C.byref(group[0]) if len(group) == 1 else (Q4Tensor * len(group))(*group)
@@ -380,19 +392,20 @@ class CAbiOps(CodecTwins):
         _check(packed.device == scales.device, op, lambda: f"state {i} is on two devices")
 
     def int4_momentum_update_multi_(self, packed, absmax, grads, block_sumsq, beta, nesterov, block_size, streams,
-                                    row_offsets) -> None:
+                                    row_offsets, skip=None) -> None:
         self._q4_update("int4", packed, absmax, [], [], grads, block_sumsq, beta, nesterov, block_size, streams,
-                        row_offsets)
+                        row_offsets, skip)
 
     def e0m3_momentum_update_multi_(self, packed, scales, tensor_scales, grads, block_sumsq, beta, nesterov,
-                                    block_size, streams, row_offsets) -> None:
+                                    block_size, streams, row_offsets, skip=None) -> None:
         self._q4_update("e0m3", packed, scales, tensor_scales, [], grads, block_sumsq, beta, nesterov, block_size,
-                        streams, row_offsets)
+                        streams, row_offsets, skip)
 
     def e0m3_momentum_update_with_scale_multi_(self, packed, scales, tensor_scales, new_tensor_scales, grads,
-                                               block_sumsq, beta, nesterov, block_size, streams, row_offsets) -> None:
+                                               block_sumsq, beta, nesterov, block_size, streams, row_offsets,
+                                               skip=None) -> None:
         self._q4_update("e0m3_with_scale", packed, scales, tensor_scales, new_tensor_scales, grads, block_sumsq, beta,
-                        nesterov, block_size, streams, row_offsets)
+                        nesterov, block_size, streams, row_offsets, skip)
 
     def e0m3_momentum_amax_multi(self, packed: list[Tensor], scales: list[Tensor], tensor_scales: list[Tensor],
                                  grads: list[Tensor], beta: float) -> Tensor:
@@ -430,7 +443,7 @@ class CAbiOps(CodecTwins):
     def adamw_q_update_(self, grad: Tensor, m_codes: Tensor, m_scale: Tensor, v_codes: Tensor, v_scale: Tensor,
                         update: Tensor, beta1: float, beta2: float, eps: float, neg_step_size: float,
                         bias_correction2_sqrt: float, m_kind: int, v_kind: int, block_size: int, stream: int,
-                        index0: int) -> None:
+                        index0: int, skip: Tensor | None = None) -> None:
         op = "adamw_q_update_:"
         _check(2 <= block_size <= MAX_BLOCK and block_size % 2 == 0, op,
                lambda: f"block_size must be even in [2, {MAX_BLOCK}], got {block_size}")
@@ -458,10 +471,11 @@ class CAbiOps(CodecTwins):
         ts = (grad, m_codes, m_scale, v_codes, v_scale, update)
         _check(all(_layout_ok(t) and t.device == grad.device for t in ts), op,
                "every tensor must be row-major with unit column stride, on one device")
+        flags = None if skip is None else _skip_flags(skip, 1, grad.device, "adamw_q_update_")
         a = AdamwQArgs(grad.data_ptr(), _rs(grad), _DTYPE[grad.dtype], m_kind, v_kind, 0, m_codes.data_ptr(),
                        _rs(m_codes), m_scale.data_ptr(), _rs(m_scale), v_codes.data_ptr(), _rs(v_codes),
                        v_scale.data_ptr(), _rs(v_scale), update.data_ptr(), _rs(update), rows, cols, block_size, beta1,
-                       beta2, eps, neg_step_size, bias_correction2_sqrt, stream, index0)
+                       beta2, eps, neg_step_size, bias_correction2_sqrt, stream, index0, _skip_at(flags, 0))
         self._run(self._adamw, "adamw_q_update_", grad.device, C.byref(a))
 
     # -- weight writes (csrc/binding_weight.h) ------------------------------------------------
@@ -473,7 +487,7 @@ class CAbiOps(CodecTwins):
         _check(_layout_ok(t), op, lambda: f"{name} must have unit column stride")
 
     def _weight_args(self, param: Tensor, ecc: Tensor | None, update: Tensor, alpha: float, decay: float, stream: int,
-                     index0: int, index_rs: int, op: str) -> WeightArgs:
+                     index0: int, index_rs: int, op: str, flags: Tensor | None) -> WeightArgs:
         _check(param.dtype == torch.bfloat16, op, lambda: f"param must be bf16, got {param.dtype}")
         self._check_weight_matrix(param, param, "param", op)
         self._check_weight_matrix(update, param, "update", op)
@@ -481,7 +495,8 @@ class CAbiOps(CodecTwins):
                lambda: f"update must be fp32, bf16 or fp16, got {update.dtype}")
         a = WeightArgs(param=param.data_ptr(), update=update.data_ptr(), update_dtype=_DTYPE[update.dtype],
                        rows=param.shape[0], cols=param.shape[1], param_rs=_rs(param), update_rs=_rs(update),
-                       alpha=alpha, decay=decay, stream=_s32(stream), index0=index0, index_rs=index_rs)
+                       alpha=alpha, decay=decay, stream=_s32(stream), index0=index0, index_rs=index_rs,
+                       skip=_skip_at(flags, 0))
         if ecc is not None:
             _check(ecc.dtype == torch.int8, op, lambda: f"ecc must be int8, got {ecc.dtype}")
             self._check_weight_matrix(ecc, param, "ecc", op)
@@ -489,17 +504,21 @@ class CAbiOps(CodecTwins):
         return a
 
     def bf16_weight_update_(self, param: Tensor, update: Tensor, alpha: float, decay: float, stream: int, index0: int,
-                            index_row_stride: int) -> None:
+                            index_row_stride: int, skip: Tensor | None = None) -> None:
         op = "bf16_weight_update_"
-        a = self._weight_args(param, None, update, alpha, decay, stream, index0, index_row_stride, op)
+        flags = None if skip is None else _skip_flags(skip, 1, param.device, op)
+        a = self._weight_args(param, None, update, alpha, decay, stream, index0, index_row_stride, op, flags)
         self._run(self._bf16w, op, param.device, C.byref(a))
 
-    def bf16_ecc8_weight_update_(self, param: Tensor, ecc: Tensor, update: Tensor, alpha: float, decay: float) -> None:
+    def bf16_ecc8_weight_update_(self, param: Tensor, ecc: Tensor, update: Tensor, alpha: float, decay: float,
+                                 skip: Tensor | None = None) -> None:
         op = "bf16_ecc8_weight_update_"
-        a = self._weight_args(param, ecc, update, alpha, decay, -1, 0, 0, op)
+        flags = None if skip is None else _skip_flags(skip, 1, param.device, op)
+        a = self._weight_args(param, ecc, update, alpha, decay, -1, 0, 0, op, flags)
         self._run(self._bf16w, op, param.device, C.byref(a))
 
-    def fp32_weight_update_(self, param: Tensor, update: Tensor, alpha: float, decay: float) -> None:
+    def fp32_weight_update_(self, param: Tensor, update: Tensor, alpha: float, decay: float,
+                            skip: Tensor | None = None) -> None:
         op = "fp32_weight_update_"
         # Fast path (this op runs once per parameter per step): one expression, explained on failure.
         ps, us = param.shape, update.shape
@@ -513,6 +532,8 @@ class CAbiOps(CodecTwins):
             _check(update.device == param.device, op, lambda: f"update is on {update.device}, param on {param.device}")
             _check(update.stride(0) >= 0 and update.stride(1) >= 0, op, "update has a negative stride")
             _check(update.dtype in _GRAD_DTYPES, op, lambda: f"update must be fp32, bf16 or fp16, got {update.dtype}")
+        flags = None if skip is None else _skip_flags(skip, 1, param.device, op)
         a = Fp32WeightArgs(param.data_ptr(), update.data_ptr(), _DTYPE[update.dtype], ps[0], ps[1],
-                           ps[1] if ps[0] <= 1 else param.stride(0), update.stride(0), update.stride(1), alpha, decay)
+                           ps[1] if ps[0] <= 1 else param.stride(0), update.stride(0), update.stride(1), alpha, decay,
+                           _skip_at(flags, 0))
         self._run(self._fp32w, op, param.device, C.byref(a))

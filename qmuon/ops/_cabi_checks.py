@@ -71,6 +71,24 @@ def _check_sums(sums: Sequence[Tensor], i: int, g: Tensor, block: int, op: str) 
            lambda: f"block_sumsq {i} is on {sums[i].device} but its grad is on {g.device}")
 
 
+def _skip_flags(skip: Tensor | None, n: int, device: torch.device | None, op: str) -> Tensor | None:
+    """The ``skip`` flags of a call as the kernels read them (``csrc/binding_common.h``, ``skip_flags``): None,
+    or ``n`` bytes (bool or uint8) on ``device`` (None: any), contiguous. Nothing here reads a flag; the caller
+    keeps the returned tensor alive until the kernels have run."""
+    if skip is None:
+        return None
+    _check(skip.dtype in (torch.bool, torch.uint8), op, lambda: f"skip must be bool or uint8, got {skip.dtype}")
+    _check(skip.numel() == n, op, lambda: f"skip must hold one flag per matrix ({n}), got {skip.numel()}")
+    _check(device is None or skip.device == device, op,
+           lambda: f"skip is on {skip.device} but the matrices are on {device}")
+    return skip.reshape(-1).contiguous()
+
+
+def _skip_at(flags: Tensor | None, i: int) -> int | None:
+    """The address of flag ``i`` (NULL without flags): bool and uint8 are one byte per flag."""
+    return None if flags is None else flags.data_ptr() + i
+
+
 def _check_block(block_size: int, op: str) -> None:
     _check(1 <= block_size <= MAX_BLOCK, op, lambda: f"block_size must be in [1, {MAX_BLOCK}], got {block_size}")
 

@@ -1,6 +1,7 @@
 """ctypes mirrors of the kernels' C-ABI structs (``csrc/qmuon/kernels.h``, ``adamw_kernels.h``,
 ``weight_kernels.h``), their enum values, and the layout check against a library's own
-(``csrc/qmuon/abi_layout.h``). :mod:`._cabi` fills them and calls the entry points."""
+(``csrc/qmuon/abi_layout.h``). :mod:`._cabi` fills them and calls the entry points. Every struct of a
+matrix a kernel writes ends with ``skip``, the device address of that matrix's flag byte (or NULL)."""
 
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ _p, _i32, _i64, _f32, _f64 = C.c_void_p, C.c_int32, C.c_int64, C.c_float, C.c_do
 
 class Q8Tensor(C.Structure):
     _fields_ = [("codes", _p), ("absmax", _p), ("grad", _p), ("sumsq", _p), ("rows", _i64), ("cols", _i64),
-                ("codes_rs", _i64), ("absmax_rs", _i64), ("grad_rs", _i64), ("row_offset", _i64), ("stream", _i64)]
+                ("codes_rs", _i64), ("absmax_rs", _i64), ("grad_rs", _i64), ("row_offset", _i64), ("stream", _i64),
+                ("skip", _p)]
 
 
 class Q8Params(C.Structure):
@@ -35,7 +37,7 @@ class Q8Params(C.Structure):
 class Q4Tensor(C.Structure):
     _fields_ = [("packed", _p), ("scales", _p), ("tensor_scale", _p), ("grad", _p), ("sumsq", _p), ("scratch", _p),
                 ("new_tensor_scale", _p), ("amax_out", _p), ("rows", _i64), ("cols", _i64), ("packed_rs", _i64),
-                ("scales_rs", _i64), ("grad_rs", _i64), ("row_offset", _i64), ("stream", _i64)]
+                ("scales_rs", _i64), ("grad_rs", _i64), ("row_offset", _i64), ("stream", _i64), ("skip", _p)]
 
 
 class Q4Params(C.Structure):
@@ -44,7 +46,7 @@ class Q4Params(C.Structure):
 
 class DenseTensor(C.Structure):
     _fields_ = [("buf", _p), ("grad", _p), ("sumsq", _p), ("rows", _i64), ("cols", _i64), ("buf_rs", _i64),
-                ("grad_rs", _i64), ("row_offset", _i64), ("stream", _i64)]
+                ("grad_rs", _i64), ("row_offset", _i64), ("stream", _i64), ("skip", _p)]
 
 
 class DenseParams(C.Structure):
@@ -63,18 +65,19 @@ class AdamwQArgs(C.Structure):
                 ("v_codes", _p), ("v_rs", _i64), ("v_scale", _p), ("v_scale_rs", _i64), ("update", _p),
                 ("update_rs", _i64), ("rows", _i64), ("cols", _i64), ("block_size", _i64), ("beta1", _f64),
                 ("beta2", _f64), ("eps", _f64), ("neg_step_size", _f64), ("bias_correction2_sqrt", _f64),
-                ("stream", _i64), ("index0", _i64)]
+                ("stream", _i64), ("index0", _i64), ("skip", _p)]
 
 
 class WeightArgs(C.Structure):
     _fields_ = [("param", _p), ("ecc", _p), ("update", _p), ("update_dtype", _i32), ("rows", _i64), ("cols", _i64),
                 ("param_rs", _i64), ("ecc_rs", _i64), ("update_rs", _i64), ("alpha", _f32), ("decay", _f32),
-                ("stream", _i64), ("index0", _i64), ("index_rs", _i64)]
+                ("stream", _i64), ("index0", _i64), ("index_rs", _i64), ("skip", _p)]
 
 
 class Fp32WeightArgs(C.Structure):
     _fields_ = [("param", _p), ("update", _p), ("update_dtype", _i32), ("rows", _i64), ("cols", _i64),
-                ("param_rs", _i64), ("update_rs", _i64), ("update_cs", _i64), ("alpha", _f32), ("decay", _f32)]
+                ("param_rs", _i64), ("update_rs", _i64), ("update_cs", _i64), ("alpha", _f32), ("decay", _f32),
+                ("skip", _p)]
 
 
 #: In the order of csrc/qmuon/abi_layout.h.

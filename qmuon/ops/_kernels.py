@@ -90,7 +90,12 @@ def skip_ok(skip: Tensor | None, like: Tensor | Sequence[Tensor]) -> bool:
     op), on their device. Other flags (another dtype, count or device) run the reference, which checks them."""
     if skip is None:
         return True
-    return False  # the compiled kernels do not take flags yet
+    if isinstance(like, Tensor):
+        n, device = 1, like.device
+    else:
+        n, device = len(like), (like[0].device if len(like) else skip.device)
+    return (skip.dtype in SKIP_DTYPES and skip.numel() == n and skip.device == device
+            and device.type == "cpu")  # the CUDA kernels do not read flags yet
 
 
 def packed_ok(packed: Tensor, cols: int) -> bool:
