@@ -14,6 +14,7 @@ twin (``qmuon.ops._cabi``, the prebuilt GPU library's Python binding) over the J
 from __future__ import annotations
 
 import ctypes
+import zlib
 from typing import Any, Callable
 
 import pytest
@@ -82,7 +83,7 @@ def _sums(grads: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def _multi_args(name: str, variant: str) -> tuple:
-    gen = torch.Generator().manual_seed(hash((name, variant)) % 2**31)
+    gen = torch.Generator().manual_seed(zlib.crc32(f"{name} {variant}".encode()))
     n = len(SHAPES)
     ms = [torch.randn(r, c, generator=gen) * 0.02 for r, c in SHAPES]
     grads = [_grad(i, r, c, variant, gen) for i, (r, c) in enumerate(SHAPES)]
@@ -107,7 +108,7 @@ def _multi_args(name: str, variant: str) -> tuple:
 
 
 def _single_args(name: str, variant: str, finite: bool = False) -> tuple:
-    gen = torch.Generator().manual_seed(hash((name, variant)) % 2**31)
+    gen = torch.Generator().manual_seed(zlib.crc32(f"{name} {variant}".encode()))
     rows, cols = 6, 70
     stochastic = variant.endswith("stochastic")
     g = torch.randn(rows, cols, generator=gen) * 0.1
@@ -281,30 +282,59 @@ def test_compiled_with_flags_equals_reference_with_flags(request, name):
     assert "skip" == params[-1]
 
 
-# --------------------------------------------------------------------------- routing and checks
 @pytest.mark.parametrize("name", MULTI + SINGLE)
-@pytest.mark.parametrize("bad", ["int32", "float", "shape"])
-def test_flags_the_kernels_do_not_take_run_the_reference(ext, name, bad):
-    """Flags of another dtype (or laid out as a column: still one per matrix) are taken by the reference,
-    which the ``served`` counts show; the result is that of bool flags."""
+def test_cabi_twin_with_flags_equals_the_cpp_binding(cabi_ops, name):
+    """Same kernel, two callers (as tests/test_cabi.py checks without flags): the ctypes twin and
+    torch.ops.qmuon_C write the same bits with flags, including through copies of transposed grads."""
+    variant = "mixed-stochastic" if name not in ("bf16_ecc8_weight_update_", "fp32_weight_update_") else "mixed-nearest"
+    for flags in ([1] * _n(name), FLAGS if name in MULTI else [0]):
+        a = _args(name, variant)
+        b = _clone(a)
+        skip = torch.tensor(flags, dtype=torch.uint8)
+        cabi_ops.get(name)(*a, skip)
+        getattr(torch.ops.qmuon_C, name)(*b, skip.bool())
+        for i in range(_n(name)):
+            for (what, x), (_, y) in zip(_written(name, a, i), _written(name, b, i)):
+                _assert_bits(x, y, f"{name} {flags}: {what}[{i}]")
+
+
+# --------------------------------------------------------------------------- routing and checks
+def _same_as_bool_flags(name: str, skip: torch.Tensor, key: tuple[str, str]) -> None:
+    """A call with ``skip`` is served by ``key``'s kernel and writes what one with the bool flags writes."""
     n = _n(name)
     flags = FLAGS if n > 1 else [1]
-    skip = {"int32": torch.tensor(flags, dtype=torch.int32), "float": torch.tensor(flags, dtype=torch.float32) * 0.5,
-            "shape": torch.tensor(flags, dtype=torch.bool).reshape(n, 1)}[bad]
     a = _args(name, "fp32-nearest")
     b = _clone(a)
-    key = (name, "reference")
     before = K.served[key]
     getattr(torch.ops.qmuon, name)(*a, skip)
-    if bad != "shape":
-        assert K.served[key] == before + 1
+    assert K.served[key] == before + 1, f"{name}: not served by the {key[1]} kernel"
     getattr(torch.ops.qmuon, name)(*b, torch.tensor(flags, dtype=torch.bool))
     for i in range(n):
         for (what, x), (_, y) in zip(_written(name, a, i), _written(name, b, i)):
-            if what == "block_sumsq" and not flags[i]:
+            if what == "block_sumsq" and not flags[i]:  # the reference's sums against the kernel's
                 assert torch.allclose(x, y, rtol=2 * BS * 2.0**-24, atol=1e-30, equal_nan=True)
             else:
-                _assert_bits(x, y, f"{name} {bad}: {what}[{i}]")
+                _assert_bits(x, y, f"{name}: {what}[{i}]")
+
+
+@pytest.mark.parametrize("name", MULTI + SINGLE)
+@pytest.mark.parametrize("dtype", [torch.int32, torch.float32], ids=str)
+def test_flags_of_another_dtype_run_the_reference(ext, name, dtype):
+    """Flags the kernels do not read (int32, float: nonzero skips) are taken by the reference, as the
+    ``served`` counts show; the result is that of bool flags."""
+    flags = FLAGS if _n(name) > 1 else [1]
+    _same_as_bool_flags(name, torch.tensor(flags, dtype=dtype) * 3, (name, "reference"))
+
+
+@pytest.mark.parametrize("name", MULTI + SINGLE)
+@pytest.mark.parametrize("layout", ["column", "strided"])
+def test_flags_of_any_layout_run_the_compiled_kernel(ext, name, layout):
+    """bool / uint8 flags as an (n, 1) column or a strided view (copied to one byte per flag): compiled."""
+    n = _n(name)
+    flags = torch.tensor(FLAGS if n > 1 else [1], dtype=torch.uint8)
+    skip = flags.reshape(n, 1) if layout == "column" else torch.stack((flags, 1 - flags), dim=1)[:, 0]
+    assert layout == "column" or n == 1 or not skip.is_contiguous()
+    _same_as_bool_flags(name, skip, (name, "compiled" if _compiled_expected(name) else "reference"))
 
 
 @pytest.mark.parametrize("name", MULTI + SINGLE)

@@ -3,6 +3,8 @@
 // and write the fp32 update, reduce the new block scales in shared memory, then re-encode.
 // Maths: csrc/qmuon/adamw_math.h, the same per-element functions as the CPU kernel (bit-exact with
 // ops/reference_adamw.py: __f*_rn arithmetic, no contraction; built with --fmad=false).
+// A set `skip` flag (device memory, one per call) makes every thread leave first thing, before the shared
+// memory and the barriers: nothing is written (moments, scales, update).
 #include <cuda_runtime.h>
 
 #include "qmuon/adamw_kernels.h"
@@ -47,6 +49,7 @@ __global__ void adamw_q_kernel(qmuon_adamw_q_args a, AdamWConsts c, int64_t nb) 
   __shared__ float vb[kMaxBlockSize];
   __shared__ uint32_t red_m[kThreads];
   __shared__ uint32_t red_v[kThreads];
+  if (skipped(a.skip)) return;  // the same flag for every thread of the grid: none waits at a barrier below
   const int64_t row = static_cast<int64_t>(blockIdx.x) / nb;
   const int64_t blk = static_cast<int64_t>(blockIdx.x) % nb;
   const int64_t c0 = blk * a.block_size;

@@ -18,6 +18,9 @@
 //   given (new_tensor_scale).
 // dense update: one warp per row block (sum of squares by warp shuffles).
 // codecs: simple grid-stride kernels (conversion / checkpoint paths, not the step).
+// skip: a matrix whose flag (device memory) is set is not touched. Work items never span two matrices, so
+// every warp (int4, dense) or CTA (both e0m3 passes) reads its matrix's flag first and all of its threads
+// leave together, before any memory access, shuffle or barrier; the e0m3 scale copy skips it too.
 #include <cuda_runtime.h>
 
 #include <stdint.h>
@@ -122,6 +125,7 @@ __global__ void int4_update_kernel(const __grid_constant__ Batch<qmuon_q4_tensor
   if (g >= batch.begin[batch.num]) return;  // the whole warp leaves together
   const int ti = find_tensor(batch.begin, batch.num, g);
   const qmuon_q4_tensor& t = batch.t[ti];
+  if (skipped(t.skip)) return;  // flagged matrix: the whole warp leaves
   const int64_t nb = (t.cols + bs - 1) / bs;
   const int64_t local = g - batch.begin[ti];
   const int64_t r = local / nb;
@@ -221,15 +225,18 @@ __device__ __forceinline__ ChunkPos chunk_pos(const qmuon_q4_tensor& t, int64_t 
   return p;
 }
 
+// use_skip: the update's pass 1 (a flagged matrix's CTAs leave at once: the whole CTA, before the barrier);
+// the amax op (0) writes nothing of the state and ignores the flags.
 template <typename G>
 __global__ void e0m3_pass1_kernel(const __grid_constant__ Batch<qmuon_q4_tensor> batch, const MomentumWeights mw,
-                                  const int64_t chunk, const int chunks_per_warp) {
+                                  const int64_t chunk, const int chunks_per_warp, const int use_skip) {
   using GS = typename G::storage;
   __shared__ uint32_t warp_max[kWarpsPerCta];
   const int warp = threadIdx.x / kWarp;
   const int lane = threadIdx.x % kWarp;
   const int ti = find_tensor(batch.begin, batch.num, blockIdx.x);  // grid == batch.begin[num]
   const qmuon_q4_tensor& t = batch.t[ti];
+  if (use_skip && skipped(t.skip)) return;  // uniform over the CTA (one matrix per CTA): no thread waits below
   const int64_t local_cta = static_cast<int64_t>(blockIdx.x) - batch.begin[ti];
   if (local_cta == 0 && threadIdx.x == 0) t.scratch[1] = *t.tensor_scale;  // pass 2 reads the old scale here
   const float t_old = *t.tensor_scale;
@@ -263,7 +270,7 @@ __global__ void e0m3_amax_out_kernel(const __grid_constant__ Batch<qmuon_q4_tens
 // The given new scales become the tensor scales, after pass 2 has decoded with the old ones.
 __global__ void e0m3_copy_scales_kernel(const __grid_constant__ Batch<qmuon_q4_tensor> batch) {
   const int i = static_cast<int>(threadIdx.x);
-  if (i < batch.num && batch.t[i].new_tensor_scale != batch.t[i].tensor_scale) {
+  if (i < batch.num && !skipped(batch.t[i].skip) && batch.t[i].new_tensor_scale != batch.t[i].tensor_scale) {
     *batch.t[i].tensor_scale = *batch.t[i].new_tensor_scale;
   }
 }
@@ -280,6 +287,7 @@ __global__ void e0m3_pass2_kernel(const __grid_constant__ Batch<qmuon_q4_tensor>
   const int lane = threadIdx.x % kWarp;
   const int ti = find_tensor(batch.begin, batch.num, blockIdx.x);  // grid == batch.begin[num]
   const qmuon_q4_tensor& t = batch.t[ti];
+  if (skipped(t.skip)) return;  // flagged matrix: the whole CTA leaves (its tensor scale is not written either)
   const int64_t local_cta = static_cast<int64_t>(blockIdx.x) - batch.begin[ti];
   const float t_old = from_amax ? t.scratch[1] : *t.tensor_scale;
   const float t_new = from_amax ? e0m3_tensor_scale_from_amax(t.scratch[0]) : *t.new_tensor_scale;
@@ -349,6 +357,7 @@ __global__ void dense_update_kernel(const __grid_constant__ Batch<qmuon_dense_te
   if (g >= batch.begin[batch.num]) return;
   const int ti = find_tensor(batch.begin, batch.num, g);
   const qmuon_dense_tensor& t = batch.t[ti];
+  if (skipped(t.skip)) return;  // flagged matrix: the whole warp leaves
   const int64_t nb = (t.cols + bs - 1) / bs;
   const int64_t local = g - batch.begin[ti];
   const int64_t r = local / nb;
@@ -616,6 +625,8 @@ struct Int4Launch {
 };
 
 // Pass 1 over a batch of matrices: max |m_new| into each one's scratch[0], old scale into scratch[1].
+// amax_out: the amax op (writes each matrix's max |m_new| to amax_out, ignores the skip flags); else the
+// update's pass 1.
 template <typename G>
 int e0m3_pass1(const qmuon_q4_tensor* ts, int64_t num, bool given, const MomentumWeights& mw, int64_t chunk,
                cudaStream_t s, bool amax_out) {
@@ -626,7 +637,7 @@ int e0m3_pass1(const qmuon_q4_tensor* ts, int64_t num, bool given, const Momentu
       [&](const Batch<qmuon_q4_tensor>& batch) {
         const int64_t grid = batch.begin[batch.num];
         if (grid > 0x7FFFFFFFLL) return static_cast<int>(cudaErrorInvalidConfiguration);
-        e0m3_pass1_kernel<G><<<grid_dim(grid), kWarpsPerCta * kWarp, 0, s>>>(batch, mw, chunk, k);
+        e0m3_pass1_kernel<G><<<grid_dim(grid), kWarpsPerCta * kWarp, 0, s>>>(batch, mw, chunk, k, amax_out ? 0 : 1);
         int err = launch_error();
         if (err || !amax_out) return err;
         e0m3_amax_out_kernel<<<1, kMaxTensorsPerLaunch, 0, s>>>(batch);

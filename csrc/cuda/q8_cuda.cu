@@ -6,6 +6,8 @@
 // absmax and sum of squares with warp shuffles, then requantizes. Lanes move 4 consecutive
 // elements at a time when the matrix's alignment allows it (vec path), else one.
 // All fp32 maths comes from qmuon/block_math.h (__fmul_rn & co.; built with --fmad=false too).
+// A matrix whose `skip` flag (device memory) is set is not touched: each warp reads its matrix's flag
+// before anything else and the whole warp leaves (no barrier in this kernel; the warp is its matrix's).
 #include <cuda_runtime.h>
 
 #include <stdint.h>
@@ -125,6 +127,7 @@ __global__ void q8_momentum_update_kernel(const __grid_constant__ Q8Batch batch,
   if (g >= batch.block_begin[batch.num_tensors]) return;  // whole warp leaves together
   const int ti = find_tensor(batch, g);
   const qmuon_q8_tensor& t = batch.t[ti];
+  if (skipped(t.skip)) return;  // flagged matrix: the whole warp leaves before any load, store or shuffle
   const int64_t nb = batch.nb[ti];
   const int64_t local = g - batch.block_begin[ti];
   const int64_t r = local / nb;

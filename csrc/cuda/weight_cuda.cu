@@ -1,6 +1,8 @@
 // CUDA kernels of the weight writes: bf16 (nearest, stochastic, 8-bit error-corrected), one thread per
 // element, and fp32 (below); the per-element maths of qmuon/weight_math.h (shared with the CPU kernel
 // and equal to ops/reference_weight.py bit for bit). No torch headers: raw pointers and a cudaStream_t.
+// A set `skip` flag (device memory, one per call) makes every thread leave first thing, before any other
+// load, store or barrier: the weights (and error codes) are not written.
 #include <cuda_runtime.h>
 
 #include <stdint.h>
@@ -18,6 +20,7 @@ constexpr int kThreads = 256;
 template <typename U>
 __global__ void weight_update_kernel(qmuon_weight_args a) {
   using S = typename U::storage;
+  if (skipped(a.skip)) return;
   const int64_t n = a.rows * a.cols;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -50,6 +53,7 @@ int launch(const qmuon_weight_args& a, cudaStream_t stream) {
 template <typename U>
 __global__ void fp32_weight_kernel(qmuon_fp32_weight_args a) {
   using S = typename U::storage;
+  if (skipped(a.skip)) return;
   const int64_t n = a.rows * a.cols;
   const S* u = static_cast<const S*>(a.update);
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
@@ -67,6 +71,7 @@ template <typename U>
 __global__ void fp32_weight_transposed_kernel(qmuon_fp32_weight_args a) {
   using S = typename U::storage;
   __shared__ float tile[kTile][kTile + 1];  // +1: no bank conflicts on the transposed read
+  if (skipped(a.skip)) return;  // the same flag for every thread of the grid: none waits at the barrier below
   const S* u = static_cast<const S*>(a.update);
   const int64_t r0 = static_cast<int64_t>(blockIdx.y) * kTile, c0 = static_cast<int64_t>(blockIdx.x) * kTile;
   // load: threadIdx.x walks rows (the update's unit stride)

@@ -94,8 +94,7 @@ def skip_ok(skip: Tensor | None, like: Tensor | Sequence[Tensor]) -> bool:
         n, device = 1, like.device
     else:
         n, device = len(like), (like[0].device if len(like) else skip.device)
-    return (skip.dtype in SKIP_DTYPES and skip.numel() == n and skip.device == device
-            and device.type == "cpu")  # the CUDA kernels do not read flags yet
+    return skip.dtype in SKIP_DTYPES and skip.numel() == n and skip.device == device
 
 
 def packed_ok(packed: Tensor, cols: int) -> bool:
