@@ -9,6 +9,7 @@ promotion and state introspection from :mod:`.qmuon_state`.
 
 No persistent full-precision momentum exists for the quantized formats and no scratch buffer is
 allocated for the NS input: after ``step()`` a Muon parameter's ``.grad`` holds its NS input.
+Read or log gradients before ``step()``; docs/limits.md says what this breaks and what it saves.
 """
 
 from __future__ import annotations
