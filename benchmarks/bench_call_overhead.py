@@ -17,7 +17,8 @@ kernel is the same in every row; what differs is the caller:
 Each row is the median of ``--calls`` calls, timed in rounds that alternate the callers (a shared,
 loaded machine slows all rows alike). On CUDA each call is followed by a synchronize, so a row is
 launch + kernel + sync latency; the host-only launch cost is printed too (calls without a sync,
-divided). The canary rows time ``_canary.run_check`` of every compiled op (median of ``--canary-reps``).
+divided). The canary rows time ``_canary.run_check`` of every compiled op (its canary cases, warm; median of
+``--canary-reps``); ``bench_canary.py`` measures the canary in cold processes.
 """
 
 from __future__ import annotations
@@ -172,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         per = ((b[keys[1]] - b[keys[0]]) - (a[keys[1]] - a[keys[0]])) / 16
         lines += ["", f"ctypes twin minus C++ binding, per extra matrix in a call: {per:+.2f} us"]
     lines += ["", f"First-use canary on {device.type} (median of {args.canary_reps} runs of each op's check: "
-                  "the compiled kernel and the reference on the small sample call, compared)", ""]
+                  "the compiled kernel and the reference on each of the op's canary cases, compared)", ""]
     top = sorted(canary_ms.items(), key=lambda kv: -kv[1])
     lines.append(md_table(["op", "ms"], [[n, f"{v:.2f}"] for n, v in top], ["l", "r"]))
     lines += ["", f"All {len(canary_ms)} ops: {sum(canary_ms.values()):.1f} ms; median op {statistics.median(canary_ms.values()):.2f} ms "
