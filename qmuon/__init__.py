@@ -23,6 +23,7 @@ from .optim import (
     RoutingRule,
     attach_gradient_release,
     build_optimizer,
+    compile_step,
     format_routing_table,
     route_parameters,
 )
@@ -36,5 +37,5 @@ __all__ = [
     "QMuon", "QMuonConfig", "build_optimizer",
     "NewtonSchulz", "UpdateRule", "StateOptions", "Safety", "Routing", "ConfigError",
     "NonFiniteGradientError", "RoutingRule", "FusedParts", "route_parameters", "format_routing_table",
-    "GradientRelease", "attach_gradient_release", "__version__",
+    "GradientRelease", "attach_gradient_release", "compile_step", "__version__",
 ]

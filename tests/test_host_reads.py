@@ -65,7 +65,8 @@ class HostReads:
 class Net(nn.Module):
     """An embedding, 3 blocks of two biased linears (the 6 Muon matrices), a norm and a biased head."""
 
-    def __init__(self, vocab: int = 64, d: int = 32, hidden: int = 48) -> None:
+    def __init__(self, vocab: int = 160, d: int = 32, hidden: int = 48) -> None:
+        # vocab x d = 5120 elements: the embedding and the head keep quantized AdamW moments (>= 4096)
         super().__init__()
         self.emb = nn.Embedding(vocab, d)
         self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(d, hidden), nn.GELU(), nn.Linear(hidden, d)) for _ in range(3))
@@ -98,6 +99,7 @@ CONFIGS = {
     "int8 adamw": (dict(adamw_state_format="int8"), torch.float32),
     "int4 adamw": (dict(adamw_state_format="int4"), torch.float32),
     "bf16 nearest": (dict(bf16_update="nearest"), torch.bfloat16),
+    "bf16 stochastic": (dict(bf16_update="stochastic"), torch.bfloat16),
     "bf16 stochastic + int8 adamw": (dict(bf16_update="stochastic", adamw_state_format="int8"), torch.bfloat16),
     "bf16 ecc8": (dict(bf16_update="ecc8"), torch.bfloat16),
 }

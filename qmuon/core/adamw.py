@@ -27,6 +27,7 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
+from ..ops.reference_adamw import bias_terms  # noqa: F401  (the AdamW bias terms; re-exported)
 from ..quant import adamw as qadamw
 from .apply import apply_update_, weight_state_init
 
@@ -36,13 +37,6 @@ __all__ = ["chunk_rows", "init_state", "adamw_param_step"]
 #: was 0.30 B/param of a 56M-parameter model's whole step (benchmarks/results/train_memory.md);
 #: 2^20-element blocks still amortize the per-block call (a 32k x 512 embedding: 16 blocks).
 DEFAULT_CHUNK_ELEMENTS = 1 << 20
-
-
-def bias_terms(step: float, lr: float, beta1: float, beta2: float) -> tuple[float, float]:
-    """``(-lr / (1 - beta1^t), sqrt(1 - beta2^t))``, computed as ``torch.optim.AdamW`` does (Python floats)."""
-    bias_correction1 = 1 - beta1**step
-    bias_correction2 = 1 - beta2**step
-    return -(lr / bias_correction1), bias_correction2**0.5
 
 
 def chunk_rows(rows: int, cols: int, chunk_elements: int = DEFAULT_CHUNK_ELEMENTS) -> int:
@@ -95,8 +89,7 @@ def adamw_param_step(p_local: Tensor, grad: Tensor, state: dict[str, Tensor], gr
     beta1, beta2 = float(group["betas"][0]), float(group["betas"][1])
     m_fmt, v_fmt = qadamw.moment_formats(group["state_format"], global_shape)
     state["step"] += 1
-    step = float(state["step"].item())
-    neg_step_size, bc2_sqrt = bias_terms(step, lr, beta1, beta2)
+    step = int(state["step"].item())  # a CPU counter: no device read (symbolic in a compiled step)
     decay = 1.0 - lr * wd
     rows, cols = qadamw.matrix_shape(p_local.shape)
     if rows == 0 or cols == 0:
@@ -113,13 +106,12 @@ def adamw_param_step(p_local: Tensor, grad: Tensor, state: dict[str, Tensor], gr
     buf = torch.empty((n, cols), dtype=torch.float32, device=p_local.device)
     seed = int(group.get("seed", 0))
     first = row_offset * cols if first_index is None else int(first_index)
-    stream = moment_stream(group, seed, key, int(step))
+    stream = moment_stream(group, seed, key, step)
     for r0 in range(0, rows, n):
         r1 = min(rows, r0 + n)
         update = buf[: r1 - r0]
         qadamw.update_rows(m_fmt, v_fmt, state, r0, r1, g2d[r0:r1], update, beta1=beta1, beta2=beta2, eps=eps,
-                           neg_step_size=neg_step_size, bias_correction2_sqrt=bc2_sqrt, stream=stream,
-                           index0=first + r0 * cols, skip=skip)
+                           lr=lr, step=step, stream=stream, index0=first + r0 * cols, skip=skip)
         wstate = {k: _row_view(state[k], rows)[r0:r1] for k in weight_keys if k in state}
         apply_update_(p2d[r0:r1], update, alpha=1.0, decay=decay, bf16_update=rule, state=wstate or None,
-                      rng=(seed, key, int(step), first + r0 * cols), cautious=cautious, skip=skip)
+                      rng=(seed, key, step, first + r0 * cols), cautious=cautious, skip=skip)

@@ -638,6 +638,8 @@ from . import _library_adamw as _adamw  # noqa: E402  (the quantized AdamW op: p
 adamw_q_update_ = _op(mutates_args=_adamw.MUTATES)(_adamw.adamw_q_update_)
 adamw_q_update_.register_fake(_adamw.fake)
 adamw_q_update_.compiled_when(_adamw.supported)
+adamw_q_step_ = _op(mutates_args=_adamw.MUTATES)(_adamw.adamw_q_step_)
+adamw_q_step_.register_fake(_adamw.fake_step)
 
 # Compiled CPU / CUDA kernels (csrc/, built on first use) take over where their predicates hold.
 K.register_compiled_kernels(OPS.values())

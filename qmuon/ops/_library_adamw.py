@@ -60,6 +60,42 @@ def adamw_q_update_(
     ref.restore(None if flag is None else flag[0], written, saved)
 
 
+def adamw_q_step_(
+    grad: Tensor,
+    m_codes: Tensor,
+    m_scale: Tensor,
+    v_codes: Tensor,
+    v_scale: Tensor,
+    update: Tensor,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    lr: float,
+    step: int,
+    m_kind: int,
+    v_kind: int,
+    block_size: int,
+    stream: int,
+    index0: int,
+    skip: Optional[Tensor] = None,
+) -> None:
+    """:func:`adamw_q_update_` at AdamW step ``step`` with learning rate ``lr``: the bias terms
+    (:func:`~qmuon.ops.reference_adamw.bias_terms`) are computed here, when the op runs. A compiled
+    optimizer step passes ``step`` as a symbolic int read from the parameter's CPU step counter; a
+    symbolic float could not reach the kernels' host-float arguments. No compiled twin of its own:
+    it calls ``torch.ops.qmuon.adamw_q_update_`` (whose kernel is the compiled one)."""
+    neg_step_size, bias_correction2_sqrt = refa.bias_terms(float(step), lr, beta1, beta2)
+    torch.ops.qmuon.adamw_q_update_(grad, m_codes, m_scale, v_codes, v_scale, update, beta1, beta2, eps,
+                                    neg_step_size, bias_correction2_sqrt, m_kind, v_kind, block_size, stream, index0,
+                                    skip)
+
+
+def fake_step(grad, m_codes, m_scale, v_codes, v_scale, update, beta1, beta2, eps, lr, step, m_kind, v_kind, block_size,
+              stream, index0, skip=None):
+    ref.check_skip(skip, None, grad.device, "adamw_q_step_")
+    return None
+
+
 def fake(grad, m_codes, m_scale, v_codes, v_scale, update, beta1, beta2, eps, neg_step_size, bias_correction2_sqrt,
       m_kind, v_kind, block_size, stream, index0, skip=None):
     ref.check_skip(skip, None, grad.device, "adamw_q_update_")

@@ -51,6 +51,13 @@ from torch import Tensor
 
 from .reference import _MASK32, _blocked, _fp32, _lerp_fp32, fmix32, noise_stream, num_blocks
 
+
+def bias_terms(step: float, lr: float, beta1: float, beta2: float) -> tuple[float, float]:
+    """``(-lr / (1 - beta1^t), sqrt(1 - beta2^t))``, computed as ``torch.optim.AdamW`` does (Python floats)."""
+    bias_correction1 = 1 - beta1**step
+    bias_correction2 = 1 - beta2**step
+    return -(lr / bias_correction1), bias_correction2**0.5
+
 __all__ = [
     "M8",
     "V8",

@@ -93,6 +93,11 @@ class NonFiniteLedger:
         step counters the call advanced (rolled back at :meth:`settle` for the skipped keys)."""
         if not keys:
             return
+        if torch.compiler.is_compiling() and self._current.keys:
+            raise RuntimeError(
+                "QMuon: a compiled optimizer step found the previous step's non-finite flags unread. Compile the "
+                "step with qmuon.compile_step(optimizer) (it reads them between steps), or call "
+                "optimizer.settle_nonfinite() after each compiled optimizer.step()")
         self._current.keys.extend(keys)
         self._current.flags.append(skip)
         self._current.steps.extend(steps)

@@ -289,8 +289,9 @@ class QMuon(QMuonGroupsMixin, QMuonStateMixin, Optimizer):
             # From every Muon matrix (global shapes): each call of the step and every rank batches alike.
             self._batch_sizes = pipeline.BatchSizes.of(shapes, self.batch_budget)
             self._layout_fresh = True
-        self._follow_lrs()
-        self._check_group_lrs()
+        if not torch.compiler.is_compiling():  # host bookkeeping: compile_step runs it before the graph
+            self._follow_lrs()
+            self._check_group_lrs()
         keys = self._keys_of(params)
         sharded = self._sharded[1] if self._sharded is not None else None  # None unless a parameter is a DTensor
         if sharded is not None and params is not None and not any(
@@ -437,6 +438,12 @@ class QMuon(QMuonGroupsMixin, QMuonStateMixin, Optimizer):
         """The longest run of consecutive skipped steps of any one parameter so far."""
         self._nonfinite.settle(raise_now=False)
         return self._nonfinite.max_consecutive
+
+    def settle_nonfinite(self) -> None:
+        """Read the skip flags of the steps not read yet (normally the next step does, before it changes
+        anything): roll back skipped parameters' step counters, count them, and raise
+        :class:`NonFiniteGradientError` past ``max_nonfinite_skips``. Waits for the device once."""
+        self._nonfinite.settle()
 
     def _key_label(self, key: tuple[int, int]) -> str:
         return self._param_label(*key)

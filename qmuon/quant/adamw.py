@@ -209,18 +209,22 @@ def _rows(t: Tensor, r0: int, r1: int) -> Tensor:
 
 
 def update_rows(m_fmt: StateFormat, v_fmt: StateFormat, state: Mapping[str, Tensor], r0: int, r1: int,
-                grad: Tensor, update: Tensor, *, beta1: float, beta2: float, eps: float, neg_step_size: float,
-                bias_correction2_sqrt: float, stream: int = -1, index0: int = 0, skip: Tensor | None = None) -> None:
+                grad: Tensor, update: Tensor, *, beta1: float, beta2: float, eps: float, lr: float, step: int,
+                stream: int = -1, index0: int = 0, skip: Tensor | None = None) -> None:
     """Update the moments of rows ``[r0, r1)`` (``grad``: those rows' ``(r1 - r0, cols)`` gradient)
     and write ``update`` (fp32, same shape): the whole AdamW step of those weights without weight
-    decay, ``(neg_step_size * m) / (sqrt(v) / bias_correction2_sqrt + eps)``, to be added with
-    ``alpha=1``. ``state``: the parameter's (local) state tensors.
+    decay, ``(neg_step_size * m) / (sqrt(v) / bias_correction2_sqrt + eps)`` with the bias terms of
+    optimizer step ``step`` (:func:`~qmuon.ops.reference_adamw.bias_terms`), to be added with
+    ``alpha=1``. ``state``: the parameter's (local) state tensors. Quantized moments take ``step`` into
+    their op, which computes the bias terms when it runs (a compiled step passes ``step`` as a symbolic
+    int; the kernels take the terms as host floats).
 
     ``stream`` >= 0 rounds quantized moments stochastically (``ops.reference_adamw.adamw_noise_stream``),
     their noise keyed by global element index ``index0 + r * cols + c`` (``index0``: the index of
     row ``r0``'s first element in the whole parameter); dense moments ignore both. ``skip``: None or a
     one-element device flag: when True the moments and ``update`` are left as they are (no host read)."""
     if _dense(m_fmt) and _dense(v_fmt):
+        neg_step_size, bias_correction2_sqrt = _refa.bias_terms(step, lr, beta1, beta2)
         m = _rows(state[m_fmt.spec.keys[0]], r0, r1)
         v = _rows(state[v_fmt.spec.keys[0]], r0, r1)
         g = grad if grad.dtype == torch.float32 else grad.float()
@@ -248,10 +252,10 @@ def update_rows(m_fmt: StateFormat, v_fmt: StateFormat, state: Mapping[str, Tens
         raise StateFormatError(f"AdamW moments {m_fmt.name} + {v_fmt.name}: no fused update for this pair")
     mk, ms = m_fmt.spec.keys
     vk, vs = v_fmt.spec.keys
-    torch.ops.qmuon.adamw_q_update_(
+    torch.ops.qmuon.adamw_q_step_(
         grad, _rows(state[mk], r0, r1), _rows(state[ms], r0, r1), _rows(state[vk], r0, r1), _rows(state[vs], r0, r1),
-        update, float(beta1), float(beta2), float(eps), float(neg_step_size), float(bias_correction2_sqrt),
-        m_fmt.kind, v_fmt.kind, m_fmt.default_block_size, int(stream), int(index0), skip)  # type: ignore[attr-defined]
+        update, float(beta1), float(beta2), float(eps), float(lr), step,
+        m_fmt.kind, v_fmt.kind, m_fmt.default_block_size, stream, index0, skip)  # type: ignore[attr-defined]
 
 
 def flat_slice_pieces(family: str, shape: Sequence[int], start: int, length: int) -> list[tuple[int, int, int]] | None:
