@@ -137,8 +137,10 @@ class NonFiniteLedger:
         :meth:`settle` that may raise."""
         while self._pending:
             entry = self._pending.pop(0)
-            if entry.event is not None:
-                entry.event.synchronize()  # a copy started a step ago: done unless the device is far behind
+            if entry.event is not None and not entry.event.query():
+                # the copy started a step ago; waited for only when the device is that far behind (a
+                # finished event is not waited on, so torch.cuda.set_sync_debug_mode sees nothing)
+                entry.event.synchronize()
             assert entry.host is not None
             skipped = entry.host.to("cpu").tolist()
             try:
