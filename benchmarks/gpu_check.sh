@@ -124,12 +124,13 @@ else
 fi
 echo "gpu_check: $TITLE; budget ${BUDGET}s; logs in $WORK, summary in $OUT_DIR/summary.md"
 
+VERSIONS="$("$PY" -c 'import platform, torch; print("Python", platform.python_version(), "torch", torch.__version__)')"
 declare -a NAMES=() RESULTS=() RCS=() SECS=()
 summary() {
     {
         echo "## qmuon_lightning GPU check ($TITLE)"
         echo
-        echo "$(date -u '+%Y-%m-%d %H:%M UTC'), $("$PY" -c 'import platform, torch; print("Python", platform.python_version(), "torch", torch.__version__)' 2>/dev/null), budget ${BUDGET}s, $(( $(date +%s) - T0 ))s so far. Logs: logs.tar.gz beside this file."
+        echo "$(date -u '+%Y-%m-%d %H:%M UTC'), $VERSIONS, budget ${BUDGET}s, $(( $(date +%s) - T0 ))s so far. Logs: logs.tar.gz beside this file."
         echo
         echo "| step | result | exit status | seconds |"
         echo "| --- | --- | ---: | ---: |"
