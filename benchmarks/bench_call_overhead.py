@@ -45,11 +45,11 @@ def _callers(device: torch.device) -> dict[str, object]:
     if device.type == "cpu":
         if not st.cpu:
             raise SystemExit(f"no compiled CPU kernels: {st.reason}")
-        out["qmuon_C op (C++ binding)"] = lambda *a: torch.ops.qmuon_C.q8_momentum_update_multi_(*a, True)
+        out["qmuon_C op (C++ binding)"] = lambda *a: torch.ops.qmuon_C.q8_momentum_update_multi_(*a, compute_sumsq=True)
         out["C-ABI twin (ctypes)"] = _cabi.CAbiOps(ctypes.CDLL(st.library), "cpu").q8_momentum_update_multi_
     else:
         if st.cuda_source == "jit":
-            out["qmuon_C op (C++ binding)"] = lambda *a: torch.ops.qmuon_C.q8_momentum_update_multi_(*a, True)
+            out["qmuon_C op (C++ binding)"] = lambda *a: torch.ops.qmuon_C.q8_momentum_update_multi_(*a, compute_sumsq=True)
         lib = st.gpu_library
         if lib is not None and lib.ops is not None:
             out["C-ABI twin (ctypes)"] = lib.ops.q8_momentum_update_multi_

@@ -199,11 +199,11 @@ def parse_qmuon_name(name: str) -> tuple[str, bool, dict]:
         elif m == "compiled":
             kw["compiled"] = True
         elif m.startswith("ns") and m[2:] in NS_DTYPES:
-            kw["ns_dtype"] = m[2:]
+            kw.setdefault("newton_schulz", {})["dtype"] = m[2:]
         elif m in NS_PRESETS:
-            kw["ns_coefficients"] = m
-        elif m in ("gram", "auto", "standard"):  # ns_method (core.gram_newton_schulz)
-            kw["ns_method"] = m
+            kw.setdefault("newton_schulz", {})["coefficients"] = m
+        elif m in ("gram", "auto", "standard"):  # newton_schulz.method (core.gram_newton_schulz)
+            kw.setdefault("newton_schulz", {})["method"] = m
         else:
             raise ValueError(_unknown(name))
     return fmt, noparts, kw
