@@ -347,13 +347,16 @@ def _check_fsdp2_report(rep: dict[str, Any], rank: int) -> None:
     # distributed Newton-Schulz ships its input and output as int8 row-block codes by default
     # (QMuon comm_carrier / comm_return). Measured on CPU: lowest per-parameter update cosine 0.9976
     # (a 32x32 attention projection); 0.99 leaves room for GPU matmul rounding, while a wrong
-    # shard, a missing all-reduce or a per-shard Newton-Schulz gives cosines far below it.
+    # shard, a missing all-reduce or a per-shard Newton-Schulz gives cosines far below it. The int8
+    # carriers dominate, so the bound holds for either NS dtype: on an AMX Xeon 0.9981 with bf16 NS
+    # and 0.9986 with fp32 NS (the same capped to AVX2: 0.9983 / 0.9986).
     assert rep["min_update_cosine_vs_reference"] >= 0.99, rep["update_cosines"]
     assert rep["mismatches"] == [], f"rank {rank}: resumed run differs: {rep['mismatches'][:5]}"
     assert rep["losses_a"] == rep["losses_b"]
 
 
 @pytest.mark.slow
+@pytest.mark.ns_equivalence
 def test_two_processes_ddp_and_fsdp2_resume_bit_exact(tmp_path) -> None:
     """One ``torchrun --nproc_per_node 2`` launch on CPU (gloo): the DDP scenario with
     ``Accelerator(cpu=True)``, then the FSDP2 scenario with Accelerate's FSDP2 code forced on CPU

@@ -382,6 +382,7 @@ def test_grasp4_momentum_resumes_bit_exactly(runs: dict[str, Any]) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.ns_equivalence
 def test_two_to_one_process_reshards(runs: dict[str, Any]) -> None:
     """The 2-process sharded checkpoint loaded on 1 process holds exactly the saved weights and
     quantized momentum (compared with the consolidated file the 2-process run wrote at the same
@@ -402,6 +403,7 @@ def test_two_to_one_process_reshards(runs: dict[str, Any]) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.ns_equivalence
 def test_one_to_two_processes_reshards(runs: dict[str, Any]) -> None:
     loaded = _load(runs["root"] / "two_loaded_one_2.pt")
     saved = _load(runs["root"] / "one_full_2.pt")

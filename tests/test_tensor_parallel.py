@@ -288,9 +288,10 @@ def test_fsdp_x_tp_2x2_trains_like_single_process_and_reshards(tmp_path: Path) -
 
 
 @pytest.mark.slow
+@pytest.mark.ns_equivalence
 def test_fsdp_x_tp_int8_carriers_within_bound() -> None:
-    """int8 carriers both ways: within the stated carrier bound (measured 0.019, 1-D mesh of 4 the
-    same); AdamW untouched by the carrier."""
+    """int8 carriers both ways: within the stated carrier bound (measured 0.019 with bf16 NS, 0.013 with
+    fp32 NS, 1-D mesh of 4 the same; AMX Xeon, native and capped to AVX2); AdamW untouched by the carrier."""
     res = run_workers(_carrier_worker, 4, timeout=300)
     c = res[0]["int8_carrier"]
     rel = _displacement_rel(c["params"], c["ref_params"], c["init"])
@@ -303,7 +304,7 @@ def test_fsdp_x_tp_int8_carriers_within_bound() -> None:
     real = [_displacement_rel(*(res[0][k][x] for x in ("params", "ref_params", "init")))
             for k in ("int8_carrier_real", "int8_carrier_real_1d")]
     worst = [max(v for n, v in r.items() if "proj" in n) for r in real]
-    assert worst[0] <= 1.5 * worst[1], worst  # measured 0.23 vs 0.24
+    assert worst[0] <= 1.5 * worst[1], worst  # measured 0.23 vs 0.24 (bf16 NS), 0.21 vs 0.22 (fp32 NS)
 
 
 def _placement_error(rank: int, world: int) -> str:
