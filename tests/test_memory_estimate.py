@@ -92,7 +92,10 @@ def test_release_hook_temporaries_are_optimizer_bytes() -> None:
     assert m.split_no_act["Optstate"] > m.state_bytes  # the hook's AdamW block buffer is in there
     assert m.peak_no_act == sum(v for k, v in m.split_no_act.items() if k not in mem_measure.ACTIVATION_CATEGORIES)
     assert m.peak_no_act <= m.peak
-    assert est.total == m.peak_no_act
+    # to the byte, but for the non-finite flags the hooks leave for the step's end (qmuon.optim.nonfinite:
+    # one bool per parameter stepped so far, read by the next step), which the estimate does not model
+    n_params = sum(1 for _ in _meta(cfg).parameters())
+    assert 0 <= m.peak_no_act - est.total <= n_params
 
 
 def test_llama_estimate_matches_memtracker() -> None:
@@ -265,5 +268,7 @@ def test_release_hooks_free_their_temporaries(label: str) -> None:
     n = len(exits) // 3
     assert n == sum(1 for p in model.parameters() if p.requires_grad)
     for opt_bytes, grads, own in exits[n:]:  # steps 2 and 3: the state exists already
-        assert opt_bytes == m.state_bytes
+        # the state, and the non-finite flags of the hooks so far (one bool each, kept until the step's end
+        # and read by the next step: qmuon.optim.nonfinite)
+        assert m.state_bytes <= opt_bytes <= m.state_bytes + n
         assert grads == own > 0

@@ -228,9 +228,12 @@ def update_rows(m_fmt: StateFormat, v_fmt: StateFormat, state: Mapping[str, Tens
         m = _rows(state[m_fmt.spec.keys[0]], r0, r1)
         v = _rows(state[v_fmt.spec.keys[0]], r0, r1)
         g = grad if grad.dtype == torch.float32 else grad.float()
-        # a skip computes into copies and selects them on the device (this block's rows only)
-        m32 = m if m.dtype == torch.float32 and skip is None else m.float() if skip is None else m.float().clone()
-        v32 = v if v.dtype == torch.float32 and skip is None else v.float() if skip is None else v.float().clone()
+        if skip is not None:
+            _dense_rows_skipping(m, v, g, update, skip.reshape(()), beta1=beta1, beta2=beta2, eps=eps,
+                                 neg_step_size=neg_step_size, bias_correction2_sqrt=bias_correction2_sqrt)
+            return
+        m32 = m if m.dtype == torch.float32 else m.float()
+        v32 = v if v.dtype == torch.float32 else v.float()
         # torch.optim.AdamW's single-tensor step, op for op (bit-exact for fp32 moments)
         m32.lerp_(g, 1 - beta1)
         v32.mul_(beta2).addcmul_(g, g, value=1 - beta2)
@@ -238,11 +241,6 @@ def update_rows(m_fmt: StateFormat, v_fmt: StateFormat, state: Mapping[str, Tens
         denom.div_(bias_correction2_sqrt).add_(eps)
         torch.mul(m32, neg_step_size, out=update)
         update.div_(denom)
-        if skip is not None:
-            keep = skip.reshape(())
-            m.copy_(torch.where(keep, m, m32.to(m.dtype)))
-            v.copy_(torch.where(keep, v, v32.to(v.dtype)))
-            return
         if m32 is not m:
             m.copy_(m32)
         if v32 is not v:
@@ -256,6 +254,34 @@ def update_rows(m_fmt: StateFormat, v_fmt: StateFormat, state: Mapping[str, Tens
         grad, _rows(state[mk], r0, r1), _rows(state[ms], r0, r1), _rows(state[vk], r0, r1), _rows(state[vs], r0, r1),
         update, float(beta1), float(beta2), float(eps), float(lr), step,
         m_fmt.kind, v_fmt.kind, m_fmt.default_block_size, stream, index0, skip)  # type: ignore[attr-defined]
+
+
+def _dense_rows_skipping(m: Tensor, v: Tensor, g: Tensor, update: Tensor, keep: Tensor, *, beta1: float, beta2: float,
+                         eps: float, neg_step_size: float, bias_correction2_sqrt: float) -> None:
+    """:func:`update_rows`' dense step with a skip flag ``keep`` (0-d bool on the device; True: the
+    moments stay bit-identical): the same ops into the ``update`` buffer (fp32 moments) or the fp32
+    copy a bf16 moment needs anyway, then ``torch.where`` back in place, so a skippable step holds no
+    more temporaries than a plain one."""
+    if m.dtype == torch.float32:
+        torch.lerp(m, g, 1 - beta1, out=update)
+        torch.where(keep, m, update, out=m)
+        m_new = m  # the new m where it is used (not skipped)
+    else:
+        m_new = m.float()
+        m_new.lerp_(g, 1 - beta1)
+        torch.where(keep, m, m_new, out=m)
+    if v.dtype == torch.float32:
+        torch.mul(v, beta2, out=update).addcmul_(g, g, value=1 - beta2)
+        torch.where(keep, v, update, out=v)
+        v_new = v
+    else:
+        v_new = v.float()
+        v_new.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        torch.where(keep, v, v_new, out=v)
+    denom = torch.sqrt(v_new)
+    denom.div_(bias_correction2_sqrt).add_(eps)
+    torch.mul(m_new, neg_step_size, out=update)
+    update.div_(denom)
 
 
 def flat_slice_pieces(family: str, shape: Sequence[int], start: int, length: int) -> list[tuple[int, int, int]] | None:
