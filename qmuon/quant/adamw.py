@@ -269,7 +269,7 @@ def _dense_rows_skipping(m: Tensor, v: Tensor, g: Tensor, update: Tensor, keep: 
     else:
         m_new = m.float()
         m_new.lerp_(g, 1 - beta1)
-        torch.where(keep, m, m_new, out=m)
+        torch.where(keep, m, m_new.to(m.dtype), out=m)  # rounded as m.copy_(m_new) rounds
     if v.dtype == torch.float32:
         torch.mul(v, beta2, out=update).addcmul_(g, g, value=1 - beta2)
         torch.where(keep, v, update, out=v)
@@ -277,7 +277,7 @@ def _dense_rows_skipping(m: Tensor, v: Tensor, g: Tensor, update: Tensor, keep: 
     else:
         v_new = v.float()
         v_new.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-        torch.where(keep, v, v_new, out=v)
+        torch.where(keep, v, v_new.to(v.dtype), out=v)
     denom = torch.sqrt(v_new)
     denom.div_(bias_correction2_sqrt).add_(eps)
     torch.mul(m_new, neg_step_size, out=update)
