@@ -39,6 +39,9 @@ class HostReads:
         self.seen: list[tuple[str, tuple, str]] = []
         self.exempt_reads = 0
 
+    def record(self, name: str, t: torch.Tensor) -> None:
+        self.seen.append((name, tuple(t.shape), str(t.dtype)))
+
     @contextlib.contextmanager
     def counting(self, exempt: list[torch.Tensor]):
         self.exempt = {id(t) for t in exempt}
@@ -49,7 +52,7 @@ class HostReads:
                 if id(t) in self.exempt:
                     self.exempt_reads += 1
                 else:
-                    self.seen.append((name, tuple(t.shape), str(t.dtype)))
+                    self.record(name, t)
                 return fn(t, *args, **kwargs)
             return counted
 

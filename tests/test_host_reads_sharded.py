@@ -42,7 +42,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _dist import REPO, run_launcher, run_workers, subprocess_env, torchrun_cmd
-from test_host_reads import READS, Net
+from test_host_reads import HostReads, Net
 
 sys.path.insert(0, str(REPO))
 
@@ -82,35 +82,15 @@ def _site() -> str:
     return " <- ".join(keys[:2])
 
 
-class SiteReads:
+class SiteReads(HostReads):
     """Counts host reads of tensors not in ``exempt`` (by identity) while active, by (site, method)."""
 
     def __init__(self) -> None:
-        self.exempt: set[int] = set()
-        self.seen: collections.Counter[tuple[str, str]] = collections.Counter()
-        self.exempt_reads = 0
+        super().__init__()
+        self.seen: collections.Counter[tuple[str, str]] = collections.Counter()  # type: ignore[assignment]
 
-    @contextlib.contextmanager
-    def counting(self, exempt: list[torch.Tensor]):
-        self.exempt = {id(t) for t in exempt}
-        saved = {name: getattr(torch.Tensor, name) for name in READS}
-
-        def wrap(name, fn):
-            def counted(t, *args, **kwargs):
-                if id(t) in self.exempt:
-                    self.exempt_reads += 1
-                else:
-                    self.seen[(_site(), name)] += 1
-                return fn(t, *args, **kwargs)
-            return counted
-
-        try:
-            for name, fn in saved.items():
-                setattr(torch.Tensor, name, wrap(name, fn))
-            yield self
-        finally:
-            for name, fn in saved.items():
-                setattr(torch.Tensor, name, fn)
+    def record(self, name: str, t: torch.Tensor) -> None:
+        self.seen[(_site(), name)] += 1
 
     def take(self) -> dict[str, int]:
         """This step's reads as ``{"site method": count}``; resets the count."""
