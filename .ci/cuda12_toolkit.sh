@@ -85,8 +85,12 @@ LIBRARIES        =+ $(_SPACE_) "-L$(TOP)/lib64"
 CUDAFE_FLAGS    +=
 PTXAS_FLAGS     +=
 EOF
-"$PREFIX/bin/nvcc" --version | grep -q "release 12.4" || { echo "cuda12_toolkit.sh: the assembled nvcc does not run" >&2; exit 1; }
-"$PREFIX/ptxas-12.9/ptxas" --version | grep -q "release 12.9" || { echo "cuda12_toolkit.sh: ptxas 12.9 does not run" >&2; exit 1; }
+# The version text is captured before matching: `tool --version | grep -q` under pipefail fails whenever
+# grep exits at its match before the tool has finished writing (SIGPIPE, exit 141).
+nvcc_version="$("$PREFIX/bin/nvcc" --version 2>&1)" || true
+[[ "$nvcc_version" == *"release 12.4"* ]] || { echo "cuda12_toolkit.sh: the assembled nvcc does not run: $nvcc_version" >&2; exit 1; }
+ptxas_version="$("$PREFIX/ptxas-12.9/ptxas" --version 2>&1)" || true
+[[ "$ptxas_version" == *"release 12.9"* ]] || { echo "cuda12_toolkit.sh: ptxas 12.9 does not run: $ptxas_version" >&2; exit 1; }
 touch "$PREFIX/.complete"
 echo "cuda12_toolkit.sh: assembled $PREFIX ($(du -sh "$PREFIX" | cut -f1)) in $(( $(date +%s) - T0 )) s" >&2
 echo "$PREFIX/bin/nvcc"

@@ -220,7 +220,8 @@ step "pytest -m cuda" 150 "$WORK/pytest_cuda.log" "$PY" -m pytest -q -m cuda -p 
 if [ $CUDA = 1 ]; then
     # A run in which cuda tests skipped (the CUDA kernels must load) is not a pass; cuda:1 tests may skip
     # on a single GPU.
-    if grep -E '^SKIPPED' "$WORK/pytest_cuda.log" | grep -v 'second CUDA device' | grep -q .; then
+    # (the count, not grep -q: under pipefail an early-exiting grep -q fails the pipe it ends)
+    if [ "$(grep -E '^SKIPPED' "$WORK/pytest_cuda.log" | grep -vc 'second CUDA device')" != 0 ]; then
         fail_last "CUDA tests skipped"
     fi
 elif [ "${RCS[-1]}" = 5 ]; then  # every test deselected or skipped on the CPU: collected and skipped
