@@ -24,6 +24,19 @@ torch.set_num_threads(1)
 # other choice everywhere else.
 _USER_NS_DTYPE = os.environ.get("QMUON_NS_DTYPE")
 
+# Inductor's on-disk cache does not key its compiled CPU kernels by the ATen capability: a kernel built
+# under ATEN_CPU_CAPABILITY=avx2 and loaded in an AVX512 run (or the reverse) returned garbage or crashed
+# (measured on the AMX Xeon, tests/test_ops_api.py, torch 2.13). One cache per capability keeps the
+# suite's runs on each CPU kind (native, AVX2-capped) apart; the processes the tests start inherit it.
+_inductor_root = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+if _inductor_root is None:
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    _inductor_root = default_cache_dir()
+_capability_dir = f"cpu-{torch.backends.cpu.get_cpu_capability().lower()}"
+if os.path.basename(os.path.normpath(_inductor_root)) != _capability_dir:  # a pytest the tests start
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(_inductor_root, _capability_dir)
+
 #: Decorator for tests that need a GPU: ``@requires_cuda``. Skips (never passes) without CUDA.
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
