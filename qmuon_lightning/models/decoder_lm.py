@@ -5,18 +5,27 @@ embeddings and optional grouped-query heads, SwiGLU MLP), final RMSNorm, untied 
 attention's q/k/v projection and the MLP's gate/up projection are each one fused ``nn.Linear``
 that declares its parts with ``qmuon_fused_parts``, so :func:`qmuon_lightning.build_optimizer`
 normalizes and orthogonalizes q, k, v (and gate, up) as separate matrices.
+
+Activation checkpointing (``DecoderLM(activation_checkpointing=True)``): each block's forward runs
+under ``torch.utils.checkpoint`` (non-reentrant), so a training step keeps only the blocks' inputs
+and recomputes one block's activations at a time in backward (about one more forward's compute).
+The recomputation replays the same kernels on the same inputs, so losses and gradients are
+bit-identical (``tests/test_activation_checkpointing.py``); parameters receive their gradient once
+(the recomputed graph is never backpropagated), so gradient-release hooks fire once per step.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
-__all__ = ["DecoderLMConfig", "DecoderLM", "Block", "mean_window_loss"]
+__all__ = ["Block", "DecoderLM", "DecoderLMConfig", "mean_window_loss"]
 
 
 @dataclass
@@ -31,6 +40,9 @@ class DecoderLMConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-6
     init_std: float = 0.02
+    #: run each block under torch.utils.checkpoint (non-reentrant) in training: keep the blocks'
+    #: inputs only, recompute a block's activations in backward
+    activation_checkpointing: bool = False
 
     def __post_init__(self) -> None:
         if self.d_model % self.n_heads:
@@ -40,6 +52,8 @@ class DecoderLMConfig:
             raise ValueError(f"n_heads={self.n_heads} must be a multiple of n_kv_heads={kv}")
         if (self.d_model // self.n_heads) % 2:
             raise ValueError("the head dimension must be even for rotary embeddings")
+        if not isinstance(self.activation_checkpointing, bool):
+            raise TypeError(f"activation_checkpointing must be True or False, got {self.activation_checkpointing!r}")
 
     @property
     def head_dim(self) -> int:
@@ -127,7 +141,7 @@ class Block(nn.Module):
 class DecoderLM(nn.Module):
     def __init__(self, cfg: DecoderLMConfig | None = None, **overrides) -> None:
         super().__init__()
-        cfg = cfg or DecoderLMConfig(**overrides)
+        cfg = dataclasses.replace(cfg, **overrides) if cfg is not None else DecoderLMConfig(**overrides)
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
@@ -158,9 +172,15 @@ class DecoderLM(nn.Module):
         else:
             cos, sin = self.rope_cos, self.rope_sin
         x = self.embed(idx)
+        recompute = self.cfg.activation_checkpointing and self.training and torch.is_grad_enabled()
         for block in self.blocks:
-            x = block(x, cos, sin)
+            x = checkpoint(block, x, cos, sin, use_reentrant=False) if recompute else block(x, cos, sin)
         return self.lm_head(self.norm(x))
+
+    @property
+    def activation_checkpointing(self) -> bool:
+        """Whether each block runs under ``torch.utils.checkpoint`` in training."""
+        return self.cfg.activation_checkpointing
 
     def loss(self, idx: Tensor, targets: Tensor) -> Tensor:
         logits = self(idx)
