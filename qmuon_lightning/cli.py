@@ -34,6 +34,8 @@ Built on :class:`lightning.pytorch.cli.LightningCLI`::
   also skips incomplete files, and an explicit path that is incomplete fails naming what is missing
   (:mod:`qmuon_lightning.callbacks.resume`, :mod:`qmuon.distributed.resume`,
   docs/reliability.md).
+* The ``qmuon`` and ``qmuon_lightning`` loggers print their INFO records (the routing table, what
+  ``auto`` options chose) on rank 0 while the program runs; the library itself prints nothing.
 * The progress bar (unless one is configured or ``enable_progress_bar: false``) is
   from :func:`~qmuon_lightning.callbacks.progress.default_progress_bar`: it shows the epochs the run will
   reach (``max_steps`` over the epoch length), not ``max_epochs - 1``.
@@ -43,6 +45,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import logging
 import sys
 import warnings
 from typing import Any, Sequence
@@ -59,7 +62,7 @@ except ImportError:  # pragma: no cover - depends on the jsonargparse version
     get_parsing_setting = None
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
 from lightning.pytorch.callbacks import ProgressBar
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
 
 from . import strategies as _strategies  # noqa: F401  (registers strategy names such as "qmuon_fsdp")
 from .callbacks.progress import default_progress_bar
@@ -98,15 +101,55 @@ def cli_dependency_problem() -> str | None:
             "(docs/litgpt.md)")
 
 
+#: The packages whose INFO records the program shows (the library and the kit each log under their name).
+SHOWN_LOGGERS = ("qmuon", "qmuon_lightning")
+
+
+class _StdoutOnRankZero(logging.StreamHandler):
+    """Prints ``%(message)s`` to the current ``sys.stdout`` (looked up per record, so a replaced
+    stream, such as pytest's capture, is followed) on global rank 0 only."""
+
+    def __init__(self) -> None:
+        super().__init__(sys.stdout)
+        self.setFormatter(logging.Formatter("%(message)s"))
+        self.addFilter(lambda record: rank_zero_only.rank == 0)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.stream = sys.stdout
+        super().emit(record)
+
+
+@contextlib.contextmanager
+def show_qmuon_logs(level: int = logging.INFO) -> Any:
+    """Inside the block, the :data:`SHOWN_LOGGERS` print their records at ``level`` and above on
+    rank 0 (the routing table ``build_optimizer`` logs at INFO, ...); afterwards they are as before,
+    so a program that embeds the CLI keeps its own logging set-up."""
+    handler = _StdoutOnRankZero()
+    saved = []
+    for name in SHOWN_LOGGERS:
+        logger = logging.getLogger(name)
+        saved.append((logger, logger.level))
+        if logger.getEffectiveLevel() > level:
+            logger.setLevel(level)
+        logger.addHandler(handler)
+    try:
+        yield
+    finally:
+        for logger, before in saved:
+            logger.removeHandler(handler)
+            logger.setLevel(before)
+
+
 class QMuonCLI(LightningCLI):
     """LightningCLI for :class:`DecoderLMModule` + :class:`ByteLMDataModule` (see the module docstring)."""
 
     def __init__(self, args: ArgsType = None, run: bool = True, **kwargs: Any) -> None:
         kwargs.setdefault("parser_kwargs", {"parser_mode": "omegaconf+", "prog": "qmuon-train"})
         kwargs.setdefault("save_config_kwargs", {"overwrite": True})  # a resumed run rewrites config.yaml
-        super().__init__(
-            DecoderLMModule, ByteLMDataModule, args=args, run=run, auto_configure_optimizers=False, **kwargs,
-        )
+        with show_qmuon_logs():
+            super().__init__(
+                DecoderLMModule, ByteLMDataModule, args=args, run=run, auto_configure_optimizers=False, **kwargs,
+            )
 
     def parse_arguments(self, parser: LightningArgumentParser, args: ArgsType) -> None:
         # omegaconf+ resolves interpolation once, on the merged config of every --config file and

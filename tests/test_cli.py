@@ -100,10 +100,13 @@ def _print_config(capsys, *args: str) -> dict:
 
 
 @pytest.mark.qmuon_train
-def test_fit_logs_checkpoints_and_summarizes(tmp_path, tiny_cfg):
+def test_fit_logs_checkpoints_and_summarizes(tmp_path, tiny_cfg, capsys):
     root = tmp_path / "run"
     cli = QMuonCLI(args=["fit", "--config", str(tiny_cfg(root))])
     trainer = cli.trainer
+    # build_optimizer logs the routing table (the library prints nothing); qmuon-train shows it once.
+    out = capsys.readouterr().out
+    assert out.count("QMuon parameter routing:") == 1 and "blocks.0.attn" in out, out[:2000]
     assert trainer.global_step == 6
     assert (root / "checkpoints" / "last.ckpt").is_file()
     losses = _train_losses(root)

@@ -115,7 +115,7 @@ def test_what_auto_chooses_is_printed_with_the_routing_table(capsys, monkeypatch
 
     monkeypatch.setenv(NS_DTYPE_ENV, "fp32")
     model = nn.Sequential(nn.Linear(64, 256), nn.Linear(256, 64), nn.Linear(64, 512))
-    qmuon.build_optimizer(model)
+    qmuon.build_optimizer(model, verbose=True)
     out = capsys.readouterr().out
     # 256x64 is 4:1 with a short side of 64: Gram on CPU in fp32 (core.gram_newton_schulz.pick_ns_method)
     assert "Newton-Schulz on cpu: dtype 'auto' -> float32, method 'auto' -> gram for 2 of 2 unfused matrices" in out

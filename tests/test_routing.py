@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import re
 
 import pytest
@@ -58,7 +59,7 @@ def test_default_routing_of_transformer_lm():
 
 def test_build_optimizer_groups_table_and_training_step(capsys):
     model = _model()
-    opt = build_optimizer(model, lr=0.02, adamw_lr=1e-3, adamw_weight_decay=0.05, state_format="int8")
+    opt = build_optimizer(model, lr=0.02, adamw_lr=1e-3, adamw_weight_decay=0.05, state_format="int8", verbose=True)
     out = capsys.readouterr().out
     assert out.startswith("QMuon parameter routing:")
     for name, _ in model.named_parameters():
@@ -97,9 +98,20 @@ def test_build_optimizer_groups_table_and_training_step(capsys):
     assert set(changed) == set(before), set(before) - set(changed)
 
 
-def test_build_optimizer_quiet_when_not_verbose(capsys):
-    build_optimizer(_model(), verbose=False)
-    assert capsys.readouterr().out == ""
+def test_build_optimizer_and_a_step_print_nothing_by_default(capfd, caplog):
+    """A library is quiet unless asked: the routing table goes to the ``qmuon`` logger (INFO), which
+    prints nothing until the application configures logging; ``verbose=True`` prints it."""
+    model = _model()
+    capfd.readouterr()
+    with caplog.at_level(logging.INFO, logger="qmuon"):
+        opt = build_optimizer(model)
+        model(torch.randint(0, V, (2, 7)), torch.randint(0, V, (2, 5))).square().mean().backward()
+        opt.step()
+    out, err = capfd.readouterr()
+    assert (out, err) == ("", ""), (out, err)
+    logged = [r for r in caplog.records if "QMuon parameter routing" in r.getMessage()]
+    assert len(logged) == 1 and logged[0].name.startswith("qmuon.") and logged[0].levelno == logging.INFO
+    assert "embed.weight" in logged[0].getMessage()
 
 
 def test_user_rule_overrides_defaults():
@@ -137,7 +149,7 @@ def test_frozen_parameters_are_listed_but_not_optimized(capsys):
     frozen = model.transformer.encoder.layers[0].linear2.weight
     frozen.requires_grad_(False)
     model.embed.weight.requires_grad_(False)
-    opt = build_optimizer(model)
+    opt = build_optimizer(model, verbose=True)
     d = _by_name(opt.routing)
     assert d["transformer.encoder.layers.0.linear2.weight"].target == "frozen"
     assert d["embed.weight"].target == "frozen"

@@ -359,7 +359,7 @@ def prepare_qmuon(
         lr_scheduler: optional ``optimizer -> scheduler`` factory, called with the QMuon before
             ``prepare`` so the scheduler is prepared (and checkpointed by ``save_state``) with it.
         build_optimizer_kwargs: passed to :func:`qmuon.build_optimizer` (``lr``,
-            ``state_format``, ``rounding``, ...); ``verbose`` defaults to "main process only".
+            ``state_format``, ``rounding``, ...; ``verbose=True`` prints the routing table).
             With ``gradient_release=True``, ``accelerator.clip_grad_norm_`` /
             ``clip_grad_value_`` raise for the released parameters
             (:func:`refuse_clipping_under_release`); use ``release_clip_norm`` instead.
@@ -382,7 +382,6 @@ def prepare_qmuon(
         check_trainer_compatible(accumulate_grad_batches=accelerator.gradient_accumulation_steps,
                                  scaler=getattr(accelerator, "scaler", None), where="prepare_qmuon",
                                  accumulate_setting="Accelerator(gradient_accumulation_steps={n})")
-    build_optimizer_kwargs.setdefault("verbose", accelerator.is_main_process)
     optimizer = build_optimizer(model, **build_optimizer_kwargs)
     extra: list[Any] = list(objects)
     if lr_scheduler is not None:

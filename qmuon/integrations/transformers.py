@@ -120,7 +120,7 @@ class QMuonFactory:
     - ``args``: the ``TrainingArguments``; ``lr`` and ``weight_decay`` default to its
       ``learning_rate`` and ``weight_decay``;
     - ``lora``: ``"muon"`` (default) or ``"adamw"``, where PEFT's LoRA factors go;
-    - ``verbose``: print the routing table on rank 0 (default True).
+    - ``verbose``: print the routing table on rank 0 (default False: it goes to the ``qmuon`` logger).
 
     Defaults that differ from :func:`qmuon.build_optimizer`'s: ``update.adjust_lr_fn`` is
     ``"match_rms_adamw"``, ``lr`` and ``weight_decay`` are ``TrainingArguments``' (5e-5, 0.0), and
@@ -172,7 +172,7 @@ class QMuonFactory:
         return base.replace(**over)
 
     @classmethod
-    def build(cls, model: nn.Module, *, args: Any = None, lora: str = "muon", verbose: bool = True,
+    def build(cls, model: nn.Module, *, args: Any = None, lora: str = "muon", verbose: bool = False,
               **kwargs: Any) -> Optimizer:
         """Check the setting, then :func:`qmuon.build_optimizer` with :meth:`config`: a
         :class:`~qmuon.QMuon`, or under DeepSpeed the ``WholeMatrixZeroOptimizer`` around one."""

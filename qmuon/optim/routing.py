@@ -470,7 +470,7 @@ def build_optimizer(
     adamw_state_format: str | None = None,
     bf16_update: str | None = None,
     gradient_release: bool | None = None,
-    verbose: bool = True,
+    verbose: bool = False,
     **sections: Any,
 ) -> QMuon:
     """Route ``model``'s parameters with the rule table and build one :class:`QMuon`.
@@ -490,8 +490,9 @@ def build_optimizer(
     ...): one Muon group for plain ``(out, in)`` matrices, one Muon group per distinct layout (``parts``,
     ``parts_axis``, ``orientation``, ``parts_interleaved``, ``bank_dims``; see :func:`route_parameters`;
     ``routing.bank_state_format`` sets the momentum format of the bank groups, which need a row-local
-    one), one AdamW group and one AdamW group without weight decay. The routing table is logged
-    (``logging`` at INFO) and printed on rank 0 when ``verbose``; it is also kept as
+    one), one AdamW group and one AdamW group without weight decay. The routing table is logged on rank 0
+    (the ``qmuon`` logger at INFO: ``logging.basicConfig(level=logging.INFO)`` shows it) and printed
+    there too when ``verbose``; nothing is printed by default. It is also kept as
     ``optimizer.routing``, and the routing itself as ``optimizer.router`` (:class:`ModelRouting`), so
     groups added later (``optimizer.add_param_group``) are routed by the same rules.
 
@@ -526,9 +527,10 @@ def build_optimizer(
     if cfg.gradient_release:
         attach_gradient_release(opt, clip_norm=cfg.safety.release_clip_norm)
     table = format_routing_table(decisions) + "\n" + describe_auto_choices(cfg, decisions, _device_of(model))
-    log.info("QMuon parameter routing:\n%s", table)
-    if verbose and _is_rank_zero():
-        print(f"QMuon parameter routing:\n{table}")
+    if _is_rank_zero():
+        log.info("QMuon parameter routing:\n%s", table)
+        if verbose:
+            print(f"QMuon parameter routing:\n{table}")
     return opt
 
 

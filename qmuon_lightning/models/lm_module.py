@@ -147,7 +147,7 @@ def _adamw_groups(decisions: list[Any], params: dict[str, nn.Parameter], wd: flo
     return groups
 
 
-def build_lm_optimizer(model: nn.Module, spec: OptimizerSpec, *, verbose: bool = True) -> Optimizer:
+def build_lm_optimizer(model: nn.Module, spec: OptimizerSpec, *, verbose: bool = False) -> Optimizer:
     """Build ``spec``'s optimizer over ``model``'s current parameters (call after sharding)."""
     if spec.name == "qmuon":
         return build_optimizer(model, spec, verbose=verbose)
@@ -298,7 +298,7 @@ class DecoderLMModule(L.LightningModule):
     def configure_optimizers(self) -> Any:
         assert self.model is not None, "configure_model() has not run"
         spec = self.optimizer_spec
-        opt = build_lm_optimizer(self.model, spec, verbose=self._trainer is None or self.trainer.is_global_zero)
+        opt = build_lm_optimizer(self.model, spec)  # the routing table: the qmuon logger (qmuon-train shows it)
         total = self._total_steps()
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: lr_factor(
             step, warmup_steps=spec.warmup_steps, total_steps=total, schedule=spec.schedule,
