@@ -97,7 +97,8 @@ from ..quant.layout import check_sharded_param, row_layout, shard_state
 from .carrier import Carrier, get_carrier
 from .mesh import ShardMesh
 from .plan import ShardItem, merge_comm_stats, ns_cost, plan_owners, plan_replica_owners
-from .tensor_parallel import TensorParallelWorld, check_tensor_parallel_param, uses_tensor_parallel
+from .tensor_parallel import TensorParallelWorld, check_tensor_parallel_param, fit_blocks_to_shards, \
+    log_fitted_blocks, uses_tensor_parallel
 
 __all__ = ["ShardedStep", "merge_comm_stats"]
 
@@ -125,11 +126,13 @@ class ShardedStep:
         first, first_where = sharded[0][2], sharded[0][3]
         if tp is None:
             ShardMesh.of(first, first_where)  # a mesh of more than 2 dims is refused naming the parameter
+        fitted: list[str] = []
         for gi, i, p, where in sharded:
             group = param_groups[gi]
             if tp is not None:
                 lay = tp.layout(p)
-                check_tensor_parallel_param(p, group, lay, where)
+                fitted.append(fit_blocks_to_shards(p, group, i, lay, where) or "")  # narrow rowwise shards
+                check_tensor_parallel_param(p, param_group_view(group, i), lay, where)
             else:
                 self._check_one_mesh(p, where, first, first_where)
                 lay = row_layout(p, where)
@@ -146,6 +149,7 @@ class ShardedStep:
             self._layouts[id(p)] = lay
             self._group_of[id(p)] = group
             self._sharded_keys.append((gi, i))
+        log_fitted_blocks([line for line in fitted if line])
         self.mesh = tp.mesh if tp is not None else first.device_mesh
         if tp is not None:  # the exchange runs over the flattened (dp, tp) mesh, no replicas
             self.shard_mesh = ShardMesh(mesh=tp.mesh, shard_dim=-1, shard_group=tp.group, shard_size=tp.world,

@@ -98,7 +98,17 @@ class ShardItem:
         blocks: one column of per-row sums per distinct column shard."""
         senders = [r for r in range(world) if self.sends(r)]
         if self.block_sums:
-            return -(-self.cols // self.block), {r: (self.cols_of(r)[0] - self.c0) // self.block for r in senders}
+            starts = {self.cols_of(r)[0] - self.c0: r for r in senders}
+            if all(s % self.block == 0 for s in starts):
+                return -(-self.cols // self.block), {r: (self.cols_of(r)[0] - self.c0) // self.block for r in senders}
+            # A column shard starts inside a row block (a rowwise shard narrower than block_size, fine
+            # for formats without blocks): each column piece gets its own columns of sums, and their
+            # total is single-process QMuon's up to the order of the fp32 additions.
+            at, n = {}, 0
+            for s in sorted(starts):
+                at[s] = n
+                n += self.nb_of(starts[s])
+            return n, {r: at[self.cols_of(r)[0] - self.c0] for r in senders}
         starts = sorted({self.cols_of(r)[0] for r in senders})
         return max(len(starts), 1), {r: starts.index(self.cols_of(r)[0]) for r in senders}
 

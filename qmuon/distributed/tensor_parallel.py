@@ -25,20 +25,43 @@ Column-split pieces keep bit-exactness with single-process QMuon when the moment
 never straddle two column shards (each rank's first column a multiple of ``block_size``): the
 local momentum update then makes the same blocks, and the owner lays the per-block sums of squares
 out as single-process QMuon has them (:func:`check_tensor_parallel_param`).
+
+Narrower rowwise shards (``hidden / tp < block_size``, or not a multiple of it):
+
+* formats without blocks (``fp32``, ``bf16``) take any width. Only the sums of squares behind
+  ``1 / ||G||`` are blocked; the owner gives each column piece its own columns of them
+  (``ShardItem.sums_layout``), so the norm equals single-process QMuon's up to the order of
+  the fp32 additions;
+* blocked formats (``int8``, ``uint8``, ``int4``) keep that parameter's momentum in blocks of the
+  largest multiple of 32 that divides the shard width and is at most ``block_size``
+  (:func:`fit_blocks_to_shards`, logged once). It is recorded as the parameter's layout override
+  (the group's ``format_overrides``, as :meth:`QMuon.promote_param` records one), so the saved
+  state is an ordinary ``block_size=b`` state of the whole matrix: a checkpoint reshards onto a 1-D
+  mesh, another ``(dp, tp)`` shape with the same width, or one process, bit for bit, and the
+  override goes with it. Cutting each 256-block at the shard edge instead would give a global
+  block grid that no other layout has, so such a checkpoint could only resume on the same ``tp``.
+  Cost: ``4 / b`` instead of ``4 / block_size`` bytes of absmax per element (int8, 128 for 256:
+  1.031 instead of 1.016 bytes per element), the same extra share of the fp32 block sums on the
+  forward trip, and absmax scales over half as many elements, so the rounding error per element
+  is no larger than with ``block_size``.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
 
+from ..core.config import FORMAT_OVERRIDES, param_group_view
 from ..quant import state as qstate
 from ..quant.layout import SUPPORTED_PLACEMENTS, check_sharded_param, chunk_ranges, column_split, \
     is_tensor_parallel
 
 __all__: list[str] = []
+
+log = logging.getLogger(__name__)
 
 Rect = tuple[int, int, int, int]  # rows [r0, r1), columns [c0, c1)
 
@@ -187,10 +210,12 @@ def uses_tensor_parallel(params: list[Any]) -> bool:
 def check_tensor_parallel_param(p: Any, group: dict[str, Any], lay: PieceLayout, where: str) -> None:
     """Refuse, before any state exists, what a tensor-parallel piece layout cannot keep exact.
 
-    Column-split pieces: every column shard must start on a row-block boundary of the group's
-    state (Muon: ``block_size``; AdamW: the moment format's block), the split must be even,
-    and the things keyed by a global element index over whole rows (stochastic rounding of the
-    momentum or of bf16 weights, NorMuon's per-row second moment) are refused."""
+    ``group``: the group as ``p`` is stepped (``param_group_view``: with its layout override).
+    Column-split pieces: the split must be even; a blocked momentum format needs row blocks that
+    fit the shard (a ``block_size`` dividing its width; :func:`fit_blocks_to_shards` picks one
+    before this check), AdamW's blocked moments likewise; the things keyed by a global element
+    index over whole rows (stochastic rounding of the momentum or of bf16 weights, NorMuon's
+    per-row second moment) are refused."""
     check_sharded_param(p, where, tensor_parallel=True)
     fix = "; or keep this layer out of the TP plan"
     if group["use_muon"]:
@@ -212,12 +237,14 @@ def check_tensor_parallel_param(p: Any, group: dict[str, Any], lay: PieceLayout,
                                   f"parallel shards (placements {tuple(p.placements)}){fix}")
     local_cols = lay.cols // split
     if group["use_muon"]:
+        fmt = qstate.get_format(group["state_format"])
         bs = int(group["block_size"])
-        if local_cols % bs:
+        if "block_size" in fmt.layout_options and local_cols % bs:
             raise NotImplementedError(
                 f"QMuon: {where}: each rowwise tensor-parallel shard holds {local_cols} of {lay.cols} columns, not a "
-                f"multiple of block_size={bs}, so momentum blocks would straddle two shards. Use a block_size that "
-                f"divides {local_cols} (a multiple of 32){fix}")
+                f"multiple of block_size={bs}, and no block size that is a multiple of 32 divides {local_cols}, so "
+                f"{fmt.name} momentum blocks would straddle two shards. Use state_format='fp32' or 'bf16' (no blocks) "
+                f"for this layer, or a tensor-parallel size that leaves a multiple of 32 columns per shard{fix}")
         if group.get("rounding") == "stochastic":
             raise NotImplementedError(f"QMuon: {where}: rounding='stochastic' keys its noise by the element's index "
                                       f"in whole rows; use rounding='nearest' for rowwise tensor-parallel layers{fix}")
@@ -239,6 +266,49 @@ def check_tensor_parallel_param(p: Any, group: dict[str, Any], lay: PieceLayout,
             f"QMuon: {where}: bf16 weights with bf16_update='stochastic' key their rounding noise by the element's "
             f"index in whole rows; for rowwise tensor-parallel layers use bf16_update='ecc8' or 'nearest', or fp32 "
             f"master weights{fix}")
+
+
+def shard_block_size(local_cols: int, block_size: int) -> int | None:
+    """The largest multiple of 32 (the kernels' granularity) that divides ``local_cols`` and is at
+    most ``block_size``; ``None`` when there is none (``local_cols`` not a multiple of 32)."""
+    for b in range(min(block_size, local_cols) // 32 * 32, 0, -32):
+        if local_cols % b == 0:
+            return b
+    return None
+
+
+def fit_blocks_to_shards(p: Any, group: dict[str, Any], index: int, lay: PieceLayout, where: str) -> str | None:
+    """Give Muon parameter ``index`` of ``group`` (``p``, rowwise tensor-parallel) momentum blocks
+    that fit its column shards, when its blocked format's ``block_size`` does not divide the shard
+    width: records ``block_size=b`` (:func:`shard_block_size`) as its layout override in the
+    group, before any state exists (module docstring: why an override rather than cut blocks).
+    Returns a line for the log, or None when nothing changed (no column split, no blocks, blocks
+    that fit already, or no such ``b``: :func:`check_tensor_parallel_param` then refuses)."""
+    if not group["use_muon"] or not is_tensor_parallel(p):
+        return None
+    split = column_split(p)
+    if split == 1 or lay.cols % split:
+        return None
+    view = param_group_view(group, index)
+    fmt = qstate.get_format(view["state_format"])
+    bs, local_cols = int(view["block_size"]), lay.cols // split
+    if "block_size" not in fmt.layout_options or local_cols % bs == 0:
+        return None
+    b = shard_block_size(local_cols, bs)
+    if b is None:
+        return None
+    overrides = dict(group.get(FORMAT_OVERRIDES) or {})
+    overrides[index] = {**overrides.get(index, {"state_format": fmt.name}), "block_size": b}
+    group[FORMAT_OVERRIDES] = overrides
+    return f"{where}: {fmt.name} momentum in blocks of {b} (rowwise shards of {local_cols} columns; block_size={bs})"
+
+
+def log_fitted_blocks(lines: list[str]) -> None:
+    """One log record for every parameter :func:`fit_blocks_to_shards` changed in a layout build."""
+    if lines:
+        log.warning("QMuon: tensor parallel: momentum blocks narrowed to fit the rowwise shards (saved with the "
+                    "checkpoint as each parameter's layout override, so it reshards bit for bit):\n  %s",
+                    "\n  ".join(lines))
 
 
 class TensorParallelWorld:
