@@ -297,11 +297,11 @@ def _build_and_load(with_cuda: bool, verbose: bool) -> str:
         reason = _build_reason(so, inputs)
         if reason:
             what = "CPU and CUDA" if with_cuda else "CPU"
-            print(f"qmuon: compiling the {what} kernels (csrc/) into {spec['build_directory']}: "
-                  f"{reason} (time limit {_build_timeout_s():.0f} s, {TIMEOUT_ENV}) ...", file=sys.stderr, flush=True)
+            _log.warning("qmuon: compiling the %s kernels (csrc/) into %s: %s (time limit %.0f s, %s) ...", what,
+                         spec["build_directory"], reason, _build_timeout_s(), TIMEOUT_ENV)
             t0 = time.perf_counter()
             _compile_in_child(with_cuda, verbose, spec["build_directory"], lock_fd)
-            print(f"qmuon: kernels built in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+            _log.warning("qmuon: kernels built in %.0f s", time.perf_counter() - t0)
         path = load(is_python_module=False, verbose=verbose, **spec)
     return str(path) if path else so
 

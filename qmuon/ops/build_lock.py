@@ -16,9 +16,9 @@ removed, with a message.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import socket
-import sys
 import time
 from typing import Iterator
 
@@ -28,6 +28,9 @@ except ImportError:  # pragma: no cover - not POSIX: torch's own lock only
     fcntl = None  # type: ignore[assignment]
 
 __all__ = ["build_lock"]
+
+#: WARNING, so the notices show without a logging set-up (Python's last-resort handler prints them to stderr).
+_log = logging.getLogger("qmuon.ops")
 
 LOCK_NAME = "qmuon_build.lock"
 #: The file torch's FileBaton creates in a build directory and deletes when the build ends.
@@ -69,8 +72,8 @@ def build_lock(directory: str, wait_s: float | None = None) -> Iterator[int | No
                         f"qmuon: waited {wait_s:.0f} s for the kernel build in {directory}, held by {holder}. If that "
                         f"process is stuck, stop it; to wait longer set {WAIT_ENV}") from None
                 if not announced:
-                    print(f"qmuon: waiting for the kernel build in {directory}, held by {holder} (up to {wait_s:.0f} s)",
-                          file=sys.stderr, flush=True)
+                    _log.warning("qmuon: waiting for the kernel build in %s, held by %s (up to %.0f s)", directory,
+                                 holder, wait_s)
                     announced = True
                 time.sleep(0.2)
         os.ftruncate(fd, 0)
@@ -78,8 +81,8 @@ def build_lock(directory: str, wait_s: float | None = None) -> Iterator[int | No
         stale = os.path.join(directory, TORCH_LOCK_NAME)
         if os.path.exists(stale):
             os.remove(stale)
-            print(f"qmuon: removed a stale build lock ({stale}) left by a build that was killed; building again",
-                  file=sys.stderr, flush=True)
+            _log.warning("qmuon: removed a stale build lock (%s) left by a build that was killed; building again",
+                         stale)
         yield fd
     finally:
         if fcntl is not None:
