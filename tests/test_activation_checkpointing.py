@@ -10,6 +10,8 @@ that the trained weights equal those of the run without checkpointing.
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import pytest
 import torch
 
@@ -145,3 +147,115 @@ def test_gradient_release_steps_each_parameter_once_and_matches(dtype: torch.dty
         assert runs[name][0] == runs["plain"][0], name
         for n, p in runs["plain"][1].items():
             assert torch.equal(runs[name][1][n], p), (name, n)
+
+
+# ----------------------------------------------------------------------------------- the strategy
+def test_strategy_policy_is_checked_at_construction() -> None:
+    from qmuon_lightning.models.decoder_lm import Block
+    from qmuon_lightning.strategies import QMuonFSDPStrategy
+    from qmuon_lightning.strategies.options import activation_checkpointing_kwargs
+
+    assert activation_checkpointing_kwargs(None) == {}
+    kw = activation_checkpointing_kwargs({Block})  # Lightning's translation: an auto-wrap policy
+    assert set(kw) == {"auto_wrap_policy"}
+    by_name = activation_checkpointing_kwargs(["Block"])["check_fn"]
+    by_path = activation_checkpointing_kwargs(["qmuon_lightning.models.decoder_lm.Block"])
+    assert set(by_path) == {"auto_wrap_policy"}
+    m = model(False)
+    assert by_name(m.blocks[0]) and not by_name(m.blocks[0].attn)
+    with pytest.raises(ValueError, match="cannot import"):
+        QMuonFSDPStrategy(activation_checkpointing_policy=["qmuon_lightning.models.decoder_lm.Blok"])
+    with pytest.raises(TypeError, match="not an nn.Module subclass"):
+        QMuonFSDPStrategy(activation_checkpointing_policy={int})
+    with pytest.raises(TypeError, match="non-empty set"):
+        QMuonFSDPStrategy(activation_checkpointing_policy=[])
+
+
+def test_strategy_refuses_double_checkpointing_and_empty_selection() -> None:
+    from qmuon_lightning.strategies.options import (
+        activation_checkpointing_kwargs,
+        setup_activation_checkpointing,
+    )
+
+    with pytest.raises(ValueError, match="recompute each block twice"):
+        setup_activation_checkpointing(model(True), activation_checkpointing_kwargs(["Block"]), "QMuonFSDPStrategy")
+    with pytest.raises(ValueError, match="selected no module"):
+        setup_activation_checkpointing(model(False), activation_checkpointing_kwargs(["Blocks"]), "QMuonFSDPStrategy")
+    m = model(False)
+    assert setup_activation_checkpointing(m, activation_checkpointing_kwargs(["Block"]), "S") == [
+        "blocks.0", "blocks.1", "blocks.2"]
+
+
+def _strategy_worker(rank: int, world_size: int) -> dict:
+    """Lightning Trainer + qmuon_fsdp on DecoderLMModule: without checkpointing, with the strategy's
+    policy, and (release) both again with gradient release. Runs in a spawned process (the strategy
+    starts a process group) with world size 1 (the strategy shards by its policy, then wraps) or 2
+    (configure_model shards, then the strategy wraps)."""
+    import lightning as L
+    from torch.distributed.tensor import DTensor
+
+    from qmuon_lightning.models.lm_module import DecoderLMModule, OptimizerSpec
+    from qmuon_lightning.strategies import QMuonFSDPStrategy
+
+    g = torch.Generator().manual_seed(3)
+    tok = torch.randint(0, VOCAB, (24, SEQ + 1), generator=g)
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(tok[:, :-1], tok[:, 1:]), batch_size=4)
+
+    class Recorder(L.Callback):
+        def __init__(self) -> None:
+            self.losses: list[float] = []
+
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+            self.losses.append(float(outputs["loss"]))
+
+    def fit(policy, release: bool) -> dict:
+        L.seed_everything(0, verbose=False)
+        module = DecoderLMModule(vocab_size=VOCAB, d_model=32, n_layers=3, n_heads=4, n_kv_heads=2, max_seq_len=SEQ,
+                                 optimizer=OptimizerSpec(state_format="int8", gradient_release=release, warmup_steps=1))
+        strategy = QMuonFSDPStrategy(activation_checkpointing_policy=policy, timeout=timedelta(seconds=60))
+        rec = Recorder()
+        trainer = L.Trainer(accelerator="cpu", devices=world_size, strategy=strategy, max_steps=4, logger=False,
+                            enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                            gradient_clip_val=None, callbacks=[rec])
+        trainer.fit(module, data)
+        params = {n.replace("_checkpoint_wrapped_module.", ""): (p.full_tensor() if isinstance(p, DTensor) else p)
+                  .detach().clone() for n, p in module.named_parameters()}
+        return {"losses": rec.losses, "params": params, "wrapped": list(strategy.checkpointed_modules)}
+
+    out = {}
+    for release in (False, True):
+        out[("plain", release)] = fit(None, release)
+        out[("ckpt", release)] = fit(["Block"], release)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_strategy_policy_gives_identical_training(world_size: int) -> None:
+    from _dist import run_workers
+
+    results = run_workers(_strategy_worker, world_size, timeout=400, start_method="spawn")
+    for r in results:
+        for release in (False, True):
+            plain, ckpt = r[("plain", release)], r[("ckpt", release)]
+            assert plain["wrapped"] == [] and len(ckpt["wrapped"]) == 3, ckpt["wrapped"]
+            assert len(plain["losses"]) == 4 and plain["losses"] == ckpt["losses"], (release, plain["losses"], ckpt["losses"])
+            assert plain["params"].keys() == ckpt["params"].keys()
+            for n, p in plain["params"].items():
+                assert torch.equal(p, ckpt["params"][n]), (release, n)
+
+
+def test_policy_through_the_cli(capsys) -> None:
+    """qmuon-train takes the policy as the strategy's other options: class_path + init_args."""
+    import yaml
+    from _dist import REPO
+
+    from qmuon_lightning.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["fit", "--config", str(REPO / "recipes/cpu/smoke.yaml"),
+              "--trainer.strategy=qmuon_lightning.strategies.QMuonFSDPStrategy",
+              "--trainer.strategy.activation_checkpointing_policy=[Block]", "--print_config"])
+    assert exc.value.code in (None, 0)
+    strategy = yaml.safe_load(capsys.readouterr().out)["trainer"]["strategy"]
+    assert strategy["init_args"]["activation_checkpointing_policy"] == ["Block"]

@@ -15,7 +15,12 @@ What it adds to :class:`lightning.pytorch.strategies.ModelParallelStrategy`:
 3. **Data parallel by default.** ``tensor_parallel_size`` defaults to 1 and the data-parallel
    mesh dimension spans every process (Lightning's default puts all devices of a node on the
    tensor-parallel dimension, which only makes sense with a tensor-parallel ``configure_model``).
-4. **Communication metric.** After each optimizer step, if the optimizer reports how many bytes
+4. **Activation checkpointing.** ``activation_checkpointing_policy`` as Lightning's
+   ``FSDPStrategy`` takes it (a set of module classes, an auto-wrap policy callable, or class
+   names from YAML): the selected modules are wrapped in ``torch.distributed``'s non-reentrant
+   ``checkpoint_wrapper`` after sharding (Lightning's own helper), so their activations are
+   recomputed in backward instead of kept.
+5. **Communication metric.** After each optimizer step, if the optimizer reports how many bytes
    its step sent (attribute ``comm_bytes_last_step``: QMuon's distributed Newton-Schulz exchange),
    the value is logged as ``qmuon/comm_bytes`` through ``LightningModule.log``.
 
@@ -60,8 +65,9 @@ from qmuon.optim.routing import format_routing_table
 from . import optimizer_swap as swap
 from .checkpoint_state import (CKPT_KEY, apply_format_overrides, check_compatible, checkpoint_info, load_full_state,
                                load_sharded_state)
-from .options import (build_replacement, check_sharded_formats, ensure_release, no_muon_warning, resolve_mesh_sizes,
-                      validate_optimizer_kwargs)
+from .options import (ActivationCheckpointingPolicy, activation_checkpointing_kwargs, build_replacement,
+                      check_sharded_formats, ensure_release, no_muon_warning, resolve_mesh_sizes,
+                      setup_activation_checkpointing, validate_optimizer_kwargs)
 from .sharding import (ShardPolicy, check_replicate_size, describe_sharding, hsdp_mesh, resolve_policy,
                        shard_unless_sharded)
 
@@ -188,6 +194,13 @@ class QMuonFSDPStrategy(QMuonStrategyMixin, ModelParallelStrategy):
             automatic sharding uses a ``(replicate, shard)`` mesh of ``R x (data_parallel_size / R)``
             (multi-node: shard inside a node, replicate across nodes); sharded QMuon orthogonalizes
             each matrix once over all ranks (docs/distributed.md, HSDP).
+        activation_checkpointing_policy: which modules recompute their activations in backward
+            (Lightning ``FSDPStrategy``'s argument): a set of ``nn.Module`` classes (``{Block}``),
+            an FSDP auto-wrap policy callable ``(module, recurse, nonwrapped_numel) -> bool``, or
+            class names (``["Block"]`` matches the class or a base class by name,
+            ``["pkg.mod.Block"]`` is imported). ``None``: none. Applied after sharding with
+            ``checkpoint_wrapper`` (non-reentrant); the wrapped names are in
+            :attr:`checkpointed_modules`.
     """
 
     strategy_name = "qmuon_fsdp"
@@ -205,8 +218,10 @@ class QMuonFSDPStrategy(QMuonStrategyMixin, ModelParallelStrategy):
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
         replicate_size: int = 1,
+        activation_checkpointing_policy: Optional[ActivationCheckpointingPolicy] = None,
     ) -> None:
         self._check_init_args(optimizer, data_parallel_size, tensor_parallel_size)
+        self._activation_checkpointing_kwargs = activation_checkpointing_kwargs(activation_checkpointing_policy)
         check_replicate_size(replicate_size, tensor_parallel_size)
         self._replicate_size = replicate_size
         super().__init__(
@@ -225,6 +240,8 @@ class QMuonFSDPStrategy(QMuonStrategyMixin, ModelParallelStrategy):
         #: Routing decisions of the swapped-in QMuon (name, shape, target, rule); set in ``setup``.
         self.routing: list[Any] = []
         self._routing_logged = False
+        #: Qualified names of the modules wrapped for activation checkpointing; set in ``setup``.
+        self.checkpointed_modules: list[str] = []
 
     # ------------------------------------------------------------------ setup
     @override
@@ -243,6 +260,7 @@ class QMuonFSDPStrategy(QMuonStrategyMixin, ModelParallelStrategy):
                 "configure_model or let the strategy shard (shard_policy)"
             )
         self._shard_if_needed()
+        self._checkpoint_activations()
         _materialize_distributed_module(self.model, self.root_device)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
@@ -265,6 +283,15 @@ class QMuonFSDPStrategy(QMuonStrategyMixin, ModelParallelStrategy):
             return
         self.sharded_blocks, self.sharded_roots = done
         rank_zero_info(describe_sharding(type(self).__name__, *done, self._shard_policy))
+
+    def _checkpoint_activations(self) -> None:
+        if not self._activation_checkpointing_kwargs or self.checkpointed_modules:
+            return
+        assert self.model is not None
+        self.checkpointed_modules = setup_activation_checkpointing(
+            self.model, self._activation_checkpointing_kwargs, type(self).__name__)
+        rank_zero_info(f"{type(self).__name__}: activation checkpointing on {len(self.checkpointed_modules)} modules "
+                       f"({', '.join(self.checkpointed_modules[:3])}{', ...' if len(self.checkpointed_modules) > 3 else ''})")
 
     def _sharding_mesh(self) -> Any:
         """The data-parallel mesh, or with ``replicate_size > 1`` an HSDP ``(replicate, shard)`` mesh

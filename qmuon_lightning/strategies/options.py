@@ -4,9 +4,11 @@ Trainer strategy (:mod:`.fsdp`) and the Fabric strategy (:mod:`.fabric`)."""
 
 from __future__ import annotations
 
+import importlib
 from typing import Any, Callable, Literal, Mapping, Optional, Sequence, Union
 
 import torch
+from torch import nn
 from torch.optim import Optimizer
 
 from qmuon.core.config import ConfigError, QMuonConfig
@@ -16,8 +18,13 @@ from qmuon.optim.routing import build_optimizer
 from qmuon.quant import state as qstate
 from . import optimizer_swap as swap
 
-__all__: list[str] = []
+__all__ = ["ActivationCheckpointingPolicy", "activation_checkpointing_kwargs", "setup_activation_checkpointing"]
 
+#: ``QMuonFSDPStrategy(activation_checkpointing_policy=...)``: as Lightning's ``FSDPStrategy`` takes it
+#: (a set of module classes, or an FSDP auto-wrap policy callable ``(module, recurse, nonwrapped_numel)
+#: -> bool``), plus class names for YAML: ``"pkg.mod.Block"`` is imported, a bare ``"Block"`` matches
+#: the name of the module's class or of a base class.
+ActivationCheckpointingPolicy = Union[set, Sequence[Union[str, type]], Callable[..., bool]]
 
 
 def validate_optimizer_kwargs(mode: str, kwargs: Any) -> dict[str, Any]:
@@ -116,3 +123,75 @@ def no_muon_warning(owner: str, decisions: Sequence[Any]) -> Optional[str]:
         "2-D hidden weights; the rule table sends embeddings, the output head (by name) and 1-D tensors "
         "to AdamW. Check the routing table, pass optimizer_kwargs={'routing': {'rules': [...]}}, or use optimizer='keep'"
     )
+
+
+def _checkpoint_class(entry: Any) -> Union[type, str]:
+    if isinstance(entry, type):
+        if not issubclass(entry, nn.Module):
+            raise TypeError(f"activation_checkpointing_policy entry {entry!r} is not an nn.Module subclass")
+        return entry
+    if isinstance(entry, str) and "." in entry:
+        module_name, _, attr = entry.rpartition(".")
+        try:
+            obj = getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError) as e:
+            raise ValueError(f"activation_checkpointing_policy entry {entry!r}: cannot import it ({e}); give an "
+                             "importable 'package.module.Class', a bare class name or the class itself") from None
+        return _checkpoint_class(obj)
+    if isinstance(entry, str) and entry:
+        return entry
+    raise TypeError(f"activation_checkpointing_policy entries must be nn.Module classes or class names, got {entry!r}")
+
+
+def activation_checkpointing_kwargs(policy: Optional[ActivationCheckpointingPolicy]) -> dict[str, Any]:
+    """The keyword arguments of ``torch.distributed``'s ``apply_activation_checkpointing`` for
+    ``policy`` (checked now, in the strategy's constructor): Lightning's own translation
+    (``lightning.fabric.strategies.fsdp._activation_checkpointing_kwargs``) for a set of classes or a
+    callable; class names (YAML) are imported, or matched by the name of the module's class or a base class when bare."""
+    from lightning.fabric.strategies.fsdp import _activation_checkpointing_kwargs
+
+    if policy is None:
+        return {}
+    if callable(policy) and not isinstance(policy, type):
+        return _activation_checkpointing_kwargs(None, policy)
+    entries = [policy] if isinstance(policy, (type, str)) else policy
+    if not isinstance(entries, (set, frozenset, Sequence)) or not entries:
+        raise TypeError("activation_checkpointing_policy must be a non-empty set / list of nn.Module classes or "
+                        f"class names, or an FSDP auto-wrap policy callable; got {policy!r}")
+    resolved = [_checkpoint_class(e) for e in entries]
+    classes = {c for c in resolved if isinstance(c, type)}
+    names = frozenset(c for c in resolved if isinstance(c, str))
+    if not names:
+        return _activation_checkpointing_kwargs(None, classes)
+    cls_tuple = tuple(classes)
+
+    def check_fn(module: nn.Module) -> bool:
+        # by the class and its bases: fully_shard swaps a Block's class for a subclass "FSDPBlock"
+        return isinstance(module, cls_tuple) or any(c.__name__ in names for c in type(module).__mro__)
+
+    return {"check_fn": check_fn}
+
+
+def setup_activation_checkpointing(module: nn.Module, kwargs: Mapping[str, Any], owner: str) -> list[str]:
+    """Wrap the modules ``kwargs`` selects in ``torch.distributed``'s non-reentrant
+    ``checkpoint_wrapper`` (Lightning's ``_setup_activation_checkpointing``); returns their names.
+    Refuses a model that checkpoints its blocks itself (``DecoderLM(activation_checkpointing=True)``):
+    each block would be recomputed twice."""
+    from lightning.fabric.strategies.fsdp import _setup_activation_checkpointing
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    if not kwargs:
+        return []
+    own = [n or type(module).__name__ for n, m in module.named_modules() if getattr(m, "activation_checkpointing", False) is True]
+    if own:
+        raise ValueError(
+            f"{owner}(activation_checkpointing_policy=...) and the model's own activation checkpointing "
+            f"({', '.join(own)}) would recompute each block twice. Use one: drop the policy, or build the "
+            "model with activation_checkpointing=False"
+        )
+    _setup_activation_checkpointing(module, dict(kwargs))
+    wrapped = [n for n, m in module.named_modules() if isinstance(m, CheckpointWrapper)]
+    if not wrapped:
+        raise ValueError(f"{owner}: activation_checkpointing_policy selected no module of "
+                         f"{type(module).__name__}; check the class names")
+    return wrapped
