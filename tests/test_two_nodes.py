@@ -28,7 +28,6 @@ target for DeepSpeed against 1 process).
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -214,8 +213,103 @@ def test_two_nodes_accelerate_hsdp(mesh_run: list[dict[str, Any]]) -> None:
         assert a["resume"] == "", (r, a["resume"])
 
 
+# --------------------------------------------------------------------- launch 2: ZeRO-2 through the Trainer
+ZERO_STEPS, PER_RANK = 4, 2
+
+
+def _trainer(out: Path, batch: int, shard_here: bool = False, **extra: Any) -> Any:
+    """The Hugging Face Trainer on tests/test_transformers_trainer.py's tiny Llama and tokens, with
+    QMuonFactory, ``ZERO_STEPS`` steps of ``batch`` samples per process, taken in order (a
+    sequential sampler: 4 processes of 2 samples see the samples one process of 8 sees)."""
+    import transformers
+
+    from qmuon.integrations.transformers import QMuonFactory
+    from test_transformers_trainer import Tokens, tiny_lm
+
+    class InOrder(transformers.Trainer):
+        def _get_train_sampler(self, *args: Any, **kwargs: Any) -> Any:
+            if not shard_here:
+                return torch.utils.data.SequentialSampler(self.train_dataset)
+            import torch.distributed as dist
+
+            # rank r takes samples r, r + 4, ...: a step's 4 x 2 samples are one process's 8, in order
+            return torch.utils.data.DistributedSampler(self.train_dataset, dist.get_world_size(), dist.get_rank(),
+                                                       shuffle=False)
+
+    args = transformers.TrainingArguments(
+        output_dir=str(out), per_device_train_batch_size=batch, max_steps=ZERO_STEPS, learning_rate=2e-3,
+        weight_decay=0.01, report_to=[], save_strategy="no", logging_strategy="no", seed=0, data_seed=0,
+        disable_tqdm=True, dataloader_num_workers=0, **extra)
+    class Seen(Tokens):
+        def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+            seen.append(int(i))
+            return super().__getitem__(i)
+
+    seen: list[int] = []
+    tr = InOrder(model=tiny_lm(), args=args, train_dataset=Seen(),
+                 optimizer_cls_and_kwargs=(QMuonFactory, {"args": args, "verbose": False}))
+    tr.train()
+    tr.samples_seen = seen
+    return tr
+
+
+def _zero2_main(out: Path) -> None:
+    from test_transformers_trainer import tiny_lm
+
+    from qmuon.integrations.deepspeed import avoid_cpu_op_builds
+
+    torch.set_num_threads(1)
+    avoid_cpu_op_builds()  # DeepSpeed's CPU accelerator would JIT-build an inference kernel
+    rank = int(os.environ["RANK"])
+    # tests/test_transformers_dist.py's ZeRO setup: without use_cpu (Accelerate drops DeepSpeed under
+    # it); DeepSpeed's CPU accelerator runs it over gloo
+    tr = _trainer(out / "zero2", PER_RANK, shard_here=True, use_cpu=False, ddp_backend="gloo", deepspeed={
+        "zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "communication_data_type": "fp32"})
+    res = {"params": {n: p.detach().clone() for n, p in tr.model.named_parameters()},  # ZeRO-2: whole on every rank
+           "init": {n: p.detach().clone() for n, p in tiny_lm().named_parameters()},
+           "steps": tr.state.global_step, "seen": tr.samples_seen,
+           "accelerate": (tr.accelerator.num_processes, str(tr.accelerator.distributed_type)),
+           "loader": type(tr.get_train_dataloader()).__name__, "world": int(os.environ["WORLD_SIZE"]), "node": int(os.environ["GROUP_RANK"]),
+           "engine": type(tr.model_wrapped).__name__, "zero_optimizer": type(tr.model_wrapped.optimizer).__name__}
+    torch.save(res, out / f"rank{rank}.pt")
+    from qmuon.distributed import exit_after_distributed_run
+
+    exit_after_distributed_run()
+
+
+def test_two_nodes_zero2_trainer_moves_like_one_process(tmp_path: Path) -> None:
+    pytest.importorskip("deepspeed")
+    pytest.importorskip("transformers")
+    launch_two_nodes(["--zero2", str(tmp_path)], tmp_path, timeout=600)
+    res = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    assert [r["node"] for r in res] == [0, 0, 1, 1] and all(r["world"] == WORLD for r in res), res
+    assert res[0]["steps"] == ZERO_STEPS and res[0]["engine"] == "DeepSpeedEngine", res[0]
+    # Accelerate 1.16 on a machine without an accelerator: under DeepSpeed (use_cpu=False) its
+    # PartialState finds no device backend and keeps num_processes=1, so the Trainer's DataLoader is
+    # not sharded and every rank would train on the same batches; the sampler above shards instead.
+    # When Accelerate counts the processes, this fails: drop the workaround then.
+    assert res[0]["accelerate"] == (1, "DistributedType.DEEPSPEED"), res[0]["accelerate"]
+    one = _trainer(tmp_path / "one", WORLD * PER_RANK, use_cpu=True)
+    # the 4 ranks' samples of each step are the one process's (the DataLoader prefetches a batch more)
+    got = sorted(i for r in res for i in r["seen"][: ZERO_STEPS * PER_RANK])
+    assert got == sorted(one.samples_seen[: ZERO_STEPS * WORLD * PER_RANK]), ([r["seen"] for r in res], one.samples_seen)
+    ref = {n: p.detach() for n, p in one.model.named_parameters()}
+    init = res[0]["init"]
+    for r in res[1:]:  # the ranks agree
+        bad = [n for n, t in r["params"].items() if not torch.equal(t, res[0]["params"][n])]
+        assert not bad, bad
+    hidden = [n for n in ref if n.endswith("proj.weight")]
+    assert len(hidden) == 14, hidden  # 2 layers x (q, k, v, o, gate, up, down)
+    for n in hidden:
+        d, d1 = res[0]["params"][n] - init[n], ref[n] - init[n]
+        cos = float(torch.nn.functional.cosine_similarity(d.flatten(), d1.flatten(), dim=0))
+        ratio = float(d.norm() / d1.norm())
+        assert cos >= 0.99 and abs(ratio - 1) <= 0.05, (n, cos, ratio)
+
+
 if __name__ == "__main__":
-    if len(sys.argv) == 3 and sys.argv[1] == "--mesh":
-        _mesh_main(Path(sys.argv[2]))
+    if len(sys.argv) == 3 and sys.argv[1] in ("--mesh", "--zero2"):
+        (_mesh_main if sys.argv[1] == "--mesh" else _zero2_main)(Path(sys.argv[2]))
     else:
-        sys.exit(f"usage: {sys.argv[0]} --mesh OUT")
+        sys.exit(f"usage: {sys.argv[0]} --mesh OUT | --zero2 OUT")
