@@ -439,7 +439,15 @@ def _localize_tensor_parallel(st: dict[str, Any], p: Any, f: StateFormat | None,
         piece = v[r0: r0 + n_local]
         if col_dims and piece.ndim >= 2:
             (d,) = col_dims  # is_tensor_parallel: at most one mesh dim splits columns
-            a, b = chunk_ranges(int(piece.shape[1]), p.device_mesh.size(d))[coord[d]]
+            split = p.device_mesh.size(d)
+            if int(piece.shape[1]) % split:  # blocks wider than a shard: they cannot be cut by columns
+                raise ValueError(
+                    f"{where}: {k} has {int(piece.shape[1])} columns of blocks, which do not split over the {split} "
+                    f"rowwise tensor-parallel shards of this parameter ({int(p.shape[1]) // split} of {int(p.shape[1])}"
+                    " columns each): the checkpoint's momentum blocks straddle them. Load it where it was saved, "
+                    "move the parameter to blocks that fit a shard there (QMuon.promote_param(p, {'state_format': "
+                    "..., 'block_size': b}), b dividing the shard width) and save again")
+            a, b = chunk_ranges(int(piece.shape[1]), split)[coord[d]]
             piece = piece[:, a:b]
         out[k] = piece
     return out
