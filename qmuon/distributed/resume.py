@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import logging
 import os
-import pickle
 import re
 import shutil
 import time
@@ -32,6 +31,9 @@ import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional, Sequence, Union
+
+from . import safe_load
+from .safe_load import UnsafeCheckpointError, read_dcp_metadata
 
 __all__ = [
     "CheckpointScan",
@@ -88,8 +90,9 @@ def _dcp_problem(path: Path) -> Optional[str]:
         return (f"{path} is a sharded checkpoint directory without {DCP_METADATA}: torch.distributed.checkpoint "
                 f"writes that file last, so the save did not finish (present: {sorted(partial)[:8] or 'nothing'})")
     try:
-        with open(meta, "rb") as fh:
-            metadata = pickle.load(fh)  # DCP's own format: a pickled Metadata object
+        metadata = read_dcp_metadata(path)  # DCP's own format: a pickled Metadata object, rebuilt from an allow-list
+    except UnsafeCheckpointError:
+        raise  # names a global DCP never writes: refused loudly, not skipped as damaged
     except Exception as err:  # noqa: BLE001 - any unpickling failure means the file is damaged
         return f"{path / DCP_METADATA} cannot be read ({type(err).__name__}: {err}); the checkpoint is damaged"
     needed: dict[str, int] = {}
@@ -134,15 +137,17 @@ def require_complete(path: PathLike) -> Path:
 
 
 def checkpoint_metadata(path: PathLike) -> Optional[dict[str, Any]]:
-    """The checkpoint dict of a file (tensors memory-mapped, not read) or a directory's ``meta.pt``."""
-    import torch
-
+    """The checkpoint dict of a file (tensors memory-mapped, not read) or a directory's ``meta.pt``,
+    loaded with ``weights_only=True`` (:mod:`.safe_load`: a file that needs more raises
+    :class:`~.safe_load.UnsafeCheckpointError`)."""
     p = Path(path)
     target = p / LIGHTNING_META if p.is_dir() else p
     if not target.is_file():
         return None
     try:
-        blob = torch.load(target, map_location="cpu", mmap=True, weights_only=False)
+        blob = safe_load.load(target, map_location="cpu", mmap=True)
+    except UnsafeCheckpointError:
+        raise  # holds objects safe loading refuses: said, not skipped
     except Exception:  # noqa: BLE001 - an unreadable checkpoint has no state; checkpoint_problem reports why
         return None
     return blob if isinstance(blob, dict) else None

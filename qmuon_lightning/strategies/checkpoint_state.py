@@ -13,6 +13,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.optim import Optimizer
 
 from qmuon.core.config import FORMAT_OVERRIDES, ResumeMismatch, check_resume, describe_layout, state_layout
+from qmuon.distributed import safe_load
 from qmuon.optim.qmuon import QMuon
 
 __all__: list[str] = []
@@ -135,6 +136,21 @@ def check_compatible(saved: Optional[Mapping[str, Any]], now: Mapping[str, Any],
                 f"{describe_layout(b)}; resume with optimizer_kwargs={dict(a)!r}. {hint}") from None
 
 
+def load_file(path: Any, weights_only: Optional[bool] = None, **kwargs: Any) -> Any:
+    """``torch.load`` of a checkpoint file the strategies read: ``weights_only=True`` unless the
+    caller passed ``weights_only=False`` itself (Lightning's argument); a file that safe loading
+    refuses raises :class:`qmuon.distributed.safe_load.UnsafeCheckpointError` saying why."""
+    if weights_only is False:
+        return torch.load(path, weights_only=False, **kwargs)
+    return safe_load.load(path, **kwargs)
+
+
+def saved_dcp_keys(path: Any) -> Any:
+    """The state-dict keys of the ``torch.distributed.checkpoint`` directory ``path`` (its metadata,
+    read by :func:`qmuon.distributed.safe_load.read_dcp_metadata`)."""
+    return safe_load.read_dcp_metadata(path).state_dict_metadata
+
+
 def load_sharded_state(
     module: torch.nn.Module, path: Path, model_key: str, optimizers: Mapping[str, Optimizer], *, strict: bool,
     missing_optimizer: str,
@@ -152,18 +168,18 @@ def load_sharded_state(
         StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_optimizer_state_dict,
     )
 
-    saved_keys = set(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
+    saved_keys = set(saved_dcp_keys(path))
     for key in optimizers:  # checked before anything is loaded
         if not any(k.startswith(f"{key}.") for k in saved_keys):
             raise KeyError(missing_optimizer.format(path=path, key=key))
     model_state = {model_key: get_model_state_dict(module)}
-    dcp.load(model_state, checkpoint_id=path)
+    dcp.load(model_state, storage_reader=safe_load.dcp_reader(path), planner=safe_load.dcp_planner())
     module.load_state_dict(model_state[model_key], strict=strict)
     for key, opt in optimizers.items():
         osd = get_optimizer_state_dict(module, opt)  # a dry-run step creates every state tensor
         saved = {fqn for fqn in osd["state"] if any(k.startswith(f"{key}.state.{fqn}.") for k in saved_keys)}
         osd["state"] = {fqn: v for fqn, v in osd["state"].items() if fqn in saved}
-        dcp.load({key: osd}, checkpoint_id=path)
+        dcp.load({key: osd}, storage_reader=safe_load.dcp_reader(path), planner=safe_load.dcp_planner())
         set_optimizer_state_dict(module, opt, optim_state_dict=osd,
                                  options=StateDictOptions(cpu_offload=True, strict=False))
         _drop_state_except(module, opt, saved)

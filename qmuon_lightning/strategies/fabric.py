@@ -53,8 +53,8 @@ from qmuon.optim.qmuon import QMuon
 from qmuon.optim.release import CLIPPING_ERROR, check_trainer_compatible, release_of
 from qmuon.optim.routing import format_routing_table
 from . import optimizer_swap as swap
-from .checkpoint_state import (CKPT_KEY, apply_format_overrides, check_compatible, checkpoint_info, load_full_state,
-                               load_sharded_state)
+from .checkpoint_state import (CKPT_KEY, apply_format_overrides, check_compatible, checkpoint_info, load_file,
+                               load_full_state, load_sharded_state, saved_dcp_keys)
 from .fsdp import OptimizerMode, QMuonStrategyMixin
 from .options import build_replacement, check_sharded_formats, ensure_release, no_muon_warning
 from .sharding import ShardPolicy, check_replicate_size, describe_sharding, hsdp_mesh, is_sharded, shard_unless_sharded
@@ -347,21 +347,19 @@ class QMuonFabricStrategy(QMuonStrategyMixin, ModelParallelStrategy):
         optimizers = {key: opt for key, opt in state.items() if isinstance(opt, Optimizer)}
         requested = state.keys() - modules.keys() - optimizers.keys()
         if _is_sharded_checkpoint(path):
-            metadata = torch.load(path / _METADATA_FILENAME, weights_only=weights_only)
+            metadata = load_file(path / _METADATA_FILENAME, weights_only)
             saved_info = metadata.pop(CKPT_KEY, None)
             optimizers = self._check_and_select(saved_info, optimizers, path, strict)
             self._apply_format_overrides(module, optimizers, saved_info)
             if not strict:  # leave the optimizers the checkpoint holds no state for as they are
-                import torch.distributed.checkpoint as dcp
-
-                saved_keys = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+                saved_keys = saved_dcp_keys(path)
                 optimizers = {k: o for k, o in optimizers.items() if any(s.startswith(f"{k}.") for s in saved_keys)}
             load_sharded_state(module, path, model_key, optimizers, strict=strict, missing_optimizer=_NO_OPTIMIZER_STATE)
             _validate_keys_for_strict_loading(requested, metadata.keys(), strict=strict)
             _move_state_into(source=metadata, destination=state, keys=requested)
             return metadata
         if _is_full_checkpoint(path):
-            checkpoint = torch.load(path, mmap=True, map_location="cpu", weights_only=weights_only)
+            checkpoint = load_file(path, weights_only, mmap=True, map_location="cpu")
             saved_info = checkpoint.pop(CKPT_KEY, None)
             optimizers = self._check_and_select(saved_info, optimizers, path, strict)
             self._apply_format_overrides(module, optimizers, saved_info)

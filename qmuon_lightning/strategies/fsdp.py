@@ -63,8 +63,8 @@ from qmuon.optim.qmuon import QMuon
 from qmuon.optim.release import check_trainer_compatible, release_of
 from qmuon.optim.routing import format_routing_table
 from . import optimizer_swap as swap
-from .checkpoint_state import (CKPT_KEY, apply_format_overrides, check_compatible, checkpoint_info, load_full_state,
-                               load_sharded_state)
+from .checkpoint_state import (CKPT_KEY, apply_format_overrides, check_compatible, checkpoint_info, load_file,
+                               load_full_state, load_sharded_state, saved_dcp_keys)
 from .options import (ActivationCheckpointingPolicy, activation_checkpointing_kwargs, build_replacement,
                       check_sharded_formats, ensure_release, no_muon_warning, resolve_mesh_sizes,
                       setup_activation_checkpointing, validate_optimizer_kwargs)
@@ -102,9 +102,7 @@ SHARDED_MODEL_KEY = "model"
 
 def sharded_model_key(path: Path) -> str:
     """``"model"`` or ``"state_dict"``: under which key the sharded checkpoint ``path`` holds the weights."""
-    import torch.distributed.checkpoint as dcp
-
-    keys = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    keys = saved_dcp_keys(path)
     return SHARDED_MODEL_KEY if any(k.startswith(SHARDED_MODEL_KEY + ".") for k in keys) else "state_dict"
 
 
@@ -412,14 +410,14 @@ class QMuonFSDPStrategy(QMuonStrategyMixin, ModelParallelStrategy):
         strict = self.lightning_module.strict_loading
         optimizers = {f"optimizer_{idx}": opt for idx, opt in enumerate(self.optimizers)}
         if path.is_dir() and (path / ".metadata").is_file():
-            metadata = torch.load(path / _METADATA_FILENAME, weights_only=weights_only)
+            metadata = load_file(path / _METADATA_FILENAME, weights_only)
             self._check_compatible(metadata.get(CKPT_KEY), path)
             apply_format_overrides(self.lightning_module, self.optimizers, metadata.get(CKPT_KEY), type(self).__name__)
             load_sharded_state(module, path, sharded_model_key(path), optimizers, strict=strict,
                                missing_optimizer=_NO_OPTIMIZER_STATE)
             return metadata
         if path.is_file():
-            checkpoint = torch.load(path, mmap=True, map_location="cpu", weights_only=weights_only)
+            checkpoint = load_file(path, weights_only, mmap=True, map_location="cpu")
             self._check_compatible(checkpoint.get(CKPT_KEY), path)
             apply_format_overrides(self.lightning_module, self.optimizers, checkpoint.get(CKPT_KEY), type(self).__name__)
             if self.optimizers and "optimizer_states" not in checkpoint:

@@ -12,7 +12,7 @@ import os
 import re
 from typing import Any
 
-import torch
+from ...distributed import safe_load
 
 __all__ = ["CheckpointWorldSizeError", "saved_world_size", "check_resume", "load_checkpoint"]
 
@@ -46,7 +46,7 @@ def saved_world_size(load_dir: str | os.PathLike, tag: str | None = None) -> int
         return max(ranks) + 1
     states = os.path.join(d, "mp_rank_00_model_states.pt")
     if os.path.isfile(states):
-        sd = torch.load(states, map_location="cpu", weights_only=False, mmap=True)
+        sd = safe_load.load(states, map_location="cpu", mmap=True)  # refuses a file that would run code
         n = sd.get("dp_world_size")
         return int(n) if n is not None else None
     return None
