@@ -139,7 +139,9 @@ def fresh_accelerate():
 @pytest.mark.parametrize(
     "kind, kwargs, fragment",
     [
-        ("DEEPSPEED", {}, "qmuon.integrations.deepspeed"),
+        ("DEEPSPEED", {"deepspeed_config": {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}},
+         "offload_optimizer"),
+        ("DEEPSPEED", {"optimizer_has_state": True}, "must be fresh"),
         ("FSDP", {"fsdp_version": 1}, "fsdp_version=2"),
         ("MEGATRON_LM", {}, "plain local tensors"),
         ("XLA", {}, "XLA"),
@@ -172,13 +174,18 @@ def test_fsdp2_needs_the_sharded_step_and_a_fresh_optimizer() -> None:
 
 
 def test_prepare_qmuon_reads_the_accelerator_configuration(fresh_accelerate, monkeypatch) -> None:
-    # No DeepSpeed accelerator can be built on a CPU-only machine (Accelerate drops the plugin
-    # with cpu=True), so the distributed type of a real Accelerator is set by hand here.
+    # No DeepSpeed accelerator can be built in this process without a launcher (Accelerate drops the
+    # plugin with cpu=True), so the distributed type and plugin of a real Accelerator are set by hand
+    # here; the DeepSpeed plugin itself trains in tests/test_deepspeed_accelerate.py.
+    from types import SimpleNamespace
+
     acc = Accelerator(cpu=True)
     check_accelerator(acc)
     monkeypatch.setattr(acc.state, "distributed_type", DistributedType.DEEPSPEED)
+    monkeypatch.setattr(acc.state, "deepspeed_plugins", SimpleNamespace(deepspeed_config={
+        "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}), raising=False)
     model = tiny_model(0)
-    with pytest.raises(UnsupportedAccelerateConfig, match="integrations.deepspeed"):
+    with pytest.raises(UnsupportedAccelerateConfig, match="offload_optimizer"):
         prepare_qmuon(acc, model, verbose=False)
     assert acc._optimizers == [] and acc._models == []  # refused before anything was prepared
 

@@ -187,21 +187,6 @@ def test_owner_dealing_balances_and_is_deterministic():
     assert set(ds_layout.assign_owners(sizes, 3)) == {0, 1, 2}
 
 
-def test_partition_segments_cover_each_parameter_once():
-    # A flat group of 3 params (7, 10, 5 elements) + padding to 24, cut into 2 partitions of 12.
-    offsets, sizes, psize = [0, 7, 17], [7, 10, 5], 12
-    for off, n in zip(offsets, sizes):
-        segs = ds_layout.partition_segments(off, n, psize, 2)
-        covered = sorted((s.start, s.start + s.length) for s in segs if s is not None)
-        assert covered[0][0] == 0 and covered[-1][1] == n
-        assert all(a[1] == b[0] for a, b in zip(covered, covered[1:]))
-        for r, s in enumerate(segs):
-            if s is not None:
-                assert 0 <= s.local and s.local + s.length <= psize
-                assert r * psize + s.local == off + s.start  # the same flat element
-    assert ds_layout.partition_segments(7, 10, 12, 2)[1] == ds_layout._Segment(5, 5, 0)
-
-
 def test_zero3_segments_follow_deepspeed_pieces():
     # ZeRO-3 cuts a 10-element parameter over 3 ranks into pieces of ceil(10 / 3) = 4: [0, 4), [4, 8),
     # [8, 10) + 2 padding; each piece at the same local offset of its rank's flat partition.

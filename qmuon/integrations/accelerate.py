@@ -88,6 +88,7 @@ def check_configuration(
     tensor_parallel: bool = False,
     fsdp_cpu_offload: bool = False,
     optimizer_has_state: bool = False,
+    deepspeed_config: Any = None,
 ) -> None:
     """Raise :class:`UnsupportedAccelerateConfig` for a configuration QMuon cannot run under.
 
@@ -95,10 +96,14 @@ def check_configuration(
     ``FSDP`` with ``fsdp_version=2``; mixed precision ``"no"``, ``"bf16"`` or ``"fp16"`` (autocast
     changes activations and gradients, not the fp32 parameters the state is built from).
 
+    ``DEEPSPEED`` (Accelerate's DeepSpeed plugin, ZeRO 0-3) is supported with QMuon inside the
+    whole-matrix ZeRO client optimizer (:func:`prepare_qmuon` builds it; see docs/deepspeed.md); its
+    config (``deepspeed_config``) is checked by :func:`qmuon.integrations.deepspeed.check_config`.
+
     Refused, with the reason:
 
-    - ``DEEPSPEED``: ZeRO hands the client optimizer flat 1-D fp32 partitions, so Muon never sees a
-      matrix, and with optimizer offload DeepSpeed replaces the client optimizer altogether.
+    - ``DEEPSPEED`` configurations the ZeRO client optimizer cannot host (an ``optimizer`` section,
+      ``offload_optimizer``, ...: the message of ``check_config``).
     - ``FSDP`` with ``fsdp_version=1``: FSDP1 flattens parameters into 1-D ``FlatParameter`` s.
     - ``MEGATRON_LM``: Megatron's own parallel layers and optimizer wrapper, never run with QMuon.
     - tensor parallelism (``ParallelismConfig(tp_size > 1)``) without FSDP2, or with an Accelerate /
@@ -113,12 +118,17 @@ def check_configuration(
     """
     kind = _name(distributed_type)
     if kind == "DEEPSPEED":
-        raise UnsupportedAccelerateConfig(
-            "Accelerate's DeepSpeed plugin is not supported with QMuon: ZeRO hands the client optimizer flat "
-            "1-D partitions, so Muon never sees a matrix (and with optimizer offload DeepSpeed replaces the "
-            "optimizer). Use qmuon.integrations.deepspeed with the DeepSpeed engine instead (see "
-            "docs/deepspeed.md), or train with DDP or FSDP2 (fsdp_version=2) under Accelerate"
-        )
+        from .deepspeed import UnsupportedDeepSpeedConfig, check_config
+
+        if optimizer_has_state:
+            raise UnsupportedAccelerateConfig(
+                "the optimizer already holds state; under DeepSpeed it must be fresh (DeepSpeed hands it flat "
+                "partitions). Build it, prepare, then step; load a checkpoint with accelerator.load_state")
+        try:
+            check_config(deepspeed_config if deepspeed_config is not None else {})
+        except UnsupportedDeepSpeedConfig as e:
+            raise UnsupportedAccelerateConfig(f"Accelerate's DeepSpeed plugin: {e}") from e
+        return
     if kind == "MEGATRON_LM":
         raise UnsupportedAccelerateConfig(
             "Megatron-LM through Accelerate is not supported with QMuon: Megatron splits weights across ranks "
@@ -237,8 +247,14 @@ def check_accelerator(accelerator: Accelerator, optimizer: torch.optim.Optimizer
     the optimizer that will be prepared with it)."""
     state = accelerator.state
     kind = accelerator.distributed_type
-    if _name(kind) in ("DEEPSPEED", "MEGATRON_LM", "XLA"):
+    if _name(kind) in ("MEGATRON_LM", "XLA"):
         check_configuration(kind)  # refused whatever the rest says (and their plugins own mixed precision)
+    if _name(kind) == "DEEPSPEED":  # the plugin's config owns mixed precision, offload, ...
+        inner = unwrap_qmuon(optimizer, strict=False) if optimizer is not None else None
+        plugin = getattr(state, "deepspeed_plugin", None)
+        check_configuration(kind, deepspeed_config=getattr(plugin, "deepspeed_config", None),
+                            optimizer_has_state=inner is not None and any(len(s) for s in inner.state.values()))
+        return
     fsdp_plugin = getattr(state, "fsdp_plugin", None)
     pc = getattr(accelerator, "parallelism_config", None)
     # FSDP2: OffloadPolicy() (none, the default) or CPUOffloadPolicy; FSDP1: CPUOffload(offload_params=...).
@@ -349,7 +365,7 @@ def prepare_qmuon(
 
     Args:
         accelerator: the ``Accelerator``; its configuration is checked first
-            (:func:`check_accelerator`): DeepSpeed, FSDP1, XLA, fp8 and tensor parallelism
+            (:func:`check_accelerator`): FSDP1, XLA, fp8 and tensor parallelism
             without FSDP2 (or with an Accelerate / transformers pair that cannot prepare it,
             :func:`accelerate_tp_blocker`) are refused with the reason and the fix; under
             ``tp_size > 1`` the model's TP parameters must be on the accelerator's ``tp`` mesh
@@ -367,7 +383,10 @@ def prepare_qmuon(
     Returns:
         ``(model, optimizer, *objects, [scheduler])`` as ``accelerator.prepare`` returns them:
         the optimizer is Accelerate's ``AcceleratedOptimizer`` around the QMuon
-        (:func:`unwrap_qmuon` gets the QMuon back).
+        (:func:`unwrap_qmuon` gets the QMuon back). Under Accelerate's DeepSpeed plugin the model is
+        the ``DeepSpeedEngine`` and the optimizer Accelerate's ``DeepSpeedOptimizerWrapper`` around
+        DeepSpeed's ZeRO optimizer, around the attached
+        :class:`~qmuon.integrations.deepspeed.WholeMatrixZeroOptimizer` around the QMuon.
     """
     check_accelerator(accelerator)
     check_tp_mesh(accelerator, model)
@@ -386,6 +405,8 @@ def prepare_qmuon(
     extra: list[Any] = list(objects)
     if lr_scheduler is not None:
         extra.append(lr_scheduler(optimizer))
+    if _name(accelerator.distributed_type) == "DEEPSPEED":
+        return _prepare_deepspeed(accelerator, model, optimizer, extra)
     prepared = accelerator.prepare(model, optimizer, *extra)
     # A tuple, or a list under FSDP2 (Accelerate's _prepare_fsdp2 returns one).
     prepared = tuple(prepared) if isinstance(prepared, (tuple, list)) else (prepared,)
@@ -400,4 +421,21 @@ def prepare_qmuon(
     if release is not None:
         release.sync_hooks()  # FSDP2's prepare replaced the parameters: hook the sharded ones
         refuse_clipping_under_release(accelerator)  # its clip would see freed gradients and return 0
+    return prepared
+
+
+def _prepare_deepspeed(accelerator: Accelerator, model: nn.Module, optimizer: QMuon,
+                       extra: list[Any]) -> tuple[Any, ...]:
+    """:func:`prepare_qmuon` under Accelerate's DeepSpeed plugin: ZeRO hands a client optimizer flat
+    partitions, so QMuon goes in the whole-matrix ZeRO client optimizer
+    (:class:`~qmuon.integrations.deepspeed.WholeMatrixZeroOptimizer`, sharing its group dicts: a
+    scheduler built on the QMuon drives it), Accelerate calls ``deepspeed.initialize`` with it, and it
+    attaches to the engine Accelerate keeps (``accelerator.deepspeed_engine_wrapped``)."""
+    from .deepspeed import WholeMatrixZeroOptimizer, avoid_cpu_op_builds
+
+    avoid_cpu_op_builds()  # DeepSpeed's CPU accelerator: no JIT kernel builds QMuon does not use
+    wrapper = WholeMatrixZeroOptimizer(optimizer)
+    prepared = accelerator.prepare(model, wrapper, *extra)
+    prepared = tuple(prepared) if isinstance(prepared, (tuple, list)) else (prepared,)
+    wrapper.attach(accelerator)
     return prepared

@@ -31,7 +31,8 @@ Where the factory is called, and what it returns:
 - DeepSpeed (``TrainingArguments(deepspeed=...)``): ZeRO would hand a plain client optimizer flat 1-D
   partitions. The factory returns QMuon inside the whole-matrix ZeRO client optimizer
   (:class:`qmuon.integrations.deepspeed.WholeMatrixZeroOptimizer`, stages 0-3), which attaches to
-  the ZeRO optimizer DeepSpeed wraps it in at its first step; configurations that path refuses
+  the ZeRO optimizer DeepSpeed wraps it in at its first step (or checkpoint load), through the links
+  DeepSpeed puts on the model's parameters; configurations that path refuses
   (optimizer offload, ...) raise :class:`UnsupportedTrainerConfig` with the fix. Independently, QMuon
   refuses to step a Muon group whose tensors are no longer the matrices it was routed with.
 - PEFT (``PeftModel``): frozen base weights are left out (no state); LoRA's ``lora_A`` / ``lora_B``
@@ -236,8 +237,9 @@ def _check_release(args: Any) -> None:
 def _for_deepspeed(model: nn.Module, cfg: QMuonConfig, ds_config: Any, verbose: bool) -> Any:
     """Under ``TrainingArguments(deepspeed=...)``: QMuon inside the whole-matrix ZeRO client optimizer
     (:class:`qmuon.integrations.deepspeed.WholeMatrixZeroOptimizer`). Accelerate calls
-    ``deepspeed.initialize`` with it; it attaches to the ZeRO optimizer DeepSpeed wraps it in at its
-    first step (or checkpoint load), so Muon sees whole matrices at every ZeRO stage."""
+    ``deepspeed.initialize`` with it and the factory never sees the engine: the wrapper attaches at
+    its first step (or checkpoint load) through the links DeepSpeed puts on the model's parameters
+    (ZeRO 1-3), or, with none (stage 0), to the matrices it holds (``auto_attach``)."""
     try:
         from .deepspeed import UnsupportedDeepSpeedConfig, WholeMatrixZeroOptimizer, check_config
     except ImportError as e:  # pragma: no cover - DeepSpeed configured but not importable
@@ -247,5 +249,5 @@ def _for_deepspeed(model: nn.Module, cfg: QMuonConfig, ds_config: Any, verbose: 
     except UnsupportedDeepSpeedConfig as e:
         raise UnsupportedTrainerConfig(f"QMuonFactory under DeepSpeed: {e}") from e
     wrapper = WholeMatrixZeroOptimizer(build_optimizer(model, cfg, verbose=verbose))
-    wrapper.auto_attach = True  # Accelerate calls deepspeed.initialize; the wrapper finds its ZeRO optimizer
+    wrapper.auto_attach = True  # Accelerate calls deepspeed.initialize: stage 0 attaches to the matrices held
     return wrapper

@@ -15,9 +15,10 @@ The design
 ----------
 :class:`WholeMatrixZeroOptimizer` is the client optimizer handed to ``deepspeed.initialize``. Its
 class name does not contain "muon" and it sets no ``use_muon`` attribute, so DeepSpeed's Muon code
-never runs. After the engine is built, :meth:`WholeMatrixZeroOptimizer.attach` reads the engine's
-partition layout (``bit16_groups``, the flat buffers, ``partition_size``): for each parameter,
-which element range of which rank's flat fp32 partition holds which of its elements. Then, per
+never runs. After the engine is built, :meth:`WholeMatrixZeroOptimizer.attach` (given the engine,
+the ``accelerate.Accelerator`` or the ``transformers.Trainer``; or, without a call, at the first step
+through the links DeepSpeed puts on the model's parameters) reads the partition layout: for each
+parameter, which element range of which rank's flat fp32 partition holds which of its elements. Then, per
 ``step()`` call (DeepSpeed's ZeRO optimizer makes one per parameter group and optimizer step, after
 the group's averaged gradients landed in its fp32 partition, after unscaling and clipping):
 

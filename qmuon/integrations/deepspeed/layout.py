@@ -1,13 +1,15 @@
-"""Where each parameter's elements live under each ZeRO stage, and which rank owns each Muon matrix.
+"""Where each parameter's elements live under each ZeRO stage, which rank owns each Muon matrix, and
+which DeepSpeed optimizer wraps the client (:func:`resolve_zero`).
 
-Pure bookkeeping (no communication): the engine readers take DeepSpeed's ZeRO optimizer and return,
-per parameter and rank, the slice that rank's flat fp32 partition holds (:class:`_Segment`).
+The readers return, per parameter and rank, the slice that rank's flat fp32 partition holds
+(:class:`_Segment`):
 
-- stages 1/2 (:func:`partition_segments`): each parameter group is one flat buffer cut into ``N``
-  equal partitions whose boundaries ignore parameter boundaries;
-- stage 3 (:func:`zero3_segments`): every parameter is cut on its own into ``N`` pieces of
-  ``ceil(numel / N)`` elements (the last ones padded), and rank ``r``'s flat partition of a
-  sub-group is its pieces of the sub-group's parameters, one after another.
+- stages 1/2 (:func:`read_zero12_links`): each parameter group is one flat buffer cut into ``N``
+  equal partitions whose boundaries ignore parameter boundaries; DeepSpeed links every model
+  parameter to its fragment in this rank's partition, and one all-gather shares the fragments;
+- stage 3 (:func:`read_zero3_layout`, :func:`zero3_segments`): every parameter is cut on its own into
+  ``N`` pieces of ``ceil(numel / N)`` elements (the last ones padded), and rank ``r``'s flat partition
+  of a sub-group is its pieces of the sub-group's parameters, one after another.
 """
 
 from __future__ import annotations
@@ -19,9 +21,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from ...core.plan import MatrixPart
+
 
 @dataclass(frozen=True)
 class _Segment:
@@ -66,21 +70,6 @@ def assign_owners(sizes: list[int], world_size: int) -> list[int]:
         owners[i] = r
         load[r] += sizes[i]
     return owners
-
-
-def partition_segments(offset: int, numel: int, partition_size: int, world_size: int) -> list[_Segment | None]:
-    """Which slice of a parameter at flat offset ``offset`` each rank's ZeRO partition holds.
-
-    Rank ``r``'s partition is ``[r * partition_size, (r + 1) * partition_size)`` of the group's flat
-    buffer (``DeepSpeedZeroOptimizer.get_data_parallel_partitions``); a parameter is one contiguous
-    range of that buffer, so each rank holds at most one contiguous slice of it.
-    """
-    out: list[_Segment | None] = []
-    for r in range(world_size):
-        lo, hi = r * partition_size, (r + 1) * partition_size
-        a, b = max(offset, lo), min(offset + numel, hi)
-        out.append(_Segment(a - offset, b - a, a - lo) if b > a else None)
-    return out
 
 
 def _part_runs(part: MatrixPart, cols: int, start: int, length: int) -> list[tuple[int, int, int, int, int]]:
@@ -172,36 +161,85 @@ def zero3_segments(numel: int, partition_numel: int, local: int, world_size: int
 
 
 # ------------------------------------------------------------------------------ engine readers
-def read_zero12_layout(zero: Any, params: list[_Param], world_size: int) -> None:
-    """Fill ``holders`` of every parameter from a ``DeepSpeedZeroOptimizer`` (stages 1/2): its
-    storage offset in the group's flat buffer (DeepSpeed points each model parameter at a view of
-    it), cross-checked against DeepSpeed's own record of the offsets."""
-    by_group: dict[int, list[_Param]] = defaultdict(list)
+def resolve_zero(handle: Any, client: Any) -> tuple[Any, Any]:
+    """The DeepSpeed optimizer that wraps ``client`` (``client`` itself when the engine steps it directly:
+    ZeRO stage 0 with fp32 weights) and the ``DeepSpeedEngine`` it was reached through (or None), from
+    what DeepSpeed, Accelerate or the Hugging Face Trainer hand over: the engine
+    ``deepspeed.initialize`` returns, an ``accelerate.Accelerator`` (``deepspeed_engine_wrapped``) or
+    its ``DeepSpeedEngineWrapper`` (``engine``), the optimizer ``accelerator.prepare`` returned
+    (``DeepSpeedOptimizerWrapper``: ``optimizer``), a ``transformers.Trainer`` (``model_wrapped``), or
+    the ZeRO optimizer itself. Follows those documented attributes only; raises ``TypeError`` when
+    none leads to an optimizer whose ``.optimizer`` is ``client``."""
+    from deepspeed import DeepSpeedEngine
+
+    engine, x = None, handle
+    for _ in range(6):
+        if x is client:
+            return client, engine
+        if isinstance(x, DeepSpeedEngine):  # its optimizer: the ZeRO optimizer, or the client at stage 0
+            engine, x = x, x.optimizer
+            continue
+        if getattr(x, "optimizer", None) is client:
+            return x, engine
+        nxt = None
+        for attr in ("model_wrapped", "deepspeed_engine_wrapped", "engine", "optimizer"):
+            nxt = getattr(x, attr, None)
+            if nxt is not None:
+                break
+        if nxt is None:
+            break
+        x = nxt
+    raise TypeError(
+        f"attach() got {type(handle).__name__}, from which no DeepSpeed optimizer wrapping this "
+        "WholeMatrixZeroOptimizer is reached. Pass the engine deepspeed.initialize returned (built with "
+        "optimizer=this wrapper), the accelerate.Accelerator that prepared it, or the transformers.Trainer")
+
+
+def read_zero12_links(params: list[_Param], model_params: list[Tensor], flats: list[Tensor], world_size: int,
+                      group: Any) -> None:
+    """Fill ``holders`` of every parameter under ZeRO stages 1/2 from the link DeepSpeed puts on each
+    model parameter (``_hp_mapping``, what ``deepspeed.utils.safe_get_full_fp32_param`` reads): this
+    rank's fragment of the parameter, its elements ``[start, start + numel)`` at offset ``local`` of the
+    group's flat fp32 partition (``flats``: the tensors DeepSpeed put in the client's groups). The other
+    ranks' fragments come from one all-gather. Checked: each fragment is a view of its group's flat
+    partition, and the fragments of all ranks tile each parameter exactly once. Matched by parameter
+    identity, not by position in DeepSpeed's lists."""
+    device = flats[0].device if flats else torch.device("cpu")
+    mine = torch.full((len(params), 3), -1, dtype=torch.int64)
+    for info, p in zip(params, model_params):
+        if not hasattr(p, "_hp_mapping"):
+            raise RuntimeError(f"parameter {info.index} (shape {tuple(info.shape)}) carries no ZeRO stage 1/2 link "
+                               "(_hp_mapping): DeepSpeed did not partition it")
+        m = p._hp_mapping
+        if m is None:
+            continue
+        flat = flats[info.group]
+        lp, hp = m.lp_fragment_address, m.hp_fragment_address
+        if m.hp_fragment.data_ptr() != flat.data_ptr() + hp.start * flat.element_size() or \
+                hp.start + hp.numel > flat.numel():
+            raise RuntimeError(f"parameter {info.index}: its ZeRO fragment is not a view of group {info.group}'s flat "
+                               "partition held by this optimizer")
+        mine[info.index] = torch.tensor([lp.start, lp.numel, hp.start])
+    every = [torch.empty_like(mine) for _ in range(world_size)]
+    if world_size > 1:
+        gathered = [t.to(device) for t in every]
+        dist.all_gather(gathered, mine.to(device), group=group)
+        every = [t.cpu() for t in gathered]
+    else:
+        every = [mine]
+    table = torch.stack(every).tolist()  # attach time, once: (rank, parameter) -> (start, numel, local)
     for info in params:
-        by_group[info.group].append(info)
-    for gi, infos in by_group.items():
-        flat = zero.bit16_groups_flat[gi]
-        psize = int(zero.partition_size[gi])
-        if psize * world_size != flat.numel():
-            raise RuntimeError(f"group {gi}: partition size {psize} x {world_size} ranks != flat size {flat.numel()}")
-        model_params = zero.bit16_groups[gi]
-        if len(model_params) != len(infos):
-            raise RuntimeError(f"group {gi}: DeepSpeed flattened {len(model_params)} parameters, QMuon has {len(infos)}")
-        declared = {}
-        for p, off in zip(getattr(zero, "round_robin_bit16_groups", [[]] * (gi + 1))[gi],
-                          getattr(zero, "round_robin_bit16_offsets", [[]] * (gi + 1))[gi]):
-            declared[id(p)] = int(off)
-        for info, p in zip(infos, model_params):
-            if p.shape != info.shape:
-                raise RuntimeError(f"group {gi}: parameter order differs from DeepSpeed's ({tuple(p.shape)} vs "
-                                   f"{tuple(info.shape)})")
-            delta = p.data_ptr() - flat.data_ptr()
-            if delta % flat.element_size() or not 0 <= delta // flat.element_size() <= flat.numel() - info.numel:
-                raise RuntimeError(f"group {gi}: a parameter is not a view of DeepSpeed's flat buffer")
-            off = delta // flat.element_size()
-            if id(p) in declared and declared[id(p)] != off:
-                raise RuntimeError(f"group {gi}: flat offset {off} disagrees with DeepSpeed's {declared[id(p)]}")
-            info.holders = partition_segments(off, info.numel, psize, world_size)
+        segs = [None if table[r][info.index][0] < 0 else _Segment(*table[r][info.index]) for r in range(world_size)]
+        covered = sorted((s.start, s.length) for s in segs if s is not None)
+        at = 0
+        for start, n in covered:
+            if start != at:
+                break
+            at += n
+        if at != info.numel:
+            raise RuntimeError(f"parameter {info.index} (shape {tuple(info.shape)}): the ZeRO fragments of the "
+                               f"{world_size} ranks do not tile its {info.numel} elements ({covered})")
+        info.holders = segs
 
 
 def read_zero3_layout(zero: Any, params: list[_Param], world_size: int) -> list[Tensor]:
@@ -249,23 +287,3 @@ def read_zero3_layout(zero: Any, params: list[_Param], world_size: int) -> list[
     return flats
 
 
-
-#: The DeepSpeed optimizers that wrap a client optimizer and whose layout the wrapper reads.
-ZERO_WRAPPERS = ("DeepSpeedZeroOptimizer", "DeepSpeedZeroOptimizer_Stage3", "FP16_UnfusedOptimizer")
-
-
-def find_zero_wrapper(client: Any) -> Any:
-    """The DeepSpeed optimizer whose ``.optimizer`` is ``client``, found among the objects that refer
-    to it, or ``client`` itself when none wraps it (ZeRO stage 0 with fp32 weights: the engine steps
-    the client directly). For a ``deepspeed.initialize`` called by someone else (Accelerate, under
-    ``transformers.Trainer``), where no engine is handed back; run once, at the first call."""
-    import gc
-
-    for ref in gc.get_referrers(client):
-        owners = [ref]
-        if isinstance(ref, dict):  # an instance's __dict__: its owner refers to it
-            owners = [o for o in gc.get_referrers(ref) if getattr(o, "__dict__", None) is ref]
-        for o in owners:
-            if type(o).__name__ in ZERO_WRAPPERS and getattr(o, "optimizer", None) is client:
-                return o
-    return client

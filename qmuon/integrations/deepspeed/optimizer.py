@@ -20,8 +20,8 @@ from ...optim.qmuon import QMuon
 from ...quant import adamw as qadamw
 from ...quant import state as qstate
 from .config import UnsupportedDeepSpeedConfig
-from .layout import (_apply_parts, _Param, _part_runs, _placeholder, _Segment, assign_owners, find_zero_wrapper,
-                     read_zero3_layout, read_zero12_layout, row_pieces)
+from .layout import (_apply_parts, _Param, _part_runs, _placeholder, _Segment, assign_owners, read_zero3_layout,
+                     read_zero12_links, resolve_zero, row_pieces)
 from .optimizer_state import ZeroStateMixin
 
 __all__ = ["WholeMatrixZeroOptimizer"]
@@ -99,6 +99,8 @@ class WholeMatrixZeroOptimizer(ZeroStateMixin, Optimizer):
                 # by this wrapper on pieces cut on the whole parameter's block grid (_adamw_slice_step).
                 ig["state_format"] = qadamw.FULL_PRECISION
             inner_groups.append(ig)
+        # The model's parameters, in _params order: DeepSpeed links each to its ZeRO partition (read at attach).
+        self._model_params: list[Tensor] = [p for g in groups for p in g["params"]]
         # The inner optimizer keeps the same group structure (so parameter indices, the stochastic
         # rounding keys, are those of a single-process QMuon) but holds proxies, not the model's tensors.
         self._inner = QMuon(inner_groups)
@@ -140,38 +142,40 @@ class WholeMatrixZeroOptimizer(ZeroStateMixin, Optimizer):
         self._grad_dtype = torch.float32  # dtype the Muon gradients travel and are stepped in
 
     # ------------------------------------------------------------------ attach
-    def attach(self, engine: Any) -> "WholeMatrixZeroOptimizer":
-        """Read the engine's partition layout and deal Muon matrices to owner ranks.
+    def attach(self, handle: Any) -> "WholeMatrixZeroOptimizer":
+        """Read the partition layout of the DeepSpeed optimizer wrapping this one and deal Muon matrices
+        to owner ranks. Call it on every rank, after ``deepspeed.initialize(optimizer=this, ...)``.
 
-        ``engine``: the ``DeepSpeedEngine`` returned by ``deepspeed.initialize(optimizer=self, ...)``.
+        ``handle``: what DeepSpeed or its caller hands back (:func:`.layout.resolve_zero`): the
+        ``DeepSpeedEngine`` from ``deepspeed.initialize``, the ``accelerate.Accelerator`` that prepared
+        it (or the optimizer ``accelerator.prepare`` returned), or the ``transformers.Trainer`` training
+        with it. Without a call, the first ``step()`` / ``state_dict()`` / ``load_state_dict()`` attaches
+        through the links DeepSpeed puts on the model's parameters (ZeRO 1-3), or raises naming this call.
         """
-        return self._attach_to(engine.optimizer, getattr(engine, "seq_data_parallel_group", None))
+        zero, engine = resolve_zero(handle, self)
+        return self._attach_to(zero, getattr(engine, "seq_data_parallel_group", None))
 
     def _attach_to(self, wrapper: Any, seq_group: Any) -> "WholeMatrixZeroOptimizer":
-        """:meth:`attach` given the engine's optimizer (``engine.optimizer``) and data-parallel group."""
-        kind = type(wrapper).__name__
-        if wrapper is self:
+        """:meth:`attach` given the optimizer DeepSpeed steps (``engine.optimizer``) and the engine's
+        data-parallel group (stage 0). Kinds by class, so DeepSpeed's subclasses are read as theirs."""
+        from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+        from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+        from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+        if wrapper is not self and getattr(wrapper, "optimizer", None) is not self:
+            raise ValueError(f"the engine's optimizer ({type(wrapper).__name__}) does not wrap this optimizer; pass "
+                             "optimizer=this WholeMatrixZeroOptimizer to deepspeed.initialize")
+        if wrapper is self or isinstance(wrapper, FP16_UnfusedOptimizer):
             self._attach_direct(seq_group)
-        elif kind in ("DeepSpeedZeroOptimizer",):
-            if wrapper.optimizer is not self:
-                raise ValueError("the engine's ZeRO optimizer does not wrap this optimizer; pass optimizer=this "
-                                 "WholeMatrixZeroOptimizer to deepspeed.initialize")
-            self._attach_partitioned(wrapper)
-        elif kind == "DeepSpeedZeroOptimizer_Stage3":
-            if wrapper.optimizer is not self:
-                raise ValueError("the engine's ZeRO-3 optimizer does not wrap this optimizer; pass optimizer=this "
-                                 "WholeMatrixZeroOptimizer to deepspeed.initialize")
+        elif isinstance(wrapper, DeepSpeedZeroOptimizer_Stage3):
             self._attach_zero3(wrapper)
-        elif kind == "FP16_UnfusedOptimizer":
-            if wrapper.optimizer is not self:
-                raise ValueError("the engine's fp16/bf16 optimizer does not wrap this optimizer")
-            self._attach_direct(seq_group)
+        elif isinstance(wrapper, DeepSpeedZeroOptimizer):
+            self._attach_partitioned(wrapper)
         else:
             raise UnsupportedDeepSpeedConfig(
-                f"DeepSpeed wrapped the optimizer in {kind}, whose layout QMuon does not read (supported: ZeRO "
-                "stage 0 with fp32 or unfused fp16/bf16, DeepSpeedZeroOptimizer at stages 1 and 2, "
-                "DeepSpeedZeroOptimizer_Stage3). "
-                "Check the config with qmuon.integrations.deepspeed.check_config"
+                f"DeepSpeed wrapped the optimizer in {type(wrapper).__name__}, whose layout QMuon does not read "
+                "(supported: ZeRO stage 0 with fp32 or unfused fp16/bf16, DeepSpeedZeroOptimizer at stages 1 and 2, "
+                "DeepSpeedZeroOptimizer_Stage3). Check the config with qmuon.integrations.deepspeed.check_config"
             )
         self._plan_slices()
         return self
@@ -216,8 +220,8 @@ class WholeMatrixZeroOptimizer(ZeroStateMixin, Optimizer):
             cur = self._all_groups[info.group]["params"]
             if len(cur) <= info.pos or cur[info.pos].shape != info.shape:
                 raise RuntimeError(
-                    f"ZeRO stage 0: parameter group {info.group} no longer holds the model's parameters as built; "
-                    "QMuon cannot map them"
+                    f"parameter group {info.group} no longer holds the model's parameters as built, and no DeepSpeed "
+                    f"optimizer was found through them to read where they went: call {self.ATTACH_CALL}"
                 )
             if not cur[info.pos].is_contiguous():
                 raise ValueError(f"parameter {info.index} (shape {tuple(info.shape)}) is not contiguous")
@@ -226,16 +230,25 @@ class WholeMatrixZeroOptimizer(ZeroStateMixin, Optimizer):
         for info in self._params:
             info.holders = [_Segment(0, info.numel, 0)] * self._world
 
-    def _attach_partitioned(self, zero: Any) -> None:
-        groups = zero.real_dp_process_group
-        if any(g is not groups[0] for g in groups):
-            raise UnsupportedDeepSpeedConfig("parameter groups with different data-parallel groups (MoE) are not supported")
-        if len(zero.bit16_groups) != len(self._all_groups):
-            raise RuntimeError(f"DeepSpeed built {len(zero.bit16_groups)} flat groups for {len(self._all_groups)} "
-                               "parameter groups")
+    def _attach_partitioned(self, zero: Any = None) -> None:
+        """ZeRO stages 1/2, read from the links on the model's parameters (:func:`.layout.read_zero12_links`);
+        ``zero``, when given, is cross-checked."""
+        groups = {id(getattr(p, "_dp_group", None)): getattr(p, "_dp_group", None) for p in self._model_params}
+        if zero is not None:
+            groups.update((id(g), g) for g in zero.real_dp_process_group)
+            if len(zero.bit16_groups) != len(self._all_groups):
+                raise RuntimeError(f"DeepSpeed built {len(zero.bit16_groups)} flat groups for {len(self._all_groups)} "
+                                   "parameter groups")
+        if len(groups) != 1:
+            raise UnsupportedDeepSpeedConfig("parameter groups with different data-parallel groups (MoE) are not "
+                                             "supported")
+        flats = [g["params"][0] if len(g["params"]) == 1 else None for g in self._all_groups]
+        if any(f is None or f.ndim != 1 for f in flats):
+            raise RuntimeError("ZeRO stage 1/2: every parameter group must hold one flat partition, as DeepSpeed's "
+                               "ZeRO optimizer leaves it")
         self._mode = "partitioned"
-        self._set_world(groups[0])
-        read_zero12_layout(zero, self._params, self._world)
+        self._set_world(next(iter(groups.values())))
+        read_zero12_links(self._params, self._model_params, flats, self._world, self._group)
 
     def _attach_zero3(self, zero: Any) -> None:
         """ZeRO stage 3: every parameter is cut into ``N`` pieces (:func:`.layout.zero3_segments`); the
@@ -257,28 +270,39 @@ class WholeMatrixZeroOptimizer(ZeroStateMixin, Optimizer):
 
     # ------------------------------------------------------------------ step
     #: Set by whoever hands this optimizer to a ``deepspeed.initialize`` it does not call itself
-    #: (``QMuonFactory`` under ``transformers.Trainer``, where Accelerate calls it): the first
-    #: ``step`` / ``state_dict`` / ``load_state_dict`` then finds the ZeRO optimizer wrapping this one
-    #: and attaches to it (:func:`.layout.find_zero_wrapper`).
+    #: (``QMuonFactory`` under ``transformers.Trainer``, ``prepare_qmuon`` under Accelerate): without
+    #: links on the parameters (ZeRO stage 0), the first step then attaches to the whole matrices it holds.
     auto_attach: bool = False
 
+    #: The call that attaches, for error messages.
+    ATTACH_CALL = ("optimizer.attach(engine) on every rank after deepspeed.initialize (or pass the accelerate."
+                   "Accelerator / transformers.Trainer: optimizer.attach(accelerator)), or build the engine with "
+                   "qmuon.integrations.deepspeed.initialize(...) / prepare_qmuon(accelerator, model, ...)")
+
     def _require_attached(self) -> None:
+        """Attach at the first step / checkpoint call, when no one called :meth:`attach`: through the
+        links DeepSpeed puts on the model's parameters (those ``deepspeed.utils.safe_get_full_fp32_param``
+        reads): ZeRO-3's ``_z3_optimizer``, ZeRO-1/2's ``_hp_mapping`` fragments; at stage 0 (no link,
+        the groups still hold the matrices) to the matrices themselves. Anything else raises, naming
+        :meth:`attach`, before the step changes anything."""
         if self._mode is not None:
             return
-        if self.auto_attach:
-            self._attach_to(find_zero_wrapper(self), None)
-            return
-        first = self._all_groups[0]["params"][0] if self._all_groups and self._all_groups[0]["params"] else None
+        z3 = {id(z): z for z in (getattr(p, "_z3_optimizer", None) for p in self._model_params) if z is not None}
         distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-        if first is not None and first.ndim == 1 and self._params and self._params[0].muon:
-            distributed = True  # flat partitions: only attach() can map them
-        if distributed:
-            raise RuntimeError(
-                "WholeMatrixZeroOptimizer.step() before attach(engine): call optimizer.attach(engine) after "
-                "deepspeed.initialize, or use qmuon.integrations.deepspeed.initialize(...)"
-            )
-        self._attach_direct(None)
-        self._plan_slices()
+        if z3:
+            zero = next(iter(z3.values()))
+            if len(z3) > 1 or getattr(zero, "optimizer", None) is not self:
+                raise RuntimeError("the model's parameters are linked to a ZeRO-3 optimizer that does not wrap this "
+                                   f"WholeMatrixZeroOptimizer: call {self.ATTACH_CALL}")
+            self._attach_to(zero, None)
+        elif any(hasattr(p, "_hp_mapping") for p in self._model_params):
+            self._attach_partitioned(None)
+            self._plan_slices()
+        elif distributed and not self.auto_attach:
+            raise RuntimeError(f"WholeMatrixZeroOptimizer.step() before attach: call {self.ATTACH_CALL}")
+        else:
+            self._attach_direct(None)
+            self._plan_slices()
 
     def _views(self, info: _Param) -> tuple[Tensor, Tensor | None] | None:
         """This rank's (data, grad) 1-D views of a parameter's slice, or None when it holds none."""
