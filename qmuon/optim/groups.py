@@ -192,7 +192,8 @@ class QMuonGroupsMixin:
             f"with: parameter {label} was {was}, it is now {got} ({len(routed)} tensors routed, {len(now)} held). A "
             "wrapper flattened or replaced the optimizer's parameters (DeepSpeed's ZeRO optimizer hands a client "
             "optimizer flat 1-D partitions), and Muon on them would not be Muon, so no step was taken. Under "
-            "DeepSpeed use qmuon.integrations.deepspeed (WholeMatrixZeroOptimizer / qds.initialize, or "
+            "DeepSpeed use qmuon.integrations.deepspeed (WholeMatrixZeroOptimizer / qds.initialize; "
+            "qmuon.integrations.accelerate.prepare_qmuon under Accelerate's DeepSpeed plugin; "
             "qmuon.integrations.transformers.QMuonFactory with the Trainer); otherwise build the optimizer from "
             "the model as the wrapper hands it over")
 
