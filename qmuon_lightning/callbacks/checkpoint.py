@@ -47,6 +47,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from qmuon.core.config import FORMAT_OVERRIDES, ResumeMismatch, check_resume, param_group_view, plain_coefficients
 from qmuon.core.newton_schulz import MUON_COEFFICIENTS, resolve_schedule
+from qmuon.distributed import safe_load
 from qmuon.optim.qmuon import FORMAT_VERSION, QMuon
 from qmuon.quant import state as qstate
 from ._common import is_dtensor, param_names, qmuon_optimizers
@@ -259,7 +260,7 @@ def load_quantized_state(path: str | os.PathLike, optimizers: QMuon | Sequence[t
     :func:`validate_manifest`; raises :class:`QuantizedStateMismatchError` before loading anything.
     """
     opts = [(0, optimizers)] if isinstance(optimizers, QMuon) else list(optimizers)
-    blob = torch.load(os.fspath(path), map_location="cpu", weights_only=True)
+    blob = safe_load.load(os.fspath(path), map_location="cpu")  # weights_only=True; refused with why, never run
     notes = validate_manifest(blob["manifest"], opts, module, allow_format_change=allow_format_change,
                               source=os.fspath(path))
     states = {int(i): sd for i, sd in blob["optimizer_states"].items()}
