@@ -355,7 +355,7 @@ def _narrow_worker(rank: int, world: int, ckpt: str) -> dict[str, Any]:
     r["resumed_1d"] = _resume(ckpt, r["grads"], 1, init_device_mesh("cpu", (4,)), NARROW, kw8, layouts)
     r["resumed_whole"] = _resume(ckpt, r["grads"], 1, None, NARROW, kw8, layouts)
     res["int8"] = r
-    res["too_narrow"] = {fmt: _too_narrow(mesh, fmt) for fmt in ("int8", "fp32")}
+    res["too_narrow"] = {fmt: _too_narrow(mesh, fmt) for fmt in ("int8", "fp32", "bf16")}
     for fmt in ("fp32", "int8"):
         del res[fmt]["grads"]
     return res
@@ -420,10 +420,11 @@ def test_fsdp_x_tp_narrow_rowwise_shards_train_like_single_process(tmp_path: Pat
     for o in res:
         msg = o["int8"]["straddle_error"]
         assert "momentum_absmax" in msg and "straddle" in msg and "promote_param" in msg, msg
-    # 48 columns per shard: no block size fits; int8 is refused naming the fix, fp32 is accepted
+    # 48 columns per shard: no block size fits; int8 is refused naming the fix, fp32 and bf16 (no
+    # blocks) are accepted
     msg = out["too_narrow"]["int8"]
     assert "48 of 96 columns" in msg and "'1.weight'" in msg and "state_format='fp32'" in msg, msg
-    assert out["too_narrow"]["fp32"] == "", out["too_narrow"]["fp32"]
+    assert out["too_narrow"]["fp32"] == "" and out["too_narrow"]["bf16"] == "", out["too_narrow"]
 
 
 def test_shard_block_size() -> None:
