@@ -249,7 +249,7 @@ def _worker(rank: int, world: int, ckpt: str) -> dict[str, Any]:
 
 
 # ------------------------------------------- narrow rowwise shards: 128 columns, block_size 256 (issue 38)
-FP32_WIRE = dict(newton_schulz={"dtype": "fp32", "comm_carrier": "fp32", "comm_return": "fp32"})
+FP32_WIRE = {"newton_schulz": {"dtype": "fp32", "comm_carrier": "fp32", "comm_return": "fp32"}}
 
 
 def _narrow(mesh: Any, kw: dict[str, Any], steps: int, ckpt: str = "") -> dict[str, Any]:
