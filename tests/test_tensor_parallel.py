@@ -427,6 +427,25 @@ def test_fsdp_x_tp_narrow_rowwise_shards_train_like_single_process(tmp_path: Pat
     assert out["too_narrow"]["fp32"] == "" and out["too_narrow"]["bf16"] == "", out["too_narrow"]
 
 
+def test_lightning_resume_gives_back_a_fitted_block_size() -> None:
+    """The Lightning strategies reapply the saved per-parameter layouts before loading (DCP reads
+    into the destination's shapes): a block size alone (blocks fitted to narrow rowwise shards,
+    same format) must be reapplied too."""
+    from qmuon_lightning.strategies.checkpoint_state import apply_format_overrides
+
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(256, 256, bias=False), torch.nn.Linear(256, 256, bias=False))
+    o = qmuon.QMuon([{"params": list(m.parameters()), "param_names": ["0.weight", "1.weight"]}], lr=LR,
+                    state_format="int8")
+    layout = {"state_format": "int8", "block_size": 128}
+    apply_format_overrides(m, [o], {"format_overrides": [{"1.weight": layout}]}, "test")
+    assert o.param_layout(m[1].weight)["block_size"] == 128 and o.param_layout(m[0].weight)["block_size"] == 256
+    for p in m.parameters():
+        p.grad = torch.randn_like(p)
+    o.step()
+    assert o.state[m[1].weight]["momentum_absmax"].shape == (256, 2), o.state[m[1].weight]["momentum_absmax"].shape
+
+
 def test_shard_block_size() -> None:
     from qmuon.distributed.tensor_parallel import shard_block_size
 

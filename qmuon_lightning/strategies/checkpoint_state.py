@@ -80,10 +80,13 @@ def apply_format_overrides(module: Optional[torch.nn.Module], optimizers: Sequen
             if name not in by_name:
                 raise ValueError(f"the checkpoint promoted parameter {name!r} to {layout}, but this model has no "
                                  "parameter of that name; resume with the model it was saved with")
-            if opt.param_layout(by_name[name]).get("state_format") != layout["state_format"]:
+            current = opt.param_layout(by_name[name])
+            # every layout key: a (dp, tp) layout fits int8 blocks to narrow rowwise shards by block_size alone
+            if any(current.get(k) != v for k, v in layout.items()):
                 opt.promote_param(by_name[name], dict(layout))
-                rank_zero_info(f"{owner}: {name!r} resumes in {layout['state_format']} momentum "
-                               "(promoted by the fidelity guard before the checkpoint was saved)")
+                rank_zero_info(f"{owner}: {name!r} resumes with {describe_layout(layout)} momentum, its layout when "
+                               "the checkpoint was saved (a fidelity-guard promotion, or blocks fitted to tensor-"
+                               "parallel shards)")
 
 
 def checkpoint_info(optimizer_mode: str, optimizers: Sequence[Optimizer], world_size: int,
