@@ -12,8 +12,9 @@ or a wider model with ``--grow width``) whose step fits::
     qmuon-train fit --config recipes/gb10/base.yaml --config recipes/gb10/gpt350m_int8.yaml --estimate_memory
 
 The table follows ``accelerate estimate-memory``: a titled box, one row per configuration, sizes
-in powers of 1024. Activations are not included (they depend on the batch; the recipe's estimate
-of them is printed below the table for DecoderLM recipes); on a GPU leave ~1-3 GiB of the budget
+in powers of 1024. Activations are not included (they depend on the batch; for DecoderLM recipes
+their peak, with and without activation checkpointing, is printed below the table:
+:func:`qmuon_lightning.memory.decoder_activations`); on a GPU leave ~1-3 GiB of the budget
 for the CUDA context and the allocator's slack. The model behind the numbers:
 :mod:`qmuon_lightning.memory` and ``docs/memory.md``.
 """
@@ -223,18 +224,25 @@ def run(argv: Sequence[str] | None, merge_recipe: Callable[[Sequence[str], Seque
         print(f"n/a: {e.setup.label}: needs {', '.join(e.missing)}")
     print("Activations are not included; leave room for them and, on a GPU, ~1-3 GiB for the CUDA context and "
           "allocator slack. With gradient release the step's grads are the largest single gradient in flight.")
+    activations: dict[str, Any] = {}
     if cfg and "d_model" in shape:
         from .models.decoder_lm import DecoderLMConfig
 
         c = DecoderLMConfig(**{k: v for k, v in shape.items() if k in DecoderLMConfig.__dataclass_fields__})
-        tokens = int(cfg["data"]["batch_size"]) * int(cfg["data"]["seq_len"])
-        act = c.n_layers * tokens * (34 * c.d_model + 4 * c.hidden) + tokens * 8 * c.vocab_size
-        print(f"Activations of this recipe's batch ({cfg['data']['batch_size']} x {cfg['data']['seq_len']} tokens, "
-              f"{'bf16' if str(cfg.get('trainer', {}).get('precision')) == 'bf16-true' else 'bf16 autocast'}): "
-              f"~{mem.format_bytes(act)} (models.lm_module.memory_budget's estimate)")
+        batch, seq = int(cfg["data"]["batch_size"]), int(cfg["data"]["seq_len"])
+        precision = str(cfg.get("trainer", {}).get("precision", "bf16-mixed"))
+        off, on = (mem.decoder_activations(c, batch, seq, precision=precision, checkpointing=x) for x in (False, True))
+        used = on if c.activation_checkpointing else off
+        print(f"Activations of this recipe's batch ({batch} x {seq} tokens, {precision}): peak ~{mem.format_bytes(used.peak)} "
+              f"({'with' if c.activation_checkpointing else 'without'} activation checkpointing; "
+              f"{'without' if c.activation_checkpointing else 'with'} it: ~{mem.format_bytes((off if used is on else on).peak)}); "
+              "qmuon_lightning.memory.decoder_activations")
+        activations = {"batch_size": batch, "seq_len": seq, "precision": precision,
+                       "checkpointing": c.activation_checkpointing, "without_checkpointing": off.as_dict(),
+                       "with_checkpointing": on.as_dict()}
     result = {"model": name, "device": args.device, "n_params": inv.n_params, "n_muon": inv.n_muon,
               "budget": budget, "grow": args.grow, "size_of_given_model": k0,
-              "estimates": [e.as_dict() for e in ests],
+              "estimates": [e.as_dict() for e in ests], "activations": activations,
               "largest": {k: {"size": v[0], "n_params": v[1].n_params if v[1] else None,
                               "total": v[1].total if v[1] else None} for k, v in largest.items()}}
     if args.json_out:

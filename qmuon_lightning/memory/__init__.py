@@ -24,8 +24,8 @@ Newton-Schulz batches; torch.optim.Muon then torch.optim.AdamW), so the step's p
 ``weights + grads + state + max(phase temporaries)``; with gradient release it is
 ``weights + state + max over parameters (its gradient + its own step's temporaries)``.
 Activations are not part of it: they are freed before ``optimizer.step()`` and, with release, the
-estimate holds for a tiny batch (add your activations; ``models.lm_module.memory_budget`` has an
-estimate for DecoderLM).
+estimate holds for a tiny batch. :func:`decoder_activations` (:mod:`.activations`) estimates them
+for a DecoderLM, with and without activation checkpointing; add its ``peak`` for the whole step.
 
 What is counted is what PyTorch's ``MemTracker`` sees: tensor storages created through the
 dispatcher. Scratch a compiled kernel allocates internally, the CUDA context and the caching
@@ -43,6 +43,10 @@ from .model import (
     estimate,
     largest_within,
     depth_inventories,
+)
+from .activations import (
+    ActivationEstimate,
+    decoder_activations,
 )
 from .report import (
     parse_bytes,
@@ -70,4 +74,6 @@ __all__ = [
     "build_optimizers",
     "Measurement",
     "measure_step",
+    "ActivationEstimate",
+    "decoder_activations",
 ]

@@ -71,7 +71,10 @@ class Measurement:
       autograd ``Temp`` (see :func:`measure_step`);
     * ``peak_where`` / ``peak_no_act_where``: what was running at either peak (``forward``,
       ``backward``, ``release hook: <parameter names>``, ``optimizer.step``);
-    * ``state_bytes``: the optimizers' state after the run.
+    * ``state_bytes``: the optimizers' state after the run;
+    * ``peak_act`` / ``peak_act_where``: the most bytes of activations (:data:`ACTIVATION_CATEGORIES`)
+      at once, wherever the whole step peaks, and what was running then (what
+      :func:`~qmuon_lightning.memory.decoder_activations` estimates).
     """
 
     peak: int
@@ -82,6 +85,8 @@ class Measurement:
     split_no_act: dict[str, int] = field(default_factory=dict)
     peak_where: str = ""
     peak_no_act_where: str = ""
+    peak_act: int = 0
+    peak_act_where: str = ""
 
 
 def _step_tracker_class() -> type:
@@ -100,6 +105,8 @@ def _step_tracker_class() -> type:
             self.peak_no_act_snap: dict[torch.device, dict[str, int]] = {}
             self.peak_where: dict[torch.device, str] = {}
             self.peak_no_act_where: dict[torch.device, str] = {}
+            self.peak_act: dict[torch.device, int] = {}
+            self.peak_act_where: dict[torch.device, str] = {}
 
         def _update_peak_stats(self, peak_state: Any) -> None:
             before = dict(self._peak_mem)
@@ -109,6 +116,10 @@ def _step_tracker_class() -> type:
                     self.peak_where[dev] = self.stage
                 no_act = sum(v for k, v in snap.items()
                              if str(getattr(k, "value", k)) not in ACTIVATION_CATEGORIES + ("Total",))
+                act = sum(v for k, v in snap.items() if str(getattr(k, "value", k)) in ACTIVATION_CATEGORIES)
+                if act > self.peak_act.get(dev, -1):
+                    self.peak_act[dev] = act
+                    self.peak_act_where[dev] = self.stage
                 if no_act > self.peak_no_act.get(dev, -1):
                     self.peak_no_act[dev] = no_act
                     self.peak_no_act_snap[dev] = dict(snap)
@@ -203,4 +214,5 @@ def measure_step(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer], 
     split_no_act = _categories(tracker.peak_no_act_snap.get(device, {}))
     split_no_act.pop("Total", None)
     return Measurement(peak, split, state, losses, tracker.peak_no_act.get(device, 0), split_no_act,
-                       tracker.peak_where.get(device, ""), tracker.peak_no_act_where.get(device, ""))
+                       tracker.peak_where.get(device, ""), tracker.peak_no_act_where.get(device, ""),
+                       tracker.peak_act.get(device, 0), tracker.peak_act_where.get(device, ""))

@@ -198,6 +198,9 @@ class DecoderLMModule(L.LightningModule):
         optimizer: what to build in :meth:`configure_optimizers` (:class:`OptimizerSpec`).
         reshard_after_forward: FSDP2: free gathered block weights after forward (saves memory,
             costs a second all-gather in backward).
+        activation_checkpointing: run each block under ``torch.utils.checkpoint`` (non-reentrant):
+            keep only the blocks' inputs and recompute one block's activations at a time in
+            backward (one more forward of the blocks per step; same losses and gradients bit for bit).
     """
 
     def __init__(
@@ -213,6 +216,7 @@ class DecoderLMModule(L.LightningModule):
         init_std: float = 0.02,
         optimizer: OptimizerSpec | None = None,
         reshard_after_forward: bool = True,
+        activation_checkpointing: bool = False,
     ) -> None:
         super().__init__()
         self.optimizer_spec = optimizer if optimizer is not None else OptimizerSpec()
@@ -221,11 +225,13 @@ class DecoderLMModule(L.LightningModule):
         self.config = DecoderLMConfig(
             vocab_size=vocab_size, d_model=d_model, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv_heads,
             mlp_hidden=mlp_hidden, max_seq_len=max_seq_len, rope_theta=rope_theta, init_std=init_std,
+            activation_checkpointing=activation_checkpointing,
         )
         self.reshard_after_forward = reshard_after_forward
         hp = dict(vocab_size=vocab_size, d_model=d_model, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv_heads,
                   mlp_hidden=mlp_hidden, max_seq_len=max_seq_len, rope_theta=rope_theta, init_std=init_std,
-                  optimizer=asdict(self.optimizer_spec), reshard_after_forward=reshard_after_forward)
+                  optimizer=asdict(self.optimizer_spec), reshard_after_forward=reshard_after_forward,
+                  activation_checkpointing=activation_checkpointing)
         self.save_hyperparameters(hp)
         self.model: DecoderLM | None = None
 
@@ -329,11 +335,9 @@ def memory_budget(module: DecoderLMModule, *, batch_size: int, seq_len: int, pre
     gradients (2 + 2 bytes; QMuon adds the ``bf16_update`` rule's correction state: 1 byte per
     element under ``"ecc8"``), anything else fp32 (4 + 4) with bf16 autocast.
 
-    Activations are an estimate, not a measurement: per layer and token, ``34 * d_model`` bytes
-    (Korthikanti et al. 2022, "Reducing Activation Recomputation": a GPT block's tensors kept for
-    backward in 16-bit, without the attention-score term because SDPA does not store scores), plus
-    ``4 * mlp_hidden`` bytes as a conservative allowance for SwiGLU's gate/up intermediates (larger
-    than a GPT MLP's), plus the fp32 logits and their gradient (``8 * vocab_size`` bytes per token).
+    Activations: the peak of :func:`qmuon_lightning.memory.decoder_activations` (the tensors
+    DecoderLM's ops keep for backward at ``precision``, with or without the module's
+    ``activation_checkpointing``; held to ``MemTracker`` in ``tests/test_activation_checkpointing.py``).
     """
     if module.model is None:
         with torch.device("meta"):
@@ -371,8 +375,9 @@ def memory_budget(module: DecoderLMModule, *, batch_size: int, seq_len: int, pre
                 # bf16 weights: the write rule's correction state (ecc8: one int8 code per element)
                 ws = weight_state_init(torch.empty(d.shape, dtype=torch.bfloat16, device="meta"), spec.bf16_update)
                 state += sum(t.numel() * t.element_size() for t in ws.values())
-    tokens = batch_size * seq_len
-    act = cfg.n_layers * tokens * (34 * cfg.d_model + 4 * cfg.hidden) + tokens * 8 * cfg.vocab_size
+    from ..memory.activations import decoder_activations
+
+    act = decoder_activations(cfg, batch_size, seq_len, precision=precision).peak
     out = {
         "parameters": float(n_params),
         "weights": wbytes * n_params / world_size,
