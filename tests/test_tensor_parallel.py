@@ -625,7 +625,8 @@ def _trainer_main(out: Path) -> None:
     class Lit(L.LightningModule):
         def __init__(self, seed: int = 0) -> None:
             super().__init__()
-            self.model = make_llama(seed)
+            # rowwise shards of 128 columns (blocks fitted to them); 2 layers: 14 matrices deal evenly over 4 ranks
+            self.model = make_llama(seed, **dict(NARROW, num_hidden_layers=2))
 
         def configure_model(self) -> None:
             parallelize_module(self.model, self.device_mesh["tensor_parallel"], tp_plan(self.model))
@@ -645,7 +646,7 @@ def _trainer_main(out: Path) -> None:
     def fit(seed: int, resume: Path | None, callbacks: list) -> Any:
         L.seed_everything(0, verbose=False)
         strategy = QMuonFSDPStrategy(data_parallel_size=2, tensor_parallel_size=2,
-                                     optimizer_kwargs=dict(lr=LR, weight_decay=0.0, state={"block_size": 32}))
+                                     optimizer_kwargs=dict(lr=LR, weight_decay=0.0))
         trainer = L.Trainer(accelerator="cpu", devices=4, strategy=strategy, max_epochs=2, callbacks=callbacks,
                             logger=False, enable_progress_bar=False, enable_model_summary=False,
                             enable_checkpointing=bool(callbacks), num_sanity_val_steps=0)
@@ -667,6 +668,8 @@ def _trainer_main(out: Path) -> None:
            "optimizer": type(t1.optimizers[0]).__name__}
     straight = local(t1)
     t2 = fit(3, out / "ckpt" / "epoch=0.ckpt", [])
+    res["block_sizes"] = [sorted(v["block_size"] for v in (g.get("format_overrides") or {}).values())
+                          for t in (t1, t2) for g in t.optimizers[0].param_groups if g["use_muon"]]
     try:
         assert_same(local(t2), straight, "FSDP x TP resume")
         res["mismatch"] = ""
@@ -682,7 +685,9 @@ def _trainer_main(out: Path) -> None:
 def test_trainer_tensor_parallel_trains_and_resumes(tmp_path: Path) -> None:
     """QMuonFSDPStrategy(data_parallel_size=2, tensor_parallel_size=2) with a configure_model that
     applies the TP plan: QMuon steps the colwise / rowwise DTensors, the Newton-Schulz work is dealt
-    over all 4 ranks, and a resume from the sharded checkpoint of epoch 0 is bit-exact."""
+    over all 4 ranks, and a resume from the sharded checkpoint of epoch 0 is bit-exact. The model
+    is the NARROW Llama with int8's default block_size 256: the rowwise o_proj / down_proj shards
+    hold 128 columns, so their momentum is kept in blocks of 128, through the strategy and its resume."""
     from _dist import torchrun_cmd, run_launcher, subprocess_env
 
     cmd = torchrun_cmd(4, Path(__file__).resolve(), "--trainer", str(tmp_path))
@@ -692,6 +697,7 @@ def test_trainer_tensor_parallel_trains_and_resumes(tmp_path: Path) -> None:
         assert r["placements"] == ["(_StridedShard(dim=0, sf=2), Shard(dim=0))", "(Shard(dim=0), Shard(dim=1))"], r
         assert r["optimizer"] == "QMuon" and r["steps"] == 8, r  # 16 samples / (batch 2 x dp 2) x 2 epochs
         assert r["mismatch"] == "", r["mismatch"]
+        assert r["block_sizes"] == [[128] * 4] * 2, r["block_sizes"]  # o_proj, down_proj x 2 layers; both runs
     shares = [r["stats"]["ns_share"] for r in res]
     assert abs(sum(shares) - 1) < 1e-9 and max(shares) <= 0.25 * 1.25, shares
 
