@@ -188,7 +188,7 @@ def test_strategy_refuses_double_checkpointing_and_empty_selection() -> None:
 
 def _strategy_worker(rank: int, world_size: int) -> dict:
     """Lightning Trainer + qmuon_fsdp on DecoderLMModule: without checkpointing, with the strategy's
-    policy, and (release) both again with gradient release. Runs in a spawned process (the strategy
+    policy, with the module's own option, and each again with gradient release. Runs in a spawned process (the strategy
     starts a process group) with world size 1 (the strategy shards by its policy, then wraps) or 2
     (configure_model shards, then the strategy wraps)."""
     import lightning as L
@@ -208,10 +208,11 @@ def _strategy_worker(rank: int, world_size: int) -> dict:
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
             self.losses.append(float(outputs["loss"]))
 
-    def fit(policy, release: bool) -> dict:
+    def fit(policy, release: bool, own: bool = False) -> dict:
         L.seed_everything(0, verbose=False)
         module = DecoderLMModule(vocab_size=VOCAB, d_model=32, n_layers=3, n_heads=4, n_kv_heads=2, max_seq_len=SEQ,
-                                 optimizer=OptimizerSpec(state_format="int8", gradient_release=release, warmup_steps=1))
+                                 optimizer=OptimizerSpec(state_format="int8", gradient_release=release, warmup_steps=1),
+                                 activation_checkpointing=own)
         strategy = QMuonFSDPStrategy(activation_checkpointing_policy=policy, timeout=timedelta(seconds=60))
         rec = Recorder()
         trainer = L.Trainer(accelerator="cpu", devices=world_size, strategy=strategy, max_steps=4, logger=False,
@@ -226,6 +227,7 @@ def _strategy_worker(rank: int, world_size: int) -> dict:
     for release in (False, True):
         out[("plain", release)] = fit(None, release)
         out[("ckpt", release)] = fit(["Block"], release)
+        out[("own", release)] = fit(None, release, own=True)  # DecoderLMModule(activation_checkpointing=True)
     return out
 
 
@@ -237,12 +239,14 @@ def test_strategy_policy_gives_identical_training(world_size: int) -> None:
     results = run_workers(_strategy_worker, world_size, timeout=400, start_method="spawn")
     for r in results:
         for release in (False, True):
-            plain, ckpt = r[("plain", release)], r[("ckpt", release)]
-            assert plain["wrapped"] == [] and len(ckpt["wrapped"]) == 3, ckpt["wrapped"]
-            assert len(plain["losses"]) == 4 and plain["losses"] == ckpt["losses"], (release, plain["losses"], ckpt["losses"])
-            assert plain["params"].keys() == ckpt["params"].keys()
-            for n, p in plain["params"].items():
-                assert torch.equal(p, ckpt["params"][n]), (release, n)
+            plain, ckpt, own = r[("plain", release)], r[("ckpt", release)], r[("own", release)]
+            assert plain["wrapped"] == own["wrapped"] == [] and len(ckpt["wrapped"]) == 3, ckpt["wrapped"]
+            assert len(plain["losses"]) == 4
+            for other in (ckpt, own):
+                assert plain["losses"] == other["losses"], (release, plain["losses"], other["losses"])
+                assert plain["params"].keys() == other["params"].keys()
+                for n, p in plain["params"].items():
+                    assert torch.equal(p, other["params"][n]), (release, n)
 
 
 def test_policy_through_the_cli(capsys) -> None:
