@@ -16,6 +16,9 @@ Optimizer names
 * ``-polar_express`` (or any other ``ns_coefficients`` preset name): ``ns_coefficients``; default ``"muon"``;
 * ``-compiled``: the step compiled as one graph with :func:`qmuon.compile_step` (inductor); its warm-up
   steps compile it, so the timed rounds see only compiled steps.
+* ``-captured`` (CUDA): ``update.capturable`` and the step captured as one CUDA graph with
+  :func:`qmuon.capture_step` (one eager warm-up call, the second captures): give ``--warmup`` >= 2
+  so the timed rounds see only replays.
 
 Targets (judged per matrix set on the median of per-round ratios)
 ----------------------------------------------------------------
@@ -198,6 +201,9 @@ def parse_qmuon_name(name: str) -> tuple[str, bool, dict]:
             noparts = True
         elif m == "compiled":
             kw["compiled"] = True
+        elif m == "captured":
+            kw["captured"] = True
+            kw.setdefault("update", {})["capturable"] = True
         elif m.startswith("ns") and m[2:] in NS_DTYPES:
             kw.setdefault("newton_schulz", {})["dtype"] = m[2:]
         elif m in NS_PRESETS:
@@ -238,12 +244,17 @@ class Runner:
         elif name.startswith("qmuon-"):
             fmt, noparts, kw = parse_qmuon_name(name)
             compiled = kw.pop("compiled", False)
+            captured = kw.pop("captured", False)
             groups = [{"params": self.params}] if noparts else qmuon_param_groups(specs, self.params)
             self.opt = qcls(groups, state_format=fmt, **kw)
             if compiled:
                 import qmuon
 
                 self.step = qmuon.compile_step(self.opt)
+            elif captured:
+                import qmuon
+
+                self.step = qmuon.capture_step(self.opt, warmup_steps=1)  # .grad is restored in place
         else:
             raise ValueError(_unknown(name))
         if not hasattr(self, "step"):

@@ -28,10 +28,10 @@
 #      creation and the first-use canary read back, and compile_step compiles, as expected), then 4 whole
 #      steps inside it, one with a NaN loss; pass / fail per configuration with the exception;
 #   4. pytest -m cuda: the CUDA-marked tests (kernels vs reference, GPU-risk cases, graphs, streams);
-#   5. eager vs compiled (qmuon.compile_step, inductor) optimizer.step() time against torch.optim.Muon,
-#      GPT-small matrices (d=768 x 12 layers, 85M in the matrices: a 124M model) and 1B matrices
-#      (d=2048 x 16 layers, 805M) (benchmarks/bench_step.py --device cuda, -compiled names); the warm-up
-#      rounds compile. A captured CUDA-graph step: n/a, a capturable step is not implemented;
+#   5. eager vs compiled (qmuon.compile_step, inductor) vs captured (qmuon.capture_step, one CUDA graph)
+#      optimizer.step() time against torch.optim.Muon, GPT-small matrices (d=768 x 12 layers, 85M in the
+#      matrices: a 124M model) and 1B matrices (d=2048 x 16 layers, 805M) (benchmarks/bench_step.py
+#      --device cuda, -compiled / -captured names); the warm-up rounds compile and capture;
 #   6. the first-use canary's cost on the GPU, in cold processes (benchmarks/bench_canary.py --device cuda);
 #   7. the per-call overhead of the prebuilt (ctypes) path on a small call (bench_call_overhead.py
 #      --device cuda); with GPU_CHECK_JIT=1 and nvcc present, the same on the JIT-built kernels;
@@ -216,7 +216,8 @@ step "step under set_sync_debug_mode(\"error\") ($DEV)" 180 "$WORK/step_sync_deb
 # 4. the CUDA tests (on the CPU: collected, every one skips)
 step "pytest -m cuda" 150 "$WORK/pytest_cuda.log" "$PY" -m pytest -q -m cuda -p no:cacheprovider -rs \
     tests/test_gpu_risk.py tests/test_kernels.py tests/test_kernels_4bit.py tests/test_kernels_adamw.py \
-    tests/test_kernels_sharded.py tests/test_newton_schulz.py tests/test_canary.py tests/test_cabi.py
+    tests/test_kernels_sharded.py tests/test_newton_schulz.py tests/test_canary.py tests/test_cabi.py \
+    tests/test_capturable.py
 if [ $CUDA = 1 ]; then
     # A run in which cuda tests skipped (the CUDA kernels must load) is not a pass; cuda:1 tests may skip
     # on a single GPU.
@@ -230,6 +231,7 @@ fi
 
 # 5. eager vs compiled step time vs torch.optim.Muon
 COMPILED="torch.Muon,qmuon-int8-noparts,qmuon-int8-noparts-compiled"
+[ $CUDA = 1 ] && COMPILED="$COMPILED,qmuon-int8-noparts-captured"  # CUDA graphs: GPU only
 if [ $CUDA = 1 ]; then
     step "step time eager vs compile_step, GPT-small d=768 x 12" 150 "$WORK/step_compiled_gpt_small.log" \
         "$PY" benchmarks/bench_step.py --device cuda --configs 768x12:10 --warmup 3 --pool 2 --profile-steps 0 \

@@ -58,8 +58,8 @@ import qmuon  # noqa: E402  (after the path: runs from a source tree without ins
 
 VOCAB, D, HIDDEN, BATCH, SEQ = 160, 32, 48, 4, 12
 
-#: name -> (build_optimizer keywords, weight dtype, gradient release, compile_step)
-CONFIGS: dict[str, tuple[dict, torch.dtype, bool, bool]] = {
+#: name -> (build_optimizer keywords, weight dtype, gradient release, compile_step (True) / capture_step ("captured"))
+CONFIGS: dict[str, tuple[dict, torch.dtype, bool, bool | str]] = {
     "int8": (dict(state_format="int8"), torch.float32, False, False),
     "int4": (dict(state_format="int4"), torch.float32, False, False),
     "grasp4": (dict(state_format="grasp4"), torch.float32, False, False),
@@ -68,6 +68,9 @@ CONFIGS: dict[str, tuple[dict, torch.dtype, bool, bool]] = {
     "bf16-stochastic-adamw8": (dict(bf16_update="stochastic", adamw_state_format="int8"), torch.bfloat16, False, False),
     "int8-release": (dict(state_format="int8"), torch.float32, True, False),  # gradient release: steps in backward
     "int8-compiled": (dict(state_format="int8"), torch.float32, False, True),  # qmuon.compile_step (inductor)
+    # update.capturable + qmuon.capture_step: one CUDA graph (the first warm-up step eager, the second captures)
+    "bf16-adamw8-captured": (dict(adamw_state_format="int8", update={"capturable": True}), torch.bfloat16, False,
+                             "captured"),
 }
 MODEL_ONLY = "model alone"
 
@@ -140,7 +143,13 @@ def run_config(name: str, device: torch.device, warmup: int, steps: int, nan_at:
     opt = step = None
     if name != MODEL_ONLY:
         opt = qmuon.build_optimizer(model, lr=0.02, adamw_lr=1e-3, verbose=False, gradient_release=release, **kw)
-        step = qmuon.compile_step(opt) if compiled else opt.step
+        if compiled == "captured":
+            if device.type != "cuda":
+                return {"config": name, "mode": mode, "warmup": warmup, "steps": steps, "nan_at": nan_at, "ok": True,
+                        "detail": "CUDA graphs need CUDA", "syncs": [], "scope": "-", "skipped": True}
+            step = qmuon.capture_step(opt, warmup_steps=1)
+        else:
+            step = qmuon.compile_step(opt) if compiled else opt.step
     out = {"config": name, "mode": mode, "warmup": warmup, "steps": steps, "nan_at": nan_at, "ok": False,
            "detail": "", "syncs": []}
     scope = "step() + zero_grad()" if (model_syncs and not release) else "forward + backward + step()"
@@ -162,11 +171,11 @@ def run_config(name: str, device: torch.device, warmup: int, steps: int, nan_at:
             forward_backward(bad)
             with SyncMode(device, mode):
                 step()
-                opt.zero_grad()
+                opt.zero_grad(set_to_none=compiled != "captured")  # a captured step reads .grad in place
         else:
             forward_backward(bad)
             step()
-            opt.zero_grad()
+            opt.zero_grad(set_to_none=compiled != "captured")
 
     t0 = time.perf_counter()
     for _ in range(warmup):
@@ -254,6 +263,8 @@ def main(argv: list[str] | None = None) -> int:
 
     def row(r: dict) -> list[str]:
         verdict = ("PASS" if r["ok"] else "FAIL") if device.type == "cuda" else ("ran" if r["ok"] else "FAIL")
+        if r.get("skipped"):
+            verdict = "skipped"
         detail = r["detail"].replace("|", "\\|")
         if r.get("warn_syncs"):
             detail += " — under \"warn\", syncs from: " + ", ".join(r["warn_syncs"][:8])

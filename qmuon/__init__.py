@@ -23,6 +23,7 @@ from .optim import (
     RoutingRule,
     attach_gradient_release,
     build_optimizer,
+    capture_step,
     compile_step,
     format_routing_table,
     route_parameters,
@@ -37,5 +38,5 @@ __all__ = [
     "QMuon", "QMuonConfig", "build_optimizer",
     "NewtonSchulz", "UpdateRule", "StateOptions", "Safety", "Routing", "ConfigError",
     "NonFiniteGradientError", "RoutingRule", "FusedParts", "route_parameters", "format_routing_table",
-    "GradientRelease", "attach_gradient_release", "compile_step", "__version__",
+    "GradientRelease", "attach_gradient_release", "compile_step", "capture_step", "__version__",
 ]

@@ -110,9 +110,10 @@ def test_inductor_step_agrees_with_eager(config):
 
 
 def test_a_learning_rate_change_recompiles():
-    """A limit, stated in docs/limits.md: the kernels take the learning rate (and what derives from it)
-    as host floats, which dynamo specializes, so each new value compiles the step again (a schedule that
-    changes lr every step reaches dynamo's recompile limit and falls back to eager)."""
+    """Without ``update.capturable`` (docs/limits.md): the kernels take the learning rate (and what
+    derives from it) as host floats, which dynamo specializes, so each new value compiles the step again
+    (a schedule that changes lr every step reaches dynamo's recompile limit and falls back to eager;
+    compile_step warns once). tests/test_capturable.py: with capturable=True one graph follows it."""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()

@@ -67,7 +67,7 @@ def _row_view(t: Tensor, rows: int) -> Tensor:
 def adamw_param_step(p_local: Tensor, grad: Tensor, state: dict[str, Tensor], group: dict[str, Any], *,
                      global_shape: Sequence[int], key: int = 0, row_offset: int = 0,
                      first_index: int | None = None, chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
-                     skip: Tensor | None = None) -> None:
+                     skip: Tensor | None = None, device_lr: Tensor | None = None) -> None:
     """One AdamW step of one parameter (``p_local``, ``grad``, ``state``: local tensors; for a
     ``Shard(0)`` parameter its rows, starting at global row ``row_offset``).
 
@@ -84,12 +84,25 @@ def adamw_param_step(p_local: Tensor, grad: Tensor, state: dict[str, Tensor], gr
 
     ``skip``: None, or the parameter's one-element device flag; when True the weights and moments are
     left bit-identical (the step counter still advances: the optimizer rolls it back when it reads the
-    flag, :mod:`qmuon.optim.nonfinite`)."""
-    lr, wd, eps = float(group["lr"]), float(group["weight_decay"]), float(group["eps"])
+    flag, :mod:`qmuon.optim.nonfinite`).
+
+    ``device_lr``: a capturable step (``update.capturable``): the group's lr as a 0-d fp64 tensor on the
+    parameter's device, whose ``state["step"]`` lives there too. The step counter then advances on the
+    device, by 0 where ``skip`` is set, and every lr- or step-dependent scalar stays a device tensor."""
+    wd, eps = float(group["weight_decay"]), float(group["eps"])
     beta1, beta2 = float(group["betas"][0]), float(group["betas"][1])
     m_fmt, v_fmt = qadamw.moment_formats(group["state_format"], global_shape)
-    state["step"] += 1
-    step = int(state["step"].item())  # a CPU counter: no device read (symbolic in a compiled step)
+    lr: float | Tensor
+    step: int | Tensor
+    if device_lr is not None:
+        lr = device_lr
+        counter = state["step"]
+        counter.add_(1 if skip is None else (~skip.reshape(())).to(counter.dtype))  # a skip keeps the count
+        step = counter
+    else:
+        lr = float(group["lr"])
+        state["step"] += 1
+        step = int(state["step"].item())  # a CPU counter: no device read (symbolic in a compiled step)
     decay = 1.0 - lr * wd
     rows, cols = qadamw.matrix_shape(p_local.shape)
     if rows == 0 or cols == 0:

@@ -198,7 +198,7 @@ def _view_2d(t: Tensor) -> Tensor | None:
     return v if v.shape[1] <= 1 or v.stride(1) == 1 else None
 
 
-def apply_update_(param: Tensor, update: Tensor, *, alpha: float, decay: float = 1.0,
+def apply_update_(param: Tensor, update: Tensor, *, alpha: float | Tensor, decay: float | Tensor = 1.0,
                   bf16_update: str = "nearest", state: dict[str, Any] | None = None,
                   rng: Rng | None = None, cautious: bool = False, skip: Tensor | None = None) -> None:
     """``param <- decay * param + alpha * update`` in place.
@@ -209,12 +209,15 @@ def apply_update_(param: Tensor, update: Tensor, *, alpha: float, decay: float =
             for fp32 weights with a 2-D view, any strides).
         alpha: scale of the update (``-lr * lr_scale`` for Muon, ``-lr`` for AdamW).
         decay: decoupled weight decay factor ``1 - lr * weight_decay`` (1.0: none).
+            Either may be a 0-d tensor on ``param``'s device (a capturable step: its lr lives on the
+            device): the write then runs as torch ops, the kernels' references, reading nothing.
         bf16_update: the rounding rule when ``param`` is bf16 (see :data:`BF16_UPDATES`).
         state: views of the parameter's weight-correction state matching ``param``
             (from :func:`weight_state_init`), when the rule keeps any.
         cautious: cautious weight decay: ``decay`` applies only where the weight and the step
             ``alpha * update`` have opposite signs (:mod:`qmuon.core.variants`).
-        rng: ``(seed, key, step, first_element_index)``: the counter of rounding noise, when the
+        rng: ``(seed, key, step, first_element_index)`` (``step`` a 0-d int tensor under device
+            scalars): the counter of rounding noise, when the
             rule draws any. Element ``(r, c)`` of ``param``'s 2-D view (rows, trailing elements)
             draws the bits of global index ``first + r * stride(0) + c``: its flat position in
             the (unsharded, contiguous) parameter when ``first`` is the position of ``param[0]``
@@ -224,6 +227,10 @@ def apply_update_(param: Tensor, update: Tensor, *, alpha: float, decay: float =
             device, never read on the host.
     """
     _check_rule(bf16_update)
+    if isinstance(alpha, Tensor) or isinstance(decay, Tensor):
+        _apply_device_scalars_(param, update, alpha=alpha, decay=decay, bf16_update=bf16_update, state=state,
+                               rng=rng, cautious=cautious, skip=skip)
+        return
     if cautious and decay != 1.0:
         # Cautious weight decay (modded-nanogpt, dion): decay only where the step moves the weight
         # toward zero (weight and ``alpha * update`` of opposite sign). Applied as its own in-place
@@ -294,3 +301,75 @@ def apply_update_(param: Tensor, update: Tensor, *, alpha: float, decay: float =
         torch.ops.qmuon.bf16_weight_update_(work, u2, alpha, decay, -1, 0, 0, skip)
     if p2 is None:
         param.copy_(work.view(param.shape))
+
+
+def _apply_device_scalars_(param: Tensor, update: Tensor, *, alpha: float | Tensor, decay: float | Tensor,
+                           bf16_update: str, state: dict[str, Any] | None, rng: Rng | None, cautious: bool,
+                           skip: Tensor | None) -> None:
+    """:func:`apply_update_` with ``alpha`` / ``decay`` as 0-d device tensors (a capturable step): the
+    same arithmetic as the kernels, written with their pure-torch references (``ops.reference_weight``),
+    so nothing is read on the host and a CUDA graph or a compiled step takes the scalars as inputs.
+
+    Each scalar is rounded to fp32 once, as the kernels' arguments are. bf16 / fp16 weights and the
+    ecc8 rule get the kernels' result bit for bit; fp32 weights get ``fp32(w * decay) + fp32(u * alpha)``
+    where the kernel fuses the add into one FMA (torch has no fused multiply-add with a tensor
+    scalar): within one rounding of the weight per step."""
+    a32 = alpha.to(torch.float32) if isinstance(alpha, Tensor) else alpha
+    d32 = decay.to(torch.float32) if isinstance(decay, Tensor) else decay
+    keep = None if skip is None else skip.reshape(())
+    u = update.reshape(param.shape)
+    if cautious:
+        prod = param * u.to(param.dtype)
+        agree = torch.where(a32 < 0, prod >= 0, prod <= 0) if isinstance(a32, Tensor) else \
+            (prod >= 0 if a32 < 0 else prod <= 0)
+        if keep is not None:
+            agree = agree & ~keep
+        one = torch.ones((), dtype=torch.float32, device=param.device)
+        param.mul_(torch.where(agree, d32, one).to(param.dtype))  # x * 1.0 == x: a skip stays exact
+        d32 = 1.0
+    if _recorder is not None and writes_rounded(param):
+        master = param.float()
+        fmt = qstate.weight_format(bf16_update) if state else None
+        if fmt is not None:
+            master = fmt.master_weight(param, state)
+        new_master = master * d32 + u.float() * a32
+        _recorder.add(param, new_master if keep is None else torch.where(keep, master, new_master))
+    fmt = qstate.weight_format(bf16_update) if writes_rounded(param) else None
+    if fmt is not None:
+        if state is None or any(k not in state for k in fmt.spec.keys):
+            raise ValueError(f"apply_update_: bf16_update={bf16_update!r} needs the parameter's "
+                             f"{'/'.join(fmt.spec.keys)} state (create it with weight_state_init)")
+        work = param.reshape(param.shape[0] if param.dim() else 1, -1)
+        views = {k: state[k].reshape(work.shape) for k in fmt.spec.keys}
+        fmt.apply_(work, u.reshape(work.shape), views, alpha=a32, decay=d32, skip=skip)
+        if work.data_ptr() != param.data_ptr() or not param.is_contiguous():
+            param.copy_(work.view(param.shape))
+        for k in fmt.spec.keys:
+            if views[k].data_ptr() != state[k].data_ptr() or not state[k].is_contiguous():
+                state[k].copy_(views[k].view(state[k].shape))
+        return
+    x = refw.new_weight_fp32(param, u, a32, d32)  # fp32(fp32(w * decay) + fp32(u * alpha))
+    if param.dtype == torch.float64:
+        x = param * d32 + u.to(param.dtype) * a32
+    if not writes_rounded(param) or bf16_update == "nearest":
+        if writes_rounded(param):
+            x = refw.nearest_bf16(x)
+        elif bf16_update != "nearest" and param.dtype not in (torch.float32, torch.float64):
+            raise ValueError(f"bf16_update={bf16_update!r} applies to bf16 parameters; a {param.dtype} parameter "
+                             "supports 'nearest' only (keep fp16 weights with an fp32 master, e.g. mixed precision)")
+        new = x.to(param.dtype)
+    elif bf16_update == "stochastic":
+        if rng is None:
+            raise ValueError("apply_update_: bf16_update='stochastic' needs rng=(seed, key, step, first_index)")
+        seed, key, step, first = rng
+        step_t = step.to(torch.int64) if isinstance(step, Tensor) else int(step)
+        stream = refw.weight_noise_stream(int(seed), int(key), step_t)
+        p2 = _view_2d(param)
+        rows, cols = (p2.shape if p2 is not None else (param.shape[0] if param.dim() else 1, -1))
+        cols = param.numel() // max(rows, 1) if cols == -1 else cols
+        row_stride = (p2.stride(0) if p2 is not None and rows > 1 else cols)
+        idx = refw.noise_index(rows, cols, int(first), row_stride, param.device)
+        new = refw.stochastic_round_bf16(x.reshape(rows, cols), refw._noise_bits16(idx, stream)).view(param.shape)
+    else:
+        raise ValueError(f"apply_update_: bf16_update={bf16_update!r} has no weight format registered")
+    param.copy_(new if keep is None else torch.where(keep, param, new))

@@ -139,6 +139,12 @@ class UpdateRule:
         lr_ratios: what happens when a training loop writes one lr into every group (LitGPT's
             does): ``"warn"``, ``"hold"`` (keep each group's configured ratio to the Muon lr) or
             ``"off"`` (:attr:`QMuon.lr_ratios`).
+        capturable: torch.optim's ``capturable``: step counters live on the parameters' device and
+            the step reads the learning rates from device copies, so the step can be captured in a
+            CUDA graph (:func:`qmuon.capture_step`) and a compiled step (:func:`qmuon.compile_step`)
+            follows an lr schedule without recompiling. The lr- and step-dependent writes (weights,
+            AdamW moments) then run as torch ops (the kernels' references), fused when compiled.
+            Needs ``state.rounding="nearest"`` and parameters that are not sharded.
     """
 
     nesterov: bool = True
@@ -149,6 +155,7 @@ class UpdateRule:
     adamw_betas: tuple[float, float] = (0.9, 0.95)
     adamw_eps: float = 1e-8
     lr_ratios: str = "warn"
+    capturable: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "adamw_betas", tuple(self.adamw_betas))
@@ -334,6 +341,13 @@ class QMuonConfig:
                 f"may be skipped for a non-finite gradient), got {m!r}")
         if upd.lr_ratios not in LR_RATIO_MODES:
             raise ConfigError(f"QMuon: update.lr_ratios must be one of {LR_RATIO_MODES}, got {upd.lr_ratios!r}")
+        if not isinstance(upd.capturable, bool):
+            raise ConfigError(f"QMuon: update.capturable must be True or False, got {upd.capturable!r}")
+        if upd.capturable and self.state.rounding != "nearest":
+            raise ConfigError(
+                "QMuon: update.capturable=True needs state.rounding='nearest': stochastic rounding of the quantized "
+                "momentum draws its noise stream from the step count in the kernels' host arguments, which a captured "
+                "graph would freeze. Use state.rounding='nearest', or capturable=False")
         if not isinstance(self.gradient_release, bool):
             raise ConfigError(f"QMuon: gradient_release must be True or False, got {self.gradient_release!r}")
         clip = safety.release_clip_norm
@@ -406,6 +420,7 @@ def unknown_key_message(key: str, valid: list[str]) -> str:
     by_group_key.update({"comm_carrier": "newton_schulz.comm_carrier", "comm_return": "newton_schulz.comm_return",
                          "batch_budget": "newton_schulz.batch_budget", "adamw_betas": "update.adamw_betas",
                          "adamw_eps": "update.adamw_eps", "lr_ratios": "update.lr_ratios",
+                         "capturable": "update.capturable",
                          "max_nonfinite_skips": "safety.max_nonfinite_skips",
                          "release_clip_norm": "safety.release_clip_norm",
                          **{f.name: f"routing.{f.name}" for f in dataclasses.fields(Routing)}})

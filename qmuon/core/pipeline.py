@@ -315,7 +315,7 @@ def _orthogonalize_chunk(chunk: list[NSItem], ns_rows: int, ns_cols: int, s: NSS
     if all(it.eps == first.eps for it in chunk):
         inv_norm = sumsq.sqrt_().clamp_min_(first.eps).reciprocal_()  # 1 / max(||G||, eps), in place
     else:
-        eps = torch.tensor([it.eps for it in chunk], dtype=torch.float32, device=sumsq.device)
+        eps = torch.stack([sumsq.new_full((), it.eps) for it in chunk])  # fills: no host-to-device copy
         inv_norm = torch.maximum(sumsq.sqrt(), eps).reciprocal()
     if pad:
         # zero matrices: NS maps them to zero whatever the scale (1 keeps every product finite)

@@ -80,10 +80,12 @@ def fmix32(h: Tensor | int) -> Tensor | int:
     return h ^ (h >> 16)
 
 
-def noise_stream(seed: int, step: int, key: int) -> int:
-    """32-bit stream id for one (seed, step, parameter key) triple."""
+def noise_stream(seed: int, step: int | Tensor, key: int) -> int | Tensor:
+    """32-bit stream id for one (seed, step, parameter key) triple. ``step`` may be a 0-d int64
+    tensor (a capturable step's device counter): the stream is then a tensor too, nothing is read."""
     h = fmix32((seed & _MASK32) ^ fmix32((key * 0x9E3779B9 + 0x632BE5AB) & _MASK32))
-    return int(fmix32((h ^ ((step * 0x85EBCA77) & _MASK32)) & _MASK32))
+    out = fmix32((h ^ ((step * 0x85EBCA77) & _MASK32)) & _MASK32)
+    return out if isinstance(out, Tensor) else int(out)
 
 
 def uniform_noise(rows: int, cols: int, stream: int, row_offset: int, device: torch.device) -> Tensor:
@@ -223,9 +225,12 @@ def _momentum_and_ns_input(m_old: Tensor, grad32: Tensor, beta: float, nesterov:
     return m_new, ns_input
 
 
-def _fp32(x: float) -> float:
+def _fp32(x: float | Tensor) -> float | Tensor:
     """``x`` rounded to the nearest fp32 value (as a Python float; ``struct`` rounds to nearest even,
-    as ``torch.tensor(x, dtype=torch.float32)`` does, without making a tensor to read back)."""
+    as ``torch.tensor(x, dtype=torch.float32)`` does, without making a tensor to read back). A 0-d
+    tensor (a capturable step's device scalar) is cast on its device, nothing read."""
+    if isinstance(x, Tensor):
+        return x.to(torch.float32)
     try:
         return struct.unpack("f", struct.pack("f", x))[0]
     except OverflowError:  # rounds to +-inf in fp32

@@ -58,6 +58,16 @@ def bias_terms(step: float, lr: float, beta1: float, beta2: float) -> tuple[floa
     bias_correction2 = 1 - beta2**step
     return -(lr / bias_correction1), bias_correction2**0.5
 
+
+def bias_terms_on_device(step: Tensor, lr: Tensor, beta1: float, beta2: float) -> tuple[Tensor, Tensor]:
+    """:func:`bias_terms` from a 0-d step counter and lr on the device (a capturable step), in fp64 as
+    Python computes them (``torch.pow`` in place of ``**``: the same libm pow on CPU; on CUDA within an
+    ulp of fp64, invisible once the terms are rounded to fp32 for the update)."""
+    t = step.to(torch.float64)
+    bias_correction1 = 1 - torch.pow(beta1, t)
+    bias_correction2 = 1 - torch.pow(beta2, t)
+    return -(lr.to(torch.float64) / bias_correction1), torch.sqrt(bias_correction2)
+
 __all__ = [
     "M8",
     "V8",

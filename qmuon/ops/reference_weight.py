@@ -75,9 +75,11 @@ ECC_QMAX = 127.0
 WEIGHT_STREAM_SALT = 0x2545F491
 
 
-def weight_noise_stream(seed: int, key: int, step: int) -> int:
-    """32-bit stream of the weight rounding of parameter ``key`` at optimizer ``step``."""
-    return int(fmix32((noise_stream(seed, step, key) ^ WEIGHT_STREAM_SALT) & _MASK32))
+def weight_noise_stream(seed: int, key: int, step: int | Tensor) -> int | Tensor:
+    """32-bit stream of the weight rounding of parameter ``key`` at optimizer ``step`` (a 0-d int64
+    tensor step gives a tensor stream: :func:`~qmuon.ops.reference.noise_stream`)."""
+    out = fmix32((noise_stream(seed, step, key) ^ WEIGHT_STREAM_SALT) & _MASK32)
+    return out if isinstance(out, Tensor) else int(out)
 
 
 def noise_index(rows: int, cols: int, index0: int, index_row_stride: int, device: torch.device) -> Tensor:
@@ -86,7 +88,7 @@ def noise_index(rows: int, cols: int, index0: int, index_row_stride: int, device
     return r[:, None] + torch.arange(cols, device=device, dtype=torch.int64)[None, :]
 
 
-def _noise_bits16(idx: Tensor, stream: int) -> Tensor:
+def _noise_bits16(idx: Tensor, stream: int | Tensor) -> Tensor:
     """The top 16 bits of the counter hash at ``idx`` (int64, values in [0, 2**16))."""
     h = fmix32(((idx & _MASK32) ^ (idx >> 32) * 0x27D4EB2F ^ stream) & _MASK32)
     return h >> 16
@@ -105,7 +107,8 @@ BF16_NAN_BITS = 0x7FC0
 def nearest_bf16(x: Tensor) -> Tensor:
     """fp32 -> bf16, round to nearest even; every NaN becomes :data:`BF16_NAN_BITS`."""
     out = x.to(torch.bfloat16)
-    nan = torch.tensor(BF16_NAN_BITS, dtype=torch.int16, device=x.device).view(torch.bfloat16)
+    # a fill, not torch.tensor: no host-to-device copy (a CUDA graph capture refuses one)
+    nan = torch.full((), BF16_NAN_BITS, dtype=torch.int16, device=x.device).view(torch.bfloat16)
     return torch.where(x.isnan(), nan, out)
 
 

@@ -28,17 +28,19 @@ def sync_param_weight_state(p: Tensor, st: dict[str, Any], group: dict[str, Any]
 
 
 def weight_write(p_local: Tensor, st: dict[str, Any], group: dict[str, Any], key: int,
-                 first: int) -> weight_apply.WeightWrite:
+                 first: int, device_step: bool = False) -> weight_apply.WeightWrite:
     """How this step's update reaches ``p_local``: the group's rule, the local views of the
     correction state and, for stochastic rounding of bf16 weights, the noise counter
     ``(seed, key, step, first)`` (``key``: the parameter's running index over all groups, as the
-    momentum's noise; ``first``: global index of ``p_local``'s first element)."""
+    momentum's noise; ``first``: global index of ``p_local``'s first element). ``device_step``: a
+    capturable step, whose counter stays a device tensor in the counter (nothing read)."""
     rule = group["bf16_update"]
     keys = weight_apply.weight_state_keys(p_local, rule)
     state = {k: local(st[k]) for k in keys} if keys else None
     rng = None
     if rule == "stochastic" and weight_apply.writes_rounded(p_local):
-        rng = (int(group["seed"]), int(key), int(local(st["step"]).item()), int(first))
+        step = local(st["step"])
+        rng = (int(group["seed"]), int(key), step if device_step else int(step.item()), int(first))
     return weight_apply.WeightWrite(rule, state, rng)
 
 

@@ -102,6 +102,18 @@ class NonFiniteLedger:
         self._current.flags.append(skip)
         self._current.steps.extend(steps)
 
+    def take_current(self) -> _StepFlags:
+        """What this step recorded so far, removed from the ledger: a captured step
+        (:func:`qmuon.capture_step`) records its flag tensors once, at capture, and each replay
+        refills them (:meth:`replay`)."""
+        cur, self._current = self._current, _StepFlags()
+        return cur
+
+    def replay(self, recorded: _StepFlags) -> None:
+        """Record again, for this step, what a captured step recorded at capture (same flag tensors,
+        refilled by the replay that just ran)."""
+        self._current = _StepFlags(list(recorded.keys), list(recorded.flags), list(recorded.steps))
+
     def end_step(self) -> None:
         """Close the step: start the asynchronous host copy of its flags."""
         cur, self._current = self._current, _StepFlags()

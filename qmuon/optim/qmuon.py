@@ -138,6 +138,12 @@ class QMuon(QMuonGroupsMixin, QMuonStateMixin, Optimizer):
         self.comm_carrier, self.comm_return = config.newton_schulz.comm_carrier, config.newton_schulz.comm_return
         #: What happens when a loop writes one lr into every group (see :meth:`_check_group_lrs`).
         self.lr_ratios = config.update.lr_ratios
+        #: torch.optim's ``capturable`` (``update.capturable``): step counters on the parameters' device, lrs
+        #: read from device copies (:meth:`refresh_device_lrs`), so the step can be captured or compiled once.
+        self.capturable = bool(config.update.capturable)
+        #: ``(group index, device) -> 0-d fp64 lr`` of a capturable step (refreshed outside any graph).
+        self._device_lrs: dict[tuple[int, torch.device], Tensor] = {}
+        self._device_lrs_fresh = False
         #: Bytes this rank sent to other ranks in the last step (sharded parameters; 0 otherwise).
         self.comm_bytes_last_step = 0
         #: Per-step communication figures for logging (empty until a sharded step ran).
@@ -275,10 +281,12 @@ class QMuon(QMuonGroupsMixin, QMuonStateMixin, Optimizer):
         if not self._layout_fresh:  # once per optimizer step (see __init__)
             # the previous step's skip flags, copied to the host a step ago: roll back the step counters
             # of skipped parameters and enforce max_nonfinite_skips before anything changes
-            if not torch.compiler.is_compiling():  # a compiled step settles outside its graph (compile_step)
-                self._nonfinite.settle()
+            if not torch.compiler.is_compiling() and not _capturing():  # compile_step and capture_step settle
+                self._nonfinite.settle()                                     # outside their graph
             self._index = None
             self._sharded_step()
+            if self.capturable:
+                self._check_capturable()
             shapes = []
             for gi, group in enumerate(self.param_groups):
                 if group["use_muon"]:  # AdamW groups have no matrix plans (nor Muon keys, when loaded from torch's AdamW)
@@ -289,9 +297,12 @@ class QMuon(QMuonGroupsMixin, QMuonStateMixin, Optimizer):
             # From every Muon matrix (global shapes): each call of the step and every rank batches alike.
             self._batch_sizes = pipeline.BatchSizes.of(shapes, self.batch_budget)
             self._layout_fresh = True
-        if not torch.compiler.is_compiling():  # host bookkeeping: compile_step runs it before the graph
-            self._follow_lrs()
+        if not torch.compiler.is_compiling() and not _capturing():  # host bookkeeping: compile_step and
+            self._follow_lrs()                                          # capture_step run it before the graph
             self._check_group_lrs()
+            if self.capturable and not self._device_lrs_fresh:  # once per step (release calls once per parameter)
+                self.refresh_device_lrs()
+                self._device_lrs_fresh = True
         keys = self._keys_of(params)
         sharded = self._sharded[1] if self._sharded is not None else None  # None unless a parameter is a DTensor
         if sharded is not None and params is not None and not any(
@@ -315,8 +326,51 @@ class QMuon(QMuonGroupsMixin, QMuonStateMixin, Optimizer):
             # distributed Newton-Schulz (collective: every rank, same items)
             self._step_comm.append(sharded.finish(sizes))
         if skips.flags is not None:
+            # a capturable step keeps a skipped parameter's counter on the device; others are rolled back
+            # when the flags are read
             self._nonfinite.record(skips.keys, skips.flags,
-                                   [self.state[self.param_groups[gi]["params"][i]].get("step") for gi, i in skips.keys])
+                                   [None if self.capturable else self.state[self.param_groups[gi]["params"][i]].get("step")
+                                    for gi, i in skips.keys])
+
+    # ------------------------------------------------------------------ capturable
+    def refresh_device_lrs(self) -> None:
+        """Write every group's current lr into its device copy (``update.capturable``): host-to-device
+        writes, no read. The eager step does it itself; :func:`qmuon.compile_step` and
+        :func:`qmuon.capture_step` do it before running their graph, which reads the copies."""
+        for gi, group in enumerate(self.param_groups):
+            lr = group["lr"]
+            for dev in {local(p).device for p in group["params"]}:
+                t = self._device_lrs.get((gi, dev))
+                if t is None:
+                    t = self._device_lrs[(gi, dev)] = torch.zeros((), dtype=torch.float64, device=dev)
+                if isinstance(lr, Tensor):
+                    t.copy_(lr.detach())  # a tensor lr (e.g. on the device already): copied, not read
+                else:
+                    t.fill_(float(lr))
+
+    def _device_lr(self, gi: int, device: torch.device) -> Tensor:
+        t = self._device_lrs.get((gi, device))
+        if t is None:
+            raise RuntimeError(
+                f"QMuon (capturable): param group {gi} has no lr on {device} yet; call optimizer.refresh_device_lrs() "
+                "after add_param_group, before a captured or compiled step")
+        return t
+
+    def _check_capturable(self) -> None:
+        """What a capturable step cannot host, refused by name before anything changes."""
+        if self._sharded is not None:
+            raise ConfigError(
+                "QMuon: update.capturable=True with sharded (DTensor) parameters: their step exchanges matrices between "
+                "ranks with collectives decided on the host. Use capturable=False for FSDP2 / HSDP / TP")
+        if self.update_sink is not None:
+            raise ConfigError("QMuon: update.capturable=True with an update sink (the DeepSpeed driver), which applies "
+                              "updates outside the step; use capturable=False under DeepSpeed")
+        for gi, group in enumerate(self.param_groups):
+            if group.get("rounding", "nearest") != "nearest":
+                raise ConfigError(
+                    f"QMuon: update.capturable=True, but param group {gi} rounds its quantized state stochastically "
+                    f"(rounding={group['rounding']!r}): the noise stream comes from the step count in host arguments, "
+                    "which a captured graph would freeze. Set rounding='nearest' for that group")
 
     def _keys_of(self, params: Iterable[Tensor] | None) -> list[tuple[int, int]]:
         """``(group, index)`` of ``params`` in group order (every parameter when None)."""
@@ -337,6 +391,7 @@ class QMuon(QMuonGroupsMixin, QMuonStateMixin, Optimizer):
         """Close one optimizer step: count it as skipped when a parameter update was skipped in it,
         and publish the step's communication figures (summed over the calls of the step)."""
         self._layout_fresh = False
+        self._device_lrs_fresh = False
         if not torch.compiler.is_compiling():  # a compiled step stages outside its graph (compile_step)
             self._nonfinite.end_step()  # its flags go to the host asynchronously; read by the next step
         if self._step_comm:
@@ -483,12 +538,18 @@ class QMuon(QMuonGroupsMixin, QMuonStateMixin, Optimizer):
                                                      opts=opts, device=local(p.grad).device))
                 if is_dtensor(p):
                     sharded.init_state(p, st, group)  # Shard(0) DTensors with the global shape (for DCP)
+            if self.capturable:
+                _step_to(st, local(p).device)
             bf16w.sync_param_weight_state(p, st, group)
             states.append({k: local(v) for k, v in st.items()} if is_dtensor(p) else st)
             offsets.append(sharded.row_offset(p) if is_dtensor(p) else 0)
         grads = [local(p.grad) for p in params]
         inputs = pipeline.momentum_inputs(group, grads, states, plans, offsets)
         flags = [skips.of((gi, i)) for i in idx]
+        if self.capturable:  # the counter of a skipped parameter stays, decided on the device
+            for st, flag in zip(states, flags):
+                if flag is not None:
+                    st["step"].sub_(flag.reshape(()).to(st["step"].dtype))
         if skips.flags is not None:
             inputs.skips = flags  # type: ignore[assignment]
         is_dt = [is_dtensor(p) for p in params]
@@ -503,7 +564,8 @@ class QMuon(QMuonGroupsMixin, QMuonStateMixin, Optimizer):
                 process_group=sharded.process_group if want else None)
             for j, s in zip(sel, sums):
                 block_sums[j] = s
-        lr, wd = float(group["lr"]), float(group["weight_decay"])
+        wd = float(group["weight_decay"])
+        lr: float | Tensor = self._device_lr(gi, local(params[0]).device) if self.capturable else float(group["lr"])
         decay, cautious = 1.0 - lr * wd, bool(group.get("cautious_weight_decay", False))
         normuon = group.get("variant", "muon") == "normuon"
         settings_on: dict[torch.device, pipeline.NSSettings] = {}
@@ -513,7 +575,7 @@ class QMuon(QMuonGroupsMixin, QMuonStateMixin, Optimizer):
                 grad.copy_(g2.view(grad.shape))  # keep the contract: .grad holds the NS input
             p_local = local(p)
             settings = settings_on.get(g2.device) or settings_on.setdefault(g2.device, pipeline.ns_settings(group, g2.device))
-            write = bf16w.weight_write(p_local, st, group, plan.key, row0 * plan.cols)
+            write = bf16w.weight_write(p_local, st, group, plan.key, row0 * plan.cols, device_step=self.capturable)
             v = self._row_moment_state(p, plan, st, sharded) if normuon else None
             if is_dtensor(p):
                 sharded.add(p, plan, p_local, g2, sums, group, settings, write, v)  # whole-matrix NS across ranks
@@ -571,9 +633,25 @@ class QMuon(QMuonGroupsMixin, QMuonStateMixin, Optimizer):
                 st.update(core_adamw.init_state(group["state_format"], p.shape, p_local, rule))
                 if is_dtensor(p):
                     shard_state(p, st)  # no momentum format: every tensor splits by rows
+            if self.capturable:
+                _step_to(st, p_local.device)
             bf16w.sync_param_weight_state(p, st, group)  # a rule changed on resume: codes created / dropped
             states = {k: local(v) for k, v in st.items()} if is_dtensor(p) else st
             core_adamw.adamw_param_step(p_local, local(p.grad), states, group, global_shape=p.shape, key=key0 + i,
-                                        row_offset=global_row_offset(p), skip=skips.of((gi, i)))
+                                        row_offset=global_row_offset(p), skip=skips.of((gi, i)),
+                                        device_lr=self._device_lr(gi, p_local.device) if self.capturable else None)
             if states is not st:
                 st["step"] = states["step"]
+
+
+def _capturing() -> bool:
+    """Whether a CUDA graph is being captured on the current stream (never initializes CUDA)."""
+    return torch.cuda.is_available() and torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
+
+
+def _step_to(st: dict[str, Any], device: torch.device) -> None:
+    """A capturable step's counter lives on the parameter's device (torch.optim's convention): one
+    host-to-device copy the first time (a new state, or one loaded from a non-capturable checkpoint)."""
+    step = st.get("step")
+    if isinstance(step, Tensor) and step.device != device:
+        st["step"] = step.to(device)

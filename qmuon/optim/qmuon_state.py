@@ -148,7 +148,7 @@ class QMuonStateMixin:
                             else:
                                 check_row_moment(converted[NORMUON_STATE], plan_param(p, cur_view, 0, ""),
                                                  int(shape[0]), where)
-                        new = _placed(converted, local(p).device)
+                        new = _placed(converted, local(p).device, getattr(self, "capturable", False))
                         if is_dtensor(p):
                             shard_state(p, new, qstate.get_format(cur_view["state_format"]), qstate.format_options(cur_view))
                         placed[p] = new
@@ -166,7 +166,7 @@ class QMuonStateMixin:
                         converted = qadamw.convert_adamw_state(src, cur["state_format"], p.shape, shape, where)
                         bf16w.check_loaded_weight_state(
                             p, {k: converted[k] for k in qstate.weight_state_keys() if k in converted}, saved, cur, where)
-                        new = _placed(converted, local(p).device)
+                        new = _placed(converted, local(p).device, getattr(self, "capturable", False))
                         if is_dtensor(p):
                             shard_state(p, new)
                         placed[p] = new
@@ -305,8 +305,10 @@ def _with_tensor_step(entry: Any, where: str) -> dict[str, Any]:
     raise qstate.StateFormatError(f"{where}: step must be a number or a one-element tensor, got {step!r}")
 
 
-def _placed(entry: dict[str, Any], device: torch.device) -> dict[str, Any]:
+def _placed(entry: dict[str, Any], device: torch.device, capturable: bool = False) -> dict[str, Any]:
     """A converted state entry as the optimizer keeps it: its own copies of the tensors on the
-    parameter's device (``step`` stays a CPU tensor, as in ``torch.optim``), other values copied."""
-    return {k: (v.detach().clone() if k == qstate.STEP else v.to(device=device, copy=True)) if isinstance(v, Tensor)
-            else copy.deepcopy(v) for k, v in entry.items()}
+    parameter's device (``step`` on the CPU, or on the parameter's device for a capturable optimizer,
+    as ``torch.optim`` places it whatever the checkpoint's device), other values copied."""
+    step_device = device if capturable else torch.device("cpu")
+    return {k: (v.detach().to(device=step_device, copy=True) if k == qstate.STEP else v.to(device=device, copy=True))
+            if isinstance(v, Tensor) else copy.deepcopy(v) for k, v in entry.items()}

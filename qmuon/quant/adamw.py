@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from .. import ops  # noqa: F401  (registers torch.ops.qmuon)
+from ..ops import _library_adamw
 from ..ops import reference_adamw as _refa
 from .formats.base import STEP, FormatOptions, StateFormat, StateFormatError
 from .registry import FORMATS, get_format
@@ -209,7 +210,8 @@ def _rows(t: Tensor, r0: int, r1: int) -> Tensor:
 
 
 def update_rows(m_fmt: StateFormat, v_fmt: StateFormat, state: Mapping[str, Tensor], r0: int, r1: int,
-                grad: Tensor, update: Tensor, *, beta1: float, beta2: float, eps: float, lr: float, step: int,
+                grad: Tensor, update: Tensor, *, beta1: float, beta2: float, eps: float, lr: float | Tensor,
+                step: int | Tensor,
                 stream: int = -1, index0: int = 0, skip: Tensor | None = None) -> None:
     """Update the moments of rows ``[r0, r1)`` (``grad``: those rows' ``(r1 - r0, cols)`` gradient)
     and write ``update`` (fp32, same shape): the whole AdamW step of those weights without weight
@@ -222,9 +224,17 @@ def update_rows(m_fmt: StateFormat, v_fmt: StateFormat, state: Mapping[str, Tens
     ``stream`` >= 0 rounds quantized moments stochastically (``ops.reference_adamw.adamw_noise_stream``),
     their noise keyed by global element index ``index0 + r * cols + c`` (``index0``: the index of
     row ``r0``'s first element in the whole parameter); dense moments ignore both. ``skip``: None or a
-    one-element device flag: when True the moments and ``update`` are left as they are (no host read)."""
+    one-element device flag: when True the moments and ``update`` are left as they are (no host read).
+    ``lr`` / ``step`` as 0-d device tensors (a capturable step): the bias terms are computed on the device
+    (:func:`~qmuon.ops.reference_adamw.bias_terms_on_device`) and quantized moments step through the op's
+    reference (the kernel's twin), so nothing is read on the host."""
+    on_device = isinstance(lr, Tensor) or isinstance(step, Tensor)  # a capturable step's device scalars
+    if on_device:
+        neg_step_size, bias_correction2_sqrt = _refa.bias_terms_on_device(
+            torch.as_tensor(step), torch.as_tensor(lr, dtype=torch.float64), beta1, beta2)
     if _dense(m_fmt) and _dense(v_fmt):
-        neg_step_size, bias_correction2_sqrt = _refa.bias_terms(step, lr, beta1, beta2)
+        if not on_device:
+            neg_step_size, bias_correction2_sqrt = _refa.bias_terms(step, lr, beta1, beta2)
         m = _rows(state[m_fmt.spec.keys[0]], r0, r1)
         v = _rows(state[v_fmt.spec.keys[0]], r0, r1)
         g = grad if grad.dtype == torch.float32 else grad.float()
@@ -250,6 +260,12 @@ def update_rows(m_fmt: StateFormat, v_fmt: StateFormat, state: Mapping[str, Tens
         raise StateFormatError(f"AdamW moments {m_fmt.name} + {v_fmt.name}: no fused update for this pair")
     mk, ms = m_fmt.spec.keys
     vk, vs = v_fmt.spec.keys
+    if on_device:  # the op's reference (the kernel's twin, bit for bit) reads the terms as tensors
+        _library_adamw.adamw_q_update_(
+            grad, _rows(state[mk], r0, r1), _rows(state[ms], r0, r1), _rows(state[vk], r0, r1),
+            _rows(state[vs], r0, r1), update, float(beta1), float(beta2), float(eps), neg_step_size,
+            bias_correction2_sqrt, m_fmt.kind, v_fmt.kind, m_fmt.default_block_size, stream, index0, skip)
+        return
     torch.ops.qmuon.adamw_q_step_(
         grad, _rows(state[mk], r0, r1), _rows(state[ms], r0, r1), _rows(state[vk], r0, r1), _rows(state[vs], r0, r1),
         update, float(beta1), float(beta2), float(eps), float(lr), step,

@@ -71,10 +71,22 @@ class Ecc8WeightFormat(StateFormat):
         return refw.ecc8_decode(param, state[WEIGHT_ECC].view(param.shape))
 
     # ------------------------------------------------------------------ the write
-    def apply_(self, param2d: Tensor, update2d: Tensor, state2d: dict[str, Tensor], *, alpha: float,
-               decay: float, skip: Tensor | None = None) -> None:
+    def apply_(self, param2d: Tensor, update2d: Tensor, state2d: dict[str, Tensor], *, alpha: float | Tensor,
+               decay: float | Tensor, skip: Tensor | None = None) -> None:
         """``param, codes <- decay * master + alpha * update`` (2-D views of matching shape); nothing is
-        written when the one-element device flag ``skip`` is True."""
+        written when the one-element device flag ``skip`` is True. ``alpha`` / ``decay`` may be 0-d fp32
+        tensors on the device (a capturable step): the op's reference then runs, bit for bit the kernel."""
+        if isinstance(alpha, torch.Tensor) or isinstance(decay, torch.Tensor):
+            ecc = state2d[WEIGHT_ECC]
+            x = refw.new_weight_fp32(refw.ecc8_decode(param2d, ecc), update2d, alpha, decay)
+            wb = refw.nearest_bf16(x)
+            codes = refw.ecc8_encode(x, wb)
+            if skip is not None:
+                keep = skip.reshape(())
+                wb, codes = torch.where(keep, param2d, wb), torch.where(keep, ecc, codes)
+            ecc.copy_(codes)
+            param2d.copy_(wb)
+            return
         torch.ops.qmuon.bf16_ecc8_weight_update_(param2d, state2d[WEIGHT_ECC], update2d, alpha, decay, skip)
 
     def nbytes(self, rows, cols, opts):
