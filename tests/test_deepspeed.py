@@ -177,14 +177,24 @@ def test_config_accepted_and_path(tmp_path):
         assert qds.check_config(shipped)["zero_optimization"]["stage"] == 2
 
 
-def test_owner_dealing_balances_and_is_deterministic():
-    sizes = [4096, 4096, 1024, 1024, 1024, 512, 512, 96]
-    owners = ds_layout.assign_owners(sizes, 2)
-    assert owners == ds_layout.assign_owners(sizes, 2)
-    load = [sum(s for s, o in zip(sizes, owners) if o == r) for r in range(2)]
-    assert abs(load[0] - load[1]) <= max(sizes[-1], 1)  # this set splits almost evenly: 6208 / 6272
-    assert ds_layout.assign_owners(sizes, 1) == [0] * len(sizes)
-    assert set(ds_layout.assign_owners(sizes, 3)) == {0, 1, 2}
+def test_owners_come_from_the_sharded_steps_planner():
+    """DeepSpeed deals matrices with qmuon.distributed.plan.plan_owners (Newton-Schulz cost, ties to the
+    rank holding most), as FSDP2 / HSDP / TP do: deterministic, balanced by NS cost."""
+    from qmuon.distributed.plan import ns_cost, plan_owners
+
+    shapes = [(256, 64), (64, 256), (128, 128), (64, 64), (64, 64), (32, 96)]
+    items = [ds_layout.OwnerItem(r, c, (r * c, 0)) for r, c in shapes]
+    owners = plan_owners(items, 2)
+    assert owners == plan_owners(items, 2)
+    load = [sum(ns_cost(*s) for s, o in zip(shapes, owners) if o == r) for r in range(2)]
+    assert max(load) <= sum(load) / 2 + max(ns_cost(*s) for s in shapes)  # greedy LPT bound
+    tie = [ds_layout.OwnerItem(64, 64, (10, 4086)), ds_layout.OwnerItem(64, 64, (4000, 96))]
+    assert plan_owners(tie, 2) == [1, 0]  # equal cost: each to the rank holding most of it
+    assert set(plan_owners([ds_layout.OwnerItem(r, c, (r * c, 0, 0)) for r, c in shapes], 3)) == {0, 1, 2}
+    model = _model()
+    wrapper = qds.WholeMatrixZeroOptimizer(qmuon.build_optimizer(model, **OPT_KW))
+    wrapper._require_attached()  # one process: every matrix is rank 0's
+    assert wrapper.owners == [0] * sum(p.muon for p in wrapper._params)
 
 
 def test_zero3_segments_follow_deepspeed_pieces():

@@ -59,17 +59,19 @@ class _Param:
         return self.numel // self.shape[0]
 
 
-def assign_owners(sizes: list[int], world_size: int) -> list[int]:
-    """Deal matrices to ranks: largest first, each to the currently least loaded rank (ties: lowest
-    rank, then lowest index). Deterministic, so every rank computes the same table. The greedy
-    longest-processing-time rule keeps the heaviest rank within 4/3 of the optimum."""
-    load = [0] * world_size
-    owners = [0] * len(sizes)
-    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
-        r = min(range(world_size), key=lambda r: (load[r], r))
-        owners[i] = r
-        load[r] += sizes[i]
-    return owners
+@dataclass(frozen=True)
+class OwnerItem:
+    """A Muon parameter as the sharded step's owner planner sees it
+    (:func:`qmuon.distributed.plan.plan_owners`): its ``(rows, cols)`` matrix, whose Newton-Schulz
+    cost it deals by, and the elements each rank's partition holds of it (ties go to the rank holding
+    most, whose slice then needs no trip)."""
+
+    rows: int
+    cols: int
+    held: tuple[int, ...]
+
+    def n_of(self, r: int) -> int:
+        return self.held[r]
 
 
 def _part_runs(part: MatrixPart, cols: int, start: int, length: int) -> list[tuple[int, int, int, int, int]]:

@@ -16,11 +16,12 @@ from ...core import apply as weight_apply
 from ...core import pipeline
 from ...core.apply import apply_update_
 from ...core.plan import plan_param, true_shape
+from ...distributed.plan import plan_owners
 from ...optim.qmuon import QMuon
 from ...quant import adamw as qadamw
 from ...quant import state as qstate
 from .config import UnsupportedDeepSpeedConfig
-from .layout import (_apply_parts, _Param, _part_runs, _placeholder, _Segment, assign_owners, read_zero3_layout,
+from .layout import (_apply_parts, _Param, _part_runs, _placeholder, _Segment, OwnerItem, read_zero3_layout,
                      read_zero12_links, resolve_zero, row_pieces)
 from .optimizer_state import ZeroStateMixin
 
@@ -181,8 +182,16 @@ class WholeMatrixZeroOptimizer(ZeroStateMixin, Optimizer):
         return self
 
     def _plan_slices(self) -> None:
-        """Cut this rank's slice of every AdamW parameter with quantized (or bf16) moments into pieces
+        """Once the layout is read: deal the Muon matrices to owners with the sharded step's planner
+        (:func:`qmuon.distributed.plan.plan_owners`: largest Newton-Schulz cost first, to the least
+        loaded rank, ties to the rank holding most of the matrix; every rank computes the same plan),
+        and cut this rank's slice of every AdamW parameter with quantized (or bf16) moments into pieces
         on the parameter's block grid (:func:`qmuon.quant.adamw.flat_slice_pieces`)."""
+        muon = [p for p in self._params if p.muon]
+        items = [OwnerItem(p.rows, p.cols, tuple(0 if s is None else s.length for s in p.holders)) for p in muon]
+        for p, owner in zip(muon, plan_owners(items, self._world)):
+            p.owner = owner
+        self._owned = [p for p in muon if p.owner == self._rank]
         self._pieces = {}
         rounded = False
         for info in self._params:
@@ -210,10 +219,6 @@ class WholeMatrixZeroOptimizer(ZeroStateMixin, Optimizer):
             self._rank = dist.get_rank(group)
         else:
             self._group, self._world, self._rank = None, 1, 0
-        muon = [p for p in self._params if p.muon]
-        for p, owner in zip(muon, assign_owners([p.numel for p in muon], self._world)):
-            p.owner = owner
-        self._owned = [p for p in muon if p.owner == self._rank]
 
     def _attach_direct(self, group: Any) -> None:
         for info in self._params:
