@@ -154,3 +154,20 @@ def test_a_zero3_link_to_another_optimizer_is_refused() -> None:
         p._z3_optimizer = SimpleNamespace(optimizer=object())
     with pytest.raises(RuntimeError, match="does not wrap this"):
         wrapper._require_attached()
+
+
+def test_carriers_not_applied_are_said_once_at_attach(caplog) -> None:
+    """The sharded step's comm_carrier / comm_return do not apply under DeepSpeed: rank 0 logs so."""
+    import logging
+
+    wrapper = qds.WholeMatrixZeroOptimizer(qmuon.build_optimizer(
+        _model(), lr=0.02, verbose=False, newton_schulz={"comm_carrier": "mxfp8", "comm_return": "int8"}))
+    wrapper._require_attached()  # one process: nothing to say
+    with caplog.at_level(logging.INFO, logger="qmuon.integrations.deepspeed.optimizer"):
+        wrapper._plan_slices()
+        assert "not applied" not in caplog.text
+        wrapper._world = 2  # as rank 0 of two ranks holding every matrix whole (stage 0)
+        for info in wrapper._params:
+            info.holders = info.holders * 2
+        wrapper._plan_slices()
+    assert "comm_carrier/comm_return mxfp8/int8 are not applied under DeepSpeed" in caplog.text

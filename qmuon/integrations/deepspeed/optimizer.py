@@ -141,6 +141,8 @@ class WholeMatrixZeroOptimizer(ZeroStateMixin, Optimizer):
         #: owner's momentum step, shared by every rank holding a slice; keys its stochastic rounding).
         self._muon_step: dict[int, int] = {}
         self._grad_dtype = torch.float32  # dtype the Muon gradients travel and are stepped in
+        ns = getattr(getattr(qmuon, "config", None), "newton_schulz", None)  # the sharded step's carriers
+        self._carriers = f"{ns.comm_carrier}/{ns.comm_return}" if ns is not None else ""
 
     # ------------------------------------------------------------------ attach
     def attach(self, handle: Any) -> "WholeMatrixZeroOptimizer":
@@ -211,6 +213,10 @@ class WholeMatrixZeroOptimizer(ZeroStateMixin, Optimizer):
         # bf16 slices (DeepSpeed's bf16 master, or a bf16 model at stage 0): the Muon gradients travel
         # and are stepped in bf16, as a single-process bf16 model's are (its NS input is the bf16 grad).
         self._grad_dtype = torch.bfloat16 if rounded else torch.float32
+        if self._world > 1 and self._rank == 0 and self._carriers:
+            log.info("QMuon (DeepSpeed): comm_carrier/comm_return %s are not applied under DeepSpeed: Muon gradients "
+                     "travel to their owners in %s and updates return in the Newton-Schulz dtype (docs/deepspeed.md)",
+                     self._carriers, str(self._grad_dtype).removeprefix("torch."))
 
     def _set_world(self, group: Any) -> None:
         if dist.is_available() and dist.is_initialized():
