@@ -83,7 +83,8 @@ and bf16 at stage 1 with fp32 gradient accumulation (DeepSpeed's ``BF16_Optimize
 partition layout).
 
 Modules: :mod:`.config` (configuration checks), :mod:`.layout` (where each parameter's elements
-live per stage, owner dealing), :mod:`.optimizer` (the client optimizer), :mod:`.optimizer_state`
+live per stage, which DeepSpeed optimizer wraps the client), :mod:`.attach` (attaching to it),
+:mod:`.optimizer` (the client optimizer), :mod:`.optimizer_state`
 (its per-rank checkpoint state), :mod:`.checkpoint` (resume checks)."""
 
 from __future__ import annotations
