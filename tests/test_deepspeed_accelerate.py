@@ -102,6 +102,16 @@ def test_accelerate_deepspeed_plugin_zero2_zero3_match_one_process(tmp_path) -> 
                 assert run["distributed_type"] == "DEEPSPEED" and run["world"] == 2, run
                 # every matrix (or fused part) orthogonalized once per step, on one of the 2 ranks
                 assert sum(r[f"zero{stage}/{recipe}"]["ns_items"] for r in reports) == ns_items, run
+                # The exchange's byte count (WholeMatrixZeroOptimizer.comm_stats): the ranks' own counts add
+                # up to the total. At ZeRO-2 this small model's matrices each fit in one rank's partition and
+                # the planner gives each to the rank holding it (measured: 0 bytes); at ZeRO-3 every
+                # (even-sized) matrix is cut in halves and the non-owner's half crosses both ways: a 4-byte
+                # gradient and a 2- or 4-byte update (bf16 / fp32 NS).
+                comm = run["comm"]
+                assert sum(r[f"zero{stage}/{recipe}"]["comm"]["ns_bytes_sent"] for r in reports) == \
+                    comm["ns_bytes_total"], comm
+                if stage == 3:
+                    assert comm["wire_bytes_per_param"] in (3.0, 4.0), comm
                 for name in muon:
                     got = torch.tensor(run["updates"][name])
                     want = ref[name].reshape(-1)
@@ -158,7 +168,7 @@ def _worker(out: Path) -> None:
                 updates = {n: (p.detach() - start[n]).reshape(-1).tolist() for n, p in params}
             rep[f"zero{stage}/{recipe}"] = {
                 "mode": wrapper._mode, "world": wrapper._world, "distributed_type": acc.distributed_type.name,
-                "ns_items": sum(wrapper.ns_items.values()), "updates": updates}
+                "ns_items": sum(wrapper.ns_items.values()), "updates": updates, "comm": wrapper.comm_stats}
             acc.free_memory()
 
     # A plain QMuon handed to the plugin: DeepSpeed gives it flat partitions; its first step refuses them.

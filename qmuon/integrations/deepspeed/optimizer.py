@@ -48,6 +48,8 @@ class WholeMatrixZeroOptimizer(ZeroAttachMixin, ZeroStateMixin, Optimizer):
             (groups with ``nonfinite="skip"``); the same count on every rank.
         ns_items: after a step, NS calls this rank made per Muon parameter index (one per matrix, or
             one per fused part); summed over ranks it is ``len(parts)`` (or 1) for every matrix.
+        comm_stats: after a step, the bytes its Muon exchange moved (:meth:`_count_comm`), in the
+            terms of ``QMuon.comm_stats`` under FSDP2.
     """
 
     def __init__(self, qmuon: QMuon) -> None:
@@ -121,6 +123,7 @@ class WholeMatrixZeroOptimizer(ZeroAttachMixin, ZeroStateMixin, Optimizer):
         self._all_groups = list(self.param_groups)
         self.nonfinite_skips = 0
         self.ns_items: dict[int, int] = {}
+        self.comm_stats: dict[str, float] = {}
         self._mode: str | None = None  # "direct" (stage 0), "partitioned" (ZeRO 1/2) or "zero3"
         self._flats: list[Tensor] = []  # ZeRO-3: the flat fp32 partition of every sub-group
         self._flat_index: dict[int, int] = {}  # ZeRO-3: id(flat partition) -> sub-group
@@ -296,6 +299,7 @@ class WholeMatrixZeroOptimizer(ZeroAttachMixin, ZeroStateMixin, Optimizer):
             if info.muon:
                 proxy.data = _placeholder(info.shape, self._device)
 
+        self._count_comm(first_call, muon_live, ret_dtype, len(self._params) + 1)
         # 3. the NS output back to every rank holding a slice; each applies it to its slice.
         if not has_muon:
             return loss
@@ -320,6 +324,31 @@ class WholeMatrixZeroOptimizer(ZeroAttachMixin, ZeroStateMixin, Optimizer):
                 self._apply_update(p, views[p.index][0], seg, recv.narrow(0, at, seg.length))
                 at += seg.length
         return loss
+
+    def _count_comm(self, first_call: bool, muon_live: list[_Param], ret_dtype: torch.dtype, flags: int) -> None:
+        """Add this call's bytes to the step's ``comm_stats``, in the terms of ``QMuon.comm_stats`` under
+        FSDP2 (:mod:`qmuon.distributed`): ``ns_bytes_sent`` (this rank, both trips, to other ranks),
+        ``ns_bytes_total`` (all ranks), ``muon_elements``, ``wire_bytes_per_param`` (total / elements),
+        ``flags_bytes`` (the per-call flag all-reduce). Sizes from the layout, which every rank knows:
+        each slice a rank holds of a matrix it does not own crosses the wire to the owner (ZeRO 1-3:
+        the gradient, in its dtype) and back (the update, in the NS dtype); at stage 0 only the update."""
+        g = torch.empty((), dtype=self._grad_dtype).element_size() if self._mode in ("partitioned", "zero3") else 0
+        o = torch.empty((), dtype=ret_dtype).element_size()
+        mine = total = 0
+        for p in muon_live:
+            for s, seg in enumerate(p.holders):
+                if seg is None or s == p.owner:
+                    continue
+                total += seg.length * (g + o)
+                mine += seg.length * ((g if s == self._rank else 0) + (o if p.owner == self._rank else 0))
+        acc = self._comm = [0, 0, 0, 0] if first_call or not hasattr(self, "_comm") else self._comm
+        acc[0] += mine
+        acc[1] += total
+        acc[2] += sum(p.numel for p in muon_live)
+        acc[3] += 3 * flags * 8 if self._world > 1 else 0
+        self.comm_stats = {"ns_bytes_sent": float(acc[0]), "ns_bytes_total": float(acc[1]),
+                           "muon_elements": float(acc[2]), "wire_bytes_per_param": acc[1] / max(acc[2], 1),
+                           "flags_bytes": float(acc[3])}
 
     def _adamw_slice_step(self, info: _Param, data: Tensor, grad: Tensor) -> None:
         """AdamW on this rank's flat slice of a parameter with quantized moments: each piece is a
