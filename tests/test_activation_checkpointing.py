@@ -333,3 +333,65 @@ def test_qmuon_estimate_prints_both(tmp_path, capsys) -> None:
     act = json.loads(out.read_text())["activations"]
     assert act["checkpointing"] and act["batch_size"] == 16
     assert act["with_checkpointing"]["peak"] * 5 < act["without_checkpointing"]["peak"]
+
+
+def _resume_worker(rank: int, world_size: int, tmp: str) -> dict:
+    """A run with the strategy's policy saves a sharded checkpoint after one epoch; runs with and
+    without the policy resume from it for the second epoch. Their weights must equal those of an
+    uninterrupted two-epoch run with the policy: the checkpoint's keys do not depend on the wrapper
+    (``_checkpoint_wrapped_module.`` is not in them), the optimizer state of the wrapped blocks is
+    restored (it was dropped while the loader compared wrapped names with saved ones), and
+    checkpointing changes no bit."""
+    import os
+
+    import lightning as L
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.tensor import DTensor
+
+    from qmuon_lightning.models.lm_module import DecoderLMModule, OptimizerSpec
+    from qmuon_lightning.strategies import QMuonFSDPStrategy
+
+    g = torch.Generator().manual_seed(5)
+    tok = torch.randint(0, VOCAB, (8, SEQ + 1), generator=g)
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(tok[:, :-1], tok[:, 1:]), batch_size=4)
+
+    class Steps(L.Callback):
+        n = 0
+
+        def on_train_batch_end(self, *args) -> None:
+            self.n += 1
+
+    def fit(policy, epochs: int, ckpt_path=None, save=None) -> tuple[dict, int]:
+        L.seed_everything(0, verbose=False)
+        module = DecoderLMModule(vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=4, max_seq_len=SEQ,
+                                 optimizer=OptimizerSpec(state_format="int8", warmup_steps=1, schedule="constant"))
+        strategy = QMuonFSDPStrategy(activation_checkpointing_policy=policy, timeout=timedelta(seconds=60))
+        steps = Steps()
+        trainer = L.Trainer(accelerator="cpu", devices=world_size, strategy=strategy, max_epochs=epochs, logger=False,
+                            enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                            gradient_clip_val=None, callbacks=[steps])
+        trainer.fit(module, data, ckpt_path=ckpt_path)
+        if save:
+            trainer.save_checkpoint(save)
+        return {n.replace("_checkpoint_wrapped_module.", ""): (p.full_tensor() if isinstance(p, DTensor) else p)
+                .detach().clone() for n, p in module.named_parameters()}, steps.n
+
+    path = os.path.join(tmp, "epoch1.ckpt")
+    whole, _ = fit(["Block"], 2)
+    fit(["Block"], 1, save=path)
+    keys = sorted(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
+    return {"whole": whole, "keys": keys, "with": fit(["Block"], 2, ckpt_path=path),
+            "without": fit(None, 2, ckpt_path=path)}
+
+
+@pytest.mark.slow
+def test_checkpoint_of_a_policy_run_resumes_with_and_without_it(tmp_path) -> None:
+    from _dist import run_workers
+
+    (r,) = run_workers(_resume_worker, 1, timeout=300, start_method="spawn", tmp=str(tmp_path))
+    assert r["keys"] and not any("_checkpoint_wrapped_module" in k for k in r["keys"]), r["keys"][:5]
+    for resumed in ("with", "without"):
+        params, steps = r[resumed]
+        assert steps == 2, (resumed, steps)  # only the second epoch ran: the checkpoint was loaded
+        for n, p in r["whole"].items():
+            assert torch.equal(p, params[n]), (resumed, n)

@@ -33,9 +33,18 @@ def _fqn_keyed(osd: dict[str, Any], module: torch.nn.Module) -> dict[str, Any]:
     return FSDP.rekey_optim_state_dict(osd, OptimStateKeyType.PARAM_NAME, module)
 
 
+def _clean_name(name: str) -> str:
+    """A parameter's name as ``torch.distributed.checkpoint`` keys it: without the wrappers'
+    segments (``torch.compile``'s ``_orig_mod``, activation checkpointing's
+    ``_checkpoint_wrapped_module``), so state saved with or without them matches."""
+    for seg in ("_orig_mod", "_checkpoint_wrapped_module"):
+        name = name.replace(f".{seg}", "").replace(f"{seg}.", "")
+    return name
+
+
 def _drop_state_except(module: torch.nn.Module, optimizer: Optimizer, keep: set[str]) -> None:
     """Delete optimizer state of parameters whose name is not in ``keep``."""
-    names = {id(p): n.replace("._orig_mod", "").replace("_orig_mod.", "") for n, p in module.named_parameters()}
+    names = {id(p): _clean_name(n) for n, p in module.named_parameters()}
     for p in list(optimizer.state):
         if names.get(id(p)) not in keep:
             del optimizer.state[p]
@@ -45,7 +54,7 @@ def _drop_state_except(module: torch.nn.Module, optimizer: Optimizer, keep: set[
 def _param_names(module: Optional[torch.nn.Module]) -> dict[int, str]:
     if module is None:
         return {}
-    return {id(p): n.replace("._orig_mod", "").replace("_orig_mod.", "") for n, p in module.named_parameters()}
+    return {id(p): _clean_name(n) for n, p in module.named_parameters()}
 
 
 def format_overrides(module: Optional[torch.nn.Module], optimizers: Sequence[Optimizer]) -> list[dict[str, dict[str, Any]]]:
@@ -69,7 +78,7 @@ def apply_format_overrides(module: Optional[torch.nn.Module], optimizers: Sequen
     parameter must already be in its promoted format."""
     if not saved or module is None:
         return
-    by_name = {n.replace("._orig_mod", "").replace("_orig_mod.", ""): p for n, p in module.named_parameters()}
+    by_name = {_clean_name(n): p for n, p in module.named_parameters()}
     for opt, overrides in zip(optimizers, saved.get("format_overrides") or []):
         if not overrides:
             continue
