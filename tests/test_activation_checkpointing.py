@@ -395,3 +395,35 @@ def test_checkpoint_of_a_policy_run_resumes_with_and_without_it(tmp_path) -> Non
         assert steps == 2, (resumed, steps)  # only the second epoch ran: the checkpoint was loaded
         for n, p in r["whole"].items():
             assert torch.equal(p, params[n]), (resumed, n)
+
+
+def test_policy_on_a_hugging_face_llama_is_bit_identical() -> None:
+    """The strategy's policy works on any model: a tiny HF Llama (GQA) with its decoder layers
+    wrapped by class name gives the same loss and gradients bit for bit (the helper the strategy
+    calls after sharding; no process group needed)."""
+    tf = pytest.importorskip("transformers")
+    from qmuon_lightning.strategies.options import (
+        activation_checkpointing_kwargs,
+        setup_activation_checkpointing,
+    )
+
+    def llama() -> torch.nn.Module:
+        torch.manual_seed(0)
+        cfg = tf.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                             num_key_value_heads=2, max_position_embeddings=SEQ, vocab_size=VOCAB,
+                             tie_word_embeddings=False)
+        return tf.LlamaForCausalLM(cfg).float()
+
+    plain, wrapped = llama(), llama()
+    names = setup_activation_checkpointing(wrapped, activation_checkpointing_kwargs(["LlamaDecoderLayer"]), "S")
+    assert names == ["model.layers.0", "model.layers.1"]
+    out = {}
+    for key, m in (("plain", plain), ("wrapped", wrapped)):
+        m.train()
+        t = tokens(0)
+        loss = m(input_ids=t, labels=t).loss
+        loss.backward()
+        out[key] = (loss.item(), {n.replace("_checkpoint_wrapped_module.", ""): p.grad for n, p in m.named_parameters()})
+    assert out["plain"][0] == out["wrapped"][0]
+    for n, g in out["plain"][1].items():
+        assert torch.equal(g, out["wrapped"][1][n]), n
