@@ -337,10 +337,7 @@ def _cpu_vendor() -> str:
 def _cpu_description() -> str:
     model, flags = _cpu_model(), cpu_flags()
     bf16 = sorted(f for f in flags if f in ("avx512_bf16", "amx_bf16", "amx_tile"))
-    try:
-        cap = torch.backends.cpu.get_cpu_capability()
-    except Exception:  # pragma: no cover - very old torch
-        cap = "unknown"
+    cap = torch.backends.cpu.get_cpu_capability()
     return f"CPU {model!r}, ATen CPU capability {cap}, bf16 CPU flags: {', '.join(bf16) or 'none'}"
 
 
@@ -359,10 +356,7 @@ def _probe_cpu_bf16() -> tuple[bool, str]:
     17-52 with ATen / oneDNN capped at AVX2 (docs/newton_schulz.md).
     """
     flags = cpu_flags()
-    try:
-        cap = torch.backends.cpu.get_cpu_capability()
-    except Exception:  # pragma: no cover - very old torch
-        cap = "DEFAULT"
+    cap = torch.backends.cpu.get_cpu_capability()
     isa = os.environ.get("ONEDNN_MAX_CPU_ISA", "").strip().upper()
     machine = platform.machine().lower()
     if machine in ("x86_64", "amd64"):

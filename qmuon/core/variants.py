@@ -90,15 +90,6 @@ def normuon_scale(out: Tensor, moment: RowMoment) -> Tensor:
     return (u * scale[:, None]).to(out.dtype)
 
 
-def cautious_decay_(param: Tensor, update: Tensor, decay: float) -> None:
-    """``param *= decay`` where ``param * update >= 0``, in place (``update``: what is subtracted
-    from ``param`` next, same shape or broadcastable; ``decay = 1 - lr * weight_decay``)."""
-    if decay == 1.0:
-        return
-    agree = (param * update.to(param.dtype)) >= 0
-    param.mul_(torch.where(agree, decay, 1.0).to(param.dtype))
-
-
 def _ranges(plan: ParamPlan) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
     rows = sorted({(p.r0, p.r1) for p in plan.parts})
     cols = sorted({(p.c0, p.c1) for p in plan.parts})

@@ -132,10 +132,6 @@ class NonFiniteLedger:
         cur.flags = []
         self._pending.append(cur)
 
-    @property
-    def pending(self) -> bool:
-        return bool(self._pending) or bool(self._current.keys)
-
     def staged(self) -> list[Tensor]:
         """The host copies waiting to be read (what :meth:`settle` reads; tests exempt them when
         they count the step's host reads)."""

@@ -31,7 +31,7 @@ from .. import ops  # noqa: F401  (registers torch.ops.qmuon)
 from ..ops import _library_adamw
 from ..ops import reference_adamw as _refa
 from .formats.base import STEP, FormatOptions, StateFormat, StateFormatError
-from .registry import FORMATS, get_format
+from .registry import FORMATS
 
 __all__ = [
     "DEFAULT_ADAMW_STATE_FORMAT",
@@ -78,11 +78,6 @@ def _pair(family: Any) -> tuple[StateFormat, StateFormat] | None:
             elif f.role == "adamw_v":
                 v = f
     return (m, v) if m is not None and v is not None else None
-
-
-def is_full_precision(family: Any) -> bool:
-    """Whether ``family`` stores ``torch.optim.AdamW``'s own fp32 moments."""
-    return family == FULL_PRECISION
 
 
 def check_adamw_state_format(name: Any, where: str) -> str:

@@ -252,11 +252,6 @@ def global_row_offset(p: Tensor) -> int:
     return row_layout(p).start
 
 
-def process_group_of(p: Any) -> Any:
-    """The process group of the mesh dim a DTensor's rows are sharded over."""
-    return p.device_mesh.get_group(shard_mesh_dim(p))
-
-
 def state_placements(p: Any) -> list[Any]:
     """Placements of a ``"rows"`` state tensor of ``p``: :func:`row_placements`, or a
     tensor-parallel parameter's own placements (state tensors split rows, and columns, like it)."""
@@ -352,11 +347,6 @@ def shard_state(p: Any, st: dict[str, Tensor], fmt: StateFormat | str | None = N
             st[k] = _wrap_rows(v, p, -(-rows // f.tile_rows(opts)))
         else:
             st[k] = _wrap_rows(v, p, rows)
-
-
-def local_state(st: dict[str, Tensor]) -> dict[str, Tensor]:
-    """A dict of local views of a sharded state (in-place updates reach the DTensors' storage)."""
-    return {k: local(v) for k, v in st.items()}
 
 
 def localize_loaded_state(st: dict[str, Any], p: Any, fmt: StateFormat | str | None = None,

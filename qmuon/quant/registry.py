@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from .formats import builtin_formats
-from .formats.base import MOMENTUM, STEP, WEIGHT_CORRECTION, FormatOptions, FormatSpec, StateFormat, StateFormatError
+from .formats.base import MOMENTUM, STEP, WEIGHT_CORRECTION, FormatOptions, StateFormat, StateFormatError
 
 __all__ = [
     "COLLECTIVE_FORMATS",
@@ -201,10 +201,6 @@ def promoted_layout(group: Mapping[str, Any], target: str | None = None) -> dict
                          rank=group["rank"] if group.get("rank") is not None else FormatOptions.rank,
                          grid_block=group["grid_block"] if group.get("grid_block") is not None else FormatOptions.grid_block)
     return {"block_size": fmt.default_block_size, **fmt.layout_kwargs(opts)}
-
-
-def format_spec(name: str) -> FormatSpec:
-    return get_format(name).spec
 
 
 def _default_block_size(name: str | None) -> int:

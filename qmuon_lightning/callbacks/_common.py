@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Iterator, Mapping
 
-import torch
 from torch import Tensor, nn
 
 from qmuon.optim.qmuon import QMuon
@@ -73,7 +72,3 @@ def log_to_loggers(trainer: "pl.Trainer", metrics: Mapping[str, float]) -> None:
     step = logger_step(trainer)
     for lg in trainer.loggers:
         lg.log_metrics(dict(metrics), step=step)
-
-
-def to_float(x: Tensor | float) -> float:
-    return float(x.item()) if isinstance(x, torch.Tensor) else float(x)

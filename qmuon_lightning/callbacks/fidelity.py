@@ -165,10 +165,6 @@ class UpdateFidelityTracker:
         return bool(self._shadow)
 
     @property
-    def shadow_nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self._shadow.values())
-
-    @property
     def sharded(self) -> bool:
         return any(is_dtensor(p) for _, _, p, _, _ in self.entries)
 

@@ -143,11 +143,6 @@ class StateFormat:
     def name(self) -> str:
         return self.spec.name
 
-    @property
-    def uses_block_size(self) -> bool:
-        """Deprecated: ``"block_size" in layout_options``."""
-        return "block_size" in self.layout_options
-
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r}>"
 
