@@ -171,3 +171,27 @@ def test_carriers_not_applied_are_said_once_at_attach(caplog) -> None:
             info.holders = info.holders * 2
         wrapper._plan_slices()
     assert "comm_carrier/comm_return mxfp8/int8 are not applied under DeepSpeed" in caplog.text
+
+
+def test_an_accelerate_plugin_with_optimizer_offload_is_refused_when_the_wrapper_is_built() -> None:
+    """With offload_optimizer, accelerator.prepare would swap the client optimizer for DeepSpeedCPUAdam
+    without a word: the wrapper refuses to be built under such a plugin. The Accelerator's distributed
+    type and plugin are set by hand (no DeepSpeed launcher in this process)."""
+    accelerate = pytest.importorskip("accelerate")
+    from accelerate.state import AcceleratorState, GradientState, PartialState
+    from accelerate.utils import DistributedType
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    try:
+        acc = accelerate.Accelerator(cpu=True)
+        _wrapper()  # not DeepSpeed: nothing checked
+        # set by hand, undone by the state resets below (a monkeypatch undo would run after them)
+        acc.state.distributed_type = PartialState().distributed_type = DistributedType.DEEPSPEED
+        acc.state.deepspeed_plugins = SimpleNamespace(deepspeed_config={
+            "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}})
+        with pytest.raises(qds.UnsupportedDeepSpeedConfig, match="Accelerate's DeepSpeed plugin: .*offload_optimizer"):
+            _wrapper()
+    finally:
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()

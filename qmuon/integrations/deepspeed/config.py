@@ -95,6 +95,27 @@ def check_config(config: Mapping[str, Any] | str | os.PathLike) -> dict[str, Any
     return cfg
 
 
+def check_accelerate_plugin() -> None:
+    """Under an ``accelerate.Accelerator`` with a DeepSpeed plugin, :func:`check_config` its config now:
+    ``accelerator.prepare`` would otherwise replace a client optimizer by DeepSpeedCPUAdam under
+    ``offload_optimizer`` without a word, and the QMuon inside would never step. Nothing to do when
+    Accelerate was not imported or runs no DeepSpeed plugin."""
+    import sys
+
+    state = sys.modules.get("accelerate.state")
+    if state is None or not state.AcceleratorState._shared_state:
+        return
+    acc = state.AcceleratorState()
+    if getattr(acc.distributed_type, "name", None) != "DEEPSPEED":
+        return
+    plugin = acc.deepspeed_plugin
+    if plugin is not None:
+        try:
+            check_config(plugin.deepspeed_config)
+        except UnsupportedDeepSpeedConfig as e:
+            raise UnsupportedDeepSpeedConfig(f"Accelerate's DeepSpeed plugin: {e}") from None
+
+
 def _check_bf16_master(cfg: Mapping[str, Any], stage: int, bf16: bool) -> None:
     """bf16 master partitions (DeepSpeed >= 0.18): supported at ZeRO stages 1-3 together with
     ``bf16_optimizer_states``. DeepSpeed accepts ``bf16_master_weights_and_grads`` without

@@ -21,6 +21,7 @@ from ...optim.qmuon import QMuon
 from ...quant import adamw as qadamw
 from ...quant import state as qstate
 from .attach import ZeroAttachMixin
+from .config import check_accelerate_plugin
 from .layout import _apply_parts, _Param, _part_runs, _placeholder, _Segment, OwnerItem, row_pieces
 from .optimizer_state import ZeroStateMixin
 
@@ -65,6 +66,7 @@ class WholeMatrixZeroOptimizer(ZeroAttachMixin, ZeroStateMixin, Optimizer):
                 "gradient. Build the QMuon without gradient_release for DeepSpeed, or train with the qmuon_fsdp "
                 "strategy (FSDP2), where release steps the reduced shards"
             )
+        check_accelerate_plugin()  # offload_optimizer would have Accelerate drop this optimizer silently
         if any(len(st) for st in qmuon.state.values()):
             raise ValueError(
                 "the QMuon already has optimizer state (it has stepped or loaded a checkpoint): wrap a fresh QMuon "
