@@ -181,9 +181,15 @@ def test_strategy_refuses_double_checkpointing_and_empty_selection() -> None:
         setup_activation_checkpointing(model(True), activation_checkpointing_kwargs(["Block"]), "QMuonFSDPStrategy")
     with pytest.raises(ValueError, match="selected no module"):
         setup_activation_checkpointing(model(False), activation_checkpointing_kwargs(["Blocks"]), "QMuonFSDPStrategy")
-    m = model(False)
-    assert setup_activation_checkpointing(m, activation_checkpointing_kwargs(["Block"]), "S") == [
-        "blocks.0", "blocks.1", "blocks.2"]
+    from qmuon_lightning.models.decoder_lm import Block
+
+    for policy in (["Block"], {Block}, ["qmuon_lightning.models.decoder_lm.Block"]):
+        m = model(False)
+        assert setup_activation_checkpointing(m, activation_checkpointing_kwargs(policy), "S") == [
+            "blocks.0", "blocks.1", "blocks.2"], policy
+        la, ga = grads(model(False))
+        lb, gb = grads(m)
+        assert la == lb and all(torch.equal(ga[n.replace("_checkpoint_wrapped_module.", "")], gb[n]) for n in gb)
 
 
 def _strategy_worker(rank: int, world_size: int) -> dict:
