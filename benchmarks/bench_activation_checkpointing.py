@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -96,11 +97,38 @@ def run_one(precision: str, batch: int, seq: int, gqa: bool, ckpt: bool, steps: 
             "seconds": seconds, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
 
 
+def step_times(precision: str, batch: int, seq: int, gqa: bool, rounds: int) -> tuple[float, float]:
+    """Median ms of one forward + backward without and with checkpointing, interleaved round by
+    round (no MemTracker, no optimizer: what checkpointing adds is the blocks' second forward)."""
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    models = {}
+    for ckpt in (False, True):
+        torch.manual_seed(0)
+        models[ckpt] = DecoderLM(DecoderLMConfig(**SMOKE, max_seq_len=seq, n_kv_heads=2 if gqa else None,
+                                                 activation_checkpointing=ckpt)).to(dtype)
+    tok = torch.randint(0, SMOKE["vocab_size"], (batch, seq + 1), generator=torch.Generator().manual_seed(1))
+    times: dict[bool, list[float]] = {False: [], True: []}
+    for r in range(rounds + 1):  # round 0 warms up
+        for ckpt in ((False, True) if r % 2 else (True, False)):
+            m = models[ckpt]
+            t0 = time.perf_counter()
+            with torch.autocast("cpu", torch.bfloat16, enabled=precision == "bf16-mixed"):
+                loss = m.loss(tok[:, :-1], tok[:, 1:])
+            loss.backward()
+            m.zero_grad(set_to_none=True)
+            if r:
+                times[ckpt].append(1e3 * (time.perf_counter() - t0))
+    return statistics.median(times[False]), statistics.median(times[True])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", default=",".join(DEFAULT_ROWS), help="comma-separated precision:BATCHxSEQ[:gqa]")
     ap.add_argument("--steps", type=int, default=2)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads (1: timings on a machine shared with other jobs are steadier)")
+    ap.add_argument("--time-rounds", type=int, default=9,
+                    help="interleaved forward + backward timings per row, without MemTracker (0: skip)")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "activation_checkpointing.md"))
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
@@ -112,6 +140,8 @@ def main() -> None:
     for precision, batch, seq, gqa in rows:
         off = run_one(precision, batch, seq, gqa, False, args.steps)
         on = run_one(precision, batch, seq, gqa, True, args.steps)
+        t_off, t_on = step_times(precision, batch, seq, gqa, args.time_rounds) if args.time_rounds else (0.0, 0.0)
+        on["ms_forward_backward"], off["ms_forward_backward"] = t_on, t_off
         same_w = all(torch.equal(off["params"][n], on["params"][n]) for n in off["params"])
         same_l = off["losses"] == on["losses"]
         for r in (off, on):
@@ -132,13 +162,13 @@ def main() -> None:
             f"{off['whole_step_estimate'] / MiB:.1f} ({err(off, 'whole_step_estimate', 'peak')})",
             f"{on['whole_step_estimate'] / MiB:.1f} ({err(on, 'whole_step_estimate', 'peak')})",
             "yes" if same_l and same_w else f"NO (losses {same_l}, weights {same_w})",
-            f"{off['seconds']:.1f} / {on['seconds']:.1f}",
+            f"{t_off:.0f} / {t_on:.0f} ({t_on / t_off:.2f}x)" if t_off else "-",
         ])
         print(" | ".join(table[-1]), flush=True)
     header = ["precision, batch x seq", "peak off (MiB)", "peak on (MiB)", "drop",
               "activations off: measured / estimated (MiB)", "activations on: measured / estimated (MiB)",
               "whole-step estimate off (MiB)", "whole-step estimate on (MiB)", "same losses and weights (bits)",
-              "seconds off / on"]
+              "forward + backward ms off / on (median)"]
     lines = header_lines("Activation checkpointing: whole-step peak memory, measured (MemTracker) and estimated")
     lines += [
         (f"Model: the smoke recipe's DecoderLM ({SMOKE}); {args.steps} training steps per run on random tokens; "
@@ -155,8 +185,9 @@ def main() -> None:
         "buffers + state + the activation estimate (backward's peak; with checkpointing + its gradients, which exist "
         "when the first block is rebuilt), error against the measured peak. "
         "*same losses and weights*: every step's loss and the weights after the last step, bit for bit. "
-        "*seconds*: wall time of each run under MemTracker on a shared 2-core machine (the first run of a row "
-        "includes warm-up): not a speed measurement."),
+        f"*forward + backward ms*: median of {args.time_rounds} interleaved rounds of one forward + backward "
+        "without MemTracker or optimizer (what checkpointing adds: the blocks' second forward), on a 2-core machine "
+        "shared with other jobs."),
         "",
     ]
     text = "\n".join(lines)
