@@ -1,5 +1,5 @@
 """Activation checkpointing: whole-step peak memory with and without it, measured side by side in one
-run by PyTorch's ``MemTracker``, against the estimate of :mod:`qmuon_lightning.memory.activations`.
+run by PyTorch's ``MemTracker``, against the estimate of :mod:`qmuon_lightning.models.activations`.
 
 Model: the smoke recipe's ``DecoderLM`` (recipes/cpu/smoke.yaml: d_model 128, 4 layers, 4 heads,
 byte vocabulary 256), with the batch x sequence raised until activations dominate the step; one

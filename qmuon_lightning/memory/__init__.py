@@ -24,8 +24,9 @@ Newton-Schulz batches; torch.optim.Muon then torch.optim.AdamW), so the step's p
 ``weights + grads + state + max(phase temporaries)``; with gradient release it is
 ``weights + state + max over parameters (its gradient + its own step's temporaries)``.
 Activations are not part of it: they are freed before ``optimizer.step()`` and, with release, the
-estimate holds for a tiny batch. :func:`decoder_activations` (:mod:`.activations`) estimates them
-for a DecoderLM, with and without activation checkpointing; add its ``peak`` for the whole step.
+estimate holds for a tiny batch. :func:`decoder_activations` (defined beside the model, in
+:mod:`qmuon_lightning.models.activations`) estimates them for a DecoderLM, with and without
+activation checkpointing; add its ``peak`` for the whole step.
 
 What is counted is what PyTorch's ``MemTracker`` sees: tensor storages created through the
 dispatcher. Scratch a compiled kernel allocates internally, the CUDA context and the caching
@@ -34,46 +35,46 @@ allocator's slack are not part of it (leave ~1-3 GiB of a budget for them on a G
 
 from __future__ import annotations
 
-from .model import (
-    Setup,
-    STANDARD_SETUPS,
-    Inventory,
-    parameter_inventory,
-    MemoryEstimate,
-    estimate,
-    largest_within,
-    depth_inventories,
-)
-from .activations import (
+from ..models.activations import (
     ActivationEstimate,
     decoder_activations,
 )
+from .measure import (
+    Measurement,
+    build_optimizers,
+    measure_step,
+)
+from .model import (
+    STANDARD_SETUPS,
+    Inventory,
+    MemoryEstimate,
+    Setup,
+    depth_inventories,
+    estimate,
+    largest_within,
+    parameter_inventory,
+)
 from .report import (
-    parse_bytes,
     format_bytes,
     format_table,
-)
-from .measure import (
-    build_optimizers,
-    Measurement,
-    measure_step,
+    parse_bytes,
 )
 
 __all__ = [
-    "Setup",
     "STANDARD_SETUPS",
+    "ActivationEstimate",
     "Inventory",
-    "parameter_inventory",
+    "Measurement",
     "MemoryEstimate",
-    "estimate",
-    "largest_within",
+    "Setup",
+    "build_optimizers",
+    "decoder_activations",
     "depth_inventories",
-    "parse_bytes",
+    "estimate",
     "format_bytes",
     "format_table",
-    "build_optimizers",
-    "Measurement",
+    "largest_within",
     "measure_step",
-    "ActivationEstimate",
-    "decoder_activations",
+    "parameter_inventory",
+    "parse_bytes",
 ]

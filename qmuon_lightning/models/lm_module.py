@@ -375,7 +375,7 @@ def memory_budget(module: DecoderLMModule, *, batch_size: int, seq_len: int, pre
                 # bf16 weights: the write rule's correction state (ecc8: one int8 code per element)
                 ws = weight_state_init(torch.empty(d.shape, dtype=torch.bfloat16, device="meta"), spec.bf16_update)
                 state += sum(t.numel() * t.element_size() for t in ws.values())
-    from ..memory.activations import decoder_activations
+    from .activations import decoder_activations
 
     act = decoder_activations(cfg, batch_size, seq_len, precision=precision).peak
     out = {

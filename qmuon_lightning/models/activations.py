@@ -1,5 +1,7 @@
 """Activations of a :class:`~qmuon_lightning.models.DecoderLM` training step, with and without
 activation checkpointing: the bytes autograd keeps for backward and the most of them alive at once.
+It lives beside the model (its ops are what it counts); :mod:`qmuon_lightning.memory` re-exports
+:func:`decoder_activations`.
 
 A count of the tensors DecoderLM's ops save, per token (``b``: bytes of the compute dtype, 2 under
 bf16 autocast or bf16 weights, 4 in fp32; ``d``: width; ``q = n_heads * head_dim``; ``kv`` the
