@@ -192,11 +192,12 @@ def test_strategy_refuses_double_checkpointing_and_empty_selection() -> None:
         assert la == lb and all(torch.equal(ga[n.replace("_checkpoint_wrapped_module.", "")], gb[n]) for n in gb)
 
 
-def _strategy_worker(rank: int, world_size: int) -> dict:
+def _strategy_worker(rank: int, world_size: int, precision: str = "32-true") -> dict:
     """Lightning Trainer + qmuon_fsdp on DecoderLMModule: without checkpointing, with the strategy's
     policy, with the module's own option, and each again with gradient release. Runs in a spawned process (the strategy
     starts a process group) with world size 1 (the strategy shards by its policy, then wraps) or 2
-    (configure_model shards, then the strategy wraps)."""
+    (configure_model shards, then the strategy wraps); ``precision="bf16-true"``: bf16 weights
+    written with ``bf16_update="stochastic"`` (counter-based noise, the same in every run)."""
     import lightning as L
     from torch.distributed.tensor import DTensor
 
@@ -214,14 +215,18 @@ def _strategy_worker(rank: int, world_size: int) -> dict:
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
             self.losses.append(float(outputs["loss"]))
 
+    bf16 = {"bf16_update": "stochastic"} if precision == "bf16-true" else {}
+
     def fit(policy, release: bool, own: bool = False) -> dict:
         L.seed_everything(0, verbose=False)
         module = DecoderLMModule(vocab_size=VOCAB, d_model=32, n_layers=3, n_heads=4, n_kv_heads=2, max_seq_len=SEQ,
-                                 optimizer=OptimizerSpec(state_format="int8", gradient_release=release, warmup_steps=1),
+                                 optimizer=OptimizerSpec(state_format="int8", gradient_release=release, warmup_steps=1,
+                                                         **bf16),
                                  activation_checkpointing=own)
         strategy = QMuonFSDPStrategy(activation_checkpointing_policy=policy, timeout=timedelta(seconds=60))
         rec = Recorder()
         trainer = L.Trainer(accelerator="cpu", devices=world_size, strategy=strategy, max_steps=4, logger=False,
+                            precision=precision,
                             enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
                             gradient_clip_val=None, callbacks=[rec])
         trainer.fit(module, data)
@@ -238,16 +243,18 @@ def _strategy_worker(rank: int, world_size: int) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world_size", [1, 2])
-def test_strategy_policy_gives_identical_training(world_size: int) -> None:
+@pytest.mark.parametrize("world_size,precision", [(1, "32-true"), (2, "32-true"), (1, "bf16-true")])
+def test_strategy_policy_gives_identical_training(world_size: int, precision: str) -> None:
     from _dist import run_workers
 
-    results = run_workers(_strategy_worker, world_size, timeout=400, start_method="spawn")
+    results = run_workers(_strategy_worker, world_size, timeout=400, start_method="spawn", precision=precision)
     for r in results:
         for release in (False, True):
             plain, ckpt, own = r[("plain", release)], r[("ckpt", release)], r[("own", release)]
             assert plain["wrapped"] == own["wrapped"] == [] and len(ckpt["wrapped"]) == 3, ckpt["wrapped"]
             assert len(plain["losses"]) == 4
+            assert all(p.dtype == (torch.bfloat16 if precision == "bf16-true" else torch.float32)
+                       for p in plain["params"].values())
             for other in (ckpt, own):
                 assert plain["losses"] == other["losses"], (release, plain["losses"], other["losses"])
                 assert plain["params"].keys() == other["params"].keys()
