@@ -16,6 +16,8 @@ Optimizer names
 * ``-polar_express`` (or any other ``ns_coefficients`` preset name): ``ns_coefficients``; default ``"muon"``;
 * ``-compiled``: the step compiled as one graph with :func:`qmuon.compile_step` (inductor); its warm-up
   steps compile it, so the timed rounds see only compiled steps.
+* ``-capturable``: ``update.capturable`` (step counters and lrs on the device; the weight and AdamW
+  writes through the kernels' references), eagerly or with ``-compiled``;
 * ``-captured`` (CUDA): ``update.capturable`` and the step captured as one CUDA graph with
   :func:`qmuon.capture_step` (one eager warm-up call, the second captures): give ``--warmup`` >= 2
   so the timed rounds see only replays.
@@ -201,6 +203,8 @@ def parse_qmuon_name(name: str) -> tuple[str, bool, dict]:
             noparts = True
         elif m == "compiled":
             kw["compiled"] = True
+        elif m == "capturable":
+            kw.setdefault("update", {})["capturable"] = True
         elif m == "captured":
             kw["captured"] = True
             kw.setdefault("update", {})["capturable"] = True
