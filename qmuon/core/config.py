@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
@@ -55,6 +56,8 @@ __all__ = [
     "DEFAULT_CONFIG",
     "GROUP_KEYS",
     "STRUCTURAL_KEYS",
+    "PER_HEAD_KEYS",
+    "check_per_head",
     "validate_muon_group",
     "validate_adamw_group",
     "check_resume",
@@ -214,6 +217,11 @@ class Routing:
         orientations: ``{name regex: "in_out"}`` for 2-D weights stored ``(in, out)``.
         banks: ``{name regex: spec}`` for stacked expert matrices (docs/moe.md).
         bank_state_format: the momentum format of bank groups (a row-local one).
+        per_head: orthogonalize each attention head's block as its own matrix (q, k, v by output
+            rows, fused or not, GQA included; the output projection by input columns): ``True``
+            (head counts read from the model), or a dict of :data:`PER_HEAD_KEYS`: ``num_heads``,
+            ``num_kv_heads``, ``head_dim`` (given counts) and ``modules`` (a name regex of the
+            attention modules it applies to). docs/usage.md, "Per-head Muon".
     """
 
     rules: Any = None
@@ -221,6 +229,42 @@ class Routing:
     orientations: Any = None
     banks: Any = None
     bank_state_format: Optional[str] = None
+    per_head: Any = False
+
+
+#: Keys of a ``routing.per_head`` dict: head counts (positive ints; unset: read from the model) and
+#: ``modules``, a regex on the attention modules' qualified names.
+PER_HEAD_KEYS = ("num_heads", "num_kv_heads", "head_dim", "modules")
+
+
+def check_per_head(value: Any) -> dict[str, Any] | None:
+    """``routing.per_head`` as a dict of :data:`PER_HEAD_KEYS` (``None``: off); a bad value raises
+    :class:`ConfigError` naming the accepted forms."""
+    if value is None or value is False:
+        return None
+    if value is True:
+        return {}
+    forms = ("routing.per_head must be False, True (head counts read from the model) or a dict with keys "
+             f"{PER_HEAD_KEYS} (num_heads / num_kv_heads / head_dim: ints >= 1; modules: a name regex)")
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"QMuon: {forms}; got {value!r}")
+    unknown = [k for k in value if k not in PER_HEAD_KEYS]
+    if unknown:
+        close = difflib.get_close_matches(str(unknown[0]), PER_HEAD_KEYS, n=1)
+        raise ConfigError(f"QMuon: routing.per_head: unknown key {unknown[0]!r}"
+                          + (f"; did you mean {close[0]!r}?" if close else "") + f" ({forms})")
+    out = dict(value)
+    for key in ("num_heads", "num_kv_heads", "head_dim"):
+        n = out.get(key)
+        if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
+            raise ConfigError(f"QMuon: routing.per_head[{key!r}] must be an int >= 1, got {n!r}")
+    modules = out.get("modules")
+    if modules is not None:
+        try:
+            re.compile(modules)
+        except (TypeError, re.error) as e:
+            raise ConfigError(f"QMuon: routing.per_head['modules'] must be a name regex, got {modules!r} ({e})") from None
+    return out
 
 
 #: Section name -> its dataclass.
@@ -358,6 +402,7 @@ class QMuonConfig:
                 raise ConfigError(
                     "QMuon: safety.release_clip_norm applies with gradient_release=True only; without release clip the "
                     "global norm as usual (torch.nn.utils.clip_grad_norm_, Trainer(gradient_clip_val=...))")
+        check_per_head(self.routing.per_head)
         bank_format = self.routing.bank_state_format
         if bank_format is not None and not qstate.get_format(bank_format).row_local:
             raise ConfigError(f"QMuon: routing.bank_state_format: {bank_format_error(bank_format)}")
