@@ -517,7 +517,8 @@ def test_explicit_groups_are_added_as_given_with_names() -> None:
     assert "param_names" not in plain.param_groups[-1] and not plain.param_groups[-1]["use_muon"]
 
 
-@pytest.mark.parametrize("bad", ["duplicate", "bad option", "not a tensor", "1-D in a Muon group"])
+@pytest.mark.parametrize("bad", ["duplicate", "bad option", "not a tensor", "1-D in a Muon group",
+                                 "Muon option in an AdamW group"])
 def test_refused_group_leaves_the_optimizer_as_it_was(bad: str) -> None:
     model, opt = _frozen_backbone()
     group = {
@@ -525,6 +526,7 @@ def test_refused_group_leaves_the_optimizer_as_it_was(bad: str) -> None:
         "bad option": {"params": list(model.backbone.parameters()), "state_format": "int5"},
         "not a tensor": {"params": [model.backbone[0].weight, 3.0]},
         "1-D in a Muon group": {"params": [model.backbone[0].bias], "use_muon": True},
+        "Muon option in an AdamW group": {"params": [model.backbone[0].bias], "use_muon": False, "ns_steps": 7},
     }[bad]
     before = copy.deepcopy(opt.state_dict())
     n = len(opt.param_groups)
@@ -534,3 +536,42 @@ def test_refused_group_leaves_the_optimizer_as_it_was(bad: str) -> None:
     assert_same(opt.state_dict(), before)
     _set_grads(model, 0)
     opt.step()  # and it still steps
+
+
+def test_groups_hold_their_own_optimizers_options() -> None:
+    """A Muon group holds the Muon options, an AdamW group AdamW's (as a torch.optim.AdamW group
+    holds AdamW's): no Newton-Schulz, momentum, layout or GRASP key in an AdamW group."""
+    from qmuon.core.config import ADAMW_GROUP_KEYS, GROUP_KEYS
+
+    model, opt = _frozen_backbone()
+    opt.add_param_group({"params": list(model.backbone.parameters())})
+    bookkeeping = {"params", "name", "param_names", "use_muon"}
+    for g in opt.param_groups:
+        keys = set(g) - bookkeeping
+        if g["use_muon"]:
+            assert set(GROUP_KEYS.values()) <= keys and "betas" not in keys
+        else:
+            assert keys == set(ADAMW_GROUP_KEYS.values()), g["name"]
+            assert not keys & {"ns_steps", "ns_coefficients", "ns_dtype", "grid_block", "momentum", "nesterov", "parts"}
+
+
+def test_an_adamw_group_saved_with_muon_keys_loads_without_them() -> None:
+    """Checkpoints written before AdamW groups held their own options carry every Muon key in
+    them (with the defaults); loading drops those keys and the run goes on identically."""
+    torch.manual_seed(0)
+    model = Net()
+    opt = build_optimizer(model, lr=LR, adamw_lr=ADAMW_LR)
+    _set_grads(model, 0)
+    opt.step()
+    sd = opt.state_dict()
+    old = copy.deepcopy(sd)
+    muon_defaults = {k: v for k, v in opt.defaults.items() if k not in opt._adamw_defaults and k != "use_muon"}
+    for g in old["param_groups"]:
+        if not g["use_muon"]:
+            g.update(copy.deepcopy(muon_defaults))
+    fresh = build_optimizer(copy.deepcopy(model), lr=LR, adamw_lr=ADAMW_LR)
+    fresh.load_state_dict(old)
+    for g in fresh.param_groups:
+        if not g["use_muon"]:
+            assert "ns_steps" not in g and "grid_block" not in g
+    assert_same(fresh.state_dict(), sd)

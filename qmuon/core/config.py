@@ -18,8 +18,10 @@ Nine options sit at the top (the ones users set); the rest is grouped into five 
 and copy nothing. A section can be given as its dataclass or as a dict of its fields; a misspelled
 key raises :class:`ConfigError` naming the closest valid one, wherever it was written.
 
-Inside the optimizer, param groups stay flat dicts as torch.optim wants them: the group key of each
-option is :data:`GROUP_KEYS` (``newton_schulz.dtype`` is the group key ``ns_dtype``).
+Inside the optimizer, param groups stay flat dicts as torch.optim wants them, each with its own
+optimizer's options: a Muon group holds :data:`GROUP_KEYS` (``newton_schulz.dtype`` is the group
+key ``ns_dtype``) and its layout keys, an AdamW group :data:`ADAMW_GROUP_KEYS` (``adamw_lr`` is its
+``lr``).
 
 :func:`check_resume` is the one place that decides whether saved Muon state can be resumed by an
 optimizer: ``QMuon.load_state_dict``, ``QuantizedStateCheckpoint`` and the strategy call it.
@@ -55,6 +57,7 @@ __all__ = [
     "ConfigError",
     "DEFAULT_CONFIG",
     "GROUP_KEYS",
+    "ADAMW_GROUP_KEYS",
     "STRUCTURAL_KEYS",
     "PER_HEAD_KEYS",
     "check_per_head",
@@ -285,6 +288,15 @@ GROUP_KEYS: dict[str, str] = {
     "safety.nonfinite": "nonfinite",
 }
 
+#: Options -> the key that holds them in an AdamW param group: AdamW's own, and the weight-write,
+#: state-rounding and non-finite options that apply to it (no Newton-Schulz, layout or momentum key).
+ADAMW_GROUP_KEYS: dict[str, str] = {
+    "adamw_lr": "lr", "update.adamw_betas": "betas", "update.adamw_eps": "eps", "adamw_weight_decay": "weight_decay",
+    "adamw_state_format": "state_format", "bf16_update": "bf16_update",
+    "update.cautious_weight_decay": "cautious_weight_decay", "state.rounding": "rounding", "state.seed": "seed",
+    "safety.nonfinite": "nonfinite",
+}
+
 
 @dataclass(frozen=True)
 class QMuonConfig:
@@ -437,9 +449,10 @@ class QMuonConfig:
         return out
 
     def adamw_group_defaults(self) -> dict[str, Any]:
-        return {"lr": self.adamw_lr, "betas": tuple(self.update.adamw_betas), "eps": self.update.adamw_eps,
-                "weight_decay": self.adamw_weight_decay, "bf16_update": self.bf16_update,
-                "state_format": self.adamw_state_format, "cautious_weight_decay": self.update.cautious_weight_decay}
+        """Defaults of an AdamW parameter group: :data:`ADAMW_GROUP_KEYS` only."""
+        out = {key: self.option(path) for path, key in ADAMW_GROUP_KEYS.items()}
+        out["betas"] = tuple(out["betas"])
+        return out
 
     def to_dict(self) -> dict[str, Any]:
         """Plain values, sections as dicts (for manifests, logs and ``from_kwargs``)."""

@@ -152,11 +152,10 @@ class QMuonGroupsMixin:
         self._layout_fresh = False
 
     def _add_one_group(self, param_group: dict[str, Any]) -> None:
-        if not param_group.get("use_muon", True):
-            for k, v in self._adamw_defaults.items():
-                param_group.setdefault(k, v)
-            param_group.setdefault("use_muon", False)
-        super().add_param_group(param_group)
+        if param_group.get("use_muon", True):
+            super().add_param_group(param_group)
+        else:
+            self._add_adamw_group(param_group)
         group = self.param_groups[-1]
         where = f"QMuon param group {len(self.param_groups) - 1}"
         if group["use_muon"]:
@@ -167,6 +166,33 @@ class QMuonGroupsMixin:
         # The matrices a Muon group was routed with: step() refuses the group once a wrapper swapped
         # them for something else (check_routed_shapes).
         self._routed_shapes.append(tuple(tuple(true_shape(p)) for p in group["params"]) if group["use_muon"] else None)
+
+    def muon_only_keys(self) -> set[str]:
+        """The Muon options an AdamW group does not hold (Newton-Schulz, momentum, layout keys)."""
+        return set(self.defaults) - set(self._adamw_defaults) - {"use_muon"}
+
+    def _add_adamw_group(self, param_group: dict[str, Any]) -> None:
+        """An AdamW group holds the AdamW options only (``config.ADAMW_GROUP_KEYS``), as a
+        ``torch.optim.AdamW`` group holds AdamW's: torch fills in ``defaults``, which are the Muon
+        group's, so they are swapped for the AdamW ones while torch adds it."""
+        muon_only = self.muon_only_keys()
+        given = sorted(k for k in muon_only & param_group.keys() if param_group[k] != self.defaults[k])
+        if given:
+            raise ValueError(
+                f"QMuon param group {len(self.param_groups)}: {', '.join(given)} are Muon options, but the group is an "
+                f"AdamW group (use_muon=False) and would ignore them. AdamW groups take {sorted(self._adamw_defaults)}; "
+                "move the parameters to a Muon group or drop those keys")
+        for k in muon_only & param_group.keys():  # what a group copied from an older QMuon carries: the defaults
+            del param_group[k]
+        for k, v in self._adamw_defaults.items():
+            param_group.setdefault(k, v)
+        param_group["use_muon"] = False
+        muon_defaults = self.defaults
+        self.defaults = {**self._adamw_defaults, "use_muon": False}
+        try:
+            super().add_param_group(param_group)
+        finally:
+            self.defaults = muon_defaults
 
     def check_routed_shapes(self, gi: int) -> None:
         """Raise ``RuntimeError`` when Muon group ``gi`` no longer holds the matrices it was routed

@@ -116,8 +116,12 @@ class QMuonStateMixin:
                     f"{len(cur['params'])}; build the optimizer the same way it was built when saved"
                 )
             merged = {k: v for k, v in saved.items() if k != "qmuon_version"}
+            if not cur["use_muon"]:  # an AdamW group holds AdamW's options (older checkpoints carry Muon's too)
+                for k in self.muon_only_keys():
+                    merged.pop(k, None)
             for k in STRUCTURAL_KEYS:
-                merged[k] = cur[k]
+                if k in cur:
+                    merged[k] = cur[k]
             if cur.get("ns_dtype") == "auto" and saved.get("ns_dtype") in ("bf16", "fp32"):
                 merged["ns_dtype"] = saved["ns_dtype"]  # what "auto" chose when the run started (record_auto_choices)
             for k, v in cur.items():  # options the checkpoint lacks (torch.optim.Muon's, AdamW's) take this run's
