@@ -57,8 +57,9 @@ from typing import Any, Literal, Mapping, Sequence
 import torch
 from torch import nn
 
-from ..core.config import QMuonConfig
+from ..core.config import QMuonConfig, check_per_head
 from ..core.plan import FusedParts, true_shape
+from .heads import HeadRole, attention_heads, head_parts
 from .layouts import BankLayout, _hf_banks, _hf_fused, _owners, _read_layout, _unwrapped
 from .litgpt_layouts import litgpt_fused_parts
 from .groups import group_name, unique_group_name
@@ -245,8 +246,10 @@ class _Router:
     computed once per routing."""
 
     def __init__(self, model: nn.Module | None, rules: Sequence[RoutingRule] | None, fused_parts: Mapping[str, Any] | None,
-                 orientations: Mapping[str, str] | None, banks: Mapping[str, Any] | None) -> None:
+                 orientations: Mapping[str, str] | None, banks: Mapping[str, Any] | None, per_head: Any = None) -> None:
         self.rules = DEFAULT_RULES if rules is None else tuple(_rule(r) for r in rules)
+        per_head = check_per_head(per_head)
+        self.heads: dict[int, HeadRole] = {}
         self.fused_parts = fused_parts or {}
         self.orientations = orientations or {}
         self.banks = banks or {}
@@ -261,6 +264,8 @@ class _Router:
             self.auto_banks = _hf_banks(model)
             head = output_head(model)
             self.head_ids = {id(p) for p in head.parameters()} if head is not None else set()
+            if per_head is not None:
+                self.heads = attention_heads(model, per_head)
 
     def decide(self, name: str, module: nn.Module, attr: str, p: torch.Tensor) -> RouteDecision:
         role = OUTPUT_HEAD if id(p) in self.head_ids else None
@@ -270,11 +275,25 @@ class _Router:
                 if rule.target == "muon":
                     _read_layout(d, module, attr, p, self.fused_parts, self.orientations, self.auto, self.banks,
                                  self.auto_banks)
+                    role = self.heads.get(id(p))
+                    if role is not None:
+                        _split_heads(d, role)
                 return d
         raise ValueError(
             f"no routing rule matched parameter {name!r} (shape {tuple(true_shape(p))}); "
             "end the rule table with a catch-all rule such as RoutingRule('adamw')"
         )
+
+
+def _split_heads(d: RouteDecision, role: HeadRole) -> None:
+    """Make ``d``'s parts its attention head blocks (``routing.per_head``, :mod:`.heads`)."""
+    parts, axis = head_parts(d.name, d.shape, d.orientation, role, d.parts, d.parts_axis, d.parts_interleaved,
+                             d.bank_dims)
+    d.parts, d.parts_axis = parts, axis
+    n = len(parts) if parts else 1
+    what = (f"{role.num_heads} q + {role.num_kv_heads} k + {role.num_kv_heads} v heads" if role.role == "qkv"
+            else f"{n} {role.role} head{'s' if n > 1 else ''}")
+    d.reason += f"; per head ({what})"
 
 
 #: Stands for the owning module of a parameter routed without its model (no module rule matches it).
@@ -287,14 +306,16 @@ def route_parameters(
     fused_parts: Mapping[str, Any] | None = None,
     orientations: Mapping[str, str] | None = None,
     banks: Mapping[str, Any] | None = None,
+    per_head: Any = None,
 ) -> list[RouteDecision]:
     """Apply the rule table to every trainable parameter of ``model`` (frozen ones are listed as
     ``"frozen"`` and left out of the optimizer), and read each Muon parameter's layer meaning
-    (fused parts, orientation; see the module docstring).
+    (fused parts, orientation; see the module docstring; ``per_head``: split attention weights
+    into their head blocks, :mod:`.heads`).
 
     Parameters are keyed by identity: a tied weight (an embedding shared with the output head)
     appears once, under its first owner's name and routing."""
-    router = _Router(model, rules, fused_parts, orientations, banks)
+    router = _Router(model, rules, fused_parts, orientations, banks, per_head)
     decisions = []
     for _, (name, module, attr) in router.owners.items():
         p = getattr(module, attr)
@@ -315,8 +336,10 @@ class ModelRouting:
 
     def __init__(self, model: nn.Module | None, rules: Sequence[RoutingRule] | None = None,
                  fused_parts: Mapping[str, Any] | None = None, orientations: Mapping[str, str] | None = None,
-                 banks: Mapping[str, Any] | None = None, bank_state_format: str | None = None) -> None:
+                 banks: Mapping[str, Any] | None = None, bank_state_format: str | None = None,
+                 per_head: Any = None) -> None:
         self._model = weakref.ref(model) if model is not None else None
+        self.per_head = per_head
         self.rules = None if rules is None else tuple(rules)
         self.fused_parts = dict(fused_parts or {})
         self.orientations = dict(orientations or {})
@@ -331,7 +354,8 @@ class ModelRouting:
         """One decision per parameter of ``params`` (trainable or not; a tied parameter routes as
         its first owner): by the model's names and modules for the model's parameters, by
         ``labels`` (and no module) for others."""
-        router = _Router(self.model, self.rules, self.fused_parts, self.orientations, self.banks)
+        router = _Router(self.model, self.rules, self.fused_parts, self.orientations, self.banks,
+                         getattr(self, "per_head", None))
         out = []
         for p, label in zip(params, labels):
             name, module, attr = router.owners.get(id(p), (label, _NO_MODULE, ""))
@@ -372,7 +396,7 @@ def format_routing_table(decisions: Sequence[RouteDecision]) -> str:
         if d.bank_dims:
             target += f" bank={'x'.join(map(str, d.shape[:d.bank_dims]))}"
         if d.parts:
-            target += (f" parts={list(d.parts)}" + (f" dim={d.parts_axis}" if d.parts_axis else "")
+            target += (f" parts={_parts_text(d.parts)}" + (f" dim={d.parts_axis}" if d.parts_axis else "")
                        + (" interleaved" if d.parts_interleaved else ""))
         layout = d.orientation if d.target == "muon" else ""
         rows.append((d.name, "x".join(map(str, d.shape)) or "scalar", target, layout, d.reason))
@@ -384,6 +408,13 @@ def format_routing_table(decisions: Sequence[RouteDecision]) -> str:
         counts[d.target] = counts.get(d.target, 0) + (int(torch.Size(d.shape).numel()))
     lines.append("parameters per optimizer: " + ", ".join(f"{k}={v:,}" for k, v in counts.items()))
     return "\n".join(lines)
+
+
+def _parts_text(parts: Sequence[int]) -> str:
+    """``[64, 32, 32]``; many equal parts (head blocks) as ``[16]*12``."""
+    if len(parts) > 4 and len(set(parts)) == 1:
+        return f"[{parts[0]}]*{len(parts)}"
+    return str(list(parts))
 
 
 def _device_of(model: nn.Module) -> torch.device:
@@ -507,7 +538,7 @@ def build_optimizer(
     routing = cfg.routing
     rules, fused_parts, orientations, banks = routing.rules, routing.fused_parts, routing.orientations, routing.banks
     bank_state_format = routing.bank_state_format
-    decisions = route_parameters(model, rules, fused_parts, orientations, banks)
+    decisions = route_parameters(model, rules, fused_parts, orientations, banks, routing.per_head)
     plain_layout = (None, 0, "out_in", False, 0)
     muon = [d for d in decisions if d.target == "muon" and d.layout == plain_layout]
     groups = routed_groups([d for d in decisions if d.target != "frozen"], adamw_weight_decay=cfg.adamw_weight_decay,
@@ -523,7 +554,7 @@ def build_optimizer(
     for d in decisions:
         d.param = None
     opt.routing = decisions  # type: ignore[attr-defined]
-    opt.router = ModelRouting(model, rules, fused_parts, orientations, banks, bank_state_format)
+    opt.router = ModelRouting(model, rules, fused_parts, orientations, banks, bank_state_format, routing.per_head)
     if cfg.gradient_release:
         attach_gradient_release(opt, clip_norm=cfg.safety.release_clip_norm)
     table = format_routing_table(decisions) + "\n" + describe_auto_choices(cfg, decisions, _device_of(model))
