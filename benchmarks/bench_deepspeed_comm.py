@@ -8,9 +8,9 @@ optimizer step each:
 
 - FSDP2 (``fully_shard``, ``Shard(0)``) with plain QMuon and the carriers fp32/fp32, bf16/bf16,
   int8/int8 (the default): ``opt.comm_stats``;
-- DeepSpeed ZeRO-2 and ZeRO-3 through ``qmuon.integrations.deepspeed.initialize``:
-  ``WholeMatrixZeroOptimizer.comm_stats`` (fp32 gradients to the owner, the update back in the NS
-  dtype; the carriers do not apply).
+- DeepSpeed ZeRO-2 and ZeRO-3 through ``qmuon.integrations.deepspeed.initialize`` with the same
+  carriers: ``WholeMatrixZeroOptimizer.comm_stats`` (the gradient slices to the owner through
+  ``comm_carrier``, the update back through ``comm_return``: :mod:`qmuon.distributed.flat`).
 
 "wire B/param" is what crossed between the ranks (both trips, all ranks) per Muon element;
 FSDP2's includes its fp32 row-block sums of squares. Writes ``benchmarks/results/deepspeed_comm.md``.
@@ -80,15 +80,17 @@ def _worker(out: Path) -> None:
         rows.append({"setup": "FSDP2", "carriers": f"{fwd} / {ret}", **{k: float(st[k]) for k in
                      ("ns_bytes_total", "muon_elements", "wire_bytes_per_param", "ns_bytes_sent")}})
     for stage in (2, 3):
-        model = Stack()
-        cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
-               "zero_optimization": {"stage": stage}, "communication_data_type": "fp32"}
-        engine, opt, _, _ = qds.initialize(model, qmuon.QMuon(model.groups(), lr=0.02), cfg)
-        engine.backward(engine(torch.zeros(1)))
-        engine.step()
-        st = opt.comm_stats
-        rows.append({"setup": f"DeepSpeed ZeRO-{stage}", "carriers": "(not applied)", **{k: float(st[k]) for k in
-                     ("ns_bytes_total", "muon_elements", "wire_bytes_per_param", "ns_bytes_sent")}})
+        for fwd, ret in CARRIERS:
+            model = Stack()
+            cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+                   "zero_optimization": {"stage": stage}, "communication_data_type": "fp32"}
+            qm = qmuon.QMuon(model.groups(), lr=0.02, newton_schulz={"comm_carrier": fwd, "comm_return": ret})
+            engine, opt, _, _ = qds.initialize(model, qm, cfg)
+            engine.backward(engine(torch.zeros(1)))
+            engine.step()
+            st = opt.comm_stats
+            rows.append({"setup": f"DeepSpeed ZeRO-{stage}", "carriers": f"{fwd} / {ret}", **{k: float(st[k]) for k in
+                         ("ns_bytes_total", "muon_elements", "wire_bytes_per_param", "ns_bytes_sent")}})
     sent = [torch.tensor([r["ns_bytes_sent"] for r in rows], dtype=torch.float64) for _ in range(world)]
     dist.all_gather(sent, torch.tensor([r["ns_bytes_sent"] for r in rows], dtype=torch.float64))
     for i, r in enumerate(rows):  # the per-rank counts add up to the all-ranks total
@@ -103,10 +105,13 @@ def main() -> None:
         subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
                         "127.0.0.1", "--master_port", "29741", __file__, "--worker", tmp], check=True, env=env)
         rows = json.loads((Path(tmp) / "rows.json").read_text())
-    base = next(r for r in rows if r["carriers"] == "int8 / int8")["wire_bytes_per_param"]
+    fsdp = {r["carriers"]: r["wire_bytes_per_param"] for r in rows if r["setup"] == "FSDP2"}
+    base = fsdp["int8 / int8"]
     table = md_table(
-        ["setup", "carriers fwd / return", "wire B/param", "vs FSDP2 int8", "bytes, all ranks", "Muon elements"],
-        [[r["setup"], r["carriers"], f"{r['wire_bytes_per_param']:.3f}", f"{r['wire_bytes_per_param'] / base:.2f}x",
+        ["setup", "carriers fwd / return", "wire B/param", "vs FSDP2 same carriers", "vs FSDP2 int8", "bytes, all ranks",
+         "Muon elements"],
+        [[r["setup"], r["carriers"], f"{r['wire_bytes_per_param']:.3f}",
+          f"{r['wire_bytes_per_param'] / fsdp[r['carriers']]:.2f}x", f"{r['wire_bytes_per_param'] / base:.2f}x",
           f"{r['ns_bytes_total']:,.0f}", f"{r['muon_elements']:,.0f}"] for r in rows])
     assert all(abs(r["sent_sum_over_ranks"] - r["ns_bytes_total"]) < 1 for r in rows), rows
     from qmuon.core.newton_schulz import resolve_ns_dtype
@@ -117,8 +122,10 @@ def main() -> None:
         f"Model: the GPT matrix stack of bench_comm.py (d={D_MODEL}, {N_LAYERS} layers, 8 Muon matrices), one "
         "optimizer step, 2 gloo processes; the same gradient in every setup. FSDP2: `opt.comm_stats` of the "
         "sharded step (NS inputs + fp32 row-block sums of squares forward, NS outputs back). DeepSpeed: "
-        "`WholeMatrixZeroOptimizer.comm_stats` (the owner receives the other rank's fp32 gradient slices, "
-        "sends the update back in the NS dtype; `comm_carrier` / `comm_return` are not applied). The per-rank "
+        "`WholeMatrixZeroOptimizer.comm_stats` (the owner receives the other rank's gradient slices through "
+        "`comm_carrier` and sends the update back through `comm_return`, the carriers of the sharded step, "
+        "`qmuon.distributed.flat`; ZeRO-2 cuts the flat buffer once, so most matrices sit whole on one rank, "
+        "ZeRO-3 cuts every matrix in two). The per-rank "
         "`ns_bytes_sent` add up to the all-ranks total in every row (checked). Newton-Schulz dtype ('auto' on "
         f"this CPU): {ns_dtype}.", "",
         table, ""])

@@ -52,6 +52,7 @@ import qmuon  # noqa: E402
 from qmuon.core.config import GROUP_KEYS  # noqa: E402
 from qmuon.core.newton_schulz import resolve_ns_dtype, resolve_schedule  # noqa: E402
 from qmuon.integrations import deepspeed as qds  # noqa: E402
+from qmuon.distributed.flat import FlatParam, Segment  # noqa: E402
 from qmuon.integrations.deepspeed import layout as ds_layout  # noqa: E402
 from qmuon_lightning.models.decoder_lm import DecoderLM, DecoderLMConfig  # noqa: E402
 
@@ -68,7 +69,11 @@ CKPT_AT = 2  # checkpoint runs: save after CKPT_AT steps, continue to STEPS
 BF16_STEPS = 3
 LIGHTNING_STEPS = 3
 # fp32 AdamW moments: DeepSpeed steps flat ZeRO slices, whose AdamW moments QMuon keeps in fp32
-OPT_KW = dict(lr=0.02, weight_decay=0.1, state_format="int8", state={"rounding": "stochastic"}, adamw_lr=3e-3, adamw_weight_decay=0.1, adamw_state_format="fp32", verbose=False)
+# fp32 carriers: the Muon gradient travels to its owner and the update back as they are, so the 2-process
+# runs equal the single-process reference bit for bit (int8, the default, is covered by test_deepspeed_attach.py)
+OPT_KW = dict(lr=0.02, weight_decay=0.1, state_format="int8", state={"rounding": "stochastic"}, adamw_lr=3e-3,
+              adamw_weight_decay=0.1, adamw_state_format="fp32", newton_schulz={"comm_carrier": "fp32", "comm_return": "fp32"},
+              verbose=False)
 
 #: First-step update of every Muon matrix (per fused part), recovered from the weights as
 #: ``(p0 (1 - lr wd) - p1) / lr_adj``, against Newton-Schulz in float64 of the averaged gradient:
@@ -182,15 +187,18 @@ def test_owners_come_from_the_sharded_steps_planner():
     rank holding most), as FSDP2 / HSDP / TP do: deterministic, balanced by NS cost."""
     from qmuon.distributed.plan import ns_cost, plan_owners
 
+    def item(r: int, c: int, held: tuple[int, ...]) -> FlatParam:
+        return FlatParam(0, 0, 0, torch.Size((r, c)), r * c, True, holders=[Segment(0, n, 0) if n else None for n in held])
+
     shapes = [(256, 64), (64, 256), (128, 128), (64, 64), (64, 64), (32, 96)]
-    items = [ds_layout.OwnerItem(r, c, (r * c, 0)) for r, c in shapes]
+    items = [item(r, c, (r * c, 0)) for r, c in shapes]
     owners = plan_owners(items, 2)
     assert owners == plan_owners(items, 2)
     load = [sum(ns_cost(*s) for s, o in zip(shapes, owners) if o == r) for r in range(2)]
     assert max(load) <= sum(load) / 2 + max(ns_cost(*s) for s in shapes)  # greedy LPT bound
-    tie = [ds_layout.OwnerItem(64, 64, (10, 4086)), ds_layout.OwnerItem(64, 64, (4000, 96))]
+    tie = [item(64, 64, (10, 4086)), item(64, 64, (4000, 96))]
     assert plan_owners(tie, 2) == [1, 0]  # equal cost: each to the rank holding most of it
-    assert set(plan_owners([ds_layout.OwnerItem(r, c, (r * c, 0, 0)) for r, c in shapes], 3)) == {0, 1, 2}
+    assert set(plan_owners([item(r, c, (r * c, 0, 0)) for r, c in shapes], 3)) == {0, 1, 2}
     model = _model()
     wrapper = qds.WholeMatrixZeroOptimizer(qmuon.build_optimizer(model, **OPT_KW))
     wrapper._require_attached()  # one process: every matrix is rank 0's
@@ -201,9 +209,9 @@ def test_zero3_segments_follow_deepspeed_pieces():
     # ZeRO-3 cuts a 10-element parameter over 3 ranks into pieces of ceil(10 / 3) = 4: [0, 4), [4, 8),
     # [8, 10) + 2 padding; each piece at the same local offset of its rank's flat partition.
     segs = ds_layout.zero3_segments(10, 4, 7, 3)
-    assert segs == [ds_layout._Segment(0, 4, 7), ds_layout._Segment(4, 4, 7), ds_layout._Segment(8, 2, 7)]
+    assert segs == [Segment(0, 4, 7), Segment(4, 4, 7), Segment(8, 2, 7)]
     # 2 elements over 4 ranks: pieces of 1; ranks 2 and 3 hold only padding.
-    assert ds_layout.zero3_segments(2, 1, 0, 4) == [ds_layout._Segment(0, 1, 0), ds_layout._Segment(1, 1, 0), None, None]
+    assert ds_layout.zero3_segments(2, 1, 0, 4) == [Segment(0, 1, 0), Segment(1, 1, 0), None, None]
 
 
 def test_check_resume_names_both_world_sizes_and_the_fix(tmp_path):
@@ -361,7 +369,7 @@ def _reference(steps: int, bf16: bool = False, **ns) -> dict:
     per QMuon index its group and position in ``model.parameters()``.
     """
     model = _model()
-    opt = qmuon.build_optimizer(model, **OPT_KW, **ns)
+    opt = qmuon.build_optimizer(model, _without_verbose(OPT_KW), verbose=False, **ns)
     run = model
     if bf16:
         run = copy.deepcopy(model).bfloat16()

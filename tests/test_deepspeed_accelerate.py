@@ -106,13 +106,14 @@ def test_accelerate_deepspeed_plugin_zero1_2_3_match_one_process(tmp_path) -> No
                 # The exchange's byte count (WholeMatrixZeroOptimizer.comm_stats): the ranks' own counts add
                 # up to the total. At ZeRO-1/2 this small model's matrices each fit in one rank's partition and
                 # the planner gives each to the rank holding it (measured: 0 bytes, ZeRO-1 too); at ZeRO-3 every
-                # (even-sized) matrix is cut in halves and the non-owner's half crosses both ways: a 4-byte
-                # gradient and a 2- or 4-byte update (bf16 / fp32 NS).
+                # (even-sized) matrix is cut in halves and the non-owner's half crosses both ways through the
+                # default int8 carriers: 1 byte per element and a 4-byte scale per row piece, so between half
+                # and 0.6 of the same plan in bf16 (bf16_wire_bytes_per_param, 2 bytes per element each way).
                 comm = run["comm"]
                 assert sum(r[f"zero{stage}/{recipe}"]["comm"]["ns_bytes_sent"] for r in reports) == \
                     comm["ns_bytes_total"], comm
                 if stage == 3:
-                    assert comm["wire_bytes_per_param"] in (3.0, 4.0), comm
+                    assert 0.5 < comm["wire_bytes_per_param"] / comm["bf16_wire_bytes_per_param"] < 0.6, comm
                 for name in muon:
                     got = torch.tensor(run["updates"][name])
                     want = ref[name].reshape(-1)

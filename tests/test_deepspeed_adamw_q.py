@@ -45,7 +45,9 @@ WIDTH = 256  # one int8 block (256 columns) per row
 #: Embedding rows: with the 32 x 256 head the AdamW group has 24576 elements, so the ZeRO-2 boundary
 #: (12288) is row 48 of the embedding and the ZeRO-3 ones rows 32 / 16: cuts on the block grid.
 EMB_ROWS = 64
-KW = dict(lr=0.02, weight_decay=0.1, state_format="int8", state={"rounding": "stochastic"}, adamw_lr=3e-3, adamw_weight_decay=0.1, adamw_state_format="int8")
+# fp32 carriers: the gradient slices travel to the owner and the update back unchanged (bit-exact runs)
+KW = dict(lr=0.02, weight_decay=0.1, state_format="int8", state={"rounding": "stochastic"}, adamw_lr=3e-3, adamw_weight_decay=0.1, adamw_state_format="int8",
+          newton_schulz={"comm_carrier": "fp32", "comm_return": "fp32"})
 CFG = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "steps_per_print": 10 ** 9,
        "gradient_clipping": 0.0, "zero_optimization": {"stage": 2}}
 #: Cut block vs whole block, in-process test: ``max |p_cut - p_whole| / max |p_whole - p0|`` over the

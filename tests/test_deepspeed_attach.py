@@ -156,21 +156,20 @@ def test_a_zero3_link_to_another_optimizer_is_refused() -> None:
         wrapper._require_attached()
 
 
-def test_carriers_not_applied_are_said_once_at_attach(caplog) -> None:
-    """The sharded step's comm_carrier / comm_return do not apply under DeepSpeed: rank 0 logs so."""
-    import logging
-
+def test_the_sharded_steps_carriers_reach_the_exchange() -> None:
+    """comm_carrier / comm_return are the carriers of the DeepSpeed exchange (qmuon.distributed.flat), as of
+    FSDP2's; on one process nothing crosses a process boundary, so both are fp32 there, as under FSDP2.
+    tests/test_flat_exchange.py runs the exchange on 2 ranks; tests/test_deepspeed_accelerate.py trains with
+    the int8 default."""
     wrapper = qds.WholeMatrixZeroOptimizer(qmuon.build_optimizer(
-        _model(), lr=0.02, verbose=False, newton_schulz={"comm_carrier": "mxfp8", "comm_return": "int8"}))
-    wrapper._require_attached()  # one process: nothing to say
-    with caplog.at_level(logging.INFO, logger="qmuon.integrations.deepspeed.optimizer"):
-        wrapper._plan_slices()
-        assert "not applied" not in caplog.text
-        wrapper._world = 2  # as rank 0 of two ranks holding every matrix whole (stage 0)
-        for info in wrapper._params:
-            info.holders = info.holders * 2
-        wrapper._plan_slices()
-    assert "comm_carrier/comm_return mxfp8/int8 are not applied under DeepSpeed" in caplog.text
+        _model(), lr=0.02, verbose=False, newton_schulz={"comm_carrier": "mxfp8", "comm_return": "bf16"}))
+    wrapper._require_attached()
+    assert (wrapper._exchange.fwd.name, wrapper._exchange.ret.name) == ("fp32", "fp32")
+    wrapper._world = 2  # as rank 0 of two ranks holding every matrix whole (stage 0)
+    for info in wrapper._params:
+        info.holders = info.holders * 2
+    wrapper._plan_slices()
+    assert (wrapper._exchange.fwd.name, wrapper._exchange.ret.name) == ("mxfp8", "bf16")
 
 
 def test_an_accelerate_plugin_with_optimizer_offload_is_refused_when_the_wrapper_is_built() -> None:

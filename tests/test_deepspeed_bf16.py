@@ -47,7 +47,9 @@ VOCAB = 32
 WIDTH = 256
 EMB_ROWS = 64
 RULES = ("nearest", "stochastic", "ecc8")
-KW = dict(lr=0.02, weight_decay=0.1, state_format="int8", state={"rounding": "stochastic", "seed": 7}, adamw_lr=3e-3, adamw_weight_decay=0.1, adamw_state_format="int8")
+# fp32 carriers: the gradient slices travel to the owner and the update back unchanged (bit-exact runs)
+KW = dict(lr=0.02, weight_decay=0.1, state_format="int8", state={"rounding": "stochastic", "seed": 7}, adamw_lr=3e-3, adamw_weight_decay=0.1, adamw_state_format="int8",
+          newton_schulz={"comm_carrier": "fp32", "comm_return": "fp32"})
 BF16_MASTER = {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
 CFG = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "steps_per_print": 10 ** 9,
        "gradient_clipping": 0.0, "bf16": BF16_MASTER}

@@ -400,7 +400,9 @@ def test_sharded_update_is_single_process_bit_for_bit(family: str) -> None:
 #: of a column-fused c_attn (the test checks it does).
 DS_GPT2 = dict(d=33, heads=3, layers=3)
 # fp32 AdamW moments: DeepSpeed steps flat ZeRO slices, whose AdamW moments QMuon keeps in fp32
-DS_KW = dict(lr=LR, weight_decay=0.1, state_format="int8", state={"rounding": "stochastic"}, adamw_lr=3e-3, adamw_state_format="fp32", verbose=False)
+# fp32 carriers: the gradient slices travel to the owner and the update back unchanged (bit-exact runs)
+DS_KW = dict(lr=LR, weight_decay=0.1, state_format="int8", state={"rounding": "stochastic"}, adamw_lr=3e-3,
+             adamw_state_format="fp32", newton_schulz={"comm_carrier": "fp32", "comm_return": "fp32"}, verbose=False)
 DS_STEPS = 2
 TRAINER_FAMILIES = FAMILIES
 #: Decoder block classes (FSDP units of the Accelerate runs).

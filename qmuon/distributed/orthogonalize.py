@@ -96,7 +96,7 @@ from ..quant import state as qstate
 from ..quant.layout import check_sharded_param, row_layout, shard_state
 from .carrier import Carrier, get_carrier
 from .mesh import ShardMesh
-from .plan import ShardItem, merge_comm_stats, ns_cost, plan_owners, plan_replica_owners
+from .plan import ShardItem, comm_figures, merge_comm_stats, ns_cost, plan_owners, plan_replica_owners
 from .tensor_parallel import TensorParallelWorld, check_tensor_parallel_param, fit_blocks_to_shards, \
     log_fitted_blocks, uses_tensor_parallel
 
@@ -369,7 +369,7 @@ class ShardedStep:
             stats.update(self._flops([], [], [], []))
             orthogonalize(self.local_items, batch_budget)
             self.local_items = []
-            return self._record(stats, 0, 0, 0, 0.0, 0.0, 0.0)
+            return comm_figures(stats, 0, 0, 0, 0.0, 0.0, 0.0)
         if R == 1:  # bank members stay where they live
             owners_v, bank_owners = plan_owners(items, world), [holder for _, _, holder in self.bank_meta]
         else:
@@ -488,7 +488,7 @@ class ShardedStep:
         bf16_wire = sum(2 * items[j].n_of(s) * items[j].w_of(s) * (int(items[j].sends(s)) + 1)
                         for j in mine for s in range(world) if s != owners[j] and items[j].holds(s))
         exchange_b = sum(self._whole_bytes(it) for it in items)
-        return self._record(stats, self.sent, wire, elements, bf16_wire, exchange_b, float(len(owned) + len(bank_mine)))
+        return comm_figures(stats, self.sent, wire, elements, bf16_wire, exchange_b, float(len(owned) + len(bank_mine)))
 
     def _apply_returned(self, recv: Tensor, sub: list[int], owners: dict[int, int]) -> int:
         """Decode and apply this rank's rows of the results of items ``sub`` (laid out owner by
@@ -594,18 +594,3 @@ class ShardedStep:
                     buf[at + nb_c: at + nb_c + 4 * (hi - lo)].view(torch.float32).copy_(full_v[lo - it.r0: hi - it.r0])
 
         return apply
-
-    @staticmethod
-    def _record(stats: dict[str, float], mine: int, wire: int, elements: int, bf16_wire: float,
-                exchange: float, owned: float) -> dict[str, float]:
-        el = max(elements, 1)
-        stats.update({
-            "ns_bytes_sent": float(mine),  # this rank, both trips, to other ranks
-            "ns_bytes_total": float(wire),  # all ranks
-            "muon_elements": float(elements),
-            "wire_bytes_per_param": wire / el,
-            "bf16_wire_bytes_per_param": bf16_wire / el,  # bf16 both ways, same plan
-            "exchange_bytes_per_param": exchange / el,  # if every element crossed the wire both ways (bf16: 4)
-            "matrices_owned": owned,
-        })
-        return stats

@@ -157,6 +157,23 @@ def plan_owners(items: list[Any], world: int) -> list[int]:
     return owners
 
 
+def comm_figures(stats: dict[str, float], mine: float, wire: float, elements: float, bf16_wire: float,
+                 exchange: float, owned: float) -> dict[str, float]:
+    """``stats`` with the byte figures of one Newton-Schulz exchange, the terms of ``QMuon.comm_stats``
+    (:meth:`.orthogonalize.ShardedStep.finish`, :class:`.flat.FlatExchange`)."""
+    el = max(elements, 1)
+    stats.update({
+        "ns_bytes_sent": float(mine),  # this rank, both trips, to other ranks
+        "ns_bytes_total": float(wire),  # all ranks
+        "muon_elements": float(elements),
+        "wire_bytes_per_param": wire / el,
+        "bf16_wire_bytes_per_param": bf16_wire / el,  # bf16 both ways, same plan
+        "exchange_bytes_per_param": exchange / el,  # if every element crossed the wire both ways (bf16: 4)
+        "matrices_owned": float(owned),
+    })
+    return stats
+
+
 #: Figures of :meth:`ShardedStep.finish` that add up over several exchanges of one optimizer step.
 _ADDITIVE = ("flags_bytes", "ns_bytes_sent", "ns_bytes_total", "muon_elements", "matrices_owned")
 #: Per-parameter ratios (bytes / Muon element): combined weighted by ``muon_elements``.

@@ -24,14 +24,15 @@ the group's averaged gradients landed in its fp32 partition, after unscaling and
 
 1. one small all-reduce of a "non-finite" flag per parameter, so every rank skips (or raises for)
    the same parameters before the call changes anything;
-2. each Muon matrix has an *owner* rank (matrices dealt by size, largest first, to the least loaded
-   rank, so NS work and momentum are split about ``1/N``). One ``all_to_all`` sends every rank's
-   slices of the averaged gradient of each matrix to its owner (fp32);
+2. each Muon matrix has an *owner* rank, dealt by the sharded step's planner (Newton-Schulz cost,
+   :func:`qmuon.distributed.plan.plan_owners`). One ``all_to_all`` sends every rank's slices of the
+   averaged gradient of each matrix to its owner, through ``newton_schulz.comm_carrier``
+   (:class:`qmuon.distributed.flat.FlatExchange`, the carriers of :mod:`qmuon.distributed.carrier`);
 3. the owner runs QMuon's own momentum update (quantized state: int8 / 4-bit / ...) and whole-matrix
    NS, once: the momentum of a matrix exists only on its owner (ZeRO-1-like state partitioning);
-4. a second ``all_to_all`` sends the NS output (bf16, what QMuon applies) back, each rank receiving
-   the slices that fall in its own partition, and applies ``p *= 1 - lr wd; p -= lr_adj O`` (per
-   fused part) to them;
+4. a second ``all_to_all`` sends the NS output back through ``newton_schulz.comm_return``, each rank
+   receiving the slices that fall in its own partition, and applies ``p *= 1 - lr wd; p -= lr_adj O``
+   (per fused part) to them;
 5. AdamW parameters are updated on the partition slices with QMuon's own AdamW step: fp32 moments
    elementwise on the flat slice; quantized (int8 / int4) or bf16 moments on pieces of the slice cut
    on the whole parameter's block grid (:func:`qmuon.quant.adamw.flat_slice_pieces`), so

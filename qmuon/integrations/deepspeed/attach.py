@@ -8,8 +8,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
+from ...distributed.flat import Segment
 from .config import UnsupportedDeepSpeedConfig
-from .layout import _Segment, read_zero3_layout, read_zero12_links, resolve_zero
+from .layout import read_zero3_layout, read_zero12_links, resolve_zero
 
 if TYPE_CHECKING:
     from .optimizer import WholeMatrixZeroOptimizer
@@ -82,7 +83,7 @@ class ZeroAttachMixin:
         self._mode = "direct"
         self._set_world(group)
         for info in self._params:
-            info.holders = [_Segment(0, info.numel, 0)] * self._world
+            info.holders = [Segment(0, info.numel, 0)] * self._world
 
     def _attach_partitioned(self, zero: Any = None) -> None:
         """ZeRO stages 1/2, read from the links on the model's parameters (:func:`.layout.read_zero12_links`);

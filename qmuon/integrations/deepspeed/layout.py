@@ -2,7 +2,7 @@
 which DeepSpeed optimizer wraps the client (:func:`resolve_zero`).
 
 The readers return, per parameter and rank, the slice that rank's flat fp32 partition holds
-(:class:`_Segment`):
+(:class:`Segment`):
 
 - stages 1/2 (:func:`read_zero12_links`): each parameter group is one flat buffer cut into ``N``
   equal partitions whose boundaries ignore parameter boundaries; DeepSpeed links every model
@@ -14,10 +14,7 @@ The readers return, per parameter and rank, the slice that rank's flat fp32 part
 
 from __future__ import annotations
 
-import dataclasses
-import math
 from collections import defaultdict
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -25,79 +22,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ...core.plan import MatrixPart
-
-
-@dataclass(frozen=True)
-class _Segment:
-    """The elements ``[start, start + length)`` of a parameter (flattened row-major) held by one rank,
-    at offset ``local`` of that rank's flat partition (or of the parameter itself at stage 0)."""
-
-    start: int
-    length: int
-    local: int
-
-
-@dataclass
-class _Param:
-    index: int  # global index over all groups (QMuon's stochastic-rounding key)
-    group: int
-    pos: int  # position in its group
-    shape: torch.Size  # the full shape (ZeRO-3 partitioned parameters: their ds_shape)
-    numel: int
-    muon: bool
-    parts: tuple[MatrixPart, ...] = ()  # the matrices of a Muon parameter (QMuon's plan)
-    owner: int = 0
-    subgroup: int = 0  # ZeRO-3: the sub-group whose flat partition holds it
-    holders: list[_Segment | None] = dataclasses.field(default_factory=list)  # per rank
-
-    @property
-    def rows(self) -> int:
-        return self.shape[0]
-
-    @property
-    def cols(self) -> int:
-        return self.numel // self.shape[0]
-
-
-@dataclass(frozen=True)
-class OwnerItem:
-    """A Muon parameter as the sharded step's owner planner sees it
-    (:func:`qmuon.distributed.plan.plan_owners`): its ``(rows, cols)`` matrix, whose Newton-Schulz
-    cost it deals by, and the elements each rank's partition holds of it (ties go to the rank holding
-    most, whose slice then needs no trip)."""
-
-    rows: int
-    cols: int
-    held: tuple[int, ...]
-
-    def n_of(self, r: int) -> int:
-        return self.held[r]
-
-
-def _part_runs(part: MatrixPart, cols: int, start: int, length: int) -> list[tuple[int, int, int, int, int]]:
-    """The elements of ``part`` in the flat slice ``[start, start + length)`` of its row-major
-    ``(rows, cols)`` parameter, as runs ``(offset, n, width, c0, c1)``: the slice's elements
-    ``[offset, offset + n * width)`` seen as ``n x width`` hold the part in columns ``[c0, c1)``.
-    At most three runs: a partial first row, whole rows, a partial last row (ZeRO partitions cut
-    parameters anywhere)."""
-    lo, hi = max(part.r0 * cols, start), min(part.r1 * cols, start + length)
-    pieces = []  # (first row, rows, first column, last column + 1) of the parameter
-    while lo < hi:
-        row, col = divmod(lo, cols)
-        if col or hi - lo < cols:  # a partial row
-            end = min(hi, (row + 1) * cols)
-            pieces.append((row, 1, col, end - row * cols))
-            lo = end
-        else:
-            n = (hi - lo) // cols
-            pieces.append((row, n, 0, cols))
-            lo += n * cols
-    out = []
-    for row, n, a, b in pieces:
-        c0, c1 = max(a, part.c0), min(b, part.c1)
-        if c1 > c0:
-            out.append((row * cols + a - start, n, b - a, c0 - a, c1 - a))
-    return out
+from ...distributed.flat import FlatParam, Segment
 
 
 def _apply_parts(parts: tuple[MatrixPart, ...], where: str) -> tuple[MatrixPart, ...]:
@@ -117,35 +42,12 @@ def _apply_parts(parts: tuple[MatrixPart, ...], where: str) -> tuple[MatrixPart,
     return tuple(out.values())
 
 
-def row_pieces(shape: torch.Size, start: int, length: int) -> list[tuple[int, int, int]]:
-    """A flat slice ``[start, start + length)`` of a parameter of ``shape`` (flattened row-major) cut
-    on row boundaries, as ``(offset in the slice, rows, width)`` pieces, each a contiguous
-    ``(rows, width)`` matrix: a partial first row, the whole rows, a partial last row (at most three;
-    1-D parameters are ``(n, 1)``: one piece). How a slice whose AdamW moments are elementwise (fp32)
-    is stepped when its weights are bf16: each piece is written through ``bf16_update`` with the
-    rounding counter of its first element in the whole parameter, in bounded row blocks."""
-    cols = math.prod(int(s) for s in shape[1:]) if len(shape) > 1 else 1
-    pieces: list[tuple[int, int, int]] = []
-    pos, end = start, start + length
-    while pos < end:
-        c = pos % cols
-        if c == 0 and end - pos >= cols:
-            k = (end - pos) // cols
-            pieces.append((pos - start, k, cols))
-            pos += k * cols
-            continue
-        stop = min(end, pos - c + cols)
-        pieces.append((pos - start, 1, stop - pos))
-        pos = stop
-    return pieces
-
-
 def _placeholder(shape: torch.Size, device: torch.device) -> Tensor:
     """A tensor of ``shape`` backed by one element: what an idle proxy looks like (never written)."""
     return torch.zeros(1, dtype=torch.float32, device=device).expand(shape)
 
 
-def zero3_segments(numel: int, partition_numel: int, local: int, world_size: int) -> list[_Segment | None]:
+def zero3_segments(numel: int, partition_numel: int, local: int, world_size: int) -> list[Segment | None]:
     """Which slice of a parameter each rank holds under ZeRO stage 3.
 
     DeepSpeed cuts every parameter on its own (``partition_parameters._partition_param``): rank ``r``
@@ -154,11 +56,11 @@ def zero3_segments(numel: int, partition_numel: int, local: int, world_size: int
     padding). Its piece sits at offset ``local`` of the rank's flat fp32 partition of the sub-group,
     the same offset on every rank (every piece is ``partition_numel`` long, padding included).
     """
-    out: list[_Segment | None] = []
+    out: list[Segment | None] = []
     for r in range(world_size):
         start = r * partition_numel
         n = min(partition_numel, numel - start)
-        out.append(_Segment(start, n, local) if n > 0 else None)
+        out.append(Segment(start, n, local) if n > 0 else None)
     return out
 
 
@@ -197,7 +99,7 @@ def resolve_zero(handle: Any, client: Any) -> tuple[Any, Any]:
         "optimizer=this wrapper), the accelerate.Accelerator that prepared it, or the transformers.Trainer")
 
 
-def read_zero12_links(params: list[_Param], model_params: list[Tensor], flats: list[Tensor], world_size: int,
+def read_zero12_links(params: list[FlatParam], model_params: list[Tensor], flats: list[Tensor], world_size: int,
                       group: Any) -> None:
     """Fill ``holders`` of every parameter under ZeRO stages 1/2 from the link DeepSpeed puts on each
     model parameter (``_hp_mapping``, what ``deepspeed.utils.safe_get_full_fp32_param`` reads): this
@@ -231,7 +133,7 @@ def read_zero12_links(params: list[_Param], model_params: list[Tensor], flats: l
         every = [mine]
     table = torch.stack(every).tolist()  # attach time, once: (rank, parameter) -> (start, numel, local)
     for info in params:
-        segs = [None if table[r][info.index][0] < 0 else _Segment(*table[r][info.index]) for r in range(world_size)]
+        segs = [None if table[r][info.index][0] < 0 else Segment(*table[r][info.index]) for r in range(world_size)]
         covered = sorted((s.start, s.length) for s in segs if s is not None)
         at = 0
         for start, n in covered:
@@ -244,7 +146,7 @@ def read_zero12_links(params: list[_Param], model_params: list[Tensor], flats: l
         info.holders = segs
 
 
-def read_zero3_layout(zero: Any, params: list[_Param], world_size: int) -> list[Tensor]:
+def read_zero3_layout(zero: Any, params: list[FlatParam], world_size: int) -> list[Tensor]:
     """Fill ``holders`` and ``subgroup`` of every parameter from a ``DeepSpeedZeroOptimizer_Stage3``
     and return its flat fp32 partitions (one per sub-group; the tensors DeepSpeed hands to ``step``).
 
@@ -253,7 +155,7 @@ def read_zero3_layout(zero: Any, params: list[_Param], world_size: int) -> list[
     pieces (``partition_numel()`` each, padding included) of the parameters before it. The offsets are
     cross-checked against where DeepSpeed put each piece (``ds_tensor`` is a view of the sub-group's
     flat low-precision buffer) and the true shapes (``ds_shape``) against QMuon's."""
-    by_group: dict[int, list[_Param]] = defaultdict(list)
+    by_group: dict[int, list[FlatParam]] = defaultdict(list)
     for info in params:
         by_group[info.group].append(info)
     seen: dict[int, list[Any]] = defaultdict(list)  # group -> DeepSpeed's parameters, sub-group by sub-group

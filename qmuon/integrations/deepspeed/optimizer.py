@@ -16,13 +16,13 @@ from ...core import apply as weight_apply
 from ...core import pipeline
 from ...core.apply import apply_update_
 from ...core.plan import plan_param, true_shape
-from ...distributed.plan import plan_owners
+from ...distributed.flat import FlatExchange, FlatParam, Segment, deal_owners, part_runs, row_pieces
 from ...optim.qmuon import QMuon
 from ...quant import adamw as qadamw
 from ...quant import state as qstate
 from .attach import ZeroAttachMixin
 from .config import check_accelerate_plugin
-from .layout import _apply_parts, _Param, _part_runs, _placeholder, _Segment, OwnerItem, row_pieces
+from .layout import _apply_parts, _placeholder
 from .optimizer_state import ZeroStateMixin
 
 __all__ = ["WholeMatrixZeroOptimizer"]
@@ -77,7 +77,7 @@ class WholeMatrixZeroOptimizer(ZeroAttachMixin, ZeroStateMixin, Optimizer):
                 f"max_nonfinite_skips={qmuon.max_nonfinite_skips} is not enforced under DeepSpeed (this wrapper skips "
                 "non-finite updates itself and counts them in nonfinite_skips); build the QMuon without it")
         groups = [g for g in qmuon.param_groups if len(g["params"])]  # DeepSpeed drops empty groups
-        self._params: list[_Param] = []
+        self._params: list[FlatParam] = []
         inner_groups = []
         for gi, g in enumerate(groups):
             proxies = []
@@ -90,7 +90,7 @@ class WholeMatrixZeroOptimizer(ZeroAttachMixin, ZeroStateMixin, Optimizer):
                     raise ValueError(f"parameter {where!r} has dtype {p.dtype}; DeepSpeed trains float parameters")
                 # The full shape, also for parameters zero.Init already partitioned (they look 1-D, empty).
                 shape = true_shape(p)
-                info = _Param(len(self._params), gi, pos, shape, shape.numel(), bool(g["use_muon"]),
+                info = FlatParam(len(self._params), gi, pos, shape, shape.numel(), bool(g["use_muon"]),
                               _apply_parts(plan_param(shape, g, 0, where).parts, where) if g["use_muon"] else ())
                 self._params.append(info)
                 proxies.append(_placeholder(shape, p.device) if info.muon else torch.zeros(0, device=p.device))
@@ -114,7 +114,6 @@ class WholeMatrixZeroOptimizer(ZeroAttachMixin, ZeroStateMixin, Optimizer):
         self._inner.update_sink = self._capture
         self._proxy_index = {id(proxy): info.index for info, proxy in zip(self._params, self._proxies)}
         self._out: dict[int, Tensor] = {}
-        self._ret_dtype = torch.bfloat16
         #: NS items (matrices or fused parts) orthogonalized in the last call, per Muon parameter index.
         self._ns_items_call: dict[int, int] = defaultdict(int)
         # The QMuon's own group dicts (torch's add_param_group keeps the dict objects): DeepSpeed swaps
@@ -133,7 +132,7 @@ class WholeMatrixZeroOptimizer(ZeroAttachMixin, ZeroStateMixin, Optimizer):
         self._world = 1
         self._rank = 0
         self._device = groups[0]["params"][0].device if groups else torch.device("cpu")
-        self._owned: list[_Param] = []
+        self._owned: list[FlatParam] = []
         #: AdamW parameters with non-fp32 moments: index -> this rank's pieces of its slice
         #: (quant.adamw.flat_slice_pieces) and their state, one AdamW state dict per piece.
         self._pieces: dict[int, list[tuple[int, int, int]]] = {}
@@ -145,20 +144,19 @@ class WholeMatrixZeroOptimizer(ZeroAttachMixin, ZeroStateMixin, Optimizer):
         #: owner's momentum step, shared by every rank holding a slice; keys its stochastic rounding).
         self._muon_step: dict[int, int] = {}
         self._grad_dtype = torch.float32  # dtype the Muon gradients travel and are stepped in
-        ns = getattr(getattr(qmuon, "config", None), "newton_schulz", None)  # the sharded step's carriers
-        self._carriers = f"{ns.comm_carrier}/{ns.comm_return}" if ns is not None else ""
+        self._carriers = (qmuon.comm_carrier, qmuon.comm_return)  # the sharded step's (newton_schulz section)
+        self._exchange: FlatExchange | None = None
 
     def _plan_slices(self) -> None:
         """Once the layout is read: deal the Muon matrices to owners with the sharded step's planner
-        (:func:`qmuon.distributed.plan.plan_owners`: largest Newton-Schulz cost first, to the least
-        loaded rank, ties to the rank holding most of the matrix; every rank computes the same plan),
-        and cut this rank's slice of every AdamW parameter with quantized (or bf16) moments into pieces
-        on the parameter's block grid (:func:`qmuon.quant.adamw.flat_slice_pieces`)."""
-        muon = [p for p in self._params if p.muon]
-        items = [OwnerItem(p.rows, p.cols, tuple(0 if s is None else s.length for s in p.holders)) for p in muon]
-        for p, owner in zip(muon, plan_owners(items, self._world)):
-            p.owner = owner
-        self._owned = [p for p in muon if p.owner == self._rank]
+        (:func:`qmuon.distributed.flat.deal_owners`: Newton-Schulz cost, ties to the rank holding
+        most of the matrix), set up the exchange with the sharded step's carriers
+        (:class:`qmuon.distributed.flat.FlatExchange`), and cut this rank's slice of every AdamW
+        parameter with quantized (or bf16) moments into pieces on the parameter's block grid
+        (:func:`qmuon.quant.adamw.flat_slice_pieces`)."""
+        deal_owners(self._params, self._world)
+        self._owned = [p for p in self._params if p.muon and p.owner == self._rank]
+        self._exchange = FlatExchange(self._group, self._world, self._rank, *self._carriers)
         self._pieces = {}
         rounded = False
         for info in self._params:
@@ -172,19 +170,15 @@ class WholeMatrixZeroOptimizer(ZeroAttachMixin, ZeroStateMixin, Optimizer):
             if pieces is None and weight_apply.writes_rounded(v[0]):
                 # bf16 slice with elementwise moments: stepped here too, piece by piece, so each write
                 # gets its bf16_update rule with the whole parameter's element indices.
-                pieces = row_pieces(info.shape, seg.start, seg.length)
+                pieces = row_pieces(info.cols, seg.start, seg.length)
             if pieces is not None:
                 self._pieces[info.index] = pieces
         # bf16 slices (DeepSpeed's bf16 master, or a bf16 model at stage 0): the Muon gradients travel
         # and are stepped in bf16, as a single-process bf16 model's are (its NS input is the bf16 grad).
         self._grad_dtype = torch.bfloat16 if rounded else torch.float32
-        if self._world > 1 and self._rank == 0 and self._carriers:
-            log.info("QMuon (DeepSpeed): comm_carrier/comm_return %s are not applied under DeepSpeed: Muon gradients "
-                     "travel to their owners in %s and updates return in the Newton-Schulz dtype (docs/deepspeed.md)",
-                     self._carriers, str(self._grad_dtype).removeprefix("torch."))
 
     # ------------------------------------------------------------------ step
-    def _views(self, info: _Param) -> tuple[Tensor, Tensor | None] | None:
+    def _views(self, info: FlatParam) -> tuple[Tensor, Tensor | None] | None:
         """This rank's (data, grad) 1-D views of a parameter's slice, or None when it holds none."""
         seg = info.holders[self._rank]
         if seg is None:
@@ -206,16 +200,6 @@ class WholeMatrixZeroOptimizer(ZeroAttachMixin, ZeroStateMixin, Optimizer):
                 grad = p.grad.view(-1)
         return data, grad
 
-    def _all_to_all(self, send: list[Tensor], send_sizes: list[int], recv_sizes: list[int], dtype: torch.dtype) -> Tensor:
-        flat_send = torch.cat(send) if send else torch.empty(0, dtype=dtype, device=self._device)
-        flat_send = flat_send.to(dtype)
-        recv = torch.empty(sum(recv_sizes), dtype=dtype, device=flat_send.device)
-        if self._world == 1:
-            recv.copy_(flat_send)
-        else:
-            dist.all_to_all_single(recv, flat_send, recv_sizes, send_sizes, group=self._group)
-        return recv
-
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         loss = pipeline.call_closure(closure)
@@ -227,43 +211,25 @@ class WholeMatrixZeroOptimizer(ZeroAttachMixin, ZeroStateMixin, Optimizer):
         self._device = next((v[0].device for v in views if v is not None), self._device)
         live = self._finite_params(params, views)
 
-        # 1. averaged gradient of each owned Muon matrix, whole, on its owner.
+        ex = self._exchange
+        ex.start(first_call)
+        # 1. averaged gradient of each owned Muon matrix, whole, on its owner (ZeRO 1-3: every rank's
+        # slices through the forward carrier; stage 0: every rank holds it).
         muon_live = [p for p in params if p.muon and p.index in live]
-        by_owner: dict[int, list[_Param]] = defaultdict(list)
+        by_owner: dict[int, list[FlatParam]] = defaultdict(list)
         for p in muon_live:
             by_owner[p.owner].append(p)
-        full_grad: dict[int, Tensor] = {}
         has_muon = any(p.muon for p in params)  # the same on every rank: no exchange for AdamW-only calls
-        if self._mode in ("partitioned", "zero3") and has_muon:
-            send, send_sizes = [], []
-            for r in range(self._world):
-                n = 0
-                for p in by_owner[r]:
-                    seg = p.holders[self._rank]
-                    if seg is not None:
-                        send.append(views[p.index][1])
-                        n += seg.length
-                send_sizes.append(n)
-            recv_sizes = [sum(p.holders[s].length for p in by_owner[self._rank] if p.holders[s] is not None)
-                          for s in range(self._world)]
-            recv = self._all_to_all(send, send_sizes, recv_sizes, self._grad_dtype)
-            for p in by_owner[self._rank]:
-                full_grad[p.index] = torch.empty(p.numel, dtype=self._grad_dtype, device=recv.device)
-            at = 0
-            for s in range(self._world):
-                for p in by_owner[self._rank]:
-                    seg = p.holders[s]
-                    if seg is not None:
-                        full_grad[p.index].narrow(0, seg.start, seg.length).copy_(recv.narrow(0, at, seg.length))
-                        at += seg.length
+        gathered = self._mode in ("partitioned", "zero3")
+        if gathered and has_muon:
+            full_grad = ex.gather(by_owner, {p.index: views[p.index][1] for p in muon_live if views[p.index]},
+                                  self._grad_dtype, self._device)
         else:
-            for p in by_owner[self._rank]:
-                g = views[p.index][1]
-                full_grad[p.index] = g if g.dtype in (torch.float32, self._grad_dtype) else g.float()
+            full_grad = {p.index: views[p.index][1] for p in by_owner[self._rank]}
+            full_grad = {i: g if g.dtype in (torch.float32, self._grad_dtype) else g.float() for i, g in full_grad.items()}
 
         # 2. the owner's QMuon update (momentum + whole-matrix NS), AdamW on this rank's slices.
         self._sync_inner_groups()
-        ret_dtype = self._ret_dtype = self._return_dtype()  # once per call: every capture and the all-to-all use it
         out = self._out = {}
         self._ns_items_call.clear()
         for info, proxy in zip(self._params, self._proxies):
@@ -301,58 +267,15 @@ class WholeMatrixZeroOptimizer(ZeroAttachMixin, ZeroStateMixin, Optimizer):
             if info.muon:
                 proxy.data = _placeholder(info.shape, self._device)
 
-        self._count_comm(first_call, muon_live, ret_dtype, len(self._params) + 1)
-        # 3. the NS output back to every rank holding a slice; each applies it to its slice.
-        if not has_muon:
-            return loss
-        send, send_sizes = [], []
-        for r in range(self._world):
-            n = 0
-            for p in by_owner[self._rank]:
-                seg = p.holders[r]
-                if seg is not None:
-                    send.append(out[p.index].view(-1).narrow(0, seg.start, seg.length))
-                    n += seg.length
-            send_sizes.append(n)
-        recv_sizes = [sum(p.holders[self._rank].length for p in by_owner[s] if p.holders[self._rank] is not None)
-                      for s in range(self._world)]
-        recv = self._all_to_all(send, send_sizes, recv_sizes, ret_dtype)
-        at = 0
-        for s in range(self._world):
-            for p in by_owner[s]:
-                seg = p.holders[self._rank]
-                if seg is None:
-                    continue
-                self._apply_update(p, views[p.index][0], seg, recv.narrow(0, at, seg.length))
-                at += seg.length
+        # 3. the NS output back to every rank holding a slice (return carrier); each applies it to its slice.
+        if has_muon:
+            ex.scatter(by_owner, {i: o.view(-1) for i, o in out.items()}, self._device,
+                       lambda p, seg, o: self._apply_update(p, views[p.index][0], seg, o))
+        ex.count(muon_live, gathered, 3 * 8 * (len(self._params) + 1) if self._world > 1 else 0)
+        self.comm_stats = ex.comm_stats
         return loss
 
-    def _count_comm(self, first_call: bool, muon_live: list[_Param], ret_dtype: torch.dtype, flags: int) -> None:
-        """Add this call's bytes to the step's ``comm_stats``, in the terms of ``QMuon.comm_stats`` under
-        FSDP2 (:mod:`qmuon.distributed`): ``ns_bytes_sent`` (this rank, both trips, to other ranks),
-        ``ns_bytes_total`` (all ranks), ``muon_elements``, ``wire_bytes_per_param`` (total / elements),
-        ``flags_bytes`` (the per-call flag all-reduce). Sizes from the layout, which every rank knows:
-        each slice a rank holds of a matrix it does not own crosses the wire to the owner (ZeRO 1-3:
-        the gradient, in its dtype) and back (the update, in the NS dtype); at stage 0 only the update."""
-        g = torch.empty((), dtype=self._grad_dtype).element_size() if self._mode in ("partitioned", "zero3") else 0
-        o = torch.empty((), dtype=ret_dtype).element_size()
-        mine = total = 0
-        for p in muon_live:
-            for s, seg in enumerate(p.holders):
-                if seg is None or s == p.owner:
-                    continue
-                total += seg.length * (g + o)
-                mine += seg.length * ((g if s == self._rank else 0) + (o if p.owner == self._rank else 0))
-        acc = self._comm = [0, 0, 0, 0] if first_call or not hasattr(self, "_comm") else self._comm
-        acc[0] += mine
-        acc[1] += total
-        acc[2] += sum(p.numel for p in muon_live)
-        acc[3] += 3 * flags * 8 if self._world > 1 else 0
-        self.comm_stats = {"ns_bytes_sent": float(acc[0]), "ns_bytes_total": float(acc[1]),
-                           "muon_elements": float(acc[2]), "wire_bytes_per_param": acc[1] / max(acc[2], 1),
-                           "flags_bytes": float(acc[3])}
-
-    def _adamw_slice_step(self, info: _Param, data: Tensor, grad: Tensor) -> None:
+    def _adamw_slice_step(self, info: FlatParam, data: Tensor, grad: Tensor) -> None:
         """AdamW on this rank's flat slice of a parameter with quantized moments: each piece is a
         ``(rows, width)`` matrix stepped by QMuon's own AdamW step (core.adamw.adamw_param_step, the
         fused kernels), with the moment formats the whole parameter's shape gives."""
@@ -382,18 +305,10 @@ class WholeMatrixZeroOptimizer(ZeroAttachMixin, ZeroStateMixin, Optimizer):
         info = self._params[index]
         buf = self._out.get(index)
         if buf is None:
-            buf = self._out[index] = torch.empty(info.shape, dtype=self._ret_dtype, device=o.device)
+            buf = self._out[index] = torch.empty(info.shape, dtype=o.dtype, device=o.device)
         block = part.block(buf)
         block.copy_(o.reshape(block.shape))
         self._ns_items_call[index] += 1
-
-    def _return_dtype(self) -> torch.dtype:
-        """dtype of the NS outputs sent back: that of Newton-Schulz (fp32 when any Muon group runs
-        it in fp32), so the applied update is the single-process one. Every rank resolves the same."""
-        from ...core.newton_schulz import resolve_ns_dtype
-
-        dtypes = {resolve_ns_dtype(g.get("ns_dtype", "auto"), self._device) for g in self._all_groups if g["use_muon"]}
-        return torch.float32 if torch.float32 in dtypes else torch.bfloat16
 
     def _sync_inner_groups(self) -> None:
         for g, ig in zip(self._all_groups, self._inner.param_groups):
@@ -403,7 +318,7 @@ class WholeMatrixZeroOptimizer(ZeroAttachMixin, ZeroStateMixin, Optimizer):
             if ig["use_muon"]:
                 ig["weight_decay"] = 0.0  # applied to the slices by _apply_update
 
-    def _apply_update(self, p: _Param, data: Tensor, seg: _Segment, o: Tensor) -> None:
+    def _apply_update(self, p: FlatParam, data: Tensor, seg: Segment, o: Tensor) -> None:
         """``p *= 1 - lr wd`` then ``p -= lr lr_scale(part) * O`` on this rank's slice, as QMuon does on
         the whole matrix (``lr_scale`` is torch.optim.Muon's shape adjustment of each fused part, on
         the layer's ``(out, in)`` shape)."""
@@ -423,14 +338,14 @@ class WholeMatrixZeroOptimizer(ZeroAttachMixin, ZeroStateMixin, Optimizer):
         seed, step = int(group.get("seed", 0)), self._muon_step.get(p.index, 0)
         # The parts' runs cover the slice once: each element gets one decay-and-update write (core.apply).
         for part in p.parts:
-            for at, n, width, c0, c1 in _part_runs(part, p.cols, seg.start, seg.length):
+            for at, n, width, c0, c1 in part_runs(part, p.cols, seg.start, seg.length):
                 d = data.narrow(0, at, n * width).view(n, width)[:, c0:c1]
                 st = {k: v.narrow(0, at, n * width).view(n, width)[:, c0:c1] for k, v in wstate.items()}
                 apply_update_(d, o.narrow(0, at, n * width).view(n, width)[:, c0:c1], alpha=-lr * part.lr_scale,
                               decay=1.0 - lr * wd, cautious=cautious, bf16_update=rule, state=st or None,
                               rng=(seed, p.index, step, seg.start + at + c0) if stochastic else None)
 
-    def _active_params(self) -> tuple[list[_Param], bool]:
+    def _active_params(self) -> tuple[list[FlatParam], bool]:
         """The parameters the current ``step()`` call updates, and whether the call is the first of an
         optimizer step. All of them, except under DeepSpeed's ZeRO optimizers: at stages 1/2
         ``param_groups`` is narrowed to one group per call; at stage 3 one group holds one sub-group's
@@ -449,7 +364,7 @@ class WholeMatrixZeroOptimizer(ZeroAttachMixin, ZeroStateMixin, Optimizer):
                                "WholeMatrixZeroOptimizer instead of calling add_param_group")
         return [p for p in self._params if p.group in active], 0 in active
 
-    def _finite_params(self, params: list[_Param], views: list[tuple[Tensor, Tensor | None] | None]) -> set[int]:
+    def _finite_params(self, params: list[FlatParam], views: list[tuple[Tensor, Tensor | None] | None]) -> set[int]:
         """Indices of parameters (of ``params``) whose averaged gradient is finite on every rank (one
         all-reduce of a flag per parameter); raises on every rank for a bad gradient in a
         ``nonfinite="raise"`` group before this call changes anything. The same all-reduce carries each

@@ -17,7 +17,7 @@ from ...core import apply as weight_apply
 from ...core.config import STRUCTURAL_KEYS
 from ...quant import adamw as qadamw
 from ...quant import state as qstate
-from .layout import _Param
+from ...distributed.flat import FlatParam
 
 __all__: list[str] = []
 
@@ -177,7 +177,7 @@ class ZeroStateMixin:
                 if k not in ("params", "param_names", *STRUCTURAL_KEYS):
                     g[k] = v
 
-    def _check_weight_state(self, data: Tensor, st: dict[str, Any], info: _Param, saved_rule: str | None,
+    def _check_weight_state(self, data: Tensor, st: dict[str, Any], info: FlatParam, saved_rule: str | None,
                             where: str) -> None:
         """Validate the loaded weight-correction codes of one bf16 slice (or piece) ``data``, as
         single-process QMuon does (:func:`qmuon.optim.bf16_weights.check_loaded_weight_state`):
