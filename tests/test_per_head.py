@@ -418,6 +418,7 @@ def _one_process(root: str, state_format: str) -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.ns_equivalence
 @pytest.mark.parametrize("state_format", ["int8", "fp32", "grasp4"])
 def test_fsdp2_equals_one_process_and_reshards(tmp_path, state_format):
     """FSDP2 on 2 gloo ranks, per head, with the Newton-Schulz dtype's carriers both ways: the same
