@@ -1,7 +1,7 @@
 """The one configuration of QMuon, and the one compatibility check for resuming its state.
 
 :class:`QMuonConfig` is where every option, its default, its check and its documentation live.
-Nine options sit at the top (the ones users set); the rest is grouped into five sections:
+Nine options sit at the top (the ones users set); the rest is grouped into six sections:
 
 =================  =====================================================================
 ``newton_schulz``  :class:`NewtonSchulz`: steps, coefficients, dtype, method, input, eps,
@@ -11,6 +11,8 @@ Nine options sit at the top (the ones users set); the rest is grouped into five 
 ``state``          :class:`StateOptions`: block size, GRASP rank / grid, rounding, seed
 ``safety``         :class:`Safety`: non-finite gradients, per-parameter clipping under release
 ``routing``        :class:`Routing`: which parameters go to Muon (``build_optimizer`` only)
+``qk_clip``        :class:`QKClip`: MuonClip's per-head rescale of W_q / W_k (``build_optimizer``
+                   only; :mod:`qmuon.optim.qk_clip`)
 =================  =====================================================================
 
 ``QMuon``, :func:`~qmuon.build_optimizer`, the Lightning strategies' ``optimizer_kwargs``,
@@ -54,6 +56,7 @@ __all__ = [
     "StateOptions",
     "Safety",
     "Routing",
+    "QKClip",
     "ConfigError",
     "DEFAULT_CONFIG",
     "GROUP_KEYS",
@@ -270,9 +273,28 @@ def check_per_head(value: Any) -> dict[str, Any] | None:
     return out
 
 
+@dataclass(frozen=True)
+class QKClip:
+    """QK-clip (MuonClip, Kimi K2): keep every attention head's largest pre-softmax logit at or under
+    ``tau`` (the ``qk_clip`` section; ``build_optimizer`` only: it needs the model's attention layers).
+
+    The forward pass measures each head's exact maximum logit ``max_ij q_i . k_j * scale`` over the
+    pairs the mask allows; after each optimizer step, a head whose maximum exceeded ``tau`` gets its
+    W_q and W_k rows rescaled so that the logit comes back to ``tau`` (docs/qk_clip.md).
+
+    Args:
+        tau: the logit threshold (Kimi K2: 100); ``None`` (default) turns QK-clip off. Supported
+            attention: the kit's ``DecoderLM``, Hugging Face attention with ``q_proj`` / ``k_proj``
+            (Llama, Qwen3, their GQA) under the ``eager`` or ``sdpa`` implementation, and modules
+            with a ``qmuon_attention()`` method; anything else is refused at setup.
+    """
+
+    tau: Optional[float] = None
+
+
 #: Section name -> its dataclass.
 SECTIONS: dict[str, type] = {"newton_schulz": NewtonSchulz, "update": UpdateRule, "state": StateOptions,
-                             "safety": Safety, "routing": Routing}
+                             "safety": Safety, "routing": Routing, "qk_clip": QKClip}
 
 #: Options -> the param-group key that holds them inside the optimizer (torch.optim groups are flat).
 GROUP_KEYS: dict[str, str] = {
@@ -321,7 +343,7 @@ class QMuonConfig:
             ``"nearest"``. fp32 weights ignore it.
         gradient_release: step each parameter inside backward and free its gradient
             (``build_optimizer`` attaches it; :mod:`qmuon.optim.release`).
-        newton_schulz, update, state, safety, routing: the sections (their own docstrings).
+        newton_schulz, update, state, safety, routing, qk_clip: the sections (their own docstrings).
     """
 
     lr: float = 0.02
@@ -338,6 +360,7 @@ class QMuonConfig:
     state: StateOptions = field(default_factory=StateOptions)
     safety: Safety = field(default_factory=Safety)
     routing: Routing = field(default_factory=Routing)
+    qk_clip: QKClip = field(default_factory=QKClip)
 
     def __post_init__(self) -> None:
         for name, cls in SECTIONS.items():
@@ -415,6 +438,10 @@ class QMuonConfig:
                     "QMuon: safety.release_clip_norm applies with gradient_release=True only; without release clip the "
                     "global norm as usual (torch.nn.utils.clip_grad_norm_, Trainer(gradient_clip_val=...))")
         check_per_head(self.routing.per_head)
+        tau = self.qk_clip.tau
+        if tau is not None and not (_real(tau) and 0 < tau < float("inf")):
+            raise ConfigError(f"QMuon: qk_clip.tau must be None (off) or a finite logit threshold > 0 (Kimi K2: 100), "
+                              f"got {tau!r}")
         bank_format = self.routing.bank_state_format
         if bank_format is not None and not qstate.get_format(bank_format).row_local:
             raise ConfigError(f"QMuon: routing.bank_state_format: {bank_format_error(bank_format)}")
@@ -480,7 +507,7 @@ def unknown_key_message(key: str, valid: list[str]) -> str:
                          "adamw_eps": "update.adamw_eps", "lr_ratios": "update.lr_ratios",
                          "capturable": "update.capturable",
                          "max_nonfinite_skips": "safety.max_nonfinite_skips",
-                         "release_clip_norm": "safety.release_clip_norm",
+                         "release_clip_norm": "safety.release_clip_norm", "tau": "qk_clip.tau",
                          **{f.name: f"routing.{f.name}" for f in dataclasses.fields(Routing)}})
     hint = by_group_key.get(leaf)
     if hint is None:

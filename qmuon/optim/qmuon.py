@@ -59,7 +59,7 @@ UpdateSink = Callable[[Tensor, MatrixPart, Tensor], None]
 #: Attributes a copy does not take (caches rebuilt by ``_reset_caches``; torch's hook tables and
 #: profiling name are recreated empty by ``Optimizer.__setstate__``).
 _NOT_COPIED = ("_plans", "_sharded", "_index", "_layout_fresh", "_batch_sizes", "_lr_follow_seen",
-               "_zero_grad_profile_name")
+               "_zero_grad_profile_name", "qk_clip")  # QK-clip is a step hook on the model: hooks are not copied
 
 COPY_RELEASE_ERROR = (
     "QMuon: this optimizer has gradient release attached (build_optimizer(..., gradient_release=True)): its hooks "
@@ -174,6 +174,13 @@ class QMuon(QMuonGroupsMixin, QMuonStateMixin, Optimizer):
                 "QMuon: gradient_release=True hooks the model's parameters, which a QMuon built from groups does not "
                 "know: use qmuon.build_optimizer(model, gradient_release=True), or attach it to this optimizer with "
                 "qmuon.attach_gradient_release(opt)")
+        if config.qk_clip.tau is not None:
+            raise ConfigError(
+                "QMuon: qk_clip measures and rescales the model's attention layers, which a QMuon built from groups "
+                "does not know: use qmuon.build_optimizer(model, qk_clip={...}), or attach it to this optimizer with "
+                "qmuon.optim.qk_clip.attach_qk_clip(opt, model, tau)")
+        #: The QK-clip measuring and clipping this model's attention (:mod:`qmuon.optim.qk_clip`), or None.
+        self.qk_clip: Any = None
         super().__init__(params, config.muon_group_defaults())
         self._constructed = True
 
@@ -209,7 +216,8 @@ class QMuon(QMuonGroupsMixin, QMuonStateMixin, Optimizer):
         if "defaults" in state and not had_differentiable:
             self.defaults.pop("differentiable", None)  # torch adds it; a copy keeps the original's groups
         self._reset_caches()
-        for k, v in (("gradient_release", None), ("update_sink", None), ("router", None), ("_constructed", True),
+        for k, v in (("gradient_release", None), ("update_sink", None), ("router", None), ("qk_clip", None),
+                     ("_constructed", True),
                      ("_routed_shapes", [])):
             self.__dict__.setdefault(k, v)
 

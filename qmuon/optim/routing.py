@@ -62,6 +62,7 @@ from ..core.plan import FusedParts, true_shape
 from .heads import HeadRole, attention_heads, head_parts
 from .layouts import BankLayout, _hf_banks, _hf_fused, _owners, _read_layout, _unwrapped
 from .litgpt_layouts import litgpt_fused_parts
+from .qk_clip import attach_qk_clip, find_attention
 from .groups import group_name, unique_group_name
 from .qmuon import QMuon
 from .release import attach_gradient_release
@@ -530,11 +531,18 @@ def build_optimizer(
     ``gradient_release=True`` steps each parameter inside backward as soon as its gradient is
     complete and frees the gradient (:mod:`qmuon.optim.release`; ``optimizer.step()`` and
     ``zero_grad()`` keep working).
+
+    ``qk_clip={"tau": 100}`` measures every attention head's largest logit in the forward pass and
+    rescales the W_q / W_k rows of the heads over ``tau`` after each step (MuonClip;
+    :mod:`qmuon.optim.qk_clip`, ``optimizer.qk_clip``); a model whose attention it cannot measure
+    is refused here.
     """
     cfg = QMuonConfig.from_kwargs(
         config, lr=lr, weight_decay=weight_decay, momentum=momentum, state_format=state_format, adamw_lr=adamw_lr,
         adamw_weight_decay=adamw_weight_decay, adamw_state_format=adamw_state_format, bf16_update=bf16_update,
         gradient_release=gradient_release, **sections)
+    # QK-clip needs attention it can measure: refused here, before anything changes.
+    qk_layers = find_attention(model) if cfg.qk_clip.tau is not None else None
     routing = cfg.routing
     rules, fused_parts, orientations, banks = routing.rules, routing.fused_parts, routing.orientations, routing.banks
     bank_state_format = routing.bank_state_format
@@ -549,7 +557,8 @@ def build_optimizer(
     if not muon and not by_layout:
         log.warning("build_optimizer: no parameter was routed to Muon; QMuon will run AdamW only")
     # Release hooks the model's parameters: attached below, by the one place that knows the model.
-    opt = QMuon(groups, config=cfg.replace(gradient_release=False, safety={"release_clip_norm": None}))
+    opt = QMuon(groups, config=cfg.replace(gradient_release=False, safety={"release_clip_norm": None},
+                                           qk_clip={"tau": None}))
     opt.config = cfg
     for d in decisions:
         d.param = None
@@ -557,6 +566,8 @@ def build_optimizer(
     opt.router = ModelRouting(model, rules, fused_parts, orientations, banks, bank_state_format, routing.per_head)
     if cfg.gradient_release:
         attach_gradient_release(opt, clip_norm=cfg.safety.release_clip_norm)
+    if qk_layers is not None:  # a step post-hook: after release's hooks and optimizer.step()
+        attach_qk_clip(opt, model, cfg.qk_clip.tau, qk_layers)
     table = format_routing_table(decisions) + "\n" + describe_auto_choices(cfg, decisions, _device_of(model))
     if _is_rank_zero():
         log.info("QMuon parameter routing:\n%s", table)

@@ -34,6 +34,10 @@ Every training batch it also logs (``pl_module.log``, so the CSV / TensorBoard l
 every ``log_every_n_steps``): ``perf/tokens_per_s``, ``perf/model_tflops`` (per device),
 ``perf/mfu_percent`` (known peaks only), ``perf/optimizer_step_share``, ``memory/peak_allocated_gib``
 and ``memory/peak_reserved_gib`` (CUDA) or ``memory/peak_rss_gib`` (CPU), and ``grad_norm``.
+With QK-clip on (``qk_clip={"tau": ...}``, :mod:`qmuon.optim.qk_clip`) it writes, every
+``log_every_n_steps`` optimizer steps (the only steps that read the device for it), each attention
+layer's largest logit of the last step, ``qk_clip/max_logit/<layer>``, and the heads clipped in the
+last step and since the start, ``qk_clip/heads_clipped`` and ``qk_clip/heads_clipped_total``.
 
 Use it in YAML as ``class_path: qmuon_lightning.callbacks.summary.TrainSummary``.
 """
@@ -55,6 +59,7 @@ from lightning.pytorch.utilities import rank_zero_only
 
 from qmuon.optim.qmuon import QMuon
 from qmuon.optim.routing import route_parameters
+from ._common import log_to_loggers
 from .telemetry import model_flops_per_token, peak_bf16_flops, peak_memory, total_grad_norm
 
 __all__ = ["TrainSummary"]
@@ -259,7 +264,18 @@ class TrainSummary(L.Callback):
             for k, v in peak_memory(self._device).items():
                 metrics[f"memory/peak_{k}_gib"] = v / 2**30
             pl_module.log_dict(metrics, on_step=True, on_epoch=False)
+            self._log_qk_clip(trainer)
         self._step_in_batch = None
+
+    def _log_qk_clip(self, trainer: L.Trainer) -> None:
+        """QK-clip's per-layer max logit and clipped heads, read from the device at log intervals only."""
+        every = max(1, int(getattr(trainer, "log_every_n_steps", 50) or 1))
+        if not trainer.is_global_zero or trainer.global_step % every:
+            return
+        for opt in trainer.optimizers:
+            qk = getattr(opt, "qk_clip", None) or getattr(getattr(opt, "optimizer", None), "qk_clip", None)
+            if qk is not None:
+                log_to_loggers(trainer, qk.metrics())
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         v = trainer.callback_metrics.get("val_loss")

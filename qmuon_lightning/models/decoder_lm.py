@@ -4,7 +4,9 @@ LLaMA-style: token embedding, pre-norm blocks (RMSNorm, causal self-attention wi
 embeddings and optional grouped-query heads, SwiGLU MLP), final RMSNorm, untied output head. The
 attention's q/k/v projection and the MLP's gate/up projection are each one fused ``nn.Linear``
 that declares its parts with ``qmuon_fused_parts``, so :func:`qmuon_lightning.build_optimizer`
-normalizes and orthogonalizes q, k, v (and gate, up) as separate matrices.
+normalizes and orthogonalizes q, k, v (and gate, up) as separate matrices. The attention reports
+its queries and keys to QK-clip (``build_optimizer(model, qk_clip={"tau": 100})``,
+:mod:`qmuon.optim.qk_clip`), which measures each head's largest logit while it is on.
 
 Activation checkpointing (``DecoderLM(activation_checkpointing=True)``): each block's forward runs
 under ``torch.utils.checkpoint`` (non-reentrant), so a training step keeps only the blocks' inputs
@@ -24,6 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
+
+from qmuon.optim.qk_clip import AttentionSpec, observe_logits
 
 __all__ = ["Block", "DecoderLM", "DecoderLMConfig", "mean_window_loss"]
 
@@ -103,11 +107,19 @@ class Attention(nn.Module):
         k = k.view(b, t, cfg.kv_heads, cfg.head_dim).transpose(1, 2)
         v = v.view(b, t, cfg.kv_heads, cfg.head_dim).transpose(1, 2)
         q, k = _apply_rope(q, cos[:t], sin[:t]), _apply_rope(k, cos[:t], sin[:t])
+        # QK-clip (build_optimizer(..., qk_clip={...})): this layer's per-head max logit, on the device
+        observe_logits(self, q, k, scale=cfg.head_dim ** -0.5, causal=True)
         if cfg.kv_heads != cfg.n_heads:
             rep = cfg.n_heads // cfg.kv_heads
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.proj(y.transpose(1, 2).reshape(b, t, -1))
+
+    def qmuon_attention(self) -> AttentionSpec:
+        """Where QK-clip finds this layer's heads: q rows first, then k rows, of the fused ``qkv``."""
+        cfg = self.cfg
+        return AttentionSpec(name="", module=self, n_heads=cfg.n_heads, n_kv_heads=cfg.kv_heads, head_dim=cfg.head_dim,
+                             q=[(self.qkv, "weight", 0)], k=[(self.qkv, "weight", cfg.n_heads * cfg.head_dim)])
 
 
 class SwiGLU(nn.Module):

@@ -49,7 +49,7 @@ __all__ = ["OptimizerSpec", "DecoderLMModule", "MuonWithAdamW", "memory_budget"]
 
 OPTIMIZER_NAMES = ("qmuon", "torch_muon", "adamw")
 #: Options only QMuon has: a torch baseline refuses a value other than the default.
-_QMUON_ONLY = ("state_format", "adamw_state_format", "bf16_update", "gradient_release")
+_QMUON_ONLY = ("state_format", "adamw_state_format", "bf16_update", "gradient_release", "qk_clip")
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,94 @@
+"""QK-clip's arithmetic (MuonClip, Kimi K2 arXiv 2507.20534): the per-head maximum attention logit,
+and the per-head factors that bring it back to a threshold. Pure functions on tensors; where they
+are measured and applied is :mod:`qmuon.optim.qk_clip`.
+
+The logit of query ``i`` and key ``j`` in head ``h`` is ``S_h[i, j] = scale * q_i . k_j`` (``scale``
+is usually ``1 / sqrt(head_dim)``). MuonClip measures ``S_max,h = max_ij S_h[i, j]`` in the forward
+pass; after the optimizer step a head with ``S_max,h > tau`` has its query and key projections
+rescaled by ``eta_h = tau / S_max,h`` in total, so that the same inputs would give ``tau``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = ["max_logits", "qk_clip_factors", "DEFAULT_CHUNK_ELEMENTS"]
+
+#: The most score elements :func:`max_logits` holds at once (fp32: 64 MiB); queries are taken in
+#: chunks of rows so that a long sequence does not materialize its whole score matrix.
+DEFAULT_CHUNK_ELEMENTS = 1 << 24
+
+
+@torch.no_grad()
+def max_logits(q: Tensor, k: Tensor, scale: float, *, causal: bool = True, mask: Tensor | None = None,
+               chunk_elements: int = DEFAULT_CHUNK_ELEMENTS) -> Tensor:
+    """Exact per-head maximum logit ``max over (batch, i, j allowed) of scale * q_i . k_j``, fp32, shape ``(H,)``.
+
+    Args:
+        q: queries ``(B, H, T, D)`` as attention sees them (after RoPE and any QK-norm).
+        k: keys ``(B, KV, S, D)``, ``H`` a multiple of ``KV`` (grouped-query attention: query head
+            ``h`` reads key head ``h // (H / KV)``; the keys are not repeated).
+        scale: the factor the attention applies to ``q . k``.
+        causal: with ``mask=None``, only pairs ``j <= i + S - T`` count (bottom-right aligned, as a
+            KV cache places the queries; ``T == S`` in training).
+        mask: instead of ``causal``, the attention's own mask broadcastable to ``(B, H, T, S)``:
+            boolean (True: the pair is attended, SDPA's convention) or additive float (0 where
+            attended, a large negative number where not, as eager attention adds it).
+        chunk_elements: the most score elements computed at once (queries are chunked by rows).
+
+    The scores are recomputed in fp32 from ``q`` and ``k`` (a second ``Q K^T``, chunked; cost in
+    docs/qk_clip.md): the attention kernel (SDPA, FlashAttention) never returns them. Nothing is
+    read to the host.
+    """
+    b, h, t, d = q.shape
+    kv, s = k.shape[1], k.shape[2]
+    if h % kv:
+        raise ValueError(f"max_logits: {h} query heads are not a multiple of {kv} key heads")
+    g = h // kv
+    qf = q.detach().float().reshape(b, kv, g, t, d)
+    kt = k.detach().float().unsqueeze(2).transpose(-1, -2)  # (B, KV, 1, D, S)
+    rows = max(1, chunk_elements // max(1, b * h * s))
+    out: Tensor | None = None
+    for i0 in range(0, t, rows):
+        i1 = min(t, i0 + rows)
+        scores = torch.matmul(qf[..., i0:i1, :], kt).mul_(scale).view(b, h, i1 - i0, s)
+        if mask is not None:
+            m = mask[..., i0:i1, :]
+            if m.dtype == torch.bool:
+                scores = scores.masked_fill(~m, float("-inf"))
+            else:
+                scores = scores + m.float()
+        elif causal:
+            allowed = (torch.arange(i0, i1, device=q.device)[:, None] + (s - t)
+                       >= torch.arange(s, device=q.device)[None, :])
+            scores = scores.masked_fill(~allowed, float("-inf"))
+        part = scores.amax(dim=(0, 2, 3))
+        out = part if out is None else torch.maximum(out, part)
+    if out is None:  # no query rows
+        out = torch.full((h,), float("-inf"), device=q.device)
+    return out
+
+
+def qk_clip_factors(max_logit: Tensor, tau: float, n_kv_heads: int) -> tuple[Tensor, Tensor]:
+    """The factors ``(q_factor (H,), k_factor (KV,))`` that multiply each head's W_q rows and each key
+    head's W_k rows, from the measured per-head maxima ``max_logit (H,)``.
+
+    ``eta_h = tau / max_logit_h`` where ``max_logit_h > tau`` (finite), else exactly 1, chosen on
+    the device with ``torch.where`` (no host read). Without grouped-query attention (``H == KV``)
+    both projections take ``sqrt(eta_h)``, MuonClip's split. With GQA a key head is shared by the
+    ``G = H / KV`` query heads of its group: it takes ``sqrt(min_g eta_g)`` and each query head
+    ``eta_h / sqrt(min_g eta_g)``, so every head's logit is scaled by exactly its own ``eta_h``
+    (a head of the group that was not over ``tau`` keeps its logits: its query rows grow by what
+    the shared key rows shrank). A head not over ``tau`` in a group where none is gets factor 1.0
+    on both sides: multiplying by 1.0 leaves a weight bit-identical (fp32 and bf16).
+    """
+    h = max_logit.numel()
+    if h % n_kv_heads:
+        raise ValueError(f"qk_clip_factors: {h} heads are not a multiple of {n_kv_heads} key heads")
+    m = max_logit.float()
+    over = (m > tau) & torch.isfinite(m)
+    eta = torch.where(over, tau / m, torch.ones_like(m))
+    k_factor = eta.view(n_kv_heads, -1).amin(dim=1).sqrt()
+    q_factor = eta / k_factor.repeat_interleave(h // n_kv_heads)
+    return q_factor, k_factor
