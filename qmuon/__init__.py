@@ -28,6 +28,7 @@ from .optim import (
     format_routing_table,
     route_parameters,
 )
+from .integrations import hf_attention as _hf_attention  # noqa: F401  registers QK-clip's Hugging Face adapter
 
 try:
     __version__ = version("qmuon-lightning")
