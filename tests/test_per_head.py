@@ -447,3 +447,77 @@ def test_fsdp2_equals_one_process_and_reshards(tmp_path, state_format):
             params[n].grad = g
         opt.step()
     assert all(torch.equal(params[n].detach(), one[n]) for n in one)
+
+
+# ------------------------------------------------------------------------------- tensor parallel (2 gloo processes)
+class _Attention(nn.Module):
+    """q / k / v / o of 3 query heads and 1 kv head of 16 (MQA): on tp 2 the colwise q (48 rows: 24
+    per rank) and the rowwise o (48 columns: 24 per rank) each cut their second head in two."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.num_heads, self.num_key_value_heads, self.head_dim = 3, 1, 16
+        self.q_proj = nn.Linear(48, 48, bias=False)
+        self.k_proj = nn.Linear(48, 16, bias=False)
+        self.v_proj = nn.Linear(48, 16, bias=False)
+        self.o_proj = nn.Linear(48, 48, bias=False)
+
+
+class _AttnNet(nn.Module):
+    """One attention module (no output head: the routing has nothing to keep on AdamW)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = _Attention()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # FSDP2 wraps modules with a forward
+        a = self.attn
+        return a.o_proj(a.q_proj(x))
+
+
+def _tp_worker(rank: int, world: int, state_format: str) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from test_tensor_parallel import full, local_piece
+
+    mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)
+    tp = _AttnNet()
+    torch.manual_seed(0)
+    whole = _AttnNet()
+    parallelize_module(tp.attn, mesh["tp"], {"q_proj": ColwiseParallel(), "k_proj": ColwiseParallel(),
+                                                "v_proj": ColwiseParallel(), "o_proj": RowwiseParallel()})
+    fully_shard(tp, mesh=mesh["dp"])
+    kw = dict(SHARD_KW, state_format=state_format, newton_schulz={"dtype": _wire(), "comm_carrier": _wire(),
+                                                                  "comm_return": _wire()})
+    o_tp, o_whole = qmuon.build_optimizer(tp, **kw), qmuon.build_optimizer(whole, **kw)
+    tpp = dict(tp.named_parameters())
+    for step in range(3):
+        g = torch.Generator().manual_seed(10 + step)
+        for n, p in whole.named_parameters():
+            p.grad = torch.randn(p.shape, generator=g) * 0.01
+            tpp[n].grad = local_piece(p.grad, tpp[n])
+        o_tp.step()
+        o_whole.step()
+    return {"parts": {n: g.get("parts") for g in o_whole.param_groups for n in g["param_names"]},
+            "placements": {n: str(tuple(p.placements)) for n, p in tpp.items()},
+            "equal": {n: torch.equal(full(tpp[n]), p.detach()) for n, p in whole.named_parameters()}}
+
+
+@pytest.mark.slow
+@pytest.mark.ns_equivalence
+@pytest.mark.parametrize("state_format", ["fp32", "bf16"])
+def test_tensor_parallel_heads_cut_by_shards(state_format):
+    """Tensor parallel (1 x 2 (dp, tp) mesh): colwise q / k / v and rowwise o, with head blocks that
+    the TP shards cut (q's rows, o's columns); each block is gathered whole on its owner, so the step
+    is single-process per-head QMuon's bit for bit (carriers in the NS dtype). Momentum formats
+    without blocks (fp32, bf16): int8's 32-element blocks would straddle these 24-column shards, which
+    the TP layout check refuses (tests/test_tensor_parallel.py)."""
+    from _dist import run_workers
+
+    r = run_workers(_tp_worker, 2, timeout=300, state_format=state_format)[0]
+    assert r["parts"]["attn.q_proj.weight"] == (16,) * 3 and r["parts"]["attn.o_proj.weight"] == (16,) * 3
+    assert "Shard(dim=1)" in r["placements"]["attn.o_proj.weight"], r["placements"]
+    assert all(r["equal"].values()), r["equal"]
