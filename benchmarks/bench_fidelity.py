@@ -63,11 +63,12 @@ BF16_RULES = ("nearest", "stochastic", "ecc8")
 
 def parse_kind(kind: str) -> tuple[str, str | None, str, dict]:
     """``"adamw"`` / ``"torch-muon"`` / ``"qmuon:<format>[:mxfp8][@rank=R][@grid=G][@lr=X][@w=RULE][@adamw=F]``
-    ``[@variant=normuon][@cautious=1][@ns=gram]"`` -> (family, format, ns_input, overrides). The ``@``
+    ``[@variant=normuon][@cautious=1][@ns=gram][@perhead=1]"`` -> (family, format, ns_input, overrides). The ``@``
     overrides are for sweeps of grasp4's knobs, for bf16 weights (``@w=nearest|stochastic|ecc8``: the
     model in bf16, written with that rule), for the AdamW moments' storage (``@adamw=int8``:
     ``adamw_state_format``; without it the QMuon runs keep fp32 AdamW moments, the fp32-master reference
-    of the quantized-AdamW comparisons) and for the Muon variants."""
+    of the quantized-AdamW comparisons), for the Muon variants and for per-head Muon (``@perhead=1``:
+    ``routing.per_head=True``)."""
     base, *opts = kind.split("@")
     over: dict = {}
     for o in opts:
@@ -75,9 +76,9 @@ def parse_kind(kind: str) -> tuple[str, str | None, str, dict]:
         if k == "w" and v in BF16_RULES:
             over["bf16_update"] = v
             continue
-        if k not in ("rank", "grid", "lr", "adamw", "variant", "cautious", "ns") or not v:
+        if k not in ("rank", "grid", "lr", "adamw", "variant", "cautious", "ns", "perhead") or not v:
             raise SystemExit(f"bad option {o!r} in {kind!r}: use @rank=R, @grid=G, @lr=X, @adamw=F, "
-                             f"@w={'|'.join(BF16_RULES)}, @variant=normuon, @cautious=1 or @ns=gram")
+                             f"@w={'|'.join(BF16_RULES)}, @variant=normuon, @cautious=1, @ns=gram or @perhead=1")
         if k == "adamw":
             over["adamw_state_format"] = v
         elif k == "variant":
@@ -86,6 +87,8 @@ def parse_kind(kind: str) -> tuple[str, str | None, str, dict]:
             over.setdefault("update", {})["cautious_weight_decay"] = v not in ("0", "false", "False")
         elif k == "ns":
             over.setdefault("newton_schulz", {})["method"] = v
+        elif k == "perhead":
+            over.setdefault("routing", {})["per_head"] = v not in ("0", "false", "False")
         elif k == "lr":
             over["lr"] = float(v)
         else:
@@ -118,8 +121,14 @@ def make_optimizers(kind: str, model: nn.Module, args) -> list[torch.optim.Optim
         other = [d.param for d in decisions if d.target != "muon"]
         return [torch.optim.Muon(muon, lr=args.lr, weight_decay=0.1),
                 torch.optim.AdamW(other, lr=args.adamw_lr, betas=(0.9, 0.95), weight_decay=0.1)]
-    return [build_optimizer(model, lr=over.get("lr", args.lr), weight_decay=0.1, state_format=fmt, adamw_lr=args.adamw_lr, state={"seed": args.seed, "rank": over.get("rank", args.rank), "grid_block": over.get("grid_block", args.grid_block)}, newton_schulz={"input": ns_input}, adamw_state_format=over.get("adamw_state_format", "fp32"), verbose=False, **{k: over[k] for k in ("bf16_update", "variant", "cautious_weight_decay", "ns_method")
-                               if k in over})]
+    # the @ overrides lie in their config sections (state, newton_schulz, update, routing): merged over
+    # the command line's values section by section
+    state = {"seed": args.seed, "rank": args.rank, "grid_block": args.grid_block, **over.get("state", {})}
+    ns = {"input": ns_input, **over.get("newton_schulz", {})}
+    sections = {k: over[k] for k in ("bf16_update", "update", "routing") if k in over}
+    return [build_optimizer(model, lr=over.get("lr", args.lr), weight_decay=0.1, state_format=fmt, adamw_lr=args.adamw_lr,
+                            state=state, newton_schulz=ns, adamw_state_format=over.get("adamw_state_format", "fp32"),
+                            verbose=False, **sections)]
 
 
 def muon_state_bytes_per_param(opts: list[torch.optim.Optimizer]) -> float | None:
