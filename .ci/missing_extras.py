@@ -24,9 +24,9 @@ def cases(tmp: Path) -> list[tuple[str, str, list[str], str, bool]]:
     (tmp / "metrics.csv").write_text("step,train_loss\n0,1.0\n1,0.9\n")
     return [
         ("qmuon.integrations.accelerate", "accelerate", [PY, "-c", "import qmuon.integrations.accelerate"],
-         "qmuon-lightning[accelerate]", False),
+         "qmuon[accelerate]", False),
         ("qmuon.integrations.deepspeed.initialize", "deepspeed", [PY, "-c", DEEPSPEED],
-         "qmuon-lightning[deepspeed]", False),
+         "qmuon[deepspeed]", False),
         ("qmuon-prepare", "datasets", ["qmuon-prepare", "--tokenizer", "gpt2", "--out", str(tmp / "c"), "--text",
                                         str(tmp / "metrics.csv")], "qmuon-lightning[data]", True),
         ("qmuon-estimate --hf_config", "transformers", ["qmuon-estimate", "--hf_config", str(tmp)],

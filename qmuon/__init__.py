@@ -31,7 +31,7 @@ from .optim import (
 from .integrations import hf_attention as _hf_attention  # noqa: F401  registers QK-clip's Hugging Face adapter
 
 try:
-    __version__ = version("qmuon-lightning")
+    __version__ = version("qmuon")
 except PackageNotFoundError:  # running from a source tree without install
     __version__ = "0.0.0+source"
 

@@ -18,9 +18,9 @@ from types import ModuleType
 
 def require_extra(module: str, extra: str, user: str, name: str | None = None) -> ModuleType:
     """``import module``, or an ImportError saying that ``user`` needs it and which extra of
-    qmuon-lightning installs it (the plain install has none of the frameworks)."""
+    qmuon installs it (the plain install has none of the frameworks)."""
     try:
         return importlib.import_module(module)
     except ImportError as e:
-        raise ImportError(f"{user} needs {name or module}: pip install 'qmuon-lightning[{extra}]' "
+        raise ImportError(f"{user} needs {name or module}: pip install 'qmuon[{extra}]' "
                           f"(or pip install {module})") from e

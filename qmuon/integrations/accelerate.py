@@ -168,7 +168,7 @@ def check_configuration(
         if importlib.util.find_spec("qmuon.distributed") is None:
             raise UnsupportedAccelerateConfig(
                 "FSDP2 needs QMuon's sharded step (qmuon.distributed), which this installation "
-                "lacks; upgrade qmuon-lightning or train with DDP"
+                "lacks; upgrade qmuon or train with DDP"
             )
         if optimizer_has_state:
             raise UnsupportedAccelerateConfig(

@@ -133,7 +133,7 @@ class QMuonFactory:
             raise UnsupportedTrainerConfig(
                 f"QMuonFactory was called as an optimizer class (with parameters): transformers "
                 f"{transformers.__version__} predates the optimizer-factory hook of Trainer.create_optimizer "
-                "(transformers.trainer_optimizer.is_optimizer_factory). Upgrade: pip install 'qmuon-lightning[hf]'")
+                "(transformers.trainer_optimizer.is_optimizer_factory). Upgrade: pip install 'qmuon[hf]'")
 
     def __call__(self, model: nn.Module, **kwargs: Any) -> Optimizer:
         return self.build(model, **kwargs)

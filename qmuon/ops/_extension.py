@@ -339,7 +339,7 @@ def _load(verbose: bool) -> ExtensionStatus:
     elif torch.version.cuda is not None and not want_cuda:
         cuda_reason = f"no usable prebuilt GPU library ({gpu.reason}), and no JIT build: {cuda_reason}"
     if not (csrc_dir() / "binding.cpp").is_file():
-        reason = (f"kernel sources not found at {csrc_dir()} (reinstall qmuon-lightning, whose wheel ships "
+        reason = (f"kernel sources not found at {csrc_dir()} (reinstall qmuon, whose wheel ships "
                   "them as qmuon/_csrc, or use a source checkout)")
         _step(steps, f"2. JIT build: {reason}")
         if cuda_source:
@@ -392,7 +392,7 @@ def _fail(mode: str, reason: str, gpu: Any = None, steps: list[str] | None = Non
 
 def _gpu_fix() -> str:
     major = torch.version.cuda.split(".")[0] if torch.version.cuda else "<major>"
-    return (f"install a qmuon-lightning wheel that ships qmuon/_lib/libqmuon_cuda{major}.so (or build it: "
+    return (f"install a qmuon wheel that ships qmuon/_lib/libqmuon_cuda{major}.so (or build it: "
             f"python -m qmuon.ops.build_gpu), or install a CUDA {major} toolkit (nvcc) and set CUDA_HOME")
 
 

@@ -99,7 +99,7 @@ def _open(path: Path) -> GpuLibrary:
     base = dict(path=str(path), cuda=info.get("cuda"), sass=tuple(info.get("sass", ())), ptx=tuple(info.get("ptx", ())))
     if c_layout != _cabi.layout():
         return GpuLibrary(**base, reason="its C-ABI struct layout differs from qmuon/ops/_cabi.py's; rebuild it "
-                                         "(python -m qmuon.ops.build_gpu) or reinstall qmuon-lightning")
+                                         "(python -m qmuon.ops.build_gpu) or reinstall qmuon")
     src = _csrc()
     if src is not None and info.get("sources") != source_hash(src):
         return GpuLibrary(**base, reason=f"was built from other sources than {src}; rebuild it "

@@ -108,7 +108,7 @@ class QMuonStateMixin:
             if version > FORMAT_VERSION:
                 raise ValueError(
                     f"param group {gi} was saved with state format version {version}, newer than this "
-                    f"qmuon ({FORMAT_VERSION}); upgrade qmuon-lightning to load it"
+                    f"qmuon ({FORMAT_VERSION}); upgrade qmuon to load it"
                 )
             if len(saved["params"]) != len(cur["params"]):
                 raise ValueError(
