@@ -56,8 +56,8 @@ _QMUON = str(REPO / "qmuon") + os.sep
 FLAGS = "qmuon/core/pipeline.py:finite_flags <- qmuon/optim/qmuon.py:_updatable_params"
 AGREE = "qmuon/distributed/orthogonalize.py:agree_on_updates <- qmuon/optim/qmuon.py:_updatable_params"
 SIZES = "qmuon/distributed/orthogonalize.py:_share_replicas <- qmuon/distributed/orthogonalize.py:finish"
-DS_FLAGS = "qmuon/core/pipeline.py:finite_flags <- qmuon/integrations/deepspeed/optimizer.py:_finite_params"
-DS_AGREED = "qmuon/integrations/deepspeed/optimizer.py:_finite_params <- qmuon/integrations/deepspeed/optimizer.py:step"
+DS_FLAGS = "qmuon/core/pipeline.py:finite_flags <- qmuon/distributed/flat_step.py:_finite_params"
+DS_AGREED = "qmuon/distributed/flat_step.py:_finite_params <- qmuon/distributed/flat_step.py:_flat_step"
 DS_ENGINE = "deepspeed/runtime/utils.py:is_invalid_grad_norm <- deepspeed/runtime/zero/stage_1_and_2.py:step"
 
 

@@ -21,30 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ...core.plan import MatrixPart
 from ...distributed.flat import FlatParam, Segment
-
-
-def _apply_parts(parts: tuple[MatrixPart, ...], where: str) -> tuple[MatrixPart, ...]:
-    """The parts :meth:`WholeMatrixZeroOptimizer._apply_update` applies, as ranges of the stored
-    ``(rows, cols)`` matrix. A bank member's parts (gate and up of one expert; gpt-oss interleaves
-    them) share the member's range, which then gets one scaled update: their lr factors must agree
-    (equal fused parts; always so for transformers' experts)."""
-    out: dict[tuple[int, int, int, int], MatrixPart] = {}
-    for part in parts:
-        key = (part.r0, part.r1, part.c0, part.c1)
-        seen = out.setdefault(key, part)
-        if seen.lr_scale != part.lr_scale:
-            raise NotImplementedError(
-                f"parameter {where!r}: the fused parts of one bank member have different lr adjustments "
-                f"({seen.lr_scale} and {part.lr_scale}); under DeepSpeed a bank member's parts must have equal "
-                "shapes. Use equal parts or FSDP2 (qmuon_fsdp)")
-    return tuple(out.values())
-
-
-def _placeholder(shape: torch.Size, device: torch.device) -> Tensor:
-    """A tensor of ``shape`` backed by one element: what an idle proxy looks like (never written)."""
-    return torch.zeros(1, dtype=torch.float32, device=device).expand(shape)
 
 
 def zero3_segments(numel: int, partition_numel: int, local: int, world_size: int) -> list[Segment | None]:

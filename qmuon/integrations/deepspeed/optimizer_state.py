@@ -5,19 +5,11 @@ validated against this run's layout (:class:`ZeroStateMixin`)."""
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from torch import Tensor
-
-from ...core import apply as weight_apply
-from ...core.config import STRUCTURAL_KEYS
-from ...quant import adamw as qadamw
-from ...quant import state as qstate
-from ...distributed.flat import FlatParam
 
 __all__: list[str] = []
 
@@ -31,9 +23,9 @@ MODE_NAMES = {"direct": "ZeRO stage 0", "partitioned": "ZeRO stage 1/2", "zero3"
 
 
 class ZeroStateMixin:
-    """``state_dict`` / ``load_state_dict`` of :class:`~.optimizer.WholeMatrixZeroOptimizer` (its
-    attributes: ``_params``, ``_all_groups``, ``_inner``, ``_proxies``, ``_pieces``,
-    ``_slice_state``, ``_weight_state``, ``_mode``, ``_world``, ``_rank``, ``_group``, ``_device``)."""
+    """``state_dict`` / ``load_state_dict`` of :class:`~.optimizer.WholeMatrixZeroOptimizer`: the
+    envelope (version, ZeRO stage, process count, layout) and its checks; the state itself is the
+    flat step's (:meth:`qmuon.distributed.flat_step.FlatOwnerStep._slice_state_dict`)."""
 
     def _layout(self) -> list[Any]:
         return [[p.index, p.owner if p.muon else -1, p.numel,
@@ -72,11 +64,7 @@ class ZeroStateMixin:
                 "rank": self._rank,
                 "layout": self._layout() if self._mode in ("partitioned", "zero3") else None,
                 "owners": self.owners,
-                "inner": inner,
-                "adamw_slices": {i: {"pieces": [list(x) for x in self._pieces[i]],
-                                     "state": [dict(st) for st in sts]}
-                                 for i, sts in self._slice_state.items()},
-                "weight_slices": {i: dict(st) for i, st in self._weight_state.items() if st},
+                **self._slice_state_dict(inner),
             },
         }
 
@@ -98,7 +86,7 @@ class ZeroStateMixin:
             )
         if ours["version"] != STATE_VERSION:
             raise ValueError(f"checkpoint layout version {ours['version']} is not this qmuon's ({STATE_VERSION}); "
-                             "load it with the qmuon-lightning version that saved it")
+                             "load it with the qmuon version that saved it")
         if ours["mode"] != self._mode or ours["world_size"] != self._world:
             raise ValueError(
                 f"the checkpoint was saved with {ours['world_size']} process(es) at {MODE_NAMES[ours['mode']]}; this "
@@ -115,77 +103,4 @@ class ZeroStateMixin:
                     [list(x) for x in self._layout()]:
                 raise ValueError("the checkpoint's ZeRO partition layout differs from this run's (different "
                                  "parameters, bucket alignment or process count)")
-        inner = copy.copy(ours["inner"])
-        state = dict(inner["state"])
-        muon_idx = {p.index: p for p in self._params if p.muon}
-        for k in list(state):
-            if k in muon_idx and muon_idx[k].owner != self._rank:
-                del state[k]  # another rank's matrix (stage 0: rank 0's file holds all of them)
-        saved_groups = state_dict.get("param_groups") or []
-        saved_rule = {gi: (saved_groups[gi].get("bf16_update") if gi < len(saved_groups) else None)
-                      for gi in range(len(self._all_groups))}
-        slices = ours["adamw_slices"]
-        self._slice_state = {}
-        for index, pieces in self._pieces.items():
-            info = self._params[index]
-            where = f"AdamW parameter {index} (shape {tuple(info.shape)}), rank {self._rank}'s slice"
-            family = self._all_groups[info.group]["state_format"]
-            saved = slices.get(index)
-            if saved is not None:
-                if [list(x) for x in saved["pieces"]] != [list(x) for x in pieces]:
-                    raise ValueError(f"{where}: the checkpoint cuts the slice into pieces {saved['pieces']}, this "
-                                     f"run into {[list(x) for x in pieces]}; the partition layout changed")
-                srcs = saved["state"]
-            else:
-                continue  # no step taken before the save
-            self._slice_state[index] = [
-                {k: v.to(device=self._device, copy=True) if isinstance(v, Tensor) and k != "step" else
-                 (v.clone() if isinstance(v, Tensor) else v)
-                 for k, v in qadamw.convert_adamw_state(src, family, info.shape, (r, w), where).items()}
-                for src, (_, r, w) in zip(srcs, pieces)]
-            data = self._views(info)[0]
-            for (off, r, w), st in zip(pieces, self._slice_state[index]):
-                self._check_weight_state(data.narrow(0, off, r * w).view(r, w), st, info, saved_rule[info.group],
-                                         f"{where}, piece at {off}")
-        self._weight_state = {}
-        for index, st in ours["weight_slices"].items():
-            info = self._params[int(index)]
-            if not info.muon or info.holders[self._rank] is None:
-                raise ValueError(f"the checkpoint holds weight-correction codes for parameter {index}, of which this "
-                                 "run's rank holds no Muon slice; the partition layout changed")
-            self._weight_state[info.index] = {k: v.to(device=self._device, copy=True) for k, v in st.items()}
-        for info in self._params:
-            v = self._views(info) if info.muon else None
-            if v is not None:
-                self._check_weight_state(v[0], self._weight_state.get(info.index, {}), info, saved_rule[info.group],
-                                         f"Muon parameter {info.index} (shape {tuple(info.shape)}), rank "
-                                         f"{self._rank}'s slice")
-        inner["state"] = state
-        # AdamW proxies must look like the saved slices while loading (torch casts state to them).
-        for info, proxy in zip(self._params, self._proxies):
-            if not info.muon and info.index not in self._pieces:
-                v = self._views(info)
-                proxy.data = v[0] if v is not None else torch.zeros(0, device=self._device)
-        self._inner.load_state_dict(inner)
-        for info, proxy in zip(self._params, self._proxies):
-            if not info.muon:
-                proxy.data = torch.zeros(0, device=self._device)
-        for g, saved in zip(self._all_groups, state_dict.get("param_groups", [])):
-            for k, v in saved.items():
-                # structural keys stay this run's, as in QMuon.load_state_dict (the state was converted to
-                # this run's formats above; a changed bf16_update creates / drops codes at the next step)
-                if k not in ("params", "param_names", *STRUCTURAL_KEYS):
-                    g[k] = v
-
-    def _check_weight_state(self, data: Tensor, st: dict[str, Any], info: FlatParam, saved_rule: str | None,
-                            where: str) -> None:
-        """Validate the loaded weight-correction codes of one bf16 slice (or piece) ``data``, as
-        single-process QMuon does (:func:`qmuon.optim.bf16_weights.check_loaded_weight_state`):
-        saved and resumed with the same ``bf16_update``, what the rule needs must be there, int8 and
-        shaped like the slice (a missing ``weight_ecc`` is an incomplete checkpoint); after a rule
-        change, codes are created (zero) or dropped at the next step."""
-        rule = self._all_groups[info.group].get("bf16_update", "nearest")
-        present = any(k in st for k in qstate.weight_state_keys())
-        if saved_rule == rule or (present and weight_apply.weight_state_keys(data, rule)):
-            weight_apply.check_weight_state(data, st, rule, where)
-
+        self._load_slice_state(ours, state_dict.get("param_groups") or [])
