@@ -5,7 +5,8 @@ the ``qmuon-train`` CLI and its recipes, models, data, memory estimates and ``qm
 itself lives in :mod:`qmuon` (torch only); its three entry points are re-exported here for kit users.
 
 Layers (imports flow one way): :mod:`qmuon` -> ``strategies`` / ``callbacks`` / ``models`` / ``data`` /
-``memory`` -> ``cli``, ``cli_litgpt``, ``doctor``, ``estimate``. :mod:`qmuon` never imports this package.
+``memory`` -> ``cli``, ``doctor``, ``estimate``. :mod:`qmuon` never imports this package; the Fabric strategy
+and ``qmuon-litgpt`` live in the library: :mod:`qmuon.integrations.fabric`, :mod:`qmuon.integrations.litgpt`).
 """
 
 from importlib.metadata import PackageNotFoundError, version

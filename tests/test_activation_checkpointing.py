@@ -153,7 +153,7 @@ def test_gradient_release_steps_each_parameter_once_and_matches(dtype: torch.dty
 def test_strategy_policy_is_checked_at_construction() -> None:
     from qmuon_lightning.models.decoder_lm import Block
     from qmuon_lightning.strategies import QMuonFSDPStrategy
-    from qmuon_lightning.strategies.options import activation_checkpointing_kwargs
+    from qmuon.integrations.fabric.options import activation_checkpointing_kwargs
 
     assert activation_checkpointing_kwargs(None) == {}
     kw = activation_checkpointing_kwargs({Block})  # Lightning's translation: an auto-wrap policy
@@ -172,7 +172,7 @@ def test_strategy_policy_is_checked_at_construction() -> None:
 
 
 def test_strategy_refuses_double_checkpointing_and_empty_selection() -> None:
-    from qmuon_lightning.strategies.options import (
+    from qmuon.integrations.fabric.options import (
         activation_checkpointing_kwargs,
         setup_activation_checkpointing,
     )
@@ -415,7 +415,7 @@ def test_policy_on_a_hugging_face_llama_is_bit_identical() -> None:
     wrapped by class name gives the same loss and gradients bit for bit (the helper the strategy
     calls after sharding; no process group needed)."""
     tf = pytest.importorskip("transformers")
-    from qmuon_lightning.strategies.options import (
+    from qmuon.integrations.fabric.options import (
         activation_checkpointing_kwargs,
         setup_activation_checkpointing,
     )

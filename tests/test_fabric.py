@@ -34,8 +34,8 @@ from _helpers import assert_same
 from _dist import REPO, run_launcher, subprocess_env
 from qmuon_lightning.models import DecoderLM
 from qmuon_lightning.strategies import QMuonFabricStrategy, register_fabric_strategies
-from qmuon_lightning.strategies.fsdp import PRESETS
-from qmuon_lightning.strategies.optimizer_swap import SwapError
+from qmuon.integrations.fabric.mixin import PRESETS
+from qmuon.integrations.fabric.optimizer_swap import SwapError
 
 VOCAB, D, SEQ, GLOBAL_BATCH = 64, 32, 16, 8
 SAVE_AT, TOTAL = 3, 6  # the 2-process run saves after SAVE_AT steps and trains TOTAL steps in all

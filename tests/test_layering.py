@@ -35,7 +35,7 @@ LAYERS = {
     "qmuon_lightning.memory": 11, "qmuon_lightning.strategies": 11,
     "qmuon_lightning.callbacks": 12, "qmuon_lightning.plotting": 12,
     "qmuon_lightning.estimate": 13, "qmuon_lightning.doctor": 13,
-    "qmuon_lightning.cli": 14, "qmuon_lightning.cli_litgpt": 14,
+    "qmuon_lightning.cli": 14,
 }
 
 #: Imports between two subpackages of one layer that the design allows, and why.

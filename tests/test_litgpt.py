@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import qmuon  # noqa: E402
 from _dist import REPO, run_launcher, subprocess_env  # noqa: E402
-from qmuon_lightning.cli_litgpt import split_qmuon_args  # noqa: E402
+from qmuon.integrations.litgpt import split_qmuon_args  # noqa: E402
 from qmuon.optim import format_routing_table, route_parameters  # noqa: E402
 
 HAVE_LITGPT = importlib.util.find_spec("litgpt") is not None
@@ -289,7 +289,7 @@ def _write_setup(tmp: Path, devices: int, max_tokens: int) -> Path:
 
 def _launch(config: Path, *extra: str, timeout: float = 300) -> str:
     env = subprocess_env(PYTHONPATH=f"{REPO}:{REPO / 'tests'}")
-    cmd = [sys.executable, "-m", "qmuon_lightning.cli_litgpt", "pretrain", "--config", str(config),
+    cmd = [sys.executable, "-m", "qmuon.integrations.litgpt", "pretrain", "--config", str(config),
            "--qmuon.lr", str(LR), *extra]
     return run_launcher(cmd, timeout=timeout, env=env, cwd=config.parent, what="qmuon-litgpt pretrain")
 
@@ -388,7 +388,7 @@ def test_finetune_starts_from_the_checkpoint_and_keeps_the_lr_ratio(tmp_path, co
     rows = [{"instruction": f"repeat {w}", "input": "", "output": f"{w} {w}"} for w in ["cat", "dog", "boat"] * 20]
     (tmp_path / "train.json").write_text(json.dumps(rows))
     lora = ["--lora_r", "4", "--lora_query", "true", "--lora_value", "true"] if command == "finetune_lora" else []
-    cmd = [sys.executable, "-m", "qmuon_lightning.cli_litgpt", command, str(ckpt), *lora, "--data", "JSON",
+    cmd = [sys.executable, "-m", "qmuon.integrations.litgpt", command, str(ckpt), *lora, "--data", "JSON",
            "--data.json_path", str(tmp_path / "train.json"), "--data.val_split_fraction", "0.1",
            "--train.epochs", "1", "--train.max_steps", "4", "--train.global_batch_size", "4",
            "--train.micro_batch_size", "2", "--train.save_interval", "2", "--train.lr_warmup_steps", "1",

@@ -68,7 +68,7 @@ def test_a_file_that_would_run_code_is_refused_not_run(tmp_path):
     # the resume scan and the kit's strategies read checkpoints through it
     with pytest.raises(UnsafeCheckpointError):
         resume.checkpoint_step(ck)
-    from qmuon_lightning.strategies.checkpoint_state import load_file
+    from qmuon.integrations.fabric.checkpoint_state import load_file
 
     with pytest.raises(UnsafeCheckpointError):
         load_file(ck, None, mmap=True, map_location="cpu")
@@ -151,6 +151,6 @@ def test_no_unsafe_loading_in_the_sources():
                 code = line.split("#")[0]
                 if re.search(r"load\(.*weights_only=False|pickle\.loads?\(|dcp\.FileSystemReader\(", code):
                     found.append(f"{f.relative_to(ROOT)}:{i}: {line.strip()}")
-    allowed = {"qmuon_lightning/strategies/checkpoint_state.py": "torch.load(path, weights_only=False, **kwargs)"}
+    allowed = {"qmuon/integrations/fabric/checkpoint_state.py": "torch.load(path, weights_only=False, **kwargs)"}
     found = [x for x in found if not any(x.startswith(k) and v in x for k, v in allowed.items())]
     assert not found, "\n".join(found)

@@ -31,10 +31,10 @@ from _dist import run_launcher, subprocess_env
 from qmuon import QMuon
 from qmuon_lightning.models import DecoderLM
 from qmuon_lightning.strategies import QMuonFSDPStrategy
-from qmuon_lightning.strategies.fsdp import PRESETS
-from qmuon_lightning.strategies.sharding import select_blocks, select_roots
-from qmuon_lightning.strategies import optimizer_swap as swap
-from qmuon_lightning.strategies.sharding import resolve_policy
+from qmuon.integrations.fabric.mixin import PRESETS
+from qmuon.integrations.fabric.sharding import select_blocks, select_roots
+from qmuon.integrations.fabric import optimizer_swap as swap
+from qmuon.integrations.fabric.sharding import resolve_policy
 
 # ---------------------------------------------------------------------------------------------
 # Shared model (also used by the worker scenarios)

@@ -431,7 +431,7 @@ def test_lightning_resume_gives_back_a_fitted_block_size() -> None:
     """The Lightning strategies reapply the saved per-parameter layouts before loading (DCP reads
     into the destination's shapes): a block size alone (blocks fitted to narrow rowwise shards,
     same format) must be reapplied too."""
-    from qmuon_lightning.strategies.checkpoint_state import apply_format_overrides
+    from qmuon.integrations.fabric.checkpoint_state import apply_format_overrides
 
     torch.manual_seed(0)
     m = torch.nn.Sequential(torch.nn.Linear(256, 256, bias=False), torch.nn.Linear(256, 256, bias=False))

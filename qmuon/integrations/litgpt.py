@@ -10,9 +10,9 @@ Everything but ``--qmuon.*`` goes to LitGPT's CLI (``litgpt.__main__.main``), so
 changes:
 
 * **Strategy.** The ``lightning.Fabric`` LitGPT builds gets a
-  :class:`~qmuon_lightning.strategies.QMuonFabricStrategy` instead of ``"auto"`` / LitGPT's FSDP
+  :class:`~qmuon.integrations.fabric.QMuonFabricStrategy` instead of ``"auto"`` / LitGPT's FSDP
   (on any number of processes, CPU or GPU). Its ``setup_optimizers`` replaces LitGPT's AdamW by
-  :func:`~qmuon_lightning.build_optimizer` on the sharded model: hidden matrices (LitGPT's fused
+  :func:`~qmuon.build_optimizer` on the sharded model: hidden matrices (LitGPT's fused
   ``attn.qkv`` read as q, k, v: :mod:`qmuon.optim.litgpt_layouts`) go to Muon, the
   embedding, head, norms and biases to AdamW with LitGPT's AdamW settings (``--optimizer.lr`` is the
   AdamW lr; ``--qmuon.lr`` the Muon lr).
@@ -56,8 +56,8 @@ from typing_extensions import override
 
 from qmuon.core.config import ConfigError, QMuonConfig, unknown_key_message
 from qmuon.optim.qmuon import QMuon
-from .strategies.fabric import QMuonFabricStrategy
-from .strategies.sharding import resolve_policy
+from .fabric.sharding import resolve_policy
+from .fabric.strategy import QMuonFabricStrategy
 
 __all__ = ["main", "QMuonLitGPTStrategy"]
 
@@ -265,7 +265,7 @@ def _litgpt_version() -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """Entry point of ``qmuon-litgpt`` (also ``python -m qmuon_lightning.cli_litgpt``).
+    """Entry point of ``qmuon-litgpt`` (also ``python -m qmuon.integrations.litgpt``).
 
     LitGPT's CLI reads ``sys.argv`` (and re-reads it to save ``hyperparameters.yaml``), and
     Fabric's launcher starts the other processes with ``sys.executable`` and ``sys.argv``; so

@@ -2,7 +2,8 @@
 
 Importing this package (``import qmuon_lightning`` does) registers every Trainer strategy class
 defined here in Lightning's ``StrategyRegistry`` and the Fabric strategy
-(:class:`~.fabric.QMuonFabricStrategy`) under the same names in Fabric's ``STRATEGY_REGISTRY``:
+(:class:`~qmuon.integrations.fabric.QMuonFabricStrategy`, which lives in the library so that
+``qmuon-litgpt`` needs no kit) under the same names in Fabric's ``STRATEGY_REGISTRY``:
 Lightning has no entry points for strategies, so a name is usable as ``strategy=...`` only after
 this import. Each class registers its names through Lightning's ``register_strategies(registry)``
 class-method convention.
@@ -17,9 +18,9 @@ from typing import Any
 from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGY_REGISTRY
 from lightning.pytorch.strategies import Strategy, StrategyRegistry
 
-from .fabric import QMuonFabricStrategy
+from qmuon.integrations.fabric import QMuonFabricStrategy, ShardPolicy
+
 from .fsdp import QMuonFSDPStrategy
-from .sharding import ShardPolicy
 
 __all__ = [
     "QMuonFSDPStrategy",

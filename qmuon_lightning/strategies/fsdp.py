@@ -62,13 +62,14 @@ from qmuon.core.config import QMuonConfig
 from qmuon.optim.qmuon import QMuon
 from qmuon.optim.release import check_trainer_compatible, release_of
 from qmuon.optim.routing import format_routing_table
-from . import optimizer_swap as swap
-from .checkpoint_state import (CKPT_KEY, apply_format_overrides, check_compatible, checkpoint_info, load_file,
+from qmuon.integrations.fabric import optimizer_swap as swap
+from qmuon.integrations.fabric.checkpoint_state import (CKPT_KEY, apply_format_overrides, check_compatible, checkpoint_info, load_file,
                                load_full_state, load_sharded_state, saved_dcp_keys)
-from .options import (ActivationCheckpointingPolicy, activation_checkpointing_kwargs, build_replacement,
+from qmuon.integrations.fabric.mixin import PRESETS, OptimizerMode, QMuonStrategyMixin
+from qmuon.integrations.fabric.options import (ActivationCheckpointingPolicy, activation_checkpointing_kwargs, build_replacement,
                       check_sharded_formats, ensure_release, no_muon_warning, resolve_mesh_sizes,
                       setup_activation_checkpointing, validate_optimizer_kwargs)
-from .sharding import (ShardPolicy, check_replicate_size, describe_sharding, hsdp_mesh, resolve_policy,
+from qmuon.integrations.fabric.sharding import (ShardPolicy, check_replicate_size, describe_sharding, hsdp_mesh, resolve_policy,
                        shard_unless_sharded)
 
 if TYPE_CHECKING:
@@ -77,23 +78,6 @@ if TYPE_CHECKING:
 __all__ = ["QMuonFSDPStrategy"]
 
 log = logging.getLogger(__name__)
-
-OptimizerMode = Literal["qmuon", "keep"]
-OPTIMIZER_MODES: tuple[str, ...] = ("qmuon", "keep")
-
-#: Registered names -> constructor arguments (``Trainer(strategy=name)``).
-PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
-    "qmuon_fsdp": ("FSDP2 with QMuon (int8 momentum) replacing the configured optimizer", {}),
-    "qmuon_fsdp_int8_stochastic": (
-        "FSDP2 with QMuon, int8 momentum with stochastic rounding",
-        {"optimizer": "qmuon", "optimizer_kwargs": {"state_format": "int8", "state": {"rounding": "stochastic"}}},
-    ),
-    "qmuon_fsdp_grasp4": (
-        "FSDP2 with QMuon, GRASP 4-bit momentum",
-        {"optimizer": "qmuon", "optimizer_kwargs": {"state_format": "grasp4"}},
-    ),
-    "qmuon_fsdp_keep": ("FSDP2 with automatic sharding; the configured optimizer is kept", {"optimizer": "keep"}),
-}
 
 #: The key of the weights in a sharded checkpoint directory written by this strategy (Lightning's
 #: ``FSDPStrategy`` layout; ``ModelParallelStrategy`` writes ``"state_dict"``, which is still read).
@@ -110,54 +94,6 @@ _NO_OPTIMIZER_STATE = (
     "{path} holds no optimizer state (saved with save_weights_only=True?), so training cannot resume from it. "
     "To start a new run from its weights, load them into the module before fit, or use a full checkpoint"
 )
-
-
-class QMuonStrategyMixin:
-    """What the Trainer and Fabric strategies share on top of their (different) Lightning bases:
-    registration of ``"qmuon_fsdp"`` and its presets, the optimizer settings, and the mesh sizes
-    resolved before the base class builds the device mesh."""
-
-    _optimizer_mode: str
-    _optimizer_kwargs: dict[str, Any]
-    _data_parallel_size: Any
-    _tensor_parallel_size: Any
-
-    @staticmethod
-    def _check_init_args(optimizer: str, data_parallel_size: Any, tensor_parallel_size: Any) -> None:
-        """Refuse bad constructor arguments before the Lightning base class sees them."""
-        if optimizer not in OPTIMIZER_MODES:
-            raise ValueError(f"optimizer={optimizer!r} is not one of {OPTIMIZER_MODES}")
-        for name, size in (("data_parallel_size", data_parallel_size), ("tensor_parallel_size", tensor_parallel_size)):
-            if size != "auto" and (not isinstance(size, int) or isinstance(size, bool) or size < 1):
-                raise ValueError(f"{name} must be 'auto' or a positive int, got {size!r}")
-
-    def _init_qmuon_settings(self, optimizer: str, optimizer_kwargs: Optional[dict[str, Any]],
-                             shard_policy: ShardPolicy, reshard_after_forward: bool) -> None:
-        self._optimizer_mode = optimizer
-        self._optimizer_kwargs = validate_optimizer_kwargs(optimizer, optimizer_kwargs or {})
-        self._shard_policy: ShardPolicy = shard_policy
-        resolve_policy(shard_policy)  # raises on a bad policy now, before any process starts
-        self._reshard_after_forward = bool(reshard_after_forward)
-
-    @classmethod
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        """Register ``"qmuon_fsdp"`` and its presets (:data:`PRESETS`) in a Lightning strategy registry."""
-        for name, (description, init_params) in PRESETS.items():
-            strategy_registry.register(name, cls, description=description, override=True, **init_params)
-
-    @property
-    def optimizer_mode(self) -> str:
-        return self._optimizer_mode
-
-    @property
-    def optimizer_kwargs(self) -> dict[str, Any]:
-        return dict(self._optimizer_kwargs)
-
-    def setup_environment(self) -> None:
-        self._data_parallel_size, self._tensor_parallel_size = resolve_mesh_sizes(
-            self._data_parallel_size, self._tensor_parallel_size,
-            self.num_nodes * self.num_processes)  # type: ignore[attr-defined]
-        super().setup_environment()  # type: ignore[misc]
 
 
 class QMuonFSDPStrategy(QMuonStrategyMixin, ModelParallelStrategy):
@@ -179,7 +115,7 @@ class QMuonFSDPStrategy(QMuonStrategyMixin, ModelParallelStrategy):
             (``{"lr": 0.02, "state_format": "int8", "state": {"rounding": "stochastic"}}``), checked here.
         shard_policy: which modules become FSDP units when ``configure_model`` does not shard:
             ``"auto"``, ``"root"``, a list of classes or class names, or a callable
-            ``(name, module) -> bool`` (see :mod:`qmuon_lightning.strategies.sharding`).
+            ``(name, module) -> bool`` (see :mod:`qmuon.integrations.fabric.sharding`).
         reshard_after_forward: passed to ``fully_shard`` (free gathered parameters after forward).
         log_comm_bytes: log the optimizer's ``comm_bytes_last_step`` as ``qmuon/comm_bytes``.
         data_parallel_size, tensor_parallel_size: device-mesh shape; defaults: all processes on the

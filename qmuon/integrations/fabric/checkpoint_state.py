@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
 import torch
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch.optim import Optimizer
 
 from qmuon.core.config import FORMAT_OVERRIDES, ResumeMismatch, check_resume, describe_layout, state_layout

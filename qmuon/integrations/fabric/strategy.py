@@ -23,7 +23,7 @@ A subclass of :class:`lightning.fabric.strategies.ModelParallelStrategy` (FSDP2)
    when every rank is done).
 
 Registered in Fabric's ``STRATEGY_REGISTRY`` on ``import qmuon_lightning`` under the Trainer
-registry's names (:data:`.fsdp.PRESETS`). See docs/fabric.md.
+registry's names (:data:`.mixin.PRESETS`). See docs/fabric.md.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ from qmuon.optim.routing import format_routing_table
 from . import optimizer_swap as swap
 from .checkpoint_state import (CKPT_KEY, apply_format_overrides, check_compatible, checkpoint_info, load_file,
                                load_full_state, load_sharded_state, saved_dcp_keys)
-from .fsdp import OptimizerMode, QMuonStrategyMixin
+from .mixin import OptimizerMode, QMuonStrategyMixin
 from .options import build_replacement, check_sharded_formats, ensure_release, no_muon_warning
 from .sharding import ShardPolicy, check_replicate_size, describe_sharding, hsdp_mesh, is_sharded, shard_unless_sharded
 
@@ -97,7 +97,7 @@ def _replace(src: Path, dst: Path) -> None:
 
 class QMuonFabricStrategy(QMuonStrategyMixin, ModelParallelStrategy):
     """FSDP2 strategy for Lightning Fabric that shards the model by a policy when no
-    ``parallelize_fn`` is given and trains it with :class:`~qmuon_lightning.QMuon`.
+    ``parallelize_fn`` is given and trains it with :class:`~qmuon.QMuon`.
 
     Registered on ``import qmuon_lightning`` as ``"qmuon_fsdp"`` and the presets
     ``"qmuon_fsdp_int8_stochastic"``, ``"qmuon_fsdp_grasp4"``,
@@ -111,7 +111,7 @@ class QMuonFabricStrategy(QMuonStrategyMixin, ModelParallelStrategy):
             replaces it by ``build_optimizer(model, **optimizer_kwargs)`` (its AdamW / Adam settings
             become the auxiliary AdamW's); ``"keep"``: keep it. A QMuon is always kept.
         optimizer_kwargs: the replacement's QMuon options (a :class:`~qmuon.QMuonConfig` or a dict of them).
-        shard_policy: which modules become FSDP units (see :mod:`qmuon_lightning.strategies.sharding`).
+        shard_policy: which modules become FSDP units (see :mod:`qmuon.integrations.fabric.sharding`).
         reshard_after_forward: passed to ``fully_shard``.
         data_parallel_size, tensor_parallel_size: device-mesh shape; defaults: all processes on the
             data-parallel dimension, tensor parallel size 1.
