@@ -111,9 +111,11 @@ class NewtonSchulz:
         batch_budget: same-shape matrices are orthogonalized in batches of at most this many times
             the largest matrix's elements (or a fixed share of all Muon elements if more; on CPU at
             most 2^20 elements: :class:`~qmuon.core.pipeline.BatchSizes`).
-        comm_carrier, comm_return: sharded parameters only: how the distributed Newton-Schulz
-            encodes the rows it sends to the rank that orthogonalizes a matrix, and the result it
-            sends back (:mod:`qmuon.distributed`; bytes per step in ``QMuon.comm_stats``).
+        comm_carrier, comm_return: sharded parameters only (FSDP2, HSDP, TP; DeepSpeed ZeRO): how the
+            distributed Newton-Schulz encodes what it sends to the rank that orthogonalizes a matrix
+            (FSDP2: the NS input rows; DeepSpeed, where that rank keeps the matrix's momentum: the
+            averaged gradient slices) and the result it sends back (:mod:`qmuon.distributed`; bytes
+            per step in ``comm_stats``).
     """
 
     steps: int = 5
