@@ -125,10 +125,12 @@ def _attention_blocks(head) -> dict[str, int]:
 
 #: (model, state format, state options): the GQA models in the formats of the target; GPT-2 (4 heads,
 #: no GQA, stored (in, out)) in int8 with 32-element blocks (see test_gpt2_int8_default_blocks);
-#: grasp4 (4-bit momentum) on all three.
+#: the 4-bit formats on the GQA Llama, grasp4 on all three, and bf16 / uint8.
 CASES = [("llama", "fp32", None), ("llama", "int8", None), ("decoder_lm", "fp32", None), ("decoder_lm", "int8", None),
          ("gpt2", "fp32", None), ("gpt2", "int8", 32),
-         ("llama", "grasp4", None), ("decoder_lm", "grasp4", None), ("gpt2", "grasp4", None)]
+         ("llama", "grasp4", None), ("decoder_lm", "grasp4", None), ("gpt2", "grasp4", None),
+         ("llama", "bf16", None), ("llama", "uint8", None), ("llama", "int4", None), ("llama", "e0m3", None)]
+FOUR_BIT = ("grasp4", "int4", "e0m3")
 EXPECTED_BLOCKS = {"llama": {"q_proj": 4, "k_proj": 2, "v_proj": 2, "o_proj": 4},
                    "gpt2": {"c_attn": 3 * 4, "attn.c_proj": 4},
                    "decoder_lm": {"qkv": 4 + 2 * 2, "attn.proj": 4}}
@@ -146,20 +148,21 @@ def test_per_head_equals_torch_muon_per_block(model, state_format, block_size):
     full rank: on a rank-deficient gradient (2 x 12 tokens into a 96 x 64 MLP) NS amplifies the bf16
     rounding of the null space, and torch's bf16 update itself moves by cosine 0.98. The other
     matrices (MLP, unsplit, the same with per_head off) measure >= 0.9987 with fp32 momentum, bound
-    0.998, and >= 0.996 with int8 (GPT-2's c_fc, stored (in, out)), bound 0.995. grasp4 (4-bit momentum) measures
-    >= 0.96 (its 4-bit error): bound 0.95, a check that it steps per head too. Sizes: bf16 NS moves
-    an update's norm by ~1% (measured <= 1.2%; grasp4 <= 3%): bounds 3% and 6%."""
+    0.998, and >= 0.996 with int8 (GPT-2's c_fc, stored (in, out)), bound 0.995. The 4-bit formats
+    (grasp4, int4, e0m3) measure >= 0.96 on the head blocks (their 4-bit error): bound 0.95, a check
+    that they step per head too; their unsplit MLP matrices measure >= 0.917 (int4), bound 0.9.
+    Sizes: bf16 NS moves an update's norm by ~1% (measured <= 1.2%; 4-bit <= 3%): bounds 3% and 6%."""
     state = {"block_size": block_size} if block_size else None
     got, head = _side_by_side(MODELS[model], state_format, state=state)
     blocks = _attention_blocks(head)
     for key, count in EXPECTED_BLOCKS[model].items():
         names = [n for n in blocks if f"{key}.weight" in n]
         assert names and all(blocks[n] == count for n in names), (key, blocks)
-    four_bit = state_format == "grasp4"
+    four_bit = state_format in FOUR_BIT
     cos_heads = min(c for (n, _), v in got.items() if n in blocks for c, _ in v)
     cos_rest = min((c for (n, _), v in got.items() if n not in blocks for c, _ in v), default=1.0)
     assert cos_heads >= (0.95 if four_bit else 0.999), cos_heads
-    assert cos_rest >= (0.95 if four_bit else 0.995 if state_format == "int8" else 0.998), cos_rest
+    assert cos_rest >= (0.9 if four_bit else 0.995 if state_format in ("int8", "uint8") else 0.998), cos_rest
     ratios = [r for v in got.values() for _, r in v]
     assert max(abs(r - 1) for r in ratios) < (0.06 if four_bit else 0.03), (min(ratios), max(ratios))
 
@@ -521,3 +524,31 @@ def test_tensor_parallel_heads_cut_by_shards(state_format):
     assert r["parts"]["attn.q_proj.weight"] == (16,) * 3 and r["parts"]["attn.o_proj.weight"] == (16,) * 3
     assert "Shard(dim=1)" in r["placements"]["attn.o_proj.weight"], r["placements"]
     assert all(r["equal"].values()), r["equal"]
+
+
+def test_gradient_release_steps_per_head_too():
+    """``gradient_release=True`` steps each parameter inside backward: per head, the same bits as
+    ``optimizer.step()`` after backward (int8 state)."""
+    def run(release: bool) -> dict[str, torch.Tensor]:
+        model = _llama()
+        opt = qmuon.build_optimizer(model, routing={"per_head": True}, gradient_release=release)
+        for step in range(2):
+            _loss(model, step).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    a, b = run(False), run(True)
+    assert all(torch.equal(a[n], b[n]) for n in a)
+
+
+def test_resume_into_another_layout_is_refused():
+    """A checkpoint saved without per-head does not load into a per-head optimizer (the groups'
+    layouts differ): refused with the fix, not silently mixed."""
+    model = _llama()
+    opt = qmuon.build_optimizer(model)
+    _loss(model, 0).backward()
+    opt.step()
+    sd = opt.state_dict()
+    with pytest.raises(ValueError, match=r"3 parameter groups but this optimizer has 6; build the optimizer the same way"):
+        qmuon.build_optimizer(model, routing={"per_head": True}).load_state_dict(sd)
