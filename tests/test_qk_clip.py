@@ -21,6 +21,7 @@ What the tests hold, and why each tolerance:
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import pytest
@@ -182,15 +183,24 @@ def test_padding_mask_is_respected(impl: str) -> None:
     torch.testing.assert_close(opt.qk_clip.running.double(), want, rtol=2e-6, atol=0)
 
 
-def test_chunked_measure_equals_one_piece() -> None:
+@pytest.mark.parametrize("shape", [(2, 6, 3, 40, 40), (2, 4, 2, 10, 25), (1, 4, 4, 25, 10), (3, 2, 1, 7, 7)],
+                         ids=["gqa", "cache", "fewer_keys", "mqa"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_chunked_measure_equals_the_full_score_matrix(shape: tuple, causal: bool) -> None:
+    """Any chunking (one query row at a time up to one piece), GQA / MQA, more keys than queries
+    (a KV cache: bottom-right causal alignment) and fewer: the float64 maximum of the full masked
+    score matrix (rtol 2e-6: fp32 rounding of 8-term dot products)."""
+    b, h, kv, t, s = shape
+    d = 8
     g = torch.Generator().manual_seed(0)
-    q, k = torch.randn(2, 6, 40, 8, generator=g), torch.randn(2, 3, 40, 8, generator=g)
-    whole = max_logits(q, k, 0.35)
-    # 3 query rows a chunk: the same scores up to the matmul's blocking (fp32 rounding)
-    torch.testing.assert_close(max_logits(q, k, 0.35, chunk_elements=2 * 6 * 40 * 3), whole, rtol=2e-6, atol=0)
-    full = (q @ k.repeat_interleave(2, 1).transpose(-1, -2) * 0.35).masked_fill(
-        ~torch.ones(40, 40, dtype=torch.bool).tril(), float("-inf")).amax(dim=(0, 2, 3))
-    torch.testing.assert_close(whole, full, rtol=2e-6, atol=0)
+    q, k = torch.randn(b, h, t, d, generator=g), torch.randn(b, kv, s, d, generator=g)
+    scores = q.double() @ k.double().repeat_interleave(h // kv, 1).transpose(-1, -2) * 0.3
+    if causal:
+        scores = scores.masked_fill(torch.arange(s)[None, :] > torch.arange(t)[:, None] + (s - t), float("-inf"))
+    want = scores.amax(dim=(0, 2, 3))
+    for chunk in (1, 50, 300, 1 << 18):
+        got = max_logits(q, k, 0.3, causal=causal, chunk_elements=chunk)
+        torch.testing.assert_close(got.double(), want, rtol=2e-6, atol=0)
 
 
 # ------------------------------------------------------------------------- the clip maths
@@ -474,3 +484,33 @@ def test_fsdp2_clips_sharded_rows_as_one_process(release: bool) -> None:
     assert moving[0]["clipped"] == moving[1]["clipped"] > 0
     for a, b in zip(moving[0]["maxima"], moving[1]["maxima"]):
         assert torch.equal(a, b)
+
+
+# ------------------------------------------------------------------------- no host reads
+@pytest.mark.parametrize("release", [False, True], ids=["step", "release"])
+@pytest.mark.parametrize("kind", ["lm", "llama_sdpa"])
+def test_measure_and_clip_read_nothing_back(kind: str, release: bool) -> None:
+    """Forward (the measure), backward and step (the clip) with QK-clip read no device value into
+    Python beyond what the same run without it reads (tests/test_host_reads.py's counter; the
+    model's own forward may read, e.g. transformers' mask code, and is counted on both sides)."""
+    from test_host_reads import HostReads, _exempt
+
+    def reads(clip: dict | None) -> list:
+        m = MODELS[kind]()
+        amplify(m, 8.0)
+        opt = qmuon.build_optimizer(m, lr=0.3, gradient_release=release, qk_clip=clip)
+        counter = HostReads()
+        out = []
+        for s in range(4):
+            ctx = counter.counting(_exempt(opt)) if s >= 2 else contextlib.nullcontext()
+            with ctx:
+                loss_of(m, batch(s)).backward()
+                opt.step()
+            opt.zero_grad()
+            out += counter.seen
+            counter.seen.clear()
+        if clip is not None:
+            assert opt.qk_clip.metrics()["qk_clip/heads_clipped_total"] > 0  # it clipped in the counted steps
+        return out
+
+    assert reads({"tau": 1.0}) == reads(None)

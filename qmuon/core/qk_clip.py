@@ -15,9 +15,11 @@ from torch import Tensor
 
 __all__ = ["max_logits", "qk_clip_factors", "DEFAULT_CHUNK_ELEMENTS"]
 
-#: The most score elements :func:`max_logits` holds at once (fp32: 64 MiB); queries are taken in
-#: chunks of rows so that a long sequence does not materialize its whole score matrix.
-DEFAULT_CHUNK_ELEMENTS = 1 << 24
+#: The most score elements :func:`max_logits` computes at once (fp32: 1 MiB): queries are taken in
+#: chunks of rows, so a long sequence never materializes its whole score matrix and each chunk's
+#: scores stay in cache between the matmul and the maximum (measured fastest on the CPU models of
+#: benchmarks/bench_qk_clip.py).
+DEFAULT_CHUNK_ELEMENTS = 1 << 18
 
 
 @torch.no_grad()
@@ -29,45 +31,65 @@ def max_logits(q: Tensor, k: Tensor, scale: float, *, causal: bool = True, mask:
         q: queries ``(B, H, T, D)`` as attention sees them (after RoPE and any QK-norm).
         k: keys ``(B, KV, S, D)``, ``H`` a multiple of ``KV`` (grouped-query attention: query head
             ``h`` reads key head ``h // (H / KV)``; the keys are not repeated).
-        scale: the factor the attention applies to ``q . k``.
+        scale: the factor (> 0) the attention applies to ``q . k``.
         causal: with ``mask=None``, only pairs ``j <= i + S - T`` count (bottom-right aligned, as a
             KV cache places the queries; ``T == S`` in training).
         mask: instead of ``causal``, the attention's own mask broadcastable to ``(B, H, T, S)``:
             boolean (True: the pair is attended, SDPA's convention) or additive float (0 where
-            attended, a large negative number where not, as eager attention adds it).
+            attended, a large negative number where not, as eager attention adds it to the scaled
+            scores).
         chunk_elements: the most score elements computed at once (queries are chunked by rows).
 
-    The scores are recomputed in fp32 from ``q`` and ``k`` (a second ``Q K^T``, chunked; cost in
-    docs/qk_clip.md): the attention kernel (SDPA, FlashAttention) never returns them. Nothing is
-    read to the host.
+    The scores are recomputed in fp32 from ``q`` and ``k`` beside the attention kernel (SDPA and
+    FlashAttention never return them). With the causal mask a chunk of query rows multiplies only
+    the keys it may see (about half of ``Q K^T``), takes the maximum of the keys every row sees
+    directly and masks only the diagonal block. ``scale`` multiplies the maxima, not the scores:
+    rounding is monotonic, so ``max(fl(scale * x)) == fl(scale * max(x))``. Nothing is read to the host.
     """
     b, h, t, d = q.shape
     kv, s = k.shape[1], k.shape[2]
     if h % kv:
         raise ValueError(f"max_logits: {h} query heads are not a multiple of {kv} key heads")
     g = h // kv
-    qf = q.detach().float().reshape(b, kv, g, t, d)
-    kt = k.detach().float().unsqueeze(2).transpose(-1, -2)  # (B, KV, 1, D, S)
-    rows = max(1, chunk_elements // max(1, b * h * s))
-    out: Tensor | None = None
+    # One copy each, laid out so that a chunk of query rows is a view: queries (B, KV, T, G, D)
+    # (the G heads of a key head next to each other), keys (B, KV, S, D) read transposed by the matmul.
+    qf = q.detach().float().reshape(b, kv, g, t, d).transpose(2, 3).contiguous()
+    kc = k.detach().float().contiguous()
+    rows = max(1, min(t, chunk_elements // max(1, b * h * s)))
+    off = s - t  # query i sees keys j <= i + off
+    neg = float("-inf")
+    out = torch.full((kv, g), neg, device=q.device)
+    # the diagonal block of a causal chunk: row r of the chunk sees its first r + 1 columns
+    hidden = torch.ones(rows, rows, dtype=torch.bool, device=q.device).triu_(1)[:, None, :] if causal else None
     for i0 in range(0, t, rows):
         i1 = min(t, i0 + rows)
-        scores = torch.matmul(qf[..., i0:i1, :], kt).mul_(scale).view(b, h, i1 - i0, s)
+        n = i1 - i0
+        qc = qf[:, :, i0:i1].reshape(b, kv, n * g, d)
         if mask is not None:
             m = mask[..., i0:i1, :]
-            if m.dtype == torch.bool:
-                scores = scores.masked_fill(~m, float("-inf"))
-            else:
-                scores = scores + m.float()
-        elif causal:
-            allowed = (torch.arange(i0, i1, device=q.device)[:, None] + (s - t)
-                       >= torch.arange(s, device=q.device)[None, :])
-            scores = scores.masked_fill(~allowed, float("-inf"))
-        part = scores.amax(dim=(0, 2, 3))
-        out = part if out is None else torch.maximum(out, part)
-    if out is None:  # no query rows
-        out = torch.full((h,), float("-inf"), device=q.device)
-    return out
+            sc = torch.matmul(qc, kc.transpose(-1, -2)).view(b, kv, n, g, s).transpose(2, 3).reshape(b, h, n, s)
+            sc = sc.mul_(scale)
+            sc = sc.masked_fill(~m, neg) if m.dtype == torch.bool else sc + m.float()
+            out = torch.maximum(out, sc.amax(dim=-1).amax(dim=(0, 2)).view(kv, g))
+            continue
+        end = min(s, i1 + off) if causal else s
+        if end <= 0:
+            continue
+        sc = torch.matmul(qc, kc[:, :, :end].transpose(-1, -2)).view(b, kv, n, g, end)
+        seen_by_all = min(end, max(0, i0 + off)) if causal else end
+        # reduce the key axis first (contiguous), then batch and rows
+        if seen_by_all > 0:
+            out = torch.maximum(out, sc[..., :seen_by_all].amax(dim=-1).amax(dim=(0, 2)))
+        if seen_by_all < end:  # the diagonal block
+            if end - seen_by_all == n and seen_by_all == i0 + off:  # row i0 + r sees columns up to seen_by_all + r
+                blocked = hidden[:n, :, :n]
+            else:  # fewer keys than queries (S < T): the general rule j <= i + off
+                cols = torch.arange(seen_by_all, end, device=q.device)
+                blocked = (cols[None, :] > torch.arange(i0, i1, device=q.device)[:, None] + off)[:, None, :]
+            diag = sc[..., seen_by_all:end].masked_fill(blocked, neg)
+            out = torch.maximum(out, diag.amax(dim=-1).amax(dim=(0, 2)))
+    out = out.reshape(h)
+    return out if mask is not None else out * scale
 
 
 def qk_clip_factors(max_logit: Tensor, tau: float, n_kv_heads: int) -> tuple[Tensor, Tensor]:

@@ -1,0 +1,112 @@
+"""What QK-clip's logit measure costs: training-forward time with and without it, on the CPU.
+
+The measure recomputes ``Q K^T`` in fp32 beside the attention kernel (the kernel never returns the
+scores; :func:`qmuon.core.qk_clip.max_logits`), masks it and takes the per-head maximum: about one
+more score matrix per layer, ``2 B H T^2 D`` FLOPs, half of the attention's own matmul FLOPs and a
+few percent of the model's ``2 N`` per token at these shapes.
+
+Models (the issue's tiny models): the kit's ``DecoderLM`` at the CPU smoke recipe's shape (d 128, 4
+layers, 4 heads, batch 32 x 128 tokens), and Hugging Face ``LlamaForCausalLM`` / ``Qwen3ForCausalLM``
+with the README's shape (hidden 64, 2 layers, 4 heads, 2 KV heads) at batch 16 x 128, SDPA.
+Each row times a training forward (``model.train()``, gradients enabled, no backward) with and
+without ``build_optimizer(model, qk_clip={"tau": 100})``, in back-to-back pairs (which goes first
+alternates) so that load drift hits both; reported: the fastest of each, and the median of the
+pairs' ratios.
+
+    OMP_NUM_THREADS=1 python benchmarks/bench_qk_clip.py --write
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import qmuon  # noqa: E402
+from _common import RESULTS_DIR, header_lines, md_table  # noqa: E402
+from qmuon_lightning.models.decoder_lm import DecoderLM  # noqa: E402
+
+
+def models() -> dict:
+    import transformers
+
+    def hf(cls, cfg_cls):
+        def make():
+            torch.manual_seed(0)
+            return cls(cfg_cls(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                               max_position_embeddings=256, attn_implementation="sdpa"))
+        return make
+
+    def lm():
+        torch.manual_seed(0)
+        return DecoderLM(vocab_size=256, d_model=128, n_layers=4, n_heads=4, max_seq_len=128)
+
+    return {
+        "DecoderLM d128 L4 H4, 32x128": (lm, (32, 128)),
+        "Llama h64 L2 H4 KV2, 16x128": (hf(transformers.LlamaForCausalLM, transformers.LlamaConfig), (16, 128)),
+        "Qwen3 h64 L2 H4 KV2, 16x128": (hf(transformers.Qwen3ForCausalLM, transformers.Qwen3Config), (16, 128)),
+    }
+
+
+def forward(m: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return m(x) if isinstance(m, DecoderLM) else m(input_ids=x).logits
+
+
+def measure(make, shape: tuple[int, int], reps: int) -> tuple[float, float, float]:
+    """(min forward s, min forward + measure s, median of the per-pair ratios - 1)."""
+    plain, clipped = make(), make()
+    qmuon.build_optimizer(clipped, qk_clip={"tau": 100.0})
+    x = torch.randint(0, 256, shape, generator=torch.Generator().manual_seed(0))
+    times: dict[str, list[float]] = {"plain": [], "clipped": []}
+    for m in (plain, clipped):  # warm-up
+        forward(m, x)
+    for i in range(reps):
+        pair = (("plain", plain), ("clipped", clipped))
+        for name, m in pair if i % 2 else pair[::-1]:  # alternate which goes first
+            t0 = time.perf_counter()
+            forward(m, x)
+            times[name].append(time.perf_counter() - t0)
+    ratios = [b / a for a, b in zip(times["plain"], times["clipped"])]
+    return min(times["plain"]), min(times["clipped"]), statistics.median(ratios) - 1
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--write", action="store_true", help="write benchmarks/results/qk_clip.md")
+    args = ap.parse_args()
+    warnings.filterwarnings("ignore")
+    rows = []
+    for name, (make, shape) in models().items():
+        a, b, r = measure(make, shape, args.reps)
+        rows.append([name, f"{a * 1e3:.2f}", f"{b * 1e3:.2f}", f"{100 * (b - a) / a:+.1f}%", f"{100 * r:+.1f}%"])
+        print(rows[-1], flush=True)
+    table = md_table(["model, batch x tokens", "forward ms (min)", "forward + measure ms (min)", "cost (mins)",
+                      "cost (median of pair ratios)"], rows, ["l", "r", "r", "r", "r"])
+    text = "\n".join(header_lines("QK-clip: the logit measure's cost in the training forward (CPU)") + [
+        "",
+        f"{args.reps} interleaved pairs of training forwards (train mode, gradients on, no backward; which of",
+        "the pair runs first alternates): the fastest of each side, and the median of the pairs' time ratios",
+        "(robust to load from other processes on this shared machine);",
+        "the measure is the exact per-head max logit (fp32 Q K^T recomputed beside SDPA, causal mask,",
+        "per-head amax into a device buffer). Target (issue 40): <= 15% of the forward.",
+        "",
+        table,
+        "",
+    ])
+    print(text)
+    if args.write:
+        (RESULTS_DIR / "qk_clip.md").write_text(text)
+
+
+if __name__ == "__main__":
+    main()
