@@ -155,6 +155,17 @@ def check_weight_state(param: Tensor, state: dict[str, Any], bf16_update: str, w
     fmt.validate_like(state, tuple(param.shape), where)
 
 
+def check_loaded_weight_state(param: Tensor, state: dict[str, Any], bf16_update: str, saved_rule: str | None,
+                              where: str) -> None:
+    """Validate the weight-correction tensors of a loaded state (``param``: the local tensor). Saved and
+    resumed with the same ``bf16_update``: what the rule needs must be there, int8 and shaped like the
+    parameter (a missing ``weight_ecc`` is an incomplete checkpoint). A changed rule is allowed: codes it
+    does not use are dropped at the next step, codes it needs start at zero."""
+    wkeys = qstate.weight_state_keys()
+    if saved_rule == bf16_update or (any(k in state for k in wkeys) and weight_state_keys(param, bf16_update)):
+        check_weight_state(param, {k: v for k, v in state.items() if k in wkeys}, bf16_update, where)
+
+
 def sync_weight_state(param: Tensor, state: dict[str, Any], bf16_update: str) -> dict[str, Tensor]:
     """Make ``state`` hold exactly the correction tensors ``param`` needs under ``bf16_update``:
     missing ones are created (zero codes: the stored weight is taken as exact, e.g. after switching

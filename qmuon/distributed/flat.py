@@ -1,26 +1,15 @@
-"""Whole matrices over flat partitions: the layout in which each rank holds a flat element range
-of each parameter (DeepSpeed ZeRO's partitions, read by :mod:`qmuon.integrations.deepspeed`), and
-the Newton-Schulz exchange over it.
+"""Whole matrices over flat partitions: each rank holds a flat element range of each parameter
+(DeepSpeed ZeRO's partitions), which cuts a row-major matrix anywhere: a partial first row, whole
+rows, a partial last row (:func:`row_pieces`). Every Muon matrix has an owner, dealt by the sharded
+step's planner (:func:`deal_owners`), that keeps its momentum and runs Newton-Schulz on it whole.
 
-A flat range cuts a row-major ``(rows, cols)`` matrix anywhere: it is a partial first row, whole
-rows and a partial last row (:func:`row_pieces`). Every Muon matrix has an owner rank, dealt by the
-sharded step's planner (:func:`.plan.plan_owners`, Newton-Schulz cost), which keeps its momentum
-and runs Newton-Schulz on it whole. :class:`FlatExchange` moves, with one ``all_to_all_single`` of
-bytes per trip:
-
-- forward: every rank's slice of a matrix's averaged gradient to the owner (ZeRO 1-3; at stage 0
-  every rank holds the whole gradient and nothing moves), encoded with
-  ``newton_schulz.comm_carrier``;
-- return: the owner's result back to every rank holding a slice, encoded with
-  ``newton_schulz.comm_return``.
-
-The carriers are the sharded step's (:mod:`.carrier`), applied per row piece, to every piece (the
-owner's own included, as under FSDP2, so the update does not depend on which rank owns a matrix),
-and lossless (fp32) when nothing crosses a process boundary. What the forward carrier encodes
-differs from FSDP2's by necessity: there each rank holds its rows' momentum and sends the NS input;
-here the momentum lives on the owner, so the gradient travels (with ``fp32``, or ``bf16`` for bf16
-gradients, the step is single-process QMuon's bit for bit). ``comm_stats`` has the terms of
-``QMuon.comm_stats`` under FSDP2 (:func:`.plan.comm_figures`).
+:class:`FlatExchange` moves each rank's slices of a matrix's averaged gradient to the owner through
+``newton_schulz.comm_carrier`` (not at ZeRO stage 0, where every rank holds it) and the result back
+through ``comm_return``: the sharded step's carriers (:mod:`.carrier`), row-local, applied per row
+piece and to every piece, the owner's own included (as under FSDP2: the update does not depend on
+which rank owns a matrix), fp32 when nothing crosses a process boundary. Unlike FSDP2, where each
+rank keeps its rows' momentum and sends the NS input, the gradient travels (the momentum lives on
+the owner); with ``fp32`` carriers (``bf16`` for bf16 gradients) the step is single-process QMuon's.
 """
 
 from __future__ import annotations

@@ -1,25 +1,13 @@
 """QMuon's step over a flat layout (:mod:`.flat`): :class:`FlatOwnerStep`, the base of the DeepSpeed
-ZeRO client optimizer (:mod:`qmuon.integrations.deepspeed`, which reads the layout from the ZeRO
-optimizer and hooks its ``step()`` calls).
+ZeRO client optimizer (:mod:`qmuon.integrations.deepspeed` reads the layout and hooks ``step()``;
+the steps of a call: docs/deepspeed.md, "How it works").
 
-Per call (one parameter group, or ZeRO-3 sub-group, of an optimizer step):
-
-1. one all-reduce of a non-finite flag per parameter (:meth:`FlatOwnerStep._finite_params`), so
-   every rank skips (or raises for) the same parameters before anything changes;
-2. the averaged gradient of each Muon matrix, whole, on its owner (:class:`.flat.FlatExchange`,
-   ``comm_carrier``);
-3. the owner's QMuon momentum update and whole-matrix Newton-Schulz: an inner QMuon (the wrapped
-   optimizer's class, the same group structure, so parameter indices and rounding keys are a
-   single-process QMuon's) stepping *proxies*: tensors of each matrix's shape whose gradient is the
-   gathered one and whose update goes to an update sink (:meth:`FlatOwnerStep._capture`) instead of
-   a weight. A proxy is an expanded one-element placeholder between steps and views the gradient
-   during one; its data is never written, because the inner groups' weight decay is 0 (the slices
-   are decayed by :meth:`FlatOwnerStep._apply_update`, with the update);
-4. the result back to every holder (``comm_return``), applied to its slice with the group's
-   ``bf16_update`` rule and the whole parameter's element indices;
-5. AdamW on this rank's slices: fp32 moments elementwise by the inner QMuon; quantized or bf16
-   moments (and bf16 slices) on pieces cut on the whole parameter's block grid
-   (:func:`qmuon.quant.adamw.flat_slice_pieces`, :meth:`FlatOwnerStep._adamw_slice_step`).
+The owner's momentum update and whole-matrix Newton-Schulz are an inner QMuon's (the wrapped
+optimizer's class and group structure, so parameter indices and rounding keys are a single-process
+QMuon's) stepping *proxies*: an expanded one-element placeholder per matrix between steps, a view of
+the gathered gradient during one, whose update goes to an update sink (:meth:`FlatOwnerStep._capture`)
+for the return trip. A proxy's data is never written: the inner groups' weight decay is 0, and the
+slices are decayed with the update (:meth:`FlatOwnerStep._apply_update`).
 """
 
 from __future__ import annotations
@@ -210,13 +198,12 @@ class FlatOwnerStep(Optimizer):
         for p in muon_live:
             by_owner[p.owner].append(p)
         has_muon = any(p.muon for p in params)  # the same on every rank: no exchange for AdamW-only calls
-        gathered = self._gather
-        if gathered and has_muon:
+        if self._gather and has_muon:
             full_grad = ex.gather(by_owner, {p.index: views[p.index][1] for p in muon_live if views[p.index]},
                                   self._grad_dtype, self._device)
         else:
-            full_grad = {p.index: views[p.index][1] for p in by_owner[self._rank]}
-            full_grad = {i: g if g.dtype in (torch.float32, self._grad_dtype) else g.float() for i, g in full_grad.items()}
+            full_grad = {p.index: g if (g := views[p.index][1]).dtype in (torch.float32, self._grad_dtype) else g.float()
+                         for p in by_owner[self._rank]}
 
         # 2. the owner's QMuon update (momentum + whole-matrix NS), AdamW on this rank's slices.
         self._sync_inner_groups()
@@ -251,9 +238,8 @@ class FlatOwnerStep(Optimizer):
             self.ns_items = {}
         for k, v in self._ns_items_call.items():
             self.ns_items[k] = self.ns_items.get(k, 0) + v
-        for proxy in self._proxies:
-            proxy.grad = None
         for info, proxy in zip(self._params, self._proxies):
+            proxy.grad = None
             if info.muon:
                 proxy.data = _placeholder(info.shape, self._device)
 
@@ -261,7 +247,7 @@ class FlatOwnerStep(Optimizer):
         if has_muon:
             ex.scatter(by_owner, {i: o.view(-1) for i, o in out.items()}, self._device,
                        lambda p, seg, o: self._apply_update(p, views[p.index][0], seg, o))
-        ex.count(muon_live, gathered, 3 * 8 * (len(self._params) + 1) if self._world > 1 else 0)
+        ex.count(muon_live, self._gather, 3 * 8 * (len(self._params) + 1) if self._world > 1 else 0)
         self.comm_stats = ex.comm_stats
 
     def _adamw_slice_step(self, info: FlatParam, data: Tensor, grad: Tensor) -> None:
@@ -418,6 +404,10 @@ class FlatOwnerStep(Optimizer):
                 del state[k]  # another rank's matrix (stage 0: rank 0's file holds all of them)
         saved_rule = {gi: (saved_groups[gi].get("bf16_update") if gi < len(saved_groups) else None)
                       for gi in range(len(self._all_groups))}
+
+        def rule(info: FlatParam) -> str:  # this run's, validated as single-process QMuon does
+            return self._all_groups[info.group].get("bf16_update", "nearest")
+
         slices = saved["adamw_slices"]
         self._slice_state = {}
         for index, pieces in self._pieces.items():
@@ -438,8 +428,8 @@ class FlatOwnerStep(Optimizer):
                 for src, (_, r, w) in zip(srcs, pieces)]
             data = self._views(info)[0]
             for (off, r, w), st in zip(pieces, self._slice_state[index]):
-                self._check_weight_state(data.narrow(0, off, r * w).view(r, w), st, info, saved_rule[info.group],
-                                         f"{where}, piece at {off}")
+                weight_apply.check_loaded_weight_state(data.narrow(0, off, r * w).view(r, w), st, rule(info),
+                                                       saved_rule[info.group], f"{where}, piece at {off}")
         self._weight_state = {}
         for index, st in saved["weight_slices"].items():
             info = self._params[int(index)]
@@ -450,9 +440,9 @@ class FlatOwnerStep(Optimizer):
         for info in self._params:
             v = self._views(info) if info.muon else None
             if v is not None:
-                self._check_weight_state(v[0], self._weight_state.get(info.index, {}), info, saved_rule[info.group],
-                                         f"Muon parameter {info.index} (shape {tuple(info.shape)}), rank "
-                                         f"{self._rank}'s slice")
+                weight_apply.check_loaded_weight_state(
+                    v[0], self._weight_state.get(info.index, {}), rule(info), saved_rule[info.group],
+                    f"Muon parameter {info.index} (shape {tuple(info.shape)}), rank {self._rank}'s slice")
         inner["state"] = state
         # AdamW proxies must look like the saved slices while loading (torch casts state to them).
         for info, proxy in zip(self._params, self._proxies):
@@ -469,19 +459,6 @@ class FlatOwnerStep(Optimizer):
                 # this run's formats above; a changed bf16_update creates / drops codes at the next step)
                 if k not in ("params", "param_names", *STRUCTURAL_KEYS):
                     g[k] = v
-
-    def _check_weight_state(self, data: Tensor, st: dict[str, Any], info: FlatParam, saved_rule: str | None,
-                            where: str) -> None:
-        """Validate the loaded weight-correction codes of one bf16 slice (or piece) ``data``, as
-        single-process QMuon does (:func:`qmuon.optim.bf16_weights.check_loaded_weight_state`):
-        saved and resumed with the same ``bf16_update``, what the rule needs must be there, int8 and
-        shaped like the slice (a missing ``weight_ecc`` is an incomplete checkpoint); after a rule
-        change, codes are created (zero) or dropped at the next step."""
-        rule = self._all_groups[info.group].get("bf16_update", "nearest")
-        present = any(k in st for k in qstate.weight_state_keys())
-        if saved_rule == rule or (present and weight_apply.weight_state_keys(data, rule)):
-            weight_apply.check_weight_state(data, st, rule, where)
-
 
     # ------------------------------------------------------------------ introspection
     @property

@@ -13,7 +13,6 @@ from torch import Tensor
 
 from ..core import apply as weight_apply
 from ..core.pipeline import is_dtensor, local
-from ..quant import state as qstate
 from ..quant.layout import shard_state
 
 __all__: list[str] = []
@@ -46,14 +45,7 @@ def weight_write(p_local: Tensor, st: dict[str, Any], group: dict[str, Any], key
 
 def check_loaded_weight_state(p: Tensor, st: dict[str, Any], saved: dict[str, Any], cur: dict[str, Any],
                               where: str) -> None:
-    """Validate the weight-correction tensors of a loaded state entry (``st``: this rank's tensors).
-
-    Saved and resumed with the same ``bf16_update``: what the rule needs must be there, int8 and
-    shaped like the parameter (a missing ``weight_ecc`` is an incomplete checkpoint). A changed rule
-    is allowed: codes it does not use are dropped at the next step, codes it needs start at zero."""
-    rule, saved_rule = cur["bf16_update"], saved.get("bf16_update")
-    wkeys = qstate.weight_state_keys()
-    present = any(k in st for k in wkeys)
-    p_local = local(p)
-    if saved_rule == rule or (present and weight_apply.weight_state_keys(p_local, rule)):
-        weight_apply.check_weight_state(p_local, {k: local(v) for k, v in st.items() if k in wkeys}, rule, where)
+    """Validate the weight-correction tensors of a loaded state entry (``st``: this rank's tensors;
+    :func:`qmuon.core.apply.check_loaded_weight_state`)."""
+    weight_apply.check_loaded_weight_state(local(p), {k: local(v) for k, v in st.items()}, cur["bf16_update"],
+                                           saved.get("bf16_update"), where)
