@@ -91,7 +91,8 @@ if "/venv/" not in qmuon.__file__:
 PY
     if [[ -n "$run" ]]; then
       echo "\$ $run"
-      bash -c "$run" > "$WORK/run.log" 2>&1 || { tail -n 40 "$WORK/run.log"; exit 1; }
+      # only the venv's commands (a console script missing from it must not be found elsewhere)
+      env PATH="$venv/bin:/usr/bin:/bin" bash -c "$run" > "$WORK/run.log" 2>&1 || { tail -n 40 "$WORK/run.log"; exit 1; }
     fi
   )
   rc=$?
