@@ -149,11 +149,15 @@ def check_compatible(saved: Optional[Mapping[str, Any]], now: Mapping[str, Any],
 
 
 def load_file(path: Any, weights_only: Optional[bool] = None, **kwargs: Any) -> Any:
-    """``torch.load`` of a checkpoint file the strategies read: ``weights_only=True`` unless the
-    caller passed ``weights_only=False`` itself (Lightning's argument); a file that safe loading
-    refuses raises :class:`qmuon.distributed.safe_load.UnsafeCheckpointError` saying why."""
+    """``torch.load`` of a checkpoint file the strategies read, always with ``weights_only=True``: a
+    file that safe loading refuses raises :class:`qmuon.distributed.safe_load.UnsafeCheckpointError`
+    saying why, and ``weights_only=False`` (Lightning's argument) is refused before anything is read,
+    since unpickling an untrusted file runs its code."""
     if weights_only is False:
-        return torch.load(path, weights_only=False, **kwargs)
+        raise ValueError(
+            f"{path}: the QMuon strategies load checkpoints with weights_only=True only (unpickling with "
+            "weights_only=False runs whatever code the file holds). Drop weights_only=False; if the file holds "
+            "types of your own, register them with torch.serialization.add_safe_globals([...])")
     return safe_load.load(path, **kwargs)
 
 
