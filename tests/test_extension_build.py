@@ -21,6 +21,17 @@ def test_build_key_differs_between_checkouts_with_identical_sources(tmp_path, mo
     assert len(there["inputs"]) == len(ext._CPU_SOURCES) + len(ext._HEADERS)
 
 
+def test_build_key_differs_between_torch_installs(monkeypatch):
+    # build.ninja also names torch's include directories: two venvs with the same torch version and the
+    # same sources sharing one build directory would rebuild in turn (each first step waiting for the other).
+    import torch
+
+    here = ext._build_spec(False)
+    monkeypatch.setattr(torch, "__file__", "/elsewhere/venv/lib/python3.11/site-packages/torch/__init__.py")
+    there = ext._build_spec(False)
+    assert here["name"] != there["name"] and here["build_directory"] != there["build_directory"]
+
+
 def test_build_reason_first_build_stale_and_fresh(tmp_path):
     src = tmp_path / "a.cpp"
     hdr = tmp_path / "b.h"

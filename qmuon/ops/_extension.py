@@ -200,6 +200,9 @@ def _build_spec(with_cuda: bool) -> dict[str, Any]:
     # checkouts with identical sources sharing one build directory would make ninja rebuild
     # whenever the other one had built last (a silent 20 s stall in a first training step).
     h.update(str(src.resolve()).encode())
+    # So is torch's install directory (build.ninja names its include paths): two venvs with the same
+    # torch and sources otherwise rebuild in turn, each one's first step waiting minutes for the other's.
+    h.update(os.path.realpath(os.path.dirname(torch.__file__)).encode())
     for rel in files + list(_HEADERS):
         h.update(rel.encode())
         h.update((src / rel).read_bytes())
