@@ -42,8 +42,8 @@ def max_logits(q: Tensor, k: Tensor, scale: float, *, causal: bool = True, mask:
 
     The scores are recomputed in fp32 from ``q`` and ``k`` beside the attention kernel (SDPA and
     FlashAttention never return them). With the causal mask a chunk of query rows multiplies only
-    the keys it may see (about half of ``Q K^T``), takes the maximum of the keys every row sees
-    directly and masks only the diagonal block. ``scale`` multiplies the maxima, not the scores:
+    the keys it may see (about half of ``Q K^T``), and the mask enters the matmul as an additive
+    ``-inf`` bias (``baddbmm``: no separate masking pass). ``scale`` multiplies the maxima, not the scores:
     rounding is monotonic, so ``max(fl(scale * x)) == fl(scale * max(x))``. Nothing is read to the host.
     """
     b, h, t, d = q.shape
@@ -53,21 +53,26 @@ def max_logits(q: Tensor, k: Tensor, scale: float, *, causal: bool = True, mask:
     g = h // kv
     # One copy each, laid out so that a chunk of query rows is a view: queries (B, KV, T, G, D)
     # (the G heads of a key head next to each other), keys (B, KV, S, D) read transposed by the matmul.
-    qf = q.detach().float().reshape(b, kv, g, t, d).transpose(2, 3).contiguous()
-    kc = k.detach().float().contiguous()
+    qf = q.detach().float().reshape(b, kv, g, t, d).transpose(2, 3).reshape(b * kv, t * g, d)
+    kc = k.detach().float().reshape(b * kv, s, d)
     rows = max(1, min(t, chunk_elements // max(1, b * h * s)))
     off = s - t  # query i sees keys j <= i + off
     neg = float("-inf")
     out = torch.full((kv, g), neg, device=q.device)
-    # the diagonal block of a causal chunk: row r of the chunk sees its first r + 1 columns
-    hidden = torch.ones(rows, rows, dtype=torch.bool, device=q.device).triu_(1)[:, None, :] if causal else None
+    if causal and mask is None:
+        # Additive causal bias of every chunk as a view of one tensor: row r of the chunk at i0 (query
+        # i0 + r) may not see key c, i.e. c > i0 + off + r, which is band[r, x0 + c] = -inf for
+        # band[r, x] = -inf iff x > r + s and x0 = s - i0 - off (x0 >= 1, x0 + end <= s + rows).
+        x_idx = torch.arange(s + rows, device=q.device)
+        band = torch.zeros(rows, g, s + rows, device=q.device).masked_fill_(
+            (x_idx[None, :] > torch.arange(rows, device=q.device)[:, None] + s)[:, None, :], neg)
     for i0 in range(0, t, rows):
         i1 = min(t, i0 + rows)
         n = i1 - i0
-        qc = qf[:, :, i0:i1].reshape(b, kv, n * g, d)
+        qc = qf[:, i0 * g:i1 * g]
         if mask is not None:
             m = mask[..., i0:i1, :]
-            sc = torch.matmul(qc, kc.transpose(-1, -2)).view(b, kv, n, g, s).transpose(2, 3).reshape(b, h, n, s)
+            sc = torch.bmm(qc, kc.transpose(1, 2)).view(b, kv, n, g, s).transpose(2, 3).reshape(b, h, n, s)
             sc = sc.mul_(scale)
             sc = sc.masked_fill(~m, neg) if m.dtype == torch.bool else sc + m.float()
             out = torch.maximum(out, sc.amax(dim=-1).amax(dim=(0, 2)).view(kv, g))
@@ -75,19 +80,14 @@ def max_logits(q: Tensor, k: Tensor, scale: float, *, causal: bool = True, mask:
         end = min(s, i1 + off) if causal else s
         if end <= 0:
             continue
-        sc = torch.matmul(qc, kc[:, :, :end].transpose(-1, -2)).view(b, kv, n, g, end)
-        seen_by_all = min(end, max(0, i0 + off)) if causal else end
-        # reduce the key axis first (contiguous), then batch and rows
-        if seen_by_all > 0:
-            out = torch.maximum(out, sc[..., :seen_by_all].amax(dim=-1).amax(dim=(0, 2)))
-        if seen_by_all < end:  # the diagonal block
-            if end - seen_by_all == n and seen_by_all == i0 + off:  # row i0 + r sees columns up to seen_by_all + r
-                blocked = hidden[:n, :, :n]
-            else:  # fewer keys than queries (S < T): the general rule j <= i + off
-                cols = torch.arange(seen_by_all, end, device=q.device)
-                blocked = (cols[None, :] > torch.arange(i0, i1, device=q.device)[:, None] + off)[:, None, :]
-            diag = sc[..., seen_by_all:end].masked_fill(blocked, neg)
-            out = torch.maximum(out, diag.amax(dim=-1).amax(dim=(0, 2)))
+        keys = kc[:, :end].transpose(1, 2)
+        if causal and end > max(0, i0 + off):  # some keys hidden from some rows: -inf added in the matmul
+            x0 = s - i0 - off
+            sc = torch.baddbmm(band[:n, :, x0:x0 + end].reshape(1, n * g, end), qc, keys)
+        else:
+            sc = torch.bmm(qc, keys)
+        # the key axis first (contiguous), then batch and rows
+        out = torch.maximum(out, sc.view(b, kv, n, g, end).amax(dim=-1).amax(dim=(0, 2)))
     out = out.reshape(h)
     return out if mask is not None else out * scale
 
