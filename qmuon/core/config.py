@@ -285,10 +285,10 @@ class QKClip:
     W_q and W_k rows rescaled so that the logit comes back to ``tau`` (docs/qk_clip.md).
 
     Args:
-        tau: the logit threshold (Kimi K2: 100); ``None`` (default) turns QK-clip off. Supported
-            attention: the kit's ``DecoderLM``, Hugging Face attention with ``q_proj`` / ``k_proj``
-            (Llama, Qwen3, their GQA) under the ``eager`` or ``sdpa`` implementation, and modules
-            with a ``qmuon_attention()`` method; anything else is refused at setup.
+        tau: the logit threshold (Kimi K2: 100); ``None`` (default) turns QK-clip off. It measures
+            the kit's ``DecoderLM``, Hugging Face attention with ``q_proj`` / ``k_proj`` (Llama,
+            Qwen3, their GQA) under the ``eager`` or ``sdpa`` implementation, and modules with a
+            ``qmuon_attention()`` method; any other attention is refused at setup.
     """
 
     tau: Optional[float] = None
