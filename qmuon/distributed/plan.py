@@ -142,19 +142,9 @@ def plan_replica_owners(items: list[Any], banks: list[tuple[int, int, int]], sha
 
 
 def plan_owners(items: list[Any], world: int) -> list[int]:
-    """Owner rank of every item: greedy least-loaded by NS cost, largest first; ties go to the
-    rank holding most of the item's rows, then to the lowest rank. Deterministic, so every rank
-    computes the same plan without communicating."""
-    owners = [0] * len(items)
-    load = [0] * world
-    order = sorted(range(len(items)), key=lambda j: (-items[j].rows * items[j].cols * min(items[j].rows, items[j].cols), j))
-    for j in order:
-        it = items[j]
-        cost = it.rows * it.cols * min(it.rows, it.cols)
-        best = min(range(world), key=lambda r: (load[r], -it.n_of(r), r))
-        owners[j] = best
-        load[best] += cost
-    return owners
+    """Owner rank of every item on ``world`` ranks without replicas (FSDP2, TP, DeepSpeed ZeRO):
+    :func:`plan_replica_owners` with one replica and no bank members."""
+    return plan_replica_owners(items, [], world, 1)[0]
 
 
 def comm_figures(stats: dict[str, float], mine: float, wire: float, elements: float, bf16_wire: float,
