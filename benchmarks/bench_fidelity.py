@@ -63,12 +63,12 @@ BF16_RULES = ("nearest", "stochastic", "ecc8")
 
 def parse_kind(kind: str) -> tuple[str, str | None, str, dict]:
     """``"adamw"`` / ``"torch-muon"`` / ``"qmuon:<format>[:mxfp8][@rank=R][@grid=G][@lr=X][@w=RULE][@adamw=F]``
-    ``[@variant=normuon][@cautious=1][@ns=gram][@perhead=1]"`` -> (family, format, ns_input, overrides). The ``@``
+    ``[@variant=normuon][@cautious=1][@ns=gram][@perhead=1][@qkclip=TAU]"`` -> (family, format, ns_input, overrides). The ``@``
     overrides are for sweeps of grasp4's knobs, for bf16 weights (``@w=nearest|stochastic|ecc8``: the
     model in bf16, written with that rule), for the AdamW moments' storage (``@adamw=int8``:
     ``adamw_state_format``; without it the QMuon runs keep fp32 AdamW moments, the fp32-master reference
-    of the quantized-AdamW comparisons), for the Muon variants and for per-head Muon (``@perhead=1``:
-    ``routing.per_head=True``)."""
+    of the quantized-AdamW comparisons), for the Muon variants, for per-head Muon (``@perhead=1``:
+    ``routing.per_head=True``) and for QK-clip (``@qkclip=100``: ``qk_clip={"tau": 100}``)."""
     base, *opts = kind.split("@")
     over: dict = {}
     for o in opts:
@@ -76,9 +76,10 @@ def parse_kind(kind: str) -> tuple[str, str | None, str, dict]:
         if k == "w" and v in BF16_RULES:
             over["bf16_update"] = v
             continue
-        if k not in ("rank", "grid", "lr", "adamw", "variant", "cautious", "ns", "perhead") or not v:
+        if k not in ("rank", "grid", "lr", "adamw", "variant", "cautious", "ns", "perhead", "qkclip") or not v:
             raise SystemExit(f"bad option {o!r} in {kind!r}: use @rank=R, @grid=G, @lr=X, @adamw=F, "
-                             f"@w={'|'.join(BF16_RULES)}, @variant=normuon, @cautious=1, @ns=gram or @perhead=1")
+                             f"@w={'|'.join(BF16_RULES)}, @variant=normuon, @cautious=1, @ns=gram, @perhead=1 "
+                             "or @qkclip=TAU")
         if k == "adamw":
             over["adamw_state_format"] = v
         elif k == "variant":
@@ -89,6 +90,8 @@ def parse_kind(kind: str) -> tuple[str, str | None, str, dict]:
             over.setdefault("newton_schulz", {})["method"] = v
         elif k == "perhead":
             over.setdefault("routing", {})["per_head"] = v not in ("0", "false", "False")
+        elif k == "qkclip":
+            over["qk_clip"] = {"tau": float(v)}
         elif k == "lr":
             over["lr"] = float(v)
         else:
@@ -125,7 +128,7 @@ def make_optimizers(kind: str, model: nn.Module, args) -> list[torch.optim.Optim
     # the command line's values section by section
     state = {"seed": args.seed, "rank": args.rank, "grid_block": args.grid_block, **over.get("state", {})}
     ns = {"input": ns_input, **over.get("newton_schulz", {})}
-    sections = {k: over[k] for k in ("bf16_update", "update", "routing") if k in over}
+    sections = {k: over[k] for k in ("bf16_update", "update", "routing", "qk_clip") if k in over}
     return [build_optimizer(model, lr=over.get("lr", args.lr), weight_decay=0.1, state_format=fmt, adamw_lr=args.adamw_lr,
                             state=state, newton_schulz=ns, adamw_state_format=over.get("adamw_state_format", "fp32"),
                             verbose=False, **sections)]
@@ -177,6 +180,16 @@ class Run:
         self.train.append(loss.item())
         self.opt_times.append(t2 - t1)
         self.step_times.append(t2 - t0)
+
+
+def qk_clip_figures(opts: list) -> dict:
+    """With ``@qkclip=TAU``: the largest attention logit of the last step and the head-clips of the run."""
+    qk = getattr(opts[0], "qk_clip", None) if opts else None
+    if qk is None:
+        return {}
+    m = qk.metrics()
+    return {"qk_clip_tau": qk.tau, "qk_last_max_logit": max(v for k, v in m.items() if k.startswith("qk_clip/max_logit/")),
+            "qk_heads_clipped_total": m["qk_clip/heads_clipped_total"]}
 
 
 def train_interleaved(kinds: list[str], args, train_ds, val) -> list[Run]:
@@ -502,6 +515,7 @@ def main() -> None:
             "train_step_ratio_vs_qmuon_fp32": med(r.step_times) / med(base.step_times),
             "opt_step_ms_mean": 1e3 * sum(r.opt_times) / len(r.opt_times),
             "update_cosine_vs_fp32": cos.get(variant) if variant else None,
+            **qk_clip_figures(r.opts),
         })
     extra = {"machine": f"{cpu_name()}, {default_threads()} CPU(s) available" if args.device == "cpu"
              else torch.cuda.get_device_name(), "train_wall_s": train_wall, "train_cpu_s": train_cpu,
