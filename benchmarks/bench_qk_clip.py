@@ -131,7 +131,7 @@ def main() -> None:
         "with QK-clip, and its share is taken per forward (measure / the rest of the same forward). Times are",
         "this thread's CPU time (`time.thread_time`, one intra-op thread), so time other processes take on",
         "this shared machine is not counted (their cache and memory-bandwidth pressure still is).",
-        "the measure is the exact per-head max logit (fp32 Q K^T recomputed beside SDPA, causal mask,",
+        "The measure is the exact per-head max logit (fp32 Q K^T recomputed beside SDPA, causal mask,",
         "per-head amax into a device buffer). Target (issue 40): <= 15% of the forward.",
         "",
         table,
