@@ -80,7 +80,7 @@ def _worker(out: Path) -> None:
         rows.append({"setup": "FSDP2", "carriers": f"{fwd} / {ret}", **{k: float(st[k]) for k in
                      ("ns_bytes_total", "muon_elements", "wire_bytes_per_param", "ns_bytes_sent")}})
     for stage in (2, 3):
-        for fwd, ret in CARRIERS:
+        for fwd, ret in [*CARRIERS, ("auto", "int8")]:  # the defaults last
             model = Stack()
             cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
                    "zero_optimization": {"stage": stage}, "communication_data_type": "fp32"}
@@ -89,7 +89,8 @@ def _worker(out: Path) -> None:
             engine.backward(engine(torch.zeros(1)))
             engine.step()
             st = opt.comm_stats
-            rows.append({"setup": f"DeepSpeed ZeRO-{stage}", "carriers": f"{fwd} / {ret}", **{k: float(st[k]) for k in
+            label = f"{fwd} / {ret}" + (" (default: fp32 gradients)" if fwd == "auto" else "")
+            rows.append({"setup": f"DeepSpeed ZeRO-{stage}", "carriers": label, **{k: float(st[k]) for k in
                          ("ns_bytes_total", "muon_elements", "wire_bytes_per_param", "ns_bytes_sent")}})
     sent = [torch.tensor([r["ns_bytes_sent"] for r in rows], dtype=torch.float64) for _ in range(world)]
     dist.all_gather(sent, torch.tensor([r["ns_bytes_sent"] for r in rows], dtype=torch.float64))
@@ -111,7 +112,7 @@ def main() -> None:
         ["setup", "carriers fwd / return", "wire B/param", "vs FSDP2 same carriers", "vs FSDP2 int8", "bytes, all ranks",
          "Muon elements"],
         [[r["setup"], r["carriers"], f"{r['wire_bytes_per_param']:.3f}",
-          f"{r['wire_bytes_per_param'] / fsdp[r['carriers']]:.2f}x", f"{r['wire_bytes_per_param'] / base:.2f}x",
+          f"{r['wire_bytes_per_param'] / fsdp.get(r['carriers'], base):.2f}x", f"{r['wire_bytes_per_param'] / base:.2f}x",
           f"{r['ns_bytes_total']:,.0f}", f"{r['muon_elements']:,.0f}"] for r in rows])
     assert all(abs(r["sent_sum_over_ranks"] - r["ns_bytes_total"]) < 1 for r in rows), rows
     from qmuon.core.newton_schulz import resolve_ns_dtype
@@ -125,7 +126,9 @@ def main() -> None:
         "`WholeMatrixZeroOptimizer.comm_stats` (the owner receives the other rank's gradient slices through "
         "`comm_carrier` and sends the update back through `comm_return`, the carriers of the sharded step, "
         "`qmuon.distributed.flat`; ZeRO-2 cuts the flat buffer once, so most matrices sit whole on one rank, "
-        "ZeRO-3 cuts every matrix in two). The per-rank "
+        "ZeRO-3 cuts every matrix in two). The default `comm_carrier=\"auto\"` is int8 under FSDP2 (its NS input's "
+        "rounding is transient) and the gradients' dtype under DeepSpeed (their rounding would accumulate in the "
+        "owner's momentum); its DeepSpeed rows are compared with FSDP2's defaults (int8 / int8). The per-rank "
         "`ns_bytes_sent` add up to the all-ranks total in every row (checked). Newton-Schulz dtype ('auto' on "
         f"this CPU): {ns_dtype}.", "",
         table, ""])

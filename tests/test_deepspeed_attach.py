@@ -170,6 +170,15 @@ def test_the_sharded_steps_carriers_reach_the_exchange() -> None:
         info.holders = info.holders * 2
     wrapper._plan_slices()
     assert (wrapper._exchange.fwd.name, wrapper._exchange.ret.name) == ("mxfp8", "bf16")
+    # The default comm_carrier="auto": the gradients travel in their own dtype (their rounding would
+    # accumulate in the owner's momentum), the update through the int8 return carrier.
+    default = _wrapper()
+    default._require_attached()
+    default._world = 2
+    for info in default._params:
+        info.holders = info.holders * 2
+    default._plan_slices()
+    assert (default._exchange.fwd.name, default._exchange.ret.name) == ("fp32", "int8")
 
 
 def test_an_accelerate_plugin_with_optimizer_offload_is_refused_when_the_wrapper_is_built() -> None:

@@ -400,7 +400,7 @@ def test_carrier_names_match_qmuon():
     from qmuon.distributed.carrier import CARRIERS, RETURN_CARRIERS
     from qmuon.optim import qmuon
 
-    assert COMM_CARRIERS == CARRIERS and COMM_RETURNS == RETURN_CARRIERS
+    assert COMM_CARRIERS == ("auto", *CARRIERS) and COMM_RETURNS == RETURN_CARRIERS
     with pytest.raises(ValueError, match="comm_carrier"):
         qmuon.QMuon([nn.Parameter(torch.zeros(2, 2))], newton_schulz={"comm_carrier": "fp4"})
 

@@ -156,7 +156,6 @@ class FlatOwnerStep(Optimizer):
         (:func:`qmuon.quant.adamw.flat_slice_pieces`)."""
         deal_owners(self._params, self._world)
         self._owned = [p for p in self._params if p.muon and p.owner == self._rank]
-        self._exchange = FlatExchange(self._group, self._world, self._rank, *self._carriers)
         self._pieces = {}
         rounded = False
         for info in self._params:
@@ -176,6 +175,11 @@ class FlatOwnerStep(Optimizer):
         # bf16 slices (DeepSpeed's bf16 master, or a bf16 model at stage 0): the Muon gradients travel
         # and are stepped in bf16, as a single-process bf16 model's are (its NS input is the bf16 grad).
         self._grad_dtype = torch.bfloat16 if rounded else torch.float32
+        # comm_carrier="auto": the gradients in their own dtype, since their rounding would accumulate
+        # in the owner's momentum (FSDP2's "auto" is int8: its NS input's rounding is transient)
+        fwd, ret = self._carriers
+        fwd = ("bf16" if rounded else "fp32") if fwd == "auto" else fwd
+        self._exchange = FlatExchange(self._group, self._world, self._rank, fwd, ret)
 
     def _views(self, info: FlatParam) -> tuple[Tensor, Tensor | None] | None:
         """This rank's (data, grad) 1-D views of a parameter's slice, or None when it holds none."""

@@ -162,6 +162,7 @@ class ShardedStep:
         self.world = sm.shard_size
         self.rank = sm.shard_rank
         self.replicas, self.replica = sm.replicas, sm.replica
+        comm_carrier = "int8" if comm_carrier == "auto" else comm_carrier  # the NS input's rounding is transient
         get_carrier(comm_carrier), get_carrier(comm_return)  # raise for an unknown carrier
         #: Nothing crosses a process boundary (one rank, no replicas: FSDP2 on one device): the
         #: carriers are then lossless, so the step is plain QMuon's (the forward one follows each
