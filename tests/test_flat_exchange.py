@@ -19,6 +19,7 @@ from qmuon.distributed.carrier import get_carrier
 from qmuon.distributed.flat import FlatExchange, FlatParam, Segment, deal_owners, part_runs, row_pieces
 
 SHAPES = [(6, 40), (9, 300), (4, 7)]  # 300 columns: two int8 carrier blocks per row (256 + 44)
+PAIRS = [("fp32", "fp32"), ("bf16", "bf16"), ("int8", "int8"), ("mxfp8", "int8")]  # (comm_carrier, comm_return)
 
 
 def test_row_pieces_tile_the_slice_on_row_boundaries():
@@ -90,13 +91,13 @@ def _worker(rank: int, world: int) -> dict:
     grads = [torch.randn(r * c) for r, c in SHAPES]
     results = [torch.randn(r * c) for r, c in SHAPES]
     out = {}
-    for carrier in ("fp32", "bf16", "int8"):
+    for carrier, ret in PAIRS:
         params = _layout(world)
         deal_owners(params, world)
         by_owner: dict[int, list[FlatParam]] = {}
         for p in params:
             by_owner.setdefault(p.owner, []).append(p)
-        ex = FlatExchange(None, world, rank, carrier, carrier)
+        ex = FlatExchange(None, world, rank, carrier, ret)
         ex.start(True)
         mine = {p.index: grads[p.index].narrow(0, p.holders[rank].start, p.holders[rank].length)
                 for p in params if p.holders[rank] is not None}
@@ -112,11 +113,11 @@ def _worker(rank: int, world: int) -> dict:
         for p in params:
             seg = p.holders[rank]
             if seg is not None:
-                assert torch.equal(got[p.index], _roundtrip(carrier, p, seg, results[p.index].narrow(0, seg.start,
-                                                                                                       seg.length)))
+                assert torch.equal(got[p.index], _roundtrip(ret, p, seg, results[p.index].narrow(0, seg.start,
+                                                                                                   seg.length)))
         ex.count(params, True, 0)
-        c = get_carrier(carrier)
-        crossing = sum(2 * c.nbytes(r, w) for p in params for s, seg in enumerate(p.holders)
+        c, cr = get_carrier(carrier), get_carrier(ret)
+        crossing = sum(c.nbytes(r, w) + cr.nbytes(r, w) for p in params for s, seg in enumerate(p.holders)
                        if seg is not None and s != p.owner for _, r, w in row_pieces(p.cols, seg.start, seg.length))
         out[carrier] = {**ex.comm_stats, "expected_total": crossing, "owners": [p.owner for p in params],
                         "split": sum(sum(h is not None for h in p.holders) > 1 for p in params)}
@@ -128,7 +129,7 @@ def test_two_ranks_carry_every_piece_through_the_carriers():
     from _dist import run_workers
 
     res = run_workers(_worker, 2, timeout=120)
-    for carrier in ("fp32", "bf16", "int8"):
+    for carrier, _ in PAIRS:
         a, b = res[0][carrier], res[1][carrier]
         assert a["owners"] == b["owners"] and a["split"] >= 1  # the cut falls inside a matrix
         assert a["ns_bytes_total"] == b["ns_bytes_total"] == a["expected_total"] > 0, (carrier, a)
