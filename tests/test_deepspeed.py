@@ -123,7 +123,7 @@ def _loss(logits: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 
 def _qmuon_params(opt) -> list[tuple[dict, torch.Tensor]]:
-    """(group, parameter) in QMuon's parameter order: position i is the wrapper's ``_Param.index`` i."""
+    """(group, parameter) in QMuon's parameter order: position i is the wrapper's ``FlatParam.index`` i."""
     return [(g, p) for g in opt.param_groups for p in g["params"]]
 
 
