@@ -41,7 +41,7 @@ def child(cfg: dict[str, Any]) -> dict[str, Any]:
     import torch
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    import qmuon_lightning
+    import qmuon
     from qmuon_lightning.models.decoder_lm import DecoderLM
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -100,7 +100,7 @@ def timing_child(cfg: dict[str, Any]) -> dict[str, Any]:
 
     import torch
 
-    import qmuon_lightning
+    import qmuon
     from qmuon_lightning.models.decoder_lm import DecoderLM
 
     torch.set_num_threads(cfg["threads"])
@@ -111,8 +111,8 @@ def timing_child(cfg: dict[str, Any]) -> dict[str, Any]:
         m = DecoderLM(vocab_size=cfg["vocab"], d_model=cfg["d_model"], n_layers=cfg["layers"], n_heads=cfg["heads"],
                       max_seq_len=cfg["seq"])
         models.append(m)
-        opts.append(qmuon_lightning.build_optimizer(m, state_format=cfg["format"], verbose=False,
-                                                    gradient_release=release))
+        opts.append(qmuon.build_optimizer(m, state_format=cfg["format"], verbose=False,
+                                          gradient_release=release))
     g = torch.Generator().manual_seed(cfg["seed"] + 1)
     times: list[list[float]] = [[], []]
     losses: list[list[float]] = [[], []]

@@ -163,7 +163,6 @@ def child(cfg: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     import qmuon
-    import qmuon_lightning
     from qmuon_lightning.models.decoder_lm import DecoderLM
 
     torch.set_num_threads(cfg["threads"])

@@ -90,7 +90,7 @@ def _setups():
 def child(cfg: dict[str, Any]) -> dict[str, Any]:
     import torch
 
-    import qmuon_lightning
+    import qmuon
     from qmuon_lightning import memory as mem
 
     torch.set_num_threads(cfg["threads"])

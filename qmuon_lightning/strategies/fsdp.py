@@ -65,12 +65,10 @@ from qmuon.optim.routing import format_routing_table
 from qmuon.integrations.fabric import optimizer_swap as swap
 from qmuon.integrations.fabric.checkpoint_state import (CKPT_KEY, apply_format_overrides, check_compatible, checkpoint_info, load_file,
                                load_full_state, load_sharded_state, saved_dcp_keys)
-from qmuon.integrations.fabric.mixin import PRESETS, OptimizerMode, QMuonStrategyMixin
+from qmuon.integrations.fabric.mixin import OptimizerMode, QMuonStrategyMixin
 from qmuon.integrations.fabric.options import (ActivationCheckpointingPolicy, activation_checkpointing_kwargs, build_replacement,
-                      check_sharded_formats, ensure_release, no_muon_warning, resolve_mesh_sizes,
-                      setup_activation_checkpointing, validate_optimizer_kwargs)
-from qmuon.integrations.fabric.sharding import (ShardPolicy, check_replicate_size, describe_sharding, hsdp_mesh, resolve_policy,
-                       shard_unless_sharded)
+                      check_sharded_formats, ensure_release, no_muon_warning, setup_activation_checkpointing)
+from qmuon.integrations.fabric.sharding import (ShardPolicy, check_replicate_size, describe_sharding, hsdp_mesh, shard_unless_sharded)
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
