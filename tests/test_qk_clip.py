@@ -514,3 +514,13 @@ def test_measure_and_clip_read_nothing_back(kind: str, release: bool) -> None:
         return out
 
     assert reads({"tau": 1.0}) == reads(None)
+
+
+def test_deepspeed_wrapper_refuses_qk_clip() -> None:
+    """DeepSpeed's engine steps the flat partitions without ``QMuon.step()``: the clip's post-hook would
+    never run, so the whole-matrix ZeRO wrapper refuses it instead of ignoring it."""
+    pytest.importorskip("deepspeed")
+    from qmuon.integrations.deepspeed import WholeMatrixZeroOptimizer
+
+    with pytest.raises(ValueError, match="qk_clip cannot combine with DeepSpeed"):
+        WholeMatrixZeroOptimizer(qmuon.build_optimizer(lm(), qk_clip={"tau": 100}))

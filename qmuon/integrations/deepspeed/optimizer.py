@@ -52,6 +52,13 @@ class WholeMatrixZeroOptimizer(ZeroStateMixin, FlatOwnerStep):
                 "gradient. Build the QMuon without gradient_release for DeepSpeed, or train with the qmuon_fsdp "
                 "strategy (FSDP2), where release steps the reduced shards"
             )
+        if qmuon.qk_clip is not None:  # its step post-hook would never run: the engine steps the flat layout
+            raise ValueError(
+                "qk_clip cannot combine with DeepSpeed ZeRO: the engine steps the flat partitions without "
+                "QMuon.step(), whose post-hook rescales W_q / W_k, so the clip would never run. Build the QMuon "
+                "without qk_clip for DeepSpeed, or train with the qmuon_fsdp strategy or Accelerate's FSDP2, where "
+                "it runs"
+            )
         check_accelerate_plugin()  # offload_optimizer would have Accelerate drop this optimizer silently
         if any(len(st) for st in qmuon.state.values()):
             raise ValueError(
