@@ -22,6 +22,7 @@ What the tests hold, and why each tolerance:
 from __future__ import annotations
 
 import contextlib
+import os
 import warnings
 
 import pytest
@@ -374,10 +375,20 @@ def test_strategy_runs_and_logs_telemetry(tmp_path) -> None:
     trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=4, log_every_n_steps=2,
                         logger=CSVLogger(tmp_path), callbacks=[TrainSummary(filename=None)],
                         enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        module = Module()
-        trainer.fit(module, data)
+    # The strategy starts a one-process gloo group and sets MASTER_ADDR / MASTER_PORT; the later tests of
+    # the session (forked workers, Accelerate) must not inherit either.
+    saved_env = dict(os.environ)
+    started = not torch.distributed.is_initialized()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            module = Module()
+            trainer.fit(module, data)
+    finally:
+        if started and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        os.environ.clear()
+        os.environ.update(saved_env)
     qk = trainer.optimizers[0].qk_clip
     assert qk is not None and float(qk.clipped_total) > 0
     text = (next(tmp_path.rglob("metrics.csv"))).read_text()
