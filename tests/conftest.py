@@ -37,6 +37,33 @@ _capability_dir = f"cpu-{torch.backends.cpu.get_cpu_capability().lower()}"
 if os.path.basename(os.path.normpath(_inductor_root)) != _capability_dir:  # a pytest the tests start
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(_inductor_root, _capability_dir)
 
+#: What a one-process Lightning / Accelerate run sets and leaves behind in this process.
+_DIST_ENV = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK",
+             "GROUP_RANK")
+
+
+@pytest.fixture(autouse=True)
+def _no_leaked_process_group():
+    """A test that starts the default process group (or sets the rendezvous variables) in the pytest
+    process must undo it: later tests inherited them (Accelerate wrapped models in DDP, forked workers
+    found a group, a rendezvous hit EADDRINUSE). Cleaned up here, and the test errors, naming the leak."""
+    import torch.distributed as dist
+
+    env = {k: os.environ.get(k) for k in _DIST_ENV}
+    had_group = dist.is_available() and dist.is_initialized()
+    yield
+    leaks = []
+    if dist.is_available() and dist.is_initialized() and not had_group:
+        dist.destroy_process_group()
+        leaks.append("the default process group")
+    for k, v in env.items():
+        if os.environ.get(k) != v:
+            leaks.append(f"{k}={os.environ.get(k)!r}")
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+    if leaks:
+        pytest.fail(f"the test left {', '.join(leaks)} in the pytest process (cleaned up now); undo it in the test")
+
+
 #: Decorator for tests that need a GPU: ``@requires_cuda``. Skips (never passes) without CUDA.
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
