@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 import torch
 from torch import nn
@@ -94,7 +94,9 @@ def _weight(module: Any) -> torch.Tensor | None:
     return w if isinstance(w, torch.Tensor) and len(true_shape(w)) == 2 else None
 
 
-def _read(sources: list[Any], names: tuple[str, ...]) -> int | None:
+def first_positive_int(sources: Iterable[Any], names: tuple[str, ...]) -> int | None:
+    """The first positive int attribute among ``names`` of the first source that has one (model
+    configs name their sizes differently: ``num_attention_heads``, ``n_head``, ``n_heads``)."""
     for src in sources:
         for n in names:
             v = getattr(src, n, None)
@@ -141,16 +143,16 @@ def attention_heads(model: nn.Module, spec: Mapping[str, Any]) -> dict[int, Head
             continue
         where = name or "<root>"
         sources = [module, getattr(module, "config", None), getattr(module, "cfg", None)]
-        heads = spec.get("num_heads") or _read(sources, _HEADS)
+        heads = spec.get("num_heads") or first_positive_int(sources, _HEADS)
         if heads is None:
             raise ValueError(
                 f"routing.per_head: cannot read the head count of attention module {where!r} ({type(module).__name__}: "
                 f"none of {_HEADS} on it or its config); give it: per_head={{'num_heads': ..., 'num_kv_heads': ...}}, "
                 "or leave the module out with per_head={'modules': <regex of the others>}")
-        kv = spec.get("num_kv_heads") or _read(sources, _KV_HEADS) or heads
+        kv = spec.get("num_kv_heads") or first_positive_int(sources, _KV_HEADS) or heads
         # given head counts without a head_dim: derive it from the weights (the model's own head_dim
         # goes with the model's own counts)
-        head_dim = spec.get("head_dim") or (None if spec.get("num_heads") else _read(sources, _HEAD_DIM))
+        head_dim = spec.get("head_dim") or (None if spec.get("num_heads") else first_positive_int(sources, _HEAD_DIM))
         found += 1
         weights = dict(qkv)
         o = _output_weight(module)

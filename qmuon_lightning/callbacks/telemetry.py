@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import resource
 import sys
-from typing import Any, Iterable
+from typing import Iterable
 
 import torch
 from torch import Tensor, nn
+
+from qmuon.optim.heads import first_positive_int
 
 __all__: list[str] = []
 
@@ -47,15 +49,6 @@ def transformer_flops_per_token(n_params: int, n_layers: int, d_attn: int, seq_l
     return 6 * n_params + 12 * n_layers * d_attn * seq_len
 
 
-def _first_attr(objs: Iterable[Any], names: tuple[str, ...]) -> int | None:
-    for obj in objs:
-        for name in names:
-            v = getattr(obj, name, None)
-            if isinstance(v, int) and not isinstance(v, bool) and v > 0:
-                return v
-    return None
-
-
 def _matmul_parameters(module: nn.Module) -> int:
     """Parameters except input embedding tables (a tied table counts once, as the output head's weight)."""
     params = {id(p): p for p in module.parameters()}
@@ -76,10 +69,10 @@ def model_flops_per_token(module: nn.Module, seq_len: int) -> int | None:
     """
     configs = [c for c in (getattr(module, "config", None), getattr(getattr(module, "model", None), "config", None))
                if c is not None]
-    n_layers = _first_attr(configs, ("n_layers", "num_hidden_layers", "n_layer"))
-    heads = _first_attr(configs, ("n_heads", "num_attention_heads", "n_head"))
-    head_dim = _first_attr(configs, ("head_dim",))
-    d_attn = heads * head_dim if heads and head_dim else _first_attr(configs, ("d_model", "hidden_size", "n_embd"))
+    n_layers = first_positive_int(configs, ("n_layers", "num_hidden_layers", "n_layer"))
+    heads = first_positive_int(configs, ("n_heads", "num_attention_heads", "n_head"))
+    head_dim = first_positive_int(configs, ("head_dim",))
+    d_attn = heads * head_dim if heads and head_dim else first_positive_int(configs, ("d_model", "hidden_size", "n_embd"))
     if n_layers is None or d_attn is None:
         return None
     return transformer_flops_per_token(_matmul_parameters(module), n_layers, d_attn, seq_len)
