@@ -10,7 +10,7 @@ that with or without the canary), then makes the first-use check of every compil
 every op pays it once. Recorded per run: the wall time of all the checks, the process CPU time (user +
 system, all threads) over them, and each op's check time (``_canary.timings()``). For comparison the same
 is measured in other fresh processes for the canary before issue 37: one sample call per op
-(``_canary.samples()``, 9 x 100). The two kinds of process alternate, so that a busy neighbour slows both
+(``_canary_samples.samples()``, 9 x 100). The two kinds of process alternate, so that a busy neighbour slows both
 alike; the 1-minute load average before and after is recorded (above the CPU count, other processes
 competed for the cores and wall times say little: the CPU times say more then).
 """
@@ -34,7 +34,7 @@ def _child(kind: str, device_name: str) -> None:
     """One cold process: the first-use check of every compiled op; prints a JSON line."""
     import torch
 
-    from qmuon.ops import _canary, _extension, _kernels
+    from qmuon.ops import _canary, _canary_cases, _canary_samples, _extension, _kernels
     from qmuon.ops._library import OPS
 
     st = _extension.status()  # load (or build) the kernels first: not the canary's cost
@@ -56,14 +56,14 @@ def _child(kind: str, device_name: str) -> None:
     else:  # the canary before issue 37: the one sample call of each op
         for n in names:
             t = time.perf_counter()
-            problem = _canary._check_one(OPS[n], fns[n], _canary.samples(device)[n])
+            problem = _canary._check_one(OPS[n], fns[n], _canary_samples.samples(device)[n])
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             per[n] = time.perf_counter() - t
             if problem:
                 bad[n] = problem
     wall, cpu = time.perf_counter() - w0, time.process_time() - c0
-    calls = {n: len(_canary.cases(device, n)[n]) if kind == "cases" else 1 for n in names}
+    calls = {n: len(_canary_cases.cases(device, n)[n]) if kind == "cases" else 1 for n in names}
     print(json.dumps({"wall": wall, "cpu": cpu, "per": per, "calls": calls, "bad": bad,
                       "threads": torch.get_num_threads()}))
 

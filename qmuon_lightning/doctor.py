@@ -258,11 +258,11 @@ def device_checks(device: torch.device, st: Any = None) -> list[Check]:
 # ---------------------------------------------------------------------------------------------
 def _samples(device: torch.device) -> dict[str, Callable[[], tuple]]:
     """Arguments of one call of each op (built fresh per call: the updates mutate them): the first-use
-    canary's sample calls (qmuon/ops/_canary.py) at a larger size, a partial last block and an odd
+    canary's sample calls (qmuon/ops/_canary_samples.py) at a larger size, a partial last block and an odd
     number of rows."""
-    from qmuon.ops import _canary
+    from qmuon.ops import _canary_samples
 
-    return _canary.samples(device, rows=37, cols=300, bs=64, grid=32)
+    return _canary_samples.samples(device, rows=37, cols=300, bs=64, grid=32)
 
 
 def _compare_call(op: Any, args_a: tuple, args_b: tuple) -> str | None:

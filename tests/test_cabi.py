@@ -15,7 +15,7 @@ import ctypes
 import pytest
 import torch
 
-from qmuon.ops import _cabi, _canary
+from qmuon.ops import _cabi, _canary, _canary_samples
 from qmuon.ops._library import OPS
 
 
@@ -51,7 +51,7 @@ def test_every_compiled_op_has_a_c_abi_twin():
 def test_ctypes_path_equals_the_cpp_binding(cpu_ops, name):
     """Same kernel, two callers: the ctypes twin and torch.ops.qmuon_C give the same outputs and writes."""
     op = OPS[name]
-    args_a = _canary.samples(torch.device("cpu"), rows=37, cols=300, bs=64, grid=32)[name]()
+    args_a = _canary_samples.samples(torch.device("cpu"), rows=37, cols=300, bs=64, grid=32)[name]()
     args_b = _canary.clone_args(args_a)
     out_a = cpu_ops.get(name)(*args_a)
     out_b = getattr(torch.ops.qmuon_C, name)(*args_b)

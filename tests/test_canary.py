@@ -7,7 +7,7 @@ raise), put in place of ``_kernels.compiled_op`` or handed to ``_canary.run_chec
 each, the op must then return the reference's bits, and ``_canary.failures()`` (what qmuon-doctor lists)
 must name it. One fault per op shows only in one of the canary's coverage cases (a second matrix, a half
 4-bit byte, rows past an index, one dtype or rounding): the canary catches it in that case, the old
-single-sample canary (``_canary.samples()``, 9 x 100) passes it. The CUDA cases cannot run here: they are
+single-sample canary (``_canary_samples.samples()``, 9 x 100) passes it. The CUDA cases cannot run here: they are
 built on the CPU at an H200's size, checked for their launch shapes (a second wave of CTAs, a second
 launch of matrices) and run through the CPU kernels.
 """
@@ -21,7 +21,7 @@ import time
 import pytest
 import torch
 
-from qmuon.ops import _canary, _kernels
+from qmuon.ops import _canary, _canary_cases, _canary_inputs, _canary_samples, _kernels
 from qmuon.ops import reference_adamw as refa
 from qmuon.ops._library import OPS
 
@@ -36,12 +36,12 @@ def fresh_canary():
 
 
 def test_every_compiled_op_has_a_canary_sample():
-    assert set(_canary.samples(torch.device("cpu"))) == set(COMPILED)
+    assert set(_canary_samples.samples(torch.device("cpu"))) == set(COMPILED)
 
 
 def test_every_compiled_op_has_canary_cases():
     """Every op: a ``shapes`` (or ``specials``) case and a ``grid`` case at least, labels unique."""
-    cases = _canary.cases(torch.device("cpu"))
+    cases = _canary_cases.cases(torch.device("cpu"))
     assert set(cases) == set(COMPILED)
     for name, calls in cases.items():
         labels = [label for label, _ in calls]
@@ -57,7 +57,7 @@ def test_every_kernel_passes_its_canary(kernel_device, fresh_canary):
                 for name in COMPILED}
     elapsed = time.perf_counter() - t0
     assert {k: v for k, v in problems.items() if v is not None} == {}
-    calls = sum(len(c) for c in _canary.cases(kernel_device).values())
+    calls = sum(len(c) for c in _canary_cases.cases(kernel_device).values())
     print(f"canary: {len(COMPILED)} ops, {calls} calls in {elapsed * 1e3:.1f} ms")
 
 
@@ -165,7 +165,7 @@ def test_canary_off(ext, fresh_canary, monkeypatch):
 def _old_canary(name: str, fn) -> str | None:
     """What the canary checked before its coverage cases: the one sample call (9 x 100)."""
     op = OPS[name]
-    args_a = _canary.samples(torch.device("cpu"))[name]()
+    args_a = _canary_samples.samples(torch.device("cpu"))[name]()
     args_b = _canary.clone_args(args_a)
     return _canary.compare(op, fn(*args_a), op.reference(*args_b), args_a, args_b)
 
@@ -274,7 +274,7 @@ def test_a_fault_in_a_second_matrix_falls_back_on_first_use(ext, fresh_canary, m
 
 # --------------------------------------------------------------------------------------------- the cases
 CPU = torch.device("cpu")
-H200 = _canary.H200_GEOMETRY
+H200 = _canary_inputs.H200_GEOMETRY
 
 
 def _tensors(args) -> list[torch.Tensor]:
@@ -285,23 +285,23 @@ def _tensors(args) -> list[torch.Tensor]:
 def test_every_case_is_a_call_the_compiled_kernel_serves(ext, sizing):
     """The canary calls the compiled kernel directly: each case must be one its guard would hand it (else
     it would check a call no training step makes, or fail on a legal one)."""
-    for name, calls in _canary.cases(CPU, sizing=sizing, geometry=H200).items():
+    for name, calls in _canary_cases.cases(CPU, sizing=sizing, geometry=H200).items():
         for label, make in calls:
             assert OPS[name].supported(*make()), (name, label)
 
 
 def test_cpu_cases_stay_small():
     """The CPU cases stay within 2048 elements a tensor, where the references' rounding ops run on one
-    thread (module docstring, "Not reached"), and they are the same on any geometry."""
-    for name, calls in _canary.cases(CPU, geometry=(8, 1024)).items():
+    thread (_canary_cases' docstring, "Not reached"), and they are the same on any geometry."""
+    for name, calls in _canary_cases.cases(CPU, geometry=(8, 1024)).items():
         for label, make in calls:
-            assert max(t.numel() for t in _tensors(make())) <= _canary.CPU_CASE_ELEMENTS, (name, label)
+            assert max(t.numel() for t in _tensors(make())) <= _canary_inputs.CPU_CASE_ELEMENTS, (name, label)
 
 
 def test_cuda_runs_the_same_cases():
     """On CUDA the canary runs the CPU's cases, in the same order; only the sizes differ."""
-    cpu = _canary.cases(CPU)
-    cuda = _canary.cases(CPU, sizing="cuda", geometry=H200)
+    cpu = _canary_cases.cases(CPU)
+    cuda = _canary_cases.cases(CPU, sizing="cuda", geometry=H200)
     assert {n: [label for label, _ in c] for n, c in cpu.items()} == \
         {n: [label for label, _ in c] for n, c in cuda.items()}
 
@@ -365,7 +365,7 @@ def _launches(name: str, a: tuple) -> list[tuple[int, int]]:
 def test_cuda_grid_cases_need_a_second_wave():
     """At an H200's size every grid case launches more CTAs than 132 SMs keep resident (2048 threads an SM,
     at most 32 CTAs), in each of its kernels."""
-    for name, calls in _canary.cases(CPU, sizing="cuda", geometry=H200).items():
+    for name, calls in _canary_cases.cases(CPU, sizing="cuda", geometry=H200).items():
         for label, make in calls:
             if not label.startswith("grid"):
                 continue
@@ -376,8 +376,8 @@ def test_cuda_grid_cases_need_a_second_wave():
 def test_cuda_shapes_cases_need_a_second_launch():
     """On CUDA a multi-tensor shapes case holds more than 24 non-empty matrices of one dtype group (the
     kernels' batch), so that group takes two launches; on the CPU it holds 4 or 5."""
-    for sizing, want in (("cuda", lambda n: n > _canary.CUDA_MATRICES_PER_LAUNCH), ("cpu", lambda n: n <= 5)):
-        for name, calls in _canary.cases(CPU, sizing=sizing, geometry=H200).items():
+    for sizing, want in (("cuda", lambda n: n > _canary_inputs.CUDA_MATRICES_PER_LAUNCH), ("cpu", lambda n: n <= 5)):
+        for name, calls in _canary_cases.cases(CPU, sizing=sizing, geometry=H200).items():
             if not name.endswith("_multi_") and name != "e0m3_momentum_amax_multi":
                 continue
             args = dict(calls)["shapes"]()
@@ -396,7 +396,7 @@ def test_cuda_sized_cases_pass_on_the_cpu_kernels(ext):
     problems = {}
     for name in COMPILED:
         op = OPS[name]
-        for label, make in _canary.cases(CPU, name, sizing="cuda", geometry=H200)[name]:
+        for label, make in _canary_cases.cases(CPU, name, sizing="cuda", geometry=H200)[name]:
             problems[(name, label)] = _canary._check_one(op, _kernels.compiled_op(name, "cpu"), make)
     assert {k: v for k, v in problems.items() if v is not None} == {}
     print(f"{len(problems)} CUDA-sized cases on the CPU kernels in {time.perf_counter() - t0:.1f} s")
@@ -404,7 +404,7 @@ def test_cuda_sized_cases_pass_on_the_cpu_kernels(ext):
 
 def test_straddle_offset_crosses_2_32_inside_a_block():
     for cols in (603, 1100):
-        r = _canary.straddle_offset(cols)
+        r = _canary_inputs.straddle_offset(cols)
         first, last = (r + 1) * cols, (r + 2) * cols - 1
         assert first < 2**32 <= last and (2**32 - first) % 16
 
@@ -412,7 +412,7 @@ def test_straddle_offset_crosses_2_32_inside_a_block():
 def test_cuda_bigblock_is_the_largest_block():
     """bigblock: on CUDA one block of 4096 (kMaxBlockSize), whose updates run 2 warps a CTA."""
     for name in ("q8_momentum_update_multi_", "int4_momentum_update_multi_"):
-        args = dict(_canary.cases(CPU, name, sizing="cuda", geometry=H200)[name])["bigblock"]()
+        args = dict(_canary_cases.cases(CPU, name, sizing="cuda", geometry=H200)[name])["bigblock"]()
         assert args[6] == 4096 and _launches(name, args) == [(1, 64)]
 
 
@@ -427,7 +427,7 @@ def test_cases_through_the_ctypes_twin(ext):
     twin = _cabi.CAbiOps(ctypes.CDLL(ext.library), "cpu")
     problems = {}
     for sizing in ("cpu", "cuda"):
-        for name, calls in _canary.cases(CPU, sizing=sizing, geometry=H200).items():
+        for name, calls in _canary_cases.cases(CPU, sizing=sizing, geometry=H200).items():
             for label, make in calls:
                 if sizing == "cpu" or label == "shapes":
                     problems[(sizing, name, label)] = _canary._check_one(OPS[name], twin.get(name), make)
