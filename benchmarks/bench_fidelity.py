@@ -63,12 +63,13 @@ BF16_RULES = ("nearest", "stochastic", "ecc8")
 
 def parse_kind(kind: str) -> tuple[str, str | None, str, dict]:
     """``"adamw"`` / ``"torch-muon"`` / ``"qmuon:<format>[:mxfp8][@rank=R][@grid=G][@lr=X][@w=RULE][@adamw=F]``
-    ``[@variant=normuon][@cautious=1][@ns=gram][@perhead=1][@qkclip=TAU]"`` -> (family, format, ns_input, overrides). The ``@``
+    ``[@variant=normuon][@cautious=1][@ns=gram][@perhead=1][@qkclip=TAU][@qkcap=0]"`` -> (family, format, ns_input, overrides). The ``@``
     overrides are for sweeps of grasp4's knobs, for bf16 weights (``@w=nearest|stochastic|ecc8``: the
     model in bf16, written with that rule), for the AdamW moments' storage (``@adamw=int8``:
     ``adamw_state_format``; without it the QMuon runs keep fp32 AdamW moments, the fp32-master reference
     of the quantized-AdamW comparisons), for the Muon variants, for per-head Muon (``@perhead=1``:
-    ``routing.per_head=True``) and for QK-clip (``@qkclip=100``: ``qk_clip={"tau": 100}``)."""
+    ``routing.per_head=True``) and for QK-clip (``@qkclip=100``: ``qk_clip={"tau": 100}``; with
+    ``@qkcap=0`` without the forward cap, MuonClip's weight rescale alone)."""
     base, *opts = kind.split("@")
     over: dict = {}
     for o in opts:
@@ -76,10 +77,10 @@ def parse_kind(kind: str) -> tuple[str, str | None, str, dict]:
         if k == "w" and v in BF16_RULES:
             over["bf16_update"] = v
             continue
-        if k not in ("rank", "grid", "lr", "adamw", "variant", "cautious", "ns", "perhead", "qkclip") or not v:
+        if k not in ("rank", "grid", "lr", "adamw", "variant", "cautious", "ns", "perhead", "qkclip", "qkcap") or not v:
             raise SystemExit(f"bad option {o!r} in {kind!r}: use @rank=R, @grid=G, @lr=X, @adamw=F, "
-                             f"@w={'|'.join(BF16_RULES)}, @variant=normuon, @cautious=1, @ns=gram, @perhead=1 "
-                             "or @qkclip=TAU")
+                             f"@w={'|'.join(BF16_RULES)}, @variant=normuon, @cautious=1, @ns=gram, @perhead=1, "
+                             "@qkclip=TAU or @qkcap=0")
         if k == "adamw":
             over["adamw_state_format"] = v
         elif k == "variant":
@@ -91,7 +92,9 @@ def parse_kind(kind: str) -> tuple[str, str | None, str, dict]:
         elif k == "perhead":
             over.setdefault("routing", {})["per_head"] = v not in ("0", "false", "False")
         elif k == "qkclip":
-            over["qk_clip"] = {"tau": float(v)}
+            over.setdefault("qk_clip", {})["tau"] = float(v)
+        elif k == "qkcap":
+            over.setdefault("qk_clip", {})["forward_cap"] = v not in ("0", "false", "False")
         elif k == "lr":
             over["lr"] = float(v)
         else:

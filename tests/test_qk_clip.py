@@ -16,7 +16,10 @@ What the tests hold, and why each tolerance:
 - a run whose learning rate makes logits grow past 20 x tau without the clip (measured: 40x-46x)
   stays within 2 x tau with it. MuonClip clips with the logits of the forward before the update,
   so the next forward sees one update's growth on top of tau (measured here at lr 0.3: up to 1.81x
-  tau on the kit's LM, 1.49x on Llama; docs/qk_clip.md).
+  tau on the kit's LM, 1.49x on Llama; docs/qk_clip.md);
+- with the forward cap (the default) the attention kernel itself never receives a logit over tau in
+  that run (a spy on SDPA recomputes them in float64; ``tau * (1 + 1e-5)``: fp32 rounding of the
+  capped queries and of the measure that gave the factor).
 """
 
 from __future__ import annotations
@@ -202,6 +205,8 @@ def test_chunked_measure_equals_the_full_score_matrix(shape: tuple, causal: bool
     for chunk in (1, 50, 300, 1 << 18):
         got = max_logits(q, k, 0.3, causal=causal, chunk_elements=chunk)
         torch.testing.assert_close(got.double(), want, rtol=2e-6, atol=0)
+        per_seq = max_logits(q, k, 0.3, causal=causal, chunk_elements=chunk, per_sample=True)
+        torch.testing.assert_close(per_seq.double(), scores.amax(dim=(2, 3)), rtol=2e-6, atol=0)
 
 
 # ------------------------------------------------------------------------- the clip maths
@@ -308,6 +313,72 @@ def test_clip_holds_logits_that_blow_up_without_it(kind: str, lr: float) -> None
     assert max(free) > 20 * tau  # measured: 455 (lm), 397 (llama)
     assert max(clipped) <= 2.0 * tau  # measured: 18.1 (lm), 14.9 (llama): one update's growth over tau
     assert max(clipped[-10:]) < max(free[-10:]) / 10
+
+
+@contextlib.contextmanager
+def kernel_logits():
+    """Record, for every call of ``torch.nn.functional.scaled_dot_product_attention`` (the kernel both
+    the kit's LM and transformers' SDPA attention call), the float64 maximum logit of the queries and
+    keys it receives, over the pairs its mask allows: what the softmax sees, recomputed without any of
+    QK-clip's code."""
+    import torch.nn.functional as F
+
+    seen: list[float] = []
+    sdpa = F.scaled_dot_product_attention
+
+    def spy(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **kw):
+        q, k = query.detach().double(), key.detach().double()
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+        sc = q @ k.transpose(-1, -2) * (scale if scale is not None else q.shape[-1] ** -0.5)
+        if is_causal:
+            t, s = sc.shape[-2:]
+            sc = sc.masked_fill(torch.ones(t, s, dtype=torch.bool).tril(s - t).logical_not(), float("-inf"))
+        if attn_mask is not None:
+            sc = sc.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else sc + attn_mask.double()
+        seen.append(float(sc.max()))
+        return sdpa(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, **kw)
+
+    F.scaled_dot_product_attention = spy
+    try:
+        yield seen
+    finally:
+        F.scaled_dot_product_attention = sdpa
+
+
+@pytest.mark.parametrize("kind", ["lm", "llama_sdpa"])  # Qwen3's QK-norm keeps its logits small: no blow-up
+def test_forward_cap_holds_the_softmax_at_tau_every_step(kind: str) -> None:
+    """The blow-up run of the test above (lr 0.3, one batch 40 times, tau 10), with the forward cap
+    (the default): in every training forward, and in an evaluation forward after the run, the
+    largest logit the attention kernel receives is at most tau. The bound ``tau * (1 + 1e-5)`` is
+    fp32 rounding: the capped queries are rounded once (2^-24 relative per element) and the cap's
+    factor comes from the fp32 measure of a 16-term dot product (about 16 x 2^-24 of
+    ``sum |q_i k_i|``), both small against 1e-5 for the top logit. Without the cap (MuonClip alone)
+    the same kernel sees more than tau: the check can fail."""
+    tau, steps = 10.0, 40
+    x = batch(0, 8)
+
+    def run(forward_cap: bool) -> tuple[list[float], list[float], float]:
+        m = MODELS[kind]()
+        opt = qmuon.build_optimizer(m, lr=0.3, weight_decay=0.0, qk_clip={"tau": tau, "forward_cap": forward_cap})
+        raw = []
+        with kernel_logits() as seen:
+            for _ in range(steps):
+                loss_of(m, x).backward()
+                raw.append(float(opt.qk_clip.running.max()))
+                opt.step()
+                opt.zero_grad()
+            m.eval()
+            with torch.no_grad():
+                loss_of(m, x)
+        return seen, raw, seen[-1]
+
+    capped, raw, evaluated = run(True)
+    assert len(capped) == (steps + 1) * 2  # every forward of both layers went through the kernel
+    assert max(capped) <= tau * (1 + 1e-5)
+    assert evaluated <= tau * (1 + 1e-5)
+    assert max(raw) > 1.2 * tau  # the weights alone gave more: the cap did work (measured 1.4x-1.8x)
+    muonclip, _, _ = run(False)
+    assert max(muonclip) > 1.2 * tau  # MuonClip alone: one update's growth over tau reaches the softmax
 
 
 @pytest.mark.parametrize("kind", ["lm", "llama_sdpa"])
@@ -429,6 +500,10 @@ def test_bad_options_are_refused() -> None:
         qmuon.build_optimizer(lm(), qk_clip={"tua": 100})
     with pytest.raises(ConfigError, match="build_optimizer"):
         qmuon.QMuon(lm().parameters(), qk_clip={"tau": 100})
+    m = lm()
+    with pytest.raises(ConfigError, match="qk_clip.forward_cap must be True or False"):
+        qmuon.build_optimizer(m, qk_clip={"tau": 100, "forward_cap": "yes"})
+    assert not hasattr(m.blocks[0].attn, "_qmuon_qk_probe")  # refused before anything was attached
 
 
 # ------------------------------------------------------------------------- FSDP2

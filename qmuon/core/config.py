@@ -292,9 +292,15 @@ class QKClip:
             the kit's ``DecoderLM``, Hugging Face attention with ``q_proj`` / ``k_proj`` (Llama,
             Qwen3, their GQA) under the ``eager`` or ``sdpa`` implementation, and modules with a
             ``qmuon_attention()`` method; any other attention is refused at setup.
+        forward_cap: also cap the logits in the forward that measured them: a head over ``tau`` has
+            its queries scaled by ``tau / max`` before the attention kernel, so the softmax sees at
+            most ``tau`` on every step (training and evaluation forwards of the watched model). The
+            weight rescale alone (``False``: MuonClip as Kimi K2 ran it) clips with the logits of the
+            forward before the update, so the next forward can exceed ``tau`` by one update's growth.
     """
 
     tau: Optional[float] = None
+    forward_cap: bool = True
 
 
 #: Section name -> its dataclass.
@@ -447,6 +453,8 @@ class QMuonConfig:
         if tau is not None and not (_real(tau) and 0 < tau < float("inf")):
             raise ConfigError(f"QMuon: qk_clip.tau must be None (off) or a finite logit threshold > 0 (Kimi K2: 100), "
                               f"got {tau!r}")
+        if not isinstance(self.qk_clip.forward_cap, bool):
+            raise ConfigError(f"QMuon: qk_clip.forward_cap must be True or False, got {self.qk_clip.forward_cap!r}")
         bank_format = self.routing.bank_state_format
         if bank_format is not None and not qstate.get_format(bank_format).row_local:
             raise ConfigError(f"QMuon: routing.bank_state_format: {bank_format_error(bank_format)}")
@@ -513,6 +521,7 @@ def unknown_key_message(key: str, valid: list[str]) -> str:
                          "capturable": "update.capturable",
                          "max_nonfinite_skips": "safety.max_nonfinite_skips",
                          "release_clip_norm": "safety.release_clip_norm", "tau": "qk_clip.tau",
+                         "forward_cap": "qk_clip.forward_cap",
                          **{f.name: f"routing.{f.name}" for f in dataclasses.fields(Routing)}})
     hint = by_group_key.get(leaf)
     if hint is None:

@@ -6,6 +6,8 @@ The logit of query ``i`` and key ``j`` in head ``h`` is ``S_h[i, j] = scale * q_
 is usually ``1 / sqrt(head_dim)``). MuonClip measures ``S_max,h = max_ij S_h[i, j]`` in the forward
 pass; after the optimizer step a head with ``S_max,h > tau`` has its query and key projections
 rescaled by ``eta_h = tau / S_max,h`` in total, so that the same inputs would give ``tau``.
+The forward cap (:func:`cap_queries`) applies the same ``eta_h`` to the queries of the forward that
+measured it, so the softmax of that forward sees at most ``tau``.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["max_logits", "qk_clip_factors", "DEFAULT_CHUNK_ELEMENTS"]
+__all__ = ["max_logits", "clip_factors", "cap_queries", "qk_clip_factors", "DEFAULT_CHUNK_ELEMENTS"]
 
 #: The most score elements :func:`max_logits` computes at once (fp32: 1 MiB): queries are taken in
 #: chunks of rows, so a long sequence never materializes its whole score matrix and each chunk's
@@ -24,8 +26,9 @@ DEFAULT_CHUNK_ELEMENTS = 1 << 18
 
 @torch.no_grad()
 def max_logits(q: Tensor, k: Tensor, scale: float, *, causal: bool = True, mask: Tensor | None = None,
-               chunk_elements: int = DEFAULT_CHUNK_ELEMENTS) -> Tensor:
-    """Exact per-head maximum logit ``max over (batch, i, j allowed) of scale * q_i . k_j``, fp32, shape ``(H,)``.
+               chunk_elements: int = DEFAULT_CHUNK_ELEMENTS, per_sample: bool = False) -> Tensor:
+    """Exact per-head maximum logit ``max over (batch, i, j allowed) of scale * q_i . k_j``, fp32, shape
+    ``(H,)`` (``per_sample``: the maximum of each sequence of the batch, ``(B, H)``).
 
     Args:
         q: queries ``(B, H, T, D)`` as attention sees them (after RoPE and any QK-norm).
@@ -58,7 +61,7 @@ def max_logits(q: Tensor, k: Tensor, scale: float, *, causal: bool = True, mask:
     rows = max(1, min(t, chunk_elements // max(1, b * h * s)))
     off = s - t  # query i sees keys j <= i + off
     neg = float("-inf")
-    out = torch.full((kv, g), neg, device=q.device)
+    out = torch.full((b, kv, g), neg, device=q.device)
     if causal and mask is None:
         # Additive causal bias of every chunk as a view of one tensor: row r of the chunk at i0 (query
         # i0 + r) may not see key c, i.e. c > i0 + off + r, which is band[r, x0 + c] = -inf for
@@ -75,7 +78,7 @@ def max_logits(q: Tensor, k: Tensor, scale: float, *, causal: bool = True, mask:
             sc = torch.bmm(qc, kc.transpose(1, 2)).view(b, kv, n, g, s).transpose(2, 3).reshape(b, h, n, s)
             sc = sc.mul_(scale)
             sc = sc.masked_fill(~m, neg) if m.dtype == torch.bool else sc + m.float()
-            out = torch.maximum(out, sc.amax(dim=-1).amax(dim=(0, 2)).view(kv, g))
+            out = torch.maximum(out, sc.amax(dim=-1).amax(dim=2).view(b, kv, g))
             continue
         end = min(s, i1 + off) if causal else s
         if end <= 0:
@@ -87,17 +90,40 @@ def max_logits(q: Tensor, k: Tensor, scale: float, *, causal: bool = True, mask:
         else:
             sc = torch.bmm(qc, keys)
         # the key axis first (contiguous), then batch and rows
-        out = torch.maximum(out, sc.view(b, kv, n, g, end).amax(dim=-1).amax(dim=(0, 2)))
-    out = out.reshape(h)
+        out = torch.maximum(out, sc.view(b, kv, n, g, end).amax(dim=-1).amax(dim=2))
+    out = out.reshape(b, h) if per_sample else out.amax(dim=0).reshape(h)
     return out if mask is not None else out * scale
+
+
+def clip_factors(max_logit: Tensor, tau: float) -> Tensor:
+    """``eta_h = tau / max_logit_h`` where ``max_logit_h > tau`` (finite), else exactly 1, fp32 ``(H,)``,
+    chosen on the device with ``torch.where`` (no host read, no branch)."""
+    m = max_logit.float()
+    over = (m > tau) & torch.isfinite(m)
+    return torch.where(over, tau / m, torch.ones_like(m))
+
+
+def cap_queries(q: Tensor, max_logit: Tensor, tau: float) -> Tensor:
+    """The queries ``q`` ``(B, H, T, D)`` with each head ``h`` over ``tau`` multiplied by
+    ``eta_h = tau / max_logit_h`` (:func:`clip_factors`; ``max_logit``: this forward's maxima,
+    :func:`max_logits`, per head ``(H,)`` or per sequence and head ``(B, H)``), so that every logit
+    of head ``h`` is scaled by ``eta_h`` and its largest becomes ``tau``; key heads shared by
+    several query heads (GQA) are untouched. With per-sequence maxima each sequence is capped by
+    its own factor, so a sequence's output does not depend on the rest of the batch.
+
+    The factor is a constant of the graph (the gradient reaching ``q`` is scaled by it, like the
+    logits). The product is computed in fp32 and rounded to ``q``'s dtype once; a head at or under
+    ``tau`` is multiplied by exactly 1.0, so its queries (and their gradients) keep their bits.
+    """
+    eta = clip_factors(max_logit.detach(), tau).to(q.device)
+    return (q * eta.view(-1 if eta.ndim == 2 else 1, q.shape[1], 1, 1)).to(q.dtype)
 
 
 def qk_clip_factors(max_logit: Tensor, tau: float, n_kv_heads: int) -> tuple[Tensor, Tensor]:
     """The factors ``(q_factor (H,), k_factor (KV,))`` that multiply each head's W_q rows and each key
     head's W_k rows, from the measured per-head maxima ``max_logit (H,)``.
 
-    ``eta_h = tau / max_logit_h`` where ``max_logit_h > tau`` (finite), else exactly 1, chosen on
-    the device with ``torch.where`` (no host read). Without grouped-query attention (``H == KV``)
+    ``eta_h`` as :func:`clip_factors` gives it. Without grouped-query attention (``H == KV``)
     both projections take ``sqrt(eta_h)``, MuonClip's split. With GQA a key head is shared by the
     ``G = H / KV`` query heads of its group: it takes ``sqrt(min_g eta_g)`` and each query head
     ``eta_h / sqrt(min_g eta_g)``, so every head's logit is scaled by exactly its own ``eta_h``
@@ -108,9 +134,7 @@ def qk_clip_factors(max_logit: Tensor, tau: float, n_kv_heads: int) -> tuple[Ten
     h = max_logit.numel()
     if h % n_kv_heads:
         raise ValueError(f"qk_clip_factors: {h} heads are not a multiple of {n_kv_heads} key heads")
-    m = max_logit.float()
-    over = (m > tau) & torch.isfinite(m)
-    eta = torch.where(over, tau / m, torch.ones_like(m))
+    eta = clip_factors(max_logit, tau)
     k_factor = eta.view(n_kv_heads, -1).amin(dim=1).sqrt()
     q_factor = eta / k_factor.repeat_interleave(h // n_kv_heads)
     return q_factor, k_factor

@@ -6,9 +6,10 @@ the module, the queries ``(B, H, T, D)``, the keys and values ``(B, KV, S, D)`` 
 yet), the mask and ``scaling``. This adapter registers, for each supported implementation ``impl``,
 a function ``"qmuon_qk_<impl>"`` (``transformers.AttentionInterface.register``, with ``impl``'s mask
 builder under the same name in ``AttentionMaskInterface``) that hands the queries, keys, mask and
-scaling to :func:`qmuon.optim.qk_clip.observe_logits` and then calls ``impl`` itself; installing
-QK-clip sets the attention modules' ``config._attn_implementation`` to it. The attention kernel
-that runs is the one that ran before (SDPA stays SDPA), so outputs are bit-identical.
+scaling to :func:`qmuon.optim.qk_clip.observe_logits` and then calls ``impl`` itself with the
+queries it returns (capped at ``tau`` under ``forward_cap``); installing QK-clip sets the attention
+modules' ``config._attn_implementation`` to it. The attention kernel that runs is the one that ran
+before (SDPA stays SDPA), so outputs are bit-identical while no head exceeds ``tau``.
 
 Supported implementations: :data:`SUPPORTED_IMPLEMENTATIONS` (``eager``, ``sdpa``). Others
 (FlashAttention, flex, paged) pass masks this side computation does not read the same way; a model
@@ -61,8 +62,8 @@ def measuring_implementation(impl: str) -> str:
         # A 4-D mask already holds causality and padding (boolean for SDPA, additive for eager);
         # without one, SDPA applies is_causal itself and so does the measure.
         mask = attention_mask if isinstance(attention_mask, Tensor) and attention_mask.ndim == 4 else None
-        observe_logits(module, query, key, scale=float(scaling), causal=bool(is_causal) and query.shape[2] > 1,
-                       mask=mask)
+        query = observe_logits(module, query, key, scale=float(scaling),
+                               causal=bool(is_causal) and query.shape[2] > 1, mask=mask)
         fn = _eager_of(module) if impl == "eager" else transformers.AttentionInterface._global_mapping[impl]
         return fn(module, query, key, value, attention_mask, *args, **kwargs)
 

@@ -18,7 +18,14 @@ causal or given mask allows) and folds the per-head maximum into a running devic
   interface, without editing model code (:mod:`qmuon.integrations.hf_attention`, registered as an
   adapter here when ``qmuon`` is imported).
 
-Only modules in training mode measure (evaluation forwards do not move the maximum); the maximum
+Capping (``forward_cap``, on by default). The weight rescale uses the logits of the forward
+*before* the update, and that update can raise them again. So :func:`observe_logits` also returns
+the queries with each head over ``tau`` scaled by ``tau / max`` of this very forward, each
+sequence of the batch by its own maximum (:func:`qmuon.core.qk_clip.cap_queries`): the attention
+that runs on them sees at most ``tau``, in training and in evaluation forwards alike (an
+evaluation forward measures for the cap only).
+
+Only modules in training mode fold their maxima into the clip (evaluation forwards do not move it); the maximum
 runs over every forward since the last step (gradient accumulation included) and, under data
 parallelism or FSDP2, over every rank (one ``all_reduce(MAX)`` of all layers' maxima per step, so
 every rank scales the same heads).
@@ -47,7 +54,7 @@ import torch
 from torch import Tensor, nn
 
 from ..core.pipeline import is_dtensor
-from ..core.qk_clip import max_logits, qk_clip_factors
+from ..core.qk_clip import cap_queries, max_logits, qk_clip_factors
 
 __all__ = [
     "AttentionSpec",
@@ -185,16 +192,24 @@ _PROBE = "_qmuon_qk_probe"
 
 
 def observe_logits(module: nn.Module, q: Tensor, k: Tensor, *, scale: float, causal: bool = True,
-                   mask: Tensor | None = None) -> None:
-    """Fold the per-head maximum logit of ``q`` ``(B, H, T, D)`` and ``k`` ``(B, KV, S, D)`` into the
-    QK-clip buffer of ``module`` (see :func:`qmuon.core.qk_clip.max_logits` for ``causal`` / ``mask``).
-    Does nothing for a module no :class:`QKClip` watches, or in evaluation mode."""
+                   mask: Tensor | None = None) -> Tensor:
+    """Measure the per-head maximum logit of ``q`` ``(B, H, T, D)`` and ``k`` ``(B, KV, S, D)`` (see
+    :func:`qmuon.core.qk_clip.max_logits` for ``causal`` / ``mask``), fold it into the QK-clip buffer
+    of ``module`` (training mode only), and return the queries the attention must use: ``q`` itself,
+    or with the forward cap on, ``q`` with each head over ``tau`` scaled back to ``tau``.
+
+    A module no :class:`QKClip` watches gets ``q`` back untouched and measures nothing, as does an
+    evaluation forward without the cap."""
     probe = module.__dict__.get(_PROBE)
-    if probe is None or probe.clip is None or not module.training:
-        return
-    clip = probe.clip()
-    if clip is not None:
-        clip.observe(probe.index, max_logits(q, k, scale, causal=causal, mask=mask))
+    clip = probe.clip() if probe is not None and probe.clip is not None else None
+    if clip is None or not (module.training or clip.forward_cap):
+        return q
+    # per sequence: each sequence is capped by its own maximum (its output does not depend on the
+    # rest of the batch, nor on how the batch is split over ranks)
+    m = max_logits(q, k, scale, causal=causal, mask=mask, per_sample=True)
+    if module.training:
+        clip.observe(probe.index, m.amax(dim=0))
+    return cap_queries(q, m, clip.tau) if clip.forward_cap else q
 
 
 class QKClip:
@@ -202,6 +217,7 @@ class QKClip:
 
     Attributes:
         tau: the threshold.
+        forward_cap: whether :func:`observe_logits` caps each forward's queries at ``tau``.
         layers: the :class:`AttentionSpec` of each watched layer.
         running: fp32 ``(total heads,)``: each head's maximum logit since the last step (``-inf``
             when nothing was measured).
@@ -210,8 +226,9 @@ class QKClip:
         clipped_total: how many head-clips since the start (device int64).
     """
 
-    def __init__(self, layers: list[AttentionSpec], tau: float) -> None:
+    def __init__(self, layers: list[AttentionSpec], tau: float, forward_cap: bool = True) -> None:
         self.tau = float(tau)
+        self.forward_cap = bool(forward_cap)
         self.layers = layers
         self._slices: list[slice] = []
         start = 0
@@ -335,14 +352,17 @@ def _apply_rows(p: Tensor, blocks: list[tuple[int, Tensor]]) -> None:
 
 
 def attach_qk_clip(optimizer: Any, model: nn.Module, tau: float,
-                   layers: list[AttentionSpec] | None = None) -> QKClip:
-    """Measure ``model``'s attention logits and clip them at ``tau`` after every ``optimizer.step()``
-    (``build_optimizer(model, qk_clip={"tau": ...})`` calls this). ``layers``: what
-    :func:`find_attention` returned, if it was called already (before anything changed)."""
+                   layers: list[AttentionSpec] | None = None, *, forward_cap: bool = True) -> QKClip:
+    """Measure ``model``'s attention logits and clip them at ``tau`` after every ``optimizer.step()``,
+    and with ``forward_cap`` in every forward (``build_optimizer(model, qk_clip={"tau": ...})`` calls
+    this). ``layers``: what :func:`find_attention` returned, if it was called already (before
+    anything changed)."""
     if not (isinstance(tau, (int, float)) and 0 < tau < math.inf):
         raise ValueError(f"qk_clip: tau must be a finite threshold > 0, got {tau!r}")
+    if not isinstance(forward_cap, bool):
+        raise ValueError(f"qk_clip: forward_cap must be True or False, got {forward_cap!r}")
     layers = find_attention(model) if layers is None else layers
-    clip = QKClip(layers, tau)
+    clip = QKClip(layers, tau, forward_cap)
     for spec in layers:
         if spec.install is not None:
             spec.install()

@@ -534,8 +534,9 @@ def build_optimizer(
 
     ``qk_clip={"tau": 100}`` measures every attention head's largest logit in the forward pass and
     rescales the W_q / W_k rows of the heads over ``tau`` after each step (MuonClip;
-    :mod:`qmuon.optim.qk_clip`, ``optimizer.qk_clip``); a model whose attention it cannot measure
-    is refused here.
+    :mod:`qmuon.optim.qk_clip`, ``optimizer.qk_clip``), and caps the queries of a forward whose
+    logits exceed ``tau`` (``forward_cap``, on by default); a model whose attention it cannot
+    measure is refused here.
     """
     cfg = QMuonConfig.from_kwargs(
         config, lr=lr, weight_decay=weight_decay, momentum=momentum, state_format=state_format, adamw_lr=adamw_lr,
@@ -567,7 +568,7 @@ def build_optimizer(
     if cfg.gradient_release:
         attach_gradient_release(opt, clip_norm=cfg.safety.release_clip_norm)
     if qk_layers is not None:  # a step post-hook: after release's hooks and optimizer.step()
-        attach_qk_clip(opt, model, cfg.qk_clip.tau, qk_layers)
+        attach_qk_clip(opt, model, cfg.qk_clip.tau, qk_layers, forward_cap=cfg.qk_clip.forward_cap)
     table = format_routing_table(decisions) + "\n" + describe_auto_choices(cfg, decisions, _device_of(model))
     if _is_rank_zero():
         log.info("QMuon parameter routing:\n%s", table)

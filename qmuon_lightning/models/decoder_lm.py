@@ -107,8 +107,9 @@ class Attention(nn.Module):
         k = k.view(b, t, cfg.kv_heads, cfg.head_dim).transpose(1, 2)
         v = v.view(b, t, cfg.kv_heads, cfg.head_dim).transpose(1, 2)
         q, k = _apply_rope(q, cos[:t], sin[:t]), _apply_rope(k, cos[:t], sin[:t])
-        # QK-clip (build_optimizer(..., qk_clip={...})): this layer's per-head max logit, on the device
-        observe_logits(self, q, k, scale=cfg.head_dim ** -0.5, causal=True)
+        # QK-clip (build_optimizer(..., qk_clip={...})): this layer's per-head max logit, on the device,
+        # and the queries capped at tau (forward_cap); q itself when no QK-clip watches this layer
+        q = observe_logits(self, q, k, scale=cfg.head_dim ** -0.5, causal=True)
         if cfg.kv_heads != cfg.n_heads:
             rep = cfg.n_heads // cfg.kv_heads
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
