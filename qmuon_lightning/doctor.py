@@ -371,7 +371,7 @@ def bandwidth_checks(device: torch.device, numel: int, reps: int) -> list[Check]
     same number of bytes in the same run."""
     from qmuon.ops import reference as ref
     from qmuon.ops import reference_4bit as ref4
-    from qmuon.ops._library import empty_block_sumsq
+    from qmuon.ops import empty_block_sumsq
 
     cols = 4096
     rows = max(1, numel // cols)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from . import _library  # noqa: F401  (registers torch.ops.qmuon.*)
 from . import reference, reference_4bit
-from ._library import empty_block_sumsq
+from ._library_multi import empty_block_sumsq
 
 __all__ = ["backend", "empty_block_sumsq", "loading_order", "reference", "reference_4bit"]
 
