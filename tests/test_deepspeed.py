@@ -252,7 +252,7 @@ def test_routing_reads_zero3_true_shapes():
 
 def test_single_process_matches_qmuon_bit_exact():
     """Without DeepSpeed (one process) the wrapper is QMuon: same updates, bit for bit, including
-    stochastic rounding (the inner optimizer keeps QMuon's parameter indices as noise keys), and the
+    stochastic rounding (the wrapper keys the noise by QMuon's parameter indices), and the
     same optimizer state (quantized momentum and AdamW moments)."""
     torch.manual_seed(0)
     m1, m2 = _model(), _model()
@@ -266,10 +266,13 @@ def test_single_process_matches_qmuon_bit_exact():
             o.zero_grad()
     assert_same([p.detach() for p in m2.parameters()], [p.detach() for p in m1.parameters()], "params")
     assert not any(torch.equal(a, b) for a, b in zip(m1.parameters(), _model().parameters()))  # all moved
-    for (g, p), proxy in zip(_qmuon_params(o1), o2._proxies):
-        got = o2.inner.state[proxy]
+    for i, (g, p) in enumerate(_qmuon_params(o1)):
         want = o1.state[p]
-        if not g["use_muon"]:  # the wrapper's AdamW state is flat (it steps 1-D slices)
+        if g["use_muon"]:
+            got = o2.muon_state(i)
+        else:  # the wrapper steps an fp32 AdamW slice as one (numel, 1) piece
+            (got,) = o2._slice_state[i]
+            got = {k: v.reshape(-1) if v.dim() else v for k, v in got.items()}
             want = {k: v.reshape(-1) if v.dim() else v for k, v in want.items()}
         assert_same(dict(got), dict(want), f"state of {p.shape}")
     parts = {i: len(g["parts"] or (1,)) for i, (g, _) in enumerate(_qmuon_params(o1)) if g["use_muon"]}
@@ -292,7 +295,7 @@ def test_nonfinite_gradient_policies(policy):
         with pytest.raises(FloatingPointError, match="blocks.0.attn.proj.weight"):
             opt.step()
         assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
-        assert not any(len(v) for v in opt.inner.state.values())
+        assert not opt._muon_state and not opt._slice_state
         return
     # The same gradients to a plain QMuon, the bad one removed: the wrapper's step must be that step.
     ref = _model()
@@ -314,11 +317,17 @@ def test_state_dict_refuses_another_layout():
     _loss(model(x), x).backward()
     opt.step()
     sd = opt.state_dict()
-    assert sd["qmuon_deepspeed"]["inner"]["state"][0]["momentum_codes"].dtype == torch.int8
+    assert sd["qmuon_deepspeed"]["muon"][0]["momentum_codes"].dtype == torch.int8
     other = qds.WholeMatrixZeroOptimizer(qmuon.build_optimizer(_model(), **OPT_KW))
     other.load_state_dict(sd)  # same layout: fine, and the state is restored bit for bit
-    for mine, theirs in zip(opt._proxies, other._proxies):
-        assert_same(dict(other.inner.state[theirs]), dict(opt.inner.state[mine]), "restored state")
+    assert sorted(other._muon_state) == sorted(opt._muon_state) and other._muon_state
+    for i, st in opt._muon_state.items():
+        assert_same(dict(other.muon_state(i)), dict(st), "restored momentum")
+    assert_same({i: [dict(x) for x in v] for i, v in other._slice_state.items()},
+                {i: [dict(x) for x in v] for i, v in opt._slice_state.items()}, "restored AdamW state")
+    moved = {**sd, "qmuon_deepspeed": {**sd["qmuon_deepspeed"], "muon": {999: sd["qmuon_deepspeed"]["muon"][0]}}}
+    with pytest.raises(ValueError, match="parameter 999, which is not a Muon matrix"):
+        other.load_state_dict(moved)
     bad = {**sd, "qmuon_deepspeed": {**sd["qmuon_deepspeed"], "world_size": 2}}
     with pytest.raises(ValueError, match="same number of processes and ZeRO stage"):
         other.load_state_dict(bad)
@@ -548,22 +557,25 @@ def _params(module) -> list[torch.Tensor]:
 
 
 def _state(opt) -> dict:
-    """What this rank's wrapper holds: ``muon`` (index -> the inner QMuon's state of an owned matrix
+    """What this rank's wrapper holds: ``muon`` (index -> the momentum state of an owned matrix
     plus its dequantized fp32 momentum) and ``adamw`` (index -> (offset of the slice in the
-    flattened parameter, state of the slice))."""
+    flattened parameter, state of the slice: its fp32-moment pieces' moments end to end))."""
     from qmuon.quant import dequantize_momentum, format_options
 
     muon, adamw = {}, {}
-    for info, proxy in zip(opt._params, opt._proxies):
-        st = opt.inner.state.get(proxy)
-        if not st:
-            continue
-        t = {k: v.detach().clone() if torch.is_tensor(v) else v for k, v in st.items()}
+    for info in opt._params:
         if info.muon:
-            group = opt.inner.param_groups[info.group]
-            t["momentum_fp32"] = dequantize_momentum(st, opts=format_options(group), cols=info.cols)
+            st = opt.muon_state(info.index)
+            if not st:
+                continue
+            t = {k: v.detach().clone() if torch.is_tensor(v) else v for k, v in st.items()}
+            t["momentum_fp32"] = dequantize_momentum(st, opts=format_options(opt._all_groups[info.group]),
+                                                     cols=info.cols)
             muon[info.index] = t
-        else:
+        elif opt._slice_state.get(info.index):
+            sts = opt._slice_state[info.index]
+            t = {k: torch.cat([x[k].reshape(-1) for x in sts]) if sts[0][k].dim() else sts[0][k].clone()
+                 for k in sts[0]}
             adamw[info.index] = (info.holders[opt._rank].start, t)
     return {"muon": muon, "adamw": adamw}
 
@@ -592,12 +604,12 @@ def worker(out_dir: str) -> None:
                                   "compatible": sorted(k for k, v in ds_ops.__compatible_ops__.items() if v)}
         res[f"stage{stage}"] = _stage_run(engine, opt, rank)
         del engine, opt
-    # The Newton-Schulz options, with the NS options of the optimizer that runs NS (the inner QMuon).
+    # The Newton-Schulz options, as the groups the owners' Newton-Schulz reads hold them.
     for key, (stage, ns) in NS_OPTION_RUNS.items():
         engine, opt = _engine(stage, **ns)
         res[key] = {**_stage_run(engine, opt, rank),
                     "ns_options": [{s: {f: g[GROUP_KEYS[f"{s}.{f}"]] for f in fields} for s, fields in ns.items()}
-                                   for g in opt.inner.param_groups if g["use_muon"]]}
+                                   for g in opt._all_groups if g["use_muon"]]}
         del engine, opt
     # bf16 parameters at ZeRO 2: fp32 master partitions, bf16 model weights.
     engine, opt = _engine(2, bf16=True)
@@ -819,7 +831,7 @@ def test_checkpoint_resume_is_bit_exact(two_process_run, reference, stage):
     # What DeepSpeed wrote: int8 momentum codes, each matrix's being its owner's state at the save.
     files = _optimizer_files(r0["dir"], stage)
     for r, f in enumerate(files):
-        inner = f["inner"]["state"]
+        inner = f["muon"]
         held = {k for k in inner if "momentum_codes" in inner[k]}
         expected = set(owner) if stage == 0 else {i for i, o in owner.items() if o == r}
         assert held == expected, f"file of rank {r}: momentum of matrices {sorted(held)}, expected {sorted(expected)}"
@@ -977,9 +989,9 @@ def test_example_under_deepspeed_launcher(tmp_path, stage):
     # matrix's on exactly one rank.
     assert not any(torch.equal(straight["module"][k], at4["module"][k]) for k in straight["module"])
     owners = straight["qmuon"][0]["owners"]
-    held = [{k for k, v in q["inner"]["state"].items() if "momentum_codes" in v} for q in straight["qmuon"]]
+    held = [{k for k, v in q["muon"].items() if "momentum_codes" in v} for q in straight["qmuon"]]
     assert not held[0] & held[1] and len(held[0] | held[1]) == len(owners)
-    assert all(q["inner"]["state"][k]["momentum_codes"].dtype == torch.int8 for q, h in zip(straight["qmuon"], held)
+    assert all(q["muon"][k]["momentum_codes"].dtype == torch.int8 for q, h in zip(straight["qmuon"], held)
                for k in h)
 
 

@@ -637,9 +637,9 @@ def test_zero3_checkpoint_resume_is_bit_exact(z3_run):
         sd = torch.load(d / f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt", weights_only=False)
         ours = sd["optimizer_state_dict"]["optimizer_state_dict"]["qmuon_deepspeed"]
         assert ours["mode"] == "zero3" and ours["world_size"] == WORLD and ours["rank"] == r
-        held = {k for k, v in ours["inner"]["state"].items() if "momentum_codes" in v}
+        held = {k for k, v in ours["muon"].items() if "momentum_codes" in v}
         assert held == {i for i, o in r0["owner"].items() if o == r}
-        assert all(ours["inner"]["state"][k]["momentum_codes"].dtype == torch.int8 for k in held)
+        assert all(ours["muon"][k]["momentum_codes"].dtype == torch.int8 for k in held)
 
 
 def test_zero3_other_world_size_is_refused_with_the_fix(z3_run):

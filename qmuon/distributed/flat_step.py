@@ -2,18 +2,20 @@
 ZeRO client optimizer (:mod:`qmuon.integrations.deepspeed` reads the layout and hooks ``step()``;
 the steps of a call: docs/deepspeed.md, "How it works").
 
-The owner's momentum update and whole-matrix Newton-Schulz are an inner QMuon's (the wrapped
-optimizer's class and group structure, so parameter indices and rounding keys are a single-process
-QMuon's) stepping *proxies*: an expanded one-element placeholder per matrix between steps, a view of
-the gathered gradient during one, whose update goes to an update sink (:meth:`FlatOwnerStep._capture`)
-for the return trip. A proxy's data is never written: the inner groups' weight decay is 0, and the
-slices are decayed with the update (:meth:`FlatOwnerStep._apply_update`).
+The Muon step is the core pipeline's (:mod:`qmuon.core.pipeline`), called as every other driver
+calls it: on the owner of a matrix, :func:`~qmuon.core.pipeline.momentum_inputs` /
+:func:`~qmuon.core.pipeline.update_momentum` on the whole gathered gradient (the group's state
+format, QMuon's parameter indices as stochastic-rounding keys), :func:`~qmuon.core.pipeline.local_items`
+(NorMuon's second moment per part) and :func:`~qmuon.core.pipeline.orthogonalize` with the step's
+:class:`~qmuon.core.pipeline.BatchSizes` of every Muon matrix, as single-process QMuon batches;
+each NS output is kept for the return trip and applied to the slices by :meth:`FlatOwnerStep._apply_update`.
+AdamW slices are stepped piece by piece by :func:`qmuon.core.adamw.adamw_param_step`.
 """
 
 from __future__ import annotations
 
-import copy
 import logging
+import math
 from collections import defaultdict
 from typing import Any
 
@@ -26,8 +28,9 @@ from ..core import adamw as core_adamw
 from ..core import apply as weight_apply
 from ..core import pipeline
 from ..core.apply import apply_update_
-from ..core.config import STRUCTURAL_KEYS
-from ..core.plan import MatrixPart, plan_param, true_shape
+from ..core.config import FORMAT_OVERRIDES, STRUCTURAL_KEYS, check_resume, param_group_view
+from ..core.plan import MatrixPart, ParamPlan, plan_param, true_shape
+from ..core.variants import NORMUON_STATE, RowMoment, check_row_moment, part_row_moment, row_moment_shape
 from ..quant import adamw as qadamw
 from ..quant import state as qstate
 from .flat import FlatExchange, FlatParam, Segment, deal_owners, part_runs, row_pieces
@@ -35,12 +38,6 @@ from .flat import FlatExchange, FlatParam, Segment, deal_owners, part_runs, row_
 __all__: list[str] = []
 
 log = logging.getLogger(__name__)
-
-# Group keys kept in sync into the inner QMuon before each step (schedulers change them).
-# bf16_update is not: the slices' low-precision weights are written here (the inner QMuon holds
-# gradient buffers and fp32 slices only, and keeps "nearest", which creates no weight state).
-_SKIP_SYNC = ("params", "param_names", "bf16_update")
-
 
 def _apply_parts(parts: tuple[MatrixPart, ...], where: str) -> tuple[MatrixPart, ...]:
     """The parts :meth:`FlatOwnerStep._apply_update` applies, as ranges of the stored
@@ -59,16 +56,6 @@ def _apply_parts(parts: tuple[MatrixPart, ...], where: str) -> tuple[MatrixPart,
     return tuple(out.values())
 
 
-def _placeholder(shape: torch.Size, device: torch.device) -> Tensor:
-    """A tensor of ``shape`` backed by one element: what an idle proxy looks like (never written)."""
-    return torch.zeros(1, dtype=torch.float32, device=device).expand(shape)
-
-
-def _placeholder(shape: torch.Size, device: torch.device) -> Tensor:
-    """A tensor of ``shape`` backed by one element: what an idle proxy looks like (never written)."""
-    return torch.zeros(1, dtype=torch.float32, device=device).expand(shape)
-
-
 class FlatOwnerStep(Optimizer):
     """A QMuon's step over a flat layout (see the module docstring). Subclasses read the layout
     (each :class:`.flat.FlatParam`'s ``holders``; ``_group``, ``_world``, ``_rank``), then call
@@ -78,9 +65,9 @@ class FlatOwnerStep(Optimizer):
     def __init__(self, qmuon: Any) -> None:
         groups = [g for g in qmuon.param_groups if len(g["params"])]  # DeepSpeed drops empty groups
         self._params: list[FlatParam] = []
-        inner_groups = []
+        #: Muon parameter index -> its plan (QMuon's: the parameter index is its stochastic-rounding key).
+        self._plans: dict[int, ParamPlan] = {}
         for gi, g in enumerate(groups):
-            proxies = []
             for pos, p in enumerate(g["params"]):
                 where = (g.get("param_names") or [None] * len(g["params"]))[pos] or f"group {gi} #{pos}"
                 if not p.requires_grad:
@@ -90,29 +77,22 @@ class FlatOwnerStep(Optimizer):
                     raise ValueError(f"parameter {where!r} has dtype {p.dtype}; flat partitions hold float parameters")
                 # The full shape, also for parameters zero.Init already partitioned (they look 1-D, empty).
                 shape = true_shape(p)
-                info = FlatParam(len(self._params), gi, pos, shape, shape.numel(), bool(g["use_muon"]),
-                              _apply_parts(plan_param(shape, g, 0, where).parts, where) if g["use_muon"] else ())
-                self._params.append(info)
-                proxies.append(_placeholder(shape, p.device) if info.muon else torch.zeros(0, device=p.device))
-            ig = {k: v for k, v in g.items() if k != "params"}
-            ig["params"] = proxies
-            ig["bf16_update"] = "nearest"  # see _SKIP_SYNC
-            if not g["use_muon"]:
-                # The inner QMuon steps only the slices that keep fp32 moments (1-D, small or fp32-family
-                # parameters): elementwise, a flat slice is exact. Quantized / bf16 moments are stepped
-                # by this wrapper on pieces cut on the whole parameter's block grid (_adamw_slice_step).
-                ig["state_format"] = qadamw.FULL_PRECISION
-            inner_groups.append(ig)
+                index = len(self._params)
+                plan = plan_param(shape, g, index, where) if g["use_muon"] else None
+                self._params.append(FlatParam(index, gi, pos, shape, shape.numel(), bool(g["use_muon"]),
+                                              _apply_parts(plan.parts, where) if plan is not None else ()))
+                if plan is not None:
+                    self._plans[index] = plan
         # The model's parameters, in _params order: DeepSpeed links each to its ZeRO partition (read at attach).
         self._model_params: list[Tensor] = [p for g in groups for p in g["params"]]
-        # The inner optimizer keeps the same group structure (so parameter indices, the stochastic
-        # rounding keys, are those of a single-process QMuon) but holds proxies, not the model's tensors.
-        self._inner = type(qmuon)(inner_groups)
-        self._proxies = [p for g in self._inner.param_groups for p in g["params"]]
-        # The owner's momentum update and whole-matrix Newton-Schulz are QMuon's own (core pipeline);
-        # its updates are handed to _capture instead of being applied to the proxies.
-        self._inner.update_sink = self._capture
-        self._proxy_index = {id(proxy): info.index for info, proxy in zip(self._params, self._proxies)}
+        # Batch sizes from every Muon matrix (global shapes), so each owner batches as single-process QMuon does.
+        self._batch_sizes = pipeline.BatchSizes.of(
+            [(pt.cols, pt.rows) if pt.transposed else (pt.rows, pt.cols) for plan in self._plans.values()
+             for pt in plan.parts], qmuon.batch_budget)
+        #: The wrapped QMuon: its lr bookkeeping (lr_follows links, lr_ratios) runs once per optimizer step.
+        self._qmuon = qmuon
+        #: Momentum state (QMuon's format, NorMuon's second moment) of each owned Muon matrix, by index.
+        self._muon_state: dict[int, dict[str, Tensor]] = {}
         self._out: dict[int, Tensor] = {}
         #: NS items (matrices or fused parts) orthogonalized in the last call, per Muon parameter index.
         self._ns_items_call: dict[int, int] = defaultdict(int)
@@ -133,8 +113,9 @@ class FlatOwnerStep(Optimizer):
         self._rank = 0
         self._device = groups[0]["params"][0].device if groups else torch.device("cpu")
         self._owned: list[FlatParam] = []
-        #: AdamW parameters with non-fp32 moments: index -> this rank's pieces of its slice
-        #: (quant.adamw.flat_slice_pieces) and their state, one AdamW state dict per piece.
+        #: AdamW parameters: index -> this rank's pieces of its slice ((offset, rows, width):
+        #: quant.adamw.flat_slice_pieces for quantized moments, row pieces for bf16 slices, one
+        #: (length, 1) piece for elementwise moments) and their state, one AdamW state dict per piece.
         self._pieces: dict[int, list[tuple[int, int, int]]] = {}
         self._slice_state: dict[int, list[dict[str, Tensor]]] = {}
         #: Muon parameters with bf16 slices (DeepSpeed's bf16 master partitions): index -> the
@@ -152,8 +133,8 @@ class FlatOwnerStep(Optimizer):
         (:func:`qmuon.distributed.flat.deal_owners`: Newton-Schulz cost, ties to the rank holding
         most of the matrix), set up the exchange with the sharded step's carriers
         (:class:`qmuon.distributed.flat.FlatExchange`), and cut this rank's slice of every AdamW
-        parameter with quantized (or bf16) moments into pieces on the parameter's block grid
-        (:func:`qmuon.quant.adamw.flat_slice_pieces`)."""
+        parameter into pieces: on the parameter's block grid for quantized moments
+        (:func:`qmuon.quant.adamw.flat_slice_pieces`), on rows for bf16 slices, whole otherwise."""
         deal_owners(self._params, self._world)
         self._owned = [p for p in self._params if p.muon and p.owner == self._rank]
         self._pieces = {}
@@ -167,11 +148,12 @@ class FlatOwnerStep(Optimizer):
             family = self._all_groups[info.group].get("state_format", qadamw.FULL_PRECISION)
             pieces = qadamw.flat_slice_pieces(family, info.shape, seg.start, seg.length)
             if pieces is None and weight_apply.writes_rounded(v[0]):
-                # bf16 slice with elementwise moments: stepped here too, piece by piece, so each write
-                # gets its bf16_update rule with the whole parameter's element indices.
+                # bf16 slice with elementwise moments: piece by piece, so each write gets its
+                # bf16_update rule with the whole parameter's element indices.
                 pieces = row_pieces(info.cols, seg.start, seg.length)
-            if pieces is not None:
-                self._pieces[info.index] = pieces
+            # elementwise moments on an fp32 slice: the 1-D slice as one (length, 1) piece (a 1-D
+            # parameter's own view: core.adamw steps it in the same row blocks)
+            self._pieces[info.index] = pieces if pieces is not None else [(0, seg.length, 1)]
         # bf16 slices (DeepSpeed's bf16 master, or a bf16 model at stage 0): the Muon gradients travel
         # and are stepped in bf16, as a single-process bf16 model's are (its NS input is the bf16 grad).
         self._grad_dtype = torch.bfloat16 if rounded else torch.float32
@@ -209,31 +191,25 @@ class FlatOwnerStep(Optimizer):
             full_grad = {p.index: g if (g := views[p.index][1]).dtype in (torch.float32, self._grad_dtype) else g.float()
                          for p in by_owner[self._rank]}
 
-        # 2. the owner's QMuon update (momentum + whole-matrix NS), AdamW on this rank's slices.
-        self._sync_inner_groups()
-        out = self._out = {}
+        # 2. the owner's momentum update and whole-matrix NS (the core pipeline), AdamW on this rank's slices.
+        if first_call:  # a new optimizer step: the QMuon's lr links and lr_ratios, as QMuon.step runs them
+            self._qmuon._follow_lrs()
+            self._qmuon._check_group_lrs()
+        self._out = {}
         self._ns_items_call.clear()
-        for info, proxy in zip(self._params, self._proxies):
-            if info.muon:
-                g = full_grad.get(info.index)
-                if g is None:
-                    proxy.data = _placeholder(info.shape, self._device)
-                    proxy.grad = None
-                    continue
-                g2 = g.view(info.shape)
-                # NS input is written into the grad buffer; the proxy's data aliases it because with
-                # weight_decay 0 QMuon only multiplies it by 1.0 (exact) before the captured NS output.
-                proxy.data = g2
-                proxy.grad = g2
-            else:
-                v = views[info.index]
-                if v is None or info.index not in live or v[1] is None or info.index in self._pieces:
-                    proxy.data = torch.zeros(0, device=self._device)
-                    proxy.grad = None
-                else:
-                    proxy.data = v[0]
-                    proxy.grad = v[1]
-        self._inner.step()
+        items: list[pipeline.NSItem] = []
+        owned = {p.index for p in by_owner[self._rank]}
+        for gi in sorted({p.group for p in params if p.muon}):
+            group = self._all_groups[gi]
+            pipeline.record_auto_choices(group, self._device)  # what "auto" chose, saved with the groups
+            mine = [p for p in params if p.group == gi and p.index in owned]
+            overrides = group.get(FORMAT_OVERRIDES) or {}
+            # As QMuon._muon_group_step: the group's parameters together, then each promoted one alone.
+            self._owner_momentum(group, [p for p in mine if p.pos not in overrides], full_grad, items)
+            for p in mine:
+                if p.pos in overrides:
+                    self._owner_momentum(param_group_view(group, p.pos), [p], full_grad, items)
+        pipeline.orthogonalize(items, self._batch_sizes)
         for info in params:
             v = views[info.index]
             if info.index in self._pieces and info.index in live and v is not None and v[1] is not None:
@@ -242,14 +218,10 @@ class FlatOwnerStep(Optimizer):
             self.ns_items = {}
         for k, v in self._ns_items_call.items():
             self.ns_items[k] = self.ns_items.get(k, 0) + v
-        for info, proxy in zip(self._params, self._proxies):
-            proxy.grad = None
-            if info.muon:
-                proxy.data = _placeholder(info.shape, self._device)
 
         # 3. the NS output back to every rank holding a slice (return carrier); each applies it to its slice.
         if has_muon:
-            ex.scatter(by_owner, {i: o.view(-1) for i, o in out.items()}, self._device,
+            ex.scatter(by_owner, {i: o.view(-1) for i, o in self._out.items()}, self._device,
                        lambda p, seg, o: self._apply_update(p, views[p.index][0], seg, o))
         ex.count(muon_live, self._gather, 3 * 8 * (len(self._params) + 1) if self._world > 1 else 0)
         self.comm_stats = ex.comm_stats
@@ -278,24 +250,50 @@ class FlatOwnerStep(Optimizer):
             core_adamw.adamw_param_step(piece, grad.narrow(0, off, r * w).view(r, w), st, group,
                                         global_shape=info.shape, key=info.index, first_index=start + off)
 
-    def _capture(self, proxy: Tensor, part: Any, o: Tensor) -> None:
-        """QMuon's update sink: keep the NS output of one part of an owned matrix for the return trip."""
-        index = self._proxy_index[id(proxy)]
-        info = self._params[index]
-        buf = self._out.get(index)
-        if buf is None:
-            buf = self._out[index] = torch.empty(info.shape, dtype=o.dtype, device=o.device)
-        block = part.block(buf)
-        block.copy_(o.reshape(block.shape))
-        self._ns_items_call[index] += 1
+    def _owner_momentum(self, group: dict[str, Any], params: list[FlatParam], full_grad: dict[int, Tensor],
+                        items: list[pipeline.NSItem]) -> None:
+        """The momentum update of owned matrices ``params`` of ``group`` (their whole averaged
+        gradients ``full_grad``, which become their NS inputs) and their NS items, as
+        QMuon._muon_subset_step queues them for a plain parameter."""
+        if not params:
+            return
+        fmt = qstate.get_format(group["state_format"])
+        opts = qstate.format_options(group)
+        grads = [full_grad[p.index].view(p.shape) for p in params]
+        states = []
+        for p, g in zip(params, grads):
+            st = self._muon_state.get(p.index)
+            if st is None:
+                st = self._muon_state[p.index] = qstate.init_momentum_state(
+                    fmt.name, g.shape[0], math.prod(g.shape[1:]), opts=opts, device=g.device)
+            states.append(st)
+        plans = [self._plans[p.index] for p in params]
+        inputs = pipeline.momentum_inputs(group, grads, states, plans, [0] * len(params))
+        sums = pipeline.update_momentum(group, inputs)
+        normuon = group.get("variant", "muon") == "normuon"
+        settings = pipeline.ns_settings(group, self._device)
+        for p, plan, g2, s, st in zip(params, plans, inputs.grads2d, sums, states):
+            moments = None
+            if normuon:  # NorMuon's second moment of the layer's rows, beside the momentum on the owner
+                v = st.get(NORMUON_STATE)
+                if v is None:
+                    v = st[NORMUON_STATE] = torch.zeros(row_moment_shape(plan), dtype=torch.float32, device=g2.device)
+                b2 = float(group["normuon_beta2"])
+                moments = [RowMoment(part_row_moment(v, plan, part), b2) for part in plan.parts]
+            items.extend(pipeline.local_items(plan, g2, s, group, settings, self._capture(p), moments))
 
-    def _sync_inner_groups(self) -> None:
-        for g, ig in zip(self._all_groups, self._inner.param_groups):
-            for k, v in g.items():
-                if k not in _SKIP_SYNC and k not in ("state_format", "block_size", "parts", "use_muon"):
-                    ig[k] = v
-            if ig["use_muon"]:
-                ig["weight_decay"] = 0.0  # applied to the slices by _apply_update
+    def _capture(self, info: FlatParam) -> Any:
+        """The NS items' ``apply`` for an owned matrix: keep each part's NS output for the return trip."""
+
+        def capture(part: MatrixPart, o: Tensor) -> None:
+            buf = self._out.get(info.index)
+            if buf is None:
+                buf = self._out[info.index] = torch.empty(info.shape, dtype=o.dtype, device=o.device)
+            block = part.block(buf)
+            block.copy_(o.reshape(block.shape))
+            self._ns_items_call[info.index] += 1
+
+        return capture
 
     def _apply_update(self, p: FlatParam, data: Tensor, seg: Segment, o: Tensor) -> None:
         """``p *= 1 - lr wd`` then ``p -= lr lr_scale(part) * O`` on this rank's slice, as QMuon does on
@@ -344,7 +342,7 @@ class FlatOwnerStep(Optimizer):
         steps = torch.zeros_like(bad)
         for info in params:
             if info.muon and info.owner == self._rank:
-                st = self._inner.state.get(self._proxies[info.index])
+                st = self._muon_state.get(info.index)
                 if st and "step" in st:
                     steps[info.index] = st["step"]  # a tensor copy: no host sync per matrix
         if grads:
@@ -356,9 +354,7 @@ class FlatOwnerStep(Optimizer):
         both = torch.stack([bad, present, steps])
         if self._world > 1:
             dist.all_reduce(both, group=self._group)
-        bad_list = both[0].tolist()
-        has_grad = both[1].tolist()
-        step_list = both[2].tolist()
+        bad_list, has_grad, step_list = both.tolist()  # one read of the agreed flags and steps
         self._muon_step = {p.index: int(step_list[p.index]) + 1 for p in params if p.muon}
         live = {p.index for p in params if has_grad[p.index] > 0 and bad_list[p.index] == 0}
         bad_params = [p for p in params if bad_list[p.index] > 0]
@@ -388,24 +384,51 @@ class FlatOwnerStep(Optimizer):
                         p.grad.zero_()
 
     # ------------------------------------------------------------------ state
-    def _slice_state_dict(self, inner: dict[str, Any]) -> dict[str, Any]:
-        """This rank's state: ``inner`` (the inner QMuon's state dict: owned matrices' momentum, fp32
-        AdamW slices), the AdamW state of the pieces of its slices, the weight-correction codes of
-        its bf16 Muon slices."""
-        return {"inner": inner,
+    def _slice_state_dict(self) -> dict[str, Any]:
+        """This rank's state: the momentum of the Muon matrices it owns (``"muon"``: index -> QMuon's
+        state entry), the AdamW state of the pieces of its slices, the weight-correction codes of its
+        bf16 Muon slices."""
+        return {"muon": {i: dict(st) for i, st in self._muon_state.items()},
                 "adamw_slices": {i: {"pieces": [list(x) for x in self._pieces[i]], "state": [dict(st) for st in sts]}
                                  for i, sts in self._slice_state.items()},
                 "weight_slices": {i: dict(st) for i, st in self._weight_state.items() if st}}
 
+    def _load_muon_state(self, saved: dict[Any, Any], saved_groups: list[dict[str, Any]]) -> dict[int, dict[str, Tensor]]:
+        """The owned matrices' momentum entries of ``saved`` (another owner's are skipped: at stage 0
+        rank 0's file holds all of them), validated and converted to this run's formats as
+        ``QMuon.load_state_dict`` does; nothing is changed here."""
+        out: dict[int, dict[str, Tensor]] = {}
+        checked: set[int] = set()
+        for key, src in saved.items():
+            index = int(key)
+            info = self._params[index] if 0 <= index < len(self._params) else None
+            if info is None or not info.muon:
+                raise ValueError(f"the checkpoint holds momentum for parameter {index}, which is not a Muon matrix of "
+                                 "this run: the model or the optimizer's parameter groups changed since it was saved")
+            if info.owner != self._rank:
+                continue
+            cur = param_group_view(self._all_groups[info.group], info.pos)
+            sg = saved_groups[info.group] if info.group < len(saved_groups) else {}
+            sview = param_group_view(sg, info.pos) if sg else cur
+            where = f"Muon parameter {index} (shape {tuple(info.shape)})"
+            if info.group not in checked and "state_format" in sg:  # QMuon.load_state_dict's one resume check
+                check_resume({**cur, **sview}, cur, where=f"param group {info.group}", allow_format_change=True)
+                checked.add(info.group)
+            st = qstate.convert_state(src, sview, cur, info.shape, where)
+            if NORMUON_STATE in st:
+                if cur.get("variant", "muon") != "normuon":
+                    del st[NORMUON_STATE]  # resumed as plain Muon: the second moment is unused
+                else:
+                    check_row_moment(st[NORMUON_STATE], self._plans[index], info.shape[0], where)
+            out[index] = {k: (v.detach().to("cpu", copy=True) if k == qstate.STEP else v.to(self._device, copy=True))
+                          if isinstance(v, Tensor) else v for k, v in st.items()}
+        return out
+
     def _load_slice_state(self, saved: dict[str, Any], saved_groups: list[dict[str, Any]]) -> None:
         """Load what :meth:`_slice_state_dict` wrote for this rank's layout (checked by the caller),
-        converting AdamW pieces to this run's formats; ``saved_groups``: the saved group options."""
-        inner = copy.copy(saved["inner"])
-        state = dict(inner["state"])
-        muon_idx = {p.index: p for p in self._params if p.muon}
-        for k in list(state):
-            if k in muon_idx and muon_idx[k].owner != self._rank:
-                del state[k]  # another rank's matrix (stage 0: rank 0's file holds all of them)
+        converting momentum and AdamW pieces to this run's formats; ``saved_groups``: the saved group
+        options. Everything is built and checked before anything changes."""
+        muon = self._load_muon_state(saved["muon"], saved_groups)
         saved_rule = {gi: (saved_groups[gi].get("bf16_update") if gi < len(saved_groups) else None)
                       for gi in range(len(self._all_groups))}
 
@@ -413,7 +436,7 @@ class FlatOwnerStep(Optimizer):
             return self._all_groups[info.group].get("bf16_update", "nearest")
 
         slices = saved["adamw_slices"]
-        self._slice_state = {}
+        slice_state: dict[int, list[dict[str, Tensor]]] = {}
         for index, pieces in self._pieces.items():
             info = self._params[index]
             where = f"AdamW parameter {index} (shape {tuple(info.shape)}), rank {self._rank}'s slice"
@@ -424,40 +447,36 @@ class FlatOwnerStep(Optimizer):
             if [list(x) for x in mine["pieces"]] != [list(x) for x in pieces]:
                 raise ValueError(f"{where}: the checkpoint cuts the slice into pieces {mine['pieces']}, this "
                                  f"run into {[list(x) for x in pieces]}; the partition layout changed")
-            srcs = mine["state"]
-            self._slice_state[index] = [
+            slice_state[index] = [
                 {k: v.to(device=self._device, copy=True) if isinstance(v, Tensor) and k != "step" else
                  (v.clone() if isinstance(v, Tensor) else v)
                  for k, v in qadamw.convert_adamw_state(src, family, info.shape, (r, w), where).items()}
-                for src, (_, r, w) in zip(srcs, pieces)]
+                for src, (_, r, w) in zip(mine["state"], pieces)]
             data = self._views(info)[0]
-            for (off, r, w), st in zip(pieces, self._slice_state[index]):
+            for (off, r, w), st in zip(pieces, slice_state[index]):
                 weight_apply.check_loaded_weight_state(data.narrow(0, off, r * w).view(r, w), st, rule(info),
                                                        saved_rule[info.group], f"{where}, piece at {off}")
-        self._weight_state = {}
+        if set(slices) - set(self._pieces):
+            raise ValueError(f"the checkpoint holds AdamW state for parameters {sorted(set(slices) - set(self._pieces))}, "
+                             f"of which rank {self._rank} holds no AdamW slice; the partition layout changed")
+        weight_state: dict[int, dict[str, Tensor]] = {}
         for index, st in saved["weight_slices"].items():
             info = self._params[int(index)]
             if not info.muon or info.holders[self._rank] is None:
                 raise ValueError(f"the checkpoint holds weight-correction codes for parameter {index}, of which this "
                                  "run's rank holds no Muon slice; the partition layout changed")
-            self._weight_state[info.index] = {k: v.to(device=self._device, copy=True) for k, v in st.items()}
+            weight_state[info.index] = {k: v.to(device=self._device, copy=True) for k, v in st.items()}
         for info in self._params:
             v = self._views(info) if info.muon else None
             if v is not None:
                 weight_apply.check_loaded_weight_state(
-                    v[0], self._weight_state.get(info.index, {}), rule(info), saved_rule[info.group],
+                    v[0], weight_state.get(info.index, {}), rule(info), saved_rule[info.group],
                     f"Muon parameter {info.index} (shape {tuple(info.shape)}), rank {self._rank}'s slice")
-        inner["state"] = state
-        # AdamW proxies must look like the saved slices while loading (torch casts state to them).
-        for info, proxy in zip(self._params, self._proxies):
-            if not info.muon and info.index not in self._pieces:
-                v = self._views(info)
-                proxy.data = v[0] if v is not None else torch.zeros(0, device=self._device)
-        self._inner.load_state_dict(inner)
-        for info, proxy in zip(self._params, self._proxies):
-            if not info.muon:
-                proxy.data = torch.zeros(0, device=self._device)
+        # Nothing above changed the optimizer; from here on nothing can fail.
+        self._muon_state, self._slice_state, self._weight_state = muon, slice_state, weight_state
         for g, saved_group in zip(self._all_groups, saved_groups):
+            if g.get("ns_dtype") == "auto" and saved_group.get("ns_dtype") in ("bf16", "fp32"):
+                g["ns_dtype"] = saved_group["ns_dtype"]  # what "auto" chose when the run started (record_auto_choices)
             for k, v in saved_group.items():
                 # structural keys stay this run's, as in QMuon.load_state_dict (the state was converted to
                 # this run's formats above; a changed bf16_update creates / drops codes at the next step)
@@ -470,15 +489,15 @@ class FlatOwnerStep(Optimizer):
         """Owner rank of every Muon parameter, in parameter order (empty before the layout is read)."""
         return [p.owner for p in self._params if p.muon] if self._exchange is not None else []
 
-    @property
-    def inner(self) -> Any:
-        """The QMuon that holds this rank's momentum (owned matrices) and AdamW state (its slices)."""
-        return self._inner
+    def muon_state(self, index: int) -> dict[str, Tensor] | None:
+        """The momentum state (QMuon's entry: codes, scales, ``step``, NorMuon's second moment) of Muon
+        parameter ``index`` when this rank owns it and it has stepped, else None."""
+        return self._muon_state.get(index)
 
     def state_nbytes(self, muon_only: bool = True) -> int:
         """Bytes of optimizer state on this rank (Muon momentum of owned matrices by default; with
         ``muon_only=False`` also the AdamW state of its slices, quantized pieces included)."""
-        total = self._inner.state_nbytes(muon_only)
+        total = sum(qstate.state_nbytes(st) for st in self._muon_state.values())
         if not muon_only:
             total += sum(qstate.state_nbytes(st) for sts in self._slice_state.values() for st in sts)
             total += sum(qstate.state_nbytes(st) for st in self._weight_state.values())

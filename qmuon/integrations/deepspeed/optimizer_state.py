@@ -13,10 +13,10 @@ from torch import Tensor
 
 __all__: list[str] = []
 
-#: Version of the layout written by :meth:`WholeMatrixZeroOptimizer.state_dict` (AdamW moments of flat
-#: slices, per piece, under ``"adamw_slices"``; the weight-correction state of bf16 Muon slices under
-#: ``"weight_slices"``); only this version loads.
-STATE_VERSION = 3
+#: Version of the layout written by :meth:`WholeMatrixZeroOptimizer.state_dict` (the owned matrices'
+#: momentum under ``"muon"``; AdamW moments of flat slices, per piece, under ``"adamw_slices"``; the
+#: weight-correction state of bf16 Muon slices under ``"weight_slices"``); only this version loads.
+STATE_VERSION = 4
 _KEY = "qmuon_deepspeed"
 #: The wrapper's modes, as the ZeRO stages users know them (error messages).
 MODE_NAMES = {"direct": "ZeRO stage 0", "partitioned": "ZeRO stage 1/2", "zero3": "ZeRO stage 3", None: "no engine"}
@@ -42,17 +42,15 @@ class ZeroStateMixin:
         """
         if self._mode is None:
             self._require_attached()
-        inner = self._inner.state_dict()
+        state = self._slice_state_dict()
         if self._mode == "direct" and self._world > 1:
-            muon_idx = {p.index for p in self._params if p.muon}
-            mine = {k: {n: t.cpu() if isinstance(t, Tensor) else t for n, t in v.items()}
-                    for k, v in inner["state"].items() if k in muon_idx}
+            mine = {k: {n: t.cpu() if isinstance(t, Tensor) else t for n, t in v.items()} for k, v in state["muon"].items()}
             gathered: list[Any] = [None] * self._world if self._rank == 0 else None  # type: ignore[assignment]
             dst = 0 if self._group is None else dist.get_global_rank(self._group, 0)
             dist.gather_object(mine, gathered, dst=dst, group=self._group)
             if self._rank == 0:
                 for part in gathered:
-                    inner["state"].update(part)
+                    state["muon"].update(part)
         groups = [{k: v for k, v in g.items() if k != "params"} | {"params": []} for g in self._all_groups]
         return {
             "state": {},
@@ -64,7 +62,7 @@ class ZeroStateMixin:
                 "rank": self._rank,
                 "layout": self._layout() if self._mode in ("partitioned", "zero3") else None,
                 "owners": self.owners,
-                **self._slice_state_dict(inner),
+                **state,
             },
         }
 
