@@ -8,7 +8,9 @@ peak, at two model sizes, for every configuration this installation can build.
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -155,6 +157,27 @@ def test_largest_within_budget_is_exact() -> None:
     assert k == 7 and est is not None and est.total <= budget
     assert mem.estimate(build(8), setup).total > budget
     assert mem.largest_within(build, setup, 10)[0] == 0
+
+
+def test_largest_within_finds_what_a_scan_finds() -> None:
+    """The search places its probes by interpolating totals (nearly affine in depth); where the total
+    is far from affine (quadratic growth, a jump, none) it still returns the largest size a scan of
+    every size finds, for budgets at and just below every total, and past the limit."""
+    setup = mem.STANDARD_SETUPS[0]
+
+    def inventories(count: Callable[[int], int]) -> Callable[[int], mem.Inventory]:
+        return functools.cache(lambda k: mem.Inventory(tuple(mem_model.ParamInfo(f"w{i}", (8, 8), "adamw")
+                                                             for i in range(count(k))), ()))
+
+    limit = 60
+    for count in (lambda k: k, lambda k: k * k // 4 + 1, lambda k: k + (40 if k > 30 else 0), lambda k: 2 ** min(k, 9)):
+        at = inventories(count)
+        totals = [mem.estimate(at(k), setup).total for k in range(1, limit + 1)]
+        for budget in sorted({t + d for t in totals for d in (-1, 0)} | {totals[-1] * 10}):
+            want = max((k for k, t in enumerate(totals, 1) if t <= budget), default=0)
+            k, est = mem.largest_within(at, setup, budget, limit=limit)
+            assert k == want, (budget, k, want)
+            assert (est is None) if want == 0 else est.total == totals[want - 1]
 
 
 def test_parse_bytes() -> None:

@@ -211,9 +211,14 @@ def _weight_state_nbytes(p: ParamInfo, dtype: torch.dtype, bf16_update: str | No
     (``core.apply.weight_state_init`` on a meta tensor: the rule's own tensors)."""
     if dtype == torch.float32 or bf16_update is None:
         return 0
+    return _weight_state_nbytes_of(p.shape, dtype, bf16_update)
+
+
+@functools.lru_cache(maxsize=4096)
+def _weight_state_nbytes_of(shape: tuple[int, ...], dtype: torch.dtype, bf16_update: str) -> int:
     from qmuon.core import apply as core_apply
 
-    st = core_apply.weight_state_init(torch.empty(p.shape, dtype=dtype, device="meta"), bf16_update)
+    st = core_apply.weight_state_init(torch.empty(shape, dtype=dtype, device="meta"), bf16_update)
     return sum(t.numel() * t.element_size() for t in st.values() if isinstance(t, torch.Tensor))
 
 
@@ -239,6 +244,24 @@ def _adamw_state_nbytes(p: ParamInfo, dtype: torch.dtype, family: str | None) ->
 def _quantized_adamw_nbytes(family: str, shape: tuple[int, ...]) -> int:
     st = qadamw.init_adamw_state(family, shape, shape, torch.device("meta"))
     return sum(t.numel() * t.element_size() for t in st.values() if isinstance(t, torch.Tensor))
+
+
+#: :func:`adamw_chunked_step_bytes` once per shape: a budget search asks for the same shapes thousands of times.
+_chunked_step_bytes = functools.lru_cache(maxsize=4096)(adamw_chunked_step_bytes)
+
+
+def _per_layout(fn: Callable[[ParamInfo], Any]) -> Callable[[ParamInfo], Any]:
+    """``fn`` of a parameter computed once per shape and layout (``fn`` must read nothing else): a
+    deep model repeats each layer's parameters, thousands of times in :func:`largest_within`."""
+    cache: dict[tuple, Any] = {}
+
+    def of(p: ParamInfo) -> Any:
+        key = (p.shape, p.parts, p.parts_axis, p.orientation)
+        if key not in cache:
+            cache[key] = fn(p)
+        return cache[key]
+
+    return of
 
 
 def _adamw_groups(inv: Inventory, optimizer: str) -> list[list[ParamInfo]]:
@@ -302,26 +325,32 @@ def estimate(model_or_inventory: nn.Module | Inventory, setup: Setup, *, device:
         # or (installations without it) torch's functional AdamW with torch's state
         adamw_fmt = cfg.adamw_state_format
         bf16_update = cfg.bf16_update
-        for p in inv.of("muon"):
-            parts["muon momentum"] += fmt.nbytes(p.rows, p.cols, opts) + STEP_BYTES
+        muon, adamw = inv.of("muon"), inv.of("adamw", "adamw_no_decay")
+        momentum = _per_layout(lambda p: fmt.nbytes(p.rows, p.cols, opts) + STEP_BYTES)
+        parts["muon momentum"] = sum(momentum(p) for p in muon)
         if cfg.update.variant == "normuon":
-            parts["normuon second moment"] = sum(_normuon_state_nbytes(p) for p in inv.of("muon"))
-        for p in inv.of("adamw", "adamw_no_decay"):
-            parts["adamw moments"] += _adamw_state_nbytes(p, wdtype, adamw_fmt)
-        for p in live:
-            parts["weight correction"] += _weight_state_nbytes(p, wdtype, bf16_update)
+            parts["normuon second moment"] = sum(map(_per_layout(_normuon_state_nbytes), muon))
+        adamw_state = _per_layout(lambda p: _adamw_state_nbytes(p, wdtype, adamw_fmt))
+        parts["adamw moments"] = sum(adamw_state(p) for p in adamw)
+        weight_state = _per_layout(lambda p: _weight_state_nbytes(p, wdtype, bf16_update))
+        parts["weight correction"] = sum(weight_state(p) for p in live)
         ns_dtype = resolve_ns_dtype(cfg.newton_schulz.dtype, torch.device(device))
         nsb = _itemsize(ns_dtype)
-        matrices = [m for p in inv.of("muon") for m in p.matrices()]
+        matrices = [m for ms in map(_per_layout(ParamInfo.matrices), muon) for m in ms]
         phases["muon momentum"] = qmuon_muon_phase_bytes(_muon_groups(inv), lambda: opts, fmt, wb)
         phases["adamw"] = _qmuon_adamw_phase(inv, wb, wdtype, adamw_fmt, foreach)
         phases["newton-schulz"] = ns_phase_bytes(matrices, nsb, wb, device=device)
         if setup.gradient_release:
-            for p in inv.of("muon"):
+            def muon_step(p: ParamInfo) -> int:
                 ws = fmt.update_workspace_nbytes(p.rows, p.cols, opts, wb) + p.rows * math.ceil(p.cols / opts.block_size) * 4
-                per_param_step[p.name] = max(ws, ns_phase_bytes(p.matrices(), nsb, wb, device=device))
-            for p in inv.of("adamw", "adamw_no_decay"):
-                per_param_step[p.name] = _qmuon_adamw_phase_one(p, wb, wdtype, adamw_fmt, foreach)
+                return max(ws, ns_phase_bytes(p.matrices(), nsb, wb, device=device))
+
+            muon_step_of = _per_layout(muon_step)
+            adamw_step_of = _per_layout(lambda p: _qmuon_adamw_phase_one(p, wb, wdtype, adamw_fmt, foreach))
+            for p in muon:
+                per_param_step[p.name] = muon_step_of(p)
+            for p in adamw:
+                per_param_step[p.name] = adamw_step_of(p)
 
     est.state_parts = {k: v for k, v in parts.items() if v}
     est.state = sum(parts.values())
@@ -345,14 +374,14 @@ def _qmuon_adamw_phase(inv: Inventory, wb: int, wdtype: torch.dtype, family: str
     groups = _adamw_groups(inv, "qmuon")
     if family is None:
         return adamw_phase_bytes([[p.numel for p in g] for g in groups], wb, foreach=foreach)
-    return max((adamw_chunked_step_bytes(p.shape, family, wdtype) for g in groups for p in g), default=0)
+    return max((_chunked_step_bytes(p.shape, family, wdtype) for g in groups for p in g), default=0)
 
 
 def _qmuon_adamw_phase_one(p: ParamInfo, wb: int, wdtype: torch.dtype, family: str | None, foreach: bool) -> int:
     """The AdamW step of one parameter on its own (gradient release)."""
     if family is None:
         return adamw_phase_bytes([[p.numel]], wb, foreach=foreach)
-    return adamw_chunked_step_bytes(p.shape, family, wdtype)
+    return _chunked_step_bytes(p.shape, family, wdtype)
 
 
 def estimate_all(model_or_inventory: nn.Module | Inventory, setups: Sequence[Setup] = STANDARD_SETUPS, *,
@@ -363,25 +392,55 @@ def estimate_all(model_or_inventory: nn.Module | Inventory, setups: Sequence[Set
 
 def largest_within(inventory_at: Callable[[int], Inventory | nn.Module], setup: Setup, budget: int, *,
                    start: int = 1, limit: int = 1 << 16, device: str = "cuda") -> tuple[int, MemoryEstimate | None]:
-    """The largest size ``k`` (``inventory_at(k)``: the inventory, or a meta-device model, of size
-    ``k``, e.g. ``k`` layers; :func:`depth_inventories` makes one without building deep models)
-    whose step fits ``budget`` bytes, and its estimate; ``(0, None)`` when even ``start`` does not
-    fit. The step grows with ``k``, so a doubling search then bisection finds it exactly."""
+    """The largest size ``k`` in ``[start, limit]`` (``inventory_at(k)``: the inventory, or a
+    meta-device model, of size ``k``, e.g. ``k`` layers; :func:`depth_inventories` makes one without
+    building deep models) whose step fits ``budget`` bytes, and its estimate; ``(0, None)`` when even
+    ``start`` does not fit.
 
-    def fits(k: int) -> MemoryEstimate | None:
-        e = estimate(inventory_at(k), setup, device=device)
-        return e if e.available and e.total <= budget else None
+    The step grows with ``k``, so the answer is the ``k`` that fits whose ``k + 1`` does not. An
+    estimate costs time linear in ``k`` (thousands of layers for a small model under a large
+    budget), so the sizes probed are few: the total is nearly affine in ``k`` (each layer adds the
+    same bytes), so each round probes the size the known totals predict and the one after it (a
+    right prediction ends the search), extrapolating from the two largest fitting sizes until a
+    size that does not fit is known; a round that does not halve the bracket is followed by a
+    bisection (doubling while no size above is known), so a total far from affine still costs
+    no more than a doubling search and bisection."""
 
-    if fits(start) is None:
+    def probe(k: int) -> MemoryEstimate:
+        return estimate(inventory_at(k), setup, device=device)
+
+    def fits(e: MemoryEstimate) -> bool:
+        return e.available and e.total <= budget
+
+    first = probe(start)
+    if not fits(first):
         return 0, None
-    lo, hi = start, start * 2
-    while hi <= limit and fits(hi) is not None:
-        lo, hi = hi, hi * 2
-    hi = min(hi, limit + 1)
+    lo, lo_e = start, first
+    below: tuple[int, int] | None = None  # (size, total) of the fitting size before lo: the slope
+    hi, hi_total = limit + 1, None  # the smallest size known not to fit (limit + 1: none known)
+    safe = True  # the next round bisects (or doubles)
     while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if fits(mid) is not None else (lo, mid)
-    return lo, fits(lo)
+        if safe:
+            ks = [(lo + hi) // 2 if hi_total is not None or hi <= 2 * lo else 2 * lo]
+        else:
+            if hi_total is not None:
+                a = lo + (budget - lo_e.total) * (hi - lo) // (hi_total - lo_e.total)
+            elif below is not None and lo_e.total > below[1]:
+                a = lo + (budget - lo_e.total) * (lo - below[0]) // (lo_e.total - below[1])
+            else:
+                a = hi - 1  # the total does not grow: the largest size left
+            a = min(max(a, lo), hi - 1)
+            ks = [k for k in (a, a + 1) if lo < k < hi]
+        width = hi - lo
+        for k in ks:
+            e = probe(k)
+            if fits(e):
+                below, lo, lo_e = (lo, lo_e.total), k, e
+            else:
+                hi, hi_total = k, (e.total if e.available else None)
+                break
+        safe = not safe and (hi - lo) * 2 > width
+    return lo, lo_e
 
 
 def _layer_key(p: ParamInfo) -> tuple:
@@ -407,11 +466,15 @@ def depth_inventories(build: Callable[[int], nn.Module], base: int = 1) -> Calla
                          "estimate each depth by building it")
     buf_extra = list(b.buffer_numels[len(a.buffer_numels):]) if len(b.buffer_numels) >= len(a.buffer_numels) else []
 
+    reps: list[ParamInfo] = []  # the repeated layers' parameters, renamed, grown as deeper sizes are asked
+
     def at(k: int) -> Inventory:
         if k < base:
             return parameter_inventory(build(k))
-        reps = [dataclasses.replace(x, name=f"{x.name}#{i}") for i in range(k - base) for x in layer]
-        return Inventory(a.params[:p] + tuple(reps) + a.params[p:], a.buffer_numels + tuple(buf_extra) * (k - base))
+        for i in range(len(reps) // len(layer), k - base):
+            reps.extend(dataclasses.replace(x, name=f"{x.name}#{i}") for x in layer)
+        return Inventory(a.params[:p] + tuple(reps[:(k - base) * len(layer)]) + a.params[p:],
+                         a.buffer_numels + tuple(buf_extra) * (k - base))
 
     return at
 

@@ -114,9 +114,17 @@ def qmuon_muon_phase_bytes(groups: Sequence[Sequence[ParamInfo]], opts_of: Calla
     of one matrix (0 for the formats whose compiled kernels update in place)."""
     opts = opts_of()
     peak = 0
+    per_shape: dict[tuple[int, int], tuple[int, int]] = {}  # (sums, workspace) per matrix shape: layers repeat
     for params in groups:
-        sums = sum(p.rows * math.ceil(p.cols / opts.block_size) * 4 for p in params)
-        ws = max((fmt.update_workspace_nbytes(p.rows, p.cols, opts, grad_bytes) for p in params), default=0)
+        sums = ws = 0
+        for p in params:
+            shape = (p.rows, p.cols)
+            if shape not in per_shape:
+                per_shape[shape] = (p.rows * math.ceil(p.cols / opts.block_size) * 4,
+                                    fmt.update_workspace_nbytes(p.rows, p.cols, opts, grad_bytes))
+            s, w = per_shape[shape]
+            sums += s
+            ws = max(ws, w)
         peak = max(peak, sums + ws)
     return peak
 
