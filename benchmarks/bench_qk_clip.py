@@ -10,7 +10,8 @@ layers, 4 heads, batch 32 x 128 tokens), and Hugging Face ``LlamaForCausalLM`` /
 with the README's shape (hidden 64, 2 layers, 4 heads, 2 KV heads) at batch 16 x 128, SDPA.
 Each row times a training forward (``model.train()``, gradients enabled, no backward) with and
 without ``build_optimizer(model, qk_clip={"tau": 100})``, in back-to-back pairs (which goes first
-alternates), and inside the forward with QK-clip the time spent in the measure itself; the cost is
+alternates), and inside the forward with QK-clip the time spent in the measure and the forward cap
+(``cap_queries``); the cost is
 the median over forwards of measure / (that forward - measure), which load drift hits on both sides.
 
     OMP_NUM_THREADS=1 python benchmarks/bench_qk_clip.py --write
@@ -68,17 +69,31 @@ CLOCK = time.thread_time
 
 
 class _Timed:
-    """Wraps :func:`qmuon.core.qk_clip.max_logits` where the measuring path calls it, adding up its time."""
+    """Wraps :func:`qmuon.core.qk_clip.max_logits` and :func:`~qmuon.core.qk_clip.cap_queries` where
+    the measuring path calls them, adding up their time on one clock."""
 
     def __init__(self) -> None:
-        self.seconds = 0.0
-        self.inner = qk_module.max_logits
+        self.inner = {name: getattr(qk_module, name) for name in ("max_logits", "cap_queries")}
+        self.reset()
 
-    def __call__(self, *args, **kwargs):
-        t0 = CLOCK()
-        out = self.inner(*args, **kwargs)
-        self.seconds += CLOCK() - t0
-        return out
+    def reset(self) -> None:
+        self.seconds = {name: 0.0 for name in self.inner}
+
+    def wrap(self, name: str):
+        def timed(*args, **kwargs):
+            t0 = CLOCK()
+            out = self.inner[name](*args, **kwargs)
+            self.seconds[name] += CLOCK() - t0
+            return out
+        return timed
+
+    def install(self) -> None:
+        for name in self.inner:
+            setattr(qk_module, name, self.wrap(name))
+
+    def remove(self) -> None:
+        for name, fn in self.inner.items():
+            setattr(qk_module, name, fn)
 
 
 def measure(make, shape: tuple[int, int], reps: int) -> dict[str, float]:
@@ -88,24 +103,29 @@ def measure(make, shape: tuple[int, int], reps: int) -> dict[str, float]:
     opt = qmuon.build_optimizer(clipped, qk_clip={"tau": 100.0})  # kept: the modules link to its QK-clip weakly
     x = torch.randint(0, 256, shape, generator=torch.Generator().manual_seed(0))
     timed = _Timed()
-    qk_module.max_logits = timed
+    timed.install()
     try:
         for m in (plain, clipped):  # warm-up
             forward(m, x)
-        rows: dict[str, list[float]] = {"plain": [], "clipped": [], "measure": [], "share": []}
+        rows: dict[str, list[float]] = {"plain": [], "clipped": [], "measure": [], "cap": [], "share": [],
+                                        "share_cap": []}
         for i in range(reps):
             pair = (("plain", plain), ("clipped", clipped))
             for name, m in pair if i % 2 else pair[::-1]:  # alternate which goes first
-                timed.seconds = 0.0
+                timed.reset()
                 t0 = CLOCK()
                 forward(m, x)
                 dt = CLOCK() - t0
                 rows[name].append(dt)
                 if name == "clipped":
-                    rows["measure"].append(timed.seconds)
-                    rows["share"].append(timed.seconds / (dt - timed.seconds))
+                    meas, cap = timed.seconds["max_logits"], timed.seconds["cap_queries"]
+                    rest = dt - meas - cap
+                    rows["measure"].append(meas)
+                    rows["cap"].append(cap)
+                    rows["share"].append(meas / rest)
+                    rows["share_cap"].append((meas + cap) / rest)
     finally:
-        qk_module.max_logits = timed.inner
+        timed.remove()
     assert opt.qk_clip.running is not None  # it measured
     return {k: statistics.median(v) for k, v in rows.items()}
 
@@ -120,19 +140,21 @@ def main() -> None:
     for name, (make, shape) in models().items():
         r = measure(make, shape, args.reps)
         rows.append([name, f"{r['plain'] * 1e3:.2f}", f"{r['clipped'] * 1e3:.2f}", f"{r['measure'] * 1e3:.2f}",
-                     f"{100 * r['share']:.1f}%"])
+                     f"{r['cap'] * 1e3:.2f}", f"{100 * r['share']:.1f}%", f"{100 * r['share_cap']:.1f}%"])
         print(rows[-1], flush=True)
     table = md_table(["model, batch x tokens", "forward ms", "forward with QK-clip ms", "of which the measure ms",
-                      "measure / rest of that forward"], rows, ["l", "r", "r", "r", "r"])
+                      "the cap ms", "measure / rest of that forward", "measure + cap / rest"], rows,
+                     ["l", "r", "r", "r", "r", "r", "r"])
     text = "\n".join(header_lines("QK-clip: the logit measure's cost in the training forward (CPU)") + [
         "",
         f"Medians of {args.reps} back-to-back pairs of training forwards (train mode, gradients on, no backward;",
-        "which of the pair runs first alternates). The last two columns time the measure inside each forward",
-        "with QK-clip, and its share is taken per forward (measure / the rest of the same forward). Times are",
+        "which of the pair runs first alternates). The last four columns time the measure and the forward cap",
+        "inside each forward with QK-clip; shares are taken per forward (of the rest of the same forward). Times are",
         "this thread's CPU time (`time.thread_time`, one intra-op thread), so time other processes take on",
         "this shared machine is not counted (their cache and memory-bandwidth pressure still is).",
         "The measure is the exact per-head max logit (fp32 Q K^T recomputed beside SDPA, causal mask,",
-        "per-head amax into a device buffer). Target (issue 40): <= 15% of the forward.",
+        "per-sequence and per-head amax into a device buffer) plus the forward cap (the queries multiplied",
+        "by each head's factor, exactly 1.0 here: tau = 100 is not reached). Target (issue 40): <= 15% of the forward.",
         "",
         table,
         "",
