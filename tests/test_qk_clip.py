@@ -394,6 +394,18 @@ def test_gradient_release_bf16_int8_clip_as_without_release(kind: str) -> None:
         assert torch.equal(pa, pb), n
 
 
+def test_heads_split_over_ranks_are_refused_by_name() -> None:
+    """Tensor-parallel attention runs a rank's share of the heads; the measure would fold them into
+    the wrong heads' maxima, so it raises, naming the layer, before any maximum is kept."""
+    m = lm()
+    opt = qmuon.build_optimizer(m, qk_clip={"tau": 100.0})
+    attn = m.blocks[0].attn
+    q, k = torch.randn(2, 2, 8, 16), torch.randn(2, 1, 8, 16)  # 2 of the 4 heads, as on one of 2 tp ranks
+    with pytest.raises(RuntimeError, match="blocks.0.attn ran 2 query heads, its spec has 4.*tensor-parallel"):
+        qmuon.optim.qk_clip.observe_logits(attn, q, k, scale=0.25)
+    assert opt.qk_clip.running is None
+
+
 def test_compiled_model_measures_and_clips_as_eager() -> None:
     """``torch.compile(model)`` (the measure and the cap run inside the compiled forward): on the
     first forward, the same maxima and the same capped output as the eager model (rtol 1e-5: the

@@ -255,6 +255,12 @@ class QKClip:
 
     def observe(self, index: int, per_head_max: Tensor) -> None:
         """Fold layer ``index``'s per-head maxima into :attr:`running`."""
+        spec = self.layers[index]
+        if per_head_max.numel() != spec.n_heads:  # shapes only: no host read
+            raise RuntimeError(
+                f"qk_clip: {spec.name} ran {per_head_max.numel()} query heads, its spec has {spec.n_heads}: the "
+                "heads are split over ranks (tensor-parallel attention), which QK-clip does not measure. Keep "
+                "attention out of the tensor-parallel plan (FSDP2 / HSDP shard it by rows), or drop qk_clip")
         view = self._buffer(per_head_max.device)[self._slices[index]]
         torch.maximum(view, per_head_max, out=view)
 
