@@ -17,6 +17,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -129,6 +131,34 @@ def run(config: Path, timeout: float = 600) -> str:
     if proc.returncode != 0:
         raise AssertionError(f"run failed ({proc.returncode}):\n{log[-8000:]}")
     return log
+
+
+@contextmanager
+def running(config: Path, timeout: float = 600) -> Iterator[Callable[[], str]]:
+    """The configured training started in the background, e.g. the uninterrupted reference run
+    beside the killed ones (each start spends ~10 s importing Lightning on one core; on the 2-core CI
+    machine the other core idles meanwhile). Yields ``finish()``: waits for the run's end and returns
+    its output, as :func:`run` does; a run still going when the block exits is killed."""
+    log_path = config.parent / "background.log"
+    with open(log_path, "w") as out:
+        proc = start(command(config), stdout=out, env=env(), what="qmuon-train fit")
+        deadline = time.monotonic() + timeout
+
+        def finish() -> str:
+            try:
+                proc.wait(max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                kill(proc)
+                raise AssertionError(f"run still going after {timeout} s:\n{log_path.read_text()[-8000:]}") from None
+            log = log_path.read_text()
+            if proc.returncode != 0:
+                raise AssertionError(f"run failed ({proc.returncode}):\n{log[-8000:]}")
+            return log
+
+        try:
+            yield finish
+        finally:
+            kill(proc)
 
 
 def saved_steps(root: Path) -> int:

@@ -373,7 +373,6 @@ def test_auto_scans_every_checkpoint_folder(tmp_path, caplog):
     incomplete file is removed in the folder whose callback names it and reported elsewhere; an
     untracked weights-only best checkpoint ahead of the resume point is removed (the resumed run
     writes it again: it would otherwise become ``...-v1.ckpt``); ``last`` picks over both folders."""
-    import logging
 
     root = tmp_path / "run"
     trainer = _two_callback_trainer(root)
@@ -487,16 +486,17 @@ def test_sigkill_and_auto_restart_is_bit_identical(tmp_path, world_size):
     the closed connection), and the restart still ends bit-identical."""
     steps = 14
     straight = tmp_path / "straight"
-    _crash.run(_crash.write_config(straight, world_size, steps))
-    killed = tmp_path / "killed"
-    cfg = _crash.write_config(killed, world_size, steps)
-    rng = random.Random(1000 + world_size)
-    outcomes = [_crash.run_and_kill(cfg, killed, after, rng)[0] for after in sorted(rng.sample(range(1, steps - 4), 2))]
-    assert "killed" in outcomes
-    if world_size == 2:
-        outcome, log = _crash.run_and_kill(cfg, killed, _crash.saved_steps(killed) + 1, rng, only_rank1=True)
-        assert outcome.startswith("rank 1 lost, rank 0 exited") or outcome == "finished", (outcome, log[-3000:])
-    _crash.run(cfg)
+    with _crash.running(_crash.write_config(straight, world_size, steps)) as straight_run:  # beside the kills
+        killed = tmp_path / "killed"
+        cfg = _crash.write_config(killed, world_size, steps)
+        rng = random.Random(1000 + world_size)
+        outcomes = [_crash.run_and_kill(cfg, killed, after, rng)[0] for after in sorted(rng.sample(range(1, steps - 4), 2))]
+        assert "killed" in outcomes
+        if world_size == 2:
+            outcome, log = _crash.run_and_kill(cfg, killed, _crash.saved_steps(killed) + 1, rng, only_rank1=True)
+            assert outcome.startswith("rank 1 lost, rank 0 exited") or outcome == "finished", (outcome, log[-3000:])
+        _crash.run(cfg)
+        straight_run()
     assert _crash.checkpoint_names(killed) == _crash.checkpoint_names(straight)
     a = _crash.load_checkpoint(straight / "checkpoints" / "last.ckpt")
     b = _crash.load_checkpoint(killed / "checkpoints" / "last.ckpt")
@@ -515,11 +515,12 @@ def test_sigkill_restart_bit_identical_with_bf16_weights_and_release(tmp_path, r
     steps = 12
     options = {"precision": "bf16-true", "optimizer": {"bf16_update": rule, "gradient_release": True}}
     straight, killed = tmp_path / "straight", tmp_path / "killed"
-    _crash.run(_crash.write_config(straight, 1, steps, **options))
-    cfg = _crash.write_config(killed, 1, steps, **options)
-    outcome, log = _crash.run_and_kill(cfg, killed, 4, random.Random(7))
-    assert outcome == "killed", log[-3000:]
-    _crash.run(cfg)
+    with _crash.running(_crash.write_config(straight, 1, steps, **options)) as straight_run:  # beside the kill
+        cfg = _crash.write_config(killed, 1, steps, **options)
+        outcome, log = _crash.run_and_kill(cfg, killed, 4, random.Random(7))
+        assert outcome == "killed", log[-3000:]
+        _crash.run(cfg)
+        straight_run()
     a = _crash.load_checkpoint(straight / "checkpoints" / "last.ckpt")
     b = _crash.load_checkpoint(killed / "checkpoints" / "last.ckpt")
     assert a["global_step"] == b["global_step"] == steps
@@ -548,24 +549,26 @@ def test_sigkill_with_two_checkpoint_callbacks_is_bit_identical(tmp_path, world_
     # max_steps a multiple of the first callback's frequency: its last checkpoint is the final step's
     every, steps = (3, 18) if second == "periodic" else (4, 16)
     straight, killed = tmp_path / "straight", tmp_path / "killed"
-    _crash.run(_crash.write_config(straight, world_size, steps, every=every, second=second))
-    rng = random.Random(2000 + 10 * world_size + len(second))
-    # A run of these steps takes about a second once started, so a kill can come too late and the run
-    # finish first. The kill lands within 0.1 s of its checkpoint, and a sequence in which fewer than
-    # two kills landed is repeated in a fresh folder (at most three times): the test needs its kills.
-    for attempt in range(3):
-        if killed.exists():
-            shutil.rmtree(killed)
-        cfg = _crash.write_config(killed, world_size, steps, every=every, second=second)
-        logs = []
-        for after in sorted(rng.sample(range(2, steps - 5), 3)):
-            outcome, log = _crash.run_and_kill(cfg, killed, max(after, _crash.saved_steps(killed) + 1), rng,
-                                               max_delay=0.1)
-            logs.append((outcome, log))
-        if sum(o == "killed" for o, _ in logs) >= 2:
-            break
-    assert sum(o == "killed" for o, _ in logs) >= 2, [o for o, _ in logs]
-    final = _crash.run(cfg)
+    with _crash.running(_crash.write_config(straight, world_size, steps, every=every, second=second)) as straight_run:
+        rng = random.Random(2000 + 10 * world_size + len(second))
+        # A run of these steps takes about a second once started, so a kill can come too late and the
+        # run finish first. The kill lands within 0.1 s of its checkpoint, and a sequence in which fewer
+        # than two kills landed is repeated in a fresh folder (at most three times): the test needs its
+        # kills.
+        for attempt in range(3):
+            if killed.exists():
+                shutil.rmtree(killed)
+            cfg = _crash.write_config(killed, world_size, steps, every=every, second=second)
+            logs = []
+            for after in sorted(rng.sample(range(2, steps - 5), 3)):
+                outcome, log = _crash.run_and_kill(cfg, killed, max(after, _crash.saved_steps(killed) + 1), rng,
+                                                   max_delay=0.1)
+                logs.append((outcome, log))
+            if sum(o == "killed" for o, _ in logs) >= 2:
+                break
+        assert sum(o == "killed" for o, _ in logs) >= 2, [o for o, _ in logs]
+        final = _crash.run(cfg)
+        straight_run()
     starts = [log for _, log in logs[1:]] + [final]
     for log in starts:
         assert "ckpt_path=auto: resuming from" in log and "starting a new run" not in log, log[-3000:]
