@@ -21,6 +21,10 @@ nothing of the skipped parameters is lost. ``state_dict()`` and the counters (``
 
 ``nonfinite="raise"`` (a debugging policy) reads the flags of its groups in the step itself, as it
 must to raise before anything changes.
+
+The optimizer's side: :class:`QMuonNonFiniteMixin` gives :class:`~qmuon.QMuon` its counters
+(``nonfinite_skips``, ``nonfinite_skipped_steps``, ``nonfinite_max_consecutive``) and
+``settle_nonfinite``; the step's decision which parameters update stays in ``qmuon.py``.
 """
 
 from __future__ import annotations
@@ -225,3 +229,39 @@ class StepSkips:
     def of(self, key: Key) -> Tensor | None:
         """The 0-d flag of parameter ``key`` (a view; nothing is read), or None."""
         return None if self.flags is None else self.flags[self._index[key]]
+
+
+class QMuonNonFiniteMixin:
+    """The non-finite skip counters of :class:`~qmuon.QMuon` (``self`` is the optimizer: ``_nonfinite``, its
+    :class:`NonFiniteLedger`, ``max_nonfinite_skips`` and ``_param_label``)."""
+
+    @property
+    def nonfinite_skips(self) -> int:
+        """Parameter updates skipped because their gradient was not finite (``nonfinite="skip"``).
+        Reading it reads the skip flags of the steps not yet settled (one wait for the device)."""
+        self._nonfinite.settle(raise_now=False)
+        return self._nonfinite.skips
+
+    @property
+    def nonfinite_skipped_steps(self) -> int:
+        """Optimizer steps in which at least one parameter update was skipped (non-finite gradient)."""
+        self._nonfinite.settle(raise_now=False)
+        return self._nonfinite.skipped_steps
+
+    @property
+    def nonfinite_max_consecutive(self) -> int:
+        """The longest run of consecutive skipped steps of any one parameter so far."""
+        self._nonfinite.settle(raise_now=False)
+        return self._nonfinite.max_consecutive
+
+    def settle_nonfinite(self) -> None:
+        """Read the skip flags of the steps not read yet (normally the next step does, before it changes
+        anything): roll back skipped parameters' step counters, count them, and raise
+        :class:`NonFiniteGradientError` past ``max_nonfinite_skips``. Waits for the device once."""
+        self._nonfinite.settle()
+
+    def _key_label(self, key: tuple[int, int]) -> str:
+        return self._param_label(*key)
+
+    def _max_skips(self) -> int | None:
+        return self.max_nonfinite_skips
