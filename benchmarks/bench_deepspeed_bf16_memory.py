@@ -13,9 +13,9 @@ once (``untyped_storage().nbytes()``, deduplicated by storage pointer):
 - master: the flat partitions DeepSpeed hands the optimizer (fp32, or bf16 with the bf16 master);
   a master that *is* the weights' storage (ZeRO-3 with the bf16 master: DeepSpeed steps the bf16
   partitions in place) is counted once, under weights;
-- optimizer state: QMuon's (``WholeMatrixZeroOptimizer.state_nbytes(muon_only=False)``: the owned
-  matrices' int8 momentum, the AdamW moments of the rank's slices, the ``weight_ecc`` codes of its
-  slices under ``"ecc8"``).
+- optimizer state: QMuon's (``WholeMatrixZeroOptimizer.state_nbytes(muon_only=False)``: the int8
+  momentum of the rows of the rank's Muon slices, the AdamW moments of its slices, the ``weight_ecc``
+  codes of its slices under ``"ecc8"``).
 
 Gradients and step temporaries are not counted (DeepSpeed's reduce buckets and gradient partitions
 are the same size in all rows of one stage except the bf16 master's bf16 gradient partitions, which

@@ -9,11 +9,12 @@ optimizer step each:
 - FSDP2 (``fully_shard``, ``Shard(0)``) with plain QMuon and the carriers fp32/fp32, bf16/bf16,
   int8/int8 (the default): ``opt.comm_stats``;
 - DeepSpeed ZeRO-2 and ZeRO-3 through ``qmuon.integrations.deepspeed.initialize`` with the same
-  carriers: ``WholeMatrixZeroOptimizer.comm_stats`` (the gradient slices to the owner through
-  ``comm_carrier``, the update back through ``comm_return``: :mod:`qmuon.distributed.flat`).
+  carriers: ``WholeMatrixZeroOptimizer.comm_stats`` (each rank updates the momentum of its slices
+  and sends their NS input with its fp32 row-block sums of squares to the owner through
+  ``comm_carrier``, the update comes back through ``comm_return``: :mod:`qmuon.distributed.flat`).
 
-"wire B/param" is what crossed between the ranks (both trips, all ranks) per Muon element;
-FSDP2's includes its fp32 row-block sums of squares. Writes ``benchmarks/results/deepspeed_comm.md``.
+"wire B/param" is what crossed between the ranks (both trips, all ranks) per Muon element, the
+fp32 row-block sums of squares included. Writes ``benchmarks/results/deepspeed_comm.md``.
 
     python benchmarks/bench_deepspeed_comm.py
 """
@@ -89,7 +90,7 @@ def _worker(out: Path) -> None:
             engine.backward(engine(torch.zeros(1)))
             engine.step()
             st = opt.comm_stats
-            label = f"{fwd} / {ret}" + (" (default: fp32 gradients)" if fwd == "auto" else "")
+            label = f"{fwd} / {ret}" + (" (default: fp32 NS input)" if fwd == "auto" else "")
             rows.append({"setup": f"DeepSpeed ZeRO-{stage}", "carriers": label, **{k: float(st[k]) for k in
                          ("ns_bytes_total", "muon_elements", "wire_bytes_per_param", "ns_bytes_sent")}})
     sent = [torch.tensor([r["ns_bytes_sent"] for r in rows], dtype=torch.float64) for _ in range(world)]
@@ -123,12 +124,13 @@ def main() -> None:
         f"Model: the GPT matrix stack of bench_comm.py (d={D_MODEL}, {N_LAYERS} layers, 8 Muon matrices), one "
         "optimizer step, 2 gloo processes; the same gradient in every setup. FSDP2: `opt.comm_stats` of the "
         "sharded step (NS inputs + fp32 row-block sums of squares forward, NS outputs back). DeepSpeed: "
-        "`WholeMatrixZeroOptimizer.comm_stats` (the owner receives the other rank's gradient slices through "
-        "`comm_carrier` and sends the update back through `comm_return`, the carriers of the sharded step, "
-        "`qmuon.distributed.flat`; ZeRO-2 cuts the flat buffer once, so most matrices sit whole on one rank, "
-        "ZeRO-3 cuts every matrix in two). The default `comm_carrier=\"auto\"` is int8 under FSDP2 (its NS input's "
-        "rounding is transient) and the gradients' dtype under DeepSpeed (their rounding would accumulate in the "
-        "owner's momentum); its DeepSpeed rows are compared with FSDP2's defaults (int8 / int8). The per-rank "
+        "`WholeMatrixZeroOptimizer.comm_stats` (each rank keeps the momentum of its slices of a matrix and sends "
+        "their NS input with fp32 row-block sums of squares to the owner through `comm_carrier`, which sends the "
+        "update back through `comm_return`, the carriers of the sharded step, `qmuon.distributed.flat`; ZeRO-2 "
+        "cuts the flat buffer once, so most matrices sit whole on one rank, ZeRO-3 cuts every matrix in two). "
+        "The default `comm_carrier=\"auto\"` is int8 under FSDP2 and the NS input's own dtype under DeepSpeed "
+        "(an int8 NS input missed issue 38's update-cosine target of 0.99 on the 4-rank ZeRO-2 Trainer run, "
+        "docs/deepspeed.md); its DeepSpeed rows are compared with FSDP2's defaults (int8 / int8). The per-rank "
         "`ns_bytes_sent` add up to the all-ranks total in every row (checked). Newton-Schulz dtype ('auto' on "
         f"this CPU): {ns_dtype}.", "",
         table, ""])

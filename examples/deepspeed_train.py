@@ -4,7 +4,7 @@ The model is :class:`qmuon_lightning.models.DecoderLM` (vocabulary: the 256 byte
 the Python standard library's own ``*.py`` sources (:mod:`qmuon_lightning.data.bytes_corpus`, no
 download), the optimizer QMuon with 8-bit momentum, handed to DeepSpeed by
 :func:`qmuon.integrations.deepspeed.initialize`: every Muon matrix is orthogonalized whole,
-once per step, on one owner rank, and its quantized momentum lives only there.
+once per step, on one owner rank; each rank keeps the quantized momentum of its ZeRO slices' rows.
 
 Two CPU processes (DeepSpeed's CPU accelerator, gloo)::
 

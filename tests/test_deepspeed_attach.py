@@ -170,8 +170,8 @@ def test_the_sharded_steps_carriers_reach_the_exchange() -> None:
         info.holders = info.holders * 2
     wrapper._plan_slices()
     assert (wrapper._exchange.fwd.name, wrapper._exchange.ret.name) == ("mxfp8", "bf16")
-    # The default comm_carrier="auto": the gradients travel in their own dtype (their rounding would
-    # accumulate in the owner's momentum), the update through the int8 return carrier.
+    # The default comm_carrier="auto": the NS input in its own dtype (int8 missed issue 38's cosine target
+    # on the 4-rank ZeRO-2 run, qmuon.distributed.carrier.forward_carrier), the update through the int8 return.
     default = _wrapper()
     default._require_attached()
     default._world = 2
@@ -179,6 +179,17 @@ def test_the_sharded_steps_carriers_reach_the_exchange() -> None:
         info.holders = info.holders * 2
     default._plan_slices()
     assert (default._exchange.fwd.name, default._exchange.ret.name) == ("fp32", "int8")
+
+
+def test_a_format_that_is_not_row_local_is_refused_at_zero_1_to_3() -> None:
+    """grasp4 scales a whole matrix, so a ZeRO slice's rows cannot be updated alone: attaching to a ZeRO 1-3
+    layout raises, naming the format and the fix; ZeRO stage 0 (the owner keeps the whole momentum) runs."""
+    wrapper = qds.WholeMatrixZeroOptimizer(qmuon.build_optimizer(_model(), lr=0.02, verbose=False,
+                                                                  state_format="grasp4"))
+    wrapper._require_attached()  # one process, stage 0: fine
+    wrapper._gather = True  # as if ZeRO 1-3 had cut the matrices into slices
+    with pytest.raises(NotImplementedError, match="state_format='grasp4'.*row-local format"):
+        wrapper._plan_slices()
 
 
 def test_an_accelerate_plugin_with_optimizer_offload_is_refused_when_the_wrapper_is_built() -> None:

@@ -6,7 +6,7 @@ DeepSpeed >= 0.18 keeps its master partitions and gradients in bf16 with
 ``bf16_update`` rule, as single-process QMuon writes a ``model.to(torch.bfloat16)`` model:
 
 * ``"stochastic"``: the noise of element ``i`` of a slice is that of its flat index in the whole
-  parameter, keyed by the parameter's index and the step (for a Muon matrix: its owner's momentum
+  parameter, keyed by the parameter's index and the step (for a Muon matrix: its momentum
   step, shared with every rank holding a slice);
 * ``"ecc8"``: each rank keeps the ``weight_ecc`` codes of its slices (Muon: one 1-D tensor per slice;
   AdamW: one per piece), saved in its optimizer file;
@@ -47,8 +47,10 @@ VOCAB = 32
 WIDTH = 256
 EMB_ROWS = 64
 RULES = ("nearest", "stochastic", "ecc8")
-# fp32 carriers: the gradient slices travel to the owner and the update back unchanged (bit-exact runs)
-KW = dict(lr=0.02, weight_decay=0.1, state_format="int8", state={"rounding": "stochastic", "seed": 7}, adamw_lr=3e-3, adamw_weight_decay=0.1, adamw_state_format="int8",
+# fp32 carriers: the NS input slices travel to the owner and the update back unchanged (bit-exact runs);
+# block_size 64: the ZeRO boundary in w1 (column 192) falls on the momentum's block grid, so no block is cut
+KW = dict(lr=0.02, weight_decay=0.1, state_format="int8", state={"rounding": "stochastic", "seed": 7, "block_size": 64},
+          adamw_lr=3e-3, adamw_weight_decay=0.1, adamw_state_format="int8",
           newton_schulz={"comm_carrier": "fp32", "comm_return": "fp32"})
 BF16_MASTER = {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
 CFG = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "steps_per_print": 10 ** 9,
@@ -58,7 +60,8 @@ LIGHTNING_STEPS = 3
 
 class Net(torch.nn.Module):
     """Muon matrices 48 x 256, 40 x 48, 256 x 40 (their flat group of 24448 elements is cut at element
-    12224: row 47, column 192 of the first); int8-moment AdamW tables 64 x 256 and 32 x 256 (cut at
+    12224: row 47, column 192 of the first, on the 64-column momentum block grid); int8-moment AdamW
+    tables 64 x 256 and 32 x 256 (cut at
     row 48 of the first: the 256-column block grid); fp32-moment AdamW (small) table 12 x 20 and a
     LayerNorm (cut at row 8, column 8 of the table)."""
 

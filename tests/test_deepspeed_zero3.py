@@ -68,6 +68,14 @@ SUB_GROUP_SIZE = 3000
 #: 1.2e-7 relative; measured up to 3.6e-7). A bound of 1e-6 allows a few ulps and rules out a missing
 #: or doubled contribution (the two ranks' micro-batch gradients differ by O(1) relative).
 GRAD_RTOL = 1e-6
+#: A matrix whose ZeRO-3 pieces cut a quantization block (GPT-2's odd widths, 2 steps), its total update
+#: against single-process QMuon on the same gradients: relative Frobenius error. Origin: the first step is
+#: exact (the NS input is formed before rounding); from the second on, the cut row's momentum differs
+#: (measured <= 1.0% of its block's absmax, test_deepspeed.py::CUT_BLOCK_ATOL), and bf16 Newton-Schulz of
+#: these nearly rank-deficient gradients amplifies it as it amplifies UPDATE_RTOL's one-ulp gradient
+#: differences: measured 0.9-8.9e-2 over the 10 cut matrices; bound 0.15 (SGD or a skipped NS is >= 87%
+#: off, test_deepspeed.py's NS yardstick).
+CUT_UPDATE_RTOL = 0.15
 #: Stage-3 vs stage-2 total update of each parameter after STEPS steps, ``||d3 - d2|| / ||d2||``
 #: with ``d = p_last - p_init``, by the Newton-Schulz dtype in use (resolved in the worker). Origin: the
 #: gradient difference above, amplified by the arithmetic the update runs in.
@@ -436,20 +444,43 @@ def _reference(init: list[torch.Tensor], grads: list[list[torch.Tensor]], family
     return trace
 
 
+def _cut_matrices(r0: dict, ref: dict, block_size: int) -> set[int]:
+    """QMuon indices of the Muon matrices whose ZeRO-3 pieces cut a quantization block."""
+    cut = set()
+    for i in r0["owner"]:
+        cols = ref["state"][-1]["muon"][i]["momentum_codes"].shape[1]
+        ends = [s + n for h in r0["holders"][i] if h is not None and h[1] for s, n in [h]][:-1]
+        if any(e % cols % block_size for e in ends):
+            cut.add(i)
+    return cut
+
+
 def _check_against_own_gradients(runs: list[dict], what: str, family: str = "decoder") -> dict:
     """The stage-3 run equals single-process QMuon fed its own averaged gradients, bit for bit. bf16
     runs: QMuon steps the fp32 master pieces (which start as the bf16 weights) and the model's weights
-    are the master weights rounded to nearest bf16 after every step."""
+    are the master weights rounded to nearest bf16 after every step. GPT-2's odd widths put ZeRO-3's
+    cut inside a quantization block of some matrices (``_cut_matrices``): each rank quantizes its part
+    of that block with its own absmax (test_deepspeed.py::test_cut_block_momentum_bound), so those
+    matrices' total updates are compared within :data:`CUT_UPDATE_RTOL`, every other parameter exactly."""
     r0 = runs[0]
     grads = _assemble(runs, len(r0["params"]))
     ref = _reference([w.float() for w in r0["init"]], grads, family)
+    block = _family(family)[3]["state"].get("block_size") or 256  # int8's default
+    cut = {ref["pos"][i] for i in _cut_matrices(r0, ref, block)} if family == "gpt2" else set()
+    assert family != "gpt2" or cut, "GPT-2's odd widths should cut a block (else this branch is untested)"
     for rank, r in enumerate(runs):
         assert_same(r["init"], r0["init"], f"{what}: rank {rank} initial weights")
         for step, want in enumerate(ref["params"]):
             got = r["params"][step]
             want = [w.to(g.dtype) for w, g in zip(want, got)]
-            assert_same(got, want, f"{what}: rank {rank} weights after step {step + 1}")
-    _check_state([r["state"] for r in runs], r0["owner"], r0["holders"], ref["state"][-1], what)
+            keep = [j for j in range(len(got)) if j not in cut]
+            assert_same([got[j] for j in keep], [want[j] for j in keep], f"{what}: rank {rank} weights after step {step + 1}")
+            for j in cut:
+                u, v = got[j].float() - r0["init"][j].float(), want[j].float() - r0["init"][j].float()
+                err = float((u - v).norm() / v.norm())
+                assert err <= CUT_UPDATE_RTOL, f"{what}: parameter {j} (a cut block), step {step + 1}: update off by {err:.2e}"
+    _check_state([r["state"] for r in runs], r0["owner"], r0["holders"], ref["state"][-1], what,
+                 block if family == "gpt2" else None)
     moved = [not torch.equal(a, b) for a, b in zip(r0["params"][-1], r0["init"])]
     assert all(moved), f"{what}: parameters that did not move: {[i for i, m in enumerate(moved) if not m]}"
     return {"grads": grads, "ref": ref}
@@ -631,15 +662,15 @@ def test_zero3_checkpoint_resume_is_bit_exact(z3_run):
         assert_same(r["resumed"]["params"], r["straight"]["params"], f"{where}: weights, resumed vs straight")
         assert_same(r["resumed"]["state"], r["straight"]["state"], f"{where}: state, resumed vs straight")
         assert not any(torch.equal(a, b) for a, b in zip(r["straight"]["params"], r["at_save"]["params"])), where
-    # The files: one per rank, each with the int8 momentum of the matrices that rank owns.
+    # The files: one per rank, each with the int8 momentum of the rows of its pieces of every matrix.
     d = Path(r0["dir"]) / "t"
     for r in range(WORLD):
         sd = torch.load(d / f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt", weights_only=False)
         ours = sd["optimizer_state_dict"]["optimizer_state_dict"]["qmuon_deepspeed"]
         assert ours["mode"] == "zero3" and ours["world_size"] == WORLD and ours["rank"] == r
-        held = {k for k, v in ours["muon"].items() if "momentum_codes" in v}
-        assert held == {i for i, o in r0["owner"].items() if o == r}
-        assert all(ours["muon"][k]["momentum_codes"].dtype == torch.int8 for k in held)
+        held = {k for k, v in ours["muon_slices"].items() if "momentum_codes" in v}
+        assert held == {i for i in r0["owner"] if r0["holders"][i][r] is not None and r0["holders"][i][r][1]}
+        assert all(ours["muon_slices"][k]["momentum_codes"].dtype == torch.int8 for k in held)
 
 
 def test_zero3_other_world_size_is_refused_with_the_fix(z3_run):

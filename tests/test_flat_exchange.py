@@ -53,7 +53,7 @@ def test_one_rank_moves_nothing_lossy():
     p = FlatParam(0, 0, 0, torch.Size((5, 9)), 45, True, holders=[Segment(0, 45, 0)])
     g = torch.randn(45)
     ex.start(True)
-    whole = ex.gather({0: [p]}, {0: g}, torch.float32, torch.device("cpu"))
+    whole, _ = ex.gather({0: [p]}, {0: g}, torch.float32, torch.device("cpu"))
     assert torch.equal(whole[0], g)
     got = {}
     ex.scatter({0: [p]}, {0: 2 * g}, torch.device("cpu"), lambda q, seg, o: got.setdefault(q.index, o))
@@ -101,7 +101,7 @@ def _worker(rank: int, world: int) -> dict:
         ex.start(True)
         mine = {p.index: grads[p.index].narrow(0, p.holders[rank].start, p.holders[rank].length)
                 for p in params if p.holders[rank] is not None}
-        whole = ex.gather(by_owner, mine, torch.float32, torch.device("cpu"))
+        whole, _ = ex.gather(by_owner, mine, torch.float32, torch.device("cpu"))
         for i, g in whole.items():  # the owner's gradient: every holder's pieces through the carrier
             p = params[i]
             for seg in filter(None, p.holders):

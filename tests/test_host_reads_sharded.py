@@ -325,8 +325,9 @@ def ds_worker(out_dir: str, stage: int = 2) -> None:
 
 
 def _ds_exempt(opt) -> list[torch.Tensor]:
-    """The wrapper's CPU step counters (momentum of owned matrices, AdamW pieces): read as QMuon reads its own."""
-    return [st["step"] for st in opt._muon_state.values()] + [
+    """The wrapper's CPU step counters (momentum of its slices or owned matrices, AdamW pieces): read as QMuon
+    reads its own."""
+    return [st["step"] for d in (opt._muon_state, opt._muon_slices) for st in d.values() if "step" in st] + [
         st["step"] for sts in opt._slice_state.values() for st in sts]
 
 

@@ -113,12 +113,12 @@ class NewtonSchulz:
             most 2^20 elements: :class:`~qmuon.core.pipeline.BatchSizes`).
         comm_carrier, comm_return: sharded parameters only (FSDP2, HSDP, TP; DeepSpeed ZeRO): how the
             distributed Newton-Schulz encodes what it sends to the rank that orthogonalizes a matrix
-            (FSDP2: the NS input rows; DeepSpeed, where that rank keeps the matrix's momentum: the
-            averaged gradient slices) and the result it sends back (:mod:`qmuon.distributed`; bytes
-            per step in ``comm_stats``). ``comm_carrier="auto"`` (the default) is ``"int8"`` where
-            the carrier's rounding is transient (FSDP2's NS input) and the gradients' own dtype where
-            it would accumulate in the momentum (DeepSpeed; an int8 gradient trip measured update
-            cosine 0.983 against one process on 4 ranks, docs/deepspeed.md).
+            (the NS input: FSDP2's rows, DeepSpeed ZeRO's flat slices, each rank keeping the momentum
+            of what it holds) and the result it sends back (:mod:`qmuon.distributed`; bytes per step
+            in ``comm_stats``). ``comm_carrier="auto"`` (the default) is ``"int8"`` under FSDP2 / HSDP
+            / TP and the NS input's own dtype under DeepSpeed ZeRO (with int8 a 4-rank ZeRO-2 run
+            measured update cosine 0.986 against one process, below issue 38's 0.99 target,
+            docs/deepspeed.md).
     """
 
     steps: int = 5

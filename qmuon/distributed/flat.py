@@ -1,15 +1,16 @@
 """Whole matrices over flat partitions: each rank holds a flat element range of each parameter
 (DeepSpeed ZeRO's partitions), which cuts a row-major matrix anywhere: a partial first row, whole
 rows, a partial last row (:func:`row_pieces`). Every Muon matrix has an owner, dealt by the sharded
-step's planner (:func:`deal_owners`), that keeps its momentum and runs Newton-Schulz on it whole.
+step's planner (:func:`deal_owners`), that runs Newton-Schulz on it whole.
 
-:class:`FlatExchange` moves each rank's slices of a matrix's averaged gradient to the owner through
-``newton_schulz.comm_carrier`` (not at ZeRO stage 0, where every rank holds it) and the result back
-through ``comm_return``: the sharded step's carriers (:mod:`.carrier`), row-local, applied per row
-piece and to every piece, the owner's own included (as under FSDP2: the update does not depend on
-which rank owns a matrix), fp32 when nothing crosses a process boundary. Unlike FSDP2, where each
-rank keeps its rows' momentum and sends the NS input, the gradient travels (the momentum lives on
-the owner); with ``fp32`` carriers (``bf16`` for bf16 gradients) the step is single-process QMuon's.
+:class:`FlatExchange` moves each rank's slice of a matrix's NS input to the owner through
+``newton_schulz.comm_carrier`` (with the fp32 per-row-block sums of squares of the slice's rows
+when the ranks keep the momentum of their slices, as FSDP2's ranks keep their rows'; at ZeRO stage 0
+every rank holds the averaged gradient and nothing travels) and the result back through
+``comm_return``: the sharded step's carriers (:mod:`.carrier`), row-local, applied per row piece and
+to every piece, the owner's own included (as under FSDP2: the update does not depend on which rank
+owns a matrix), fp32 when nothing crosses a process boundary. With ``fp32`` carriers (``bf16`` for
+bf16 gradients) the step is single-process QMuon's.
 """
 
 from __future__ import annotations
@@ -128,6 +129,9 @@ class FlatExchange:
         self.fwd: Carrier = get_carrier("fp32" if lossless else comm_carrier)
         self.ret: Carrier = get_carrier("fp32" if lossless else comm_return)
         self.comm_stats: dict[str, float] = {}
+        #: Muon index -> the block size of the fp32 per-row-block sums of squares that ride with its
+        #: forward pieces (set when the ranks keep the momentum of their slices; the same on every rank).
+        self.sum_blocks: dict[int, int] = {}
         self._acc = [0.0] * 7  # sent, wire, elements, bf16 wire, whole-matrix bytes, owned, flag bytes
 
     def start(self, first_call: bool) -> None:
@@ -135,8 +139,18 @@ class FlatExchange:
         if first_call:
             self._acc = [0.0] * 7
 
-    def _bytes(self, carrier: Carrier, p: FlatParam, seg: Segment) -> int:
-        return sum(carrier.nbytes(r, w) for _, r, w in row_pieces(p.cols, seg.start, seg.length))
+    def _sum_cols(self, p: FlatParam, at: int, width: int) -> tuple[int, int]:
+        """The first block and the number of blocks of the sums that ride with a row piece starting at
+        element ``at`` of ``p`` (``width`` columns); ``(0, 0)`` when no sums travel with ``p``."""
+        bs = self.sum_blocks.get(p.index, 0)
+        if not bs:
+            return 0, 0
+        a = at % p.cols
+        return a // bs, (a + width - 1) // bs - a // bs + 1
+
+    def _bytes(self, carrier: Carrier, p: FlatParam, seg: Segment, forward: bool = False) -> int:
+        return sum(carrier.nbytes(r, w) + (4 * r * self._sum_cols(p, seg.start + off, w)[1] if forward else 0)
+                   for off, r, w in row_pieces(p.cols, seg.start, seg.length))
 
     def _all_to_all(self, send: Tensor, send_sizes: list[int], recv_sizes: list[int]) -> Tensor:
         self._acc[0] += send.numel() - send_sizes[self.rank]  # this rank's bytes to other ranks
@@ -147,13 +161,15 @@ class FlatExchange:
         return recv
 
     def _trip(self, carrier: Carrier, by_owner: dict[int, list[FlatParam]], to_owner: bool,
-              source: Callable[[FlatParam, Segment, int], Tensor], device: torch.device) -> Tensor:
-        """One all-to-all: to the owners (each rank's slices of their matrices) or back (the owned
+              source: Callable[[FlatParam, Segment, int], Tensor], device: torch.device,
+              sums: dict[int, Tensor] | None = None) -> Tensor:
+        """One all-to-all: to the owners (each rank's slices of their matrices, with the sums of
+        :attr:`sum_blocks` matrices: ``sums``, the slice's rows' ``(rows, blocks)``) or back (the owned
         matrices' slices of each holder), every slice encoded piece by piece; returns what arrived."""
         me, world = self.rank, self.world
         def size(s: int, d: int) -> int:  # bytes rank s sends rank d
             owner, holder = (d, s) if to_owner else (s, d)
-            return sum(self._bytes(carrier, p, p.holders[holder]) for p in by_owner.get(owner, ())
+            return sum(self._bytes(carrier, p, p.holders[holder], to_owner) for p in by_owner.get(owner, ())
                        if p.holders[holder] is not None)
         send_sizes = [size(me, d) for d in range(world)]
         send = torch.empty(sum(send_sizes), dtype=torch.uint8, device=device)
@@ -164,36 +180,58 @@ class FlatExchange:
                 if seg is None:
                     continue
                 flat = source(p, seg, d)
+                first_row = seg.start // p.cols
                 for off, r, w in row_pieces(p.cols, seg.start, seg.length):
                     n = carrier.nbytes(r, w)
                     carrier.encode_into(flat.narrow(0, off, r * w).view(r, w), send[at: at + n])
                     at += n
+                    b0, nb = self._sum_cols(p, seg.start + off, w) if to_owner else (0, 0)
+                    if nb:
+                        row = (seg.start + off) // p.cols - first_row
+                        send[at: at + 4 * r * nb].view(torch.float32).view(r, nb).copy_(
+                            sums[p.index][row: row + r, b0: b0 + nb])
+                        at += 4 * r * nb
         return self._all_to_all(send, send_sizes, [size(s, me) for s in range(world)])
 
-    def _decode(self, carrier: Carrier, buf: Tensor, at: int, p: FlatParam, seg: Segment, dest: Tensor) -> int:
-        """Decode one slice's pieces from ``buf[at:]`` into the flat ``dest`` (the slice's elements);
+    def _decode(self, carrier: Carrier, buf: Tensor, at: int, p: FlatParam, seg: Segment, dest: Tensor,
+                grid: Tensor | None = None) -> int:
+        """Decode one slice's pieces from ``buf[at:]`` into the flat ``dest`` (the slice's elements),
+        adding the sums that ride with them into the whole matrix's ``grid`` ``(rows, blocks)``;
         returns the offset after them."""
         for off, r, w in row_pieces(p.cols, seg.start, seg.length):
             n = carrier.nbytes(r, w)
             dest.narrow(0, off, r * w).view(r, w).copy_(carrier.decode(buf[at: at + n], r, w))
             at += n
+            b0, nb = self._sum_cols(p, seg.start + off, w) if grid is not None else (0, 0)
+            if nb:
+                # a block cut by a slice end arrives as one partial sum per holder; every other block
+                # once, so 0 + x keeps its bits (the whole matrix's sum of squares is single-process QMuon's)
+                row = (seg.start + off) // p.cols
+                grid[row: row + r, b0: b0 + nb] += buf[at: at + 4 * r * nb].view(torch.float32).view(r, nb)
+                at += 4 * r * nb
         return at
 
-    def gather(self, by_owner: dict[int, list[FlatParam]], grads: dict[int, Tensor], dtype: torch.dtype,
-               device: torch.device) -> dict[int, Tensor]:
-        """Whole flat gradients (``dtype``) of the matrices this rank owns, from every holder's slice
-        (``grads``: this rank's flat slice of each matrix it holds a slice of, by parameter index).
-        ``by_owner``: every matrix of this call by owner rank, the same on every rank."""
-        recv = self._trip(self.fwd, by_owner, True, lambda p, seg, d: grads[p.index], device)
-        out, at = {}, 0
+    def gather(self, by_owner: dict[int, list[FlatParam]], flats: dict[int, Tensor], dtype: torch.dtype,
+               device: torch.device, sums: dict[int, Tensor] | None = None) -> tuple[dict[int, Tensor], dict[int, Tensor]]:
+        """Whole flat NS inputs (``dtype``) of the matrices this rank owns, from every holder's slice
+        (``flats``: this rank's flat slice of each matrix it holds a slice of, by parameter index), and
+        for the :attr:`sum_blocks` matrices their whole ``(rows, blocks)`` sums of squares, assembled
+        from the holders' ``sums`` (this rank's: the rows its slice touches). ``by_owner``: every matrix
+        of this call by owner rank, the same on every rank."""
+        recv = self._trip(self.fwd, by_owner, True, lambda p, seg, d: flats[p.index], device, sums)
+        out, grids, at = {}, {}, 0
         for p in by_owner.get(self.rank, ()):
             out[p.index] = torch.empty(p.numel, dtype=dtype, device=device)
+            bs = self.sum_blocks.get(p.index)
+            if bs:
+                grids[p.index] = torch.zeros((p.rows, -(-p.cols // bs)), dtype=torch.float32, device=device)
         for s in range(self.world):
             for p in by_owner.get(self.rank, ()):
                 seg = p.holders[s]
                 if seg is not None:
-                    at = self._decode(self.fwd, recv, at, p, seg, out[p.index].narrow(0, seg.start, seg.length))
-        return out
+                    at = self._decode(self.fwd, recv, at, p, seg, out[p.index].narrow(0, seg.start, seg.length),
+                                      grids.get(p.index))
+        return out, grids
 
     def scatter(self, by_owner: dict[int, list[FlatParam]], results: dict[int, Tensor], device: torch.device,
                 apply: Callable[[FlatParam, Segment, Tensor], None]) -> None:
@@ -219,10 +257,10 @@ class FlatExchange:
         for p in muon:
             for s, seg in enumerate(p.holders):
                 if seg is not None and s != p.owner:
-                    acc[1] += self._bytes(self.ret, p, seg) + (self._bytes(self.fwd, p, seg) if forward else 0)
+                    acc[1] += self._bytes(self.ret, p, seg) + (self._bytes(self.fwd, p, seg, True) if forward else 0)
                     acc[3] += 2 * seg.length * (1 + int(forward))
             whole = Segment(0, p.numel, 0)
-            acc[4] += self._bytes(self.fwd, p, whole) + self._bytes(self.ret, p, whole)
+            acc[4] += self._bytes(self.fwd, p, whole, True) + self._bytes(self.ret, p, whole)
             acc[2] += p.numel
             acc[5] += int(p.owner == self.rank)
         acc[6] += flag_bytes

@@ -3,19 +3,26 @@ ZeRO client optimizer (:mod:`qmuon.integrations.deepspeed` reads the layout and 
 the steps of a call: docs/deepspeed.md, "How it works").
 
 The Muon step is the core pipeline's (:mod:`qmuon.core.pipeline`), called as every other driver
-calls it: on the owner of a matrix, :func:`~qmuon.core.pipeline.momentum_inputs` /
-:func:`~qmuon.core.pipeline.update_momentum` on the whole gathered gradient (the group's state
-format, QMuon's parameter indices as stochastic-rounding keys), :func:`~qmuon.core.pipeline.local_items`
-(NorMuon's second moment per part) and :func:`~qmuon.core.pipeline.orthogonalize` with the step's
-:class:`~qmuon.core.pipeline.BatchSizes` of every Muon matrix, as single-process QMuon batches;
-each NS output is kept for the return trip and applied to the slices by :meth:`FlatOwnerStep._apply_update`.
+calls it. Momentum is sharded as under FSDP2 (ZeRO 1-3): every rank keeps the momentum of the rows
+its slice of a matrix touches and updates it with :func:`~qmuon.core.pipeline.momentum_inputs` /
+:func:`~qmuon.core.pipeline.update_momentum` (the group's state format, QMuon's parameter indices
+and the rows' global offsets as stochastic-rounding keys), which write the NS input and its
+per-row-block sums of squares; a slice that starts or ends inside a row keeps that row at full
+width (its other columns zero), so the kernels key each element's noise by its index in the whole
+matrix and every quantization block wholly inside the slice is single-process QMuon's; a block cut
+by the slice's end holds only this rank's elements (its own absmax). The NS input and the sums go
+to the owner (:class:`.flat.FlatExchange`), which assembles the whole matrix and runs
+:func:`~qmuon.core.pipeline.local_items` (NorMuon's second moment, kept on the owner, per part)
+and :func:`~qmuon.core.pipeline.orthogonalize` with the step's :class:`~qmuon.core.pipeline.BatchSizes`
+of every Muon matrix, as single-process QMuon batches; each NS output is kept for the return trip
+and applied to the slices by :meth:`FlatOwnerStep._apply_update`. At ZeRO stage 0 every rank holds
+the averaged gradient, so the owner keeps the whole matrix's momentum and nothing travels forward.
 AdamW slices are stepped piece by piece by :func:`qmuon.core.adamw.adamw_param_step`.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 from collections import defaultdict
 from typing import Any
 
@@ -28,12 +35,14 @@ from ..core import adamw as core_adamw
 from ..core import apply as weight_apply
 from ..core import pipeline
 from ..core.apply import apply_update_
-from ..core.config import FORMAT_OVERRIDES, STRUCTURAL_KEYS, check_resume, param_group_view
+from ..core.config import FORMAT_OVERRIDES, param_group_view
 from ..core.plan import MatrixPart, ParamPlan, plan_param, true_shape
-from ..core.variants import NORMUON_STATE, RowMoment, check_row_moment, part_row_moment, row_moment_shape
+from ..core.variants import NORMUON_STATE, RowMoment, part_row_moment, row_moment_shape
 from ..quant import adamw as qadamw
 from ..quant import state as qstate
+from .carrier import forward_carrier
 from .flat import FlatExchange, FlatParam, Segment, deal_owners, part_runs, row_pieces
+from .flat_state import FlatStateMixin
 
 __all__: list[str] = []
 
@@ -56,7 +65,7 @@ def _apply_parts(parts: tuple[MatrixPart, ...], where: str) -> tuple[MatrixPart,
     return tuple(out.values())
 
 
-class FlatOwnerStep(Optimizer):
+class FlatOwnerStep(FlatStateMixin, Optimizer):
     """A QMuon's step over a flat layout (see the module docstring). Subclasses read the layout
     (each :class:`.flat.FlatParam`'s ``holders``; ``_group``, ``_world``, ``_rank``), then call
     :meth:`_plan_slices`; they give :meth:`_views` (this rank's data and gradient of a slice) and
@@ -91,8 +100,14 @@ class FlatOwnerStep(Optimizer):
              for pt in plan.parts], qmuon.batch_budget)
         #: The wrapped QMuon: its lr bookkeeping (lr_follows links, lr_ratios) runs once per optimizer step.
         self._qmuon = qmuon
-        #: Momentum state (QMuon's format, NorMuon's second moment) of each owned Muon matrix, by index.
+        #: State kept by a matrix's owner, by index: at ZeRO stage 0 its momentum (QMuon's entry) and
+        #: NorMuon's second moment; at ZeRO 1-3 NorMuon's second moment only.
         self._muon_state: dict[int, dict[str, Tensor]] = {}
+        #: ZeRO 1-3: the momentum of the rows this rank's slice of each Muon matrix touches (QMuon's
+        #: entry over those rows, full width), by index.
+        self._muon_slices: dict[int, dict[str, Tensor]] = {}
+        #: Whether the ranks keep their slices' momentum (ZeRO 1-3); False at stage 0 (on the owner).
+        self._sharded_momentum = False
         self._out: dict[int, Tensor] = {}
         #: NS items (matrices or fused parts) orthogonalized in the last call, per Muon parameter index.
         self._ns_items_call: dict[int, int] = defaultdict(int)
@@ -105,7 +120,7 @@ class FlatOwnerStep(Optimizer):
         self.nonfinite_skips = 0
         self.ns_items: dict[int, int] = {}
         self.comm_stats: dict[str, float] = {}
-        #: Whether the slices are partitions, so the gradients travel to the owners (ZeRO 1-3); False
+        #: Whether the slices are partitions, so the NS inputs travel to the owners (ZeRO 1-3); False
         #: when every rank holds every parameter whole (ZeRO stage 0).
         self._gather = True
         self._group: Any = None
@@ -122,9 +137,9 @@ class FlatOwnerStep(Optimizer):
         #: weight-correction state of this rank's slice (``weight_ecc`` under bf16_update="ecc8", 1-D).
         self._weight_state: dict[int, dict[str, Tensor]] = {}
         #: Muon parameter index -> the optimizer step its update of this call is written with (the
-        #: owner's momentum step, shared by every rank holding a slice; keys its stochastic rounding).
+        #: matrix's momentum step, shared by every rank holding a slice; keys its stochastic rounding).
         self._muon_step: dict[int, int] = {}
-        self._grad_dtype = torch.float32  # dtype the Muon gradients travel and are stepped in
+        self._grad_dtype = torch.float32  # dtype the Muon momentum is stepped in and the NS input formed in
         self._carriers = (qmuon.comm_carrier, qmuon.comm_return)  # the sharded step's (newton_schulz section)
         self._exchange: FlatExchange | None = None
 
@@ -132,7 +147,8 @@ class FlatOwnerStep(Optimizer):
         """Once the layout is read: deal the Muon matrices to owners with the sharded step's planner
         (:func:`qmuon.distributed.flat.deal_owners`: Newton-Schulz cost, ties to the rank holding
         most of the matrix), set up the exchange with the sharded step's carriers
-        (:class:`qmuon.distributed.flat.FlatExchange`), and cut this rank's slice of every AdamW
+        (:class:`qmuon.distributed.flat.FlatExchange`; at ZeRO 1-3 the slices' sums of squares ride
+        with their NS input, and the momentum formats must be row-local), and cut this rank's slice of every AdamW
         parameter into pieces: on the parameter's block grid for quantized moments
         (:func:`qmuon.quant.adamw.flat_slice_pieces`), on rows for bf16 slices, whole otherwise."""
         deal_owners(self._params, self._world)
@@ -154,14 +170,27 @@ class FlatOwnerStep(Optimizer):
             # elementwise moments on an fp32 slice: the 1-D slice as one (length, 1) piece (a 1-D
             # parameter's own view: core.adamw steps it in the same row blocks)
             self._pieces[info.index] = pieces if pieces is not None else [(0, seg.length, 1)]
-        # bf16 slices (DeepSpeed's bf16 master, or a bf16 model at stage 0): the Muon gradients travel
-        # and are stepped in bf16, as a single-process bf16 model's are (its NS input is the bf16 grad).
+        # bf16 slices (DeepSpeed's bf16 master, or a bf16 model at stage 0): the Muon momentum is stepped
+        # on the bf16 gradients, as a single-process bf16 model's is (its NS input is the bf16 grad).
         self._grad_dtype = torch.bfloat16 if rounded else torch.float32
-        # comm_carrier="auto": the gradients in their own dtype, since their rounding would accumulate
-        # in the owner's momentum (FSDP2's "auto" is int8: its NS input's rounding is transient)
         fwd, ret = self._carriers
-        fwd = ("bf16" if rounded else "fp32") if fwd == "auto" else fwd
-        self._exchange = FlatExchange(self._group, self._world, self._rank, fwd, ret)
+        # comm_carrier="auto": the NS input in its own dtype (int8 missed the 0.99 cosine target: forward_carrier)
+        self._exchange = FlatExchange(self._group, self._world, self._rank,
+                                      forward_carrier(fwd, "bf16" if rounded else "fp32"), ret)
+        self._sharded_momentum = self._gather
+        if self._sharded_momentum:  # the sums of squares of each slice's NS input rows ride with it
+            for info in self._params:
+                if info.muon:
+                    view = param_group_view(self._all_groups[info.group], info.pos)
+                    fmt = qstate.get_format(view["state_format"])
+                    if not fmt.row_local:
+                        # grasp4 / e0m3 scale a whole matrix: a slice's rows cannot be updated alone
+                        raise NotImplementedError(
+                            f"state_format={fmt.name!r} (Muon parameter {info.index}, shape {tuple(info.shape)}) is not "
+                            "row-local: its scale spans the whole matrix, and under ZeRO 1-3 every rank updates the "
+                            "momentum of its own slice of a matrix. Use a row-local format (int8, int4, bf16, fp32) "
+                            "under DeepSpeed ZeRO 1-3, or ZeRO stage 0 / FSDP2 (qmuon_fsdp) for this format")
+                    self._exchange.sum_blocks[info.index] = qstate.format_options(view).block_size
 
     def _views(self, info: FlatParam) -> tuple[Tensor, Tensor | None] | None:
         """This rank's (data, grad) 1-D views of a parameter's slice, or None when it holds none."""
@@ -177,38 +206,36 @@ class FlatOwnerStep(Optimizer):
 
         ex = self._exchange
         ex.start(first_call)
-        # 1. averaged gradient of each owned Muon matrix, whole, on its owner (ZeRO 1-3: every rank's
-        # slices through the forward carrier; stage 0: every rank holds it).
         muon_live = [p for p in params if p.muon and p.index in live]
         by_owner: dict[int, list[FlatParam]] = defaultdict(list)
         for p in muon_live:
             by_owner[p.owner].append(p)
         has_muon = any(p.muon for p in params)  # the same on every rank: no exchange for AdamW-only calls
-        if self._gather and has_muon:
-            full_grad = ex.gather(by_owner, {p.index: views[p.index][1] for p in muon_live if views[p.index]},
-                                  self._grad_dtype, self._device)
-        else:
-            full_grad = {p.index: g if (g := views[p.index][1]).dtype in (torch.float32, self._grad_dtype) else g.float()
-                         for p in by_owner[self._rank]}
-
-        # 2. the owner's momentum update and whole-matrix NS (the core pipeline), AdamW on this rank's slices.
         if first_call:  # a new optimizer step: the QMuon's lr links and lr_ratios, as QMuon.step runs them
             self._qmuon._follow_lrs()
             self._qmuon._check_group_lrs()
+        for gi in sorted({p.group for p in params if p.muon}):
+            pipeline.record_auto_choices(self._all_groups[gi], self._device)  # what "auto" chose, saved with the groups
+        # 1. the NS input of each owned Muon matrix, whole, on its owner: ZeRO 1-3, every rank updates
+        # its slices' momentum and sends their NS input and sums of squares (forward carrier); stage 0,
+        # every rank holds the averaged gradient and the owner updates the whole momentum (below).
+        grids: dict[int, Tensor] = {}
+        if self._gather and has_muon:
+            sums: dict[int, Tensor] = {}
+            flats = self._slice_momentum(muon_live, views, sums)
+            full, grids = ex.gather(by_owner, flats, self._grad_dtype, self._device, sums)
+            del flats, sums
+        else:
+            full = {p.index: g if (g := views[p.index][1]).dtype in (torch.float32, self._grad_dtype) else g.float()
+                    for p in by_owner[self._rank]}
+
+        # 2. the owner's whole-matrix NS (the core pipeline), AdamW on this rank's slices.
         self._out = {}
         self._ns_items_call.clear()
         items: list[pipeline.NSItem] = []
         owned = {p.index for p in by_owner[self._rank]}
-        for gi in sorted({p.group for p in params if p.muon}):
-            group = self._all_groups[gi]
-            pipeline.record_auto_choices(group, self._device)  # what "auto" chose, saved with the groups
-            mine = [p for p in params if p.group == gi and p.index in owned]
-            overrides = group.get(FORMAT_OVERRIDES) or {}
-            # As QMuon._muon_group_step: the group's parameters together, then each promoted one alone.
-            self._owner_momentum(group, [p for p in mine if p.pos not in overrides], full_grad, items)
-            for p in mine:
-                if p.pos in overrides:
-                    self._owner_momentum(param_group_view(group, p.pos), [p], full_grad, items)
+        for group, mine in self._by_group_view([p for p in params if p.index in owned]):
+            self._owner_items(group, mine, full, grids, items)
         pipeline.orthogonalize(items, self._batch_sizes)
         for info in params:
             v = views[info.index]
@@ -250,37 +277,90 @@ class FlatOwnerStep(Optimizer):
             core_adamw.adamw_param_step(piece, grad.narrow(0, off, r * w).view(r, w), st, group,
                                         global_shape=info.shape, key=info.index, first_index=start + off)
 
-    def _owner_momentum(self, group: dict[str, Any], params: list[FlatParam], full_grad: dict[int, Tensor],
-                        items: list[pipeline.NSItem]) -> None:
-        """The momentum update of owned matrices ``params`` of ``group`` (their whole averaged
-        gradients ``full_grad``, which become their NS inputs) and their NS items, as
-        QMuon._muon_subset_step queues them for a plain parameter."""
-        if not params:
-            return
-        fmt = qstate.get_format(group["state_format"])
-        opts = qstate.format_options(group)
-        grads = [full_grad[p.index].view(p.shape) for p in params]
-        states = []
-        for p, g in zip(params, grads):
-            st = self._muon_state.get(p.index)
-            if st is None:
-                st = self._muon_state[p.index] = qstate.init_momentum_state(
-                    fmt.name, g.shape[0], math.prod(g.shape[1:]), opts=opts, device=g.device)
-            states.append(st)
-        plans = [self._plans[p.index] for p in params]
-        inputs = pipeline.momentum_inputs(group, grads, states, plans, [0] * len(params))
-        sums = pipeline.update_momentum(group, inputs)
+    def _by_group_view(self, params: list[FlatParam]) -> list[tuple[dict[str, Any], list[FlatParam]]]:
+        """``params`` (Muon) as QMuon._muon_group_step steps them: per group in order, the group's
+        parameters together, then each promoted one (a layout override) alone with its group view."""
+        out = []
+        for gi in sorted({p.group for p in params}):
+            group = self._all_groups[gi]
+            overrides = group.get(FORMAT_OVERRIDES) or {}
+            mine = [p for p in params if p.group == gi]
+            out.append((group, [p for p in mine if p.pos not in overrides]))
+            out += [(param_group_view(group, p.pos), [p]) for p in mine if p.pos in overrides]
+        return [(g, ps) for g, ps in out if ps]
+
+    def _slice_momentum(self, live: list[FlatParam], views: list[tuple[Tensor, Tensor | None] | None],
+                        sums: dict[int, Tensor]) -> dict[int, Tensor]:
+        """ZeRO 1-3: update the momentum of this rank's slice of every matrix of ``live`` (the rows the
+        slice touches, :attr:`_muon_slices`); returns each slice's NS input (flat, the slice's elements)
+        and puts the rows' per-row-block sums of squares in ``sums``."""
+        flats: dict[int, Tensor] = {}
+        mine = [p for p in live if views[p.index] is not None and p.holders[self._rank].length]
+        for group, ps in self._by_group_view(mine):
+            fmt = qstate.get_format(group["state_format"])
+            opts = qstate.format_options(group)
+            grads, states, first_rows = [], [], []
+            for p in ps:
+                seg, cols = p.holders[self._rank], p.cols
+                r0, r1 = seg.start // cols, (seg.start + seg.length - 1) // cols + 1
+                at = seg.start - r0 * cols
+                g = views[p.index][1]
+                if at == 0 and seg.length == (r1 - r0) * cols and g.dtype == self._grad_dtype:
+                    rows = g.view(r1 - r0, cols)  # whole rows: the NS input replaces the gradient, as in QMuon
+                else:
+                    # A partial first / last row is kept at full width, zero outside the slice: the kernels
+                    # then key stochastic rounding by the element's index in the whole matrix and cut
+                    # quantization blocks on its grid (zeros change no absmax; their codes stay 0).
+                    rows = torch.zeros((r1 - r0, cols), dtype=self._grad_dtype, device=g.device)
+                    rows.view(-1).narrow(0, at, seg.length).copy_(g)
+                st = self._muon_slices.get(p.index)
+                if st is None:
+                    st = self._muon_slices[p.index] = qstate.init_momentum_state(fmt.name, r1 - r0, cols, opts=opts,
+                                                                                 device=g.device)
+                grads.append(rows)
+                states.append(st)
+                first_rows.append(r0)
+                flats[p.index] = rows.view(-1).narrow(0, at, seg.length)
+            inputs = pipeline.momentum_inputs(group, grads, states, [self._plans[p.index] for p in ps], first_rows)
+            for p, s in zip(ps, pipeline.update_momentum(group, inputs)):
+                sums[p.index] = s
+        return flats
+
+    def _owner_items(self, group: dict[str, Any], params: list[FlatParam], full: dict[int, Tensor],
+                     grids: dict[int, Tensor], items: list[pipeline.NSItem]) -> None:
+        """The NS items of owned matrices ``params`` of ``group``: their whole NS inputs ``full`` with
+        the sums of squares ``grids`` (ZeRO 1-3), or, at stage 0, their averaged gradients ``full``,
+        whose momentum the owner updates here (the NS input replaces the gradient)."""
+        whole = [p for p in params if p.index not in grids]
+        sums = dict(grids)
+        if whole:
+            fmt = qstate.get_format(group["state_format"])
+            opts = qstate.format_options(group)
+            grads = [full[p.index].view(p.rows, p.cols) for p in whole]
+            states = []
+            for p, g in zip(whole, grads):
+                st = self._muon_state.get(p.index)
+                if st is None or qstate.STEP not in st:
+                    st = self._muon_state[p.index] = {**(st or {}), **qstate.init_momentum_state(
+                        fmt.name, g.shape[0], g.shape[1], opts=opts, device=g.device)}
+                states.append(st)
+            inputs = pipeline.momentum_inputs(group, grads, states, [self._plans[p.index] for p in whole],
+                                              [0] * len(whole))
+            sums.update(zip((p.index for p in whole), pipeline.update_momentum(group, inputs)))
         normuon = group.get("variant", "muon") == "normuon"
         settings = pipeline.ns_settings(group, self._device)
-        for p, plan, g2, s, st in zip(params, plans, inputs.grads2d, sums, states):
+        for p in params:
+            plan = self._plans[p.index]
             moments = None
-            if normuon:  # NorMuon's second moment of the layer's rows, beside the momentum on the owner
+            if normuon:  # NorMuon's second moment of the layer's rows, on the owner
+                st = self._muon_state.setdefault(p.index, {})
                 v = st.get(NORMUON_STATE)
                 if v is None:
-                    v = st[NORMUON_STATE] = torch.zeros(row_moment_shape(plan), dtype=torch.float32, device=g2.device)
+                    v = st[NORMUON_STATE] = torch.zeros(row_moment_shape(plan), dtype=torch.float32, device=self._device)
                 b2 = float(group["normuon_beta2"])
                 moments = [RowMoment(part_row_moment(v, plan, part), b2) for part in plan.parts]
-            items.extend(pipeline.local_items(plan, g2, s, group, settings, self._capture(p), moments))
+            items.extend(pipeline.local_items(plan, full[p.index].view(p.rows, p.cols), sums[p.index], group, settings,
+                                              self._capture(p), moments))
 
     def _capture(self, info: FlatParam) -> Any:
         """The NS items' ``apply`` for an owned matrix: keep each part's NS output for the return trip."""
@@ -322,12 +402,22 @@ class FlatOwnerStep(Optimizer):
                               decay=1.0 - lr * wd, cautious=cautious, bf16_update=rule, state=st or None,
                               rng=(seed, p.index, step, seg.start + at + c0) if stochastic else None)
 
+    def _step_state(self, info: FlatParam) -> dict[str, Tensor] | None:
+        """The momentum state whose step this rank contributes to the flag all-reduce for Muon matrix
+        ``info`` (the owner's at stage 0; at ZeRO 1-3 the first rank holding a slice's), or None."""
+        if not self._sharded_momentum:
+            st = self._muon_state.get(info.index) if info.owner == self._rank else None
+        else:
+            first = next((r for r, seg in enumerate(info.holders) if seg is not None and seg.length), None)
+            st = self._muon_slices.get(info.index) if first == self._rank else None
+        return st if st is not None and qstate.STEP in st else None
+
     def _finite_params(self, params: list[FlatParam], views: list[tuple[Tensor, Tensor | None] | None]) -> set[int]:
         """Indices of parameters (of ``params``) whose averaged gradient is finite on every rank (one
         all-reduce of a flag per parameter); raises on every rank for a bad gradient in a
         ``nonfinite="raise"`` group before this call changes anything. The same all-reduce carries each
-        Muon matrix's momentum step from its owner, so ``self._muon_step`` (the step every rank holding a
-        slice keys its bf16 stochastic rounding by) costs no collective of its own."""
+        Muon matrix's momentum step (:meth:`_step_state`), so ``self._muon_step`` (the step every rank
+        holding a slice keys its bf16 stochastic rounding by) costs no collective of its own."""
         idx, grads = [], []
         for info in params:
             v = views[info.index]
@@ -341,10 +431,9 @@ class FlatOwnerStep(Optimizer):
         # with it: single-process QMuon keys a bf16 weight's stochastic rounding by that step).
         steps = torch.zeros_like(bad)
         for info in params:
-            if info.muon and info.owner == self._rank:
-                st = self._muon_state.get(info.index)
-                if st and "step" in st:
-                    steps[info.index] = st["step"]  # a tensor copy: no host sync per matrix
+            st = self._step_state(info) if info.muon else None
+            if st is not None:
+                steps[info.index] = st["step"]  # a tensor copy: no host sync per matrix
         if grads:
             flags = torch.tensor([0.0 if ok else 1.0 for ok in pipeline.finite_flags(grads)], dtype=bad.dtype,
                                  device=self._device)
@@ -383,106 +472,6 @@ class FlatOwnerStep(Optimizer):
                     else:
                         p.grad.zero_()
 
-    # ------------------------------------------------------------------ state
-    def _slice_state_dict(self) -> dict[str, Any]:
-        """This rank's state: the momentum of the Muon matrices it owns (``"muon"``: index -> QMuon's
-        state entry), the AdamW state of the pieces of its slices, the weight-correction codes of its
-        bf16 Muon slices."""
-        return {"muon": {i: dict(st) for i, st in self._muon_state.items()},
-                "adamw_slices": {i: {"pieces": [list(x) for x in self._pieces[i]], "state": [dict(st) for st in sts]}
-                                 for i, sts in self._slice_state.items()},
-                "weight_slices": {i: dict(st) for i, st in self._weight_state.items() if st}}
-
-    def _load_muon_state(self, saved: dict[Any, Any], saved_groups: list[dict[str, Any]]) -> dict[int, dict[str, Tensor]]:
-        """The owned matrices' momentum entries of ``saved`` (another owner's are skipped: at stage 0
-        rank 0's file holds all of them), validated and converted to this run's formats as
-        ``QMuon.load_state_dict`` does; nothing is changed here."""
-        out: dict[int, dict[str, Tensor]] = {}
-        checked: set[int] = set()
-        for key, src in saved.items():
-            index = int(key)
-            info = self._params[index] if 0 <= index < len(self._params) else None
-            if info is None or not info.muon:
-                raise ValueError(f"the checkpoint holds momentum for parameter {index}, which is not a Muon matrix of "
-                                 "this run: the model or the optimizer's parameter groups changed since it was saved")
-            if info.owner != self._rank:
-                continue
-            cur = param_group_view(self._all_groups[info.group], info.pos)
-            sg = saved_groups[info.group] if info.group < len(saved_groups) else {}
-            sview = param_group_view(sg, info.pos) if sg else cur
-            where = f"Muon parameter {index} (shape {tuple(info.shape)})"
-            if info.group not in checked and "state_format" in sg:  # QMuon.load_state_dict's one resume check
-                check_resume({**cur, **sview}, cur, where=f"param group {info.group}", allow_format_change=True)
-                checked.add(info.group)
-            st = qstate.convert_state(src, sview, cur, info.shape, where)
-            if NORMUON_STATE in st:
-                if cur.get("variant", "muon") != "normuon":
-                    del st[NORMUON_STATE]  # resumed as plain Muon: the second moment is unused
-                else:
-                    check_row_moment(st[NORMUON_STATE], self._plans[index], info.shape[0], where)
-            out[index] = {k: (v.detach().to("cpu", copy=True) if k == qstate.STEP else v.to(self._device, copy=True))
-                          if isinstance(v, Tensor) else v for k, v in st.items()}
-        return out
-
-    def _load_slice_state(self, saved: dict[str, Any], saved_groups: list[dict[str, Any]]) -> None:
-        """Load what :meth:`_slice_state_dict` wrote for this rank's layout (checked by the caller),
-        converting momentum and AdamW pieces to this run's formats; ``saved_groups``: the saved group
-        options. Everything is built and checked before anything changes."""
-        muon = self._load_muon_state(saved["muon"], saved_groups)
-        saved_rule = {gi: (saved_groups[gi].get("bf16_update") if gi < len(saved_groups) else None)
-                      for gi in range(len(self._all_groups))}
-
-        def rule(info: FlatParam) -> str:  # this run's, validated as single-process QMuon does
-            return self._all_groups[info.group].get("bf16_update", "nearest")
-
-        slices = saved["adamw_slices"]
-        slice_state: dict[int, list[dict[str, Tensor]]] = {}
-        for index, pieces in self._pieces.items():
-            info = self._params[index]
-            where = f"AdamW parameter {index} (shape {tuple(info.shape)}), rank {self._rank}'s slice"
-            family = self._all_groups[info.group]["state_format"]
-            mine = slices.get(index)
-            if mine is None:
-                continue  # no step taken before the save
-            if [list(x) for x in mine["pieces"]] != [list(x) for x in pieces]:
-                raise ValueError(f"{where}: the checkpoint cuts the slice into pieces {mine['pieces']}, this "
-                                 f"run into {[list(x) for x in pieces]}; the partition layout changed")
-            slice_state[index] = [
-                {k: v.to(device=self._device, copy=True) if isinstance(v, Tensor) and k != "step" else
-                 (v.clone() if isinstance(v, Tensor) else v)
-                 for k, v in qadamw.convert_adamw_state(src, family, info.shape, (r, w), where).items()}
-                for src, (_, r, w) in zip(mine["state"], pieces)]
-            data = self._views(info)[0]
-            for (off, r, w), st in zip(pieces, slice_state[index]):
-                weight_apply.check_loaded_weight_state(data.narrow(0, off, r * w).view(r, w), st, rule(info),
-                                                       saved_rule[info.group], f"{where}, piece at {off}")
-        if set(slices) - set(self._pieces):
-            raise ValueError(f"the checkpoint holds AdamW state for parameters {sorted(set(slices) - set(self._pieces))}, "
-                             f"of which rank {self._rank} holds no AdamW slice; the partition layout changed")
-        weight_state: dict[int, dict[str, Tensor]] = {}
-        for index, st in saved["weight_slices"].items():
-            info = self._params[int(index)]
-            if not info.muon or info.holders[self._rank] is None:
-                raise ValueError(f"the checkpoint holds weight-correction codes for parameter {index}, of which this "
-                                 "run's rank holds no Muon slice; the partition layout changed")
-            weight_state[info.index] = {k: v.to(device=self._device, copy=True) for k, v in st.items()}
-        for info in self._params:
-            v = self._views(info) if info.muon else None
-            if v is not None:
-                weight_apply.check_loaded_weight_state(
-                    v[0], weight_state.get(info.index, {}), rule(info), saved_rule[info.group],
-                    f"Muon parameter {info.index} (shape {tuple(info.shape)}), rank {self._rank}'s slice")
-        # Nothing above changed the optimizer; from here on nothing can fail.
-        self._muon_state, self._slice_state, self._weight_state = muon, slice_state, weight_state
-        for g, saved_group in zip(self._all_groups, saved_groups):
-            if g.get("ns_dtype") == "auto" and saved_group.get("ns_dtype") in ("bf16", "fp32"):
-                g["ns_dtype"] = saved_group["ns_dtype"]  # what "auto" chose when the run started (record_auto_choices)
-            for k, v in saved_group.items():
-                # structural keys stay this run's, as in QMuon.load_state_dict (the state was converted to
-                # this run's formats above; a changed bf16_update creates / drops codes at the next step)
-                if k not in ("params", "param_names", *STRUCTURAL_KEYS):
-                    g[k] = v
-
     # ------------------------------------------------------------------ introspection
     @property
     def owners(self) -> list[int]:
@@ -490,14 +479,18 @@ class FlatOwnerStep(Optimizer):
         return [p.owner for p in self._params if p.muon] if self._exchange is not None else []
 
     def muon_state(self, index: int) -> dict[str, Tensor] | None:
-        """The momentum state (QMuon's entry: codes, scales, ``step``, NorMuon's second moment) of Muon
-        parameter ``index`` when this rank owns it and it has stepped, else None."""
-        return self._muon_state.get(index)
+        """The momentum state (QMuon's entry: codes, scales, ``step``) of this rank's part of Muon
+        parameter ``index``: at ZeRO 1-3 the rows its slice touches (full width; rows
+        ``holders[rank].start // cols`` on), at stage 0 the whole matrix on its owner; None when it
+        keeps none or the matrix has not stepped. NorMuon's second moment is in the owner's entry."""
+        st = self._muon_slices.get(index) if self._sharded_momentum else self._muon_state.get(index)
+        return st if st and qstate.STEP in st else None
 
     def state_nbytes(self, muon_only: bool = True) -> int:
-        """Bytes of optimizer state on this rank (Muon momentum of owned matrices by default; with
+        """Bytes of optimizer state on this rank (Muon momentum of its slices, or at stage 0 of its owned
+        matrices, and NorMuon's moments of its owned matrices by default; with
         ``muon_only=False`` also the AdamW state of its slices, quantized pieces included)."""
-        total = sum(qstate.state_nbytes(st) for st in self._muon_state.values())
+        total = sum(qstate.state_nbytes(st) for d in (self._muon_state, self._muon_slices) for st in d.values())
         if not muon_only:
             total += sum(qstate.state_nbytes(st) for sts in self._slice_state.values() for st in sts)
             total += sum(qstate.state_nbytes(st) for st in self._weight_state.values())

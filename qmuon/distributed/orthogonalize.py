@@ -94,7 +94,7 @@ from ..core.plan import ParamPlan
 from ..core.variants import RowMoment, part_row_moment
 from ..quant import state as qstate
 from ..quant.layout import check_sharded_param, row_layout, shard_state
-from .carrier import Carrier, get_carrier
+from .carrier import Carrier, forward_carrier, get_carrier
 from .mesh import ShardMesh
 from .plan import ShardItem, comm_figures, merge_comm_stats, ns_cost, plan_owners, plan_replica_owners
 from .tensor_parallel import TensorParallelWorld, check_tensor_parallel_param, fit_blocks_to_shards, \
@@ -162,7 +162,7 @@ class ShardedStep:
         self.world = sm.shard_size
         self.rank = sm.shard_rank
         self.replicas, self.replica = sm.replicas, sm.replica
-        comm_carrier = "int8" if comm_carrier == "auto" else comm_carrier  # the NS input's rounding is transient
+        comm_carrier = forward_carrier(comm_carrier)
         get_carrier(comm_carrier), get_carrier(comm_return)  # raise for an unknown carrier
         #: Nothing crosses a process boundary (one rank, no replicas: FSDP2 on one device): the
         #: carriers are then lossless, so the step is plain QMuon's (the forward one follows each

@@ -1,6 +1,6 @@
 """Resuming a DeepSpeed checkpoint: the process count it was saved with, checked before loading.
 
-QMuon's momentum lives per owner rank (the matrices dealt to it) and ZeRO's partitions are cut for
+QMuon's momentum lives per rank (the rows of its slices) and ZeRO's partitions are cut for
 one process count, so a checkpoint resumes only on the world size that wrote it. DeepSpeed's own
 check (``ZeRORuntimeException``) names both sizes but no way out; :func:`load_checkpoint` raises
 :class:`CheckpointWorldSizeError` before anything is loaded, naming both sizes and the fixes.
@@ -61,8 +61,8 @@ def check_resume(load_dir: str | os.PathLike, tag: str | None, world_size: int) 
     where = _tag_dir(load_dir, tag)
     raise CheckpointWorldSizeError(
         f"the DeepSpeed checkpoint {where} was saved by {saved} data-parallel process(es); this run has {world_size}. "
-        f"QMuon keeps each Muon matrix's quantized momentum on the rank it was dealt to, and ZeRO cuts its partitions "
-        f"for one process count, so the optimizer state resumes only on {saved} process(es). Fix: relaunch with "
+        "QMuon keeps the quantized momentum of each rank's slices of a Muon matrix on that rank, and ZeRO cuts its "
+        f"partitions for one process count, so the optimizer state resumes only on {saved} process(es). Fix: relaunch with "
         f"{saved} processes (deepspeed --num_gpus {saved} / torchrun --nproc_per_node {saved}); or keep the weights "
         "only: convert them with DeepSpeed's zero_to_fp32.py (deepspeed.utils.zero_to_fp32."
         "get_fp32_state_dict_from_zero_checkpoint), load them into the model before deepspeed.initialize and start "

@@ -13,10 +13,11 @@ from torch import Tensor
 
 __all__: list[str] = []
 
-#: Version of the layout written by :meth:`WholeMatrixZeroOptimizer.state_dict` (the owned matrices'
-#: momentum under ``"muon"``; AdamW moments of flat slices, per piece, under ``"adamw_slices"``; the
-#: weight-correction state of bf16 Muon slices under ``"weight_slices"``); only this version loads.
-STATE_VERSION = 4
+#: Version of the layout written by :meth:`WholeMatrixZeroOptimizer.state_dict` (the momentum of the rows
+#: of each Muon slice under ``"muon_slices"``, what owners keep under ``"muon"``; AdamW moments of flat
+#: slices, per piece, under ``"adamw_slices"``; the weight-correction state of bf16 Muon slices under
+#: ``"weight_slices"``); only this version loads.
+STATE_VERSION = 5
 _KEY = "qmuon_deepspeed"
 #: The wrapper's modes, as the ZeRO stages users know them (error messages).
 MODE_NAMES = {"direct": "ZeRO stage 0", "partitioned": "ZeRO stage 1/2", "zero3": "ZeRO stage 3", None: "no engine"}
@@ -33,8 +34,9 @@ class ZeroStateMixin:
                 for p in self._params]
 
     def state_dict(self) -> dict[str, Any]:
-        """This rank's state: the quantized momentum of the Muon matrices it owns and the AdamW state of
-        its slices, as plain tensors, plus the layout they belong to.
+        """This rank's state: the quantized momentum of its Muon slices' rows (stage 0: of the Muon
+        matrices it owns) and the AdamW state of its slices, as plain tensors, plus the layout they
+        belong to.
 
         At ZeRO stage 0 with several processes DeepSpeed saves only rank 0's optimizer state, so this
         gathers every owner's momentum to rank 0 and is a collective there (``engine.save_checkpoint``
@@ -89,7 +91,7 @@ class ZeroStateMixin:
             raise ValueError(
                 f"the checkpoint was saved with {ours['world_size']} process(es) at {MODE_NAMES[ours['mode']]}; this "
                 f"run has {self._world} at {MODE_NAMES[self._mode]}. Resume with the same number of processes and "
-                "ZeRO stage (QMuon's momentum is stored per owner rank)"
+                "ZeRO stage (QMuon's momentum is stored per rank, cut as this layout cuts the matrices)"
             )
         if list(ours["owners"]) != self.owners:
             raise ValueError("the checkpoint's matrix-to-rank assignment differs from this run's: the model or the "
