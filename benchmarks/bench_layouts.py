@@ -244,7 +244,7 @@ def main() -> None:
             muon = res[0]["muon"]
             sent = [r["sent"] / muon for r in res]
             shares = [r["share"] for r in res]
-            rows.append([name, "fp32 / bf16", f"{muon:,}", " / ".join(f"{x:.2f}" for x in sent), f"{sum(sent):.2f}",
+            rows.append([name, "auto / int8 (defaults)", f"{muon:,}", " / ".join(f"{x:.2f}" for x in sent), f"{sum(sent):.2f}",
                          " / ".join(f"{x:.3f}" for x in shares), f"{1 / 2:.3f}"])
             print(rows[-1], res[0]["mode"], res[0]["zero"], flush=True)
         for carrier in ("int8", "bf16"):  # the anchor: FSDP2 on the same stack and world size
@@ -258,13 +258,14 @@ def main() -> None:
         lines = [ZERO_SECTION, ""] + header_lines("")[2:]
         lines += ["", f"Model: the dense stack (d={args.d}, {args.layers} layers, as above) with a toy forward, trained "
                   "through the DeepSpeed engine (gloo, CPU accelerator, micro-batch 2, default buckets and "
-                  "sub-groups); int8 momentum with block_size 64; figures of the second step. Carrier: the "
-                  "wrapper sends fp32 gradient slices to each matrix's owner and the bf16 NS output back (not "
-                  "configurable). Bytes counted by wrapping torch.distributed's all-to-alls during the optimizer's "
-                  "step (ZeRO's own parameter / gradient collectives are not counted, as in the rows above); "
-                  "owners are dealt by size (largest first, to the least loaded rank), not by which rank holds a matrix's "
-                  "elements, so at ZeRO-2, where most matrices lie whole in one rank's flat partition, the owner is that "
-                  "rank only by chance; the share is of the NS cost model above. FSDP2 1-D on 2 ranks of the same stack "
+                  "sub-groups); int8 momentum with block_size 64; figures of the second step. Carriers: the "
+                  "defaults (each rank updates the momentum of its slices and sends their fp32 NS input, "
+                  "comm_carrier='auto' under DeepSpeed, with fp32 row-block sums of squares to each matrix's owner; "
+                  "the NS output comes back in int8). Bytes counted by wrapping torch.distributed's all-to-alls during "
+                  "the optimizer's step (ZeRO's own parameter / gradient collectives are not counted, as in the rows "
+                  "above); owners are dealt by NS cost (largest first, to the least loaded rank, ties to the rank "
+                  "holding most of the matrix); the share is of the NS cost model above. FSDP2 1-D on 2 ranks of the "
+                  "same stack "
                   "(configurable carriers) for comparison.", "",
                   md_table(header, rows), ""]
         _write_section(args.out, ZERO_SECTION, lines)
