@@ -175,6 +175,33 @@ def test_registry_holds_every_role():
     assert qstate.get_format("adamw_v_int8", role="adamw_v") is qadamw.moment_formats("int8", (1000, 64))[1]
 
 
+def test_a_registered_adamw_family_is_looked_up_at_once():
+    """The family lookups read an index that register_format / unregister_format rebuild: a family
+    registered (or removed) at run time is a choice (or not) at once, with its own two formats."""
+    import copy
+    import dataclasses
+
+    m8, v8 = qadamw.moment_formats("int8", (1000, 64))
+    toy = [copy.copy(f) for f in (m8, v8)]
+    for f in toy:
+        f.family = "toy8"
+        f.spec = dataclasses.replace(f.spec, name=f"{f.spec.name}_toy8")
+    assert qadamw._pair("toy8") is None
+    with pytest.raises(ValueError, match="toy8"):
+        qadamw.check_adamw_state_format("toy8", "test")
+    for f in toy:
+        qstate.register_format(f)
+    try:
+        assert qadamw.moment_formats("toy8", (1000, 64)) == tuple(toy)
+        assert "toy8" in qadamw.adamw_state_families()
+        assert qadamw.moment_formats("toy8", (10,))[0] is qadamw.moment_formats("fp32", (10,))[0]  # small: fp32
+    finally:
+        for f in toy:
+            qstate.unregister_format(f.name)
+    assert qadamw._pair("toy8") is None and qadamw._pair(["unhashable"]) is None
+    assert qstate.weight_state_keys() == frozenset(qstate.FORMATS["ecc8"].spec.keys)
+
+
 # ----------------------------------------------------------------------------- non-finite gradients
 @pytest.mark.parametrize("family", ["fp32", "int8"])
 def test_nan_gradient_never_reaches_adamw_state(family):

@@ -31,7 +31,7 @@ from .. import ops  # noqa: F401  (registers torch.ops.qmuon)
 from ..ops import _library_adamw
 from ..ops import reference_adamw as _refa
 from .formats.base import STEP, FormatOptions, StateFormat, StateFormatError
-from .registry import FORMATS
+from .registry import FORMATS, family_format
 
 __all__ = [
     "DEFAULT_ADAMW_STATE_FORMAT",
@@ -70,13 +70,7 @@ def adamw_state_families() -> tuple[str, ...]:
 
 
 def _pair(family: Any) -> tuple[StateFormat, StateFormat] | None:
-    m = v = None
-    for f in FORMATS.values():
-        if getattr(f, "family", None) == family:
-            if f.role == "adamw_m":
-                m = f
-            elif f.role == "adamw_v":
-                v = f
+    m, v = family_format(family, "adamw_m"), family_format(family, "adamw_v")
     return (m, v) if m is not None and v is not None else None
 
 
