@@ -18,7 +18,7 @@ the elementwise glue are compiled by the backend (inductor by default).
 
 Not compiled (each refused by name, with the alternative): gradient release (its steps run inside
 backward, one parameter at a time: compile the model instead), sharded parameters (FSDP2 / TP
-DTensors: their step exchanges matrices between ranks), and an update sink (DeepSpeed).
+DTensors: their step exchanges matrices between ranks).
 
 ``capture_step``: the step as one CUDA graph, replayed every step. It needs ``update.capturable``
 (torch.optim's convention: the step counters live on the device and the step reads the learning
@@ -49,10 +49,6 @@ def _refuse(optimizer: QMuon) -> None:
             "backward by hooks, one at a time, so there is no single step to compile. Compile the model "
             "(torch.compile(model)) and keep release, or build the optimizer without gradient_release to compile "
             "its step")
-    if optimizer.update_sink is not None:
-        raise ConfigError(
-            "qmuon.compile_step: this optimizer hands its updates to an update sink (the DeepSpeed driver), which "
-            "runs outside the step; use the DeepSpeed engine's own step")
     sharded = [p for g in optimizer.param_groups for p in g["params"] if pipeline.is_dtensor(p)]
     if sharded:
         raise ConfigError(
@@ -69,7 +65,7 @@ def compile_step(optimizer: QMuon, **compile_kwargs: Any) -> Callable[..., Any]:
     ``compile_kwargs`` go to :func:`torch.compile` (``fullgraph=True`` unless given; ``backend``,
     ``mode``, ``dynamic``, ...). The optimizer keeps working eagerly beside it (``opt.step()``,
     ``state_dict()``, checkpoints). Raises :class:`~qmuon.ConfigError` for what cannot be compiled
-    (gradient release, sharded parameters, an update sink), before anything is compiled.
+    (gradient release, sharded parameters), before anything is compiled.
     """
     if not isinstance(optimizer, QMuon):
         raise TypeError(f"qmuon.compile_step takes a QMuon, got {type(optimizer).__name__}")
@@ -205,8 +201,8 @@ def capture_step(optimizer: QMuon, *, warmup_steps: int = 3, pool: Any = None) -
     on a side stream; the next captures and runs the step; the rest replay it. ``pool``: a graph
     memory pool to share with other graphs (``torch.cuda.graph_pool_handle()``). Raises
     :class:`~qmuon.ConfigError` before anything is captured for what cannot be: a non-capturable
-    optimizer, CPU parameters (use :func:`compile_step`), gradient release, sharded parameters, an
-    update sink, stochastic rounding of the quantized state.
+    optimizer, CPU parameters (use :func:`compile_step`), gradient release, sharded parameters,
+    stochastic rounding of the quantized state.
     """
     if not isinstance(optimizer, QMuon):
         raise TypeError(f"qmuon.capture_step takes a QMuon, got {type(optimizer).__name__}")

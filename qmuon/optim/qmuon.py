@@ -35,7 +35,7 @@ from ..core.config import (
 )
 from ..core.newton_schulz import MUON_COEFFICIENTS
 from ..core.pipeline import NSItem, is_dtensor, local
-from ..core.plan import MatrixPart, ParamPlan, plan_param
+from ..core.plan import ParamPlan, plan_param
 from .groups import QMuonGroupsMixin
 from .nonfinite import NonFiniteGradientError, NonFiniteLedger, QMuonNonFiniteMixin, StepSkips
 from .qmuon_state import FORMAT_VERSION, QMuonStateMixin
@@ -49,10 +49,6 @@ log = logging.getLogger(__name__)
 DEFAULT_NS_COEFFICIENTS = MUON_COEFFICIENTS
 
 
-#: ``QMuon.update_sink(param, part, out)``: receives a Muon update instead of it being applied.
-UpdateSink = Callable[[Tensor, MatrixPart, Tensor], None]
-
-
 #: Attributes a copy does not take (caches rebuilt by ``_reset_caches``; torch's hook tables and
 #: profiling name are recreated empty by ``Optimizer.__setstate__``).
 _NOT_COPIED = ("_plans", "_sharded", "_index", "_layout_fresh", "_batch_sizes", "_lr_follow_seen",
@@ -64,11 +60,6 @@ COPY_RELEASE_ERROR = (
     "torch.save of the optimizer object) could not step. Save optimizer.state_dict() with the model's state_dict "
     "and load it into an optimizer built the same way (build_optimizer(copied_model, ..., gradient_release=True)); "
     "or detach release first (optimizer.gradient_release.detach()) to copy the optimizer without it"
-)
-COPY_SINK_ERROR = (
-    "QMuon: this optimizer hands its Muon updates to an update sink (DeepSpeed's WholeMatrixZeroOptimizer applies "
-    "them to the ranks holding the slices), which a copy cannot take along. Save optimizer.state_dict() and load it "
-    "into an optimizer wrapped the same way"
 )
 
 
@@ -148,10 +139,6 @@ class QMuon(QMuonGroupsMixin, QMuonStateMixin, QMuonUpdatesMixin, QMuonNonFinite
         self.max_nonfinite_skips = config.safety.max_nonfinite_skips
         #: The non-finite skips, decided on the device and read one step late (:mod:`.nonfinite`).
         self._nonfinite = NonFiniteLedger(self._key_label, self._max_skips)
-        #: When set, Muon updates of plain (non-sharded) parameters are handed to it instead of
-        #: being applied (weight decay is still applied): a driver that applies them elsewhere (the
-        #: DeepSpeed integration sends them to the ranks holding the parameter's slices).
-        self.update_sink: UpdateSink | None = None
         self._adamw_defaults = config.adamw_group_defaults()
         self._reset_caches()
         self._step_comm: list[dict[str, float]] = []
@@ -200,11 +187,9 @@ class QMuon(QMuonGroupsMixin, QMuonStateMixin, QMuonUpdatesMixin, QMuonNonFinite
         counters, routing), for ``copy.deepcopy`` and pickle; ``torch.optim.Optimizer`` keeps only
         ``defaults`` / ``state`` / ``param_groups``, which left a copy that failed on its first
         step. Caches keyed by parameter identities are rebuilt; hooks are not copied (as in torch).
-        An optimizer whose updates run outside it (gradient release, an update sink) refuses."""
+        An optimizer whose updates run outside it (gradient release) refuses."""
         if self.__dict__.get("gradient_release") is not None:
             raise RuntimeError(COPY_RELEASE_ERROR)
-        if self.__dict__.get("update_sink") is not None:
-            raise RuntimeError(COPY_SINK_ERROR)
         return {k: v for k, v in self.__dict__.items() if k not in _NOT_COPIED and not k.startswith("_optimizer_")}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -213,7 +198,7 @@ class QMuon(QMuonGroupsMixin, QMuonStateMixin, QMuonUpdatesMixin, QMuonNonFinite
         if "defaults" in state and not had_differentiable:
             self.defaults.pop("differentiable", None)  # torch adds it; a copy keeps the original's groups
         self._reset_caches()
-        for k, v in (("gradient_release", None), ("update_sink", None), ("router", None), ("qk_clip", None),
+        for k, v in (("gradient_release", None), ("router", None), ("qk_clip", None),
                      ("_constructed", True),
                      ("_routed_shapes", [])):
             self.__dict__.setdefault(k, v)
@@ -393,8 +378,8 @@ class QMuon(QMuonGroupsMixin, QMuonStateMixin, QMuonUpdatesMixin, QMuonNonFinite
         (:func:`~qmuon.core.pipeline.finite_mask`); the kernels read those flags and leave a flagged
         parameter and its state untouched, and the host reads them one step late
         (:mod:`.nonfinite`). Two cases read them now instead: a group with ``nonfinite="raise"``
-        (it must raise before anything changes), and sharded steps and update sinks, whose ranks
-        agree on the skipped parameters and leave them out."""
+        (it must raise before anything changes), and sharded steps, whose ranks agree on the
+        skipped parameters and leave them out."""
         where: list[tuple[int, int]] = []
         grads: list[Tensor] = []
         for gi, i in keys:
@@ -408,7 +393,7 @@ class QMuon(QMuonGroupsMixin, QMuonStateMixin, QMuonUpdatesMixin, QMuonNonFinite
         out: list[list[int]] = [[] for _ in self.param_groups]
         if not grads:
             return out, StepSkips()
-        if sharded is not None or self.update_sink is not None:
+        if sharded is not None:
             finite = pipeline.finite_flags(grads)
             if sharded is not None:  # one all-reduce: every rank skips / updates the same sharded parameters
                 where, finite = sharded.agree_on_updates(where, finite, keys)

@@ -1,5 +1,5 @@
 """QMuon's per-group updates: a Muon group's momentum through its state format and the Newton-Schulz
-items it queues (for a plain parameter, a sharded one or an update sink; NorMuon's row moment), AdamW for
+items it queues (for a plain parameter or a sharded one; NorMuon's row moment), AdamW for
 the ``use_muon=False`` groups, and the device copies of the learning rates that a capturable step reads
 (``update.capturable``). A mixin of :class:`~qmuon.QMuon`, whose ``step_params`` decides which parameters
 update and calls these group by group; split out of ``qmuon.py`` along that seam.
@@ -8,7 +8,7 @@ update and calls these group by group; split out of ``qmuon.py`` along that seam
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -18,7 +18,7 @@ from ..core import adamw as core_adamw
 from ..core import pipeline
 from ..core.config import ConfigError, FORMAT_OVERRIDES, param_group_view
 from ..core.pipeline import NSItem, is_dtensor, local
-from ..core.plan import MatrixPart, ParamPlan
+from ..core.plan import ParamPlan
 from ..core.variants import NORMUON_STATE, RowMoment, part_row_moment, row_moment_shape
 from ..quant import state as qstate
 from ..quant.layout import global_row_offset, shard_state
@@ -29,7 +29,7 @@ __all__: list[str] = []
 
 class QMuonUpdatesMixin:
     """The per-group update methods of :class:`~qmuon.QMuon` (``self`` is the optimizer: ``param_groups``,
-    ``state``, ``capturable``, ``update_sink``, ``_group_plans``, ``_sharded``)."""
+    ``state``, ``capturable``, ``_group_plans``, ``_sharded``)."""
 
     # ------------------------------------------------------------------ per-group updates
     def _muon_group_step(self, gi: int, idx: list[int], items: list[NSItem], sharded: Any, skips: StepSkips) -> None:
@@ -101,14 +101,7 @@ class QMuonUpdatesMixin:
             if is_dtensor(p):
                 sharded.add(p, plan, p_local, g2, sums, group, settings, write, v)  # whole-matrix NS across ranks
                 continue
-            if self.update_sink is not None:
-                # The driver applies the update elsewhere (DeepSpeed: to its fp32 master slices,
-                # through core.apply there, and it zeroes this group's weight_decay to decay them itself).
-                if decay != 1.0:
-                    p_local.mul_(decay)
-                apply = self._sink_for(p)
-            else:
-                apply = pipeline.apply_to(p, lr, decay=decay, cautious=cautious, skip=skip, **write.rounding)
+            apply = pipeline.apply_to(p, lr, decay=decay, cautious=cautious, skip=skip, **write.rounding)
             moments = None
             if v is not None:
                 b2 = float(group["normuon_beta2"])
@@ -133,11 +126,6 @@ class QMuonUpdatesMixin:
             else:
                 st[NORMUON_STATE] = v
         return v
-
-    def _sink_for(self, p: Tensor) -> Callable[[MatrixPart, Tensor], None]:
-        sink = self.update_sink
-        assert sink is not None
-        return lambda part, out: sink(p, part, out)
 
     def _adamw_step(self, gi: int, group: dict[str, Any], idx: list[int], skips: StepSkips) -> None:
         """AdamW for parameters ``idx`` of group ``gi``: one parameter at a time, in bounded row blocks
@@ -194,9 +182,6 @@ class QMuonUpdatesMixin:
             raise ConfigError(
                 "QMuon: update.capturable=True with sharded (DTensor) parameters: their step exchanges matrices between "
                 "ranks with collectives decided on the host. Use capturable=False for FSDP2 / HSDP / TP")
-        if self.update_sink is not None:
-            raise ConfigError("QMuon: update.capturable=True with an update sink (the DeepSpeed driver), which applies "
-                              "updates outside the step; use capturable=False under DeepSpeed")
         for gi, group in enumerate(self.param_groups):
             if group.get("rounding", "nearest") != "nearest":
                 raise ConfigError(
