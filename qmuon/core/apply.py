@@ -175,7 +175,7 @@ def sync_weight_state(param: Tensor, state: dict[str, Any], bf16_update: str) ->
     for k in qstate.weight_state_keys() - want:
         if state.pop(k, None) is not None:
             log.info("bf16_update=%r: dropped the %s state of a parameter", bf16_update, k)
-    if want <= set(state):
+    if all(k in state for k in want):  # not set(state): a set of every state key, per parameter and step
         return {}
     new = {k: v for k, v in weight_state_init(param, bf16_update).items() if k not in state}
     state.update(new)
