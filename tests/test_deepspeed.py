@@ -108,6 +108,9 @@ NS_OPTION_RUNS = {
     # NorMuon's second moment lives with the owner's whole-matrix state; cautious decay reads the
     # returned update on each slice holder (Muon) and the AdamW slices.
     "normuon_cautious": (2, {"update": {"variant": "normuon", "cautious_weight_decay": True}}),
+    # grasp4 is not row-local (its factors span the whole matrix): at ZeRO 1-3 the gradient travels and
+    # the owner keeps the whole momentum, as at stage 0.
+    "grasp4": (2, {"state_format": "grasp4"}),
 }
 
 
@@ -711,7 +714,7 @@ def _state(opt) -> dict:
             t = {k: v.detach().clone() if torch.is_tensor(v) else v for k, v in st.items()}
             t["momentum_fp32"] = dequantize_momentum(st, opts=format_options(opt._all_groups[info.group]),
                                                      cols=info.cols)
-            if opt._sharded_momentum:
+            if opt._sliced(info.index):
                 rows[info.index] = info.holders[opt._rank].start // info.cols
             muon[info.index] = t
         elif opt._slice_state.get(info.index):
@@ -752,7 +755,8 @@ def worker(out_dir: str) -> None:
     for key, (stage, ns) in NS_OPTION_RUNS.items():
         engine, opt = _engine(stage, **ns)
         res[key] = {**_stage_run(engine, opt, rank),
-                    "ns_options": [{s: {f: g[GROUP_KEYS[f"{s}.{f}"]] for f in fields} for s, fields in ns.items()}
+                    "ns_options": [{s: {f: g[GROUP_KEYS[f"{s}.{f}"]] for f in fields} if isinstance(fields, dict)
+                                    else g[GROUP_KEYS[s]] for s, fields in ns.items()}
                                    for g in opt._all_groups if g["use_muon"]]}
         del engine, opt
     # bf16 parameters at ZeRO 2: fp32 master partitions, bf16 model weights.
@@ -935,6 +939,10 @@ def test_ns_options_match_single_process(two_process_run, reference, scenario):
         _check_params(r["params"], ref["params"][-1], f"{where}: weights after {STEPS} steps")
     _check_state([r["state"] for r in runs], r0["owner"], r0["holders"], ref["state"][-1], scenario)
     _check_ns_items([r["ns_items"] for r in runs], r0["owner"], ref["parts"], scenario)
+    if "state_format" in ns:  # a momentum format, not a Newton-Schulz option: where the momentum lives
+        for rank, r in enumerate(runs):
+            assert not r["state"]["muon_rows"], f"{scenario}: rank {rank} keeps slice momentum of a grasp4 matrix"
+        return
     if ns.get("update", {}).get("variant", "muon") == "muon":
         _assert_is_newton_schulz(r0["init"], r0["first"], ref["grads"][0], ref["index"], f"{scenario}: 2-process update")
     else:  # the second moment is on each matrix's owner (the momentum on the ranks holding its slices)

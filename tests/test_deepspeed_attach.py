@@ -21,6 +21,7 @@ import torch
 pytest.importorskip("deepspeed")
 
 import qmuon  # noqa: E402
+from qmuon.core.config import FORMAT_OVERRIDES  # noqa: E402
 from qmuon.integrations import deepspeed as qds  # noqa: E402
 from qmuon.integrations.deepspeed import layout as ds_layout  # noqa: E402
 
@@ -181,15 +182,23 @@ def test_the_sharded_steps_carriers_reach_the_exchange() -> None:
     assert (default._exchange.fwd.name, default._exchange.ret.name) == ("fp32", "int8")
 
 
-def test_a_format_that_is_not_row_local_is_refused_at_zero_1_to_3() -> None:
-    """grasp4 scales a whole matrix, so a ZeRO slice's rows cannot be updated alone: attaching to a ZeRO 1-3
-    layout raises, naming the format and the fix; ZeRO stage 0 (the owner keeps the whole momentum) runs."""
-    wrapper = qds.WholeMatrixZeroOptimizer(qmuon.build_optimizer(_model(), lr=0.02, verbose=False,
-                                                                  state_format="grasp4"))
-    wrapper._require_attached()  # one process, stage 0: fine
+def test_a_format_that_is_not_row_local_keeps_the_whole_momentum_on_the_owner() -> None:
+    """grasp4 factors a whole matrix, so a ZeRO slice's rows cannot be updated alone: at ZeRO 1-3 its
+    matrices send their gradient (no sums of squares ride with it) and the owner keeps the whole momentum,
+    while an int8 matrix beside it keeps the sliced momentum (tests/test_deepspeed.py runs grasp4 at ZeRO 2
+    against one process)."""
+    opt = qmuon.build_optimizer(_model(), lr=0.02, verbose=False, state_format="grasp4")
+    gi = next(i for i, g in enumerate(opt.param_groups) if g["use_muon"])
+    opt.param_groups[gi][FORMAT_OVERRIDES] = {0: {"state_format": "int8"}}  # one matrix row-local
+    wrapper = qds.WholeMatrixZeroOptimizer(opt)
+    wrapper._require_attached()
     wrapper._gather = True  # as if ZeRO 1-3 had cut the matrices into slices
-    with pytest.raises(NotImplementedError, match="state_format='grasp4'.*row-local format"):
-        wrapper._plan_slices()
+    wrapper._plan_slices()
+    muon = [p.index for p in wrapper._params if p.muon]
+    first = next(p.index for p in wrapper._params if p.muon and p.group == gi and p.pos == 0)
+    assert wrapper._whole_momentum == set(muon) - {first}
+    assert set(wrapper._exchange.sum_blocks) == {first}
+    assert wrapper._sliced(first) and not any(wrapper._sliced(i) for i in set(muon) - {first})
 
 
 def test_an_accelerate_plugin_with_optimizer_offload_is_refused_when_the_wrapper_is_built() -> None:

@@ -50,7 +50,7 @@ class FlatStateMixin:
                 raise ValueError(f"the checkpoint holds momentum for parameter {index}, which is not a Muon matrix of "
                                  "this run: the model or the optimizer's parameter groups changed since it was saved")
             seg = info.holders[self._rank]
-            if slices and (not self._sharded_momentum or seg is None or not seg.length):
+            if slices and (not self._sliced(index) or seg is None or not seg.length):
                 raise ValueError(f"the checkpoint holds momentum of rank {self._rank}'s slice of Muon parameter {index}, "
                                  "of which this run's rank holds none: the partition layout changed")
             if not slices and info.owner != self._rank:
@@ -65,7 +65,7 @@ class FlatStateMixin:
                     del st[NORMUON_STATE]  # resumed as plain Muon: the second moment is unused
                 else:
                     check_row_moment(st[NORMUON_STATE], self._plans[index], info.shape[0], where)
-            if slices or not self._sharded_momentum:  # momentum (ZeRO 1-3 owners keep NorMuon's moment only)
+            if slices or not self._sliced(index):  # momentum (owners of sliced matrices keep NorMuon's moment only)
                 if info.group not in checked and "state_format" in sg:  # QMuon.load_state_dict's one resume check
                     check_resume({**cur, **sview}, cur, where=f"param group {info.group}", allow_format_change=True)
                     checked.add(info.group)

@@ -100,14 +100,17 @@ class FlatOwnerStep(FlatStateMixin, Optimizer):
              for pt in plan.parts], qmuon.batch_budget)
         #: The wrapped QMuon: its lr bookkeeping (lr_follows links, lr_ratios) runs once per optimizer step.
         self._qmuon = qmuon
-        #: State kept by a matrix's owner, by index: at ZeRO stage 0 its momentum (QMuon's entry) and
-        #: NorMuon's second moment; at ZeRO 1-3 NorMuon's second moment only.
+        #: State kept by a matrix's owner, by index: its momentum (QMuon's entry) where the owner keeps
+        #: it whole (:meth:`_sliced` False), and NorMuon's second moment.
         self._muon_state: dict[int, dict[str, Tensor]] = {}
         #: ZeRO 1-3: the momentum of the rows this rank's slice of each Muon matrix touches (QMuon's
         #: entry over those rows, full width), by index.
         self._muon_slices: dict[int, dict[str, Tensor]] = {}
         #: Whether the ranks keep their slices' momentum (ZeRO 1-3); False at stage 0 (on the owner).
         self._sharded_momentum = False
+        #: ZeRO 1-3: Muon matrices whose format is not row-local (grasp4, e0m3), whose momentum the
+        #: owner keeps whole, updated from the gathered gradient as at stage 0.
+        self._whole_momentum: set[int] = set()
         self._out: dict[int, Tensor] = {}
         #: NS items (matrices or fused parts) orthogonalized in the last call, per Muon parameter index.
         self._ns_items_call: dict[int, int] = defaultdict(int)
@@ -148,7 +151,7 @@ class FlatOwnerStep(FlatStateMixin, Optimizer):
         (:func:`qmuon.distributed.flat.deal_owners`: Newton-Schulz cost, ties to the rank holding
         most of the matrix), set up the exchange with the sharded step's carriers
         (:class:`qmuon.distributed.flat.FlatExchange`; at ZeRO 1-3 the slices' sums of squares ride
-        with their NS input, and the momentum formats must be row-local), and cut this rank's slice of every AdamW
+        with their NS input; a matrix in a format that is not row-local sends its gradient), and cut this rank's slice of every AdamW
         parameter into pieces: on the parameter's block grid for quantized moments
         (:func:`qmuon.quant.adamw.flat_slice_pieces`), on rows for bf16 slices, whole otherwise."""
         deal_owners(self._params, self._world)
@@ -178,18 +181,16 @@ class FlatOwnerStep(FlatStateMixin, Optimizer):
         self._exchange = FlatExchange(self._group, self._world, self._rank,
                                       forward_carrier(fwd, "bf16" if rounded else "fp32"), ret)
         self._sharded_momentum = self._gather
+        self._whole_momentum = set()
         if self._sharded_momentum:  # the sums of squares of each slice's NS input rows ride with it
             for info in self._params:
                 if info.muon:
                     view = param_group_view(self._all_groups[info.group], info.pos)
-                    fmt = qstate.get_format(view["state_format"])
-                    if not fmt.row_local:
-                        # grasp4 / e0m3 scale a whole matrix: a slice's rows cannot be updated alone
-                        raise NotImplementedError(
-                            f"state_format={fmt.name!r} (Muon parameter {info.index}, shape {tuple(info.shape)}) is not "
-                            "row-local: its scale spans the whole matrix, and under ZeRO 1-3 every rank updates the "
-                            "momentum of its own slice of a matrix. Use a row-local format (int8, int4, bf16, fp32) "
-                            "under DeepSpeed ZeRO 1-3, or ZeRO stage 0 / FSDP2 (qmuon_fsdp) for this format")
+                    if not qstate.get_format(view["state_format"]).row_local:
+                        # grasp4 / e0m3 scale (and factor) a whole matrix, so a slice's rows cannot be updated
+                        # alone: the gradient travels and the owner keeps the whole momentum
+                        self._whole_momentum.add(info.index)
+                        continue
                     self._exchange.sum_blocks[info.index] = qstate.format_options(view).block_size
 
     def _views(self, info: FlatParam) -> tuple[Tensor, Tensor | None] | None:
@@ -222,7 +223,10 @@ class FlatOwnerStep(FlatStateMixin, Optimizer):
         grids: dict[int, Tensor] = {}
         if self._gather and has_muon:
             sums: dict[int, Tensor] = {}
-            flats = self._slice_momentum(muon_live, views, sums)
+            flats = self._slice_momentum([p for p in muon_live if self._sliced(p.index)], views, sums)
+            for p in muon_live:  # formats that are not row-local: the averaged gradient goes to the owner
+                if not self._sliced(p.index) and views[p.index] is not None and p.holders[self._rank].length:
+                    flats[p.index] = views[p.index][1].to(self._grad_dtype)
             full, grids = ex.gather(by_owner, flats, self._grad_dtype, self._device, sums)
             del flats, sums
         else:
@@ -405,7 +409,7 @@ class FlatOwnerStep(FlatStateMixin, Optimizer):
     def _step_state(self, info: FlatParam) -> dict[str, Tensor] | None:
         """The momentum state whose step this rank contributes to the flag all-reduce for Muon matrix
         ``info`` (the owner's at stage 0; at ZeRO 1-3 the first rank holding a slice's), or None."""
-        if not self._sharded_momentum:
+        if not self._sliced(info.index):
             st = self._muon_state.get(info.index) if info.owner == self._rank else None
         else:
             first = next((r for r, seg in enumerate(info.holders) if seg is not None and seg.length), None)
@@ -483,8 +487,13 @@ class FlatOwnerStep(FlatStateMixin, Optimizer):
         parameter ``index``: at ZeRO 1-3 the rows its slice touches (full width; rows
         ``holders[rank].start // cols`` on), at stage 0 the whole matrix on its owner; None when it
         keeps none or the matrix has not stepped. NorMuon's second moment is in the owner's entry."""
-        st = self._muon_slices.get(index) if self._sharded_momentum else self._muon_state.get(index)
+        st = self._muon_slices.get(index) if self._sliced(index) else self._muon_state.get(index)
         return st if st and qstate.STEP in st else None
+
+    def _sliced(self, index: int) -> bool:
+        """Whether the ranks keep the momentum of their slices of Muon matrix ``index`` (ZeRO 1-3,
+        row-local formats); else its owner keeps it whole."""
+        return self._sharded_momentum and index not in self._whole_momentum
 
     def state_nbytes(self, muon_only: bool = True) -> int:
         """Bytes of optimizer state on this rank (Muon momentum of its slices, or at stage 0 of its owned
