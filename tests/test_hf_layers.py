@@ -25,8 +25,6 @@ checkpoint bit-exact. Lightning Fabric is covered where its strategy is tested.
 from __future__ import annotations
 
 import copy
-import json
-import math
 import sys
 from pathlib import Path
 from typing import Any, Callable
@@ -403,6 +401,12 @@ DS_GPT2 = dict(d=33, heads=3, layers=3)
 # fp32 carriers: the gradient slices travel to the owner and the update back unchanged (bit-exact runs)
 DS_KW = dict(lr=LR, weight_decay=0.1, state_format="int8", state={"rounding": "stochastic"}, adamw_lr=3e-3,
              adamw_state_format="fp32", newton_schulz={"comm_carrier": "fp32", "comm_return": "fp32"}, verbose=False)
+#: GPT-2's c_attn whose row the ZeRO-2 boundary cuts, total update after DS_STEPS steps against one
+#: process, relative Frobenius error. Origin: the cut row's block is quantized per rank (within 2 int8
+#: steps of the whole block's momentum, test_deepspeed.py::test_cut_block_momentum_bound), and bf16
+#: Newton-Schulz of these small, nearly rank-deficient gradients amplifies it; the same bound as
+#: test_deepspeed_zero3.py's CUT_UPDATE_RTOL (measured there 0.9-8.9e-2); SGD or a skipped NS is >= 87% off.
+CUT_UPDATE_RTOL = 0.15
 DS_STEPS = 2
 TRAINER_FAMILIES = FAMILIES
 #: Decoder block classes (FSDP units of the Accelerate runs).
@@ -436,11 +440,15 @@ def _worker_deepspeed(rank: int) -> dict[str, Any]:
                "gradient_clipping": 0.0, "zero_optimization": {"stage": stage, "reduce_bucket_size": 500,
                                                                "allgather_bucket_size": 500}}
         engine, opt, _, _ = qds.initialize(model, qmuon.build_optimizer(model, **DS_KW), cfg)
+        first = None
         for step in range(DS_STEPS):
             x = tokens(step, rank)
             engine.backward(lm_loss(engine, x))
             engine.step()
+            if step == 0:
+                first = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
         res[f"stage{stage}"] = {
+            "first": first,
             "params": {n: p.detach().clone() for n, p in engine.module.named_parameters()},
             "holders": {opt._all_groups[p.group]["param_names"][p.pos]:
                         [None if s is None else (s.start, s.length) for s in p.holders] for p in opt._params},
@@ -648,11 +656,11 @@ def two_process_run(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, 
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
 
 
-def _ds_reference() -> dict[str, torch.Tensor]:
+def _ds_reference(steps: int = DS_STEPS) -> dict[str, torch.Tensor]:
     """Single-process QMuon on DeepSpeed's gradient (the mean of both ranks' micro-batch gradients)."""
     model = _ds_model()
     opt = qmuon.build_optimizer(model, **DS_KW)
-    for step in range(DS_STEPS):
+    for step in range(steps):
         grads = []
         for r in range(2):
             model.zero_grad(set_to_none=True)
@@ -669,16 +677,27 @@ def _ds_reference() -> dict[str, torch.Tensor]:
 def test_deepspeed_gpt2_matches_single_process(two_process_run: list[dict], stage: int) -> None:
     """ZeRO 0 / 2 on 2 processes: GPT-2's (in, out) weights and column-fused c_attn get the
     single-process QMuon update bit for bit (int8 momentum, stochastic rounding), also where the
-    ZeRO partition boundary cuts a c_attn row."""
-    want = _ds_reference()
+    ZeRO partition boundary cuts a c_attn row: there the first step is exact, and from the second on
+    the cut row's quantization block (each rank quantizes its part with its own absmax,
+    docs/deepspeed.md "Sharded momentum") moves that matrix's update within
+    :data:`CUT_UPDATE_RTOL`; every other parameter stays exact."""
+    want, want_first = _ds_reference(), _ds_reference(1)
+    init = dict(_ds_model().named_parameters())
+    holders = two_process_run[0]["deepspeed"]["stage2"]["holders"]
+    cut = set()
+    if stage == 2:
+        cut = {n for n, segs in holders.items() if segs[1] is not None and segs[1][1] and segs[0] is not None
+               and segs[0][1] and segs[1][0] % (want[n].numel() // want[n].shape[0]) % 256}  # int8's block_size
+        assert any("c_attn.weight" in n for n in cut), f"no c_attn row is cut by the partition boundary: {holders}"
     for r, res in enumerate(two_process_run):
         run = res["deepspeed"][f"stage{stage}"]
-        assert_same(run["params"], want, f"rank {r} ZeRO {stage}")
-    if stage == 2:
-        holders = two_process_run[0]["deepspeed"]["stage2"]["holders"]
-        cut = [n for n, segs in holders.items() if "c_attn.weight" in n
-               and segs[1] is not None and segs[1][0] % (3 * DS_GPT2["d"]) != 0 and segs[1][0] > 0]
-        assert cut, f"no c_attn row is cut by the partition boundary: {holders}"
+        assert_same(run["first"], want_first, f"rank {r} ZeRO {stage}, step 1")
+        assert_same({n: t for n, t in run["params"].items() if n not in cut},
+                    {n: t for n, t in want.items() if n not in cut}, f"rank {r} ZeRO {stage}")
+        for n in cut:
+            u, v = run["params"][n] - init[n].detach(), want[n] - init[n].detach()
+            err = float((u - v).norm() / v.norm())
+            assert err <= CUT_UPDATE_RTOL, f"rank {r} ZeRO {stage}: {n} (a cut block) update off by {err:.2e}"
 
 
 @pytest.mark.slow

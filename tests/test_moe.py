@@ -16,7 +16,6 @@ Newton-Schulz exchange at all (also with an uneven split: 3 experts on 2 ranks).
 
 from __future__ import annotations
 
-import copy
 import sys
 from pathlib import Path
 from typing import Any
@@ -33,7 +32,7 @@ import qmuon  # noqa: E402
 from _dist import run_workers  # noqa: E402
 from _helpers import assert_same, fabric_resume_scenario, roundtrip_state_dict  # noqa: E402
 from _dist import run_launcher, subprocess_env  # noqa: E402
-from _moe import (D, EXPERTS, INTER, LAYERS, LR, MOE_FAMILIES, compare, expert_blocks, expert_report,  # noqa: E402
+from _moe import (EXPERTS, INTER, LAYERS, LR, MOE_FAMILIES, compare, expert_report,  # noqa: E402
                   lm_loss, make_moe, tokens, torch_muon_update)
 from qmuon.optim import RoutingRule, format_routing_table, route_parameters  # noqa: E402
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import copy
 import warnings
-from typing import Callable
 
 import pytest
 import torch
