@@ -98,9 +98,11 @@ def max_logits(q: Tensor, k: Tensor, scale: float, *, causal: bool = True, mask:
 def clip_factors(max_logit: Tensor, tau: float) -> Tensor:
     """``eta_h = tau / max_logit_h`` where ``max_logit_h > tau`` (finite), else exactly 1, fp32 ``(H,)``,
     chosen on the device with ``torch.where`` (no host read, no branch)."""
-    m = max_logit.float()
-    over = (m > tau) & torch.isfinite(m)
-    return torch.where(over, tau / m, torch.ones_like(m))
+    # tau / max(m, tau): exactly 1 at or under tau. A non-finite m gives 0 (+inf) or NaN, and only
+    # those fail "> 0" (a finite m over tau gives a positive factor): they get 1. Four ops, as every
+    # forward's cap runs them.
+    eta = tau / max_logit.float().clamp(min=tau)
+    return torch.where(eta > 0, eta, 1.0)
 
 
 def cap_queries(q: Tensor, max_logit: Tensor, tau: float) -> Tensor:
