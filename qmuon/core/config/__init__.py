@@ -39,15 +39,15 @@ from typing import Any, Mapping, Optional
 
 import torch
 
-from ..quant import adamw as qadamw
-from ..quant import state as qstate
-from .apply import BF16_UPDATES, DEFAULT_BF16_UPDATE
-from ..quant.adamw import DEFAULT_ADAMW_STATE_FORMAT
-from .gram_newton_schulz import NS_METHODS
-from .newton_schulz import NS_DTYPES, resolve_schedule
-from .pipeline import DEFAULT_BATCH_BUDGET
-from .plan import ADJUST_LR_FNS, ORIENTATIONS
-from .variants import NORMUON_BETA2, VARIANTS
+from ...quant import adamw as qadamw
+from ...quant import state as qstate
+from ..apply import BF16_UPDATES, DEFAULT_BF16_UPDATE
+from ...quant.adamw import DEFAULT_ADAMW_STATE_FORMAT
+from ..gram_newton_schulz import NS_METHODS
+from ..newton_schulz import NS_DTYPES, resolve_schedule
+from ..pipeline import DEFAULT_BATCH_BUDGET
+from ..plan import ADJUST_LR_FNS, ORIENTATIONS
+from ..variants import NORMUON_BETA2, VARIANTS
 
 __all__ = [
     "QMuonConfig",
